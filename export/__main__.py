@@ -1,0 +1,68 @@
+"""python -m tlaloc_jax.export CHECKPOINT_DIR OUT_DIR [options]"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m tlaloc_jax.export",
+        description="Export a Hugging Face checkpoint (config.json + safetensors) as a serving artifact: "
+                    "tlaloc-serving.json, one StableHLO body per (kind, batch, context) entry with the KV pool "
+                    "donated, raw weight files and the tokenizer files.")
+    ap.add_argument("checkpoint", help="checkpoint directory (config.json, model.safetensors or sharded files)")
+    ap.add_argument("out", help="artifact directory to write (must be empty or absent)")
+    ap.add_argument("--batch-ladder", type=_ints, default=[1, 2, 4], help="decode batch buckets (default 1,2,4)")
+    ap.add_argument("--context-ladder", type=_ints, default=[64, 256, 1024],
+                    help="context buckets in positions, multiples of the block size (default 64,256,1024)")
+    ap.add_argument("--prefill-max-batch", type=int, default=None,
+                    help="largest batch of the prefill entries (default: the largest batch bucket; 1 = batch-1 only)")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="tokens per sequence of a prefill call (default: the entry's whole context); a runtime "
+                         "prefills longer prompts in several calls")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV page (default 16)")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="pages in the KV pool (default: room for the largest batch at the largest context)")
+    ap.add_argument("--weight-dtype", choices=["f32", "bf16"], default="f32", help="weight dtype (default f32)")
+    ap.add_argument("--kv-dtype", choices=["f32", "bf16"], default="f32", help="KV pool dtype (default f32)")
+    ap.add_argument("--attention-block", type=int, default=2048,
+                    help="key block of the blockwise attention loop, in positions (default 2048)")
+    ap.add_argument("--platform", choices=["cpu", "cuda"], default="cpu",
+                    help="platform the bodies are lowered for, one per artifact (default cpu)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+
+    from . import ExportError, export_checkpoint
+    from tlaloc_jax.checkpoint import CheckpointError
+    from tlaloc_jax.config import ConfigError
+
+    dtypes = {"f32": "float32", "bf16": "bfloat16"}
+    t0 = time.perf_counter()
+    try:
+        m = export_checkpoint(args.checkpoint, args.out, batch_ladder=args.batch_ladder,
+                              context_ladder=args.context_ladder, prefill_max_batch=args.prefill_max_batch,
+                              prefill_chunk=args.prefill_chunk, block_size=args.block_size,
+                              num_blocks=args.num_blocks, weight_dtype_name=dtypes[args.weight_dtype],
+                              kv_dtype=dtypes[args.kv_dtype], attention_block=args.attention_block,
+                              platform=args.platform, progress=not args.quiet)
+    except (ExportError, CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    wbytes = sum(w.nbytes for w in m.weights)
+    print(f"wrote {args.out}: {len(m.entries)} entries, {len(m.weights)} weights ({wbytes / 2**20:.1f} MiB), "
+          f"KV pool {m.kv_pool.num_blocks} pages of {m.kv_pool.block_size} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

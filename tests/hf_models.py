@@ -1,0 +1,75 @@
+"""Tiny random Hugging Face checkpoints, built with transformers from a fixed seed (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+            rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+
+
+def build_checkpoint(out_dir: Path, model_type: str = "llama", *, seed: int = 0, tied: bool = False,
+                     rope: dict | None = None, legacy_rope_keys: bool = False, max_shard_size: str | None = None,
+                     **overrides) -> Path:
+    """Write a seeded random checkpoint of `model_type` to out_dir (config.json + safetensors)."""
+    kw = dict(TINY, tie_word_embeddings=tied, **overrides)
+    if rope is not None:
+        kw["rope_parameters"] = rope
+    cls_cfg, cls_model = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                          "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[model_type]
+    torch.manual_seed(seed)
+    config = cls_cfg(**kw)
+    model = cls_model(config).eval()
+    # Random init leaves norms at 1; perturb every tensor so that a swapped norm or a missing step shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if max_shard_size:
+        model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    else:
+        model.save_pretrained(out_dir)
+    if legacy_rope_keys:
+        _rewrite_rope_legacy(out_dir / "config.json")
+    return out_dir
+
+
+def _rewrite_rope_legacy(path: Path) -> None:
+    """Turn transformers 5's `rope_parameters` into the older `rope_theta` + `rope_scaling` keys."""
+    import json
+    cfg = json.loads(path.read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params.pop("rope_theta")
+    if params.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = params
+    path.write_text(json.dumps(cfg, indent=2))
+
+
+def load_hf_torch(path: Path, dtype=torch.float32):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return model
+
+
+@torch.no_grad()
+def torch_greedy(model, prompt: list[int], n: int = 16) -> tuple[list[int], torch.Tensor]:
+    """Greedy ids by full recomputation each step (no KV cache), and the first step's logits (f32)."""
+    ids = torch.tensor([prompt])
+    out, first = [], None
+    for _ in range(n):
+        logits = model(ids).logits[0, -1].float()
+        if first is None:
+            first = logits
+        nxt = int(torch.argmax(logits))
+        out.append(nxt)
+        ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out, first

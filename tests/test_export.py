@@ -1,0 +1,204 @@
+"""python -m tlaloc_jax.export: the artifact, its bodies against the in-process decoder, and refusals."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export as jax_export
+from safetensors.numpy import load_file
+
+import tlaloc_jax
+from hf_models import build_checkpoint
+from tlaloc_jax import manifest as mf
+from tlaloc_jax.export import ExportError, check_custom_calls, export_checkpoint
+from tlaloc_jax.export._entries import check_body
+from tlaloc_jax.paging import PageAllocator, RowCall, build_step_inputs, pages_for
+
+LADDER = dict(batch_ladder=(1, 2), context_ladder=(32, 64), block_size=8, prefill_chunk=16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ck")
+    return {"llama": build_checkpoint(root / "llama", "llama", seed=11),
+            "qwen3-tied": build_checkpoint(root / "qwen3", "qwen3", tied=True, seed=12)}
+
+
+@pytest.fixture(scope="module")
+def artifacts(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("art")
+    return {k: (export_checkpoint(v, root / k, **LADDER), root / k) for k, v in checkpoints.items()}
+
+
+def _run_body(art: Path, entry: mf.Entry, args):
+    exp = jax_export.deserialize(bytearray((art / entry.body.replace(".mlir", ".exported")).read_bytes()))
+    return exp.call(*args)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-tied"])
+def test_bodies_match_the_in_process_decoder(name, checkpoints, artifacts):
+    m, art = artifacts[name]
+    model = tlaloc_jax.load_hf(checkpoints[name], block_size=m.kv_pool.block_size)
+    weights = [jnp.asarray(model.weights[w.slot]) for w in m.weights]
+    rng = np.random.default_rng(0)
+    for entry in m.entries:
+        alloc = PageAllocator(m.kv_pool.num_blocks)
+        rows = []
+        for b in range(entry.batch):
+            n = int(rng.integers(1, entry.tokens_per_seq + 1))
+            start = 0 if entry.kind == "prefill" else int(rng.integers(0, entry.context - 1))
+            if entry.kind == "decode":
+                n = 1
+            start = min(start, entry.context - n)
+            pages = alloc.alloc(pages_for(start + n, m.kv_pool.block_size))
+            rows.append(RowCall(rng.integers(0, m.model.vocab, n).tolist(), start, pages))
+        inputs = build_step_inputs(rows, batch=entry.batch, tokens=entry.tokens_per_seq,
+                                   width=entry.context // m.kv_pool.block_size, block_size=m.kv_pool.block_size)
+        pool = rng.standard_normal(m.kv_pool.shape).astype(np.float32)
+        want_logits, want_pools = model.step({"kv": jnp.asarray(pool)}, inputs)
+        logits, nxt, kv = _run_body(art, entry, [jnp.asarray(inputs[k]) for k in
+                                                 ("token_ids", "positions", "block_tables", "seq_lens", "slot_mapping")]
+                                    + [jnp.asarray(pool)] + weights)
+        scale = float(np.abs(want_logits).max())
+        assert np.abs(np.asarray(logits) - np.asarray(want_logits)).max() <= 1e-6 * scale, entry.name
+        np.testing.assert_array_equal(np.asarray(nxt), np.argmax(np.asarray(want_logits), -1))
+        np.testing.assert_allclose(np.asarray(kv), np.asarray(want_pools["kv"]), rtol=0, atol=1e-6)
+
+
+def test_every_donated_pool_parameter_carries_tf_aliasing_output(artifacts):
+    m, art = artifacts["llama"]
+    for e in m.entries:
+        text = (art / e.body).read_text()
+        main = re.search(r"func\.func public @main\((.*?)\)\s*->", text, re.S).group(1)
+        args = re.findall(r"%arg(\d+): tensor<[^>]*>(\s*\{[^}]*\})?", main)
+        aliased = {int(i): re.search(r"tf\.aliasing_output = (\d+)", a).group(1) for i, a in args
+                   if "tf.aliasing_output" in a}
+        assert aliased == {5: "2"}, e.name
+        assert e.donations == ((2, 5),)
+        assert e.inputs[5].role == mf.KV_POOL_IN and e.outputs[2].role == mf.KV_POOL_OUT
+
+
+def test_entries_follow_the_ladders(artifacts):
+    m, _ = artifacts["llama"]
+    names = sorted(e.name for e in m.entries)
+    assert names == sorted(f"{k}_b{b}_c{c}" for k in ("decode", "prefill") for b in (1, 2) for c in (32, 64))
+    for e in m.entries:
+        assert e.tokens_per_seq == (1 if e.kind == "decode" else 16)
+    assert m.kv_pool.num_blocks == 2 * 64 // 8     # the largest batch at the largest context
+
+
+def _hash_tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_export_is_byte_identical_twice(checkpoints, artifacts, tmp_path):
+    _, first = artifacts["qwen3-tied"]
+    export_checkpoint(checkpoints["qwen3-tied"], tmp_path / "again", **LADDER)
+    a, b = _hash_tree(first), _hash_tree(tmp_path / "again")
+    assert a == b and len(a) > 10
+
+
+def test_tied_head_has_no_head_weight_and_linears_are_in_out(checkpoints, artifacts):
+    m, art = artifacts["qwen3-tied"]
+    assert "head" not in {w.slot for w in m.weights}
+    assert "head" in {w.slot for w in artifacts["llama"][0].weights}
+    w = next(w for w in m.weights if w.slot == "layers.o_proj")
+    data = np.frombuffer((art / w.file).read_bytes(), "<f4").reshape(w.shape)
+    hf = load_file(checkpoints["qwen3-tied"] / "model.safetensors")
+    np.testing.assert_array_equal(data[2], hf["model.layers.2.self_attn.o_proj.weight"].T)
+
+
+def _broken_copy(art: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "broken"
+    shutil.copytree(art, dst)
+    return dst
+
+
+def _edit_manifest(path: Path, fn):
+    raw = json.loads((path / mf.MANIFEST_NAME).read_text())
+    fn(raw)
+    (path / mf.MANIFEST_NAME).write_text(json.dumps(raw))
+
+
+def test_manifest_refusals_name_the_fault(artifacts, tmp_path):
+    _, art = artifacts["llama"]
+    cases = [
+        (lambda r: r.update(schema="tlaloc-serving-v9"), r"unknown manifest schema version 'tlaloc-serving-v9'"),
+        (lambda r: r["kv_pool"].pop("block_size"), r"missing field manifest\.kv_pool\.block_size"),
+        (lambda r: r["entries"][0].update(body_sha256="0" * 64), r"entry 'decode_b1_c32' body .* has sha256"),
+        (lambda r: r["weights"][1].update(file="../../etc/passwd"), r"weight 'final_norm' path '\.\./\.\./etc/passwd' "
+                                                                     r"leaves the artifact directory"),
+        (lambda r: r["weights"][1].update(file="/etc/passwd"), r"weight 'final_norm' path '/etc/passwd' is not relative"),
+    ]
+    for i, (edit, message) in enumerate(cases):
+        dst = _broken_copy(art, tmp_path / str(i))
+        _edit_manifest(dst, edit)
+        with pytest.raises(mf.ManifestError, match=message):
+            mf.load_manifest(dst)
+    mf.load_manifest(art)      # control: the unedited artifact loads
+
+
+def test_wrong_weight_length_and_symlink_out_are_refused(artifacts, tmp_path):
+    _, art = artifacts["llama"]
+    dst = _broken_copy(art, tmp_path / "len")
+    m = mf.load_manifest(dst)
+    w = m.weights[0]
+    with open(dst / w.file, "ab") as f:
+        f.write(b"\0\0\0\0")
+    with pytest.raises(mf.ManifestError, match=rf"weight 'embed' file '{re.escape(w.file)}' has \d+ bytes"):
+        mf.load_manifest(dst)
+    dst = _broken_copy(art, tmp_path / "link")
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes((dst / m.weights[1].file).read_bytes())
+    (dst / m.weights[1].file).unlink()
+    os.symlink(outside, dst / m.weights[1].file)
+    with pytest.raises(mf.ManifestError, match=r"weight 'final_norm' path .* leaves the artifact directory"):
+        mf.load_manifest(dst)
+
+
+def test_custom_call_the_plugin_lacks_is_refused_by_name():
+    def solve(a, b):
+        return jax.scipy.linalg.solve_triangular(a, b, lower=True)
+    exp = jax_export.export(jax.jit(solve), platforms=["cpu"])(
+        jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((4, 2), jnp.float32))
+    with pytest.raises(ExportError, match=r"custom_call 'lapack_strsm_ffi'"):
+        check_custom_calls("solve", exp.mlir_module())
+
+
+def test_dropped_argument_is_refused_by_name():
+    def f(x, unused):
+        return x * 2
+    sigs = [mf.TensorSig(mf.TOKEN_IDS, "float32", (2,)), mf.TensorSig(mf.WEIGHT, "float32", (3,), "layers.ghost")]
+    exp = jax_export.export(jax.jit(f), platforms=["cpu"])(*(jax.ShapeDtypeStruct(s.shape, jnp.float32) for s in sigs))
+    with pytest.raises(ExportError, match=r"dropped unused inputs \['layers\.ghost'\]"):
+        check_body("f", exp, sigs, [mf.TensorSig(mf.LOGITS, "float32", (2,))])
+
+
+def test_cli_subprocess_and_help(checkpoints, tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-m", "tlaloc_jax.export", "--help"], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    for opt in ("--batch-ladder", "--context-ladder", "--prefill-max-batch", "--prefill-chunk", "--block-size",
+                "--num-blocks", "--weight-dtype", "--kv-dtype", "--attention-block"):
+        assert opt in out
+    r = subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(checkpoints["llama"]), str(tmp_path / "a"),
+                        "--batch-ladder", "1", "--context-ladder", "32", "--block-size", "8", "--weight-dtype", "bf16",
+                        "--quiet"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    m = mf.load_manifest(tmp_path / "a")
+    assert {w.dtype for w in m.weights} == {"bfloat16"} and len(m.entries) == 2
+    r = subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(tmp_path / "nope"), str(tmp_path / "b")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "no config.json" in r.stderr

@@ -1,0 +1,161 @@
+"""Reading a Hugging Face checkpoint directory into a DecoderConfig and a flat Weights dict."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from .config import ConfigError, DecoderConfig
+from .families import Family, config_from_hf
+
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing a tensor or holds one of the wrong shape; the message names it."""
+
+
+def read_config(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"no config.json in checkpoint directory {str(checkpoint_dir)!r}")
+    return json.loads(path.read_text())
+
+
+def weight_dtype(name: str) -> np.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"weight dtype {name!r} is not supported (choose from {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def slot_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """The shape each slot holds, linears [in, out]; "layers." slots are per layer (stacked: [L, ...])."""
+    E, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return {
+        "embed": (V, E), "final_norm": (E,), "head": (E, V),
+        "layers.attn_norm": (E,), "layers.q_proj": (E, H * D), "layers.k_proj": (E, K * D),
+        "layers.v_proj": (E, K * D), "layers.q_norm": (D,), "layers.k_norm": (D,), "layers.o_proj": (H * D, E),
+        "layers.mlp_norm": (E,), "layers.gate_proj": (E, F), "layers.up_proj": (E, F), "layers.down_proj": (F, E),
+    }
+
+
+class _TensorIndex:
+    """Where each tensor of a (possibly sharded) safetensors checkpoint lives; opens each file once."""
+
+    def __init__(self, checkpoint_dir: Path):
+        index = checkpoint_dir / "model.safetensors.index.json"
+        single = checkpoint_dir / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.file_of = {name: checkpoint_dir / fname for name, fname in weight_map.items()}
+        elif single.is_file():
+            with safe_open(str(single), framework="flax") as f:
+                self.file_of = {name: single for name in f.keys()}
+        else:
+            raise CheckpointError(
+                f"no model.safetensors or model.safetensors.index.json in {str(checkpoint_dir)!r}")
+        self._open: dict[Path, Any] = {}
+
+    def get(self, name: str) -> np.ndarray:
+        path = self.file_of.get(name)
+        if path is None:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        if path not in self._open:
+            if not path.is_file():
+                raise CheckpointError(f"tensor {name!r} is mapped to {path.name!r}, which does not exist")
+            self._open[path] = safe_open(str(path), framework="flax").__enter__()
+        # framework="flax" reads bf16 too (the numpy backend cannot); convert to host numpy at once.
+        return np.asarray(self._open[path].get_tensor(name))
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.__exit__(None, None, None)
+        self._open.clear()
+
+
+def _read_slot(index: _TensorIndex, fam: Family, spec, cfg: DecoderConfig, layer: int | None,
+               expected: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    name = spec.hf.format(p=fam.prefix, i=layer)
+    arr = index.get(name)
+    hf_shape = tuple(reversed(expected)) if spec.transpose else expected
+    if tuple(arr.shape) != hf_shape:
+        raise CheckpointError(f"tensor {name!r} has shape {list(arr.shape)}, expected {list(hf_shape)} "
+                              f"for slot {spec.slot!r} of {cfg.model_type}")
+    if spec.transpose:
+        arr = arr.T
+    return np.ascontiguousarray(arr.astype(np.float32).astype(dtype) if arr.dtype != dtype else arr)
+
+
+def load_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderConfig,
+                 dtype: str = "float32") -> dict[str, np.ndarray]:
+    """Read every slot of `cfg` as host arrays of `dtype`; per-layer slots are stacked [L, ...]."""
+    np_dtype = weight_dtype(dtype)
+    shapes = slot_shapes(cfg)
+    index = _TensorIndex(Path(checkpoint_dir))
+    try:
+        weights: dict[str, np.ndarray] = {}
+        for spec in fam.slots(cfg):
+            if spec.slot.startswith("layers."):
+                weights[spec.slot] = np.stack([
+                    _read_slot(index, fam, spec, cfg, i, shapes[spec.slot], np_dtype) for i in range(cfg.num_layers)])
+            else:
+                weights[spec.slot] = _read_slot(index, fam, spec, cfg, None, shapes[spec.slot], np_dtype)
+        return weights
+    finally:
+        index.close()
+
+
+def load_checkpoint(checkpoint_dir: str | os.PathLike, dtype: str = "float32"
+                    ) -> tuple[DecoderConfig, dict[str, np.ndarray]]:
+    """A checkpoint directory -> (DecoderConfig, Weights as host numpy arrays)."""
+    fam, cfg = config_from_hf(read_config(checkpoint_dir))
+    return cfg, load_weights(checkpoint_dir, fam, cfg, dtype)
+
+
+def save_checkpoint(checkpoint_dir: str | os.PathLike, hf_config: dict[str, Any],
+                    weights: dict[str, np.ndarray]) -> Path:
+    """Write Weights as a Hugging Face checkpoint (config.json + model.safetensors, f32).
+
+    The inverse of load_checkpoint through the same family table: slots are unstacked per layer and
+    linears transposed back to [out, in]. Used by the demo and by training to publish a model that
+    both load_hf and transformers read.
+    """
+    from safetensors.numpy import save_file
+
+    fam, cfg = config_from_hf(hf_config)
+    tensors: dict[str, np.ndarray] = {}
+    for spec in fam.slots(cfg):
+        if spec.slot not in weights:
+            raise CheckpointError(f"weights have no slot {spec.slot!r}, which {cfg.model_type} needs")
+        arr = np.asarray(weights[spec.slot], np.float32)
+        per_layer = list(enumerate(arr)) if spec.slot.startswith("layers.") else [(None, arr)]
+        for i, a in per_layer:
+            tensors[spec.hf.format(p=fam.prefix, i=i)] = np.ascontiguousarray(a.T if spec.transpose else a)
+    out = Path(checkpoint_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def random_weights(cfg: DecoderConfig, fam: Family, seed: int = 0, std: float = 0.08) -> dict[str, np.ndarray]:
+    """Seeded random weights for every slot of `cfg` (norm weights near 1), as f32 host arrays."""
+    rng = np.random.default_rng(seed)
+    shapes = slot_shapes(cfg)
+    out = {}
+    for spec in fam.slots(cfg):
+        shape = shapes[spec.slot]
+        if spec.slot.startswith("layers."):
+            shape = (cfg.num_layers, *shape)
+        if spec.slot.endswith("norm"):
+            out[spec.slot] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            out[spec.slot] = (std * rng.standard_normal(shape)).astype(np.float32)
+    return out

@@ -1,0 +1,83 @@
+"""The decoder's building blocks as small pure functions (shapes use docs/glossary.md's letters)."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .config import RopeConfig
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x: [..., I] f32, w: [I, O] -> [..., O] f32.
+
+    A bf16 weight stays bf16: the input is rounded to bf16 and the product accumulates in f32.
+    """
+    if w.dtype != jnp.float32:
+        x = x.astype(w.dtype)
+    return jnp.einsum("...i,io->...o", x, w, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x: [..., E] f32, w: [E] -> [..., E] f32 (Llama's RMSNorm: x / rms(x) * w)."""
+    x = x.astype(jnp.float32)
+    y = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y * w.astype(jnp.float32)
+
+
+def embed(table: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """table: [V, E], token_ids: [B, T] -> [B, T, E] f32."""
+    return jnp.take(table, token_ids, axis=0).astype(jnp.float32)
+
+
+def tied_head(x: jax.Array, table: jax.Array) -> jax.Array:
+    """x: [B, E], table: [V, E] -> logits [B, V]: contracts the hidden axes of both; no transposed copy."""
+    if table.dtype != jnp.float32:
+        x = x.astype(table.dtype)
+    return lax.dot_general(x, table, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """x: [..., E]; gate, up: [E, F]; down: [F, E] -> [..., E]."""
+    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [R / 2] (R = rotated dims), computed in f32 as transformers does."""
+    rot = int(head_dim * rope.partial_rotary_factor)
+    inv = (1.0 / (np.float32(rope.theta) ** (np.arange(0, rot, 2, dtype=np.int64).astype(np.float32) / rot)))
+    inv = inv.astype(np.float32)
+    if rope.rope_type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def rope_tables(rope: RopeConfig, head_dim: int, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions: [B, T] -> (cos, sin) each [B, T, R] f32. Padding positions (-1) are clamped to 0."""
+    inv = jnp.asarray(rope_inv_freq(rope, head_dim))
+    freqs = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * inv
+    freqs = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [B, T, H, D], cos/sin: [B, T, R] -> x with its first R dims rotated (rotate-half convention)."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    xr = xr * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return jnp.concatenate([xr, xp], axis=-1) if xp.shape[-1] else xr

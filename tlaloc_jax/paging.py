@@ -1,0 +1,101 @@
+"""Host-side paging: page allocation and the integer inputs of a call. JAX-free (stdlib + numpy).
+
+The in-process Model and the JAX-free runtime (tlaloc_jax.serve) both build their calls here, so a
+block table or a slot mapping has one definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+class PoolExhausted(RuntimeError):
+    """A pool has fewer free pages than a request needs. Nothing was allocated."""
+
+
+class PageAllocator:
+    """A free list over the P pages of one pool. Pages are handed out lowest first (deterministic)."""
+
+    def __init__(self, num_pages: int, name: str = "kv"):
+        if num_pages <= 0:
+            raise ValueError(f"pool {name!r} needs at least one page, got {num_pages}")
+        self.name = name
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest page
+        self._held: set[int] = set()
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_in_use(self) -> int:
+        return len(self._held)
+
+    def alloc(self, n: int) -> list[int]:
+        """n pages, or PoolExhausted (naming the pool) with nothing allocated."""
+        if n > len(self._free):
+            raise PoolExhausted(f"{self.name} pool exhausted: {n} pages needed, {len(self._free)} of "
+                                f"{self.num_pages} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._held.update(pages)
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            if p not in self._held:
+                raise ValueError(f"page {p} of pool {self.name!r} is not held")
+            self._held.remove(p)
+            self._free.append(p)
+        self._free.sort(reverse=True)
+
+
+def pages_for(length: int, block_size: int) -> int:
+    """Pages that hold `length` positions."""
+    return -(-length // block_size)
+
+
+@dataclass(frozen=True)
+class RowCall:
+    """One sequence's part of a call: its new tokens, the position of the first, and the pages it holds."""
+
+    token_ids: Sequence[int]
+    start: int
+    pages: Sequence[int]
+
+
+def build_step_inputs(rows: Sequence[RowCall], *, batch: int, tokens: int, width: int,
+                      block_size: int) -> dict[str, np.ndarray]:
+    """The integer inputs of one call (docs/glossary.md roles), rows right-aligned, unused rows empty.
+
+    batch B, tokens T, width M (block-table entries). Returns int32 arrays keyed by the StepInputs field
+    names: token_ids [B, T], positions [B, T], block_tables [B, M], seq_lens [B], slot_mapping [B, T].
+    """
+    if len(rows) > batch:
+        raise ValueError(f"{len(rows)} sequences do not fit a call of batch {batch}")
+    token_ids = np.zeros((batch, tokens), np.int32)
+    positions = np.full((batch, tokens), -1, np.int32)
+    slots = np.full((batch, tokens), -1, np.int32)
+    tables = np.zeros((batch, width), np.int32)
+    seq_lens = np.zeros((batch,), np.int32)
+    for b, row in enumerate(rows):
+        n = len(row.token_ids)
+        if n > tokens:
+            raise ValueError(f"row {b} has {n} tokens, the call takes {tokens}")
+        end = row.start + n
+        if pages_for(end, block_size) > len(row.pages):
+            raise ValueError(f"row {b} reaches position {end - 1} but holds {len(row.pages)} pages of {block_size}")
+        if len(row.pages) > width:
+            raise ValueError(f"row {b} holds {len(row.pages)} pages, the call's block table has {width}")
+        pos = np.arange(row.start, end, dtype=np.int64)
+        pages = np.asarray(row.pages, np.int64)
+        token_ids[b, tokens - n:] = row.token_ids
+        positions[b, tokens - n:] = pos
+        slots[b, tokens - n:] = pages[pos // block_size] * block_size + pos % block_size
+        tables[b, :len(pages)] = pages
+        seq_lens[b] = end
+    return dict(token_ids=token_ids, positions=positions, block_tables=tables, seq_lens=seq_lens,
+                slot_mapping=slots)
