@@ -88,10 +88,12 @@ def build_step_inputs(rows: Sequence[RowCall], *, batch: int, tokens: int, width
         end = row.start + n
         if pages_for(end, block_size) > len(row.pages):
             raise ValueError(f"row {b} reaches position {end - 1} but holds {len(row.pages)} pages of {block_size}")
-        if len(row.pages) > width:
-            raise ValueError(f"row {b} holds {len(row.pages)} pages, the call's block table has {width}")
+        if pages_for(end, block_size) > width:
+            raise ValueError(f"row {b} reaches position {end - 1}, past the call's context of {width * block_size}")
         pos = np.arange(row.start, end, dtype=np.int64)
-        pages = np.asarray(row.pages, np.int64)
+        # A sequence may hold pages past this call's context (reserved for later tokens): the call's
+        # block table names only the first `width`.
+        pages = np.asarray(row.pages[:width], np.int64)
         token_ids[b, tokens - n:] = row.token_ids
         positions[b, tokens - n:] = pos
         slots[b, tokens - n:] = pages[pos // block_size] * block_size + pos % block_size

@@ -1,0 +1,182 @@
+"""Paged attention and the KV cache write over a stacked pool (inference only).
+
+The pool holds every layer's keys and values: kv_pool [L, 2, P, S, K, D] (index 0 = keys, 1 = values).
+A sequence owns pages; its block table [B, M] names them in order, so key position j of row b lives at
+page block_tables[b, j // S], offset j % S. Names follow docs/glossary.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._softmax import (HIGHEST, block_scores, finish, fold_block, group_heads, init_state, ungroup_heads,
+                       visible_keys)
+
+
+def _refuse_derivative(name: str):
+    """A custom_jvp rule that refuses forward and reverse mode (jax.grad linearizes through the jvp)."""
+    def rule(*args):
+        raise TypeError(f"{name} is inference-only: it has no derivative (neither jax.jvp nor jax.grad)")
+    return rule
+
+
+def _window_array(window) -> jax.Array:
+    """None, a Python int or a traced int32 scalar -> int32 scalar; <= 0 means no window."""
+    return jnp.asarray(0 if window is None else window, jnp.int32)
+
+
+# --- KV cache write ---------------------------------------------------------------------------------
+
+
+def kv_cache_write(kv_pool: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, layer) -> jax.Array:
+    """Scatter the call's keys and values into the pool.
+
+    kv_pool: [L, 2, P, S, K, D], any float dtype (k and v are cast to it); k, v: [B, T, K, D];
+    slot_mapping: [B, T] int32, page * S + offset, -1 = write nothing; layer: int or int32 scalar.
+    -> the updated kv_pool. One scatter into the whole pool, so XLA updates a donated pool in place.
+    """
+    return _kv_cache_write(kv_pool, k, v, slot_mapping, jnp.asarray(layer, jnp.int32))
+
+
+@jax.custom_jvp
+def _kv_cache_write(kv_pool, k, v, slot_mapping, layer):
+    pages, page_size = kv_pool.shape[2], kv_pool.shape[3]
+    # jnp wraps negative indices (page -1 would be the last page): send padding past the end and drop it.
+    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, pages)
+    offset = slot_mapping % page_size
+    key_or_value = jnp.arange(2, dtype=jnp.int32)[:, None, None]  # [2, 1, 1] against page/offset [B, T]
+    new = jnp.stack([k, v]).astype(kv_pool.dtype)  # [2, B, T, K, D]
+    return kv_pool.at[layer, key_or_value, page, offset].set(new, mode="drop")
+
+
+_kv_cache_write.defjvp(_refuse_derivative("kv_cache_write"))
+
+
+# --- paged attention --------------------------------------------------------------------------------
+
+
+def paged_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.Array, positions: jax.Array,
+                    seq_lens: jax.Array, *, scale: float, window=None, soft_cap: float | None = None,
+                    key_block: int = 2048) -> jax.Array:
+    """Attention of the call's tokens over their sequences' pages.
+
+    q: [B, T, H, D]; kv_pool: [L, 2, P, S, K, D]; layer: int or int32 scalar; block_tables: [B, M] int32;
+    positions: [B, T] int32 (-1 = padding); seq_lens: [B] int32 (keys written for the row; 0 = empty row).
+    Token (b, t) sees key j iff j <= positions[b, t], j < seq_lens[b] and, with a window W > 0,
+    j > positions[b, t] - W. window: None, int, or int32 scalar (<= 0 = none, so it can vary under a scan
+    over layers). soft_cap: scores -> cap * tanh(scores / cap). -> [B, T, H, D] f32; 0 where nothing is seen.
+
+    A call whose context M * S fits in key_block is scored in one pass; a longer one loops over key
+    blocks of key_block positions (a multiple of S) with an online softmax.
+    """
+    page_size = kv_pool.shape[3]
+    if key_block % page_size:
+        raise ValueError(f"paged_attention: key_block {key_block} is not a multiple of the page size S = {page_size}")
+    return _paged_attention(scale, soft_cap, key_block, q, kv_pool, jnp.asarray(layer, jnp.int32), block_tables,
+                            positions, seq_lens, _window_array(window))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _paged_attention(scale, soft_cap, key_block, q, kv_pool, layer, block_tables, positions, seq_lens, window):
+    q = group_heads(q.astype(jnp.float32), kv_pool.shape[4])
+    fold = functools.partial(_fold_pages, q=q, kv_pool=kv_pool, layer=layer, positions=positions,
+                             seq_lens=seq_lens, window=window, scale=scale, soft_cap=soft_cap)
+    M, page_size = block_tables.shape[1], kv_pool.shape[3]
+    if M * page_size <= key_block:
+        state = fold(init_state(q), block_tables, 0)
+    else:
+        state = _blockwise(fold, init_state(q), block_tables, positions, seq_lens, window, key_block, page_size)
+    return ungroup_heads(finish(state)[0])
+
+
+_paged_attention.defjvp(_refuse_derivative("paged_attention"))
+
+
+def _gather_pages(kv_pool: jax.Array, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """pages: [B, M'] -> keys, values [B, M' * S, K, D] f32, read in the pool's dtype and widened after."""
+    k, v = kv_pool[layer, 0, pages], kv_pool[layer, 1, pages]  # [B, M', S, K, D]
+    B, Mb, S, K, D = k.shape
+    return (k.reshape(B, Mb * S, K, D).astype(jnp.float32), v.reshape(B, Mb * S, K, D).astype(jnp.float32))
+
+
+def _fold_pages(state, pages, first_key, *, q, kv_pool, layer, positions, seq_lens, window, scale, soft_cap):
+    """Fold the keys on `pages` ([B, M'], key positions first_key ..) into the softmax state of q [B, T, K, G, D].
+
+    The pages are gathered once for the whole row: every token of the row scores the same keys.
+    """
+    k, v = _gather_pages(kv_pool, layer, pages)
+    key_pos = first_key + jnp.arange(k.shape[1], dtype=jnp.int32)
+    mask = visible_keys(key_pos, positions, seq_lens, window)
+    return fold_block(state, block_scores(q, k, scale=scale, soft_cap=soft_cap), mask, v)
+
+
+def key_block_range(positions: jax.Array, seq_lens: jax.Array, window: jax.Array, key_block: int,
+                    num_blocks: int) -> tuple[jax.Array, jax.Array]:
+    """The key blocks the call must score: -> (first, last) int32, inclusive; first > last when there are none.
+
+    positions: [B, T]; seq_lens: [B]; window: int32 scalar (<= 0 = none). The last block holds the call's
+    last key (max(seq_lens) - 1); the first is 0, or with a window the block of the earliest key any live
+    token's window reaches.
+    """
+    last = jnp.minimum((jnp.max(seq_lens) - 1) // key_block, num_blocks - 1)  # -1 when every row is empty
+    window_start = jnp.maximum(positions - window + 1, 0)
+    earliest = jnp.min(jnp.where(positions >= 0, window_start, num_blocks * key_block))
+    first = jnp.where(window > 0, earliest // key_block, 0)
+    return first.astype(jnp.int32), last.astype(jnp.int32)
+
+
+def _blockwise(fold, state, block_tables, positions, seq_lens, window, key_block, page_size):
+    """Online softmax over key blocks: a while loop that gathers key_block // S pages per iteration."""
+    pages_per_block = key_block // page_size
+    B, M = block_tables.shape
+    num_blocks = -(-M // pages_per_block)
+    # Whole blocks: the padding entries sit past every seq_len, so they are masked; page 0 is as good as any.
+    tables = jnp.pad(block_tables, ((0, 0), (0, num_blocks * pages_per_block - M)))
+    first, last = key_block_range(positions, seq_lens, window, key_block, num_blocks)
+
+    def body(i, state):
+        pages = lax.dynamic_slice_in_dim(tables, i * pages_per_block, pages_per_block, axis=1)
+        return fold(state, pages, i * key_block)
+
+    return lax.fori_loop(first, last + 1, body, state)
+
+
+# --- reference --------------------------------------------------------------------------------------
+
+
+def paged_attention_reference(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.Array,
+                              positions: jax.Array, seq_lens: jax.Array, *, scale: float, window=None,
+                              soft_cap: float | None = None) -> jax.Array:
+    """Naive dense paged attention, for tests: same arguments and result as paged_attention.
+
+    Gathers every page of every row, repeats KV heads to query heads, and takes a dense masked softmax.
+    """
+    B, T, H, D = q.shape
+    _, _, _, S, K, _ = kv_pool.shape
+    N = block_tables.shape[1] * S
+    keys = kv_pool[layer, 0][block_tables].reshape(B, N, K, D).astype(jnp.float32)
+    values = kv_pool[layer, 1][block_tables].reshape(B, N, K, D).astype(jnp.float32)
+    keys = jnp.repeat(keys, H // K, axis=2)  # [B, N, H, D]: query head h reads KV head h // (H // K)
+    values = jnp.repeat(values, H // K, axis=2)
+    scores = jnp.einsum("bthd,bnhd->bhtn", q.astype(jnp.float32), keys, precision=HIGHEST)
+    scores = scores * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+
+    j = jnp.arange(N)
+    pos = positions[:, :, None]
+    mask = (j <= pos) & (j < seq_lens[:, None, None])
+    if window is not None:
+        mask = mask & ((window <= 0) | (j > pos - window))
+    mask = mask[:, None]  # [B, 1, T, N]
+
+    scores = jnp.where(mask, scores, -jnp.inf)
+    weights = jnp.where(mask, jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True)), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(total > 0, total, 1.0)  # [B, H, T, N]
+    terms = jnp.where(mask[..., None], probs[..., None] * jnp.transpose(values, (0, 2, 1, 3))[:, :, None], 0.0)
+    return jnp.transpose(jnp.sum(terms, axis=3), (0, 2, 1, 3))  # [B, H, T, D] -> [B, T, H, D]

@@ -1,0 +1,436 @@
+"""The JAX-free engine: load an artifact, keep weights and KV pools on the device, batch sequences.
+
+    engine = Engine.load("artifact/")                  # validate, compile (disk cache), upload
+    engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)
+
+or, driving the loop yourself (what the HTTP server does):
+
+    rid = engine.add_request([1, 2, 3], max_new_tokens=16)
+    while engine.has_unfinished():
+        for event in engine.step(): ...
+
+Scheduling is continuous batching. Each step advances every sequence that is still reading its
+prompt by one chunk (prompts that fit one prefill entry share a call; a prompt longer than the
+entry's tokens per sequence takes several calls, each on the smallest entry whose context holds its
+last position), then runs one decode token for every sequence that was already generating, in one
+call on the smallest decode entry that holds them. New requests join between steps.
+
+A request reserves the pages for its prompt and all its new tokens when it is admitted, so a live
+sequence never runs out of pages and is never preempted: a request that does not fit is refused
+(RequestRefused, kind "pool_exhausted") and may be sent again once other sequences end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from tlaloc_jax import manifest as mf
+from tlaloc_jax.paging import PageAllocator, PoolExhausted, RowCall, build_step_inputs, pages_for
+
+from .pjrt import Buffer, Device, Executable
+from .sampling import GREEDY, Sampling, sample
+
+log = logging.getLogger("tlaloc_jax.serve")
+
+DEFAULT_CACHE_DIR = Path("~/.cache/tlaloc-jax/executables")
+ADDRESS_CHECK_RUNS = 100
+_STEP_KEYS = ("token_ids", "positions", "block_tables", "seq_lens", "slot_mapping")
+
+
+class RequestRefused(ValueError):
+    """A request the engine will not run; nothing of any sequence changed.
+
+    kind: "empty_prompt", "placeholder_token", "out_of_vocabulary", "too_long", "bad_request",
+    or "pool_exhausted" (retry after other sequences end).
+    """
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """A token produced for a request in one step (token None: the request failed)."""
+
+    request_id: str
+    token: int | None
+    finished: bool
+    finish_reason: str | None = None   # "stop" | "length" | "error" | "aborted"
+    error: str | None = None
+
+
+@dataclass
+class _Seq:
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int
+    stop: frozenset[int]
+    sampling: Sampling
+    rng: np.random.Generator
+    pages: list[int]
+    arrival: float
+    prefilled: int = 0
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt) and not self.finished
+
+
+@dataclass(frozen=True)
+class _Call:
+    entry: mf.Entry
+    seqs: tuple[_Seq, ...]
+    rows: tuple[RowCall, ...]
+
+
+class Engine:
+    """Serve one artifact on one PJRT device. Not thread-safe: one caller drives `step()`."""
+
+    def __init__(self, artifact_dir: str | Path, plugin: str | None = None, *,
+                 cache_dir: str | Path | None = DEFAULT_CACHE_DIR, memory_fraction: float = 0.75,
+                 donate: bool = True, progress: bool = True):
+        t0 = time.perf_counter()
+        self.artifact_dir = Path(artifact_dir)
+        self.manifest = m = mf.load_manifest(self.artifact_dir)   # refuses a bad artifact before anything runs
+        if m.versions.platform not in ("cpu", "cuda"):
+            raise mf.ManifestError(f"artifact platform {m.versions.platform!r} is not served")
+        self.device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir)
+        want = {"cpu": "cpu", "cuda": "cuda"}[m.versions.platform]
+        if self.device.platform_name.lower() not in (want, "gpu" if want == "cuda" else want):
+            self.device.close()
+            raise mf.ManifestError(f"artifact was exported for {m.versions.platform}, the plugin "
+                                   f"{self.device.plugin_path} is {self.device.platform_name}")
+        self.donate = donate
+        self.block_size = m.kv_pool.block_size
+        self.vocab = m.model.vocab
+        self.max_context = max(m.buckets.context_ladder)
+        self.refused = {r.token_id: r.config_key for r in m.refused_tokens}
+        self.executables: dict[str, Executable] = {}
+        try:
+            self._compile_all(progress)
+            self.weights = [self._upload_weight(w) for w in m.weights]
+            self.pool: Buffer = self.device.upload(np.zeros(m.kv_pool.shape, m.kv_pool.dtype))
+        except BaseException:
+            self.device.close()
+            raise
+        self.allocator = PageAllocator(m.kv_pool.num_blocks, "KV")
+        self._seqs: dict[str, _Seq] = {}
+        self._ids = itertools.count()
+        self._runs = 0
+        self._entries_checked: set[str] = set()
+        self._stats = dict(steps=0, executions=0, prefill_calls=0, decode_calls=0, tokens_generated=0,
+                           prompt_tokens=0, requests_finished=0, requests_failed=0, requests_refused=0,
+                           pool_address_checks=0, pool_in_place=0, logits_pulled=0,
+                           executions_by_entry={}, batch_sizes={})
+        self.load_seconds = time.perf_counter() - t0
+        log.info("loaded %s: %d entries (%s), weights %.1f MiB, KV pool %.1f MiB (%d pages of %d), %.1f s",
+                 self.artifact_dir, len(self.executables),
+                 ", ".join(f"{k}: {v}" for k, v in self.compile_report().items()),
+                 self.weight_bytes / 2**20, self.pool_bytes / 2**20, m.kv_pool.num_blocks, self.block_size,
+                 self.load_seconds)
+
+    @classmethod
+    def load(cls, artifact_dir: str | Path, plugin: str | None = None, **kwargs) -> "Engine":
+        return cls(artifact_dir, plugin, **kwargs)
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def _compile_all(self, progress: bool) -> None:
+        from tqdm.auto import tqdm
+        entries = self.manifest.entries
+        for e in tqdm(entries, desc="compile", unit="entry", disable=not progress):
+            body = (self.artifact_dir / e.serialized).read_bytes()
+            self.executables[e.name] = self.device.compile(body, name=e.name)
+
+    def _upload_weight(self, w: mf.WeightFile) -> Buffer:
+        data = np.fromfile(self.artifact_dir / w.file, dtype=np.dtype(_np_dtype(w.dtype)).newbyteorder("<"))
+        return self.device.upload(data.reshape(w.shape))
+
+    def compile_report(self) -> dict[str, int]:
+        """How the entries were obtained: {"hit": n, "miss": n, ...} (hit = from the disk cache)."""
+        out: dict[str, int] = {}
+        for exe in self.executables.values():
+            out[exe.cache] = out.get(exe.cache, 0) + 1
+        return out
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.nbytes for w in self.manifest.weights)
+
+    @property
+    def pool_bytes(self) -> int:
+        return int(np.prod(self.manifest.kv_pool.shape)) * mf.DTYPE_BYTES[self.manifest.kv_pool.dtype]
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int = 16, stop_token_ids: Iterable[int] = (),
+                    sampling: Sampling | None = None, request_id: str | None = None) -> str:
+        """Admit a request (its pages reserved) or raise RequestRefused; returns its id."""
+        try:
+            prompt = self._check_prompt(prompt, max_new_tokens)
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._seqs:
+                raise RequestRefused("bad_request", f"request id {rid!r} is already in use")
+            try:
+                pages = self.allocator.alloc(pages_for(len(prompt) + max_new_tokens - 1, self.block_size))
+            except PoolExhausted as e:
+                raise RequestRefused("pool_exhausted", f"{e}; {len(self.active_requests())} sequences hold pages; "
+                                                       "retry after one ends") from None
+        except RequestRefused:
+            self._stats["requests_refused"] += 1
+            raise
+        s = sampling or GREEDY
+        self._seqs[rid] = _Seq(rid, prompt, int(max_new_tokens), frozenset(int(t) for t in stop_token_ids), s,
+                               np.random.default_rng(s.seed), pages, time.perf_counter())
+        return rid
+
+    def _check_prompt(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise RequestRefused("bad_request", f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise RequestRefused("bad_request", "prompt must be a list of integer token ids") from None
+        if not ids:
+            raise RequestRefused("empty_prompt", "prompt is empty")
+        for t in ids:
+            if t in self.refused:
+                raise RequestRefused("placeholder_token", f"refused token {t} (multimodal placeholder, config key "
+                                                          f"{self.refused[t]}): this artifact is the text decoder only")
+            if not 0 <= t < self.vocab:
+                raise RequestRefused("out_of_vocabulary", f"token id {t} is outside the vocabulary (size {self.vocab})")
+        if len(ids) > self.max_context:
+            raise RequestRefused("too_long", f"prompt of {len(ids)} tokens is longer than the largest context "
+                                             f"{self.max_context}")
+        if len(ids) + max_new_tokens - 1 > self.max_context:
+            raise RequestRefused("too_long", f"prompt of {len(ids)} tokens plus max_new_tokens {max_new_tokens} "
+                                             f"exceeds the largest context {self.max_context}")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """End a request now (a client went away) and free its pages."""
+        s = self._seqs.get(request_id)
+        if s is not None and not s.finished:
+            self._finish(s, "aborted")
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (its output is no longer needed)."""
+        s = self._seqs.get(request_id)
+        if s is not None:
+            if not s.finished:
+                self._finish(s, "aborted")
+            del self._seqs[request_id]
+
+    def output(self, request_id: str) -> list[int]:
+        return list(self._seqs[request_id].generated)
+
+    def request_info(self, request_id: str) -> _Seq:
+        return self._seqs[request_id]
+
+    def active_requests(self) -> list[str]:
+        return [s.rid for s in self._seqs.values() if not s.finished]
+
+    def has_unfinished(self) -> bool:
+        return any(not s.finished for s in self._seqs.values())
+
+    def _finish(self, s: _Seq, reason: str, error: str | None = None) -> None:
+        s.finish_reason = reason
+        s.error = error
+        self.allocator.free(s.pages)
+        s.pages = []
+        self._stats["requests_failed" if reason == "error" else "requests_finished"] += 1
+
+    # -- scheduling ------------------------------------------------------------------------------
+
+    def _entries(self, kind: str) -> list[mf.Entry]:
+        return sorted((e for e in self.manifest.entries if e.kind == kind), key=lambda e: (e.context, e.batch))
+
+    def _pick(self, kind: str, batch: int, context: int, tokens: int) -> mf.Entry | None:
+        """The smallest entry of `kind` that holds `batch` rows of `tokens` tokens reaching `context` positions."""
+        for e in self._entries(kind):
+            if e.batch >= batch and e.context >= context and e.tokens_per_seq >= tokens:
+                return e
+        return None
+
+    def _chunk(self, s: _Seq) -> tuple[int, int]:
+        """(start, length) of the next piece of the prompt this sequence prefills."""
+        start = s.prefilled
+        cap = self.manifest.buckets.prefill_chunk or self.max_context
+        return start, min(len(s.prompt) - start, cap)
+
+    def _plan(self) -> list[_Call]:
+        calls: list[_Call] = []
+        prefilling = [s for s in self._seqs.values() if not s.finished and s.prefilled < len(s.prompt)]
+        group: list[_Seq] = []
+        for s in prefilling + [None]:
+            if s is not None:
+                trial = group + [s]
+                ends = [self._chunk(x) for x in trial]
+                if self._pick("prefill", len(trial), max(a + n for a, n in ends), max(n for _, n in ends)):
+                    group = trial
+                    continue
+            if group:
+                ends = [self._chunk(x) for x in group]
+                entry = self._pick("prefill", len(group), max(a + n for a, n in ends), max(n for _, n in ends))
+                rows = tuple(RowCall(x.prompt[a:a + n], a, x.pages) for x, (a, n) in zip(group, ends))
+                calls.append(_Call(entry, tuple(group), rows))
+            group = [s] if s is not None else []
+        decoding = [s for s in self._seqs.values() if s.decoding]
+        max_batch = max(e.batch for e in self._entries("decode"))
+        for i in range(0, len(decoding), max_batch):
+            part = decoding[i:i + max_batch]
+            rows = tuple(RowCall([s.generated[-1]], len(s.prompt) + len(s.generated) - 1, s.pages) for s in part)
+            entry = self._pick("decode", len(part), max(r.start + 1 for r in rows), 1)
+            calls.append(_Call(entry, tuple(part), rows))
+        return calls
+
+    def step(self) -> list[StepEvent]:
+        """Run one scheduling step; returns the tokens produced (and the requests that failed)."""
+        events: list[StepEvent] = []
+        for call in self._plan():
+            events.extend(self._run_call(call))
+        if events:
+            self._stats["steps"] += 1
+        return events
+
+    def _run_call(self, call: _Call) -> list[StepEvent]:
+        e = call.entry
+        inputs = build_step_inputs(call.rows, batch=e.batch, tokens=e.tokens_per_seq,
+                                   width=e.context // self.block_size, block_size=self.block_size)
+        want_logits = any(not s.sampling.greedy for s in call.seqs)
+        try:
+            next_ids, logits = self._execute(e, inputs, want_logits)
+        except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
+            log.error("execution of %s failed: %s", e.name, err)
+            events = []
+            for s in call.seqs:
+                self._finish(s, "error", f"{e.name} failed: {err}")
+                events.append(StepEvent(s.rid, None, True, "error", s.error))
+            return events
+        self._stats["prefill_calls" if e.kind == "prefill" else "decode_calls"] += 1
+        bs = self._stats["batch_sizes"]
+        bs[len(call.seqs)] = bs.get(len(call.seqs), 0) + 1
+        now = time.perf_counter()
+        events = []
+        for b, (s, row) in enumerate(zip(call.seqs, call.rows)):
+            if e.kind == "prefill":
+                s.prefilled = row.start + len(row.token_ids)
+                self._stats["prompt_tokens"] += len(row.token_ids)
+                if s.prefilled < len(s.prompt):
+                    continue      # more of the prompt to read; this call's logits are not a token yet
+            tok = int(next_ids[b]) if s.sampling.greedy else sample(logits[b], s.sampling, s.rng)
+            s.generated.append(tok)
+            s.token_times.append(now)
+            if s.first_token_time is None:
+                s.first_token_time = now
+            self._stats["tokens_generated"] += 1
+            reason = "stop" if tok in s.stop else "length" if len(s.generated) >= s.max_new_tokens else None
+            if reason:
+                self._finish(s, reason)
+            events.append(StepEvent(s.rid, tok, reason is not None, reason))
+        return events
+
+    def _execute(self, e: mf.Entry, inputs: dict[str, np.ndarray], want_logits: bool):
+        exe = self.executables[e.name]
+        step_bufs = [self.device.upload(inputs[k]) for k in _STEP_KEYS]
+        pool = self.pool
+        check = self._runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
+        before = self.device.device_address(pool) if check else None
+        args = step_bufs + [pool] + self.weights
+        try:
+            outs = self.device.execute(exe, args, donate={5} if self.donate else ())
+        finally:
+            for b in step_bufs:
+                b.close()
+        logits_buf, next_buf, new_pool = (outs[e.output_index(r)] for r in (mf.LOGITS, mf.NEXT_TOKEN, mf.KV_POOL_OUT))
+        if not self.donate:
+            pool.close()          # the control path: the updated pool is a new buffer
+        self.pool = new_pool
+        self._runs += 1
+        self._stats["executions"] += 1
+        by = self._stats["executions_by_entry"]
+        by[e.name] = by.get(e.name, 0) + 1
+        if check:
+            after = self.device.device_address(new_pool)
+            self._entries_checked.add(e.name)
+            self._stats["pool_address_checks"] += 1
+            self._stats["pool_in_place"] += int(after == before)
+            if after == before:
+                log.debug("run %d (%s): KV pool updated in place at %#x", self._runs, e.name, after)
+            else:
+                log.warning("run %d (%s): KV pool moved from %#x to %#x (copied, not donated)", self._runs,
+                            e.name, before, after)
+        next_ids = self.device.to_host(next_buf)
+        logits = None
+        if want_logits:
+            logits = self.device.to_host(logits_buf)
+            self._stats["logits_pulled"] += 1
+        logits_buf.close()
+        next_buf.close()
+        return next_ids, logits
+
+    # -- conveniences ----------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16,
+                 sampling: Sampling | None = None, stop_token_ids: Iterable[int] = ()) -> list[list[int]]:
+        """Decode the prompts together; returns each one's new ids. Refuses (nothing admitted) if any is bad."""
+        stop = tuple(stop_token_ids)
+        rids: list[str] = []
+        try:
+            for p in prompts:
+                rids.append(self.add_request(p, max_new_tokens, stop, sampling))
+        except RequestRefused:
+            for rid in rids:
+                self.release(rid)
+            raise
+        while any(not self._seqs[r].finished for r in rids):
+            self.step()
+        out = []
+        for rid in rids:
+            s = self._seqs.pop(rid)
+            if s.finish_reason == "error":
+                raise RuntimeError(f"request {rid} failed: {s.error}")
+            out.append(list(s.generated))
+        return out
+
+    def stats(self) -> dict:
+        st = dict(self._stats, executions_by_entry=dict(self._stats["executions_by_entry"]),
+                  batch_sizes=dict(self._stats["batch_sizes"]))
+        st.update(pages_in_use=self.allocator.pages_in_use, pages_free=self.allocator.free_pages,
+                  num_pages=self.allocator.num_pages, active_requests=len(self.active_requests()),
+                  weight_bytes=self.weight_bytes, pool_bytes=self.pool_bytes, entries=len(self.executables),
+                  compile=self.compile_report(), load_seconds=self.load_seconds, donate=self.donate)
+        return st
+
+    def close(self) -> None:
+        self.device.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.dtype(name)

@@ -1,0 +1,19 @@
+import jax
+import pytest
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(sub, "eqns"):
+                    yield from _all_eqns(sub)
+                elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    yield from _all_eqns(sub.jaxpr)
+
+
+@pytest.fixture
+def jaxpr_eqns():
+    """(f, *args) -> every equation of f's jaxpr, those inside loops, jit and custom rules included."""
+    return lambda f, *args: list(_all_eqns(jax.make_jaxpr(f)(*args).jaxpr))
