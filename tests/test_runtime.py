@@ -243,3 +243,17 @@ def test_serving_path_imports_no_jax_torch_or_transformers(llama, llama_engine, 
                                                             "import tlaloc_jax.model"), "x", "y", "[]"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "the serving path imported jax" in r.stderr
+
+
+def test_no_entry_copies_the_pool_inside_its_body(tmp_path, cache_dir):
+    """Donation can put the output at the pool's address while the body still copies the pool into
+    scratch memory (XLA does when a step reads a slice of a buffer it also updates). Temporary memory
+    far below the pool's size shows the scatter and gathers work on the donated buffer itself."""
+    _, art = _export(tmp_path, "big-pool", "llama", seed=26, batch_ladder=(1, 4), context_ladder=(64,),
+                     num_blocks=4096)
+    with Engine.load(art, cache_dir=cache_dir, progress=False) as eng:
+        assert eng.pool_bytes > 20 * 2**20
+        for name, exe in eng.executables.items():
+            stats = exe.memory_stats()
+            assert stats["alias_size_in_bytes"] == eng.pool_bytes, name
+            assert stats["temp_size_in_bytes"] < eng.pool_bytes / 10, (name, stats["temp_size_in_bytes"])
