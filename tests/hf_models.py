@@ -15,15 +15,35 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32, "rope_theta": 10000.0}
 
 
+# Small windows so that prompts and generations span several windows.
+FAMILY_DEFAULTS = {
+    "mistral": dict(sliding_window=8),
+    "gemma2": dict(sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=4),
+    "gemma3_text": dict(sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=4,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                            "rope_theta": 100000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+
+CLASSES = {
+    "llama": lambda: (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen3": lambda: (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "mistral": lambda: (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "gemma2": lambda: (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3_text": lambda: (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+}
+
+
 def build_checkpoint(out_dir: Path, model_type: str = "llama", *, seed: int = 0, tied: bool = False,
                      rope: dict | None = None, legacy_rope_keys: bool = False, max_shard_size: str | None = None,
                      **overrides) -> Path:
     """Write a seeded random checkpoint of `model_type` to out_dir (config.json + safetensors)."""
-    kw = dict(TINY, tie_word_embeddings=tied, **overrides)
+    kw = {**TINY, **FAMILY_DEFAULTS.get(model_type, {}), "tie_word_embeddings": tied, **overrides}
     if rope is not None:
         kw["rope_parameters"] = rope
-    cls_cfg, cls_model = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                          "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[model_type]
+    cls_cfg, cls_model = CLASSES[model_type]()
     torch.manual_seed(seed)
     config = cls_cfg(**kw)
     model = cls_model(config).eval()

@@ -85,7 +85,7 @@ def test_rope_read_from_new_and_legacy_keys():
 def test_linears_are_stored_in_out(llama_dir):
     cfg, w = load_checkpoint(llama_dir)
     hf = load_file(llama_dir / "model.safetensors")
-    np.testing.assert_array_equal(w["layers.q_proj"][1], hf["model.layers.1.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(w["attn.q_proj"][1], hf["model.layers.1.self_attn.q_proj.weight"].T)
     assert w["layers.gate_proj"].shape == (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size)
 
 

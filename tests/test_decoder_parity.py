@@ -9,7 +9,8 @@ import torch
 import tlaloc_jax
 from hf_models import LLAMA3_ROPE, build_checkpoint, load_hf_torch, torch_greedy
 
-PROMPTS = [[5, 17, 99, 3, 250, 8, 61], [42], [7, 7, 7, 1, 2, 3, 200, 100, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43]]
+PROMPTS = [[5, 17, 99, 3, 250, 8, 61], [42], [7, 7, 7, 1, 2, 3, 200, 100, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43],
+           [(i * 37 + 11) % 256 for i in range(41)]]
 
 CASES = {
     "llama-untied": dict(model_type="llama", tied=False),
@@ -17,6 +18,10 @@ CASES = {
     "llama-legacy-rope-keys": dict(model_type="llama", rope=LLAMA3_ROPE, legacy_rope_keys=True, seed=2),
     "qwen3-tied": dict(model_type="qwen3", tied=True, seed=3),
     "qwen3-untied-sharded": dict(model_type="qwen3", tied=False, seed=4, max_shard_size="100KB"),
+    # Window 8: prompts and generations span several windows.
+    "mistral-window8": dict(model_type="mistral", seed=31),
+    "gemma2-softcaps-window8": dict(model_type="gemma2", tied=True, seed=32),
+    "gemma3-rope-per-layer-type": dict(model_type="gemma3_text", tied=True, seed=33),
 }
 
 
@@ -72,3 +77,17 @@ def test_bf16_weights_match_transformers_in_bf16(tmp_path, model_type):
         assert err_f32w <= 1e-2, f"f32 on bf16 weights: {err_f32w:.3g} of the largest logit"
         # Control: the bf16 path is really bf16 (an f32 model would sit far closer to the f32 reference).
         assert np.abs(g - want_f32).max() / scale > 1e-4
+
+
+def test_control_a_model_that_ignores_the_window_differs(tmp_path):
+    """The window checks bite: the same mistral weights read with full attention give other logits."""
+    path = build_checkpoint(tmp_path / "m", model_type="mistral", seed=31)
+    ref = load_hf_torch(path)
+    model = tlaloc_jax.load_hf(path)
+    full = tlaloc_jax.Model(model.config.replace(layer_types=("full_attention",) * model.config.num_layers),
+                            model.weights)
+    prompt = PROMPTS[3]
+    _, want = torch_greedy(ref, prompt, 1)
+    scale = float(want.abs().max())
+    assert np.abs(model.first_logits([prompt])[0] - want.numpy()).max() <= 1e-4 * scale
+    assert np.abs(full.first_logits([prompt])[0] - want.numpy()).max() > 1e-2 * scale

@@ -114,7 +114,7 @@ def test_tied_head_has_no_head_weight_and_linears_are_in_out(checkpoints, artifa
     m, art = artifacts["qwen3-tied"]
     assert "head" not in {w.slot for w in m.weights}
     assert "head" in {w.slot for w in artifacts["llama"][0].weights}
-    w = next(w for w in m.weights if w.slot == "layers.o_proj")
+    w = next(w for w in m.weights if w.slot == "attn.o_proj")
     data = np.frombuffer((art / w.file).read_bytes(), "<f4").reshape(w.shape)
     hf = load_file(checkpoints["qwen3-tied"] / "model.safetensors")
     np.testing.assert_array_equal(data[2], hf["model.layers.2.self_attn.o_proj.weight"].T)

@@ -12,7 +12,7 @@ import numpy as np
 from safetensors import safe_open
 
 from .config import ConfigError, DecoderConfig
-from .families import Family, config_from_hf
+from .families import Family, config_from_hf, stack_layers
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -35,14 +35,16 @@ def weight_dtype(name: str) -> np.dtype:
 
 
 def slot_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """The shape each slot holds, linears [in, out]; "layers." slots are per layer (stacked: [L, ...])."""
+    """The shape each slot holds, linears [in, out]; stacked slots per layer (stacked: [layers, ...])."""
     E, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     return {
         "embed": (V, E), "final_norm": (E,), "head": (E, V),
-        "layers.attn_norm": (E,), "layers.q_proj": (E, H * D), "layers.k_proj": (E, K * D),
-        "layers.v_proj": (E, K * D), "layers.q_norm": (D,), "layers.k_norm": (D,), "layers.o_proj": (H * D, E),
-        "layers.mlp_norm": (E,), "layers.gate_proj": (E, F), "layers.up_proj": (E, F), "layers.down_proj": (F, E),
+        "attn.q_proj": (E, H * D), "attn.k_proj": (E, K * D), "attn.v_proj": (E, K * D), "attn.q_norm": (D,),
+        "attn.k_norm": (D,), "attn.o_proj": (H * D, E),
+        "layers.attn_norm": (E,), "layers.post_attn_norm": (E,), "layers.mlp_norm": (E,),
+        "layers.post_mlp_norm": (E,), "layers.gate_proj": (E, F), "layers.up_proj": (E, F),
+        "layers.down_proj": (F, E),
     }
 
 
@@ -102,9 +104,10 @@ def load_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderCon
     try:
         weights: dict[str, np.ndarray] = {}
         for spec in fam.slots(cfg):
-            if spec.slot.startswith("layers."):
+            layers = stack_layers(spec.slot, cfg)
+            if layers:
                 weights[spec.slot] = np.stack([
-                    _read_slot(index, fam, spec, cfg, i, shapes[spec.slot], np_dtype) for i in range(cfg.num_layers)])
+                    _read_slot(index, fam, spec, cfg, i, shapes[spec.slot], np_dtype) for i in layers])
             else:
                 weights[spec.slot] = _read_slot(index, fam, spec, cfg, None, shapes[spec.slot], np_dtype)
         return weights
@@ -135,7 +138,8 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike, hf_config: dict[str, Any]
         if spec.slot not in weights:
             raise CheckpointError(f"weights have no slot {spec.slot!r}, which {cfg.model_type} needs")
         arr = np.asarray(weights[spec.slot], np.float32)
-        per_layer = list(enumerate(arr)) if spec.slot.startswith("layers.") else [(None, arr)]
+        layers = stack_layers(spec.slot, cfg)
+        per_layer = list(zip(layers, arr)) if layers else [(None, arr)]
         for i, a in per_layer:
             tensors[spec.hf.format(p=fam.prefix, i=i)] = np.ascontiguousarray(a.T if spec.transpose else a)
     out = Path(checkpoint_dir)
@@ -152,8 +156,9 @@ def random_weights(cfg: DecoderConfig, fam: Family, seed: int = 0, std: float = 
     out = {}
     for spec in fam.slots(cfg):
         shape = shapes[spec.slot]
-        if spec.slot.startswith("layers."):
-            shape = (cfg.num_layers, *shape)
+        layers = stack_layers(spec.slot, cfg)
+        if layers:
+            shape = (len(layers), *shape)
         if spec.slot.endswith("norm"):
             out[spec.slot] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:

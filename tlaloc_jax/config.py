@@ -14,7 +14,8 @@ class ConfigError(ValueError):
 class RopeConfig:
     """Rotary position embedding settings.
 
-    rope_type: "default" (plain RoPE) or "llama3" (Llama 3.1 frequency scaling).
+    rope_type: "default" (plain RoPE), "linear" (positions divided by factor) or "llama3" (Llama 3.1
+    frequency scaling).
     partial_rotary_factor: the fraction of the head that is rotated (1.0 for Llama and Qwen3).
     """
 
@@ -25,6 +26,10 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial_rotary_factor: float = 1.0
+
+
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+LAYER_TYPES = (FULL, SLIDING, LINEAR)
 
 
 @dataclass(frozen=True)
@@ -53,16 +58,40 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...] = ()
     # (token id, config key) pairs that a server refuses: multimodal placeholders of the checkpoint.
     refused_tokens: tuple[tuple[int, str], ...] = field(default=())
+    # Per layer: FULL, SLIDING (window `sliding_window`) or LINEAR. Empty means every layer FULL.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    rope_sliding: RopeConfig | None = None     # a sliding layer's own RoPE (Gemma 3); None: `rope`
+    query_pre_attn_scalar: float = 0.0         # scores scaled by its -1/2 power; 0: head_dim's
+    attn_softcap: float = 0.0                  # scores -> cap * tanh(scores / cap); 0: off
+    final_softcap: float = 0.0                 # the same on the logits
+    norm_offset: float = 0.0                   # RMSNorm multiplies by (offset + w): 1 for Gemma
+    hidden_act: str = "silu"                   # MLP gate activation: "silu" or "gelu_tanh"
+    embed_scale: bool = False                  # embeddings times sqrt(hidden) (Gemma)
+    sandwich_norms: bool = False               # norms after attention and after the MLP too (Gemma 2/3)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
+        types = self.layer_types or (FULL,) * self.num_layers
+        if len(types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(types)} entries for num_hidden_layers={self.num_layers}")
+        for t in types:
+            if t not in LAYER_TYPES:
+                raise ConfigError(f"layer type {t!r} (config key layer_types) is not supported")
+        if SLIDING in types and self.sliding_window <= 0:
+            raise ConfigError("sliding_attention layers need a positive sliding_window")
+        object.__setattr__(self, "layer_types", tuple(types))
 
     @property
     def query_scale(self) -> float:
-        return self.head_dim ** -0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int:
+        """The window of a layer's attention (0: full history)."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else 0
 
     def replace(self, **changes) -> "DecoderConfig":
         return dataclasses.replace(self, **changes)

@@ -16,8 +16,8 @@ from jax import lax
 
 from tlaloc_jax.kernels import kv_cache_write, paged_attention
 
-from .config import DecoderConfig
-from .layers import apply_rope, embed, linear, rms_norm, rope_tables, swiglu, tied_head
+from .config import FULL, SLIDING, DecoderConfig
+from .layers import apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
 
 Weights = dict[str, jax.Array]
 Pools = dict[str, jax.Array]
@@ -36,64 +36,105 @@ class StepInputs(NamedTuple):
 
 
 def pool_shapes(cfg: DecoderConfig, num_blocks: int, block_size: int) -> dict[str, tuple[int, ...]]:
-    """One buffer per pool class, layers stacked: kv [L, 2, P, S, K, D] (0 = keys, 1 = values)."""
-    return {"kv": (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)}
+    """One buffer per pool class, layers stacked: kv [L, 2, P, S, K, D] (0 = keys, 1 = values) over the
+    attention layers, in layer order."""
+    n_attn = sum(t in (FULL, SLIDING) for t in cfg.layer_types)
+    return {"kv": (n_attn, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)}
 
 
 def init_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> Pools:
     return {name: jnp.zeros(shape, dtype) for name, shape in pool_shapes(cfg, num_blocks, block_size).items()}
 
 
-def _layer_weights(weights: Weights) -> Weights:
-    return {k.removeprefix("layers."): v for k, v in weights.items() if k.startswith("layers.")}
+def layer_period(types: tuple[str, ...]) -> int:
+    """The shortest p dividing the layer count with types[i] == types[i % p]: one scan step runs p layers."""
+    L = len(types)
+    for p in range(1, L + 1):
+        if L % p == 0 and all(types[i] == types[i % p] for i in range(L)):
+            return p
+    return L
 
 
-def _attention_block(cfg: DecoderConfig, w: Weights, h: jax.Array, kv: jax.Array, layer: jax.Array,
-                     inputs: StepInputs, cos: jax.Array, sin: jax.Array, key_block: int):
-    """h: [B, T, E] -> (attention output [B, T, E], kv pool with this layer's keys and values written)."""
-    B, T, _ = h.shape
+def _period_stacks(cfg: DecoderConfig, weights: Weights, p: int) -> dict[str, Weights]:
+    """Stacked slots regrouped per scan step: "layers.*" [n, p, ...] and "attn.*" [n, c, ...] (c = the
+    attention layers of one period), n = L // p."""
+    n = cfg.num_layers // p
+    out: dict[str, Weights] = {"layers": {}, "attn": {}}
+    for name, w in weights.items():
+        group, _, slot = name.partition(".")
+        if group in out:
+            out[group][slot] = w.reshape(n, w.shape[0] // n, *w.shape[1:])
+    return out
+
+
+def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, layer: jax.Array, inputs: StepInputs,
+               rope: tuple[jax.Array, jax.Array], window: int, key_block: int) -> tuple[jax.Array, jax.Array]:
+    """x: [B, T, E] (normed) -> (attention output [B, T, E], kv pool with this layer's keys and values written)."""
+    B, T, _ = x.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
     q = linear(x, w["q_proj"]).reshape(B, T, H, D)
     k = linear(x, w["k_proj"]).reshape(B, T, K, D)
     v = linear(x, w["v_proj"]).reshape(B, T, K, D)
     if cfg.qk_norm:
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv = kv_cache_write(kv, k, v, inputs.slot_mapping, layer)
     o = paged_attention(q, kv, layer, inputs.block_tables, inputs.positions, inputs.seq_lens,
-                        scale=cfg.query_scale, key_block=key_block)
+                        scale=cfg.query_scale, window=window or None, soft_cap=cfg.attn_softcap or None,
+                        key_block=key_block)
     return linear(o.reshape(B, T, H * D), w["o_proj"]), kv
 
 
 def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs, *,
                  key_block: int = DEFAULT_KEY_BLOCK) -> tuple[jax.Array, Pools]:
     """Run every layer over the call's tokens: -> (final-normed hidden state of each row's last token [B, E], pools)."""
+    eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    types = cfg.layer_types
     h = embed(weights["embed"], inputs.token_ids)
-    cos, sin = rope_tables(cfg.rope, cfg.head_dim, inputs.positions)
+    if cfg.embed_scale:
+        h = h * jnp.float32(cfg.hidden_size ** 0.5)
+    tables = {FULL: rope_tables(cfg.rope, cfg.head_dim, inputs.positions)}
+    tables[SLIDING] = (rope_tables(cfg.rope_sliding, cfg.head_dim, inputs.positions)
+                       if cfg.rope_sliding is not None else tables[FULL])
+    p = layer_period(types)
+    attn_rank = {j: r for r, j in enumerate(j for j in range(p) if types[j] in (FULL, SLIDING))}
+    per_period = len(attn_rank)
 
-    def layer(carry, xs):
-        h, kv = carry
-        w, idx = xs
-        a, kv = _attention_block(cfg, w, h, kv, idx, inputs, cos, sin, key_block)
-        h = h + a
-        m = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
-        h = h + swiglu(m, w["gate_proj"], w["up_proj"], w["down_proj"])
-        return (h, kv), None
+    def period(carry, xs):
+        h, pools = carry
+        w, i = xs
+        for j in range(p):         # the layers of one period: p is small (1 for Llama, 2 for Gemma 2)
+            lw = {k: v[j] for k, v in w["layers"].items()}
+            a = rms_norm(h, lw["attn_norm"], eps, off)
+            r = attn_rank[j]
+            aw = {k: v[r] for k, v in w["attn"].items()}
+            a, kv = _attention(cfg, aw, a, pools["kv"], i * per_period + r, inputs, tables[types[j]],
+                               cfg.layer_window(j), key_block)
+            pools = {**pools, "kv": kv}
+            if cfg.sandwich_norms:
+                a = rms_norm(a, lw["post_attn_norm"], eps, off)
+            h = h + a
+            m = rms_norm(h, lw["mlp_norm"], eps, off)
+            m = gated_mlp(m, lw["gate_proj"], lw["up_proj"], lw["down_proj"], cfg.hidden_act)
+            if cfg.sandwich_norms:
+                m = rms_norm(m, lw["post_mlp_norm"], eps, off)
+            h = h + m
+        return (h, pools), None
 
-    # A scan over layers keeps one copy of the layer body in the graph (compile time, body size);
-    # the pool rides in the carry so each layer's scatter writes the donated buffer in place.
-    (h, kv), _ = lax.scan(layer, (h, pools["kv"]), (_layer_weights(weights), jnp.arange(cfg.num_layers)))
+    # A scan over periods keeps one copy of the period's layers in the graph (compile time, body size);
+    # the pools ride in the carry so each layer's scatter writes the donated buffers in place.
+    n = cfg.num_layers // p
+    (h, pools), _ = lax.scan(period, (h, pools), (_period_stacks(cfg, weights, p), jnp.arange(n)))
     # Rows are right-aligned, so every row's last token is at T - 1.
-    return rms_norm(h[:, -1], weights["final_norm"], cfg.rms_norm_eps), {**pools, "kv": kv}
+    return rms_norm(h[:, -1], weights["final_norm"], eps, off), pools
 
 
 def logits_from_hidden(cfg: DecoderConfig, weights: Weights, x: jax.Array) -> jax.Array:
     """x: [B, E] -> logits [B, V] f32."""
-    if cfg.tie_word_embeddings:
-        return tied_head(x, weights["embed"])
-    return linear(x, weights["head"])
+    logits = tied_head(x, weights["embed"]) if cfg.tie_word_embeddings else linear(x, weights["head"])
+    return soft_cap(logits, cfg.final_softcap)
 
 
 def forward(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs, *,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .config import ConfigError, DecoderConfig, RopeConfig
+from .config import FULL, SLIDING, ConfigError, DecoderConfig, RopeConfig
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class Family:
     tensors: tuple[Tensor, ...]
     qk_norm: bool
     parse: Callable[["Family", dict[str, Any]], DecoderConfig]
+    sliding: bool = False          # reads `sliding_window` for every layer (Mistral)
+    tied_default: bool = False     # tie_word_embeddings when the config does not say
 
     def slots(self, cfg: DecoderConfig) -> tuple[Tensor, ...]:
         """The tensors this configuration has (optional steps filtered by their flags)."""
@@ -51,30 +53,45 @@ def _wanted(when: str | None, cfg: DecoderConfig) -> bool:
     return bool(getattr(cfg, when))
 
 
+def stack_layers(slot: str, cfg: DecoderConfig) -> list[int]:
+    """The layers a stacked slot holds, in order ([] for a whole tensor)."""
+    group = slot.split(".", 1)[0]
+    if group == "layers":
+        return list(range(cfg.num_layers))
+    if group == "attn":
+        return [i for i, t in enumerate(cfg.layer_types) if t in (FULL, SLIDING)]
+    if group == "linear":
+        return [i for i, t in enumerate(cfg.layer_types) if t not in (FULL, SLIDING)]
+    return []
+
+
 # The HF config keys that name a multimodal checkpoint's placeholder ids; the text decoder cannot
 # embed them, so a server refuses them by name.
 PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "image_token_index", "video_token_index", "audio_token_id")
 
 
-def read_rope(hf: dict[str, Any]) -> RopeConfig:
-    """RoPE settings from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (older files)."""
-    params = dict(hf.get("rope_parameters") or {})
-    if not params:
-        params = dict(hf.get("rope_scaling") or {})
-        if "rope_theta" in hf:
-            params.setdefault("rope_theta", hf["rope_theta"])
+def read_rope(hf: dict[str, Any], params: dict[str, Any] | None = None) -> RopeConfig:
+    """RoPE settings from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (older files).
+
+    `params` overrides where the parameters are read from (a Gemma 3 layer type's own entry).
+    """
+    if params is None:
+        params = dict(hf.get("rope_parameters") or {})
+        if not params:
+            params = dict(hf.get("rope_scaling") or {})
+            if "rope_theta" in hf:
+                params.setdefault("rope_theta", hf["rope_theta"])
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "llama3"):
+    if rope_type not in ("default", "linear", "llama3"):
         raise ConfigError(f"rope type {rope_type!r} (config key rope_parameters/rope_scaling) is not supported; "
-                          "supported: 'default', 'llama3'")
+                          "supported: 'default', 'linear', 'llama3'")
     kw: dict[str, Any] = dict(theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_type=rope_type)
-    if rope_type == "llama3":
-        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if key not in params:
-                raise ConfigError(f"llama3 rope scaling needs {key!r} in rope_parameters/rope_scaling")
-        kw.update(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
-                  high_freq_factor=float(params["high_freq_factor"]),
-                  original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    needed = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "linear": ("factor",)}.get(rope_type, ())
+    for key in needed:
+        if key not in params:
+            raise ConfigError(f"{rope_type} rope scaling needs {key!r} in rope_parameters/rope_scaling")
+        kw[key] = (int if key == "original_max_position_embeddings" else float)(params[key])
     prf = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     return RopeConfig(partial_rotary_factor=float(prf), **kw)
 
@@ -91,18 +108,11 @@ def _refuse_flag(hf: dict[str, Any], key: str, family: str) -> None:
         raise ConfigError(f"{family} config key {key}={hf[key]!r} is not supported")
 
 
-def parse_dense(family: Family, hf: dict[str, Any]) -> DecoderConfig:
-    """Llama-style dense decoders (llama, qwen3): SwiGLU MLP, RMSNorm, RoPE, GQA."""
-    for key in ("attention_bias", "mlp_bias"):
-        _refuse_flag(hf, key, family.name)
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"{family.name} config key hidden_act={act!r} is not supported (expected 'silu')")
-    if hf.get("use_sliding_window"):
-        raise ConfigError(f"{family.name} config key use_sliding_window=true is not supported yet")
+def _common(family: "Family", hf: dict[str, Any]) -> dict[str, Any]:
+    """The keys every decoder family shares."""
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
-    return DecoderConfig(
+    return dict(
         model_type=hf["model_type"],
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden,
@@ -112,8 +122,7 @@ def parse_dense(family: Family, hf: dict[str, Any]) -> DecoderConfig:
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or hidden // heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=read_rope(hf),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.tied_default)),
         qk_norm=family.qk_norm,
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         name=str(hf.get("_name_or_path", "") or ""),
@@ -123,21 +132,85 @@ def parse_dense(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     )
 
 
-_DENSE_LAYER = (
-    Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight"),
-    Tensor("layers.q_proj", "{p}layers.{i}.self_attn.q_proj.weight", transpose=True),
-    Tensor("layers.k_proj", "{p}layers.{i}.self_attn.k_proj.weight", transpose=True),
-    Tensor("layers.v_proj", "{p}layers.{i}.self_attn.v_proj.weight", transpose=True),
-    Tensor("layers.q_norm", "{p}layers.{i}.self_attn.q_norm.weight", when="qk_norm"),
-    Tensor("layers.k_norm", "{p}layers.{i}.self_attn.k_norm.weight", when="qk_norm"),
-    Tensor("layers.o_proj", "{p}layers.{i}.self_attn.o_proj.weight", transpose=True),
-    Tensor("layers.mlp_norm", "{p}layers.{i}.post_attention_layernorm.weight"),
+def _activation(hf: dict[str, Any], family: str, key: str) -> str:
+    act = hf.get(key, "silu")
+    names = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+    if act not in names:
+        raise ConfigError(f"{family} config key {key}={act!r} is not supported (supported: {', '.join(names)})")
+    return names[act]
+
+
+def parse_dense(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """Llama-style dense decoders (llama, qwen3, mistral): SwiGLU MLP, RMSNorm, RoPE, GQA."""
+    for key in ("attention_bias", "mlp_bias"):
+        _refuse_flag(hf, key, family.name)
+    kw = _common(family, hf)
+    window = hf.get("sliding_window") if family.sliding else None
+    if family.name == "qwen3" and hf.get("use_sliding_window"):
+        raise ConfigError("qwen3 config key use_sliding_window=true is not supported")
+    if window:
+        kw.update(layer_types=(SLIDING,) * kw["num_layers"], sliding_window=int(window))
+    return DecoderConfig(rope=read_rope(hf), hidden_act=_activation(hf, family.name, "hidden_act"), **kw)
+
+
+def parse_gemma(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """Gemma 2 and Gemma 3 text decoders: (1 + w) norms around attention and MLP, GELU-tanh, scaled
+    embeddings, query_pre_attn_scalar, soft-caps, sliding and full layers from `layer_types`."""
+    _refuse_flag(hf, "attention_bias", family.name)
+    _refuse_flag(hf, "use_bidirectional_attention", family.name)
+    kw = _common(family, hf)
+    types = hf.get("layer_types")
+    if types is None:   # older files: Gemma 2 alternates from a sliding first layer; Gemma 3 every 6th is full
+        period = int(hf.get("sliding_window_pattern", 2 if family.name == "gemma2" else 6))
+        types = [SLIDING if (i + 1) % period else FULL for i in range(kw["num_layers"])]
+    params = hf.get("rope_parameters") or {}
+    if FULL in params or SLIDING in params:       # transformers 5: one RoPE per layer type
+        rope, rope_sliding = read_rope(hf, dict(params.get(FULL) or {})), read_rope(hf, dict(params.get(SLIDING) or {}))
+    else:
+        rope = read_rope(hf)
+        local = hf.get("rope_local_base_freq")
+        rope_sliding = RopeConfig(theta=float(local)) if local is not None else None
+    return DecoderConfig(
+        rope=rope, rope_sliding=rope_sliding, layer_types=tuple(types),
+        sliding_window=int(hf.get("sliding_window") or 0),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0.0),
+        attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+        norm_offset=1.0, hidden_act=_activation(hf, family.name, "hidden_activation"), embed_scale=True,
+        sandwich_norms=True, **kw)
+
+
+# Slot names: "embed", "final_norm", "head" are whole tensors; "layers.*" are stacked over every layer,
+# "attn.*" over the attention layers (full and sliding), in layer order.
+_ATTN = (
+    Tensor("attn.q_proj", "{p}layers.{i}.self_attn.q_proj.weight", transpose=True),
+    Tensor("attn.k_proj", "{p}layers.{i}.self_attn.k_proj.weight", transpose=True),
+    Tensor("attn.v_proj", "{p}layers.{i}.self_attn.v_proj.weight", transpose=True),
+    Tensor("attn.q_norm", "{p}layers.{i}.self_attn.q_norm.weight", when="qk_norm"),
+    Tensor("attn.k_norm", "{p}layers.{i}.self_attn.k_norm.weight", when="qk_norm"),
+    Tensor("attn.o_proj", "{p}layers.{i}.self_attn.o_proj.weight", transpose=True),
+)
+_MLP = (
     Tensor("layers.gate_proj", "{p}layers.{i}.mlp.gate_proj.weight", transpose=True),
     Tensor("layers.up_proj", "{p}layers.{i}.mlp.up_proj.weight", transpose=True),
     Tensor("layers.down_proj", "{p}layers.{i}.mlp.down_proj.weight", transpose=True),
 )
-
-_DENSE_TOP = (
+_DENSE_LAYER = (
+    Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight"),
+    *_ATTN,
+    Tensor("layers.mlp_norm", "{p}layers.{i}.post_attention_layernorm.weight"),
+    *_MLP,
+)
+# Gemma's post_attention_layernorm follows the attention; its pre_feedforward_layernorm is the MLP's input norm.
+_GEMMA_LAYER = (
+    Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight"),
+    *_ATTN,
+    Tensor("layers.post_attn_norm", "{p}layers.{i}.post_attention_layernorm.weight"),
+    Tensor("layers.mlp_norm", "{p}layers.{i}.pre_feedforward_layernorm.weight"),
+    *_MLP,
+    Tensor("layers.post_mlp_norm", "{p}layers.{i}.post_feedforward_layernorm.weight"),
+)
+_TOP = (
     Tensor("embed", "{p}embed_tokens.weight"),
     Tensor("final_norm", "{p}norm.weight"),
     # A tied head has no slot: the logits contract the hidden axis of the embedding table itself.
@@ -145,8 +218,13 @@ _DENSE_TOP = (
 )
 
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", ("llama",), "model.", _DENSE_TOP + _DENSE_LAYER, qk_norm=False, parse=parse_dense),
-    Family("qwen3", ("qwen3",), "model.", _DENSE_TOP + _DENSE_LAYER, qk_norm=True, parse=parse_dense),
+    Family("llama", ("llama",), "model.", _TOP + _DENSE_LAYER, qk_norm=False, parse=parse_dense),
+    Family("qwen3", ("qwen3",), "model.", _TOP + _DENSE_LAYER, qk_norm=True, parse=parse_dense),
+    Family("mistral", ("mistral",), "model.", _TOP + _DENSE_LAYER, qk_norm=False, parse=parse_dense, sliding=True),
+    Family("gemma2", ("gemma2",), "model.", _TOP + _GEMMA_LAYER, qk_norm=False, parse=parse_gemma,
+           tied_default=True),
+    Family("gemma3_text", ("gemma3_text",), "model.", _TOP + _GEMMA_LAYER, qk_norm=True, parse=parse_gemma,
+           tied_default=True),
 )
 
 

@@ -22,11 +22,14 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...i,io->...o", x, w, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """x: [..., E] f32, w: [E] -> [..., E] f32 (Llama's RMSNorm: x / rms(x) * w)."""
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """x: [..., E] f32, w: [E] -> [..., E] f32: x / rms(x) * (offset + w).
+
+    offset 0 is Llama's norm; 1 is Gemma's (its weights are stored as w - 1, zero-centred).
+    """
     x = x.astype(jnp.float32)
     y = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return y * w.astype(jnp.float32)
+    return y * (offset + w.astype(jnp.float32))
 
 
 def embed(table: jax.Array, token_ids: jax.Array) -> jax.Array:
@@ -42,9 +45,25 @@ def tied_head(x: jax.Array, table: jax.Array) -> jax.Array:
                            preferred_element_type=jnp.float32)
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act: str = "silu") -> jax.Array:
+    """x: [..., E]; gate, up: [E, F]; down: [F, E] -> [..., E]: down(act(gate x) * up x).
+
+    act "silu" is SwiGLU (Llama, Qwen); "gelu_tanh" is GeGLU with the tanh GELU (Gemma).
+    """
+    return linear(ACTIVATIONS[act](linear(x, gate)) * linear(x, up), down)
+
+
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     """x: [..., E]; gate, up: [E, F]; down: [F, E] -> [..., E]."""
-    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
+    return gated_mlp(x, gate, up, down, "silu")
+
+
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(x / cap): bounds logits smoothly (Gemma 2); cap 0 leaves x as it is."""
+    return cap * jnp.tanh(x / cap) if cap else x
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -52,6 +71,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     rot = int(head_dim * rope.partial_rotary_factor)
     inv = (1.0 / (np.float32(rope.theta) ** (np.arange(0, rot, 2, dtype=np.int64).astype(np.float32) / rot)))
     inv = inv.astype(np.float32)
+    if rope.rope_type == "linear":
+        inv = (inv / np.float32(rope.factor)).astype(np.float32)
     if rope.rope_type == "llama3":
         old = rope.original_max_position_embeddings
         low_wavelen = old / rope.low_freq_factor
