@@ -134,7 +134,8 @@ def main(argv=None) -> None:
                 bufs = [engine.device.upload(inputs[k]) for k in ("token_ids", "positions", "block_tables",
                                                                   "seq_lens", "slot_mapping")]
                 pool = engine.device.upload(host_pool)
-                outs = engine.device.execute(exe, bufs + [pool] + engine.weights, donate=())
+                outs = engine.device.execute(exe, bufs + [pool] + [engine.weights[w.slot] for w in m.weights],
+                                             donate=())
                 host_pool = engine.device.to_host(outs[2])
                 nxt = engine.device.to_host(outs[1])
                 for buf in bufs + [pool] + outs:

@@ -37,6 +37,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-dtype", choices=["f32", "bf16"], default="f32", help="KV pool dtype (default f32)")
     ap.add_argument("--attention-block", type=int, default=2048,
                     help="key block of the blockwise attention loop, in positions (default 2048)")
+    ap.add_argument("--windowed-kv", choices=["true", "false"], default="true",
+                    help="sliding-window layers keep a ring of pages per sequence in their own pool (manifest v3; "
+                         "default true); false keeps every layer in the full-history pool (a v2 artifact)")
+    ap.add_argument("--window-blocks", type=int, default=None,
+                    help="pages in the windowed pool (default: a ring per sequence of the largest context that the "
+                         "full pool holds)")
     ap.add_argument("--platform", choices=["cpu", "cuda"], default="cpu",
                     help="platform the bodies are lowered for, one per artifact (default cpu)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -54,13 +60,16 @@ def main(argv=None) -> int:
                               prefill_chunk=args.prefill_chunk, block_size=args.block_size,
                               num_blocks=args.num_blocks, weight_dtype_name=dtypes[args.weight_dtype],
                               kv_dtype=dtypes[args.kv_dtype], attention_block=args.attention_block,
+                              windowed_kv=args.windowed_kv == "true", window_blocks=args.window_blocks,
                               platform=args.platform, progress=not args.quiet)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     wbytes = sum(w.nbytes for w in m.weights)
     print(f"wrote {args.out}: {len(m.entries)} entries, {len(m.weights)} weights ({wbytes / 2**20:.1f} MiB), "
-          f"KV pool {m.kv_pool.num_blocks} pages of {m.kv_pool.block_size} in {time.perf_counter() - t0:.1f} s")
+          f"pools {', '.join(f'{p.name} {p.num_blocks} pages' for p in m.pools)} of {m.block_size} tokens"
+          + (f", rings of {m.window.ring_pages} pages for window {m.window.window}" if m.window else "")
+          + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

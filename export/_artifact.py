@@ -17,9 +17,11 @@ from tqdm.auto import tqdm
 
 from tlaloc_jax import manifest as mf
 from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
-from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, pool_shapes
+from tlaloc_jax.config import SLIDING
+from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, pool_of, pool_shapes
+from tlaloc_jax.paging import ring_pages_for
 
-from ._entries import POOL_INPUT, POOL_OUTPUT, ExportError, entry_signature, export_entry, plan_entries
+from ._entries import POOL_ROLES, ExportError, Layout, entry_signature, export_entry, plan_entries
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json")
@@ -43,6 +45,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       prefill_max_batch: int | None = None, prefill_chunk: int | None = None,
                       block_size: int = 16, num_blocks: int | None = None, weight_dtype_name: str = "float32",
                       kv_dtype: str = "float32", attention_block: int = DEFAULT_KEY_BLOCK,
+                      windowed_kv: bool = True, window_blocks: int | None = None,
                       platform: str = "cpu", progress: bool = True) -> mf.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest.
 
@@ -50,6 +53,12 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     by prefill_max_batch, tokens per call by prefill_chunk), each a jax.export body with the KV pool
     donated; weights as raw little-endian files ([in, out] for linears); the tokenizer files copied in.
     The export needs no accelerator and loads no PJRT plugin; the same inputs give the same bytes.
+
+    A model with sliding-window layers gets the windowed KV pool (manifest v3) unless windowed_kv is
+    False: each sequence keeps a ring of ceil((window - 1 + N) / block_size) pages for those layers (N the
+    longest call: the prefill chunk, else the largest context), capped at a whole context's pages. The
+    windowed pool holds window_blocks pages (default: a ring for each sequence of the largest context
+    the full pool holds, capped at the full pool's pages).
     """
     batches = _ladder(batch_ladder, "batch ladder")
     contexts = _ladder(context_ladder, "context ladder")
@@ -77,15 +86,23 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         raise ExportError(f"output directory {str(out)!r} is not empty")
     out.mkdir(parents=True, exist_ok=True)
 
-    pool_shape = pool_shapes(cfg, num_blocks, block_size)["kv"]
+    windowed = windowed_kv and SLIDING in cfg.layer_types
+    ring = 0
+    if windowed:
+        ring = ring_pages_for(cfg.sliding_window, chunk or contexts[-1], block_size, pages_per_seq)
+        window_blocks = int(window_blocks or min(num_blocks, (num_blocks // pages_per_seq) * ring))
+        if window_blocks < ring:
+            raise ExportError(f"window_blocks {window_blocks} cannot hold one ring of {ring} pages")
+    shapes = pool_shapes(cfg, num_blocks, block_size, window_blocks if windowed else 0)
+    layout = Layout(shapes, kv_np.name, ring)
     specs = plan_entries(batches, contexts, prefill_max_batch, chunk)
-    slots = list(weights)
     entries = []
-    bar = tqdm(total=len(specs) + len(slots), desc="export", unit="item", disable=not progress)
+    bar = tqdm(total=len(specs) + len(weights), desc="export", unit="item", disable=not progress)
     for spec in specs:
         bar.set_postfix_str(spec.name)
-        inputs, outputs = entry_signature(cfg, spec, spec.context // block_size, weights, pool_shape, kv_np.name)
-        exp = export_entry(cfg, spec, inputs, outputs, slots, key_block=attention_block, platform=platform)
+        inputs, outputs, donations = entry_signature(cfg, spec, spec.context // block_size, weights, layout)
+        exp = export_entry(cfg, spec, inputs, outputs, donations, key_block=attention_block, ring_pages=ring,
+                           platform=platform)
         text = exp.mlir_module().encode()
         digest = hashlib.sha256(text).hexdigest()
         body = f"bodies/{digest}.mlir"
@@ -97,7 +114,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         entry = mf.Entry(name=spec.name, kind=spec.kind, batch=spec.batch, context=spec.context,
                          tokens_per_seq=spec.tokens_per_seq, body=body, body_sha256=digest, serialized=serialized,
                          serialized_sha256=ser_digest, program=f"programs/{spec.name}.json", inputs=tuple(inputs),
-                         outputs=tuple(outputs), donations=((POOL_OUTPUT, POOL_INPUT),),
+                         outputs=tuple(outputs), donations=donations,
                          kept_inputs=tuple(exp.module_kept_var_idx))
         _write(out / entry.program, (json.dumps({"entry": spec.name, "inputs": [s.__dict__ for s in inputs],
                                                  "outputs": [s.__dict__ for s in outputs]},
@@ -122,13 +139,20 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
             shutil.copyfile(src, out / name)
             tokenizer.append(name)
 
+    attn_layers = [i for i, t in enumerate(cfg.layer_types) if t in ("full_attention", SLIDING)]
+    pools = tuple(
+        mf.Pool(name=name, in_role=POOL_ROLES[name][0], out_role=POOL_ROLES[name][1],
+                layers=tuple(i for i in attn_layers if pool_of(cfg, cfg.layer_types[i], windowed) == name),
+                num_blocks=shape[2], dtype=kv_np.name, shape=tuple(shape))
+        for name, shape in shapes.items())
     m = mf.Manifest(
-        schema=mf.SCHEMA_V2,
+        schema=mf.SCHEMA_V3 if windowed else mf.SCHEMA_V2,
+        block_size=block_size, pools=pools,
+        window=mf.Window(window=cfg.sliding_window, ring_pages=ring) if windowed else None,
         model=mf.ModelShape(name=cfg.name or Path(checkpoint_dir).name, model_type=cfg.model_type,
                             layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                             head_dim=cfg.head_dim, hidden=cfg.hidden_size, vocab=cfg.vocab_size,
                             weight_dtype=weight_dtype_name, kv_dtype=kv_np.name, eos_token_ids=cfg.eos_token_ids),
-        kv_pool=mf.KvPool(num_blocks=num_blocks, block_size=block_size, dtype=kv_np.name, shape=tuple(pool_shape)),
         buckets=mf.Buckets(batch_ladder=batches, context_ladder=contexts, prefill_max_batch=prefill_max_batch,
                            prefill_chunk=chunk),
         entries=tuple(entries), weights=tuple(files),

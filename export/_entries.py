@@ -60,36 +60,69 @@ def check_custom_calls(name: str, mlir_text: str) -> None:
                           "plugins do not provide (a JAX-free runtime cannot compile it); write that step in plain ops")
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How an artifact's pools are laid out: the pools (name -> shape), the dtype, the ring size."""
+
+    pools: dict
+    kv_dtype: str
+    ring_pages: int = 0
+
+    def __hash__(self):
+        return hash((tuple(self.pools), self.kv_dtype, self.ring_pages))
+
+
+POOL_ROLES = {"kv": (mf.KV_POOL_IN, mf.KV_POOL_OUT), "window_kv": (mf.WINDOW_KV_POOL_IN, mf.WINDOW_KV_POOL_OUT)}
+
+
 def entry_signature(cfg: DecoderConfig, spec: EntrySpec, width: int, weights: dict[str, np.ndarray],
-                    pool_shape: tuple[int, ...], kv_dtype: str) -> tuple[list[mf.TensorSig], list[mf.TensorSig]]:
+                    layout: Layout) -> tuple[list[mf.TensorSig], list[mf.TensorSig], tuple[tuple[int, int], ...]]:
+    """(inputs, outputs, donations) of an entry: step inputs by role, the pools, then the weights."""
     B, T = spec.batch, spec.tokens_per_seq
     i32 = "int32"
-    inputs = [mf.TensorSig(mf.TOKEN_IDS, i32, (B, T)), mf.TensorSig(mf.POSITIONS, i32, (B, T)),
-              mf.TensorSig(mf.BLOCK_TABLES, i32, (B, width)), mf.TensorSig(mf.SEQ_LENS, i32, (B,)),
-              mf.TensorSig(mf.SLOT_MAPPING, i32, (B, T)), mf.TensorSig(mf.KV_POOL_IN, kv_dtype, pool_shape, "kv")]
+    shapes = {mf.TOKEN_IDS: (B, T), mf.POSITIONS: (B, T), mf.SEQ_LENS: (B,)}
+    if "kv" in layout.pools:
+        shapes.update({mf.BLOCK_TABLES: (B, width), mf.SLOT_MAPPING: (B, T)})
+    if "window_kv" in layout.pools:
+        shapes.update({mf.WINDOW_BLOCK_TABLES: (B, width), mf.WINDOW_SLOT_MAPPING: (B, T)})
+    inputs = [mf.TensorSig(role, i32, shapes[role]) for role in mf.STEP_ROLES if role in shapes]
+    outputs = [mf.TensorSig(mf.LOGITS, "float32", (B, cfg.vocab_size)), mf.TensorSig(mf.NEXT_TOKEN, i32, (B,))]
+    donations = []
+    for name, shape in layout.pools.items():
+        in_role, out_role = POOL_ROLES[name]
+        donations.append((len(outputs), len(inputs)))
+        inputs.append(mf.TensorSig(in_role, layout.kv_dtype, shape, name))
+        outputs.append(mf.TensorSig(out_role, layout.kv_dtype, shape, name))
     inputs += [mf.TensorSig(mf.WEIGHT, str(w.dtype), tuple(w.shape), slot) for slot, w in weights.items()]
-    outputs = [mf.TensorSig(mf.LOGITS, "float32", (B, cfg.vocab_size)), mf.TensorSig(mf.NEXT_TOKEN, i32, (B,)),
-               mf.TensorSig(mf.KV_POOL_OUT, kv_dtype, pool_shape, "kv")]
-    return inputs, outputs
+    return inputs, outputs, tuple(donations)
 
 
-POOL_INPUT = 5       # index of KV_POOL_IN in every entry's inputs
-POOL_OUTPUT = 2      # index of KV_POOL_OUT in every entry's outputs
-
-
-def _entry_fn(cfg: DecoderConfig, slots: list[str], key_block: int):
-    def entry(token_ids, positions, block_tables, seq_lens, slot_mapping, kv_pool, *weights):
-        inputs = StepInputs(token_ids, positions, block_tables, seq_lens, slot_mapping)
-        logits, pools = forward(cfg, dict(zip(slots, weights)), {"kv": kv_pool}, inputs, key_block=key_block)
+def _entry_fn(cfg: DecoderConfig, inputs: list[mf.TensorSig], outputs: list[mf.TensorSig], key_block: int,
+              ring_pages: int):
+    """The entry's function over its positional arguments, in signature order."""
+    def entry(*args):
+        step, pools, weights = {}, {}, {}
+        for sig, a in zip(inputs, args):
+            if sig.role in mf.STEP_FIELDS:
+                step[mf.STEP_FIELDS[sig.role]] = a
+            elif sig.role in mf.POOL_IN_ROLES:
+                pools[sig.slot] = a
+            else:
+                weights[sig.slot] = a
+        logits, pools = forward(cfg, weights, pools, StepInputs(**step), key_block=key_block, ring_pages=ring_pages)
         # The argmax rides along so a greedy caller need not pull the whole logits vector each step.
-        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), pools["kv"]
+        results = {mf.LOGITS: logits, mf.NEXT_TOKEN: jnp.argmax(logits, axis=-1).astype(jnp.int32)}
+        results.update({POOL_ROLES[name][1]: buf for name, buf in pools.items()})
+        return tuple(results[o.role] for o in outputs)
     return entry
 
 
 def export_entry(cfg: DecoderConfig, spec: EntrySpec, inputs: list[mf.TensorSig], outputs: list[mf.TensorSig],
-                 slots: list[str], *, key_block: int, platform: str) -> jax_export.Exported:
-    """jax.export one entry with the KV pool donated; checks the body against its signature."""
-    fn = jax.jit(_entry_fn(cfg, slots, key_block), donate_argnums=(POOL_INPUT,))
+                 donations: tuple[tuple[int, int], ...], *, key_block: int, ring_pages: int,
+                 platform: str) -> jax_export.Exported:
+    """jax.export one entry with its pools donated; checks the body against its signature."""
+    fn = jax.jit(_entry_fn(cfg, inputs, outputs, key_block, ring_pages),
+                 donate_argnums=tuple(i for _, i in donations))
     avals = [jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in inputs]
     # Source locations would put this checkout's file paths into the body; an artifact must not depend on them.
     limit = jax.config.jax_traceback_in_locations_limit
@@ -98,7 +131,7 @@ def export_entry(cfg: DecoderConfig, spec: EntrySpec, inputs: list[mf.TensorSig]
         exp = jax_export.export(fn, platforms=[platform])(*avals)
     finally:
         jax.config.update("jax_traceback_in_locations_limit", limit)
-    check_body(spec.name, exp, inputs, outputs)
+    check_body(spec.name, exp, inputs, outputs, donations)
     return exp
 
 
@@ -112,7 +145,8 @@ def _parse_tensor(t: str) -> tuple[str, tuple[int, ...]]:
     return _MLIR_DTYPES.get(parts[-1], parts[-1]), tuple(int(p) for p in parts[:-1])
 
 
-def check_body(name: str, exp: jax_export.Exported, inputs: list[mf.TensorSig], outputs: list[mf.TensorSig]) -> None:
+def check_body(name: str, exp: jax_export.Exported, inputs: list[mf.TensorSig], outputs: list[mf.TensorSig],
+               donations: tuple[tuple[int, int], ...] = ()) -> None:
     """The body's @main against the entry's signature: count, shapes, dtypes, kept args, the pool alias."""
     if tuple(exp.module_kept_var_idx) != tuple(range(len(inputs))):
         dropped = sorted(set(range(len(inputs))) - set(exp.module_kept_var_idx))
@@ -131,7 +165,7 @@ def check_body(name: str, exp: jax_export.Exported, inputs: list[mf.TensorSig], 
             raise ExportError(f"entry {name!r}: argument {i} ({sig.slot or sig.role}) is tensor<{tensor}> in the body, "
                               f"the signature says {sig.dtype}{list(sig.shape)}")
         alias = re.search(r"tf\.aliasing_output = (\d+)", attrs or "")
-        want = POOL_OUTPUT if sig.role == mf.KV_POOL_IN else None
+        want = next((o for o, i_ in donations if i_ == i), None)
         if (int(alias.group(1)) if alias else None) != want:
             raise ExportError(f"entry {name!r}: argument {i} ({sig.slot or sig.role}) has aliasing_output "
                               f"{alias.group(1) if alias else None}, expected {want}")

@@ -41,12 +41,15 @@ def visible_keys(key_pos: jax.Array, positions: jax.Array, seq_lens: jax.Array,
                  window: jax.Array) -> jax.Array:
     """Which keys each token sees.
 
-    key_pos: [N] int32; positions: [B, T] int32 (-1 = padding, sees nothing); seq_lens: [B] int32;
-    window: int32 scalar, <= 0 = no window. -> mask [B, T, N] bool:
-    key_pos <= position, key_pos < seq_len, and key_pos > position - window when windowed.
+    key_pos: [N] int32, or [B, N] when each row's keys sit at their own positions (a ring; a negative
+    position is a slot never written); positions: [B, T] int32 (-1 = padding, sees nothing);
+    seq_lens: [B] int32; window: int32 scalar, <= 0 = no window. -> mask [B, T, N] bool:
+    0 <= key_pos <= position, key_pos < seq_len, and key_pos > position - window when windowed.
     """
     pos = positions[:, :, None]
-    causal = (key_pos <= pos) & (key_pos < seq_lens[:, None, None])
+    if key_pos.ndim == 2:
+        key_pos = key_pos[:, None, :]
+    causal = (key_pos >= 0) & (key_pos <= pos) & (key_pos < seq_lens[:, None, None])
     in_window = (window <= 0) | (key_pos > pos - window)
     return causal & in_window
 

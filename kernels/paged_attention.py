@@ -61,7 +61,7 @@ _kv_cache_write.defjvp(_refuse_derivative("kv_cache_write"))
 
 def paged_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.Array, positions: jax.Array,
                     seq_lens: jax.Array, *, scale: float, window=None, soft_cap: float | None = None,
-                    key_block: int = 2048) -> jax.Array:
+                    key_block: int = 2048, ring: bool = False) -> jax.Array:
     """Attention of the call's tokens over their sequences' pages.
 
     q: [B, T, H, D]; kv_pool: [L, 2, P, S, K, D]; layer: int or int32 scalar; block_tables: [B, M] int32;
@@ -72,21 +72,31 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.A
 
     A call whose context M * S fits in key_block is scored in one pass; a longer one loops over key
     blocks of key_block positions (a multiple of S) with an online softmax.
+
+    ring: block_tables [B, R] is each row's ring of R pages (a sliding layer's windowed pool): logical
+    block b of the sequence lives on ring page b % R, so position p is written over p - R * S. Only the
+    ring's R * S slots are gathered and scored, in one pass: slot i holds the position
+    (L - 1) - ((L - 1 - i) mod (R * S)) of a row with L = seq_len keys, and is masked by that position as
+    above. The caller keeps every position a token needs in the ring: a call writing n tokens from p0
+    needs min(p0, W - 1) + n <= R * S.
     """
     page_size = kv_pool.shape[3]
     if key_block % page_size:
         raise ValueError(f"paged_attention: key_block {key_block} is not a multiple of the page size S = {page_size}")
-    return _paged_attention(scale, soft_cap, key_block, q, kv_pool, jnp.asarray(layer, jnp.int32), block_tables,
-                            positions, seq_lens, _window_array(window))
+    return _paged_attention(scale, soft_cap, key_block, ring, q, kv_pool, jnp.asarray(layer, jnp.int32),
+                            block_tables, positions, seq_lens, _window_array(window))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _paged_attention(scale, soft_cap, key_block, q, kv_pool, layer, block_tables, positions, seq_lens, window):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _paged_attention(scale, soft_cap, key_block, ring, q, kv_pool, layer, block_tables, positions, seq_lens,
+                     window):
     q = group_heads(q.astype(jnp.float32), kv_pool.shape[4])
     fold = functools.partial(_fold_pages, q=q, kv_pool=kv_pool, layer=layer, positions=positions,
                              seq_lens=seq_lens, window=window, scale=scale, soft_cap=soft_cap)
     M, page_size = block_tables.shape[1], kv_pool.shape[3]
-    if M * page_size <= key_block:
+    if ring:
+        state = fold(init_state(q), block_tables, ring_key_positions(seq_lens, M * page_size))
+    elif M * page_size <= key_block:
         state = fold(init_state(q), block_tables, 0)
     else:
         state = _blockwise(fold, init_state(q), block_tables, positions, seq_lens, window, key_block, page_size)
@@ -103,13 +113,27 @@ def _gather_pages(kv_pool: jax.Array, layer: jax.Array, pages: jax.Array) -> tup
     return (k.reshape(B, Mb * S, K, D).astype(jnp.float32), v.reshape(B, Mb * S, K, D).astype(jnp.float32))
 
 
-def _fold_pages(state, pages, first_key, *, q, kv_pool, layer, positions, seq_lens, window, scale, soft_cap):
-    """Fold the keys on `pages` ([B, M'], key positions first_key ..) into the softmax state of q [B, T, K, G, D].
+def ring_key_positions(seq_lens: jax.Array, n: int) -> jax.Array:
+    """The position each of a ring's n slots holds: [B] -> [B, n] int32 (negative: never written).
 
-    The pages are gathered once for the whole row: every token of the row scores the same keys.
+    Slot i holds the latest position congruent to i mod n that is below the row's seq_len L.
+    """
+    last = seq_lens[:, None].astype(jnp.int32) - 1
+    return last - jnp.mod(last - jnp.arange(n, dtype=jnp.int32), n)
+
+
+def _fold_pages(state, pages, first_key, *, q, kv_pool, layer, positions, seq_lens, window, scale, soft_cap):
+    """Fold the keys on `pages` ([B, M']) into the softmax state of q [B, T, K, G, D].
+
+    first_key: the position of the first key (consecutive positions follow), or [B, M' * S] positions
+    per row (a ring). The pages are gathered once for the whole row: every token of the row scores the
+    same keys.
     """
     k, v = _gather_pages(kv_pool, layer, pages)
-    key_pos = first_key + jnp.arange(k.shape[1], dtype=jnp.int32)
+    if jnp.ndim(first_key) == 2:
+        key_pos = first_key
+    else:
+        key_pos = first_key + jnp.arange(k.shape[1], dtype=jnp.int32)
     mask = visible_keys(key_pos, positions, seq_lens, window)
     return fold_block(state, block_scores(q, k, scale=scale, soft_cap=soft_cap), mask, v)
 

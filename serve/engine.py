@@ -17,7 +17,9 @@ call on the smallest decode entry that holds them. New requests join between ste
 
 A request reserves the pages for its prompt and all its new tokens when it is admitted, so a live
 sequence never runs out of pages and is never preempted: a request that does not fit is refused
-(RequestRefused, kind "pool_exhausted") and may be sent again once other sequences end.
+(RequestRefused, kind "pool_exhausted") and may be sent again once other sequences end. With a windowed
+pool (manifest v3) a sequence also holds a ring of at most ring_pages pages for its sliding layers,
+whatever its length, and a piece of prompt is split so that each call fits the ring.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from tlaloc_jax import manifest as mf
-from tlaloc_jax.paging import PageAllocator, PoolExhausted, RowCall, build_step_inputs, pages_for
+from tlaloc_jax.paging import PageAllocator, PoolExhausted, RowCall, build_step_inputs, pages_for, ring_call_limit
 
 from .pjrt import Buffer, Device, Executable
 from .sampling import GREEDY, Sampling, sample
@@ -41,7 +43,6 @@ log = logging.getLogger("tlaloc_jax.serve")
 
 DEFAULT_CACHE_DIR = Path("~/.cache/tlaloc-jax/executables")
 ADDRESS_CHECK_RUNS = 100
-_STEP_KEYS = ("token_ids", "positions", "block_tables", "seq_lens", "slot_mapping")
 
 
 class RequestRefused(ValueError):
@@ -75,9 +76,11 @@ class _Seq:
     stop: frozenset[int]
     sampling: Sampling
     rng: np.random.Generator
-    pages: list[int]
+    pages: list[int] | None          # full-history pages (None: the model has no full-history pool)
+    ring: list[int]                  # windowed pages (empty without a windowed pool)
     arrival: float
     prefilled: int = 0
+    first_scheduled: float | None = None     # when the first call that reads this sequence started
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
@@ -118,19 +121,22 @@ class Engine:
             raise mf.ManifestError(f"artifact was exported for {m.versions.platform}, the plugin "
                                    f"{self.device.plugin_path} is {self.device.platform_name}")
         self.donate = donate
-        self.block_size = m.kv_pool.block_size
+        self.block_size = m.block_size
+        self.ring_pages = m.window.ring_pages if m.window else 0
         self.vocab = m.model.vocab
         self.max_context = max(m.buckets.context_ladder)
         self.refused = {r.token_id: r.config_key for r in m.refused_tokens}
         self.executables: dict[str, Executable] = {}
         try:
             self._compile_all(progress)
-            self.weights = [self._upload_weight(w) for w in m.weights]
-            self.pool: Buffer = self.device.upload(np.zeros(m.kv_pool.shape, m.kv_pool.dtype))
+            self.weights = {w.slot: self._upload_weight(w) for w in m.weights}
+            self.pools: dict[str, Buffer] = {p.name: self.device.upload(np.zeros(p.shape, _np_dtype(p.dtype)))
+                                             for p in m.pools}
         except BaseException:
             self.device.close()
             raise
-        self.allocator = PageAllocator(m.kv_pool.num_blocks, "KV")
+        self.allocators = {p.name: PageAllocator(p.num_blocks, {"kv": "KV", "window_kv": "windowed KV"}[p.name])
+                           for p in m.pools}
         self._seqs: dict[str, _Seq] = {}
         self._ids = itertools.count()
         self._runs = 0
@@ -140,11 +146,11 @@ class Engine:
                            pool_address_checks=0, pool_in_place=0, logits_pulled=0,
                            executions_by_entry={}, batch_sizes={})
         self.load_seconds = time.perf_counter() - t0
-        log.info("loaded %s: %d entries (%s), weights %.1f MiB, KV pool %.1f MiB (%d pages of %d), %.1f s",
+        log.info("loaded %s: %d entries (%s), weights %.1f MiB, pools %.1f MiB (%s; pages of %d), %.1f s",
                  self.artifact_dir, len(self.executables),
                  ", ".join(f"{k}: {v}" for k, v in self.compile_report().items()),
-                 self.weight_bytes / 2**20, self.pool_bytes / 2**20, m.kv_pool.num_blocks, self.block_size,
-                 self.load_seconds)
+                 self.weight_bytes / 2**20, self.pool_bytes / 2**20,
+                 ", ".join(f"{p.name} {p.num_blocks} pages" for p in m.pools), self.block_size, self.load_seconds)
 
     @classmethod
     def load(cls, artifact_dir: str | Path, plugin: str | None = None, **kwargs) -> "Engine":
@@ -176,7 +182,7 @@ class Engine:
 
     @property
     def pool_bytes(self) -> int:
-        return int(np.prod(self.manifest.kv_pool.shape)) * mf.DTYPE_BYTES[self.manifest.kv_pool.dtype]
+        return sum(int(np.prod(p.shape)) * mf.DTYPE_BYTES[p.dtype] for p in self.manifest.pools)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -188,19 +194,27 @@ class Engine:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._seqs:
                 raise RequestRefused("bad_request", f"request id {rid!r} is already in use")
-            try:
-                pages = self.allocator.alloc(pages_for(len(prompt) + max_new_tokens - 1, self.block_size))
-            except PoolExhausted as e:
-                raise RequestRefused("pool_exhausted", f"{e}; {len(self.active_requests())} sequences hold pages; "
-                                                       "retry after one ends") from None
+            pages, ring = self._reserve(pages_for(len(prompt) + max_new_tokens - 1, self.block_size))
         except RequestRefused:
             self._stats["requests_refused"] += 1
             raise
         s = sampling or GREEDY
         self._seqs[rid] = _Seq(rid, prompt, int(max_new_tokens), frozenset(int(t) for t in stop_token_ids), s,
-                               np.random.default_rng(s.seed), pages, time.perf_counter())
+                               np.random.default_rng(s.seed), pages, ring, time.perf_counter())
         return rid
 
+    def _reserve(self, blocks: int) -> tuple[list[int] | None, list[int]]:
+        """Pages for a sequence of `blocks` blocks: full-history pages and a ring; all or nothing."""
+        got: dict[str, list[int]] = {}
+        try:
+            for name, alloc in self.allocators.items():
+                got[name] = alloc.alloc(min(blocks, self.ring_pages) if name == "window_kv" else blocks)
+        except PoolExhausted as e:
+            for name, pages in got.items():
+                self.allocators[name].free(pages)
+            raise RequestRefused("pool_exhausted", f"{e}; {len(self.active_requests())} sequences hold pages; "
+                                                   "retry after one ends") from None
+        return got.get("kv"), got.get("window_kv", [])
     def _check_prompt(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise RequestRefused("bad_request", f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -253,8 +267,11 @@ class Engine:
     def _finish(self, s: _Seq, reason: str, error: str | None = None) -> None:
         s.finish_reason = reason
         s.error = error
-        self.allocator.free(s.pages)
-        s.pages = []
+        if s.pages:
+            self.allocators["kv"].free(s.pages)
+        if s.ring:
+            self.allocators["window_kv"].free(s.ring)
+        s.pages, s.ring = [], []
         self._stats["requests_failed" if reason == "error" else "requests_finished"] += 1
 
     # -- scheduling ------------------------------------------------------------------------------
@@ -273,6 +290,8 @@ class Engine:
         """(start, length) of the next piece of the prompt this sequence prefills."""
         start = s.prefilled
         cap = self.manifest.buckets.prefill_chunk or self.max_context
+        if self.ring_pages:
+            cap = min(cap, ring_call_limit(start, self.manifest.window.window, self.ring_pages, self.block_size))
         return start, min(len(s.prompt) - start, cap)
 
     def _plan(self) -> list[_Call]:
@@ -289,14 +308,15 @@ class Engine:
             if group:
                 ends = [self._chunk(x) for x in group]
                 entry = self._pick("prefill", len(group), max(a + n for a, n in ends), max(n for _, n in ends))
-                rows = tuple(RowCall(x.prompt[a:a + n], a, x.pages) for x, (a, n) in zip(group, ends))
+                rows = tuple(RowCall(x.prompt[a:a + n], a, x.pages, x.ring) for x, (a, n) in zip(group, ends))
                 calls.append(_Call(entry, tuple(group), rows))
             group = [s] if s is not None else []
         decoding = [s for s in self._seqs.values() if s.decoding]
         max_batch = max(e.batch for e in self._entries("decode"))
         for i in range(0, len(decoding), max_batch):
             part = decoding[i:i + max_batch]
-            rows = tuple(RowCall([s.generated[-1]], len(s.prompt) + len(s.generated) - 1, s.pages) for s in part)
+            rows = tuple(RowCall([s.generated[-1]], len(s.prompt) + len(s.generated) - 1, s.pages, s.ring)
+                         for s in part)
             entry = self._pick("decode", len(part), max(r.start + 1 for r in rows), 1)
             calls.append(_Call(entry, tuple(part), rows))
         return calls
@@ -305,6 +325,10 @@ class Engine:
         """Run one scheduling step; returns the tokens produced (and the requests that failed)."""
         events: list[StepEvent] = []
         for call in self._plan():
+            now = time.perf_counter()
+            for s in call.seqs:
+                if s.first_scheduled is None:
+                    s.first_scheduled = now
             events.extend(self._run_call(call))
         if events:
             self._stats["steps"] += 1
@@ -313,7 +337,8 @@ class Engine:
     def _run_call(self, call: _Call) -> list[StepEvent]:
         e = call.entry
         inputs = build_step_inputs(call.rows, batch=e.batch, tokens=e.tokens_per_seq,
-                                   width=e.context // self.block_size, block_size=self.block_size)
+                                   width=e.context // self.block_size, block_size=self.block_size,
+                                   ring_pages=self.ring_pages)
         want_logits = any(not s.sampling.greedy for s in call.seqs)
         try:
             next_ids, logits = self._execute(e, inputs, want_logits)
@@ -349,34 +374,47 @@ class Engine:
 
     def _execute(self, e: mf.Entry, inputs: dict[str, np.ndarray], want_logits: bool):
         exe = self.executables[e.name]
-        step_bufs = [self.device.upload(inputs[k]) for k in _STEP_KEYS]
-        pool = self.pool
         check = self._runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
-        before = self.device.device_address(pool) if check else None
-        args = step_bufs + [pool] + self.weights
+        args: list[Buffer] = []
+        uploaded: list[Buffer] = []
+        pool_args: dict[int, str] = {}
+        for i, sig in enumerate(e.inputs):
+            if sig.role in mf.STEP_FIELDS:
+                buf = self.device.upload(inputs[mf.STEP_FIELDS[sig.role]])
+                uploaded.append(buf)
+            elif sig.role in mf.POOL_IN_ROLES:
+                buf = self.pools[sig.slot]
+                pool_args[i] = sig.slot
+            else:
+                buf = self.weights[sig.slot]
+            args.append(buf)
+        before = {name: self.device.device_address(self.pools[name]) for name in pool_args.values()} if check else {}
         try:
-            outs = self.device.execute(exe, args, donate={5} if self.donate else ())
+            outs = self.device.execute(exe, args, donate=set(pool_args) if self.donate else ())
         finally:
-            for b in step_bufs:
+            for b in uploaded:
                 b.close()
-        logits_buf, next_buf, new_pool = (outs[e.output_index(r)] for r in (mf.LOGITS, mf.NEXT_TOKEN, mf.KV_POOL_OUT))
-        if not self.donate:
-            pool.close()          # the control path: the updated pool is a new buffer
-        self.pool = new_pool
+        for out_i, in_i in e.donations:
+            name = pool_args[in_i]
+            if not self.donate:
+                self.pools[name].close()      # the control path: the updated pool is a new buffer
+            self.pools[name] = outs[out_i]
         self._runs += 1
         self._stats["executions"] += 1
         by = self._stats["executions_by_entry"]
         by[e.name] = by.get(e.name, 0) + 1
         if check:
-            after = self.device.device_address(new_pool)
             self._entries_checked.add(e.name)
+            moved = {n: (a, self.device.device_address(self.pools[n])) for n, a in before.items()}
+            moved = {n: ab for n, ab in moved.items() if ab[0] != ab[1]}
             self._stats["pool_address_checks"] += 1
-            self._stats["pool_in_place"] += int(after == before)
-            if after == before:
-                log.debug("run %d (%s): KV pool updated in place at %#x", self._runs, e.name, after)
+            self._stats["pool_in_place"] += int(not moved)
+            if moved:
+                log.warning("run %d (%s): pools moved (copied, not donated): %s", self._runs, e.name,
+                            ", ".join(f"{n} {a:#x} -> {b:#x}" for n, (a, b) in moved.items()))
             else:
-                log.warning("run %d (%s): KV pool moved from %#x to %#x (copied, not donated)", self._runs,
-                            e.name, before, after)
+                log.debug("run %d (%s): pools updated in place", self._runs, e.name)
+        logits_buf, next_buf = outs[e.output_index(mf.LOGITS)], outs[e.output_index(mf.NEXT_TOKEN)]
         next_ids = self.device.to_host(next_buf)
         logits = None
         if want_logits:
@@ -413,8 +451,11 @@ class Engine:
     def stats(self) -> dict:
         st = dict(self._stats, executions_by_entry=dict(self._stats["executions_by_entry"]),
                   batch_sizes=dict(self._stats["batch_sizes"]))
-        st.update(pages_in_use=self.allocator.pages_in_use, pages_free=self.allocator.free_pages,
-                  num_pages=self.allocator.num_pages, active_requests=len(self.active_requests()),
+        kv = self.allocators.get("kv") or self.allocators["window_kv"]
+        st.update(pages_in_use=kv.pages_in_use, pages_free=kv.free_pages, num_pages=kv.num_pages,
+                  pools={n: dict(pages_in_use=a.pages_in_use, pages_free=a.free_pages, num_pages=a.num_pages)
+                         for n, a in self.allocators.items()},
+                  active_requests=len(self.active_requests()),
                   weight_bytes=self.weight_bytes, pool_bytes=self.pool_bytes, entries=len(self.executables),
                   compile=self.compile_report(), load_seconds=self.load_seconds, donate=self.donate)
         return st

@@ -49,7 +49,7 @@ def _run_body(art: Path, entry: mf.Entry, args):
 @pytest.mark.parametrize("name", ["llama", "qwen3-tied"])
 def test_bodies_match_the_in_process_decoder(name, checkpoints, artifacts):
     m, art = artifacts[name]
-    model = tlaloc_jax.load_hf(checkpoints[name], block_size=m.kv_pool.block_size)
+    model = tlaloc_jax.load_hf(checkpoints[name], block_size=m.block_size)
     weights = [jnp.asarray(model.weights[w.slot]) for w in m.weights]
     rng = np.random.default_rng(0)
     for entry in m.entries:
@@ -61,10 +61,10 @@ def test_bodies_match_the_in_process_decoder(name, checkpoints, artifacts):
             if entry.kind == "decode":
                 n = 1
             start = min(start, entry.context - n)
-            pages = alloc.alloc(pages_for(start + n, m.kv_pool.block_size))
+            pages = alloc.alloc(pages_for(start + n, m.block_size))
             rows.append(RowCall(rng.integers(0, m.model.vocab, n).tolist(), start, pages))
         inputs = build_step_inputs(rows, batch=entry.batch, tokens=entry.tokens_per_seq,
-                                   width=entry.context // m.kv_pool.block_size, block_size=m.kv_pool.block_size)
+                                   width=entry.context // m.block_size, block_size=m.block_size)
         pool = rng.standard_normal(m.kv_pool.shape).astype(np.float32)
         want_logits, want_pools = model.step({"kv": jnp.asarray(pool)}, inputs)
         logits, nxt, kv = _run_body(art, entry, [jnp.asarray(inputs[k]) for k in
@@ -136,7 +136,7 @@ def test_manifest_refusals_name_the_fault(artifacts, tmp_path):
     _, art = artifacts["llama"]
     cases = [
         (lambda r: r.update(schema="tlaloc-serving-v9"), r"unknown manifest schema version 'tlaloc-serving-v9'"),
-        (lambda r: r["kv_pool"].pop("block_size"), r"missing field manifest\.kv_pool\.block_size"),
+        (lambda r: r["pools"][0].pop("num_blocks"), r"missing field manifest\.pools\[0\]\.num_blocks"),
         (lambda r: r["entries"][0].update(body_sha256="0" * 64), r"entry 'decode_b1_c32' body .* has sha256"),
         (lambda r: r["weights"][1].update(file="../../etc/passwd"), r"weight 'final_norm' path '\.\./\.\./etc/passwd' "
                                                                      r"leaves the artifact directory"),

@@ -7,6 +7,9 @@ the wrong byte length and any path that leaves the artifact directory.
 
 Changelog:
   tlaloc-serving-v2: full-history KV pool (one buffer, layers stacked), decode and prefill entries.
+  tlaloc-serving-v3: adds the windowed KV pool: sliding layers keep a ring of pages per sequence
+    (`window`: the window and the ring size; pool "window_kv" with roles WINDOW_BLOCK_TABLES,
+    WINDOW_SLOT_MAPPING, WINDOW_KV_POOL_IN/OUT).
 """
 
 from __future__ import annotations
@@ -15,22 +18,31 @@ import dataclasses
 import hashlib
 import json
 import os
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "tlaloc-serving.json"
 SCHEMA_V2 = "tlaloc-serving-v2"
-SUPPORTED_SCHEMAS = (SCHEMA_V2,)
+SCHEMA_V3 = "tlaloc-serving-v3"
+SUPPORTED_SCHEMAS = (SCHEMA_V2, SCHEMA_V3)
 
 # Input roles (docs/glossary.md) and output roles.
 TOKEN_IDS, POSITIONS, BLOCK_TABLES, SEQ_LENS, SLOT_MAPPING = (
     "TOKEN_IDS", "POSITIONS", "BLOCK_TABLES", "SEQ_LENS", "SLOT_MAPPING")
+WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING = "WINDOW_BLOCK_TABLES", "WINDOW_SLOT_MAPPING"
 KV_POOL_IN, KV_POOL_OUT, WEIGHT = "KV_POOL_IN", "KV_POOL_OUT", "WEIGHT"
+WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT = "WINDOW_KV_POOL_IN", "WINDOW_KV_POOL_OUT"
 LOGITS, NEXT_TOKEN = "LOGITS", "NEXT_TOKEN"
-STEP_ROLES = (TOKEN_IDS, POSITIONS, BLOCK_TABLES, SEQ_LENS, SLOT_MAPPING)
-INPUT_ROLES = STEP_ROLES + (KV_POOL_IN, WEIGHT)
-OUTPUT_ROLES = (LOGITS, NEXT_TOKEN, KV_POOL_OUT)
+# The integer inputs of a call, by role, and the StepInputs field each one is.
+STEP_FIELDS = {TOKEN_IDS: "token_ids", POSITIONS: "positions", BLOCK_TABLES: "block_tables",
+               SEQ_LENS: "seq_lens", SLOT_MAPPING: "slot_mapping", WINDOW_BLOCK_TABLES: "window_block_tables",
+               WINDOW_SLOT_MAPPING: "window_slot_mapping"}
+STEP_ROLES = tuple(STEP_FIELDS)
+POOL_IN_ROLES = (KV_POOL_IN, WINDOW_KV_POOL_IN)
+INPUT_ROLES = STEP_ROLES + POOL_IN_ROLES + (WEIGHT,)
+OUTPUT_ROLES = (LOGITS, NEXT_TOKEN, KV_POOL_OUT, WINDOW_KV_POOL_OUT)
 
 # Element sizes of the dtypes an artifact may hold (names as numpy/ml_dtypes spell them).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int8": 1, "uint8": 1}
@@ -92,11 +104,24 @@ class WeightFile:
 
 
 @dataclass(frozen=True)
-class KvPool:
+class Pool:
+    """A device-resident pool class: its layers stacked, donated to every entry that takes it."""
+
+    name: str                      # "kv" (full-history pages) | "window_kv" (the sliding layers' rings)
+    in_role: str
+    out_role: str
+    layers: tuple[int, ...]        # the model layers whose keys and values it holds, in stack order
     num_blocks: int
-    block_size: int
     dtype: str
-    shape: tuple[int, ...]         # [L, 2, P, S, K, D]
+    shape: tuple[int, ...]         # [L', 2, P, S, K, D]
+
+
+@dataclass(frozen=True)
+class Window:
+    """The windowed pool's geometry (v3): each sequence holds a ring of at most ring_pages pages."""
+
+    window: int
+    ring_pages: int
 
 
 @dataclass(frozen=True)
@@ -143,13 +168,23 @@ class Versions:
 class Manifest:
     schema: str
     model: ModelShape
-    kv_pool: KvPool
+    block_size: int
+    pools: tuple[Pool, ...]
     buckets: Buckets
     entries: tuple[Entry, ...]
     weights: tuple[WeightFile, ...]
     versions: Versions
     refused_tokens: tuple[RefusedToken, ...] = ()
     tokenizer_files: tuple[str, ...] = ()
+    window: Window | None = None
+
+    def pool(self, name: str) -> Pool | None:
+        return next((p for p in self.pools if p.name == name), None)
+
+    @property
+    def kv_pool(self) -> Pool | None:
+        """The full-history pool (None when every attention layer is in the windowed pool)."""
+        return self.pool("kv")
 
     def entry(self, name: str) -> Entry:
         for e in self.entries:
@@ -190,6 +225,10 @@ def _build(cls, raw: Any, where: str):
             kwargs[name] = _build(_FIELD_TYPES[cls][name], raw[name], f"{where}.{name}")
         return cls(**kwargs)
     origin = getattr(cls, "__origin__", None)
+    if type(cls) is types.UnionType:       # X | None
+        if raw is None:
+            return None
+        return _build(next(a for a in cls.__args__ if a is not type(None)), raw, where)
     if origin is tuple:
         if not isinstance(raw, list):
             raise ManifestError(f"{where} must be a list")
@@ -209,7 +248,7 @@ def _build(cls, raw: Any, where: str):
 def _resolve_types():
     import typing
     out = {}
-    for cls in (TensorSig, Entry, WeightFile, KvPool, ModelShape, Buckets, RefusedToken, Versions, Manifest):
+    for cls in (TensorSig, Entry, WeightFile, Pool, Window, ModelShape, Buckets, RefusedToken, Versions, Manifest):
         out[cls] = typing.get_type_hints(cls)
     return out
 
@@ -284,6 +323,18 @@ def _nbytes(dtype: str, shape: tuple[int, ...], what: str) -> int:
 
 def _check_consistency(m: Manifest) -> None:
     """Cross-field checks that need no files: weight sizes, roles, donations, pool shapes."""
+    if (m.schema == SCHEMA_V3) != (m.window is not None and m.pool("window_kv") is not None):
+        raise ManifestError(f"schema {m.schema} " + ("needs a window and a window_kv pool" if m.schema == SCHEMA_V3
+                                                     else "has no windowed pool, but the manifest describes one"))
+    pools_by_role = {}
+    for p in m.pools:
+        if p.in_role not in POOL_IN_ROLES or p.out_role not in OUTPUT_ROLES:
+            raise ManifestError(f"pool {p.name!r} has unknown roles {p.in_role}/{p.out_role}")
+        if len(p.shape) != 6 or p.shape[0] != len(p.layers) or p.shape[2] != p.num_blocks \
+                or p.shape[3] != m.block_size:
+            raise ManifestError(f"pool {p.name!r} shape {list(p.shape)} does not match its layers, "
+                                f"num_blocks and the block size")
+        pools_by_role[p.in_role] = p
     slots = {}
     for w in m.weights:
         if w.nbytes != _nbytes(w.dtype, w.shape, f"weight {w.slot!r}"):
@@ -303,9 +354,11 @@ def _check_consistency(m: Manifest) -> None:
                 if (w.dtype, tuple(w.shape)) != (sig.dtype, tuple(sig.shape)):
                     raise ManifestError(f"entry {e.name!r} takes weight {sig.slot!r} as {sig.dtype}{list(sig.shape)}, "
                                         f"the weight table has {w.dtype}{list(w.shape)}")
-            if sig.role == KV_POOL_IN and tuple(sig.shape) != tuple(m.kv_pool.shape):
-                raise ManifestError(f"entry {e.name!r} KV pool input shape {list(sig.shape)} differs from the "
-                                    f"manifest's kv_pool {list(m.kv_pool.shape)}")
+            if sig.role in POOL_IN_ROLES:
+                p = pools_by_role.get(sig.role)
+                if p is None or (sig.dtype, tuple(sig.shape)) != (p.dtype, tuple(p.shape)):
+                    raise ManifestError(f"entry {e.name!r} input {sig.role} {sig.dtype}{list(sig.shape)} differs "
+                                        f"from the manifest's pool {p.name if p else None!r}")
         for sig in e.outputs:
             if sig.role not in OUTPUT_ROLES:
                 raise ManifestError(f"entry {e.name!r} output has unknown role {sig.role!r}")

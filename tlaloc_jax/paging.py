@@ -60,19 +60,34 @@ def pages_for(length: int, block_size: int) -> int:
 
 @dataclass(frozen=True)
 class RowCall:
-    """One sequence's part of a call: its new tokens, the position of the first, and the pages it holds."""
+    """One sequence's part of a call: its new tokens, the position of the first, the pages it holds, and
+    (with a windowed pool) its ring of windowed pages."""
 
     token_ids: Sequence[int]
     start: int
-    pages: Sequence[int]
+    pages: Sequence[int] | None     # None: the model keeps no full-history pages (every layer windowed)
+    ring: Sequence[int] = ()
+
+
+def ring_pages_for(window: int, longest_call: int, block_size: int, max_pages: int) -> int:
+    """Ring size: the pages that hold a window plus the longest call, capped at a whole context's pages."""
+    return min(pages_for(window - 1 + longest_call, block_size), max_pages)
+
+
+def ring_call_limit(start: int, window: int, ring_pages: int, block_size: int) -> int:
+    """The most tokens one call may write from position `start` without overwriting a position that a
+    token of the call still sees: ringPages * blockSize - min(start, window - 1)."""
+    return ring_pages * block_size - min(start, window - 1)
 
 
 def build_step_inputs(rows: Sequence[RowCall], *, batch: int, tokens: int, width: int,
-                      block_size: int) -> dict[str, np.ndarray]:
+                      block_size: int, ring_pages: int = 0) -> dict[str, np.ndarray]:
     """The integer inputs of one call (docs/glossary.md roles), rows right-aligned, unused rows empty.
 
     batch B, tokens T, width M (block-table entries). Returns int32 arrays keyed by the StepInputs field
-    names: token_ids [B, T], positions [B, T], block_tables [B, M], seq_lens [B], slot_mapping [B, T].
+    names: token_ids [B, T], positions [B, T], block_tables [B, M], seq_lens [B], slot_mapping [B, T];
+    with ring_pages R > 0 also window_block_tables [B, M] (entry b: ring page b % R) and
+    window_slot_mapping [B, T].
     """
     if len(rows) > batch:
         raise ValueError(f"{len(rows)} sequences do not fit a call of batch {batch}")
@@ -81,23 +96,38 @@ def build_step_inputs(rows: Sequence[RowCall], *, batch: int, tokens: int, width
     slots = np.full((batch, tokens), -1, np.int32)
     tables = np.zeros((batch, width), np.int32)
     seq_lens = np.zeros((batch,), np.int32)
+    wtables = np.zeros((batch, width), np.int32)
+    wslots = np.full((batch, tokens), -1, np.int32)
     for b, row in enumerate(rows):
         n = len(row.token_ids)
         if n > tokens:
             raise ValueError(f"row {b} has {n} tokens, the call takes {tokens}")
         end = row.start + n
-        if pages_for(end, block_size) > len(row.pages):
-            raise ValueError(f"row {b} reaches position {end - 1} but holds {len(row.pages)} pages of {block_size}")
         if pages_for(end, block_size) > width:
             raise ValueError(f"row {b} reaches position {end - 1}, past the call's context of {width * block_size}")
         pos = np.arange(row.start, end, dtype=np.int64)
-        # A sequence may hold pages past this call's context (reserved for later tokens): the call's
-        # block table names only the first `width`.
-        pages = np.asarray(row.pages[:width], np.int64)
         token_ids[b, tokens - n:] = row.token_ids
         positions[b, tokens - n:] = pos
-        slots[b, tokens - n:] = pages[pos // block_size] * block_size + pos % block_size
-        tables[b, :len(pages)] = pages
         seq_lens[b] = end
-    return dict(token_ids=token_ids, positions=positions, block_tables=tables, seq_lens=seq_lens,
-                slot_mapping=slots)
+        if row.pages is not None:
+            if pages_for(end, block_size) > len(row.pages):
+                raise ValueError(f"row {b} reaches position {end - 1} but holds {len(row.pages)} pages of {block_size}")
+            # A sequence may hold pages past this call's context (reserved for later tokens): the call's
+            # block table names only the first `width`.
+            pages = np.asarray(row.pages[:width], np.int64)
+            slots[b, tokens - n:] = pages[pos // block_size] * block_size + pos % block_size
+            tables[b, :len(pages)] = pages
+        if ring_pages:
+            ring = np.asarray(row.ring, np.int64)
+            if len(ring) < min(ring_pages, pages_for(end, block_size)):
+                raise ValueError(f"row {b} reaches position {end - 1} but its ring holds {len(ring)} pages")
+            if len(ring):
+                # Entries past the ring's pages are never written for this row; repeating a ring page keeps
+                # them in range (they are masked by position).
+                wtables[b] = ring[np.minimum(np.arange(width) % ring_pages, len(ring) - 1)]
+                wslots[b, tokens - n:] = ring[(pos // block_size) % ring_pages] * block_size + pos % block_size
+    out = dict(token_ids=token_ids, positions=positions, block_tables=tables, seq_lens=seq_lens,
+               slot_mapping=slots)
+    if ring_pages:
+        out.update(window_block_tables=wtables, window_slot_mapping=wslots)
+    return out
