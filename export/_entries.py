@@ -109,6 +109,9 @@ def _entry_fn(cfg: DecoderConfig, inputs: list[mf.TensorSig], outputs: list[mf.T
                 pools[sig.slot] = a
             else:
                 weights[sig.slot] = a
+        # A model whose every attention layer is windowed keeps no full-history pages: no tables for them.
+        step.setdefault("block_tables", None)
+        step.setdefault("slot_mapping", None)
         logits, pools = forward(cfg, weights, pools, StepInputs(**step), key_block=key_block, ring_pages=ring_pages)
         # The argmax rides along so a greedy caller need not pull the whole logits vector each step.
         results = {mf.LOGITS: logits, mf.NEXT_TOKEN: jnp.argmax(logits, axis=-1).astype(jnp.int32)}

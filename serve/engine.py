@@ -15,11 +15,11 @@ entry's tokens per sequence takes several calls, each on the smallest entry whos
 last position), then runs one decode token for every sequence that was already generating, in one
 call on the smallest decode entry that holds them. New requests join between steps.
 
-A request reserves the pages for its prompt and all its new tokens when it is admitted, so a live
-sequence never runs out of pages and is never preempted: a request that does not fit is refused
-(RequestRefused, kind "pool_exhausted") and may be sent again once other sequences end. With a windowed
-pool (manifest v3) a sequence also holds a ring of at most ring_pages pages for its sliding layers,
-whatever its length, and a piece of prompt is split so that each call fits the ring.
+A request reserves the pages for its prompt and all its new tokens when it is admitted and takes them
+as it grows, so a live sequence never runs out of pages and is never preempted: a request that does not
+fit is refused (RequestRefused, kind "pool_exhausted") and may be sent again once other sequences end.
+With a windowed pool (manifest v3) a sequence also holds a ring of at most ring_pages pages for its
+sliding layers, whatever its length, and a piece of prompt is split so that each call fits the ring.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ class _Seq:
     rng: np.random.Generator
     pages: list[int] | None          # full-history pages (None: the model has no full-history pool)
     ring: list[int]                  # windowed pages (empty without a windowed pool)
+    reserved: dict[str, int]         # pages promised to the sequence and not yet taken, per pool
     arrival: float
     prefilled: int = 0
     first_scheduled: float | None = None     # when the first call that reads this sequence started
@@ -194,27 +195,42 @@ class Engine:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._seqs:
                 raise RequestRefused("bad_request", f"request id {rid!r} is already in use")
-            pages, ring = self._reserve(pages_for(len(prompt) + max_new_tokens - 1, self.block_size))
+            reserved = self._reserve(pages_for(len(prompt) + max_new_tokens - 1, self.block_size))
         except RequestRefused:
             self._stats["requests_refused"] += 1
             raise
         s = sampling or GREEDY
         self._seqs[rid] = _Seq(rid, prompt, int(max_new_tokens), frozenset(int(t) for t in stop_token_ids), s,
-                               np.random.default_rng(s.seed), pages, ring, time.perf_counter())
+                               np.random.default_rng(s.seed), [] if "kv" in self.allocators else None, [],
+                               reserved, time.perf_counter())
         return rid
 
-    def _reserve(self, blocks: int) -> tuple[list[int] | None, list[int]]:
-        """Pages for a sequence of `blocks` blocks: full-history pages and a ring; all or nothing."""
-        got: dict[str, list[int]] = {}
+    def _need(self, name: str, blocks: int) -> int:
+        return min(blocks, self.ring_pages) if name == "window_kv" else blocks
+
+    def _reserve(self, blocks: int) -> dict[str, int]:
+        """Promise a sequence of `blocks` blocks its full-history pages and its ring; all or nothing."""
+        got: dict[str, int] = {}
         try:
             for name, alloc in self.allocators.items():
-                got[name] = alloc.alloc(min(blocks, self.ring_pages) if name == "window_kv" else blocks)
+                alloc.reserve(self._need(name, blocks))
+                got[name] = self._need(name, blocks)
         except PoolExhausted as e:
-            for name, pages in got.items():
-                self.allocators[name].free(pages)
+            for name, n in got.items():
+                self.allocators[name].unreserve(n)
             raise RequestRefused("pool_exhausted", f"{e}; {len(self.active_requests())} sequences hold pages; "
                                                    "retry after one ends") from None
-        return got.get("kv"), got.get("window_kv", [])
+        return got
+
+    def _grow(self, s: _Seq, end: int) -> None:
+        """Take, from the sequence's reservation, the pages its positions up to `end` reach."""
+        blocks = pages_for(end, self.block_size)
+        for name, held in (("kv", s.pages), ("window_kv", s.ring)):
+            if name in self.allocators and held is not None:
+                n = self._need(name, blocks) - len(held)
+                if n > 0:
+                    held.extend(self.allocators[name].alloc(n, reserved=True))
+                    s.reserved[name] -= n
     def _check_prompt(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise RequestRefused("bad_request", f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -271,7 +287,9 @@ class Engine:
             self.allocators["kv"].free(s.pages)
         if s.ring:
             self.allocators["window_kv"].free(s.ring)
-        s.pages, s.ring = [], []
+        for name, n in s.reserved.items():
+            self.allocators[name].unreserve(n)
+        s.pages, s.ring, s.reserved = ([] if s.pages is not None else None), [], {}
         self._stats["requests_failed" if reason == "error" else "requests_finished"] += 1
 
     # -- scheduling ------------------------------------------------------------------------------
@@ -336,6 +354,8 @@ class Engine:
 
     def _run_call(self, call: _Call) -> list[StepEvent]:
         e = call.entry
+        for s, row in zip(call.seqs, call.rows):
+            self._grow(s, row.start + len(row.token_ids))
         inputs = build_step_inputs(call.rows, batch=e.batch, tokens=e.tokens_per_seq,
                                    width=e.context // self.block_size, block_size=self.block_size,
                                    ring_pages=self.ring_pages)

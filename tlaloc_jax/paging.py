@@ -17,7 +17,12 @@ class PoolExhausted(RuntimeError):
 
 
 class PageAllocator:
-    """A free list over the P pages of one pool. Pages are handed out lowest first (deterministic)."""
+    """A free list over the P pages of one pool. Pages are handed out lowest first (deterministic).
+
+    A caller can reserve pages without taking them (`reserve`), then take them as a sequence grows
+    (`alloc(n, reserved=True)`): the pages a sequence will need are promised at admission, so it never
+    runs short later, while it holds only the pages it has reached.
+    """
 
     def __init__(self, num_pages: int, name: str = "kv"):
         if num_pages <= 0:
@@ -26,20 +31,38 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest page
         self._held: set[int] = set()
+        self.reserved = 0
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages neither held nor promised."""
+        return len(self._free) - self.reserved
 
     @property
     def pages_in_use(self) -> int:
         return len(self._held)
 
-    def alloc(self, n: int) -> list[int]:
-        """n pages, or PoolExhausted (naming the pool) with nothing allocated."""
-        if n > len(self._free):
-            raise PoolExhausted(f"{self.name} pool exhausted: {n} pages needed, {len(self._free)} of "
-                                f"{self.num_pages} free")
+    def _refuse(self, n: int) -> None:
+        raise PoolExhausted(f"{self.name} pool exhausted: {n} pages needed, {self.free_pages} of "
+                            f"{self.num_pages} free")
+
+    def reserve(self, n: int) -> None:
+        """Promise n pages, or PoolExhausted with nothing promised."""
+        if n > self.free_pages:
+            self._refuse(n)
+        self.reserved += n
+
+    def unreserve(self, n: int) -> None:
+        if not 0 <= n <= self.reserved:
+            raise ValueError(f"pool {self.name!r}: cannot release {n} of {self.reserved} reserved pages")
+        self.reserved -= n
+
+    def alloc(self, n: int, reserved: bool = False) -> list[int]:
+        """n pages (out of an earlier reservation when reserved), or PoolExhausted with nothing allocated."""
+        if reserved:
+            self.unreserve(n)
+        elif n > self.free_pages:
+            self._refuse(n)
         pages = [self._free.pop() for _ in range(n)]
         self._held.update(pages)
         return pages

@@ -1,0 +1,159 @@
+"""Sliding-window models end to end: the windowed KV pool (rings, manifest v3) against full-history pages."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export as jax_export
+
+import tlaloc_jax
+from hf_models import build_checkpoint, load_hf_torch, torch_greedy
+from tlaloc_jax import manifest as mf
+from tlaloc_jax.decoder import StepInputs, forward, init_pools
+from tlaloc_jax.export import export_checkpoint
+from tlaloc_jax.paging import PageAllocator, RowCall, build_step_inputs, pages_for, ring_call_limit
+from tlaloc_jax.serve import Engine
+
+WINDOW, S, CHUNK = 8, 8, 16
+LADDER = dict(batch_ladder=(1, 4), context_ladder=(32, 96), block_size=S, prefill_chunk=CHUNK, progress=False)
+PROMPTS = [[5, 17, 99, 3, 250, 8, 61], [(i * 37 + 11) % 256 for i in range(41)],
+           [7, 7, 7, 1, 2, 3, 200, 100, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43], [9] * 25]
+FAMILIES = {"mistral": dict(seed=41), "gemma2": dict(seed=42, tied=True), "gemma3_text": dict(seed=43, tied=True)}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("executables")
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    ck = build_checkpoint(root / "ck", request.param, **FAMILIES[request.param])
+    windowed = export_checkpoint(ck, root / "windowed", **LADDER)
+    full = export_checkpoint(ck, root / "full", windowed_kv=False, **LADDER)
+    return request.param, ck, (windowed, root / "windowed"), (full, root / "full")
+
+
+def test_manifests(family):
+    _, _, (w, _), (f, _) = family
+    assert w.schema == mf.SCHEMA_V3 and f.schema == mf.SCHEMA_V2
+    assert w.window.window == WINDOW and w.window.ring_pages == pages_for(WINDOW - 1 + CHUNK, S) == 3
+    win = w.pool("window_kv")
+    assert set(win.layers) == {i for i, t in enumerate(tlaloc_jax.load_hf(family[1]).config.layer_types)
+                               if t == "sliding_attention"}
+    assert f.pool("window_kv") is None and f.window is None
+
+
+def test_runtime_gives_transformers_ids_alone_and_four_together(family, cache_dir):
+    _, ck, (_, art), _ = family
+    ref = load_hf_torch(ck)
+    want = [torch_greedy(ref, p, 16)[0] for p in PROMPTS]
+    with Engine.load(art, cache_dir=cache_dir, progress=False) as eng:
+        assert [eng.generate([p], 16)[0] for p in PROMPTS] == want
+        assert eng.generate(PROMPTS, 16) == want
+        assert eng.stats()["pool_in_place"] == eng.stats()["pool_address_checks"]
+
+
+def _deserialize(art, entry):
+    return jax_export.deserialize(bytearray((art / entry.body.replace(".mlir", ".exported")).read_bytes()))
+
+
+def _args(m: mf.Manifest, entry: mf.Entry, inputs, pools, weights):
+    out = []
+    for sig in entry.inputs:
+        if sig.role in mf.STEP_FIELDS:
+            out.append(jnp.asarray(inputs[mf.STEP_FIELDS[sig.role]]))
+        elif sig.role in mf.POOL_IN_ROLES:
+            out.append(pools[sig.slot])
+        else:
+            out.append(weights[sig.slot])
+    return out
+
+
+def test_windowed_and_full_artifacts_agree_over_several_windows(family):
+    """The same calls (chunks of 5, then decode steps, 70 positions) through both artifacts' bodies.
+    Free pages and ring slots outside the window hold NaN: the outputs stay finite."""
+    _, ck, (wm, wart), (fm, fart) = family
+    model = tlaloc_jax.load_hf(ck, block_size=S)
+    weights = {k: jnp.asarray(v) for k, v in model.weights.items()}
+    pools = {name: {p.name: jnp.full(p.shape, jnp.nan, jnp.float32) for p in m.pools} for name, m in
+             (("w", wm), ("f", fm))}
+    full_alloc, ring_alloc = PageAllocator(fm.kv_pool.num_blocks), PageAllocator(wm.pool("window_kv").num_blocks)
+    pages, ring = full_alloc.alloc(96 // S), ring_alloc.alloc(wm.window.ring_pages)
+    tokens = [(i * 13 + 5) % 256 for i in range(70)]
+    p0, worst, calls = 0, 0.0, 0
+    while p0 < len(tokens):
+        n = 5 if p0 < 40 else 1
+        kind = "prefill" if n > 1 else "decode"
+        ctx = 32 if p0 + n <= 32 else 96
+        results = {}
+        for key, m, art in (("w", wm, wart), ("f", fm, fart)):
+            entry = m.entry(f"{kind}_b1_c{ctx}")
+            inputs = build_step_inputs([RowCall(tokens[p0:p0 + n], p0, pages, ring)], batch=1,
+                                       tokens=entry.tokens_per_seq, width=ctx // S, block_size=S,
+                                       ring_pages=m.window.ring_pages if m.window else 0)
+            outs = _deserialize(art, entry).call(*_args(m, entry, inputs, pools[key], weights))
+            for (o, _), p in zip(entry.donations, m.pools):
+                pools[key][entry.outputs[o].slot] = outs[o]
+            results[key] = np.asarray(outs[0])
+        assert np.isfinite(results["w"]).all() and np.isfinite(results["f"]).all()
+        worst = max(worst, np.abs(results["w"] - results["f"]).max() / np.abs(results["f"]).max())
+        p0 += n
+        calls += 1
+    assert calls > 30 and worst <= 1e-6, worst
+
+
+def _in_process(cfg, weights, tokens, call, ring_pages, override_first=None):
+    """Logits after feeding `tokens` in calls of `call` through the decoder; ring_pages 0: full-history."""
+    full_pages = list(range(pages_for(len(tokens), S)))
+    ring = [20 + i for i in range(max(ring_pages, 1))]
+    pools = init_pools(cfg, 64, S, window_blocks=64 if ring_pages else 0)
+    pools = {k: jnp.full_like(v, jnp.nan) for k, v in pools.items()}
+    step = jax.jit(lambda p, i: forward(cfg, weights, p, i, ring_pages=ring_pages))
+    p0 = 0
+    while p0 < len(tokens):
+        n = min(override_first if (override_first and p0 > 0) else call, len(tokens) - p0)
+        width = 96 // S
+        inputs = build_step_inputs([RowCall(tokens[p0:p0 + n], p0, full_pages, ring[:ring_pages] if ring_pages else ())],
+                                   batch=1, tokens=n, width=width, block_size=S, ring_pages=ring_pages)
+        logits, pools = step(pools, StepInputs(**{k: jnp.asarray(v) for k, v in inputs.items()}))
+        p0 += n
+    return np.asarray(logits)
+
+
+def test_controls_ring_one_page_short_and_call_one_token_too_long(tmp_path):
+    ck = build_checkpoint(tmp_path / "ck", "mistral", seed=41)
+    model = tlaloc_jax.load_hf(ck, block_size=S)
+    cfg, weights = model.config, model.weights
+    tokens = [(i * 13 + 5) % 256 for i in range(60)]
+    R = pages_for(WINDOW - 1 + 6, S)
+    full = _in_process(cfg, weights, tokens, 6, 0)
+    scale = np.abs(full).max()
+    assert np.abs(_in_process(cfg, weights, tokens, 6, R) - full).max() <= 1e-6 * scale
+    assert np.abs(_in_process(cfg, weights, tokens, 6, R - 1) - full).max() > 1e-3 * scale
+    limit = ring_call_limit(WINDOW, WINDOW, R, S)     # past the first window
+    assert np.abs(_in_process(cfg, weights, tokens, 6, R, override_first=limit) - full).max() <= 1e-6 * scale
+    assert np.abs(_in_process(cfg, weights, tokens, 6, R, override_first=limit + 1) - full).max() > 1e-3 * scale
+
+
+def test_a_sequence_ten_windows_long_holds_only_its_ring(family, cache_dir):
+    name, ck, (wm, art), _ = family
+    if name != "gemma2":
+        pytest.skip("one family is enough for the allocator check")
+    R = wm.window.ring_pages
+    with Engine.load(art, cache_dir=cache_dir, progress=False) as eng:
+        rid = eng.add_request([3, 1, 4, 1, 5], max_new_tokens=76)      # 80 positions: 10 windows
+        held_full, held_ring = [], []
+        while eng.has_unfinished():
+            eng.step()
+            st = eng.stats()["pools"]
+            held_full.append(st["kv"]["pages_in_use"])
+            held_ring.append(st["window_kv"]["pages_in_use"])
+        assert max(held_ring) == R                      # the ring stops growing at R pages ...
+        growing = held_full[:-1]                        # ... while the full pages follow the sequence
+        assert growing == sorted(growing) and growing[0] == 1 and growing[-1] == pages_for(80, S) == 10
+        assert held_full[-1] == 0 and held_ring[-1] == 0  # all freed when it ended
+        assert len(eng.output(rid)) == 76
