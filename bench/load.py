@@ -1,0 +1,151 @@
+"""Load test of the HTTP server: requests/s, time to first token and inter-token latency at 1, 4 and 16 clients.
+
+    python bench/load.py                     # exports the tests' tiny model into a temp dir and serves it
+    python bench/load.py ARTIFACT_DIR [--requests-per-client 8] [--max-tokens 32] [--clients 1,4,16]
+
+Starts `python -m tlaloc_jax.serve` on a free loopback port (nothing leaves 127.0.0.1), then for each
+level runs that many clients, each sending its requests one after another: streaming completions of
+token-id prompts at temperature 0 with ignore_eos, so every request generates exactly --max-tokens
+tokens. Times are measured by the clients (TTFT: request sent to the first token's chunk; ITL: between
+a request's consecutive token chunks). Bounded: clients x requests-per-client requests per level, each
+with a timeout. Prints a Markdown table and the server's batch statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tiny_artifact(out: Path) -> Path:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_models import build_checkpoint
+    from tokenizers_util import EOS, VOCAB, write_tokenizer
+
+    from tlaloc_jax.export import export_checkpoint
+
+    ck = build_checkpoint(out / "ck", "llama", seed=31, vocab_size=VOCAB, eos_token_id=EOS)
+    write_tokenizer(ck)
+    export_checkpoint(ck, out / "artifact", batch_ladder=(1, 4, 8), context_ladder=(32, 64), block_size=8,
+                      prefill_chunk=16, prefill_max_batch=4, num_blocks=128, progress=False)
+    return out / "artifact"
+
+
+def _metrics(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+    """-> (ttft, inter-token gaps, tokens) of one streaming request."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}
+    t0 = time.perf_counter()
+    times, tokens = [], 0
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                n = len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+                if n:
+                    times.append(time.perf_counter())
+                    tokens += n
+    return times[0] - t0, list(np.diff(times)), tokens
+
+
+async def _level(url: str, clients: int, per_client: int, max_tokens: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(1, 250, size=int(rng.integers(4, 17)))]
+               for _ in range(clients * per_client)]
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+        async def client(i):
+            return [await _one(http, prompts[i * per_client + k], max_tokens) for k in range(per_client)]
+        t0 = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(client(i) for i in range(clients))) for r in rs]
+        wall = time.perf_counter() - t0
+    ttft = np.array([r[0] for r in results]) * 1e3
+    itl = np.array([g for r in results for g in r[1]]) * 1e3
+    tokens = sum(r[2] for r in results)
+    return dict(clients=clients, requests=len(results), wall=wall, rps=len(results) / wall, tps=tokens / wall,
+                ttft=np.percentile(ttft, [50, 90, 99]), itl=np.percentile(itl, [50, 90, 99]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("artifact", nargs="?", help="artifact directory (default: export the tests' tiny model)")
+    ap.add_argument("--clients", default="1,4,16", help="concurrency levels (default 1,4,16)")
+    ap.add_argument("--requests-per-client", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=None, help="passed to the server")
+    ap.add_argument("--plugin", default=None, help="passed to the server")
+    args = ap.parse_args(argv)
+    levels = [int(x) for x in args.clients.split(",")]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        artifact = Path(args.artifact) if args.artifact else _tiny_artifact(Path(tmp))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "tlaloc_jax.serve", str(artifact), "--host", "127.0.0.1", "--port", str(port),
+               "--log-level", "warning", "--cache-dir", str(Path(tmp) / "cache")]
+        cmd += ["--max-batch", str(args.max_batch)] if args.max_batch else []
+        cmd += ["--plugin", args.plugin] if args.plugin else []
+        log = open(Path(tmp) / "server.log", "wb")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    print((Path(tmp) / "server.log").read_text()[-3000:], file=sys.stderr)
+                    return 1
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("server did not start")
+                time.sleep(0.2)
+            asyncio.run(_level(url, 2, 2, args.max_tokens, seed=99))      # warm-up: first calls, allocations
+            print(f"artifact {artifact}; streaming completions of {args.max_tokens} tokens, "
+                  f"{args.requests_per_client} requests per client, loopback\n")
+            print("| clients | requests | req/s | tokens/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) "
+                  "| mean batch | executions / sequence-step |")
+            print("|---|---|---|---|---|---|---|---|")
+            for c in levels:
+                before = _metrics(url)
+                r = asyncio.run(_level(url, c, args.requests_per_client, args.max_tokens, seed=c))
+                after = _metrics(url)
+                calls = after["tlaloc_batch_size_count"] - before["tlaloc_batch_size_count"]
+                rows = after["tlaloc_batch_size_sum"] - before["tlaloc_batch_size_sum"]
+                print(f"| {c} | {r['requests']} | {r['rps']:.1f} | {r['tps']:.0f} | "
+                      f"{' / '.join(f'{x:.1f}' for x in r['ttft'])} | {' / '.join(f'{x:.2f}' for x in r['itl'])} | "
+                      f"{rows / calls:.2f} | {calls / rows:.2f} |", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

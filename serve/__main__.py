@@ -1,0 +1,98 @@
+"""python -m tlaloc_jax.serve ARTIFACT_DIR [--host 127.0.0.1] [--port 8000] [--plugin PATH] [--max-batch N] [--api-key KEY]"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m tlaloc_jax.serve",
+        description="Serve an artifact written by `python -m tlaloc_jax.export` over an OpenAI-compatible HTTP API "
+                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics), without JAX.")
+    ap.add_argument("artifact", help="artifact directory (tlaloc-serving.json, bodies, weights, tokenizer files)")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default 127.0.0.1, loopback only; 0.0.0.0 listens on every interface)")
+    ap.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    ap.add_argument("--plugin", default=None,
+                    help="PJRT plugin library (default: the CPU plugin of lammps-jax-pjrt-cpu)")
+    ap.add_argument("--max-batch", type=_positive, default=None,
+                    help="most sequences running at once; later requests wait for a slot (default: the largest "
+                         "decode batch of the artifact)")
+    ap.add_argument("--api-key", default=os.environ.get("TLALOC_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TLALOC_API_KEY, else no key)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the model id of /v1/models and the 'model' field (default: the manifest's model name)")
+    ap.add_argument("--max-body-bytes", type=_positive, default=None,
+                    help="largest request body in bytes (default 1 MiB); larger ones are answered 413")
+    ap.add_argument("--cache-dir", default=None,
+                    help="compiled-executable cache (default ~/.cache/tlaloc-jax/executables; 'none' to disable)")
+    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    args = ap.parse_args(argv)
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("tlaloc_jax.serve")
+
+    import prometheus_client
+    import uvicorn
+
+    from tlaloc_jax.manifest import ManifestError
+
+    from . import http
+    from .engine import DEFAULT_CACHE_DIR, Engine
+
+    cache_dir = DEFAULT_CACHE_DIR if args.cache_dir is None else None if args.cache_dir == "none" else args.cache_dir
+    prometheus_client.disable_created_metrics()     # no *_created series: they are noise to a scraper
+    try:
+        engine = Engine.load(args.artifact, args.plugin, cache_dir=cache_dir, progress=False)
+    except (ManifestError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        app = http.create_app(engine, model_name=args.served_model_name, api_key=args.api_key,
+                              max_batch=args.max_batch,
+                              max_body_bytes=args.max_body_bytes or http.DEFAULT_MAX_BODY_BYTES)
+        server = app.state.server
+        if not _is_loopback(args.host) and not args.api_key:
+            log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
+                        args.host)
+        log.info("serving %r from %s on http://%s:%d (max batch %d, KV pool %d pages of %d, context %d, %s)",
+                 server.model_name, args.artifact, args.host, args.port, server.loop.max_running,
+                 engine.stats()["num_pages"], engine.block_size, engine.max_context,
+                 "tokenizer" if server.tokenizer else "no tokenizer: token ids only")
+        srv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                            timeout_graceful_shutdown=5))
+        try:
+            srv.run()
+        except KeyboardInterrupt:   # uvicorn re-raises Ctrl-C after its graceful shutdown
+            pass
+    finally:
+        engine.close()
+    return 0 if srv.started else 1      # not started: the port could not be bound
+
+
+if __name__ == "__main__":
+    sys.exit(main())
