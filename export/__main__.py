@@ -20,8 +20,11 @@ def main(argv=None) -> int:
         description="Export a Hugging Face checkpoint (config.json + safetensors) as a serving artifact: "
                     "tlaloc-serving.json, one StableHLO body per (kind, batch, context) entry with the KV pool "
                     "donated, raw weight files and the tokenizer files.")
-    ap.add_argument("checkpoint", help="checkpoint directory (config.json, model.safetensors or sharded files)")
-    ap.add_argument("out", help="artifact directory to write (must be empty or absent)")
+    ap.add_argument("paths", nargs="+", metavar="CHECKPOINT_DIR OUT_DIR",
+                    help="checkpoint directory (config.json, model.safetensors or sharded files) and the artifact "
+                         "directory to write (must be empty or absent); with --demo, OUT_DIR alone")
+    ap.add_argument("--demo", action="store_true",
+                    help="export the embedded model (tlaloc_jax/demo_model, trained by python -m tlaloc_jax.train)")
     ap.add_argument("--batch-ladder", type=_ints, default=[1, 2, 4], help="decode batch buckets (default 1,2,4)")
     ap.add_argument("--context-ladder", type=_ints, default=[64, 256, 1024],
                     help="context buckets in positions, multiples of the block size (default 64,256,1024)")
@@ -47,6 +50,13 @@ def main(argv=None) -> int:
                     help="platform the bodies are lowered for, one per artifact (default cpu)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
+    if len(args.paths) != (1 if args.demo else 2):
+        ap.error("expected OUT_DIR with --demo, else CHECKPOINT_DIR OUT_DIR")
+    if args.demo:
+        from tlaloc_jax.demo import DEMO_MODEL
+        args.checkpoint, args.out = str(DEMO_MODEL), args.paths[0]
+    else:
+        args.checkpoint, args.out = args.paths
 
     from . import ExportError, export_checkpoint
     from tlaloc_jax.checkpoint import CheckpointError

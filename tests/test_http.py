@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from hf_models import build_checkpoint
+from import_guard import guarded
 from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.serve import Engine, Sampling
 from tokenizers_util import EOS, IMAGE, VOCAB, build_tokenizer, write_tokenizer
@@ -34,21 +35,14 @@ BODY_LIMIT = 65536
 STOP = [EOS]            # the checkpoint's eos: the server stops on it, so the oracle does too
 GOOD = [5, 17, 99, 3, 250, 8, 61]
 
-SERVE = textwrap.dedent("""
-    import importlib.abc, sys
-    BANNED = {"jax", "jaxlib", "flax", "torch", "transformers"}
-    class Guard(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in BANNED:
-                raise ImportError(f"the serving path imported {name}")
-    sys.meta_path.insert(0, Guard())
+SERVE = guarded(textwrap.dedent("""
     from tlaloc_jax.serve.__main__ import main
     rc = main(sys.argv[1:])
     leaked = BANNED & {m.split(".")[0] for m in sys.modules}
     if leaked:
         print(f"the serving path imported {sorted(leaked)}", file=sys.stderr)
     sys.exit(rc or (3 if leaked else 0))
-""")
+"""))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hf_models import build_checkpoint, load_hf_torch, torch_greedy
+from import_guard import guarded
 from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.serve import Engine, RequestRefused, Sampling
 
@@ -217,20 +218,14 @@ def test_second_load_uses_the_compile_cache(llama, tmp_path):
         assert st["weight_bytes"] > 0 and st["pool_bytes"] == 2 * 3 * 2 * 32 * 8 * 2 * 16 * 4 // 2
 
 
-GUARD = textwrap.dedent("""
-    import importlib.abc, json, sys
-    BANNED = {"jax", "jaxlib", "flax", "torch", "transformers"}
-    class Guard(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in BANNED:
-                raise ImportError(f"the serving path imported {name}")
-    sys.meta_path.insert(0, Guard())
+GUARD = guarded(textwrap.dedent("""
+    import json
     from tlaloc_jax.serve import Engine
     with Engine.load(sys.argv[1], cache_dir=sys.argv[2], progress=False) as eng:
         ids = eng.generate(json.loads(sys.argv[3]), 16)
     assert not BANNED & {m.split(".")[0] for m in sys.modules}
     print(json.dumps(ids))
-""")
+"""))
 
 
 def test_serving_path_imports_no_jax_torch_or_transformers(llama, llama_engine, cache_dir):
