@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from tlaloc_jax import manifest as mf
 from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
-from tlaloc_jax.config import SLIDING
+from tlaloc_jax.config import LINEAR, SLIDING
 from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, pool_of, pool_shapes
 from tlaloc_jax.paging import ring_pages_for
 
@@ -81,6 +81,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     if sys.byteorder != "little":
         raise ExportError("weight files are raw little-endian; exporting from a big-endian host is not supported")
     cfg, weights = load_checkpoint(checkpoint_dir, weight_dtype_name)
+    if LINEAR in cfg.layer_types:
+        raise ExportError(f"{cfg.model_type} has linear-attention (Gated DeltaNet) layers, whose state pools need "
+                          "manifest v4 (STATE_SLOTS, state pool roles), which is not built yet")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"output directory {str(out)!r} is not empty")

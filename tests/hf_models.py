@@ -15,6 +15,11 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32, "rope_theta": 10000.0}
 
 
+# Gated DeltaNet dims: 2 key heads of 16, each read by 2 value heads of 8 (Dk != Dv, GQA-like grouping),
+# so a swapped axis or a wrong interleave shows.
+LINEAR_DIMS = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                   linear_value_head_dim=8, linear_conv_kernel_dim=4)
+
 # Small windows so that prompts and generations span several windows.
 FAMILY_DEFAULTS = {
     "mistral": dict(sliding_window=8),
@@ -25,6 +30,18 @@ FAMILY_DEFAULTS = {
                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                             "rope_theta": 100000.0},
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # 3 linear : 1 full. Qwen3-Next dense (num_experts 0), one period; Qwen3.5 two periods, so the scan's
+    # per-period pool indexing is exercised.
+    "qwen3_next": dict(num_hidden_layers=4, num_experts=0, **LINEAR_DIMS),
+    "qwen3_5_text": dict(num_hidden_layers=8, **LINEAR_DIMS),
+    "qwen3_5": dict(num_hidden_layers=4, **LINEAR_DIMS),
+}
+
+# A multimodal checkpoint's config: the decoder's keys under text_config, a minimal vision tower beside it.
+NESTED = {
+    "qwen3_5": dict(vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64,
+                                       num_position_embeddings=16, patch_size=4),
+                    image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253),
 }
 
 CLASSES = {
@@ -33,6 +50,9 @@ CLASSES = {
     "mistral": lambda: (transformers.MistralConfig, transformers.MistralForCausalLM),
     "gemma2": lambda: (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3_text": lambda: (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "qwen3_next": lambda: (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+    "qwen3_5_text": lambda: (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+    "qwen3_5": lambda: (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
 }
 
 
@@ -44,6 +64,8 @@ def build_checkpoint(out_dir: Path, model_type: str = "llama", *, seed: int = 0,
     if rope is not None:
         kw["rope_parameters"] = rope
     cls_cfg, cls_model = CLASSES[model_type]()
+    if model_type in NESTED:
+        kw = dict(NESTED[model_type], text_config=kw, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     config = cls_cfg(**kw)
     model = cls_model(config).eval()

@@ -12,7 +12,7 @@ import numpy as np
 from safetensors import safe_open
 
 from .config import ConfigError, DecoderConfig
-from .families import Family, config_from_hf, stack_layers
+from .families import Family, Tensor, config_from_hf, split_rows, stack_layers
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -38,10 +38,15 @@ def slot_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """The shape each slot holds, linears [in, out]; stacked slots per layer (stacked: [layers, ...])."""
     E, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    # Linear layers: C conv channels (q | k | v), Hv value heads of Dv, W conv taps.
+    C, Hv, Dv, W = cfg.conv_channels, cfg.linear_value_heads, cfg.linear_value_dim, cfg.linear_conv_kernel
     return {
         "embed": (V, E), "final_norm": (E,), "head": (E, V),
-        "attn.q_proj": (E, H * D), "attn.k_proj": (E, K * D), "attn.v_proj": (E, K * D), "attn.q_norm": (D,),
-        "attn.k_norm": (D,), "attn.o_proj": (H * D, E),
+        "attn.q_proj": (E, H * D), "attn.gate_proj": (E, H * D), "attn.k_proj": (E, K * D),
+        "attn.v_proj": (E, K * D), "attn.q_norm": (D,), "attn.k_norm": (D,), "attn.o_proj": (H * D, E),
+        "linear.in_qkv": (E, C), "linear.in_z": (E, Hv * Dv), "linear.in_b": (E, Hv), "linear.in_a": (E, Hv),
+        "linear.conv": (C, W), "linear.dt_bias": (Hv,), "linear.a_log": (Hv,), "linear.norm": (Dv,),
+        "linear.out_proj": (Hv * Dv, E),
         "layers.attn_norm": (E,), "layers.post_attn_norm": (E,), "layers.mlp_norm": (E,),
         "layers.post_mlp_norm": (E,), "layers.gate_proj": (E, F), "layers.up_proj": (E, F),
         "layers.down_proj": (F, E),
@@ -82,14 +87,28 @@ class _TensorIndex:
         self._open.clear()
 
 
-def _read_slot(index: _TensorIndex, fam: Family, spec, cfg: DecoderConfig, layer: int | None,
+def _hf_shape(spec: Tensor, cfg: DecoderConfig, expected: tuple[int, ...]) -> tuple[int, ...]:
+    """The checkpoint tensor's shape for a slot of shape `expected` (the inverse of _from_hf's steps)."""
+    shape = list(reversed(expected)) if spec.transpose else list(expected)
+    if spec.split is not None:
+        shape[0] = split_rows(spec.split, cfg)[1]
+    if spec.squeeze is not None:
+        shape.insert(spec.squeeze, 1)
+    return tuple(shape)
+
+
+def _read_slot(index: _TensorIndex, fam: Family, spec: Tensor, cfg: DecoderConfig, layer: int | None,
                expected: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     name = spec.hf.format(p=fam.prefix, i=layer)
     arr = index.get(name)
-    hf_shape = tuple(reversed(expected)) if spec.transpose else expected
+    hf_shape = _hf_shape(spec, cfg, expected)
     if tuple(arr.shape) != hf_shape:
         raise CheckpointError(f"tensor {name!r} has shape {list(arr.shape)}, expected {list(hf_shape)} "
                               f"for slot {spec.slot!r} of {cfg.model_type}")
+    if spec.squeeze is not None:
+        arr = arr.squeeze(spec.squeeze)
+    if spec.split is not None:
+        arr = arr[split_rows(spec.split, cfg)[0]]
     if spec.transpose:
         arr = arr.T
     return np.ascontiguousarray(arr.astype(np.float32).astype(dtype) if arr.dtype != dtype else arr)
@@ -134,6 +153,7 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike, hf_config: dict[str, Any]
 
     fam, cfg = config_from_hf(hf_config)
     tensors: dict[str, np.ndarray] = {}
+    covered: dict[str, np.ndarray] = {}      # split tensors: which rows the slots wrote
     for spec in fam.slots(cfg):
         if spec.slot not in weights:
             raise CheckpointError(f"weights have no slot {spec.slot!r}, which {cfg.model_type} needs")
@@ -141,7 +161,21 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike, hf_config: dict[str, Any]
         layers = stack_layers(spec.slot, cfg)
         per_layer = list(zip(layers, arr)) if layers else [(None, arr)]
         for i, a in per_layer:
-            tensors[spec.hf.format(p=fam.prefix, i=i)] = np.ascontiguousarray(a.T if spec.transpose else a)
+            name = spec.hf.format(p=fam.prefix, i=i)
+            a = a.T if spec.transpose else a
+            if spec.split is not None:
+                rows, length = split_rows(spec.split, cfg)
+                whole = tensors.setdefault(name, np.zeros((length, *a.shape[1:]), np.float32))
+                whole[rows] = a
+                covered.setdefault(name, np.zeros(length, bool))[rows] = True
+                continue
+            if spec.squeeze is not None:
+                a = np.expand_dims(a, spec.squeeze)
+            tensors[name] = np.ascontiguousarray(a)
+    for name, rows in covered.items():
+        if not rows.all():
+            raise CheckpointError(f"the slots of {cfg.model_type} fill only {int(rows.sum())} of the "
+                                  f"{rows.size} rows of {name!r}")
     out = Path(checkpoint_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -69,6 +69,14 @@ class DecoderConfig:
     hidden_act: str = "silu"                   # MLP gate activation: "silu" or "gelu_tanh"
     embed_scale: bool = False                  # embeddings times sqrt(hidden) (Gemma)
     sandwich_norms: bool = False               # norms after attention and after the MLP too (Gemma 2/3)
+    attn_output_gate: bool = False             # attention output * sigmoid(gate_proj x) before o_proj (Qwen3-Next)
+    # LINEAR layers (Gated DeltaNet): key heads and size (q and k), value heads and size (v, z, one recurrent
+    # state [key size, value size] per value head), and the causal conv's taps. 0 without linear layers.
+    linear_key_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_heads: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -83,11 +91,31 @@ class DecoderConfig:
                 raise ConfigError(f"layer type {t!r} (config key layer_types) is not supported")
         if SLIDING in types and self.sliding_window <= 0:
             raise ConfigError("sliding_attention layers need a positive sliding_window")
+        if LINEAR in types:
+            dims = dict(linear_key_heads=self.linear_key_heads, linear_key_dim=self.linear_key_dim,
+                        linear_value_heads=self.linear_value_heads, linear_value_dim=self.linear_value_dim,
+                        linear_conv_kernel=self.linear_conv_kernel)
+            for name, value in dims.items():
+                if value <= 0:
+                    raise ConfigError(f"linear_attention layers need a positive {name}, got {value}")
+            if self.linear_value_heads % self.linear_key_heads:
+                raise ConfigError(f"linear value heads ({self.linear_value_heads}) are not a multiple of linear key "
+                                  f"heads ({self.linear_key_heads})")
         object.__setattr__(self, "layer_types", tuple(types))
 
     @property
     def query_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def linear_group(self) -> int:
+        """Value heads per key head of a linear layer (value head h reads key head h // linear_group)."""
+        return self.linear_value_heads // self.linear_key_heads if self.linear_key_heads else 0
+
+    @property
+    def conv_channels(self) -> int:
+        """C: the channels of a linear layer's causal conv, q | k | v."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
     def layer_window(self, layer: int) -> int:
         """The window of a layer's attention (0: full history)."""

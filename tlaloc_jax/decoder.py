@@ -14,15 +14,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tlaloc_jax.kernels import kv_cache_write, paged_attention
+from tlaloc_jax.kernels import (causal_conv1d, causal_conv1d_update, gated_delta_rule_chunked,
+                                gated_delta_rule_recurrent, kv_cache_write, paged_attention)
 
-from .config import FULL, SLIDING, DecoderConfig
+from .config import FULL, LINEAR, SLIDING, DecoderConfig
 from .layers import apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
 
 Weights = dict[str, jax.Array]
 Pools = dict[str, jax.Array]
 
 DEFAULT_KEY_BLOCK = 2048
+# Tokens per chunk of the gated delta rule's prefill form (the seed's 64).
+DELTA_CHUNK = 64
 
 
 class StepInputs(NamedTuple):
@@ -37,6 +40,13 @@ class StepInputs(NamedTuple):
     # of block b) and WINDOW_SLOT_MAPPING [B, T]. None without one.
     window_block_tables: jax.Array | None = None
     window_slot_mapping: jax.Array | None = None
+    # With linear-attention layers: STATE_SLOTS [B], the row's slot in the state pools; -1 = an empty row,
+    # which reads zeros and writes nothing. None without linear layers.
+    state_slots: jax.Array | None = None
+
+
+# The linear-attention layers' pool classes (f32 whatever the KV pools' dtype).
+STATE_POOLS = ("conv", "recurrent")
 
 
 def pool_of(cfg: DecoderConfig, layer_type: str, windowed: bool) -> str:
@@ -45,9 +55,14 @@ def pool_of(cfg: DecoderConfig, layer_type: str, windowed: bool) -> str:
 
 
 def pool_shapes(cfg: DecoderConfig, num_blocks: int, block_size: int,
-                window_blocks: int = 0) -> dict[str, tuple[int, ...]]:
-    """One buffer per pool class, its layers stacked, [L', 2, P, S, K, D] (0 = keys, 1 = values):
-    "kv" (full-history pages) and, when window_blocks > 0, "window_kv" (the sliding layers' rings)."""
+                window_blocks: int = 0, state_slots: int = 0) -> dict[str, tuple[int, ...]]:
+    """One buffer per pool class, its layers stacked.
+
+    KV pools [L', 2, P, S, K, D] (0 = keys, 1 = values): "kv" (full-history pages) and, when
+    window_blocks > 0, "window_kv" (the sliding layers' rings). With linear-attention layers, the state
+    pools of state_slots sequences: "conv" [L', slots, C, W - 1] (each sequence's last W - 1 conv inputs)
+    and "recurrent" [L', slots, Hv, Dk, Dv] (the gated delta rule's state per value head), both f32.
+    """
     out: dict[str, tuple[int, ...]] = {}
     for t in cfg.layer_types:
         if t in (FULL, SLIDING):
@@ -55,13 +70,22 @@ def pool_shapes(cfg: DecoderConfig, num_blocks: int, block_size: int,
             n = out.get(name, (0,))[0] + 1
             out[name] = (n, 2, window_blocks if name == "window_kv" else num_blocks, block_size,
                          cfg.num_kv_heads, cfg.head_dim)
+    linear_layers = sum(t == LINEAR for t in cfg.layer_types)
+    if linear_layers:
+        if state_slots <= 0:
+            raise ValueError(f"{cfg.model_type} has {linear_layers} linear-attention layers: its pools need "
+                             f"state_slots >= 1 (one per live sequence), got {state_slots}")
+        out["conv"] = (linear_layers, state_slots, cfg.conv_channels, cfg.linear_conv_kernel - 1)
+        out["recurrent"] = (linear_layers, state_slots, cfg.linear_value_heads, cfg.linear_key_dim,
+                            cfg.linear_value_dim)
     return out
 
 
 def init_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
-               window_blocks: int = 0) -> Pools:
-    return {name: jnp.zeros(shape, dtype)
-            for name, shape in pool_shapes(cfg, num_blocks, block_size, window_blocks).items()}
+               window_blocks: int = 0, state_slots: int = 0) -> Pools:
+    """Zeroed pools: KV pools in `dtype`, state pools in f32."""
+    return {name: jnp.zeros(shape, jnp.float32 if name in STATE_POOLS else dtype)
+            for name, shape in pool_shapes(cfg, num_blocks, block_size, window_blocks, state_slots).items()}
 
 
 def layer_period(types: tuple[str, ...]) -> int:
@@ -74,10 +98,10 @@ def layer_period(types: tuple[str, ...]) -> int:
 
 
 def _period_stacks(cfg: DecoderConfig, weights: Weights, p: int) -> dict[str, Weights]:
-    """Stacked slots regrouped per scan step: "layers.*" [n, p, ...] and "attn.*" [n, c, ...] (c = the
-    attention layers of one period), n = L // p."""
+    """Stacked slots regrouped per scan step: "layers.*" [n, p, ...], "attn.*" [n, c, ...] and "linear.*"
+    [n, l, ...] (c, l = the attention and linear layers of one period), n = L // p."""
     n = cfg.num_layers // p
-    out: dict[str, Weights] = {"layers": {}, "attn": {}}
+    out: dict[str, Weights] = {"layers": {}, "attn": {}, "linear": {}}
     for name, w in weights.items():
         group, _, slot = name.partition(".")
         if group in out:
@@ -111,7 +135,58 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
     o = paged_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens,
                         scale=cfg.query_scale, window=window or None, soft_cap=cfg.attn_softcap or None,
                         key_block=key_block, ring=bool(ring_pages))
-    return linear(o.reshape(B, T, H * D), w["o_proj"]), kv
+    o = o.reshape(B, T, H * D)
+    if cfg.attn_output_gate:
+        o = o * jax.nn.sigmoid(linear(x, w["gate_proj"]))
+    return linear(o, w["o_proj"]), kv
+
+
+def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools, layer: jax.Array,
+                      inputs: StepInputs) -> tuple[jax.Array, Pools]:
+    """A Gated DeltaNet layer. x: [B, T, E] (normed) -> (output [B, T, E], pools with the layer's conv and
+    recurrent states of each row's slot written).
+
+    Each row reads its state slot (inputs.state_slots), runs the causal conv over q | k | v and the gated
+    delta rule over its live tokens (decode forms for T = 1, prefill forms otherwise), and writes both
+    states back with one scatter per pool into the stacked pool, so a donated pool is updated in place.
+    """
+    B, T, _ = x.shape
+    Kh, Dk, Hv, Dv = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_heads, cfg.linear_value_dim
+    live = inputs.positions >= 0
+    # -1 (an empty row) -> one past the last slot: its reads give zeros and its writes are dropped.
+    slots = inputs.state_slots
+    slots = jnp.where(slots < 0, pools["conv"].shape[1], slots)
+    # A row whose first token is at position 0 starts from zero state, so a freed slot is reused uncleared.
+    fresh = jnp.any(inputs.positions == 0, axis=1)
+    history = pools["conv"].at[layer, slots].get(mode="fill", fill_value=0.0)
+    state = pools["recurrent"].at[layer, slots].get(mode="fill", fill_value=0.0)
+    history = jnp.where(fresh[:, None, None], 0.0, history)
+    state = jnp.where(fresh[:, None, None, None], 0.0, state)
+
+    qkv = linear(x, w["in_qkv"])                                        # [B, T, C]
+    if T == 1:
+        y, history = causal_conv1d_update(qkv[:, 0], w["conv"], None, history, valid=live[:, 0],
+                                          activation=cfg.hidden_act)
+        y = y[:, None]
+    else:
+        y, history = causal_conv1d(qkv, w["conv"], None, history, valid=live, activation=cfg.hidden_act)
+    q = y[..., :Kh * Dk].reshape(B, T, Kh, Dk)
+    k = y[..., Kh * Dk:2 * Kh * Dk].reshape(B, T, Kh, Dk)
+    v = y[..., 2 * Kh * Dk:].reshape(B, T, Hv, Dv)
+    beta = jax.nn.sigmoid(linear(x, w["in_b"]))                         # [B, T, Hv]
+    g = -jnp.exp(w["a_log"].astype(jnp.float32)) * jax.nn.softplus(
+        linear(x, w["in_a"]) + w["dt_bias"].astype(jnp.float32))        # log decay <= 0
+    if T == 1:
+        o, state = gated_delta_rule_recurrent(q, k, v, g, beta, state, valid=live)
+    else:
+        o, state = gated_delta_rule_chunked(q, k, v, g, beta, state, valid=live, chunk=min(DELTA_CHUNK, T))
+    # The gated norm (a plain (w) RMSNorm over each head, whatever the model's norm_offset) times silu(z).
+    z = linear(x, w["in_z"]).reshape(B, T, Hv, Dv)
+    o = rms_norm(o, w["norm"], cfg.rms_norm_eps) * jax.nn.silu(z)
+    pools = {**pools,
+             "conv": pools["conv"].at[layer, slots].set(history, mode="drop"),
+             "recurrent": pools["recurrent"].at[layer, slots].set(state, mode="drop")}
+    return linear(o.reshape(B, T, Hv * Dv), w["out_proj"]), pools
 
 
 def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs, *,
@@ -129,8 +204,13 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     tables = {FULL: rope_tables(cfg.rope, cfg.head_dim, inputs.positions)}
     tables[SLIDING] = (rope_tables(cfg.rope_sliding, cfg.head_dim, inputs.positions)
                        if cfg.rope_sliding is not None else tables[FULL])
+    if LINEAR in types and inputs.state_slots is None:
+        raise ValueError(f"{cfg.model_type} has linear-attention layers: its step inputs need state_slots")
     p = layer_period(types)
     attn_rank = {j: r for r, j in enumerate(j for j in range(p) if types[j] in (FULL, SLIDING))}
+    # Each linear layer's index in the state pools: the scan step i holds per_linear of them.
+    linear_rank = {j: r for r, j in enumerate(j for j in range(p) if types[j] == LINEAR)}
+    per_linear = len(linear_rank)
     # Each attention layer's index in its pool: the scan step i holds per_pool[name] of the pool's layers.
     pool_name = {j: pool_of(cfg, types[j], ring_pages > 0) for j in attn_rank}
     pool_rank = {j: sum(pool_name[i] == pool_name[j] for i in attn_rank if i < j) for j in attn_rank}
@@ -139,16 +219,21 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     def period(carry, xs):
         h, pools = carry
         w, i = xs
-        for j in range(p):         # the layers of one period: p is small (1 for Llama, 2 for Gemma 2)
+        for j in range(p):         # the layers of one period: p is small (1 for Llama, 2 for Gemma 2, 4 for Qwen3.5)
             lw = {k: v[j] for k, v in w["layers"].items()}
             a = rms_norm(h, lw["attn_norm"], eps, off)
-            r = attn_rank[j]
-            aw = {k: v[r] for k, v in w["attn"].items()}
-            name = pool_name[j]
-            a, kv = _attention(cfg, aw, a, pools[name], i * per_pool[name] + pool_rank[j], inputs,
-                               tables[types[j]], cfg.layer_window(j), key_block,
-                               ring_pages if name == "window_kv" else 0)
-            pools = {**pools, name: kv}
+            if types[j] == LINEAR:
+                r = linear_rank[j]
+                a, pools = _linear_attention(cfg, {k: v[r] for k, v in w["linear"].items()}, a, pools,
+                                             i * per_linear + r, inputs)
+            else:
+                r = attn_rank[j]
+                aw = {k: v[r] for k, v in w["attn"].items()}
+                name = pool_name[j]
+                a, kv = _attention(cfg, aw, a, pools[name], i * per_pool[name] + pool_rank[j], inputs,
+                                   tables[types[j]], cfg.layer_window(j), key_block,
+                                   ring_pages if name == "window_kv" else 0)
+                pools = {**pools, name: kv}
             if cfg.sandwich_norms:
                 a = rms_norm(a, lw["post_attn_norm"], eps, off)
             h = h + a

@@ -7,10 +7,44 @@ read the config keys. The decoder never branches on a family's name.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .config import FULL, SLIDING, ConfigError, DecoderConfig, RopeConfig
+import numpy as np
+
+from .config import FULL, LINEAR, SLIDING, ConfigError, DecoderConfig, RopeConfig
+
+
+@dataclass(frozen=True)
+class Split:
+    """A checkpoint tensor that holds several slots interleaved per group along its first (output) axis.
+
+    The first axis is viewed as [groups, sum(parts)]: each group (an attention head, or a key head with its
+    value heads) holds its parts one after another. A slot is the parts `take` of every group, part by part
+    and each part group by group, so that heads stay in order: Qwen3-Next's in_proj_qkvz holds, per key head,
+    q, k, then v and z of that key head's value heads; q_proj with an output gate holds, per head, query then
+    gate. `groups` and each part size name a DecoderConfig attribute, or a product "a*b" of two.
+    """
+
+    groups: str
+    parts: tuple[str, ...]
+    take: tuple[int, ...]
+
+
+def _size(name: str, cfg: DecoderConfig) -> int:
+    return math.prod(int(getattr(cfg, n)) for n in name.split("*"))
+
+
+def split_rows(split: Split, cfg: DecoderConfig) -> tuple[np.ndarray, int]:
+    """(the indices along the checkpoint tensor's first axis that make up the slot, in slot order; that
+    axis' full length)."""
+    groups = _size(split.groups, cfg)
+    sizes = [_size(p, cfg) for p in split.parts]
+    width, offsets = sum(sizes), np.cumsum([0] + sizes)
+    rows = [g * width + offsets[p] + np.arange(sizes[p]) for p in split.take for g in range(groups)]
+    return np.concatenate(rows), groups * width
 
 
 @dataclass(frozen=True)
@@ -21,12 +55,20 @@ class Tensor:
     hf: the checkpoint name; "{p}" is the family's decoder prefix, "{i}" the layer index.
     transpose: the checkpoint stores a linear [out, in]; the slot holds [in, out].
     when: a DecoderConfig flag the slot needs ("qk_norm"), or "untied_head".
+    split: the checkpoint tensor holds this slot and others, interleaved along its first axis (Split).
+    squeeze: an axis of size 1 that the checkpoint has and the slot drops (a depthwise conv's [C, 1, W]).
     """
 
     slot: str
     hf: str
     transpose: bool = False
     when: str | None = None
+    split: Split | None = None
+    squeeze: int | None = None
+
+    def __post_init__(self):
+        if self.split is not None and self.squeeze is not None:
+            raise ValueError(f"slot {self.slot!r}: a split tensor cannot also be squeezed")
 
 
 @dataclass(frozen=True)
@@ -39,6 +81,7 @@ class Family:
     parse: Callable[["Family", dict[str, Any]], DecoderConfig]
     sliding: bool = False          # reads `sliding_window` for every layer (Mistral)
     tied_default: bool = False     # tie_word_embeddings when the config does not say
+    text_config: bool = False      # a multimodal checkpoint: the decoder's keys sit under `text_config`
 
     def slots(self, cfg: DecoderConfig) -> tuple[Tensor, ...]:
         """The tensors this configuration has (optional steps filtered by their flags)."""
@@ -180,8 +223,51 @@ def parse_gemma(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
         sandwich_norms=True, **kw)
 
 
+def _sparse_layers(hf: dict[str, Any], layers: int) -> list[int]:
+    """The layers whose MLP is a sparse mixture of experts (Qwen3-Next's rule; none without `num_experts`)."""
+    if int(hf.get("num_experts") or 0) <= 0:
+        return []
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+
+
+def parse_hybrid(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """Qwen3-Next and Qwen3.5 text decoders: Gated DeltaNet (LINEAR) layers between gated full-attention
+    layers (`layer_types`, or every `full_attention_interval`-th layer full), (1 + w) norms, q/k norms,
+    partial rotary (0.25 of the head unless the config says), dense SwiGLU MLPs only."""
+    _refuse_flag(hf, "attention_bias", family.name)
+    kw = _common(family, hf)
+    layers = kw["num_layers"]
+    sparse = _sparse_layers(hf, layers)
+    if sparse:
+        raise ConfigError(
+            f"{family.name} layers {sparse} have sparse mixture-of-experts MLPs (config keys num_experts="
+            f"{hf.get('num_experts')}, decoder_sparse_step={hf.get('decoder_sparse_step', 1)}, mlp_only_layers="
+            f"{hf.get('mlp_only_layers') or []}); only dense MLPs are supported")
+    types = hf.get("layer_types")
+    if types is None:
+        interval = int(hf.get("full_attention_interval", 4))
+        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
+    act = _activation(hf, family.name, "hidden_act")
+    if act != "silu":
+        raise ConfigError(f"{family.name} config key hidden_act={hf['hidden_act']!r} is not supported "
+                          "(the causal conv and the gated norm take silu)")
+    rope = read_rope(hf)
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if "partial_rotary_factor" not in params and "partial_rotary_factor" not in hf:
+        # transformers' default for these families: a quarter of the head rotates.
+        rope = dataclasses.replace(rope, partial_rotary_factor=0.25)
+    return DecoderConfig(
+        rope=rope, layer_types=tuple(types), norm_offset=1.0, hidden_act=act, attn_output_gate=True,
+        linear_key_heads=int(hf["linear_num_key_heads"]), linear_key_dim=int(hf["linear_key_head_dim"]),
+        linear_value_heads=int(hf["linear_num_value_heads"]), linear_value_dim=int(hf["linear_value_head_dim"]),
+        linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), **kw)
+
+
 # Slot names: "embed", "final_norm", "head" are whole tensors; "layers.*" are stacked over every layer,
-# "attn.*" over the attention layers (full and sliding), in layer order.
+# "attn.*" over the attention layers (full and sliding), "linear.*" over the linear-attention layers, in
+# layer order.
 _ATTN = (
     Tensor("attn.q_proj", "{p}layers.{i}.self_attn.q_proj.weight", transpose=True),
     Tensor("attn.k_proj", "{p}layers.{i}.self_attn.k_proj.weight", transpose=True),
@@ -210,6 +296,49 @@ _GEMMA_LAYER = (
     *_MLP,
     Tensor("layers.post_mlp_norm", "{p}layers.{i}.post_feedforward_layernorm.weight"),
 )
+# Qwen3-Next / Qwen3.5: q_proj holds, per head, the query and then the output gate.
+_GATED_Q = "{p}layers.{i}.self_attn.q_proj.weight"
+_GATED_ATTN = (
+    Tensor("attn.q_proj", _GATED_Q, transpose=True, split=Split("num_heads", ("head_dim", "head_dim"), (0,))),
+    Tensor("attn.gate_proj", _GATED_Q, transpose=True, split=Split("num_heads", ("head_dim", "head_dim"), (1,)),
+           when="attn_output_gate"),
+    *_ATTN[1:],
+)
+# Gated DeltaNet. The conv runs over the channels q | k | v (in_qkv's outputs); z gates the output norm.
+_DELTANET_TAIL = (
+    Tensor("linear.conv", "{p}layers.{i}.linear_attn.conv1d.weight", squeeze=1),
+    Tensor("linear.dt_bias", "{p}layers.{i}.linear_attn.dt_bias"),
+    Tensor("linear.a_log", "{p}layers.{i}.linear_attn.A_log"),
+    Tensor("linear.norm", "{p}layers.{i}.linear_attn.norm.weight"),
+    Tensor("linear.out_proj", "{p}layers.{i}.linear_attn.out_proj.weight", transpose=True),
+)
+_DELTANET = (       # Qwen3.5: one projection per input
+    Tensor("linear.in_qkv", "{p}layers.{i}.linear_attn.in_proj_qkv.weight", transpose=True),
+    Tensor("linear.in_z", "{p}layers.{i}.linear_attn.in_proj_z.weight", transpose=True),
+    Tensor("linear.in_b", "{p}layers.{i}.linear_attn.in_proj_b.weight", transpose=True),
+    Tensor("linear.in_a", "{p}layers.{i}.linear_attn.in_proj_a.weight", transpose=True),
+    *_DELTANET_TAIL,
+)
+# Qwen3-Next: in_proj_qkvz holds, per key head, q [Dk], k [Dk], then v and z of its value heads [group * Dv]
+# each; in_proj_ba, per key head, b then a of its value heads [group] each.
+_QKVZ = ("linear_key_dim", "linear_key_dim", "linear_group*linear_value_dim", "linear_group*linear_value_dim")
+_BA = ("linear_group", "linear_group")
+_QKVZ_HF, _BA_HF = "{p}layers.{i}.linear_attn.in_proj_qkvz.weight", "{p}layers.{i}.linear_attn.in_proj_ba.weight"
+_DELTANET_INTERLEAVED = (
+    Tensor("linear.in_qkv", _QKVZ_HF, transpose=True, split=Split("linear_key_heads", _QKVZ, (0, 1, 2))),
+    Tensor("linear.in_z", _QKVZ_HF, transpose=True, split=Split("linear_key_heads", _QKVZ, (3,))),
+    Tensor("linear.in_b", _BA_HF, transpose=True, split=Split("linear_key_heads", _BA, (0,))),
+    Tensor("linear.in_a", _BA_HF, transpose=True, split=Split("linear_key_heads", _BA, (1,))),
+    *_DELTANET_TAIL,
+)
+_NORMS_MLP = (
+    Tensor("layers.mlp_norm", "{p}layers.{i}.post_attention_layernorm.weight"),
+    *_MLP,
+)
+_QWEN3_5_LAYER = (Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight"), *_GATED_ATTN, *_DELTANET,
+                  *_NORMS_MLP)
+_QWEN3_NEXT_LAYER = (Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight"), *_GATED_ATTN,
+                     *_DELTANET_INTERLEAVED, *_NORMS_MLP)
 _TOP = (
     Tensor("embed", "{p}embed_tokens.weight"),
     Tensor("final_norm", "{p}norm.weight"),
@@ -225,6 +354,11 @@ FAMILIES: tuple[Family, ...] = (
            tied_default=True),
     Family("gemma3_text", ("gemma3_text",), "model.", _TOP + _GEMMA_LAYER, qk_norm=True, parse=parse_gemma,
            tied_default=True),
+    Family("qwen3_next", ("qwen3_next",), "model.", _TOP + _QWEN3_NEXT_LAYER, qk_norm=True, parse=parse_hybrid),
+    Family("qwen3_5_text", ("qwen3_5_text",), "model.", _TOP + _QWEN3_5_LAYER, qk_norm=True, parse=parse_hybrid),
+    # The text decoder of a Qwen3.5 checkpoint (vision tower and MTP head not read).
+    Family("qwen3_5", ("qwen3_5",), "model.language_model.", _TOP + _QWEN3_5_LAYER, qk_norm=True,
+           parse=parse_hybrid, text_config=True),
 )
 
 
@@ -236,8 +370,19 @@ def family_for(model_type: str | None) -> Family:
     raise ConfigError(f"unknown model_type {model_type!r} in config.json (known: {', '.join(known)})")
 
 
+def text_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's decoder keys: `text_config`, under the keys of the top level (model_type,
+    tie_word_embeddings, the placeholder token ids) except the other towers' configs."""
+    if not isinstance(hf.get("text_config"), dict):
+        raise ConfigError(f"{hf.get('model_type')} config.json has no text_config")
+    top = {k: v for k, v in hf.items() if not k.endswith("_config")}
+    return {**hf["text_config"], **top}
+
+
 def config_from_hf(hf: dict[str, Any]) -> tuple[Family, DecoderConfig]:
     fam = family_for(hf.get("model_type"))
+    if fam.text_config:
+        hf = text_keys(hf)
     try:
         return fam, fam.parse(fam, hf)
     except KeyError as e:

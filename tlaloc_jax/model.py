@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .checkpoint import load_checkpoint
-from .config import DecoderConfig
+from .config import LINEAR, DecoderConfig
 from .decoder import DEFAULT_KEY_BLOCK, Pools, StepInputs, forward, init_pools
 from .paging import PageAllocator, RowCall, build_step_inputs, pages_for
 
@@ -34,8 +34,14 @@ class Model:
         self._step = jax.jit(step, donate_argnums=(1,))
         self._greedy = jax.jit(lambda w, p, i: _greedy(step, w, p, i), donate_argnums=(1,))
 
-    def new_pools(self, num_blocks: int) -> Pools:
-        return init_pools(self.config, num_blocks, self.block_size, self.kv_dtype)
+    @property
+    def has_state(self) -> bool:
+        """Whether the model has linear-attention layers: its calls carry state slots."""
+        return LINEAR in self.config.layer_types
+
+    def new_pools(self, num_blocks: int, state_slots: int = 0) -> Pools:
+        """Zeroed pools of num_blocks pages (and, with linear-attention layers, state_slots state slots)."""
+        return init_pools(self.config, num_blocks, self.block_size, self.kv_dtype, state_slots=state_slots)
 
     def step(self, pools: Pools, inputs: StepInputs | dict) -> tuple[jax.Array, Pools]:
         """One call of the decoder (donates `pools`): -> (last-token logits [B, V], updated pools)."""
@@ -73,12 +79,14 @@ class Model:
         width = _pow2(max(need))
         alloc = PageAllocator(_pow2(sum(need)))
         pages = [alloc.alloc(n) for n in need]
-        pools = self.new_pools(alloc.num_pages)
         batch = len(prompts)
+        # Prompt b holds state slot b for its life (with linear-attention layers).
+        state = self.has_state
+        pools = self.new_pools(alloc.num_pages, batch if state else 0)
 
-        rows = [RowCall(list(p), 0, pg) for p, pg in zip(prompts, pages)]
+        rows = [RowCall(list(p), 0, pg, state_slot=b) for b, (p, pg) in enumerate(zip(prompts, pages))]
         inputs = build_step_inputs(rows, batch=batch, tokens=_pow2(max(map(len, prompts))), width=width,
-                                   block_size=S)
+                                   block_size=S, state_slots=state)
         nxt, logits, pools = self._greedy(self.weights, pools, StepInputs(**inputs))
         first_logits = np.asarray(logits)
         out = [[int(t)] for t in np.asarray(nxt)]
@@ -87,9 +95,10 @@ class Model:
         for step in range(1, max_new_tokens):
             if all(done):
                 break
-            rows = [RowCall([o[-1]], len(p) + step - 1, pg) if not d else RowCall([], 0, pg)
-                    for p, o, pg, d in zip(prompts, out, pages, done)]
-            inputs = build_step_inputs(rows, batch=batch, tokens=1, width=width, block_size=S)
+            rows = [RowCall([o[-1]], len(p) + step - 1, pg, state_slot=b) if not d else RowCall([], 0, pg)
+                    for b, (p, o, pg, d) in enumerate(zip(prompts, out, pages, done))]
+            inputs = build_step_inputs(rows, batch=batch, tokens=1, width=width, block_size=S,
+                                       state_slots=state)
             nxt, _, pools = self._greedy(self.weights, pools, StepInputs(**inputs))
             for b, t in enumerate(np.asarray(nxt)):
                 if not done[b]:

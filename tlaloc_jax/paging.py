@@ -83,13 +83,15 @@ def pages_for(length: int, block_size: int) -> int:
 
 @dataclass(frozen=True)
 class RowCall:
-    """One sequence's part of a call: its new tokens, the position of the first, the pages it holds, and
-    (with a windowed pool) its ring of windowed pages."""
+    """One sequence's part of a call: its new tokens, the position of the first, the pages it holds, (with a
+    windowed pool) its ring of windowed pages, and (with linear-attention layers) its slot in the state
+    pools, held for the sequence's life (-1: none; a row with tokens needs one)."""
 
     token_ids: Sequence[int]
     start: int
     pages: Sequence[int] | None     # None: the model keeps no full-history pages (every layer windowed)
     ring: Sequence[int] = ()
+    state_slot: int = -1
 
 
 def ring_pages_for(window: int, longest_call: int, block_size: int, max_pages: int) -> int:
@@ -104,13 +106,14 @@ def ring_call_limit(start: int, window: int, ring_pages: int, block_size: int) -
 
 
 def build_step_inputs(rows: Sequence[RowCall], *, batch: int, tokens: int, width: int,
-                      block_size: int, ring_pages: int = 0) -> dict[str, np.ndarray]:
+                      block_size: int, ring_pages: int = 0, state_slots: bool = False) -> dict[str, np.ndarray]:
     """The integer inputs of one call (docs/glossary.md roles), rows right-aligned, unused rows empty.
 
     batch B, tokens T, width M (block-table entries). Returns int32 arrays keyed by the StepInputs field
     names: token_ids [B, T], positions [B, T], block_tables [B, M], seq_lens [B], slot_mapping [B, T];
     with ring_pages R > 0 also window_block_tables [B, M] (entry b: ring page b % R) and
-    window_slot_mapping [B, T].
+    window_slot_mapping [B, T]; with state_slots also state_slots [B] (each row's RowCall.state_slot, -1
+    for unused rows).
     """
     if len(rows) > batch:
         raise ValueError(f"{len(rows)} sequences do not fit a call of batch {batch}")
@@ -121,6 +124,7 @@ def build_step_inputs(rows: Sequence[RowCall], *, batch: int, tokens: int, width
     seq_lens = np.zeros((batch,), np.int32)
     wtables = np.zeros((batch, width), np.int32)
     wslots = np.full((batch, tokens), -1, np.int32)
+    sslots = np.full((batch,), -1, np.int32)
     for b, row in enumerate(rows):
         n = len(row.token_ids)
         if n > tokens:
@@ -129,6 +133,10 @@ def build_step_inputs(rows: Sequence[RowCall], *, batch: int, tokens: int, width
         if pages_for(end, block_size) > width:
             raise ValueError(f"row {b} reaches position {end - 1}, past the call's context of {width * block_size}")
         pos = np.arange(row.start, end, dtype=np.int64)
+        if state_slots:
+            if n and row.state_slot < 0:
+                raise ValueError(f"row {b} has {n} tokens but no state slot")
+            sslots[b] = row.state_slot
         token_ids[b, tokens - n:] = row.token_ids
         positions[b, tokens - n:] = pos
         seq_lens[b] = end
@@ -153,4 +161,6 @@ def build_step_inputs(rows: Sequence[RowCall], *, batch: int, tokens: int, width
                slot_mapping=slots)
     if ring_pages:
         out.update(window_block_tables=wtables, window_slot_mapping=wslots)
+    if state_slots:
+        out.update(state_slots=sslots)
     return out
