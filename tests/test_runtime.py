@@ -9,7 +9,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from hf_models import build_checkpoint, load_hf_torch, torch_greedy

@@ -20,7 +20,7 @@ from tlaloc_jax.dense import dense_logits, next_token_loss, training_attention
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.kernels import causal_attention_reference
 from tlaloc_jax.kernels.tolerances import relative_error, tolerance
-from tlaloc_jax.train import (DEMO_MODEL_DIR, EOT, TrainConfig, corpus_files, init_weights, loss_and_grads,
+from tlaloc_jax.train import (DEMO_MODEL_DIR, EOT, TrainConfig, corpus_files, loss_and_grads,
                               split_files, train, train_tokenizer)
 
 F32 = tolerance(jnp.float32)

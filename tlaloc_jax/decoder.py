@@ -97,16 +97,51 @@ def layer_period(types: tuple[str, ...]) -> int:
     return L
 
 
-def _period_stacks(cfg: DecoderConfig, weights: Weights, p: int) -> dict[str, Weights]:
-    """Stacked slots regrouped per scan step: "layers.*" [n, p, ...], "attn.*" [n, c, ...] and "linear.*"
-    [n, l, ...] (c, l = the attention and linear layers of one period), n = L // p."""
-    n = cfg.num_layers // p
-    out: dict[str, Weights] = {"layers": {}, "attn": {}, "linear": {}}
-    for name, w in weights.items():
-        group, _, slot = name.partition(".")
-        if group in out:
-            out[group][slot] = w.reshape(n, w.shape[0] // n, *w.shape[1:])
-    return out
+def _layer_slice(weights: Weights, group: str, index: jax.Array) -> Weights:
+    """One layer's slots of a stacked group ("layers", "attn", "linear"): each [L', ...] stack indexed at
+    `index` with a dynamic index, which XLA reads in place inside the loop. (Indexing a slice that the
+    scan already cut, w[i][j], makes XLA copy the layer's weights first: 2 GB/s against 10 on CPU.)"""
+    prefix = group + "."
+    return {name[len(prefix):]: lax.dynamic_index_in_dim(w, index, keepdims=False)
+            for name, w in weights.items() if name.startswith(prefix)}
+
+
+def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Array, jax.Array]):
+    """x: [B, T, E] (normed) -> q [B, T, H, D], k, v [B, T, K, D]: projected, q/k normed when the family
+    has the step, rotated by rope (cos, sin: [B, T, R])."""
+    B, T, _ = x.shape
+    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = linear(x, w["q_proj"]).reshape(B, T, H, D)
+    k = linear(x, w["k_proj"]).reshape(B, T, K, D)
+    v = linear(x, w["v_proj"]).reshape(B, T, K, D)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    cos, sin = rope
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_output(cfg: DecoderConfig, w: Weights, x: jax.Array, o: jax.Array) -> jax.Array:
+    """o: [B, T, H, D] attention of the layer input x [B, T, E] -> [B, T, E]: gated (Qwen3.5) and projected."""
+    B, T, H, D = o.shape
+    o = o.reshape(B, T, H * D)
+    if cfg.attn_output_gate:
+        o = o * jax.nn.sigmoid(linear(x, w["gate_proj"]))
+    return linear(o, w["o_proj"])
+
+
+def residual_mlp(cfg: DecoderConfig, lw: Weights, h: jax.Array, a: jax.Array) -> jax.Array:
+    """The rest of a layer after its attention a: h + a (a normed first with sandwich norms), then the
+    gated MLP's residual. h, a: [B, T, E] -> [B, T, E]."""
+    eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    if cfg.sandwich_norms:
+        a = rms_norm(a, lw["post_attn_norm"], eps, off)
+    h = h + a
+    m = gated_mlp(rms_norm(h, lw["mlp_norm"], eps, off), lw["gate_proj"], lw["up_proj"], lw["down_proj"],
+                  cfg.hidden_act)
+    if cfg.sandwich_norms:
+        m = rms_norm(m, lw["post_mlp_norm"], eps, off)
+    return h + m
 
 
 def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, layer: jax.Array, inputs: StepInputs,
@@ -117,16 +152,7 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
     ring_pages > 0: the layer's pool is the windowed pool; it writes through the window slot mapping and
     scores only the first ring_pages entries of the window block table (the ring), whatever the bucket.
     """
-    B, T, _ = x.shape
-    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, w["q_proj"]).reshape(B, T, H, D)
-    k = linear(x, w["k_proj"]).reshape(B, T, K, D)
-    v = linear(x, w["v_proj"]).reshape(B, T, K, D)
-    if cfg.qk_norm:
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    cos, sin = rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = project_qkv(cfg, w, x, rope)
     if ring_pages:
         slots, tables = inputs.window_slot_mapping, inputs.window_block_tables[:, :ring_pages]
     else:
@@ -135,10 +161,7 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
     o = paged_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens,
                         scale=cfg.query_scale, window=window or None, soft_cap=cfg.attn_softcap or None,
                         key_block=key_block, ring=bool(ring_pages))
-    o = o.reshape(B, T, H * D)
-    if cfg.attn_output_gate:
-        o = o * jax.nn.sigmoid(linear(x, w["gate_proj"]))
-    return linear(o, w["o_proj"]), kv
+    return attention_output(cfg, w, x, o), kv
 
 
 def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools, layer: jax.Array,
@@ -218,36 +241,29 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
 
     def period(carry, xs):
         h, pools = carry
-        w, i = xs
+        i = xs
         for j in range(p):         # the layers of one period: p is small (1 for Llama, 2 for Gemma 2, 4 for Qwen3.5)
-            lw = {k: v[j] for k, v in w["layers"].items()}
+            lw = _layer_slice(weights, "layers", i * p + j)
             a = rms_norm(h, lw["attn_norm"], eps, off)
             if types[j] == LINEAR:
                 r = linear_rank[j]
-                a, pools = _linear_attention(cfg, {k: v[r] for k, v in w["linear"].items()}, a, pools,
+                a, pools = _linear_attention(cfg, _layer_slice(weights, "linear", i * per_linear + r), a, pools,
                                              i * per_linear + r, inputs)
             else:
                 r = attn_rank[j]
-                aw = {k: v[r] for k, v in w["attn"].items()}
+                aw = _layer_slice(weights, "attn", i * len(attn_rank) + r)
                 name = pool_name[j]
                 a, kv = _attention(cfg, aw, a, pools[name], i * per_pool[name] + pool_rank[j], inputs,
                                    tables[types[j]], cfg.layer_window(j), key_block,
                                    ring_pages if name == "window_kv" else 0)
                 pools = {**pools, name: kv}
-            if cfg.sandwich_norms:
-                a = rms_norm(a, lw["post_attn_norm"], eps, off)
-            h = h + a
-            m = rms_norm(h, lw["mlp_norm"], eps, off)
-            m = gated_mlp(m, lw["gate_proj"], lw["up_proj"], lw["down_proj"], cfg.hidden_act)
-            if cfg.sandwich_norms:
-                m = rms_norm(m, lw["post_mlp_norm"], eps, off)
-            h = h + m
+            h = residual_mlp(cfg, lw, h, a)
         return (h, pools), None
 
     # A scan over periods keeps one copy of the period's layers in the graph (compile time, body size);
     # the pools ride in the carry so each layer's scatter writes the donated buffers in place.
     n = cfg.num_layers // p
-    (h, pools), _ = lax.scan(period, (h, pools), (_period_stacks(cfg, weights, p), jnp.arange(n)))
+    (h, pools), _ = lax.scan(period, (h, pools), jnp.arange(n))
     # Rows are right-aligned, so every row's last token is at T - 1.
     return rms_norm(h[:, -1], weights["final_norm"], eps, off), pools
 

@@ -18,8 +18,8 @@ from jax import lax
 from tlaloc_jax.kernels import causal_attention
 
 from .config import FULL, SLIDING, ConfigError, DecoderConfig
-from .decoder import Weights, logits_from_hidden
-from .layers import apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables
+from .decoder import Weights, attention_output, logits_from_hidden, project_qkv, residual_mlp
+from .layers import embed, rms_norm, rope_tables
 
 # attention(q [B, T, H, D], k, v [B, T, K, D], *, scale, window, soft_cap) -> [B, T, H, D] f32
 Attention = Callable[..., jax.Array]
@@ -37,8 +37,6 @@ def _per_layer(cfg: DecoderConfig, weights: Weights) -> Weights:
     if linear_layers:
         raise ConfigError(f"the dense forward has no linear-attention layers (layers {linear_layers} of "
                           f"{cfg.model_type} are {cfg.layer_types[linear_layers[0]]!r})")
-    if cfg.attn_output_gate:
-        raise ConfigError(f"the dense forward has no gated attention output (attn_output_gate of {cfg.model_type})")
     return {name.split(".", 1)[1]: w for name, w in weights.items() if "." in name}
 
 
@@ -46,7 +44,7 @@ def dense_hidden(cfg: DecoderConfig, weights: Weights, token_ids: jax.Array, *,
                  attention: Attention) -> jax.Array:
     """token_ids: [B, T], every row at positions 0..T-1 -> final-normed hidden states [B, T, E] f32."""
     B, T = token_ids.shape
-    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    D = cfg.head_dim
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     h = embed(weights["embed"], token_ids)
     if cfg.embed_scale:
@@ -64,22 +62,9 @@ def dense_hidden(cfg: DecoderConfig, weights: Weights, token_ids: jax.Array, *,
         if sliding_rope is not None:
             cos, sin = (jnp.where(window > 0, s, f) for s, f in zip(sliding_rope, (cos, sin)))
         x = rms_norm(h, w["attn_norm"], eps, off)
-        q = linear(x, w["q_proj"]).reshape(B, T, H, D)
-        k = linear(x, w["k_proj"]).reshape(B, T, K, D)
-        v = linear(x, w["v_proj"]).reshape(B, T, K, D)
-        if cfg.qk_norm:
-            q, k = rms_norm(q, w["q_norm"], eps, off), rms_norm(k, w["k_norm"], eps, off)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = project_qkv(cfg, w, x, (cos, sin))
         o = attention(q, k, v, scale=cfg.query_scale, window=window, soft_cap=soft_cap)
-        a = linear(o.reshape(B, T, H * D), w["o_proj"])
-        if cfg.sandwich_norms:
-            a = rms_norm(a, w["post_attn_norm"], eps, off)
-        h = h + a
-        m = gated_mlp(rms_norm(h, w["mlp_norm"], eps, off), w["gate_proj"], w["up_proj"], w["down_proj"],
-                      cfg.hidden_act)
-        if cfg.sandwich_norms:
-            m = rms_norm(m, w["post_mlp_norm"], eps, off)
-        return h + m, None
+        return residual_mlp(cfg, w, h, attention_output(cfg, w, x, o)), None
 
     # One copy of the layer body in the graph; its backward is a scan too.
     h, _ = lax.scan(layer, h, (_per_layer(cfg, weights), windows))

@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

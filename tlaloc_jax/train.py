@@ -35,9 +35,9 @@ from .checkpoint import save_checkpoint, slot_shapes
 from .config import DecoderConfig
 from .decoder import Weights
 from .dense import Attention, next_token_loss, training_attention
+from .demo import DEMO_MODEL as DEMO_MODEL_DIR
 from .families import Family, config_from_hf, stack_layers
 
-DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 EOT = "<|endoftext|>"
 
 # Folders of the standard library left out of the corpus: third-party packages, the test suites
