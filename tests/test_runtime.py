@@ -64,21 +64,20 @@ def test_llama_f32_gives_transformers_ids_alone_and_together(llama, llama_engine
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_other_models_give_their_reference_ids(case, tmp_path, cache_dir):
-    """f32: transformers' ids. bf16: the in-process decoder's ids (transformers in bf16 rounds every
-    activation, so it is not the oracle for a decoder that keeps f32 activations; the in-process
-    decoder is checked against transformers in bf16 in test_decoder_parity)."""
-    import tlaloc_jax
+def test_other_models_give_transformers_ids(case, tmp_path, cache_dir):
+    """f32 weights against transformers in f32; bf16 weights against transformers run in bf16. The two
+    bf16 paths round differently (transformers rounds every activation, the artifact only each projection's
+    input), so bf16 ids can part at a near-tie; these seeded models have none in 16 steps, which the test
+    pins down (and test_decoder_parity bounds the bf16 logits)."""
+    import torch
     kw = CASES[case]
+    bf16 = kw.get("weight_dtype") == "bfloat16"
     ck, art = _export(tmp_path, case, prefill_max_batch=1, **kw)
     with Engine.load(art, cache_dir=cache_dir, progress=False) as eng:
         got_together = eng.generate(PROMPTS, 16)
         got_alone = [eng.generate([p], 16)[0] for p in PROMPTS]
-    if kw.get("weight_dtype") == "bfloat16":
-        want = tlaloc_jax.load_hf(ck, dtype="bfloat16", block_size=8).generate(PROMPTS, 16)
-    else:
-        ref = load_hf_torch(ck)
-        want = [torch_greedy(ref, p, 16)[0] for p in PROMPTS]
+    ref = load_hf_torch(ck, dtype=torch.bfloat16 if bf16 else torch.float32)
+    want = [torch_greedy(ref, p, 16)[0] for p in PROMPTS]
     assert got_alone == want and got_together == want
 
 
