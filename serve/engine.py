@@ -127,6 +127,8 @@ class Engine:
         self.vocab = m.model.vocab
         self.max_context = max(m.buckets.context_ladder)
         self.refused = {r.token_id: r.config_key for r in m.refused_tokens}
+        self._by_kind = {kind: sorted((e for e in m.entries if e.kind == kind), key=lambda e: (e.context, e.batch))
+                         for kind in ("decode", "prefill")}
         self.executables: dict[str, Executable] = {}
         try:
             self._compile_all(progress)
@@ -295,7 +297,8 @@ class Engine:
     # -- scheduling ------------------------------------------------------------------------------
 
     def _entries(self, kind: str) -> list[mf.Entry]:
-        return sorted((e for e in self.manifest.entries if e.kind == kind), key=lambda e: (e.context, e.batch))
+        """The entries of `kind`, smallest first (by context, then batch)."""
+        return self._by_kind[kind]
 
     def _pick(self, kind: str, batch: int, context: int, tokens: int) -> mf.Entry | None:
         """The smallest entry of `kind` that holds `batch` rows of `tokens` tokens reaching `context` positions."""
