@@ -250,3 +250,15 @@ def test_no_entry_copies_the_pool_inside_its_body(tmp_path, cache_dir):
             stats = exe.memory_stats()
             assert stats["alias_size_in_bytes"] == eng.pool_bytes, name
             assert stats["temp_size_in_bytes"] < eng.pool_bytes / 10, (name, stats["temp_size_in_bytes"])
+
+
+def test_an_artifact_for_another_platform_is_refused_at_load(tmp_path, cache_dir):
+    """The export lowers for CUDA without a GPU (no custom_call in the bodies); the CPU plugin refuses
+    that artifact by name before compiling anything."""
+    from tlaloc_jax import manifest as mf
+    _, art = _export(tmp_path, "cuda", "llama", seed=27, batch_ladder=(1,), context_ladder=(32,), platform="cuda")
+    m = mf.load_manifest(art)
+    assert m.versions.platform == "cuda"
+    assert all("stablehlo.custom_call" not in (art / e.body).read_text() for e in m.entries)
+    with pytest.raises(mf.ManifestError, match=r"exported for cuda, the plugin .* is cpu"):
+        Engine.load(art, cache_dir=cache_dir, progress=False)
