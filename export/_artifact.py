@@ -104,7 +104,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     for spec in specs:
         bar.set_postfix_str(spec.name)
         inputs, outputs, donations = entry_signature(cfg, spec, spec.context // block_size, weights, layout)
-        exp = export_entry(cfg, spec, inputs, outputs, donations, key_block=attention_block, ring_pages=ring,
+        exp = export_entry(cfg, spec, inputs, outputs, donations, key_block=attention_block,
+                           ring_pages=layout.ring_pages,
                            platform=platform)
         text = exp.mlir_module().encode()
         digest = hashlib.sha256(text).hexdigest()

@@ -68,9 +68,6 @@ class Layout:
     kv_dtype: str
     ring_pages: int = 0
 
-    def __hash__(self):
-        return hash((tuple(self.pools), self.kv_dtype, self.ring_pages))
-
 
 POOL_ROLES = {"kv": (mf.KV_POOL_IN, mf.KV_POOL_OUT), "window_kv": (mf.WINDOW_KV_POOL_IN, mf.WINDOW_KV_POOL_OUT)}
 
