@@ -17,15 +17,28 @@ call on the smallest decode entry that holds them. New requests join between ste
 
 A request reserves the pages for its prompt and all its new tokens when it is admitted and takes them
 as it grows, so a live sequence never runs out of pages and is never preempted: a request that does not
-fit is refused (RequestRefused, kind "pool_exhausted") and may be sent again once other sequences end.
+fit now is refused (RequestRefused, kind "pool_exhausted") and may be sent again once other sequences
+end; one that would not fit even the empty pool is refused for good (kind "exceeds_pool";
+`check_could_fit` answers that for several sequences at once, without touching the pool).
 With a windowed pool (manifest v3) a sequence also holds a ring of at most ring_pages pages for its
 sliding layers, whatever its length, and a piece of prompt is split so that each call fits the ring.
+
+The invariant, per request: whatever one request does (bad sampling parameters, a refused admission, a
+failure while its token is sampled, an exception anywhere on its path), its own pages, held and
+promised, are released, it alone fails, and every other sequence's ids are those of its solo run.
+  - Admission checks everything (prompt, lengths, stop ids, sampling, could-ever-fit) before it promises
+    a page: the promise is its last step, so a refused request leaves the pools as they were.
+  - In a step, a failure sampling one sequence's token ends that sequence (finish_reason "error", a
+    StepEvent naming the cause, its pages freed); the other sequences of the call keep their tokens.
+  - A call that fails as a whole (building its inputs, or the execution) ends the sequences it held:
+    they shared the failed call. Nothing else changes, and the engine keeps serving.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +62,8 @@ class RequestRefused(ValueError):
     """A request the engine will not run; nothing of any sequence changed.
 
     kind: "empty_prompt", "placeholder_token", "out_of_vocabulary", "too_long", "bad_request",
-    or "pool_exhausted" (retry after other sequences end).
+    "exceeds_pool" (more pages than the whole pool: never admitted), or "pool_exhausted" (retry after
+    other sequences end).
     """
 
     def __init__(self, kind: str, message: str):
@@ -194,18 +208,36 @@ class Engine:
         """Admit a request (its pages reserved) or raise RequestRefused; returns its id."""
         try:
             prompt = self._check_prompt(prompt, max_new_tokens)
+            stop = _check_stop(stop_token_ids)
+            s = _check_sampling(sampling)
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._seqs:
                 raise RequestRefused("bad_request", f"request id {rid!r} is already in use")
+            rng = np.random.default_rng(s.seed)
+            self.check_could_fit([(len(prompt), max_new_tokens)])
+            # The promise of pages comes last: whatever is refused above leaves the pools as they were.
             reserved = self._reserve(pages_for(len(prompt) + max_new_tokens - 1, self.block_size))
         except RequestRefused:
             self._stats["requests_refused"] += 1
             raise
-        s = sampling or GREEDY
-        self._seqs[rid] = _Seq(rid, prompt, int(max_new_tokens), frozenset(int(t) for t in stop_token_ids), s,
-                               np.random.default_rng(s.seed), [] if "kv" in self.allocators else None, [],
-                               reserved, time.perf_counter())
+        self._seqs[rid] = _Seq(rid, prompt, int(max_new_tokens), stop, s, rng,
+                               [] if "kv" in self.allocators else None, [], reserved, time.perf_counter())
         return rid
+
+    def check_could_fit(self, sizes: Sequence[tuple[int, int]]) -> None:
+        """Refuse sequences, given as (prompt tokens, max_new_tokens), that together would not fit the pools
+        even if every page were free: RequestRefused kind "too_long" (one is past the largest context) or
+        "exceeds_pool". Reads only the pools' sizes, never their state, so any thread may call it."""
+        for prompt_len, max_new_tokens in sizes:
+            self._check_length(prompt_len, max_new_tokens)
+        blocks = [pages_for(p + m - 1, self.block_size) for p, m in sizes]
+        for name, alloc in self.allocators.items():
+            need = sum(self._need(name, b) for b in blocks)
+            if need > alloc.num_pages:
+                seqs = f"{len(sizes)} sequence needs" if len(sizes) == 1 else f"{len(sizes)} sequences need"
+                raise RequestRefused("exceeds_pool", f"{seqs} {need} {alloc.name} pages together (each its prompt "
+                                                     f"plus max_new_tokens), and the pool holds {alloc.num_pages} "
+                                                     "pages: they could never run at once")
 
     def _need(self, name: str, blocks: int) -> int:
         return min(blocks, self.ring_pages) if name == "window_kv" else blocks
@@ -234,7 +266,7 @@ class Engine:
                     held.extend(self.allocators[name].alloc(n, reserved=True))
                     s.reserved[name] -= n
     def _check_prompt(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise RequestRefused("bad_request", f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         try:
             ids = [int(t) for t in prompt]
@@ -248,13 +280,16 @@ class Engine:
                                                           f"{self.refused[t]}): this artifact is the text decoder only")
             if not 0 <= t < self.vocab:
                 raise RequestRefused("out_of_vocabulary", f"token id {t} is outside the vocabulary (size {self.vocab})")
-        if len(ids) > self.max_context:
-            raise RequestRefused("too_long", f"prompt of {len(ids)} tokens is longer than the largest context "
-                                             f"{self.max_context}")
-        if len(ids) + max_new_tokens - 1 > self.max_context:
-            raise RequestRefused("too_long", f"prompt of {len(ids)} tokens plus max_new_tokens {max_new_tokens} "
-                                             f"exceeds the largest context {self.max_context}")
+        self._check_length(len(ids), max_new_tokens)
         return ids
+
+    def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len > self.max_context:
+            raise RequestRefused("too_long", f"prompt of {prompt_len} tokens is longer than the largest context "
+                                             f"{self.max_context}")
+        if prompt_len + max_new_tokens - 1 > self.max_context:
+            raise RequestRefused("too_long", f"prompt of {prompt_len} tokens plus max_new_tokens {max_new_tokens} "
+                                             f"exceeds the largest context {self.max_context}")
 
     def abort(self, request_id: str) -> None:
         """End a request now (a client went away) and free its pages."""
@@ -355,23 +390,23 @@ class Engine:
             self._stats["steps"] += 1
         return events
 
+    def _fail(self, s: _Seq, error: str) -> StepEvent:
+        self._finish(s, "error", error)
+        return StepEvent(s.rid, None, True, "error", error)
+
     def _run_call(self, call: _Call) -> list[StepEvent]:
         e = call.entry
-        for s, row in zip(call.seqs, call.rows):
-            self._grow(s, row.start + len(row.token_ids))
-        inputs = build_step_inputs(call.rows, batch=e.batch, tokens=e.tokens_per_seq,
-                                   width=e.context // self.block_size, block_size=self.block_size,
-                                   ring_pages=self.ring_pages)
         want_logits = any(not s.sampling.greedy for s in call.seqs)
         try:
+            for s, row in zip(call.seqs, call.rows):
+                self._grow(s, row.start + len(row.token_ids))
+            inputs = build_step_inputs(call.rows, batch=e.batch, tokens=e.tokens_per_seq,
+                                       width=e.context // self.block_size, block_size=self.block_size,
+                                       ring_pages=self.ring_pages)
             next_ids, logits = self._execute(e, inputs, want_logits)
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
-            log.error("execution of %s failed: %s", e.name, err)
-            events = []
-            for s in call.seqs:
-                self._finish(s, "error", f"{e.name} failed: {err}")
-                events.append(StepEvent(s.rid, None, True, "error", s.error))
-            return events
+            log.error("call of %s failed: %s", e.name, err)
+            return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]
         self._stats["prefill_calls" if e.kind == "prefill" else "decode_calls"] += 1
         bs = self._stats["batch_sizes"]
         bs[len(call.seqs)] = bs.get(len(call.seqs), 0) + 1
@@ -383,7 +418,12 @@ class Engine:
                 self._stats["prompt_tokens"] += len(row.token_ids)
                 if s.prefilled < len(s.prompt):
                     continue      # more of the prompt to read; this call's logits are not a token yet
-            tok = int(next_ids[b]) if s.sampling.greedy else sample(logits[b], s.sampling, s.rng)
+            try:
+                tok = int(next_ids[b]) if s.sampling.greedy else sample(logits[b], s.sampling, s.rng)
+            except Exception as err:   # noqa: BLE001 - this sequence fails; the call's others keep their tokens
+                log.error("sampling %s failed: %s", s.rid, err)
+                events.append(self._fail(s, f"sampling failed: {err}"))
+                continue
             s.generated.append(tok)
             s.token_times.append(now)
             if s.first_token_time is None:
@@ -451,25 +491,22 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16,
                  sampling: Sampling | None = None, stop_token_ids: Iterable[int] = ()) -> list[list[int]]:
-        """Decode the prompts together; returns each one's new ids. Refuses (nothing admitted) if any is bad."""
+        """Decode the prompts together; returns each one's new ids. Refuses (nothing admitted) if any is bad;
+        raises RuntimeError naming the first sequence that failed. Its requests are released either way."""
         stop = tuple(stop_token_ids)
         rids: list[str] = []
         try:
             for p in prompts:
                 rids.append(self.add_request(p, max_new_tokens, stop, sampling))
-        except RequestRefused:
+            while any(not self._seqs[r].finished for r in rids):
+                self.step()
+            for rid in rids:
+                if self._seqs[rid].finish_reason == "error":
+                    raise RuntimeError(f"request {rid} failed: {self._seqs[rid].error}")
+            return [list(self._seqs[rid].generated) for rid in rids]
+        finally:
             for rid in rids:
                 self.release(rid)
-            raise
-        while any(not self._seqs[r].finished for r in rids):
-            self.step()
-        out = []
-        for rid in rids:
-            s = self._seqs.pop(rid)
-            if s.finish_reason == "error":
-                raise RuntimeError(f"request {rid} failed: {s.error}")
-            out.append(list(s.generated))
-        return out
 
     def stats(self) -> dict:
         st = dict(self._stats, executions_by_entry=dict(self._stats["executions_by_entry"]),
@@ -491,6 +528,31 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_stop(stop_token_ids: Iterable[int]) -> frozenset[int]:
+    try:
+        items = list(stop_token_ids)
+    except TypeError:
+        raise RequestRefused("bad_request", f"stop_token_ids must be an iterable of token ids, got "
+                                            f"{type(stop_token_ids).__name__}") from None
+    for t in items:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise RequestRefused("bad_request", f"stop_token_ids must be integer token ids, got {t!r}")
+    return frozenset(int(t) for t in items)
+
+
+def _check_sampling(sampling: Sampling | None) -> Sampling:
+    """The request's sampling, checked again here: a frozen dataclass can still be changed after it was built."""
+    if sampling is None:
+        return GREEDY
+    if not isinstance(sampling, Sampling):
+        raise RequestRefused("bad_request", f"sampling must be a Sampling, got {type(sampling).__name__}")
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise RequestRefused("bad_request", f"bad sampling parameters: {e}") from None
+    return sampling
 
 
 def _np_dtype(name: str):

@@ -20,20 +20,15 @@ import httpx
 import openai
 import pytest
 
-from hf_models import build_checkpoint
+from http_util import CONTEXT, GOOD, STOP
 from import_guard import guarded
-from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.serve import Engine, Sampling
-from tokenizers_util import EOS, IMAGE, VOCAB, build_tokenizer, write_tokenizer
+from tokenizers_util import EOS, IMAGE, VOCAB, build_tokenizer
 
-# Decode batches of 1 and 8 (eight clients share one call), prefill batch 1, contexts 32 and 64: six entries.
-LADDER = dict(batch_ladder=(1, 8), context_ladder=(32, 64), block_size=8, prefill_chunk=16, prefill_max_batch=1,
-              num_blocks=64, progress=False)
-CONTEXT = 64
+# The artifacts of tests/http_util.py: decode batches of 1 and 8 (eight clients share one call), prefill batch 1,
+# contexts 32 and 64: six entries.
 KEY = "sk-tlaloc-test"
 BODY_LIMIT = 65536
-STOP = [EOS]            # the checkpoint's eos: the server stops on it, so the oracle does too
-GOOD = [5, 17, 99, 3, 250, 8, 61]
 
 SERVE = guarded(textwrap.dedent("""
     from tlaloc_jax.serve.__main__ import main
@@ -51,18 +46,9 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
-    """(text artifact, ids artifact): one checkpoint, exported with and without its tokenizer files.
-    Same ladder, so the same bodies: the second compiles from the cache."""
-    root = tmp_path_factory.mktemp("http")
-    ck = build_checkpoint(root / "ck", "llama", seed=31, vocab_size=VOCAB, eos_token_id=EOS)
-    cfg = json.loads((ck / "config.json").read_text())
-    cfg["image_token_id"] = IMAGE
-    (ck / "config.json").write_text(json.dumps(cfg))
-    export_checkpoint(ck, root / "ids", **LADDER)
-    write_tokenizer(ck)
-    export_checkpoint(ck, root / "text", **LADDER)
-    return root / "text", root / "ids"
+def artifacts(http_artifacts):
+    """(text artifact, ids artifact): one checkpoint, exported with and without its tokenizer files."""
+    return http_artifacts
 
 
 class Server:
