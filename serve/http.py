@@ -29,564 +29,31 @@ Errors are OpenAI-style JSON, {"error": {"message", "type", "param", "code"}}:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 import contextlib
 import hmac
 import json
 import logging
-import math
-import queue
-import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine, RequestRefused
+from .errors import APIError, refusal
+from .loop import EngineLoop, Inbox, SeqSpec, Update
+from .metrics import CountRequests, Metrics
 from .sampling import Sampling
 from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStrings, TextTokenizer, load_tokenizer
+from .validation import CHAT_FIELDS, COMPLETION_FIELDS, MAX_SEQS_PER_REQUEST, bad_value, validate
 
 log = logging.getLogger("tlaloc_jax.serve.http")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-MAX_SEQS_PER_REQUEST = 64          # prompts x n
-RETRY_AFTER_S = 1
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-
-
-# -- errors ------------------------------------------------------------------------------------------
-
-class APIError(Exception):
-    """An error answered as OpenAI-style JSON."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def _refusal(e: RequestRefused, prompt_param: str, longest_prompt: int, max_context: int) -> APIError:
-    """The engine's refusal as an HTTP error; its message names the cause."""
-    msg = str(e)
-    if e.kind == "pool_exhausted":
-        return APIError(503, msg, type="service_unavailable_error", code="kv_pool_exhausted",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
-    if e.kind == "too_long":
-        param = prompt_param if longest_prompt > max_context else "max_tokens"
-        return APIError(400, msg, param=param, code="context_length_exceeded")
-    code = {"placeholder_token": "placeholder_token", "out_of_vocabulary": "out_of_vocabulary",
-            "empty_prompt": "empty_prompt"}.get(e.kind)
-    return APIError(400, msg, param=prompt_param if code else None, code=code)
-
-
-# -- request validation ------------------------------------------------------------------------------
-
-_JSON_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
-               dict: "an object", type(None): "null"}
-
-
-def _bad_type(name: str, want: str, value: Any) -> APIError:
-    got = _JSON_NAMES.get(type(value), type(value).__name__)
-    return APIError(400, f"Invalid type for '{name}': expected {want}, but got {got} instead.", param=name,
-                    code="invalid_type")
-
-
-def _bad_value(name: str, why: str) -> APIError:
-    return APIError(400, f"Invalid value for '{name}': {why}", param=name, code="invalid_value")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(lo: int | None = None, hi: int | None = None):
-    def check(name, v):
-        if not _is_int(v):
-            raise _bad_type(name, "an integer", v)
-        if lo is not None and v < lo:
-            raise _bad_value(name, f"must be >= {lo}, got {v}.")
-        if hi is not None and v > hi:
-            raise _bad_value(name, f"must be <= {hi}, got {v}.")
-        return v
-    return check
-
-
-def _number(lo: float = -math.inf, hi: float = math.inf, lo_open: bool = False):
-    def check(name, v):
-        if not (_is_int(v) or isinstance(v, float)):
-            raise _bad_type(name, "a number", v)
-        if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
-            raise _bad_value(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}.")
-        return float(v)
-    return check
-
-
-def _bool(name, v):
-    if not isinstance(v, bool):
-        raise _bad_type(name, "a boolean", v)
-    return v
-
-
-def _str(name, v):
-    if not isinstance(v, str):
-        raise _bad_type(name, "a string", v)
-    return v
-
-
-def _unsupported(*allowed):
-    """A field OpenAI defines that this server serves only at its neutral value."""
-    def check(name, v):
-        if v in allowed and type(v) in {type(a) for a in allowed}:
-            return v
-        raise APIError(400, f"'{name}' = {json.dumps(v)} is not supported by this server (only "
-                            f"{' or '.join(json.dumps(a) for a in allowed)}).", param=name, code="unsupported_parameter")
-    return check
-
-
-def _token_ids(name, v):
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
-        raise _bad_type(name, "an array of integer token ids", v)
-    return list(v)
-
-
-def _stop(name, v):
-    """`stop`: a string or an array of strings and (an extension) integer token ids."""
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not all(isinstance(s, str) or _is_int(s) for s in items):
-        raise _bad_type(name, "a string or an array of strings and token ids", v)
-    if any(s == "" for s in items):
-        raise _bad_value(name, "stop strings must not be empty.")
-    if len(items) > 64:
-        raise _bad_value(name, f"at most 64 stop sequences, got {len(items)}.")
-    return items
-
-
-def _stream_options(name, v):
-    if not isinstance(v, dict):
-        raise _bad_type(name, "an object", v)
-    for k, x in v.items():
-        if k not in ("include_usage", "continuous_usage_stats"):
-            raise APIError(400, f"Unrecognized request argument supplied: {name}.{k}", param=f"{name}.{k}",
-                           code="unknown_parameter")
-        _bool(f"{name}.{k}", x)
-    return v
-
-
-def _prompt(name, v):
-    """-> ("text", [str, ...]) or ("ids", [[int, ...], ...]): one prompt or a batch of them."""
-    want = "a string, an array of strings, an array of token ids or an array of arrays of token ids"
-    if isinstance(v, str):
-        return "text", [v]
-    if not isinstance(v, list):
-        raise _bad_type(name, want, v)
-    if not v or all(_is_int(t) for t in v):
-        return "ids", [list(v)]
-    if all(isinstance(p, str) for p in v):
-        return "text", list(v)
-    if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in v):
-        return "ids", [list(p) for p in v]
-    raise _bad_type(name, want, v)
-
-
-def _messages(name, v):
-    if not isinstance(v, list):
-        raise _bad_type(name, "an array of messages", v)
-    if not v:
-        raise _bad_value(name, "must hold at least one message.")
-    out = []
-    for i, m in enumerate(v):
-        where = f"{name}[{i}]"
-        if not isinstance(m, dict):
-            raise _bad_type(where, "an object", m)
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str):
-            raise _bad_type(f"{where}.role", "a string", role)
-        if isinstance(content, list):
-            parts = []
-            for j, p in enumerate(content):
-                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise APIError(400, f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                        "are served; this artifact is the text decoder", param=f"{where}.content",
-                                   code="invalid_value")
-                parts.append(p["text"])
-            content = "\n".join(parts)
-        elif content is not None and not isinstance(content, str):
-            raise _bad_type(f"{where}.content", "a string or an array of text parts", content)
-        msg = {"role": role, "content": content if content is not None else ""}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        out.append(msg)
-    return out
-
-
-def _opt(check):
-    return lambda name, v: None if v is None else check(name, v)
-
-
-_COMMON = {
-    "model": _opt(_str),
-    "max_tokens": _opt(_int(lo=1)),
-    "temperature": _opt(_number(lo=0.0)),
-    "top_p": _opt(_number(lo=0.0, hi=1.0, lo_open=True)),
-    "top_k": _opt(_int(lo=-1)),
-    "seed": _opt(_int()),
-    "stop": _opt(_stop),
-    "stop_token_ids": _opt(_token_ids),
-    "n": _opt(_int(lo=1, hi=MAX_SEQS_PER_REQUEST)),
-    "stream": _opt(_bool),
-    "stream_options": _opt(_stream_options),
-    "return_token_ids": _opt(_bool),
-    "ignore_eos": _opt(_bool),
-    "user": _opt(_str),
-    "presence_penalty": _opt(_unsupported(0, 0.0)),
-    "frequency_penalty": _opt(_unsupported(0, 0.0)),
-    "logit_bias": _opt(_unsupported({})),
-}
-_COMPLETION_FIELDS = {**_COMMON, "prompt": _prompt, "echo": _opt(_unsupported(False)),
-                      "suffix": _opt(_unsupported("")), "logprobs": _opt(_unsupported(0)),
-                      "best_of": _opt(_unsupported(1))}
-_CHAT_FIELDS = {**_COMMON, "messages": _messages, "max_completion_tokens": _opt(_int(lo=1)),
-                "logprobs": _opt(_unsupported(False)), "top_logprobs": _opt(_unsupported(0)),
-                "add_generation_prompt": _opt(_bool),
-                # Tool calling and structured output are not served; clients that send the neutral values pass.
-                "tools": _opt(_unsupported([])), "tool_choice": _opt(_unsupported("none")),
-                "parallel_tool_calls": _opt(_unsupported(True, False)),
-                "response_format": _opt(_unsupported({"type": "text"}))}
-
-
-def _validate(body: dict, fields: dict, required: str) -> dict:
-    for k in body:
-        if k not in fields:
-            raise APIError(400, f"Unrecognized request argument supplied: {k}", param=k, code="unknown_parameter")
-    if body.get(required) is None:
-        raise APIError(400, f"Missing required parameter: '{required}'.", param=required,
-                       code="missing_required_parameter")
-    return {k: check(k, body.get(k)) for k, check in fields.items()}
-
-
-# -- the engine loop ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _SeqSpec:
-    prompt: list[int]
-    max_new_tokens: int
-    stop_token_ids: frozenset[int]
-    sampling: Sampling
-
-
-@dataclass(frozen=True)
-class _Update:
-    """A token of one of a request's sequences (token None: the sequence failed)."""
-
-    seq: int
-    token: int | None
-    finished: bool
-    reason: str | None = None
-    error: str | None = None
-
-
-Sink = Callable[[list[_Update]], None]
-
-
-@dataclass
-class _Admission:
-    specs: list[_SeqSpec]
-    sink: Sink
-    arrival: float
-    future: cf.Future
-
-
-@dataclass
-class _Running:
-    sink: Sink
-    seq: int
-    arrival: float
-
-
-class EngineLoop:
-    """The one thread that drives the Engine. Everything else talks to it through `submit`, `abort`, `call`."""
-
-    def __init__(self, engine: Engine, max_running: int, metrics: "_Metrics"):
-        self.engine = engine
-        self.max_running = max_running
-        self.metrics = metrics
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: deque[_Admission] = deque()
-        self._running: dict[str, _Running] = {}
-        self._thread: threading.Thread | None = None
-        self.failure: BaseException | None = None
-
-    # called from other threads
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="tlaloc-engine-loop", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self._thread is not None:
-            self._cmds.put(("stop",))
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def submit(self, specs: list[_SeqSpec], sink: Sink, arrival: float) -> cf.Future:
-        """Admit all of `specs` or none; the future gives their engine ids or raises RequestRefused."""
-        fut: cf.Future = cf.Future()
-        self._cmds.put(("add", _Admission(specs, sink, arrival, fut)))
-        return fut
-
-    def abort(self, rids, reason: str) -> None:
-        if rids:
-            self._cmds.put(("abort", tuple(rids), reason))
-
-    def call(self, fn: Callable[["EngineLoop"], Any]) -> cf.Future:
-        """Run fn(loop) on the loop thread, between steps (for reading the engine's state)."""
-        fut: cf.Future = cf.Future()
-        self._cmds.put(("call", fn, fut))
-        return fut
-
-    # the loop thread
-
-    def _run(self) -> None:
-        try:
-            while True:
-                idle = not self._running and not self._waiting
-                cmds = []
-                try:
-                    cmds.append(self._cmds.get(block=idle))
-                    while True:
-                        cmds.append(self._cmds.get_nowait())
-                except queue.Empty:
-                    pass
-                for cmd in cmds:
-                    if cmd[0] == "stop":
-                        self._fail_all("the server is shutting down")
-                        return
-                    self._handle(cmd)
-                self._admit()
-                if self._running:
-                    self._step()
-        except BaseException as e:  # noqa: BLE001 - a bug in the loop: fail what is pending, /health says so
-            log.exception("engine loop failed")
-            self.failure = e
-            self._fail_all(f"engine loop failed: {e}")
-
-    def _handle(self, cmd) -> None:
-        if cmd[0] == "add":
-            self._waiting.append(cmd[1])
-        elif cmd[0] == "abort":
-            for rid in cmd[1]:
-                self._end(rid, cmd[2])
-        elif cmd[0] == "call":
-            fn, fut = cmd[1], cmd[2]
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(self))
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
-
-    def _admit(self) -> None:
-        while self._waiting:
-            adm = self._waiting[0]
-            if self._running and len(self._running) + len(adm.specs) > self.max_running:
-                return
-            self._waiting.popleft()
-            if not adm.future.set_running_or_notify_cancel():
-                continue                    # the client went away while it waited
-            rids: list[str] = []
-            try:
-                for spec in adm.specs:
-                    rids.append(self.engine.add_request(spec.prompt, spec.max_new_tokens, spec.stop_token_ids,
-                                                        spec.sampling))
-            except Exception as e:  # noqa: BLE001 - RequestRefused, or a bug: nothing of it stays admitted
-                for rid in rids:
-                    self.engine.release(rid)
-                adm.future.set_exception(e)
-                continue
-            for i, rid in enumerate(rids):
-                self._running[rid] = _Running(adm.sink, i, adm.arrival)
-            adm.future.set_result(rids)
-
-    def _step(self) -> None:
-        try:
-            events = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - the running requests fail; the loop goes on serving
-            log.exception("engine step failed")
-            self._fail_all(f"engine step failed: {e}")
-            return
-        out: dict[int, tuple[Sink, list[_Update]]] = {}
-        for ev in events:
-            run = self._running.get(ev.request_id)
-            if run is None:
-                continue
-            if ev.finished:
-                self._end(ev.request_id, ev.finish_reason or "stop")
-            out.setdefault(id(run.sink), (run.sink, []))[1].append(
-                _Update(run.seq, ev.token, ev.finished, ev.finish_reason, ev.error))
-        for sink, updates in out.values():
-            _deliver(sink, updates)
-
-    def _end(self, rid: str, reason: str) -> None:
-        """Forget a running sequence: abort it if it still runs, record its times, free its pages."""
-        run = self._running.pop(rid, None)
-        if run is None:
-            return
-        self.engine.abort(rid)
-        self.metrics.observe_sequence(self.engine.request_info(rid), run.arrival, reason)
-        self.engine.release(rid)
-
-    def _fail_all(self, message: str) -> None:
-        for adm in self._waiting:
-            if adm.future.set_running_or_notify_cancel():
-                adm.future.set_exception(RuntimeError(message))
-        self._waiting.clear()
-        sinks: dict[int, tuple[Sink, list[_Update]]] = {}
-        for rid, run in list(self._running.items()):
-            with contextlib.suppress(Exception):
-                self._end(rid, "error")
-            self._running.pop(rid, None)
-            sinks.setdefault(id(run.sink), (run.sink, []))[1].append(_Update(run.seq, None, True, "error", message))
-        for sink, updates in sinks.values():
-            _deliver(sink, updates)
-
-    def snapshot(self) -> dict:
-        """The engine's counters plus the loop's queue (call on the loop thread)."""
-        return dict(self.engine.stats(), running=len(self._running),
-                    waiting=sum(len(a.specs) for a in self._waiting))
-
-
-def _deliver(sink: Sink, updates: list[_Update]) -> None:
-    try:
-        sink(updates)
-    except RuntimeError:        # the request's event loop has closed (shutdown)
-        pass
-
-
-class _Inbox:
-    """A request's end of the loop: updates arrive on its asyncio queue, one list per engine step."""
-
-    def __init__(self):
-        self._loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[list[_Update]] = asyncio.Queue()
-
-    def __call__(self, updates: list[_Update]) -> None:
-        self._loop.call_soon_threadsafe(self.queue.put_nowait, updates)
-
-
-# -- metrics -----------------------------------------------------------------------------------------
-
-class _Metrics:
-    """Prometheus metrics in a registry of their own (several apps may live in one process)."""
-
-    def __init__(self):
-        self.registry = r = CollectorRegistry()
-        self.http = Counter("tlaloc_http_requests", "HTTP requests by route and status code", ["route", "status"],
-                            registry=r)
-        self.finished = Counter("tlaloc_sequences_finished", "Sequences ended, by reason "
-                                "(stop, length, abort: client gone, error)", ["reason"], registry=r)
-        self.queue_time = Histogram("tlaloc_request_queue_seconds", "Arrival to the first call that reads the "
-                                    "sequence", buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("tlaloc_time_to_first_token_seconds", "Arrival to the first generated token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tlaloc_inter_token_latency_seconds", "Time between a sequence's consecutive tokens",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("tlaloc_request_seconds", "Arrival to a sequence's end", buckets=_LATENCY_BUCKETS,
-                             registry=r)
-        self.engine = _EngineCollector()
-        r.register(self.engine)
-
-    def observe_sequence(self, info, arrival: float, reason: str) -> None:
-        self.finished.labels(reason).inc()
-        if info.first_scheduled is not None:
-            self.queue_time.observe(max(0.0, info.first_scheduled - arrival))
-        if info.first_token_time is not None:
-            self.ttft.observe(max(0.0, info.first_token_time - arrival))
-        times = info.token_times
-        for a, b in zip(times, times[1:]):
-            self.itl.observe(b - a)
-        self.e2e.observe(time.perf_counter() - arrival)
-
-
-class _EngineCollector:
-    """The engine's own counters, from a snapshot the /metrics handler takes on the loop thread."""
-
-    def __init__(self):
-        self.snapshot: dict | None = None
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        s = self.snapshot
-        if s is None:
-            return
-        for name, key, doc in (("tlaloc_engine_steps", "steps", "Engine scheduling steps that produced tokens"),
-                               ("tlaloc_engine_executions", "executions", "Compiled-entry executions (calls)"),
-                               ("tlaloc_engine_prefill_calls", "prefill_calls", "Prefill executions"),
-                               ("tlaloc_engine_decode_calls", "decode_calls", "Decode executions"),
-                               ("tlaloc_prompt_tokens", "prompt_tokens", "Prompt tokens prefilled"),
-                               ("tlaloc_generation_tokens", "tokens_generated", "Tokens generated"),
-                               ("tlaloc_requests_refused", "requests_refused", "Sequences the engine refused")):
-            yield CounterMetricFamily(name, doc, value=s[key])
-        for name, key, doc in (("tlaloc_kv_pages_in_use", "pages_in_use", "KV pages held by sequences"),
-                               ("tlaloc_kv_pages_total", "num_pages", "KV pages in the pool"),
-                               ("tlaloc_requests_running", "running", "Sequences admitted to the engine"),
-                               ("tlaloc_requests_waiting", "waiting", "Sequences waiting for a batch slot")):
-            yield GaugeMetricFamily(name, doc, value=s[key])
-        for name, key, doc in (("tlaloc_pool_pages_in_use", "pages_in_use", "Pages held by sequences, per pool"),
-                               ("tlaloc_pool_pages_total", "num_pages", "Pages per pool")):
-            g = GaugeMetricFamily(name, doc, labels=["pool"])
-            for pool, st in (s.get("pools") or {}).items():
-                g.add_metric([pool], st[key])
-            yield g
-        sizes = s["batch_sizes"]
-        buckets = []
-        for le in _BATCH_BUCKETS:
-            buckets.append((str(le), sum(c for b, c in sizes.items() if b <= le)))
-        buckets.append(("+Inf", sum(sizes.values())))
-        yield HistogramMetricFamily("tlaloc_batch_size", "Sequences per execution (its sum: sequence-steps run)",
-                                    buckets=buckets, sum_value=sum(b * c for b, c in sizes.items()))
-
-
-class _CountRequests:
-    """ASGI middleware: count every HTTP answer by route and status (streams included)."""
-
-    def __init__(self, app, metrics: _Metrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = {"code": 500}
-
-        async def send_(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_)
-        finally:
-            route = scope["path"] if scope["path"] in _ROUTES else "other"
-            self.metrics.http.labels(route, str(status["code"])).inc()
 
 
 # -- a request's sequences ---------------------------------------------------------------------------
@@ -615,7 +82,7 @@ class _Choice:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def apply(self, u: _Update) -> bool:
+    def apply(self, u: Update) -> bool:
         if self.done:
             return False                # tokens already in flight after a stop string
         if u.token is None:
@@ -666,12 +133,12 @@ class _Generation:
         tok = server.tokenizer
         self.choices = [_Choice(i * n + j, p, tok.detokenizer(p) if tok else None, stops, server.eos)
                         for i, p in enumerate(prompts) for j in range(n)]
-        self.specs = [_SeqSpec(c.prompt, max_tokens[k], stop_ids, sampling[k]) for k, c in enumerate(self.choices)]
+        self.specs = [SeqSpec(c.prompt, max_tokens[k], stop_ids, sampling[k]) for k, c in enumerate(self.choices)]
         self.arrival = arrival
-        self.inbox: _Inbox | None = None
+        self.inbox: Inbox | None = None
 
     async def admit(self, prompt_param: str) -> None:
-        self.inbox = _Inbox()
+        self.inbox = Inbox()
         fut = self.server.loop.submit(self.specs, self.inbox, self.arrival)
         try:
             rids = await asyncio.wrap_future(fut)
@@ -681,7 +148,7 @@ class _Generation:
                                   or self.server.loop.abort(f.result(), "abort"))
             raise
         except RequestRefused as e:
-            raise _refusal(e, prompt_param, max(len(p) for p in self.prompts), self.server.engine.max_context) from None
+            raise refusal(e, prompt_param, max(len(p) for p in self.prompts), self.server.engine.max_context) from None
         except RuntimeError as e:
             raise APIError(503, str(e), type="service_unavailable_error") from None
         for c, rid in zip(self.choices, rids):
@@ -736,7 +203,7 @@ class _Server:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
-        self.metrics = _Metrics()
+        self.metrics = Metrics()
         self.loop = EngineLoop(engine, max_batch, self.metrics)
         eos = set(engine.manifest.model.eos_token_ids)
         if tokenizer is not None:
@@ -793,7 +260,7 @@ class _Server:
         """
         n = req["n"] or 1
         if len(prompts) * n > MAX_SEQS_PER_REQUEST:
-            raise _bad_value("n", f"prompts x n is {len(prompts) * n}, over the limit of {MAX_SEQS_PER_REQUEST}.")
+            raise bad_value("n", f"prompts x n is {len(prompts) * n}, over the limit of {MAX_SEQS_PER_REQUEST}.")
         stop = req["stop"] or []
         stop_strings = tuple(s for s in stop if isinstance(s, str))
         stop_ids = {s for s in stop if not isinstance(s, str)} | set(req["stop_token_ids"] or ())
@@ -827,7 +294,7 @@ class _Server:
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
         self.check_key(request)
-        req = _validate(await self.read_json(request), _COMPLETION_FIELDS, "prompt")
+        req = validate(await self.read_json(request), COMPLETION_FIELDS, "prompt")
         self.check_model(req["model"])
         kind, prompts = req["prompt"]
         if kind == "text":
@@ -841,7 +308,7 @@ class _Server:
     async def chat(self, request: Request) -> Response:
         arrival = time.perf_counter()
         self.check_key(request)
-        req = _validate(await self.read_json(request), _CHAT_FIELDS, "messages")
+        req = validate(await self.read_json(request), CHAT_FIELDS, "messages")
         self.check_model(req["model"])
         if self.tokenizer is None:
             raise APIError(400, "this artifact has no tokenizer, so no chat template: use /v1/completions with "
@@ -1052,5 +519,5 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     async def metrics():
         return await server.metrics_text()
 
-    app.add_middleware(_CountRequests, metrics=server.metrics)
+    app.add_middleware(CountRequests, metrics=server.metrics)
     return app

@@ -1,0 +1,40 @@
+"""OpenAI-style errors of the HTTP server: {"error": {"message", "type", "param", "code"}}, and the engine's
+refusals mapped onto them."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from .engine import RequestRefused
+
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def refusal(e: RequestRefused, prompt_param: str, longest_prompt: int, max_context: int) -> APIError:
+    """The engine's refusal as an HTTP error; its message names the cause."""
+    msg = str(e)
+    if e.kind == "pool_exhausted":
+        return APIError(503, msg, type="service_unavailable_error", code="kv_pool_exhausted",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if e.kind == "too_long":
+        param = prompt_param if longest_prompt > max_context else "max_tokens"
+        return APIError(400, msg, param=param, code="context_length_exceeded")
+    code = {"placeholder_token": "placeholder_token", "out_of_vocabulary": "out_of_vocabulary",
+            "empty_prompt": "empty_prompt"}.get(e.kind)
+    return APIError(400, msg, param=prompt_param if code else None, code=code)

@@ -1,0 +1,235 @@
+"""EngineLoop: the one thread that owns the Engine (which is not thread-safe).
+
+Request handlers hand it an admission (all of a request's sequences, admitted together or not at all) and
+later aborts, through a queue. Between steps the loop admits waiting requests (up to `max_running`
+running sequences; more wait their turn), then runs `engine.step()`, which advances every running
+sequence: their decode tokens share calls. Each step's tokens go back to their requests' sinks in one
+call per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .engine import Engine
+from .metrics import Metrics
+from .sampling import Sampling
+
+log = logging.getLogger("tlaloc_jax.serve.loop")
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    prompt: list[int]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class Update:
+    """A token of one of a request's sequences (token None: the sequence failed)."""
+
+    seq: int
+    token: int | None
+    finished: bool
+    reason: str | None = None
+    error: str | None = None
+
+
+Sink = Callable[[list[Update]], None]
+
+
+@dataclass
+class _Admission:
+    specs: list[SeqSpec]
+    sink: Sink
+    arrival: float
+    future: cf.Future
+
+
+@dataclass
+class _Running:
+    sink: Sink
+    seq: int
+    arrival: float
+
+
+class EngineLoop:
+    """The one thread that drives the Engine. Everything else talks to it through `submit`, `abort`, `call`."""
+
+    def __init__(self, engine: Engine, max_running: int, metrics: Metrics):
+        self.engine = engine
+        self.max_running = max_running
+        self.metrics = metrics
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[_Admission] = deque()
+        self._running: dict[str, _Running] = {}
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+
+    # called from other threads
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tlaloc-engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread is not None:
+            self._cmds.put(("stop",))
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, specs: list[SeqSpec], sink: Sink, arrival: float) -> cf.Future:
+        """Admit all of `specs` or none; the future gives their engine ids or raises RequestRefused."""
+        fut: cf.Future = cf.Future()
+        self._cmds.put(("add", _Admission(specs, sink, arrival, fut)))
+        return fut
+
+    def abort(self, rids, reason: str) -> None:
+        if rids:
+            self._cmds.put(("abort", tuple(rids), reason))
+
+    def call(self, fn: Callable[["EngineLoop"], Any]) -> cf.Future:
+        """Run fn(loop) on the loop thread, between steps (for reading the engine's state)."""
+        fut: cf.Future = cf.Future()
+        self._cmds.put(("call", fn, fut))
+        return fut
+
+    # the loop thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self._running and not self._waiting
+                cmds = []
+                try:
+                    cmds.append(self._cmds.get(block=idle))
+                    while True:
+                        cmds.append(self._cmds.get_nowait())
+                except queue.Empty:
+                    pass
+                for cmd in cmds:
+                    if cmd[0] == "stop":
+                        self._fail_all("the server is shutting down")
+                        return
+                    self._handle(cmd)
+                self._admit()
+                if self._running:
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop: fail what is pending, /health says so
+            log.exception("engine loop failed")
+            self.failure = e
+            self._fail_all(f"engine loop failed: {e}")
+
+    def _handle(self, cmd) -> None:
+        if cmd[0] == "add":
+            self._waiting.append(cmd[1])
+        elif cmd[0] == "abort":
+            for rid in cmd[1]:
+                self._end(rid, cmd[2])
+        elif cmd[0] == "call":
+            fn, fut = cmd[1], cmd[2]
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+
+    def _admit(self) -> None:
+        while self._waiting:
+            adm = self._waiting[0]
+            if self._running and len(self._running) + len(adm.specs) > self.max_running:
+                return
+            self._waiting.popleft()
+            if not adm.future.set_running_or_notify_cancel():
+                continue                    # the client went away while it waited
+            rids: list[str] = []
+            try:
+                for spec in adm.specs:
+                    rids.append(self.engine.add_request(spec.prompt, spec.max_new_tokens, spec.stop_token_ids,
+                                                        spec.sampling))
+            except Exception as e:  # noqa: BLE001 - RequestRefused, or a bug: nothing of it stays admitted
+                for rid in rids:
+                    self.engine.release(rid)
+                adm.future.set_exception(e)
+                continue
+            for i, rid in enumerate(rids):
+                self._running[rid] = _Running(adm.sink, i, adm.arrival)
+            adm.future.set_result(rids)
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - the running requests fail; the loop goes on serving
+            log.exception("engine step failed")
+            self._fail_all(f"engine step failed: {e}")
+            return
+        out: dict[int, tuple[Sink, list[Update]]] = {}
+        for ev in events:
+            run = self._running.get(ev.request_id)
+            if run is None:
+                continue
+            if ev.finished:
+                self._end(ev.request_id, ev.finish_reason or "stop")
+            out.setdefault(id(run.sink), (run.sink, []))[1].append(
+                Update(run.seq, ev.token, ev.finished, ev.finish_reason, ev.error))
+        for sink, updates in out.values():
+            _deliver(sink, updates)
+
+    def _end(self, rid: str, reason: str) -> None:
+        """Forget a running sequence: abort it if it still runs, record its times, free its pages."""
+        run = self._running.pop(rid, None)
+        if run is None:
+            return
+        self.engine.abort(rid)
+        self.metrics.observe_sequence(self.engine.request_info(rid), run.arrival, reason)
+        self.engine.release(rid)
+
+    def _fail_all(self, message: str) -> None:
+        for adm in self._waiting:
+            if adm.future.set_running_or_notify_cancel():
+                adm.future.set_exception(RuntimeError(message))
+        self._waiting.clear()
+        sinks: dict[int, tuple[Sink, list[Update]]] = {}
+        for rid, run in list(self._running.items()):
+            with contextlib.suppress(Exception):
+                self._end(rid, "error")
+            self._running.pop(rid, None)
+            sinks.setdefault(id(run.sink), (run.sink, []))[1].append(Update(run.seq, None, True, "error", message))
+        for sink, updates in sinks.values():
+            _deliver(sink, updates)
+
+    def snapshot(self) -> dict:
+        """The engine's counters plus the loop's queue (call on the loop thread)."""
+        return dict(self.engine.stats(), running=len(self._running),
+                    waiting=sum(len(a.specs) for a in self._waiting))
+
+
+def _deliver(sink: Sink, updates: list[Update]) -> None:
+    try:
+        sink(updates)
+    except RuntimeError:        # the request's event loop has closed (shutdown)
+        pass
+
+
+class Inbox:
+    """A request's end of the loop: updates arrive on its asyncio queue, one list per engine step."""
+
+    def __init__(self):
+        self._loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[list[Update]] = asyncio.Queue()
+
+    def __call__(self, updates: list[Update]) -> None:
+        self._loop.call_soon_threadsafe(self.queue.put_nowait, updates)

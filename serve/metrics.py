@@ -1,0 +1,110 @@
+"""The server's Prometheus metrics, in a registry of their own (several apps may live in one process):
+HTTP answers by route and status, per-sequence latencies, and the engine's own counters and gauges from a
+snapshot taken on the engine loop thread."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class Metrics:
+    """The metrics of one app; /metrics renders `registry`."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.http = Counter("tlaloc_http_requests", "HTTP requests by route and status code", ["route", "status"],
+                            registry=r)
+        self.finished = Counter("tlaloc_sequences_finished", "Sequences ended, by reason "
+                                "(stop, length, abort: client gone, error)", ["reason"], registry=r)
+        self.queue_time = Histogram("tlaloc_request_queue_seconds", "Arrival to the first call that reads the "
+                                    "sequence", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("tlaloc_time_to_first_token_seconds", "Arrival to the first generated token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tlaloc_inter_token_latency_seconds", "Time between a sequence's consecutive tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tlaloc_request_seconds", "Arrival to a sequence's end", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.engine = _EngineCollector()
+        r.register(self.engine)
+
+    def observe_sequence(self, info, arrival: float, reason: str) -> None:
+        self.finished.labels(reason).inc()
+        if info.first_scheduled is not None:
+            self.queue_time.observe(max(0.0, info.first_scheduled - arrival))
+        if info.first_token_time is not None:
+            self.ttft.observe(max(0.0, info.first_token_time - arrival))
+        times = info.token_times
+        for a, b in zip(times, times[1:]):
+            self.itl.observe(b - a)
+        self.e2e.observe(time.perf_counter() - arrival)
+
+
+class _EngineCollector:
+    """The engine's own counters, from a snapshot the /metrics handler takes on the loop thread."""
+
+    def __init__(self):
+        self.snapshot: dict | None = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.snapshot
+        if s is None:
+            return
+        for name, key, doc in (("tlaloc_engine_steps", "steps", "Engine scheduling steps that produced tokens"),
+                               ("tlaloc_engine_executions", "executions", "Compiled-entry executions (calls)"),
+                               ("tlaloc_engine_prefill_calls", "prefill_calls", "Prefill executions"),
+                               ("tlaloc_engine_decode_calls", "decode_calls", "Decode executions"),
+                               ("tlaloc_prompt_tokens", "prompt_tokens", "Prompt tokens prefilled"),
+                               ("tlaloc_generation_tokens", "tokens_generated", "Tokens generated"),
+                               ("tlaloc_requests_refused", "requests_refused", "Sequences the engine refused")):
+            yield CounterMetricFamily(name, doc, value=s[key])
+        for name, key, doc in (("tlaloc_kv_pages_in_use", "pages_in_use", "KV pages held by sequences"),
+                               ("tlaloc_kv_pages_total", "num_pages", "KV pages in the pool"),
+                               ("tlaloc_requests_running", "running", "Sequences admitted to the engine"),
+                               ("tlaloc_requests_waiting", "waiting", "Sequences waiting for a batch slot")):
+            yield GaugeMetricFamily(name, doc, value=s[key])
+        for name, key, doc in (("tlaloc_pool_pages_in_use", "pages_in_use", "Pages held by sequences, per pool"),
+                               ("tlaloc_pool_pages_total", "num_pages", "Pages per pool")):
+            g = GaugeMetricFamily(name, doc, labels=["pool"])
+            for pool, st in (s.get("pools") or {}).items():
+                g.add_metric([pool], st[key])
+            yield g
+        sizes = s["batch_sizes"]
+        buckets = []
+        for le in BATCH_BUCKETS:
+            buckets.append((str(le), sum(c for b, c in sizes.items() if b <= le)))
+        buckets.append(("+Inf", sum(sizes.values())))
+        yield HistogramMetricFamily("tlaloc_batch_size", "Sequences per execution (its sum: sequence-steps run)",
+                                    buckets=buckets, sum_value=sum(b * c for b, c in sizes.items()))
+
+
+class CountRequests:
+    """ASGI middleware: count every HTTP answer by route and status (streams included)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        finally:
+            route = scope["path"] if scope["path"] in ROUTES else "other"
+            self.metrics.http.labels(route, str(status["code"])).inc()
