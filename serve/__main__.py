@@ -1,4 +1,5 @@
-"""python -m tlaloc_jax.serve ARTIFACT_DIR [--host 127.0.0.1] [--port 8000] [--plugin PATH] [--max-batch N] [--api-key KEY]"""
+"""python -m tlaloc_jax.serve ARTIFACT_DIR [--host 127.0.0.1] [--port 8000] [--plugin PATH] [--max-batch N] [--api-key KEY]
+[--allowed-hosts HOST,...] [--allowed-origins ORIGIN,...]"""
 
 from __future__ import annotations
 
@@ -28,6 +29,20 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _names(values: list[str]) -> list[str]:
+    """Repeated, comma-separated flag values -> one list."""
+    return [v.strip() for value in values for v in value.split(",") if v.strip()]
+
+
+def _allowed_hosts(bind: str, extra: list[str], loopback_names: tuple[str, ...]) -> list[str] | None:
+    """The Host header names to answer: on a loopback address, the loopback names, the address itself and
+    `extra`; elsewhere `extra` alone, or None (every Host) when there is none."""
+    if not _is_loopback(bind):
+        return extra or None
+    own = f"[{bind}]" if ":" in bind else bind
+    return [*loopback_names, own, *extra]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m tlaloc_jax.serve",
@@ -42,8 +57,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=_positive, default=None,
                     help="most sequences running at once; later requests wait for a slot (default: the largest "
                          "decode batch of the artifact)")
-    ap.add_argument("--api-key", default=os.environ.get("TLALOC_API_KEY"),
+    ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $TLALOC_API_KEY, else no key)")
+    ap.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST...]",
+                    help="Host header names to answer besides localhost, 127.0.0.1 and [::1] when bound to loopback "
+                         "(any other Host gets 421: DNS rebinding); on other addresses, the only names answered "
+                         "(default there: any); '*' answers any")
+    ap.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
+                    help="browser origins (e.g. https://app.example) allowed to call the API: CORS (default none; "
+                         "'*' for any)")
     ap.add_argument("--served-model-name", default=None,
                     help="the model id of /v1/models and the 'model' field (default: the manifest's model name)")
     ap.add_argument("--max-body-bytes", type=_positive, default=None,
@@ -53,6 +75,20 @@ def main(argv=None) -> int:
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = ap.parse_args(argv)
 
+    from . import http
+    api_key, key_source = ((args.api_key, "--api-key") if args.api_key is not None
+                           else (os.environ.get("TLALOC_API_KEY"), "$TLALOC_API_KEY"))
+    if api_key is not None and (problem := http.api_key_problem(api_key)) is not None:
+        print(f"error: {key_source} {problem}: every request would be refused; give a key, or leave it out to "
+              "serve without one", file=sys.stderr)
+        return 2
+    try:
+        allowed_hosts = _allowed_hosts(args.host, sorted(http.allowed_host_names(_names(args.allowed_hosts))),
+                                       http.LOOPBACK_HOSTS)
+    except ValueError as e:
+        print(f"error: --allowed-hosts: {e}", file=sys.stderr)
+        return 2
+
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("tlaloc_jax.serve")
 
@@ -61,7 +97,6 @@ def main(argv=None) -> int:
 
     from tlaloc_jax.manifest import ManifestError
 
-    from . import http
     from .engine import DEFAULT_CACHE_DIR, Engine
 
     cache_dir = DEFAULT_CACHE_DIR if args.cache_dir is None else None if args.cache_dir == "none" else args.cache_dir
@@ -72,11 +107,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        app = http.create_app(engine, model_name=args.served_model_name, api_key=args.api_key,
+        app = http.create_app(engine, model_name=args.served_model_name, api_key=api_key,
                               max_batch=args.max_batch,
-                              max_body_bytes=args.max_body_bytes or http.DEFAULT_MAX_BODY_BYTES)
+                              max_body_bytes=args.max_body_bytes or http.DEFAULT_MAX_BODY_BYTES,
+                              allowed_hosts=allowed_hosts, allowed_origins=_names(args.allowed_origins))
         server = app.state.server
-        if not _is_loopback(args.host) and not args.api_key:
+        if not _is_loopback(args.host) and not api_key:
             log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                         args.host)
         log.info("serving %r from %s on http://%s:%d (max batch %d, KV pool %d pages of %d, context %d, %s)",

@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn; JAX-free).
+"""An OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn; JAX-free): the app, its routes and
+the OpenAI response shapes.
 
     app = create_app(Engine.load("artifact/"))          # or: python -m tlaloc_jax.serve artifact/
     uvicorn.run(app, host="127.0.0.1", port=8000)
@@ -6,24 +7,27 @@
 Endpoints: POST /v1/completions and POST /v1/chat/completions (`stream: true` answers with server-sent
 events in OpenAI's chunk format), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
 
-One engine loop thread owns the Engine (which is not thread-safe). Request handlers run on the asyncio
-loop: they tokenize, then hand the loop an admission (all of a request's sequences, admitted together
-or not at all) and later aborts, through a queue. Between steps the loop admits waiting requests (up to
-`max_batch` running sequences; more wait their turn), then runs `engine.step()`, which advances every
-running sequence: their decode tokens share calls. Each step's tokens go back to their requests'
-asyncio queues in one wake-up per request. A client that disconnects, or a choice that meets a stop
-string, aborts its sequences and frees their pages at the next step boundary.
+A request is checked (serve/validation.py: body size, JSON depth, Unicode, fields; then prompts x n and
+the prompt's length in characters), tokenized on a worker thread (serve/prompts.py), checked against the
+pool's size (requests that could never fit are refused here), then handed to the engine loop thread
+(serve/loop.py), which admits all of a request's sequences or none between steps. Each step's tokens come
+back to the request's asyncio queue. A client that disconnects, or a choice that meets a stop string,
+aborts its sequences and frees their pages at the next step boundary.
 
 Errors are OpenAI-style JSON, {"error": {"message", "type", "param", "code"}}:
-  400  malformed JSON, an unknown field, a field of the wrong type or value, a placeholder or
-       out-of-vocabulary token id, a prompt longer than the largest context, max_tokens past it
+  400  malformed JSON, JSON nested deeper than 64, a lone surrogate anywhere, an unknown field, a field of
+       the wrong type or value, a placeholder or out-of-vocabulary token id, a prompt longer than the
+       largest context, max_tokens past it, sequences that together need more pages than the whole pool
   401  a missing or wrong API key (when the server has one)
   404  an unknown model or route
   413  a body over the size limit
-  503  the KV page pool is full (code "kv_pool_exhausted", Retry-After: 1). Nothing was admitted;
+  421  a Host header outside the allow-list (when the app has one: DNS rebinding)
+  500  a bug: the answer holds an error id, the server log the cause
+  503  the KV page pool is full now (code "kv_pool_exhausted", Retry-After: 1). Nothing was admitted;
        the same request succeeds once other sequences end. (503 rather than 429: the server is
        momentarily out of capacity, the client is not over a rate limit; the openai client retries
        both, honouring Retry-After.)
+Answers never name paths on disk: /v1/models' `root` is the model's name, and a 500 carries an id only.
 """
 
 from __future__ import annotations
@@ -33,27 +37,112 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from .engine import Engine, RequestRefused
 from .errors import APIError, refusal
 from .loop import EngineLoop, Inbox, SeqSpec, Update
 from .metrics import CountRequests, Metrics
+from .prompts import PromptTokenizer
 from .sampling import Sampling
 from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStrings, TextTokenizer, load_tokenizer
-from .validation import CHAT_FIELDS, COMPLETION_FIELDS, MAX_SEQS_PER_REQUEST, bad_value, validate
+from .validation import CHAT_FIELDS, COMPLETION_FIELDS, check_sequence_count, parse_body, validate
 
 log = logging.getLogger("tlaloc_jax.serve.http")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+# A Host header: a name or IPv4 address, or a bracketed IPv6 address, and an optional port.
+_HOST_HEADER = re.compile(r"(\[[0-9a-f:.]+\]|[^:\[\]/@\s]+)(?::\d*)?")
+
+
+def api_key_problem(key: str) -> str | None:
+    """Why `key` cannot serve as an API key (every request would be refused), or None."""
+    if not key:
+        return "is empty"
+    if key != key.strip():
+        return "has spaces around it (a key in an Authorization header is read without them, so none would match)"
+    return None
+
+
+def host_name(header: str) -> str | None:
+    """A Host header's host, lower-case ('LocalHost:8000' -> 'localhost', '[::1]:80' -> '[::1]'); None if malformed."""
+    m = _HOST_HEADER.fullmatch(header.strip().lower())
+    return m.group(1) if m else None
+
+
+def allowed_host_names(hosts: Iterable[str]) -> frozenset[str]:
+    """Host allow-list entries, lower-case; ValueError naming those that are not a bare host ("*": any)."""
+    names = frozenset(h.strip().lower() for h in hosts)
+    bad = sorted(h for h in names if h != "*" and host_name(h) != h)
+    if bad:
+        raise ValueError(f"allowed hosts {', '.join(map(repr, bad))} are not host names (a name, an IPv4 address or "
+                         "a bracketed IPv6 address, without a port)")
+    return names
+
+
+def _error_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+# -- middleware --------------------------------------------------------------------------------------
+
+class _HostAllowList:
+    """ASGI middleware: answer 421 to a Host header outside `hosts` (a page on another site whose name resolves
+    to this address, DNS rebinding, sends its own name)."""
+
+    def __init__(self, app, hosts: frozenset[str]):
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            host = Headers(scope=scope).get("host", "")
+            if host_name(host) not in self.hosts:
+                err = APIError(421, f"Host {host!r} is not a host this server answers for (allowed: "
+                                    f"{', '.join(sorted(self.hosts))}; the server's --allowed-hosts adds more).",
+                               code="invalid_host")
+                return await err.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class _InternalErrors:
+    """ASGI middleware: an exception no handler answered is logged once, with an id, and answered 500 with that
+    id only (its text may name paths on disk). Starlette's last-resort handler would log it and re-raise it to
+    the server, which logs it again; an answer already under way (a stream) is cut off."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        except Exception:  # noqa: BLE001 - logged here, answered without its text
+            error_id = _error_id()
+            log.exception("internal error (id %s) in %s %s", error_id, scope["method"], scope["path"])
+            if not started:
+                err = APIError(500, f"internal error (id {error_id}); the server log has the details",
+                               type="internal_server_error")
+                await err.response()(scope, receive, send)
 
 
 # -- a request's sequences ---------------------------------------------------------------------------
@@ -130,12 +219,24 @@ class _Generation:
                  stop_ids: frozenset[int], stops: StopStrings | None, sampling: list[Sampling], arrival: float):
         self.server = server
         self.prompts = prompts
+        self.n = n
         tok = server.tokenizer
         self.choices = [_Choice(i * n + j, p, tok.detokenizer(p) if tok else None, stops, server.eos)
                         for i, p in enumerate(prompts) for j in range(n)]
         self.specs = [SeqSpec(c.prompt, max_tokens[k], stop_ids, sampling[k]) for k, c in enumerate(self.choices)]
         self.arrival = arrival
         self.inbox: Inbox | None = None
+        self._error: APIError | None = None
+
+    def refused(self, e: RequestRefused, prompt_param: str) -> APIError:
+        return refusal(e, prompt_param, max(len(p) for p in self.prompts), self.server.engine.max_context, self.n)
+
+    def check_could_fit(self, prompt_param: str) -> None:
+        """Refuse, before anything is reserved, sequences that together could not fit even an empty pool."""
+        try:
+            self.server.engine.check_could_fit([(len(s.prompt), s.max_new_tokens) for s in self.specs])
+        except RequestRefused as e:
+            raise self.refused(e, prompt_param) from None
 
     async def admit(self, prompt_param: str) -> None:
         self.inbox = Inbox()
@@ -148,8 +249,8 @@ class _Generation:
                                   or self.server.loop.abort(f.result(), "abort"))
             raise
         except RequestRefused as e:
-            raise refusal(e, prompt_param, max(len(p) for p in self.prompts), self.server.engine.max_context) from None
-        except RuntimeError as e:
+            raise self.refused(e, prompt_param) from None
+        except RuntimeError as e:     # the loop is shutting down or has failed
             raise APIError(503, str(e), type="service_unavailable_error") from None
         for c, rid in zip(self.choices, rids):
             c.rid = rid
@@ -177,10 +278,14 @@ class _Generation:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def error(self) -> APIError | None:
+        """The answer to a request a choice of which failed (its cause goes to the log, once), or None."""
         failed = [c for c in self.choices if c.finish_reason == "error"]
-        if failed:
-            return APIError(500, f"generation failed: {failed[0].error}", type="internal_server_error")
-        return None
+        if failed and self._error is None:
+            error_id = _error_id()
+            log.error("generation failed (id %s), choice %d: %s", error_id, failed[0].index, failed[0].error)
+            self._error = APIError(500, f"generation failed (id {error_id}); the server log has the cause",
+                                   type="internal_server_error")
+        return self._error
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -199,6 +304,7 @@ class _Server:
                  max_batch: int, max_body_bytes: int):
         self.engine = engine
         self.tokenizer = tokenizer
+        self.prompt_tokenizer = PromptTokenizer(tokenizer, engine.max_context) if tokenizer is not None else None
         self.model_name = model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -235,17 +341,7 @@ class _Server:
             if len(body) > limit:
                 raise APIError(413, f"Request body is over the limit of {limit} bytes.", code="request_too_large",
                                headers={"Connection": "close"})
-
-        def no_constants(name):
-            raise ValueError(f"{name} is not valid JSON")
-
-        try:
-            data = json.loads(bytes(body), parse_constant=no_constants)
-        except ValueError as e:      # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise APIError(400, f"The request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
-        return data
+        return parse_body(bytes(body))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -259,8 +355,6 @@ class _Server:
         default_max_tokens None: what the context leaves after the prompt (vLLM's default for chat).
         """
         n = req["n"] or 1
-        if len(prompts) * n > MAX_SEQS_PER_REQUEST:
-            raise bad_value("n", f"prompts x n is {len(prompts) * n}, over the limit of {MAX_SEQS_PER_REQUEST}.")
         stop = req["stop"] or []
         stop_strings = tuple(s for s in stop if isinstance(s, str))
         stop_ids = {s for s in stop if not isinstance(s, str)} | set(req["stop_token_ids"] or ())
@@ -297,11 +391,12 @@ class _Server:
         req = validate(await self.read_json(request), COMPLETION_FIELDS, "prompt")
         self.check_model(req["model"])
         kind, prompts = req["prompt"]
+        check_sequence_count(len(prompts), req["n"] or 1)
         if kind == "text":
-            if self.tokenizer is None:
+            if self.prompt_tokenizer is None:
                 raise APIError(400, "this artifact has no tokenizer: send the prompt as token ids", param="prompt",
                                code="invalid_type")
-            prompts = [self.tokenizer.encode(p) for p in prompts]
+            prompts = await self.prompt_tokenizer.encode(prompts)
         gen = self.plan(req, prompts, 16, arrival)   # OpenAI's default for completions
         return await self.run(request, req, gen, chat=False)
 
@@ -310,22 +405,23 @@ class _Server:
         self.check_key(request)
         req = validate(await self.read_json(request), CHAT_FIELDS, "messages")
         self.check_model(req["model"])
-        if self.tokenizer is None:
+        if self.prompt_tokenizer is None:
             raise APIError(400, "this artifact has no tokenizer, so no chat template: use /v1/completions with "
                                 "token ids", param="messages", code="invalid_value")
         add_gen = True if req["add_generation_prompt"] is None else req["add_generation_prompt"]
         try:
-            text = self.tokenizer.render_chat(req["messages"], add_generation_prompt=add_gen)
+            prompt = await self.prompt_tokenizer.encode_chat(req["messages"], add_gen)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)
         if req["max_completion_tokens"] is not None:
             req["max_tokens"] = req["max_completion_tokens"]
         gen = self.plan(req, [prompt], None, arrival)
         return await self.run(request, req, gen, chat=True)
 
     async def run(self, request: Request, req: dict, gen: _Generation, chat: bool) -> Response:
-        await gen.admit("messages" if chat else "prompt")
+        prompt_param = "messages" if chat else "prompt"
+        gen.check_could_fit(prompt_param)
+        await gen.admit(prompt_param)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if req["stream"]:
             return StreamingResponse(self.stream(gen, req, rid, chat), media_type="text/event-stream",
@@ -427,13 +523,17 @@ class _Server:
     def models(self, request: Request) -> dict:
         self.check_key(request)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "tlaloc-jax", "root": str(self.engine.artifact_dir),
+                                            "owned_by": "tlaloc-jax", "root": self.model_name,
                                             "max_model_len": self.engine.max_context}]}
 
     async def metrics_text(self) -> Response:
         if self.loop.alive:
             self.metrics.engine.snapshot = await asyncio.wrap_future(self.loop.call(EngineLoop.snapshot))
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def close(self) -> None:
+        if self.prompt_tokenizer is not None:
+            self.prompt_tokenizer.close()
 
 
 def _generation_defaults(engine: Engine) -> dict:
@@ -455,13 +555,20 @@ def _generation_defaults(engine: Engine) -> dict:
 
 def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto", model_name: str | None = None,
                api_key: str | None = None, max_batch: int | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Iterable[str] | None = None,
+               allowed_origins: Iterable[str] = ()) -> FastAPI:
     """The FastAPI app serving `engine`. The engine loop thread starts and stops with the app's lifespan.
 
     tokenizer: "auto" loads the artifact's (None when it has no tokenizer.json); max_batch: the most
     sequences running at once (default: the largest decode entry's batch), later ones wait their turn;
-    api_key: required as 'Authorization: Bearer KEY' on /v1/* when set.
+    api_key: required as 'Authorization: Bearer KEY' on /v1/* when set (an empty key is refused: it would
+    refuse every request); allowed_hosts: the Host header names answered (any port; "*": any host), others
+    get 421 (default None: every Host; `python -m tlaloc_jax.serve` passes LOOPBACK_HOSTS when bound to
+    loopback); allowed_origins: browser origins CORS lets read the answers ("*": any; default none).
     """
+    if api_key is not None and (problem := api_key_problem(api_key)) is not None:
+        raise ValueError(f"api_key {problem}")
+    hosts = None if allowed_hosts is None else allowed_host_names(allowed_hosts)
     if tokenizer == "auto":
         tokenizer = load_tokenizer(engine.artifact_dir, engine.manifest)
     if max_batch is None:
@@ -478,6 +585,7 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
             yield
         finally:
             server.loop.stop()
+            server.close()
 
     app = FastAPI(title="tlaloc-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -490,11 +598,6 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     async def _http_error(request, exc: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind).response()
-
-    @app.exception_handler(Exception)
-    async def _internal(request, exc: Exception):
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {exc}", type="internal_server_error").response()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -512,12 +615,22 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     async def health():
         if server.loop.alive:
             return {"status": "ok"}
-        why = f"engine loop stopped: {server.loop.failure}" if server.loop.failure else "engine loop not running"
+        failure = server.loop.failure
+        why = (f"engine loop stopped ({type(failure).__name__}); the server log has the cause" if failure
+               else "engine loop not running")
         return APIError(503, why, type="service_unavailable_error").response()
 
     @app.get("/metrics")
     async def metrics():
         return await server.metrics_text()
 
+    # Added innermost first: requests pass CountRequests, then the Host check, then CORS, then _InternalErrors.
+    app.add_middleware(_InternalErrors)
+    origins = list(allowed_origins)
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+    if hosts is not None and "*" not in hosts:
+        app.add_middleware(_HostAllowList, hosts=hosts)
     app.add_middleware(CountRequests, metrics=server.metrics)
     return app

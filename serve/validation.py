@@ -1,19 +1,94 @@
-"""Request schema checks: the fields of /v1/completions and /v1/chat/completions. Every refusal is an
-APIError 400 that names the field.
+"""Request schema checks: the JSON body (UTF-8, nesting depth, no lone surrogates) and the fields of
+/v1/completions and /v1/chat/completions. Every refusal is an APIError 400 that names the field.
 
-`validate(body, COMPLETION_FIELDS or CHAT_FIELDS, required)` -> one value per known field (None where absent).
+`parse_body(bytes) -> dict` then `validate(body, COMPLETION_FIELDS or CHAT_FIELDS, required)` -> one value
+per known field (None where absent).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
+
+import numpy as np
 
 from .errors import APIError
 
 MAX_SEQS_PER_REQUEST = 64          # prompts x n
+MAX_JSON_DEPTH = 64
+MAX_SEED = 2**63 - 1               # OpenAI's int64; seed + j (choice j < 64) stays inside Sampling's [0, 2**64)
 
+# A JSON string, escapes included (the unrolled form: no backtracking on long strings).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# The \u escape of a surrogate: the only way a lone one can enter a body that decoded as strict UTF-8.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+# -- the body --------------------------------------------------------------------------------------------
+
+def json_depth(body: bytes) -> int:
+    """How deeply arrays and objects nest in a JSON text (`[[1]]`: 2), counted over its brackets outside strings,
+    without parsing and without recursion."""
+    skeleton = np.frombuffer(_JSON_STRING.sub(b"", body), np.uint8)
+    opens = (skeleton == ord("[")) | (skeleton == ord("{"))
+    closes = (skeleton == ord("]")) | (skeleton == ord("}"))
+    return int(np.cumsum(opens.astype(np.int64) - closes, dtype=np.int64).max(initial=0))
+
+
+def _is_unicode(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lone_surrogate(data: Any) -> tuple[str | None, str] | None:
+    """(param, description) of a string or field name in `data` that holds a lone surrogate, or None."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                return path, f"'{path}'"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not _is_unicode(k):
+                    return path or None, f"a field name in {repr(path) if path else 'the request body'}"
+                stack.append((f"{path}.{k}" if path else k, v))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
+
+
+def parse_body(body: bytes) -> dict:
+    """A request body -> its JSON object, or APIError 400 naming what is wrong with it."""
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(400, f"The request body is nested deeper than {MAX_JSON_DEPTH} levels (arrays and objects "
+                            f"inside each other: {depth}).", code="invalid_json")
+
+    def no_constants(name):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        text = body.decode("utf-8-sig")   # JSON between systems is UTF-8 (RFC 8259); a BOM is tolerated
+        data = json.loads(text, parse_constant=no_constants)
+    except ValueError as e:      # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(400, f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(text) and (found := _lone_surrogate(data)) is not None:
+        param, where = found
+        raise APIError(400, f"{where} holds a lone surrogate (a \\ud800-\\udfff escape without its pair), which is "
+                            "not a Unicode character; send text as UTF-8 or as escaped surrogate pairs.",
+                       param=param, code="invalid_unicode")
+    return data
+
+
+# -- the fields ------------------------------------------------------------------------------------------
 
 _JSON_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
                dict: "an object", type(None): "null"}
@@ -27,6 +102,12 @@ def bad_type(name: str, want: str, value: Any) -> APIError:
 
 def bad_value(name: str, why: str) -> APIError:
     return APIError(400, f"Invalid value for '{name}': {why}", param=name, code="invalid_value")
+
+
+def check_sequence_count(prompts: int, n: int) -> None:
+    """prompts x n, checked before any prompt is tokenized."""
+    if prompts * n > MAX_SEQS_PER_REQUEST:
+        raise bad_value("n", f"prompts x n is {prompts * n}, over the limit of {MAX_SEQS_PER_REQUEST}.")
 
 
 def _is_int(v: Any) -> bool:
@@ -49,9 +130,13 @@ def _number(lo: float = -math.inf, hi: float = math.inf, lo_open: bool = False):
     def check(name, v):
         if not (_is_int(v) or isinstance(v, float)):
             raise bad_type(name, "a number", v)
-        if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+        try:
+            x = float(v)
+        except OverflowError:       # an integer past float's range
+            x = math.inf
+        if not math.isfinite(x) or x < lo or x > hi or (lo_open and x == lo):
             raise bad_value(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}.")
-        return float(v)
+        return x
     return check
 
 
@@ -163,7 +248,7 @@ _COMMON = {
     "temperature": _opt(_number(lo=0.0)),
     "top_p": _opt(_number(lo=0.0, hi=1.0, lo_open=True)),
     "top_k": _opt(_int(lo=-1)),
-    "seed": _opt(_int()),
+    "seed": _opt(_int(lo=0, hi=MAX_SEED)),
     "stop": _opt(_stop),
     "stop_token_ids": _opt(_token_ids),
     "n": _opt(_int(lo=1, hi=MAX_SEQS_PER_REQUEST)),
@@ -177,18 +262,19 @@ _COMMON = {
     "logit_bias": _opt(_unsupported({})),
 }
 COMPLETION_FIELDS = {**_COMMON, "prompt": _prompt, "echo": _opt(_unsupported(False)),
-                      "suffix": _opt(_unsupported("")), "logprobs": _opt(_unsupported(0)),
-                      "best_of": _opt(_unsupported(1))}
+                     "suffix": _opt(_unsupported("")), "logprobs": _opt(_unsupported(0)),
+                     "best_of": _opt(_unsupported(1))}
 CHAT_FIELDS = {**_COMMON, "messages": _messages, "max_completion_tokens": _opt(_int(lo=1)),
-                "logprobs": _opt(_unsupported(False)), "top_logprobs": _opt(_unsupported(0)),
-                "add_generation_prompt": _opt(_bool),
-                # Tool calling and structured output are not served; clients that send the neutral values pass.
-                "tools": _opt(_unsupported([])), "tool_choice": _opt(_unsupported("none")),
-                "parallel_tool_calls": _opt(_unsupported(True, False)),
-                "response_format": _opt(_unsupported({"type": "text"}))}
+               "logprobs": _opt(_unsupported(False)), "top_logprobs": _opt(_unsupported(0)),
+               "add_generation_prompt": _opt(_bool),
+               # Tool calling and structured output are not served; clients that send the neutral values pass.
+               "tools": _opt(_unsupported([])), "tool_choice": _opt(_unsupported("none")),
+               "parallel_tool_calls": _opt(_unsupported(True, False)),
+               "response_format": _opt(_unsupported({"type": "text"}))}
 
 
 def validate(body: dict, fields: dict, required: str) -> dict:
+    """body -> {field: checked value or None} for every field of the endpoint; APIError 400 on the first bad one."""
     for k in body:
         if k not in fields:
             raise APIError(400, f"Unrecognized request argument supplied: {k}", param=k, code="unknown_parameter")

@@ -29,6 +29,8 @@ from tokenizers_util import EOS, IMAGE, VOCAB, build_tokenizer
 # contexts 32 and 64: six entries.
 KEY = "sk-tlaloc-test"
 BODY_LIMIT = 65536
+ALLOWED_HOST = "api.internal.example"
+ALLOWED_ORIGIN = "https://app.example"
 
 SERVE = guarded(textwrap.dedent("""
     from tlaloc_jax.serve.__main__ import main
@@ -99,7 +101,8 @@ class Server:
 @pytest.fixture(scope="module")
 def text_server(artifacts, cache_dir, tmp_path_factory):
     srv = Server(artifacts[0], cache_dir, tmp_path_factory.mktemp("log") / "text.log", "--api-key", KEY,
-                 "--max-body-bytes", str(BODY_LIMIT))
+                 "--max-body-bytes", str(BODY_LIMIT), "--allowed-hosts", ALLOWED_HOST,
+                 "--allowed-origins", ALLOWED_ORIGIN)
     yield srv
     srv.stop()
 
@@ -498,6 +501,24 @@ def test_a_full_pool_answers_503_and_the_retry_succeeds(ids_server, solo):
     assert ids_server.metrics()["tlaloc_kv_pages_in_use"] == 0
     r = _post(ids_server, "/v1/completions", {"prompt": small, "max_tokens": 4, "temperature": 0}, key=None)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == solo(small, 4)
+
+
+def test_a_loopback_server_answers_only_its_hosts_and_origins(text_server):
+    """DNS rebinding: a page on evil.example whose name resolves to 127.0.0.1 sends Host: evil.example."""
+    port = text_server.port
+    for host in ("127.0.0.1", f"localhost:{port}", f"[::1]:{port}", f"{ALLOWED_HOST}:{port}"):
+        assert httpx.get(f"{text_server.url}/health", headers={"Host": host}).status_code == 200, host
+    for host in (f"evil.example:{port}", "evil.example", f"{ALLOWED_HOST}.evil.example"):
+        r = httpx.get(f"{text_server.url}/health", headers={"Host": host})
+        assert r.status_code == 421 and r.json()["error"]["code"] == "invalid_host", (host, r.text)
+        r = httpx.post(f"{text_server.url}/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                       headers={"Host": host, "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 421, (host, r.text)
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    r = httpx.options(f"{text_server.url}/v1/completions", headers={"Origin": ALLOWED_ORIGIN, **preflight})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    r = httpx.options(f"{text_server.url}/v1/completions", headers={"Origin": "https://evil.example", **preflight})
+    assert "access-control-allow-origin" not in r.headers
 
 
 def test_the_import_guard_bites():

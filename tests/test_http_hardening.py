@@ -1,0 +1,334 @@
+"""Issue 12, the request path: what a hostile-but-realistic client found, driven through create_app in this
+process (tests/http_util.py). The oracle for generated ids is Engine.generate of the prompt alone."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from http_util import GOOD, STOP, InProcess, serving
+from tlaloc_jax.serve import Engine
+from tlaloc_jax.serve.http import create_app
+from tokenizers_util import build_tokenizer
+
+TOK = build_tokenizer()
+OTHER = [7, 7, 7, 1, 2, 3, 200, 100, 11, 13]
+IDLE = {"running": 0, "waiting": 0, "kv_in_use": 0, "kv_reserved": 0}
+
+
+@pytest.fixture(scope="module")
+def engine(http_artifacts, serve_cache_dir):
+    with Engine.load(http_artifacts[0], cache_dir=serve_cache_dir, progress=False) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def solo(engine):
+    """Computed before any app starts its loop thread (the engine has one driver at a time)."""
+    memo = {}
+
+    def run(prompt, n):
+        key = (tuple(prompt), n)
+        if key not in memo:
+            memo[key] = engine.generate([prompt], n, stop_token_ids=STOP)[0]
+        return memo[key]
+    for prompt, n in ((GOOD, 8), (GOOD, 30), (OTHER, 16)):
+        run(prompt, n)
+    return run
+
+
+def _ids(r) -> list[int]:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def _error(r, status: int, code: str, message: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and re.search(message, err["message"]), err
+    return err
+
+
+def _good(srv, solo) -> None:
+    """The pool is back to empty and a fixed prompt still gives its solo ids."""
+    assert srv.wait_idle() == IDLE
+    r = srv.post("/v1/completions", {"prompt": GOOD, "max_tokens": 8, "temperature": 0, "return_token_ids": True})
+    assert _ids(r) == solo(GOOD, 8)
+
+
+# -- finding 1: a negative seed --------------------------------------------------------------------
+
+def test_a_negative_seed_is_a_400_and_leaks_no_pages(engine, solo):
+    with InProcess(engine) as srv:
+        # 6 pages promised per request: a dozen leaks would have filled the 64-page pool.
+        for _ in range(12):
+            r = srv.post("/v1/completions", {"prompt": "x", "max_tokens": 40, "temperature": 1, "seed": -1})
+            err = _error(r, 400, "invalid_value", r"Invalid value for 'seed': must be >= 0, got -1")
+            assert err["param"] == "seed"
+        _good(srv, solo)
+        r = srv.post("/v1/completions", {"prompt": GOOD, "max_tokens": 4, "temperature": 1, "seed": 2**63})
+        _error(r, 400, "invalid_value", r"'seed': must be <= 9223372036854775807")
+        r = srv.post("/v1/completions", {"prompt": GOOD, "max_tokens": 4, "temperature": 1, "seed": 2**63 - 1,
+                                         "n": 3})
+        assert r.status_code == 200, r.text
+        _good(srv, solo)
+
+
+# -- finding 2: a tiny temperature -------------------------------------------------------------------
+
+def test_a_tiny_temperature_is_served_beside_other_requests(engine, solo):
+    async def main():
+        async with serving(engine) as (client, _):
+            greedy = client.post("/v1/completions", json={"prompt": GOOD, "max_tokens": 30, "temperature": 0,
+                                                          "return_token_ids": True})
+            tiny = client.post("/v1/completions", json={"prompt": OTHER, "max_tokens": 16, "temperature": 1e-308,
+                                                        "seed": 4, "return_token_ids": True})
+            return await asyncio.gather(greedy, tiny)
+
+    greedy, tiny = asyncio.run(main())
+    assert _ids(greedy) == solo(GOOD, 30)
+    assert _ids(tiny) == solo(OTHER, 16)        # all the mass on the largest logit: the greedy ids
+
+
+# -- finding 6: tokenizing on the event loop ------------------------------------------------------------
+
+class _SlowTokenizer:
+    """A tokenizers.Tokenizer that also encodes `busy` text on every call, as a slow tokenizer would: with the
+    real library's locking (encode holds the GIL for the whole call, encode_batch releases it)."""
+
+    def __init__(self, real, busy: str = ""):
+        self.real, self.busy, self.calls = real, busy, 0
+
+    def encode(self, *args, **kw):
+        self.calls += 1
+        if self.busy:
+            self.real.encode(self.busy)
+        return self.real.encode(*args, **kw)
+
+    def encode_batch(self, inputs, *args, **kw):
+        self.calls += len(inputs)
+        if self.busy:
+            self.real.encode_batch([self.busy])
+        return self.real.encode_batch(inputs, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _busy_text(seconds: float) -> tuple[str, float]:
+    """Text that takes at least `seconds` to encode here, and how long it took."""
+    text = "the café 🌮 naïve words " * 2000
+    while True:
+        t0 = time.perf_counter()
+        TOK.encode(text)
+        took = time.perf_counter() - t0
+        if took >= seconds:
+            return text, took
+        text *= 2
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hello there", "max_tokens": 2, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "temperature": 0}),
+])
+def test_tokenizing_leaves_the_event_loop_free(engine, path, body):
+    """A request whose tokenizing takes ~0.4 s: /health, polled meanwhile on the same event loop, keeps answering."""
+    busy, took = _busy_text(0.4)
+
+    async def main():
+        async with serving(engine) as (client, server):
+            server.tokenizer.tok = slow = _SlowTokenizer(server.tokenizer.tok, busy)
+            request = asyncio.ensure_future(client.post(path, json=body))
+            gaps, last = [], time.perf_counter()
+            while not request.done():
+                await asyncio.sleep(0.005)      # a poll that never suspends would starve the request's task
+                assert (await client.get("/health")).status_code == 200
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+            return await request, gaps, slow.calls
+
+    r, gaps, calls = asyncio.run(main())
+    assert r.status_code == 200, r.text
+    assert calls >= 1 and len(gaps) >= 2, "the request was never tokenized while /health was polled"
+    assert max(gaps) < took / 3, f"/health waited {max(gaps):.3f} s while tokenizing took {took:.3f} s"
+
+
+@pytest.mark.parametrize("body,code,message", [
+    ({"prompt": ["a", "b"], "n": 33}, "invalid_value", r"Invalid value for 'n': prompts x n is 66, over the limit of 64"),
+    ({"prompt": ["a"] * 65}, "invalid_value", r"Invalid value for 'n': prompts x n is 65, over the limit of 64"),
+    ({"prompt": "z" * 100_000}, "context_length_exceeded",
+     r"prompt of 100000 characters is longer than the largest context \(64 tokens of at most \d+ characters"),
+])
+def test_cheap_limits_are_checked_before_any_tokenizing(engine, solo, body, code, message):
+    with InProcess(engine) as srv:
+        srv.server.tokenizer.tok = counting = _SlowTokenizer(srv.server.tokenizer.tok)
+        _error(srv.post("/v1/completions", body), 400, code, message)
+        assert counting.calls == 0
+        # Control: a request within the limits is tokenized, by the same counter.
+        _good(srv, solo)
+        assert srv.post("/v1/completions", {"prompt": "a", "max_tokens": 1}).status_code == 200
+        assert counting.calls == 1
+
+
+# -- finding 7: requests that can never fit -------------------------------------------------------------
+
+def test_a_request_that_can_never_fit_the_pool_is_a_400_not_a_503(engine, solo):
+    with InProcess(engine) as srv:
+        # 3 + 60 - 1 positions: 8 pages of 8 per choice; the pool holds 64 pages.
+        r = srv.post("/v1/completions", {"prompt": [1, 2, 3], "n": 9, "max_tokens": 60, "temperature": 0})
+        err = _error(r, 400, "exceeds_kv_pool", r"9 sequences need 72 KV pages together .* the pool holds 64 pages")
+        assert err["param"] == "n" and "retry-after" not in r.headers
+        # Chat without max_tokens: each choice may run to the end of the context.
+        r = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 9})
+        _error(r, 400, "exceeds_kv_pool", r"9 sequences need 72 KV pages together")
+        assert srv.wait_idle() == IDLE
+        # Control: exactly the pool fits, and runs.
+        r = srv.post("/v1/completions", {"prompt": [1, 2, 3], "n": 8, "max_tokens": 60, "temperature": 0,
+                                         "ignore_eos": True})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 8
+        _good(srv, solo)
+
+
+# -- finding 8: bad client input answered 500 ------------------------------------------------------------
+
+def _nested(depth: int, inner: bytes = b"1") -> bytes:
+    return b"[" * depth + inner + b"]" * depth
+
+
+CHAT = "/v1/chat/completions"
+BAD_INPUT = {
+    "array-1000-deep": ("/v1/completions", _nested(1000), "invalid_json", r"nested deeper than 64 levels"),
+    "field-1000-deep": ("/v1/completions", b'{"prompt": ' + b'{"a": ' * 1000 + b"1" + b"}" * 1001, "invalid_json",
+                        r"nested deeper than 64 levels"),
+    "field-65-deep": ("/v1/completions", b'{"prompt": ' + _nested(64) + b"}", "invalid_json",
+                      r"nested deeper than 64 levels"),
+    # Control for the limit: 64 levels are parsed, and the prompt's type is what is wrong.
+    "field-64-deep": ("/v1/completions", b'{"prompt": ' + _nested(63) + b"}", "invalid_type",
+                      r"Invalid type for 'prompt'"),
+    "brackets-in-strings": ("/v1/completions", b'{"prompt": "' + b"[{" * 500 + b'", "max_tokens": "x"}',
+                            "invalid_type", r"Invalid type for 'max_tokens'"),
+    "int-past-float": ("/v1/completions", b'{"prompt": [1], "temperature": 1' + b"0" * 400 + b"}", "invalid_value",
+                       r"Invalid value for 'temperature': must be in \[0.0, inf\]"),
+    "surrogate-prompt": ("/v1/completions", b'{"prompt": "hi \\ud800 there", "max_tokens": 2}', "invalid_unicode",
+                         r"'prompt' holds a lone surrogate"),
+    "surrogate-prompt-list": ("/v1/completions", b'{"prompt": ["ok", "\\udfff"]}', "invalid_unicode",
+                              r"'prompt\[1\]' holds a lone surrogate"),
+    "surrogate-chat-content": (CHAT, b'{"messages": [{"role": "user", "content": "hi \\udc00"}]}', "invalid_unicode",
+                               r"'messages\[0\]\.content' holds a lone surrogate"),
+    "surrogate-chat-part": (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+                            "invalid_unicode", r"'messages\[0\]\.content\[0\]\.text' holds a lone surrogate"),
+    "surrogate-role": (CHAT, b'{"messages": [{"role": "\\ud800", "content": "hi"}]}', "invalid_unicode",
+                       r"'messages\[0\]\.role' holds a lone surrogate"),
+    "surrogate-model": ("/v1/completions", b'{"prompt": [1], "model": "\\ud83d"}', "invalid_unicode",
+                        r"'model' holds a lone surrogate"),
+    "surrogate-field-name": ("/v1/completions", b'{"prompt": [1], "\\ud800x": 1}', "invalid_unicode",
+                             r"a field name in the request body holds a lone surrogate"),
+    "surrogate-nested-field-name": ("/v1/completions", b'{"prompt": [1], "stream_options": {"\\udc00": true}}',
+                                    "invalid_unicode", r"a field name in 'stream_options' holds a lone surrogate"),
+    "surrogate-stop": ("/v1/completions", b'{"prompt": [1], "stop": ["ok", "\\udfff"]}', "invalid_unicode",
+                       r"'stop\[1\]' holds a lone surrogate"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_400_that_names_it_and_logs_no_traceback(engine, solo, caplog, case):
+    path, body, code, message = BAD_INPUT[case]
+    with InProcess(engine) as srv:
+        with caplog.at_level(logging.WARNING):
+            r = srv.post(path, body)
+        _error(r, 400, code, message)
+        assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR or rec.exc_info], caplog.text
+        _good(srv, solo)
+
+
+def test_a_surrogate_pair_is_one_character_and_is_served(engine):
+    with InProcess(engine) as srv:
+        r = srv.post("/v1/completions", b'{"prompt": "taco \\ud83c\\udf2e", "max_tokens": 2, "return_token_ids": true}')
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["prompt_token_ids"] == TOK.encode("taco 🌮").ids
+
+
+def test_an_internal_error_is_a_500_without_its_text_logged_once(engine, solo, http_artifacts, caplog):
+    with InProcess(engine) as srv:
+        def broken(*args, **kw):
+            raise RuntimeError(f"cannot read {http_artifacts[0]}/weights/0000_embed.bin")
+
+        srv.server.plan = broken
+        with caplog.at_level(logging.INFO):
+            r = srv.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["type"] == "internal_server_error" and re.search(r"internal error \(id [0-9a-f]{12}\)", err["message"])
+        assert str(http_artifacts[0]) not in r.text and "embed" not in r.text
+        logged = [rec for rec in caplog.records if rec.exc_info]
+        assert len(logged) == 1 and "0000_embed.bin" in caplog.text
+        assert re.search(r"id [0-9a-f]{12}", logged[0].getMessage())
+
+
+# -- finding 10: paths, API keys, Host headers, browser origins -----------------------------------------
+
+def test_no_response_names_a_path_on_disk(engine, http_artifacts):
+    with InProcess(engine) as srv:
+        models = srv.client.get("/v1/models").json()
+        assert models["data"][0]["root"] == "ck" == models["data"][0]["id"]
+        bodies = [srv.client.get(p).text for p in ("/v1/models", "/health", "/metrics", "/nowhere")]
+        bodies += [srv.post("/v1/completions", b).text for b in (
+            {"prompt": [1, 2], "max_tokens": 2}, {"prompt": [1, 2], "model": "x"}, {"prompt": [1, 999]}, b"{")]
+        root = str(http_artifacts[0].parent)
+        assert all(root not in b for b in bodies)
+
+
+def test_an_empty_api_key_is_refused(engine, http_artifacts, serve_cache_dir):
+    with pytest.raises(ValueError, match=r"api_key is empty"):
+        create_app(engine, api_key="")
+    with pytest.raises(ValueError, match=r"api_key has spaces around it"):
+        create_app(engine, api_key=" sk-x")
+    cmd = [sys.executable, "-m", "tlaloc_jax.serve", str(http_artifacts[0]), "--port", "0", "--cache-dir",
+           str(serve_cache_dir)]
+    env = {k: v for k, v in os.environ.items() if k != "TLALOC_API_KEY"}
+    for args, extra_env, message in (
+            (["--api-key", ""], {}, "error: --api-key is empty"),
+            ([], {"TLALOC_API_KEY": ""}, "error: $TLALOC_API_KEY is empty")):
+        r = subprocess.run(cmd + args, env={**env, **extra_env}, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and r.stderr.startswith(message), r.stderr[-2000:]
+
+
+def test_a_host_allow_list_answers_421_to_other_hosts(engine):
+    with InProcess(engine, allowed_hosts=["localhost", "127.0.0.1", "[::1]"]) as srv:
+        for host in ("localhost", "LocalHost:8000", "127.0.0.1:1", "[::1]:8000", "[::1]"):
+            assert srv.client.get("/health", headers={"host": host}).status_code == 200, host
+        for host in ("evil.example", "evil.example:8000", "localhost.evil.example", "127.0.0.1.nip.io:80", "::1",
+                     "[::2]:8000", ""):
+            for r in (srv.client.get("/health", headers={"host": host}),
+                      srv.client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                                      headers={"host": host})):
+                _error(r, 421, "invalid_host", r"is not a host this server answers for")
+    # Control: without an allow-list every Host is answered.
+    with InProcess(engine) as srv:
+        assert srv.client.get("/health", headers={"host": "evil.example"}).status_code == 200
+
+
+def test_allowed_origins_answer_cors_and_others_get_no_cors_headers(engine):
+    preflight = {"access-control-request-method": "POST", "access-control-request-headers": "authorization,content-type"}
+    with InProcess(engine, allowed_origins=["https://app.example"]) as srv:
+        r = srv.client.options("/v1/completions", headers={"origin": "https://app.example", **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = srv.client.options("/v1/completions", headers={"origin": "https://evil.example", **preflight})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = srv.client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                            headers={"origin": "https://app.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    # By default a browser page from any origin cannot read the answers.
+    with InProcess(engine) as srv:
+        r = srv.client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                            headers={"origin": "https://app.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
