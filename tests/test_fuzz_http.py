@@ -1,0 +1,189 @@
+"""Property-based fuzzing of the request path (hypothesis): any body sent to /v1/completions or
+/v1/chat/completions is answered 2xx or 4xx, never 5xx; the answer names no path on disk; afterwards no
+sequence runs, no page is held or promised, and a fixed prompt still gives its solo ids.
+
+Bodies: mostly JSON objects holding the real field names, each with a value that passes the schema (so
+that many examples generate tokens) or a wild one (wrong types, huge, negative and float numbers, NaN,
+text with lone surrogates, nested values); unknown fields; any JSON value at the top; raw bytes (deep
+nesting, broken UTF-8, truncated JSON). `make test` runs a bounded
+number of examples; `make test-slow` runs many more.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from http_util import GOOD, STOP, InProcess
+from tlaloc_jax.serve import Engine
+from tokenizers_util import VOCAB
+
+IDLE = {"running": 0, "waiting": 0, "kv_in_use": 0, "kv_reserved": 0}
+
+# Every character, lone surrogates included (hypothesis leaves category Cs out unless told).
+TEXT = st.text(st.characters(exclude_categories=()), max_size=12)
+CLEAN_TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=16)
+NUMBERS = (st.integers() | st.floats() | st.sampled_from([-1, 0, 1, 2**31, 2**63 - 1, 2**63, 2**64, -2**63 - 1,
+                                                          10**30, 10**400, -10**400, 1e-308, 5e-324, 1e308, -0.0]))
+SCALARS = st.none() | st.booleans() | NUMBERS | TEXT
+ANY_JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
+                        max_leaves=10)
+TOKEN_IDS = st.lists(st.integers(-2, 300), max_size=10)
+
+
+def _weighted(*options):
+    """One of `options` ((weight, strategy) pairs), the first preferred when shrinking."""
+    total = sum(w for w, _ in options)
+
+    def pick(k):
+        for w, strategy in options:
+            if k < w:
+                return strategy
+            k -= w
+    return st.integers(0, total - 1).flatmap(pick)
+
+
+PART = st.fixed_dictionaries({"type": st.just("text"), "text": CLEAN_TEXT})
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                 "content": CLEAN_TEXT | st.lists(PART, min_size=1, max_size=2)},
+                                optional={"name": CLEAN_TEXT})
+STOP_ITEM = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=3) | st.integers(0, 300)
+
+# The fields either endpoint reads (OpenAI's and vLLM's names): values that pass the schema (the engine may
+# still refuse them: a placeholder id, a prompt past the context, more pages than the pool), and wild ones.
+VALID = {
+    "model": st.just("ck"),
+    "prompt": (CLEAN_TEXT | st.lists(st.integers(0, VOCAB - 1), max_size=10)
+               | st.lists(CLEAN_TEXT, min_size=1, max_size=3)
+               | st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6), min_size=1, max_size=3)),
+    "messages": st.lists(MESSAGE, min_size=1, max_size=3),
+    "max_tokens": st.integers(1, 8) | st.integers(1, 70),
+    "max_completion_tokens": st.integers(1, 8),
+    "temperature": st.sampled_from([0, 0.5, 1.0, 2.0, 1e-308, 5e-324, 1e308]) | st.floats(0.0, 5.0),
+    "top_p": st.floats(1e-9, 1.0) | st.just(1.0),
+    "top_k": st.integers(-1, 400),
+    "seed": st.integers(0, 2**63 - 1),
+    "stop": st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=3) | st.lists(STOP_ITEM, max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 300), max_size=3),
+    "n": st.integers(1, 3) | st.integers(1, 64),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                          "continuous_usage_stats": st.booleans()}),
+    "return_token_ids": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "user": CLEAN_TEXT,
+    "presence_penalty": st.sampled_from([0, 0.0]),
+    "frequency_penalty": st.sampled_from([0, 0.0]),
+    "logit_bias": st.just({}),
+    "echo": st.just(False),
+    "suffix": st.just(""),
+    "logprobs": st.sampled_from([0, False]),
+    "best_of": st.just(1),
+    "top_logprobs": st.just(0),
+    "add_generation_prompt": st.booleans(),
+    "tools": st.just([]),
+    "tool_choice": st.just("none"),
+    "parallel_tool_calls": st.booleans(),
+    "response_format": st.just({"type": "text"}),
+}
+WILD_PROMPT = TEXT | TOKEN_IDS | st.lists(TEXT, max_size=3) | st.lists(TOKEN_IDS, max_size=3)
+WILD_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["robot", "user"]) | TEXT},
+                                     optional={"content": TEXT | st.lists(ANY_JSON, max_size=2) | ANY_JSON,
+                                               "name": TEXT | ANY_JSON})
+WILD = {name: ANY_JSON | NUMBERS | TEXT for name in VALID}
+WILD.update(prompt=WILD_PROMPT | ANY_JSON, messages=st.lists(WILD_MESSAGE, max_size=3) | ANY_JSON,
+            stop=st.lists(TEXT | st.integers(-2, 300), max_size=3) | ANY_JSON, stop_token_ids=TOKEN_IDS | ANY_JSON)
+
+
+COMMON = ["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
+          "stream_options", "return_token_ids", "ignore_eos", "user", "presence_penalty", "frequency_penalty",
+          "logit_bias", "logprobs"]
+OWN_FIELDS = {"prompt": COMMON + ["echo", "suffix", "best_of"],
+              "messages": COMMON + ["max_completion_tokens", "top_logprobs", "add_generation_prompt", "tools",
+                                    "tool_choice", "parallel_tool_calls", "response_format"]}
+
+
+@st.composite
+def _request(draw, required: str) -> dict:
+    """The endpoint's required field (mostly) and a few of its others, each valid or (one time in six) wild;
+    now and then a field it does not know (another endpoint's, or any name)."""
+    # The rare branches sit at the top of their ranges: hypothesis draws small integers more often than others.
+    body = {} if draw(st.integers(0, 19)) == 19 else {required: draw(_weighted((5, VALID[required]),
+                                                                              (1, WILD[required])))}
+    for name in draw(st.lists(st.sampled_from(OWN_FIELDS[required]), max_size=4, unique=True)):
+        body[name] = draw(_weighted((5, VALID[name]), (1, WILD[name])))
+    if draw(st.integers(0, 9)) == 9:
+        others = sorted(set(VALID) - set(OWN_FIELDS[required]) - {required})
+        body.update(draw(st.dictionaries(st.sampled_from(others) | TEXT, ANY_JSON, min_size=1, max_size=2)))
+    return body
+
+
+def _deep(depth: int, kind: str) -> bytes:
+    opening, closing = {"array": (b"[", b"]"), "object": (b'{"a":', b"}")}[kind]
+    return b'{"prompt":' + opening * depth + b"1" + closing * depth + b"}"
+
+
+RAW = (st.binary(max_size=64)
+       | st.builds(_deep, st.integers(1, 3000), st.sampled_from(["array", "object"]))
+       | st.builds(lambda body, cut: json.dumps(body).encode()[:cut], _request("prompt"), st.integers(0, 80)))
+
+
+def _body(required: str):
+    """bytes to send: mostly a request object (json.dumps writes a lone surrogate as its \\u escape), some
+    other JSON value, or raw bytes."""
+    return _weighted((18, _request(required).map(lambda b: json.dumps(b).encode())),
+                     (1, ANY_JSON.map(lambda b: json.dumps(b).encode())),
+                     (1, RAW))
+
+
+ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
+
+
+@pytest.fixture(scope="module")
+def served(http_artifacts, serve_cache_dir):
+    """(in-process server, the fixed prompt's solo ids, the artifact's folder)."""
+    with Engine.load(http_artifacts[0], cache_dir=serve_cache_dir, progress=False) as engine:
+        want = engine.generate([GOOD], 8, stop_token_ids=STOP)[0]
+        with InProcess(engine) as srv:
+            yield srv, want, str(http_artifacts[0].parent)
+
+
+def _check(served, path: str, body: bytes) -> None:
+    srv, want, root = served
+    r = srv.post(path, body, headers={"Content-Type": "application/json"})
+    assert 200 <= r.status_code < 500, (r.status_code, r.text[:2000])
+    assert root not in r.text
+    err = r.json()["error"] if r.status_code >= 400 else None
+    # --hypothesis-show-statistics shows how many examples got how far: generated, or refused by which check.
+    event(f"{r.status_code} {err['code']} ({err['param']})" if err else f"{r.status_code} generated")
+    if err is not None:
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        assert r.text.endswith("data: [DONE]\n\n") and "internal_server_error" not in r.text, r.text[-2000:]
+    state = srv.wait_idle()
+    assert state == IDLE, state
+    r = srv.post(path="/v1/completions", body={"prompt": GOOD, "max_tokens": 8, "temperature": 0,
+                                               "return_token_ids": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want, r.text
+
+
+FUZZ = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+BODIES = {path: _body(required) for path, required in ENDPOINTS.items()}
+
+
+@pytest.mark.parametrize("path", list(ENDPOINTS))
+@settings(max_examples=100, **FUZZ)
+@given(data=st.data())
+def test_any_body_is_answered_2xx_or_4xx_and_leaves_the_pool_empty(served, path, data):
+    _check(served, path, data.draw(BODIES[path], label="body"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", list(ENDPOINTS))
+@settings(max_examples=2000, **FUZZ)
+@given(data=st.data())
+def test_any_body_is_answered_2xx_or_4xx_and_leaves_the_pool_empty_long(served, path, data):
+    _check(served, path, data.draw(BODIES[path], label="body"))
