@@ -75,8 +75,9 @@ class PromptTokenizer:
                                            thread_name_prefix="tlaloc-tokenize")
 
     def _check_length(self, text: str, param: str, what: str) -> None:
+        """what: the text's description, with {} for its length in characters."""
         if self.max_chars is not None and len(text) > self.max_chars:
-            raise APIError(400, f"{what} of {len(text)} characters is longer than the largest context ({self.max_context} "
+            raise APIError(400, f"{what.format(len(text))} is longer than the largest context ({self.max_context} "
                                 f"tokens of at most {self.max_chars // self.max_context} characters each)",
                            param=param, code="context_length_exceeded")
 
@@ -85,13 +86,13 @@ class PromptTokenizer:
 
     def _chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         text = self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
-        self._check_length(text, "messages", "the chat rendered by its template")
+        self._check_length(text, "messages", "the chat as its template renders it, {} characters,")
         return self._encode([text], False)[0]     # the template wrote the special tokens
 
     async def encode(self, texts: list[str]) -> list[list[int]]:
         """Completions' text prompts -> ids (special tokens added, as the tokenizer's post-processor says)."""
         for text in texts:
-            self._check_length(text, "prompt", "prompt")
+            self._check_length(text, "prompt", "prompt of {} characters")
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, texts, True)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:

@@ -172,6 +172,11 @@ def test_cheap_limits_are_checked_before_any_tokenizing(engine, solo, body, code
         srv.server.tokenizer.tok = counting = _SlowTokenizer(srv.server.tokenizer.tok)
         _error(srv.post("/v1/completions", body), 400, code, message)
         assert counting.calls == 0
+        # A chat is measured as its template renders it, before that text is tokenized.
+        r = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "z" * 100_000}]})
+        _error(r, 400, "context_length_exceeded", r"the chat as its template renders it, 100\d{3} characters, is longer "
+                                                  r"than the largest context \(64 tokens")
+        assert counting.calls == 0
         # Control: a request within the limits is tokenized, by the same counter.
         _good(srv, solo)
         assert srv.post("/v1/completions", {"prompt": "a", "max_tokens": 1}).status_code == 200
