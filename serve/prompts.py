@@ -45,10 +45,10 @@ def max_prompt_chars(tokenizer: TextTokenizer, max_context: int) -> int | None:
     """The most characters a text of `max_context` tokens can hold, or None where the tokenizer gives no bound.
 
     A byte-level BPE (GPT-2's byte alphabet, all 256 bytes in the vocabulary: Llama 3, Qwen, the demo model)
-    writes every byte of the text into some token, and no token stands for more bytes than its vocabulary
-    string has characters (special tokens: more characters than their text); a character is at least one
-    byte. A composing normalizer may shrink the text 4:1 first. Other tokenizers can drop text (a
-    whitespace pre-tokenizer, special tokens that strip the spaces around them) and get no bound.
+    writes every byte of the text into some token, and no token stands for more text than its vocabulary
+    string is long (one character per byte; a special token's string is its text), a character being at
+    least one byte. A composing normalizer may shrink the text 4:1 first. Other tokenizers can drop text
+    (a whitespace pre-tokenizer, special tokens that strip the spaces around them) and get no bound.
     """
     spec = json.loads(tokenizer.tok.to_str())
     vocab = tokenizer.tok.get_vocab(with_added_tokens=True)

@@ -10,10 +10,11 @@ import re
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from http_util import GOOD, STOP, InProcess, serving
+from http_util import CONTEXT, GOOD, STOP, InProcess, serving
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.http import create_app
 from tokenizers_util import build_tokenizer
@@ -181,6 +182,28 @@ def test_cheap_limits_are_checked_before_any_tokenizing(engine, solo, body, code
         _good(srv, solo)
         assert srv.post("/v1/completions", {"prompt": "a", "max_tokens": 1}).status_code == 200
         assert counting.calls == 1
+
+
+def test_the_character_bound_never_refuses_a_text_that_fits():
+    """max_prompt_chars per token is at least the characters per token of the densest texts (the longest
+    vocabulary entries repeated), for the test tokenizer and the demo model's. Control: a tokenizer whose
+    pre-tokenizer drops whitespace packs any number of characters into one token, and gets no bound."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    from tlaloc_jax.demo import DEMO_MODEL
+    from tlaloc_jax.serve.prompts import max_prompt_chars
+    for tok in (TOK, Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))):
+        per_token = max_prompt_chars(SimpleNamespace(tok=tok), 1)
+        vocab = tok.get_vocab(with_added_tokens=True)
+        densest = 0.0
+        for piece in sorted(vocab, key=len, reverse=True)[:50]:
+            text = tok.decode([vocab[piece]], skip_special_tokens=False) * 20
+            densest = max(densest, len(text) / len(tok.encode(text, add_special_tokens=False).ids))
+        assert 2 < densest <= per_token
+    dropping = build_tokenizer()
+    dropping.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert len(dropping.encode("a" + " " * 10_000, add_special_tokens=False).ids) == 1
+    assert max_prompt_chars(SimpleNamespace(tok=dropping), CONTEXT) is None
 
 
 # -- finding 7: requests that can never fit -------------------------------------------------------------
