@@ -19,6 +19,8 @@ from tlaloc_jax.kernels import (causal_conv1d, causal_conv1d_update, gated_delta
 
 from .config import FULL, LINEAR, SLIDING, DecoderConfig
 from .layers import apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
+# layer_period and pool_of are the decoder's public names too (the exporter reads pool_of).
+from .plan import STATE_POOLS, layer_period, layer_plan, pool_of  # noqa: F401
 
 Weights = dict[str, jax.Array]
 Pools = dict[str, jax.Array]
@@ -45,15 +47,6 @@ class StepInputs(NamedTuple):
     state_slots: jax.Array | None = None
 
 
-# The linear-attention layers' pool classes (f32 whatever the KV pools' dtype).
-STATE_POOLS = ("conv", "recurrent")
-
-
-def pool_of(cfg: DecoderConfig, layer_type: str, windowed: bool) -> str:
-    """The pool class an attention layer's keys and values live in."""
-    return "window_kv" if windowed and layer_type == SLIDING else "kv"
-
-
 def pool_shapes(cfg: DecoderConfig, num_blocks: int, block_size: int,
                 window_blocks: int = 0, state_slots: int = 0) -> dict[str, tuple[int, ...]]:
     """One buffer per pool class, its layers stacked.
@@ -63,14 +56,11 @@ def pool_shapes(cfg: DecoderConfig, num_blocks: int, block_size: int,
     pools of state_slots sequences: "conv" [L', slots, C, W - 1] (each sequence's last W - 1 conv inputs)
     and "recurrent" [L', slots, Hv, Dk, Dv] (the gated delta rule's state per value head), both f32.
     """
-    out: dict[str, tuple[int, ...]] = {}
-    for t in cfg.layer_types:
-        if t in (FULL, SLIDING):
-            name = pool_of(cfg, t, window_blocks > 0)
-            n = out.get(name, (0,))[0] + 1
-            out[name] = (n, 2, window_blocks if name == "window_kv" else num_blocks, block_size,
-                         cfg.num_kv_heads, cfg.head_dim)
-    linear_layers = sum(t == LINEAR for t in cfg.layer_types)
+    plan = layer_plan(cfg, windowed=window_blocks > 0)
+    kv_pages = {"kv": num_blocks, "window_kv": window_blocks}
+    out = {name: (len(plan.pool_layers(name)), 2, kv_pages[name], block_size, cfg.num_kv_heads, cfg.head_dim)
+           for name in plan.pool_names() if name in kv_pages}
+    linear_layers = len(plan.group_layers("linear"))
     if linear_layers:
         if state_slots <= 0:
             raise ValueError(f"{cfg.model_type} has {linear_layers} linear-attention layers: its pools need "
@@ -86,15 +76,6 @@ def init_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, dtype=jnp.f
     """Zeroed pools: KV pools in `dtype`, state pools in f32."""
     return {name: jnp.zeros(shape, jnp.float32 if name in STATE_POOLS else dtype)
             for name, shape in pool_shapes(cfg, num_blocks, block_size, window_blocks, state_slots).items()}
-
-
-def layer_period(types: tuple[str, ...]) -> int:
-    """The shortest p dividing the layer count with types[i] == types[i % p]: one scan step runs p layers."""
-    L = len(types)
-    for p in range(1, L + 1):
-        if L % p == 0 and all(types[i] == types[i % p] for i in range(L)):
-            return p
-    return L
 
 
 def _layer_slice(weights: Weights, group: str, index: jax.Array) -> Weights:
@@ -220,50 +201,35 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     ring_pages pages; 0 keeps every attention layer in the full-history pool ("kv").
     """
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
-    types = cfg.layer_types
     h = embed(weights["embed"], inputs.token_ids)
     if cfg.embed_scale:
         h = h * jnp.float32(cfg.hidden_size ** 0.5)
     tables = {FULL: rope_tables(cfg.rope, cfg.head_dim, inputs.positions)}
     tables[SLIDING] = (rope_tables(cfg.rope_sliding, cfg.head_dim, inputs.positions)
                        if cfg.rope_sliding is not None else tables[FULL])
-    if LINEAR in types and inputs.state_slots is None:
+    if LINEAR in cfg.layer_types and inputs.state_slots is None:
         raise ValueError(f"{cfg.model_type} has linear-attention layers: its step inputs need state_slots")
-    p = layer_period(types)
-    attn_rank = {j: r for r, j in enumerate(j for j in range(p) if types[j] in (FULL, SLIDING))}
-    # Each linear layer's index in the state pools: the scan step i holds per_linear of them.
-    linear_rank = {j: r for r, j in enumerate(j for j in range(p) if types[j] == LINEAR)}
-    per_linear = len(linear_rank)
-    # Each attention layer's index in its pool: the scan step i holds per_pool[name] of the pool's layers.
-    pool_name = {j: pool_of(cfg, types[j], ring_pages > 0) for j in attn_rank}
-    pool_rank = {j: sum(pool_name[i] == pool_name[j] for i in attn_rank if i < j) for j in attn_rank}
-    per_pool = {name: sum(n == name for n in pool_name.values()) for name in set(pool_name.values())}
+    plan = layer_plan(cfg, windowed=ring_pages > 0)
 
-    def period(carry, xs):
+    def period(carry, i):
         h, pools = carry
-        i = xs
-        for j in range(p):         # the layers of one period: p is small (1 for Llama, 2 for Gemma 2, 4 for Qwen3.5)
-            lw = _layer_slice(weights, "layers", i * p + j)
+        for lp in plan.layers:      # one period: 1 layer for Llama, 2 for Gemma 2, 4 for Qwen3.5
+            lw = _layer_slice(weights, "layers", lp.layer.index(i))
             a = rms_norm(h, lw["attn_norm"], eps, off)
-            if types[j] == LINEAR:
-                r = linear_rank[j]
-                a, pools = _linear_attention(cfg, _layer_slice(weights, "linear", i * per_linear + r), a, pools,
-                                             i * per_linear + r, inputs)
+            aw = _layer_slice(weights, lp.group, lp.weights.index(i))
+            if lp.kind == LINEAR:
+                a, pools = _linear_attention(cfg, aw, a, pools, lp.pool.index(i), inputs)
             else:
-                r = attn_rank[j]
-                aw = _layer_slice(weights, "attn", i * len(attn_rank) + r)
-                name = pool_name[j]
-                a, kv = _attention(cfg, aw, a, pools[name], i * per_pool[name] + pool_rank[j], inputs,
-                                   tables[types[j]], cfg.layer_window(j), key_block,
-                                   ring_pages if name == "window_kv" else 0)
+                (name,) = lp.pools
+                a, kv = _attention(cfg, aw, a, pools[name], lp.pool.index(i), inputs, tables[lp.kind], lp.window,
+                                   key_block, ring_pages if name == "window_kv" else 0)
                 pools = {**pools, name: kv}
             h = residual_mlp(cfg, lw, h, a)
         return (h, pools), None
 
     # A scan over periods keeps one copy of the period's layers in the graph (compile time, body size);
     # the pools ride in the carry so each layer's scatter writes the donated buffers in place.
-    n = cfg.num_layers // p
-    (h, pools), _ = lax.scan(period, (h, pools), jnp.arange(n))
+    (h, pools), _ = lax.scan(period, (h, pools), jnp.arange(plan.periods))
     # Rows are right-aligned, so every row's last token is at T - 1.
     return rms_norm(h[:, -1], weights["final_norm"], eps, off), pools
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .config import FULL, LINEAR, SLIDING, ConfigError, DecoderConfig, RopeConfig
+from .plan import layer_plan
 
 
 @dataclass(frozen=True)
@@ -96,16 +97,12 @@ def _wanted(when: str | None, cfg: DecoderConfig) -> bool:
     return bool(getattr(cfg, when))
 
 
-def stack_layers(slot: str, cfg: DecoderConfig) -> list[int]:
-    """The layers a stacked slot holds, in order ([] for a whole tensor)."""
-    group = slot.split(".", 1)[0]
-    if group == "layers":
-        return list(range(cfg.num_layers))
-    if group == "attn":
-        return [i for i, t in enumerate(cfg.layer_types) if t in (FULL, SLIDING)]
-    if group == "linear":
-        return [i for i, t in enumerate(cfg.layer_types) if t not in (FULL, SLIDING)]
-    return []
+def stack_layers(slot: str, cfg: DecoderConfig) -> tuple[int, ...]:
+    """The layers a stacked slot ("group.name") holds, in the decoder's stack order (() for a whole tensor)."""
+    if "." not in slot:
+        return ()
+    # Where the keys and values live (windowed or not) does not move any weight.
+    return layer_plan(cfg, windowed=False).group_layers(slot.split(".", 1)[0])
 
 
 # The HF config keys that name a multimodal checkpoint's placeholder ids; the text decoder cannot
