@@ -34,25 +34,6 @@ def weight_dtype(name: str) -> np.dtype:
     return DTYPES[name]
 
 
-def slot_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """The shape each slot holds, linears [in, out]; stacked slots per layer (stacked: [layers, ...])."""
-    E, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    # Linear layers: C conv channels (q | k | v), Hv value heads of Dv, W conv taps.
-    C, Hv, Dv, W = cfg.conv_channels, cfg.linear_value_heads, cfg.linear_value_dim, cfg.linear_conv_kernel
-    return {
-        "embed": (V, E), "final_norm": (E,), "head": (E, V),
-        "attn.q_proj": (E, H * D), "attn.gate_proj": (E, H * D), "attn.k_proj": (E, K * D),
-        "attn.v_proj": (E, K * D), "attn.q_norm": (D,), "attn.k_norm": (D,), "attn.o_proj": (H * D, E),
-        "linear.in_qkv": (E, C), "linear.in_z": (E, Hv * Dv), "linear.in_b": (E, Hv), "linear.in_a": (E, Hv),
-        "linear.conv": (C, W), "linear.dt_bias": (Hv,), "linear.a_log": (Hv,), "linear.norm": (Dv,),
-        "linear.out_proj": (Hv * Dv, E),
-        "layers.attn_norm": (E,), "layers.post_attn_norm": (E,), "layers.mlp_norm": (E,),
-        "layers.post_mlp_norm": (E,), "layers.gate_proj": (E, F), "layers.up_proj": (E, F),
-        "layers.down_proj": (F, E),
-    }
-
-
 class _TensorIndex:
     """Where each tensor of a (possibly sharded) safetensors checkpoint lives; opens each file once."""
 
@@ -87,8 +68,9 @@ class _TensorIndex:
         self._open.clear()
 
 
-def _hf_shape(spec: Tensor, cfg: DecoderConfig, expected: tuple[int, ...]) -> tuple[int, ...]:
-    """The checkpoint tensor's shape for a slot of shape `expected` (the inverse of _from_hf's steps)."""
+def _hf_shape(spec: Tensor, cfg: DecoderConfig) -> tuple[int, ...]:
+    """The checkpoint tensor's shape for one layer of a slot (the inverse of _read_slot's steps)."""
+    expected = spec.layer_shape(cfg)
     shape = list(reversed(expected)) if spec.transpose else list(expected)
     if spec.split is not None:
         shape[0] = split_rows(spec.split, cfg)[1]
@@ -98,10 +80,10 @@ def _hf_shape(spec: Tensor, cfg: DecoderConfig, expected: tuple[int, ...]) -> tu
 
 
 def _read_slot(index: _TensorIndex, fam: Family, spec: Tensor, cfg: DecoderConfig, layer: int | None,
-               expected: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+               dtype: np.dtype) -> np.ndarray:
     name = spec.hf.format(p=fam.prefix, i=layer)
     arr = index.get(name)
-    hf_shape = _hf_shape(spec, cfg, expected)
+    hf_shape = _hf_shape(spec, cfg)
     if tuple(arr.shape) != hf_shape:
         raise CheckpointError(f"tensor {name!r} has shape {list(arr.shape)}, expected {list(hf_shape)} "
                               f"for slot {spec.slot!r} of {cfg.model_type}")
@@ -118,17 +100,15 @@ def load_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderCon
                  dtype: str = "float32") -> dict[str, np.ndarray]:
     """Read every slot of `cfg` as host arrays of `dtype`; per-layer slots are stacked [L, ...]."""
     np_dtype = weight_dtype(dtype)
-    shapes = slot_shapes(cfg)
     index = _TensorIndex(Path(checkpoint_dir))
     try:
         weights: dict[str, np.ndarray] = {}
         for spec in fam.slots(cfg):
             layers = stack_layers(spec.slot, cfg)
             if layers:
-                weights[spec.slot] = np.stack([
-                    _read_slot(index, fam, spec, cfg, i, shapes[spec.slot], np_dtype) for i in layers])
+                weights[spec.slot] = np.stack([_read_slot(index, fam, spec, cfg, i, np_dtype) for i in layers])
             else:
-                weights[spec.slot] = _read_slot(index, fam, spec, cfg, None, shapes[spec.slot], np_dtype)
+                weights[spec.slot] = _read_slot(index, fam, spec, cfg, None, np_dtype)
         return weights
     finally:
         index.close()
@@ -157,7 +137,10 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike, hf_config: dict[str, Any]
     for spec in fam.slots(cfg):
         if spec.slot not in weights:
             raise CheckpointError(f"weights have no slot {spec.slot!r}, which {cfg.model_type} needs")
-        arr = np.asarray(weights[spec.slot], np.float32)
+        arr, shape = np.asarray(weights[spec.slot], np.float32), spec.slot_shape(cfg)
+        if arr.shape != shape:
+            raise CheckpointError(f"slot {spec.slot!r} has shape {list(arr.shape)}, {cfg.model_type} needs "
+                                  f"{list(shape)}")
         layers = stack_layers(spec.slot, cfg)
         per_layer = list(zip(layers, arr)) if layers else [(None, arr)]
         for i, a in per_layer:
@@ -186,13 +169,9 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike, hf_config: dict[str, Any]
 def random_weights(cfg: DecoderConfig, fam: Family, seed: int = 0, std: float = 0.08) -> dict[str, np.ndarray]:
     """Seeded random weights for every slot of `cfg` (norm weights near 1), as f32 host arrays."""
     rng = np.random.default_rng(seed)
-    shapes = slot_shapes(cfg)
     out = {}
     for spec in fam.slots(cfg):
-        shape = shapes[spec.slot]
-        layers = stack_layers(spec.slot, cfg)
-        if layers:
-            shape = (len(layers), *shape)
+        shape = spec.slot_shape(cfg)
         if spec.slot.endswith("norm"):
             out[spec.slot] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:

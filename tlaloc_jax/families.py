@@ -1,8 +1,8 @@
 """Model families: one table per Hugging Face model type.
 
-A family is data, not code: the HF tensor name behind each weight slot, whether the tensor is a linear
-stored [out, in] that the slot holds [in, out], which optional steps of the decoder are on, and how to
-read the config keys. The decoder never branches on a family's name.
+A family is data, not code: the HF tensor name and the shape behind each weight slot, whether the tensor
+is a linear stored [out, in] that the slot holds [in, out], which optional steps of the decoder are on, and
+how to read the config keys. The decoder never branches on a family's name.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ class Tensor:
 
     slot: the name in Weights and in the artifact. Slots starting with "layers." are stacked over layers.
     hf: the checkpoint name; "{p}" is the family's decoder prefix, "{i}" the layer index.
+    shape: the slot's shape in one layer, linears [in, out]; each size names a DecoderConfig attribute, or a
+        product "a*b" of two (as in Split).
     transpose: the checkpoint stores a linear [out, in]; the slot holds [in, out].
     when: a DecoderConfig flag the slot needs ("qk_norm"), or "untied_head".
     split: the checkpoint tensor holds this slot and others, interleaved along its first axis (Split).
@@ -62,6 +64,7 @@ class Tensor:
 
     slot: str
     hf: str
+    shape: tuple[str, ...]
     transpose: bool = False
     when: str | None = None
     split: Split | None = None
@@ -70,6 +73,15 @@ class Tensor:
     def __post_init__(self):
         if self.split is not None and self.squeeze is not None:
             raise ValueError(f"slot {self.slot!r}: a split tensor cannot also be squeezed")
+
+    def layer_shape(self, cfg: DecoderConfig) -> tuple[int, ...]:
+        """The slot's shape in one layer (the whole slot's, unstacked)."""
+        return tuple(_size(size, cfg) for size in self.shape)
+
+    def slot_shape(self, cfg: DecoderConfig) -> tuple[int, ...]:
+        """The whole slot's shape: a stacked slot [L', ...] over the layers it holds."""
+        layers = stack_layers(self.slot, cfg)
+        return (len(layers), *self.layer_shape(cfg)) if layers else self.layer_shape(cfg)
 
 
 @dataclass(frozen=True)
@@ -265,55 +277,62 @@ def parse_hybrid(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
 # Slot names: "embed", "final_norm", "head" are whole tensors; "layers.*" are stacked over every layer,
 # "attn.*" over the attention layers (full and sliding), "linear.*" over the linear-attention layers, in
 # layer order.
+# Slot sizes (docs/glossary.md), as the DecoderConfig attributes that hold them.
+E, F, V, D = "hidden_size", "intermediate_size", "vocab_size", "head_dim"
+HD, KD = "num_heads*head_dim", "num_kv_heads*head_dim"
+# A linear layer's: C conv channels (q | k | v), W conv taps, Hv value heads of Dv.
+C, W, Hv, Dv, HvDv = ("conv_channels", "linear_conv_kernel", "linear_value_heads", "linear_value_dim",
+                      "linear_value_heads*linear_value_dim")
 _ATTN = (
-    Tensor("attn.q_proj", "{p}layers.{i}.self_attn.q_proj.weight", transpose=True),
-    Tensor("attn.k_proj", "{p}layers.{i}.self_attn.k_proj.weight", transpose=True),
-    Tensor("attn.v_proj", "{p}layers.{i}.self_attn.v_proj.weight", transpose=True),
-    Tensor("attn.q_norm", "{p}layers.{i}.self_attn.q_norm.weight", when="qk_norm"),
-    Tensor("attn.k_norm", "{p}layers.{i}.self_attn.k_norm.weight", when="qk_norm"),
-    Tensor("attn.o_proj", "{p}layers.{i}.self_attn.o_proj.weight", transpose=True),
+    Tensor("attn.q_proj", "{p}layers.{i}.self_attn.q_proj.weight", (E, HD), transpose=True),
+    Tensor("attn.k_proj", "{p}layers.{i}.self_attn.k_proj.weight", (E, KD), transpose=True),
+    Tensor("attn.v_proj", "{p}layers.{i}.self_attn.v_proj.weight", (E, KD), transpose=True),
+    Tensor("attn.q_norm", "{p}layers.{i}.self_attn.q_norm.weight", (D,), when="qk_norm"),
+    Tensor("attn.k_norm", "{p}layers.{i}.self_attn.k_norm.weight", (D,), when="qk_norm"),
+    Tensor("attn.o_proj", "{p}layers.{i}.self_attn.o_proj.weight", (HD, E), transpose=True),
 )
 _MLP = (
-    Tensor("layers.gate_proj", "{p}layers.{i}.mlp.gate_proj.weight", transpose=True),
-    Tensor("layers.up_proj", "{p}layers.{i}.mlp.up_proj.weight", transpose=True),
-    Tensor("layers.down_proj", "{p}layers.{i}.mlp.down_proj.weight", transpose=True),
+    Tensor("layers.gate_proj", "{p}layers.{i}.mlp.gate_proj.weight", (E, F), transpose=True),
+    Tensor("layers.up_proj", "{p}layers.{i}.mlp.up_proj.weight", (E, F), transpose=True),
+    Tensor("layers.down_proj", "{p}layers.{i}.mlp.down_proj.weight", (F, E), transpose=True),
 )
 _DENSE_LAYER = (
-    Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight"),
+    Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight", (E,)),
     *_ATTN,
-    Tensor("layers.mlp_norm", "{p}layers.{i}.post_attention_layernorm.weight"),
+    Tensor("layers.mlp_norm", "{p}layers.{i}.post_attention_layernorm.weight", (E,)),
     *_MLP,
 )
 # Gemma's post_attention_layernorm follows the attention; its pre_feedforward_layernorm is the MLP's input norm.
 _GEMMA_LAYER = (
-    Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight"),
+    Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight", (E,)),
     *_ATTN,
-    Tensor("layers.post_attn_norm", "{p}layers.{i}.post_attention_layernorm.weight"),
-    Tensor("layers.mlp_norm", "{p}layers.{i}.pre_feedforward_layernorm.weight"),
+    Tensor("layers.post_attn_norm", "{p}layers.{i}.post_attention_layernorm.weight", (E,)),
+    Tensor("layers.mlp_norm", "{p}layers.{i}.pre_feedforward_layernorm.weight", (E,)),
     *_MLP,
-    Tensor("layers.post_mlp_norm", "{p}layers.{i}.post_feedforward_layernorm.weight"),
+    Tensor("layers.post_mlp_norm", "{p}layers.{i}.post_feedforward_layernorm.weight", (E,)),
 )
 # Qwen3-Next / Qwen3.5: q_proj holds, per head, the query and then the output gate.
 _GATED_Q = "{p}layers.{i}.self_attn.q_proj.weight"
 _GATED_ATTN = (
-    Tensor("attn.q_proj", _GATED_Q, transpose=True, split=Split("num_heads", ("head_dim", "head_dim"), (0,))),
-    Tensor("attn.gate_proj", _GATED_Q, transpose=True, split=Split("num_heads", ("head_dim", "head_dim"), (1,)),
-           when="attn_output_gate"),
+    Tensor("attn.q_proj", _GATED_Q, (E, HD), transpose=True,
+           split=Split("num_heads", ("head_dim", "head_dim"), (0,))),
+    Tensor("attn.gate_proj", _GATED_Q, (E, HD), transpose=True,
+           split=Split("num_heads", ("head_dim", "head_dim"), (1,)), when="attn_output_gate"),
     *_ATTN[1:],
 )
 # Gated DeltaNet. The conv runs over the channels q | k | v (in_qkv's outputs); z gates the output norm.
 _DELTANET_TAIL = (
-    Tensor("linear.conv", "{p}layers.{i}.linear_attn.conv1d.weight", squeeze=1),
-    Tensor("linear.dt_bias", "{p}layers.{i}.linear_attn.dt_bias"),
-    Tensor("linear.a_log", "{p}layers.{i}.linear_attn.A_log"),
-    Tensor("linear.norm", "{p}layers.{i}.linear_attn.norm.weight"),
-    Tensor("linear.out_proj", "{p}layers.{i}.linear_attn.out_proj.weight", transpose=True),
+    Tensor("linear.conv", "{p}layers.{i}.linear_attn.conv1d.weight", (C, W), squeeze=1),
+    Tensor("linear.dt_bias", "{p}layers.{i}.linear_attn.dt_bias", (Hv,)),
+    Tensor("linear.a_log", "{p}layers.{i}.linear_attn.A_log", (Hv,)),
+    Tensor("linear.norm", "{p}layers.{i}.linear_attn.norm.weight", (Dv,)),
+    Tensor("linear.out_proj", "{p}layers.{i}.linear_attn.out_proj.weight", (HvDv, E), transpose=True),
 )
 _DELTANET = (       # Qwen3.5: one projection per input
-    Tensor("linear.in_qkv", "{p}layers.{i}.linear_attn.in_proj_qkv.weight", transpose=True),
-    Tensor("linear.in_z", "{p}layers.{i}.linear_attn.in_proj_z.weight", transpose=True),
-    Tensor("linear.in_b", "{p}layers.{i}.linear_attn.in_proj_b.weight", transpose=True),
-    Tensor("linear.in_a", "{p}layers.{i}.linear_attn.in_proj_a.weight", transpose=True),
+    Tensor("linear.in_qkv", "{p}layers.{i}.linear_attn.in_proj_qkv.weight", (E, C), transpose=True),
+    Tensor("linear.in_z", "{p}layers.{i}.linear_attn.in_proj_z.weight", (E, HvDv), transpose=True),
+    Tensor("linear.in_b", "{p}layers.{i}.linear_attn.in_proj_b.weight", (E, Hv), transpose=True),
+    Tensor("linear.in_a", "{p}layers.{i}.linear_attn.in_proj_a.weight", (E, Hv), transpose=True),
     *_DELTANET_TAIL,
 )
 # Qwen3-Next: in_proj_qkvz holds, per key head, q [Dk], k [Dk], then v and z of its value heads [group * Dv]
@@ -322,25 +341,25 @@ _QKVZ = ("linear_key_dim", "linear_key_dim", "linear_group*linear_value_dim", "l
 _BA = ("linear_group", "linear_group")
 _QKVZ_HF, _BA_HF = "{p}layers.{i}.linear_attn.in_proj_qkvz.weight", "{p}layers.{i}.linear_attn.in_proj_ba.weight"
 _DELTANET_INTERLEAVED = (
-    Tensor("linear.in_qkv", _QKVZ_HF, transpose=True, split=Split("linear_key_heads", _QKVZ, (0, 1, 2))),
-    Tensor("linear.in_z", _QKVZ_HF, transpose=True, split=Split("linear_key_heads", _QKVZ, (3,))),
-    Tensor("linear.in_b", _BA_HF, transpose=True, split=Split("linear_key_heads", _BA, (0,))),
-    Tensor("linear.in_a", _BA_HF, transpose=True, split=Split("linear_key_heads", _BA, (1,))),
+    Tensor("linear.in_qkv", _QKVZ_HF, (E, C), transpose=True, split=Split("linear_key_heads", _QKVZ, (0, 1, 2))),
+    Tensor("linear.in_z", _QKVZ_HF, (E, HvDv), transpose=True, split=Split("linear_key_heads", _QKVZ, (3,))),
+    Tensor("linear.in_b", _BA_HF, (E, Hv), transpose=True, split=Split("linear_key_heads", _BA, (0,))),
+    Tensor("linear.in_a", _BA_HF, (E, Hv), transpose=True, split=Split("linear_key_heads", _BA, (1,))),
     *_DELTANET_TAIL,
 )
 _NORMS_MLP = (
-    Tensor("layers.mlp_norm", "{p}layers.{i}.post_attention_layernorm.weight"),
+    Tensor("layers.mlp_norm", "{p}layers.{i}.post_attention_layernorm.weight", (E,)),
     *_MLP,
 )
-_QWEN3_5_LAYER = (Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight"), *_GATED_ATTN, *_DELTANET,
-                  *_NORMS_MLP)
-_QWEN3_NEXT_LAYER = (Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight"), *_GATED_ATTN,
+_QWEN3_5_LAYER = (Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight", (E,)), *_GATED_ATTN,
+                  *_DELTANET, *_NORMS_MLP)
+_QWEN3_NEXT_LAYER = (Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight", (E,)), *_GATED_ATTN,
                      *_DELTANET_INTERLEAVED, *_NORMS_MLP)
 _TOP = (
-    Tensor("embed", "{p}embed_tokens.weight"),
-    Tensor("final_norm", "{p}norm.weight"),
+    Tensor("embed", "{p}embed_tokens.weight", (V, E)),
+    Tensor("final_norm", "{p}norm.weight", (E,)),
     # A tied head has no slot: the logits contract the hidden axis of the embedding table itself.
-    Tensor("head", "lm_head.weight", transpose=True, when="untied_head"),
+    Tensor("head", "lm_head.weight", (E, V), transpose=True, when="untied_head"),
 )
 
 FAMILIES: tuple[Family, ...] = (

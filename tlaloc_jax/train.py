@@ -31,12 +31,12 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from .checkpoint import save_checkpoint, slot_shapes
+from .checkpoint import save_checkpoint
 from .config import DecoderConfig
 from .decoder import Weights
 from .dense import Attention, next_token_loss, training_attention
 from .demo import DEMO_MODEL as DEMO_MODEL_DIR
-from .families import Family, config_from_hf, stack_layers
+from .families import Family, config_from_hf
 
 EOT = "<|endoftext|>"
 
@@ -159,12 +159,10 @@ def write_tokenizer(out_dir: Path, tok, max_length: int) -> None:
 def init_weights(cfg: DecoderConfig, fam: Family, key: jax.Array) -> Weights:
     """Every slot of `cfg`, stacked slots [layers, ...]: norms scaling by 1, matrices N(0, 0.02), and the
     projections into the residual stream (o_proj, down_proj) scaled down by sqrt(2 L) as in GPT-2."""
-    shapes = slot_shapes(cfg)
     out: Weights = {}
     specs = fam.slots(cfg)
     for k, spec in zip(jax.random.split(key, len(specs)), specs):
-        layers = stack_layers(spec.slot, cfg)
-        shape = (len(layers), *shapes[spec.slot]) if layers else shapes[spec.slot]
+        shape = spec.slot_shape(cfg)
         if spec.slot.endswith("norm"):
             out[spec.slot] = jnp.full(shape, 1.0 - cfg.norm_offset, jnp.float32)
             continue
