@@ -246,16 +246,3 @@ def forward(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInpu
     x, pools = final_hidden(cfg, weights, pools, inputs, key_block=key_block, ring_pages=ring_pages)
     return logits_from_hidden(cfg, weights, x), pools
 
-
-def prefill(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs, *,
-            key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0) -> tuple[jax.Array, Pools]:
-    """A chunk of up to T tokens per sequence, rows right-aligned (padding first)."""
-    return forward(cfg, weights, pools, inputs, key_block=key_block, ring_pages=ring_pages)
-
-
-def decode(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs, *,
-           key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0) -> tuple[jax.Array, Pools]:
-    """One new token per sequence (T = 1)."""
-    if inputs.token_ids.shape[1] != 1:
-        raise ValueError(f"decode takes one token per sequence, got token_ids of shape {inputs.token_ids.shape}")
-    return forward(cfg, weights, pools, inputs, key_block=key_block, ring_pages=ring_pages)
