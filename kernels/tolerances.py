@@ -1,42 +1,153 @@
-"""One tolerance table for comparing a kernel with its reference form, keyed by dtype.
+"""The tolerance model: every numeric test's bound, derived from the dtype's unit roundoff and the number of
+roundings between the inputs and the compared value, never from a number that one machine printed.
 
-The key is the dtype whose rounding separates the two sides: comparing two f32 computations on the
-same inputs (even inputs read from a bf16 pool, since both sides widen them to f32 before any
-arithmetic) uses "float32"; comparing a bf16 pool against an f32 one uses "bfloat16".
-Errors are measured by `relative_error`: max |actual - expected| / max |expected|.
+Why a model. XLA's CPU code and torch's CPU kernels change with the instruction set (AVX, AVX2, AVX-512,
+AVX512-BF16, AMX, Arm NEON/SVE): sums are blocked and vectorised in another order, transcendental
+functions use other polynomials, bf16 rounds at other points. Two correct computations of the same math
+then differ by their rounding errors, and a bound read off one machine's output fails on the next.
+
+The model (first order, as in Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., ch. 2-4,
+and Higham & Mary, "A new approach to probabilistic rounding error analysis", SIAM J. Sci. Comput. 2019):
+
+* Every floating-point operation rounds its exact result x to x (1 + d), |d| <= u, the dtype's unit
+  roundoff (2^-24 for f32, 2^-8 for bf16). Round-to-nearest makes d close to uniform on [-u, u]: mean
+  zero, standard deviation u / sqrt(3); roundings at different operations are treated as independent.
+* A value at the end of a path of N roundings then carries a relative error of standard deviation
+  u sqrt(N / 3). Counting: an n-term sum or dot product is n roundings (its rounded partial sums give a
+  relative error of standard deviation about u sqrt(n / 3) for terms of one sign, u sqrt(n / 2) for random
+  signs); an elementwise op is one; a transcendental function is TRANSCENDENTAL_ULPS; rounding a whole
+  tensor to a narrower dtype (bf16 keys in a pool, a projection's bf16 input) is one rounding point,
+  since the independent errors of its elements average out in the sums that read them. Two computations of the same math that round differently
+  (another order, another kernel) differ by at most the sum of their errors: a standard deviation of
+  u sqrt(2 N / 3) relative to the value's scale.
+* A test compares many values and must pass on every machine, so the bound is CONFIDENCE standard
+  deviations: `bound = CONFIDENCE * u * sqrt(2 N / 3)`. The scale is the largest |expected| of the
+  compared tensor (`relative_error`), or its RMS for long recurrences (`relative_rms`).
+* The paths here are well conditioned (normalised residual layers, softmax weights that sum to one,
+  decays <= 1), so no amplification factor is applied; where one is (a triangular inverse, a backward
+  pass), its test says why.
+
+When the two sides round at different points in different dtypes (bf16 activations on one side, f32 on
+the other), `bound` takes the roundings of each dtype separately and adds their variances.
+The controls that every comparison keeps (a wrong axis, a ring one page short, a KV slot one off) break
+the compared values by 1e-3 to 1e-1 of their scale, far above these bounds.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
+from typing import Mapping
 
-import ml_dtypes  # noqa: F401  (registers "bfloat16" with numpy)
+import ml_dtypes
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    reorder: float    # same operations, sums in another order (blockwise vs one-pass online softmax)
-    reference: float  # fast form vs the naive reference form (different softmax and P.V arithmetic)
-    grad: float       # a custom_vjp gradient vs jax.grad of the reference form
-
-
-TOLERANCES: dict[str, Tolerance] = {
-    # The seed measured blockwise vs one-pass within 2.4e-7 at the block edges; f32 eps is 1.2e-7.
-    "float32": Tolerance(reorder=2.5e-7, reference=1e-6, grad=1e-5),
-    # bf16 keeps 8 significant bits: one rounding of each key and value is up to 2^-9 = 2e-3 relative,
-    # and a softmax over rounded scores moves the output by a few of those.
-    # Reordering is f32 arithmetic whatever the storage dtype, hence the f32 bound.
-    "bfloat16": Tolerance(reorder=2.5e-7, reference=2e-2, grad=2e-2),
-}
+# A standard normal deviate beyond 5 has probability 5.7e-7 per compared value; the counts below are
+# worst-case paths, so the real spread is smaller still.
+CONFIDENCE = 5.0
+# exp, log, tanh, rsqrt, logistic: XLA and torch approximate them by polynomials that differ by ISA; each
+# is correct to a few ulps, counted as this many roundings.
+TRANSCENDENTAL_ULPS = 4
 
 
-def tolerance(dtype) -> Tolerance:
-    """dtype: anything np.dtype accepts (jnp.float32, "bfloat16", an array's .dtype)."""
+def unit_roundoff(dtype) -> float:
+    """u = eps / 2 of a floating dtype: 2^-24 for float32, 2^-8 for bfloat16, 2^-11 for float16."""
     name = np.dtype(dtype).name
-    if name not in TOLERANCES:
-        raise KeyError(f"no tolerance for dtype {name}; known: {sorted(TOLERANCES)}")
-    return TOLERANCES[name]
+    info = ml_dtypes.finfo(np.dtype(name)) if name == "bfloat16" else np.finfo(np.dtype(name))
+    return float(info.eps) / 2.0
+
+
+def bound(roundings: Mapping[str, float] | float, dtype="float32", *, confidence: float = CONFIDENCE) -> float:
+    """Relative bound on the difference of two computations of one value that round differently.
+
+    roundings: N, the roundings on the longest path to the value in `dtype`; or {dtype name: N} when the
+    path rounds in several dtypes (variances add).
+    """
+    if not isinstance(roundings, Mapping):
+        roundings = {np.dtype(dtype).name: roundings}
+    variance = sum(unit_roundoff(name) ** 2 * n for name, n in roundings.items())
+    return confidence * math.sqrt(2.0 * variance / 3.0)
+
+
+# -- path lengths -----------------------------------------------------------------------------------
+# Each function counts the roundings on the longest path from the inputs to one output value.
+
+
+def attention_roundings(head_dim: int, keys: int) -> int:
+    """One attention output: a score (a head_dim dot, the scale), the softmax (max, subtract, exp, a keys-term
+    sum, the divide) and the keys-term P.V sum."""
+    return head_dim + 1 + 2 + TRANSCENDENTAL_ULPS + keys + 1 + keys
+
+
+def attention_grad_roundings(head_dim: int, keys: int) -> int:
+    """A gradient of attention: the forward recomputed, dP = dO.V and rowsum(dO * O) (head_dim-term dots),
+    dS = P (dP - rowsum), and the keys-term sum of dS times K (or Q, for dK)."""
+    return attention_roundings(head_dim, keys) + 2 * head_dim + 2 + keys
+
+
+def gated_delta_roundings(tokens: int, key_dim: int, chunk: int = 64) -> int:
+    """A gated delta rule output or state after `tokens` tokens: each token adds to the state's chain the
+    l2 norm of its key (a key_dim sum, rsqrt), its decay (exp), k^T S (a key_dim dot), v - k^T S, beta times
+    it, the outer product and the add; the chunked form also solves each chunk's unit lower-triangular
+    system by forward substitution, whose last row sums over every earlier one: chunk (chunk + 1) / 2 more."""
+    per_token = (key_dim + 1 + TRANSCENDENTAL_ULPS) + TRANSCENDENTAL_ULPS + key_dim + 4
+    c = min(tokens, chunk)
+    return tokens * per_token + (key_dim + 1 + TRANSCENDENTAL_ULPS) + key_dim + c * (c + 1) // 2
+
+
+def rms_norm_roundings(width: int) -> int:
+    """x * rsqrt(mean(x^2) + eps) * w: a width-term sum of squares, the mean, rsqrt, two products."""
+    return width + 1 + TRANSCENDENTAL_ULPS + 2
+
+
+def decoder_roundings(*, hidden: int, intermediate: int, heads: int, head_dim: int,
+                      mixers: "list[int]") -> int:
+    """A decoder's logit. mixers: per layer, the roundings of its token mixer (attention over its keys,
+    or a linear-attention layer's conv and state chain). Each layer adds a norm, the mixer's input
+    projection and rope, the mixer, its output projection and the residual, a norm, the gate and up
+    projections, the activation, the down projection and the residual; then the final norm and the head
+    (a `hidden`-term dot)."""
+    per_layer = (rms_norm_roundings(hidden) + hidden + 3                 # norm, projection, rope
+                 + heads * head_dim + 1                                  # output projection, residual
+                 + rms_norm_roundings(hidden) + 2 * hidden               # norm, gate and up
+                 + TRANSCENDENTAL_ULPS + 1 + intermediate + 1)           # activation, product, down, residual
+    return sum(per_layer + mixer for mixer in mixers) + rms_norm_roundings(hidden) + hidden
+
+
+def decoder_roundings_of(cfg, context: int) -> int:
+    """decoder_roundings for a DecoderConfig (or anything with its field names) whose calls reach `context`
+    positions: a full attention layer reads them all, a sliding one at most its window, a linear-attention
+    layer runs its conv and carries its state over all of them."""
+    mixers = []
+    for layer_type in cfg.layer_types:
+        if layer_type == "linear_attention":
+            conv = cfg.linear_conv_kernel + 1 + TRANSCENDENTAL_ULPS + 2
+            mixers.append(conv + gated_delta_roundings(context, cfg.linear_key_dim)
+                          + rms_norm_roundings(cfg.linear_value_dim) + TRANSCENDENTAL_ULPS + 2)
+        else:
+            keys = min(context, cfg.sliding_window) if layer_type == "sliding_attention" else context
+            mixers.append(attention_roundings(cfg.head_dim, keys))
+    return decoder_roundings(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, heads=cfg.num_heads,
+                             head_dim=cfg.head_dim, mixers=mixers)
+
+
+def backward_roundings(forward: int, batch_tokens: int) -> int:
+    """A gradient of a network whose forward path is `forward` roundings long: the forward path, the reverse
+    path through the same ops, and a weight gradient's sum over the batch's tokens."""
+    return 2 * forward + batch_tokens
+
+
+def bf16_rounding_points(layers: int, *, every_activation: bool) -> int:
+    """Where a bf16 model rounds its activations to bf16, on the path to a logit.
+
+    every_activation False: only each projection's input (this library: q/k/v, o, gate/up, down inputs,
+    and the head's), 4 a layer and 1. True (transformers run in bf16): also every op's output: the norm,
+    q/k/v, rope, attention, o, residual, norm, gate, up, activation, product, down, residual: 13 a layer,
+    plus the final norm and the head.
+    """
+    return layers * (13 if every_activation else 4) + (2 if every_activation else 1)
+
+
+# -- measuring -----------------------------------------------------------------------------------
 
 
 def relative_error(actual, expected) -> float:
@@ -50,3 +161,17 @@ def relative_error(actual, expected) -> float:
     if scale == 0:
         return 0.0 if err == 0 else float("inf")
     return float(err / scale)
+
+
+def relative_rms(actual, expected) -> float:
+    """sqrt(mean (actual - expected)^2 / mean expected^2), in float64: for long recurrences, whose largest
+    element says little about the rest. NaN anywhere is inf."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    if not (np.all(np.isfinite(actual)) and np.all(np.isfinite(expected))):
+        return float("inf")
+    den = np.mean(expected ** 2)
+    num = np.mean((actual - expected) ** 2)
+    if den == 0:
+        return 0.0 if num == 0 else float("inf")
+    return float(np.sqrt(num / den))

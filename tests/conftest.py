@@ -30,3 +30,20 @@ def http_artifacts(tmp_path_factory):
 def serve_cache_dir(tmp_path_factory):
     """A compiled-executable cache shared by the in-process serving tests."""
     return tmp_path_factory.mktemp("serve-executables")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """With TLALOC_TOLERANCE_REPORT=1: the checks that came closest to their tolerance-model bounds."""
+    import os
+
+    from margins import NEAR_TIES, RECORDS
+    if os.environ.get("TLALOC_TOLERANCE_REPORT") != "1" or not RECORDS:
+        return
+    terminalreporter.section("tolerance margins (measured / bound, closest first)")
+    for ratio, what, err, bound in sorted(RECORDS, reverse=True)[:25]:
+        terminalreporter.write_line(f"{ratio:8.3f}  {err:10.3g} of {bound:10.3g}  {what}")
+    terminalreporter.write_line(f"{len(RECORDS)} checks; the largest ratio is {max(r[0] for r in RECORDS):.3f}")
+    terminalreporter.write_line(f"greedy ids that parted from an oracle's at a near-tie: {len(NEAR_TIES)}")
+    for t in NEAR_TIES:
+        terminalreporter.write_line(f"  step {t.step}: got {t.got_id}, oracle {t.oracle_id}, oracle margin "
+                                    f"{t.gap:.3g} (allowed {t.allowed:.3g})")

@@ -20,7 +20,10 @@ from safetensors.numpy import load_file
 
 import tlaloc_jax
 from hf_models import build_checkpoint
+from margins import assert_within
 from tlaloc_jax import manifest as mf
+from tlaloc_jax.kernels import tolerances as tol
+from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.export import ExportError, check_custom_calls, export_checkpoint
 from tlaloc_jax.export._entries import check_body
 from tlaloc_jax.paging import PageAllocator, RowCall, build_step_inputs, pages_for
@@ -46,6 +49,7 @@ def _run_body(art: Path, entry: mf.Entry, args):
     return exp.call(*args)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", ["llama", "qwen3-tied"])
 def test_bodies_match_the_in_process_decoder(name, checkpoints, artifacts):
     m, art = artifacts[name]
@@ -70,10 +74,12 @@ def test_bodies_match_the_in_process_decoder(name, checkpoints, artifacts):
         logits, nxt, kv = _run_body(art, entry, [jnp.asarray(inputs[k]) for k in
                                                  ("token_ids", "positions", "block_tables", "seq_lens", "slot_mapping")]
                                     + [jnp.asarray(pool)] + weights)
-        scale = float(np.abs(want_logits).max())
-        assert np.abs(np.asarray(logits) - np.asarray(want_logits)).max() <= 1e-6 * scale, entry.name
-        np.testing.assert_array_equal(np.asarray(nxt), np.argmax(np.asarray(want_logits), -1))
-        np.testing.assert_allclose(np.asarray(kv), np.asarray(want_pools["kv"]), rtol=0, atol=1e-6)
+        # The body and jax.jit compile the same function, possibly fused and summed in other orders.
+        bound = tol.bound(tol.decoder_roundings_of(model.config, context=entry.context))
+        assert_within(relative_error(logits, want_logits), bound, f"{name} {entry.name}: logits")
+        assert_within(relative_error(kv, want_pools["kv"]), bound, f"{name} {entry.name}: KV pool")
+        # NEXT_TOKEN is the argmax of the body's own logits (the in-process argmax may differ at a near-tie).
+        np.testing.assert_array_equal(np.asarray(nxt), np.argmax(np.asarray(logits), -1))
 
 
 def test_every_donated_pool_parameter_carries_tf_aliasing_output(artifacts):

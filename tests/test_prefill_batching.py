@@ -7,11 +7,21 @@ import pytest
 
 import tlaloc_jax
 from hf_models import build_checkpoint
+from margins import assert_within
+from tlaloc_jax.kernels import tolerances as tol
+from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.paging import PageAllocator, RowCall, build_step_inputs, pages_for
+
+pytestmark = pytest.mark.numeric
 
 S = 4            # tokens per page
 WIDTH = 8        # block-table entries: context 32
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9], [200, 201, 202]]
+
+
+def bound(model) -> float:
+    """Batched, chunked and solo calls are the same math with other shapes, so XLA may sum in other orders."""
+    return tol.bound(tol.decoder_roundings_of(model.config, context=max(map(len, PROMPTS))))
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +56,8 @@ def test_prompts_prefilled_together_give_their_solo_logits_and_kv(model):
     logits, pools, _ = _call(model, model.new_pools(32), [RowCall(p, 0, pg) for p, pg in zip(PROMPTS, pages)], 16)
     for b, (p, pg) in enumerate(zip(PROMPTS, pages)):
         solo_logits, solo_kv = _solo(model, p)
-        scale = np.abs(solo_logits).max()
-        assert np.abs(logits[b] - solo_logits).max() <= 1e-6 * scale
-        np.testing.assert_allclose(_kv_of(pools, pg, len(p)), solo_kv, rtol=0, atol=1e-6)
+        assert_within(relative_error(logits[b], solo_logits), bound(model), f"batched row {b}: logits")
+        assert_within(relative_error(_kv_of(pools, pg, len(p)), solo_kv), bound(model), f"batched row {b}: KV")
 
 
 def _chunked(model, prompt, chunk, padding_writes_kv=False):
@@ -69,10 +78,8 @@ def _chunked(model, prompt, chunk, padding_writes_kv=False):
 def test_chunked_prefill_gives_whole_prompt_logits(model):
     prompt = PROMPTS[1]
     whole, _ = _solo(model, prompt)
-    scale = np.abs(whole).max()
     for chunk in (1, 4, 5):
-        got = _chunked(model, prompt, chunk)
-        assert np.abs(got - whole).max() <= 1e-6 * scale, f"chunk {chunk}"
+        assert_within(relative_error(_chunked(model, prompt, chunk), whole), bound(model), f"chunks of {chunk}")
 
 
 def test_control_padding_that_writes_kv_breaks_chunked_prefill(model):
