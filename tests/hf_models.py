@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
+
+from oracle import OracleRun
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -103,15 +106,15 @@ def load_hf_torch(path: Path, dtype=torch.float32):
 
 
 @torch.no_grad()
-def torch_greedy(model, prompt: list[int], n: int = 16) -> tuple[list[int], torch.Tensor]:
-    """Greedy ids by full recomputation each step (no KV cache), and the first step's logits (f32)."""
+def torch_greedy(model, prompt: list[int], n: int = 16) -> OracleRun:
+    """Greedy ids by full recomputation each step (no KV cache), and the logits of every step (f32)."""
     ids = torch.tensor([prompt])
-    out, first = [], None
+    out, logits = [], []
     for _ in range(n):
-        logits = model(ids).logits[0, -1].float()
-        if first is None:
-            first = logits
-        nxt = int(torch.argmax(logits))
+        step = model(ids).logits[0, -1].float()
+        logits.append(step.numpy())
+        nxt = int(torch.argmax(step))
         out.append(nxt)
         ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return out, first
+    return OracleRun(out, np.stack(logits))
+

@@ -6,8 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from hf_models import load_hf_torch, torch_greedy
+from oracle import GreedyMismatch, check_greedy_batch, engine_next_token, kv_one_slot_off
 from tlaloc_jax.demo import DEMO_MODEL, export_demo
+from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.serve import Engine
 
 
@@ -23,14 +27,24 @@ def test_demo_exports_serves_and_streams():
     assert "time to first token" in out and "tokens/s" in out
 
 
-def test_served_embedded_model_gives_transformers_greedy_ids(tmp_path):
+@pytest.mark.numeric
+def test_served_embedded_model_gives_transformers_greedy_ids(tmp_path, monkeypatch):
     """The project's own model passes the same parity check as the oracles: transformers reads the
-    embedded checkpoint and gives the ids the JAX-free runtime serves from its artifact."""
+    embedded checkpoint and gives the ids the JAX-free runtime serves from its artifact (up to the
+    tolerance model's near-ties). Control: the engine writing KV one slot off fails it."""
+    import tlaloc_jax
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))
     prompts = [tok.encode(t).ids for t in ("import os\n", "def main():\n    ", "class Config(object):\n")]
     export_demo(tmp_path / "artifact")
-    with Engine.load(tmp_path / "artifact", cache_dir=tmp_path / "cache", progress=False) as eng:
-        served = eng.generate(prompts, max_new_tokens=16)
     ref = load_hf_torch(DEMO_MODEL)
-    assert served == [torch_greedy(ref, p, 16)[0] for p in prompts]
+    want = [torch_greedy(ref, p, 16) for p in prompts]
+    cfg = tlaloc_jax.load_hf(DEMO_MODEL).config
+    bound = tol.bound(tol.decoder_roundings_of(cfg, context=max(map(len, prompts)) + 16))
+    with Engine.load(tmp_path / "artifact", cache_dir=tmp_path / "cache", progress=False) as eng:
+        check_greedy_batch(prompts, eng.generate(prompts, max_new_tokens=16), want, logit_bound=bound,
+                           next_token=engine_next_token(eng))
+        kv_one_slot_off(monkeypatch)
+        with pytest.raises(GreedyMismatch):
+            check_greedy_batch(prompts, eng.generate(prompts, max_new_tokens=16), want, logit_bound=bound,
+                               next_token=engine_next_token(eng))
