@@ -5,7 +5,22 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-stamp
 PYTEST  := JAX_PLATFORMS=cpu $(PY) -m pytest
 
-.PHONY: setup demo test test-slow clean
+# `make test-isa` reruns the numeric tests (pytest -m numeric) as two other CPUs would compute them: XLA's
+# generated code limited to an older instruction set (the runtime's plugin reads XLA_FLAGS too), torch's
+# kernels, MKL and oneDNN likewise, and (the second setting) one core, which changes how XLA and torch
+# split their sums across threads. On Arm the x86 settings do not apply: torch's default kernels and one
+# core are what change there.
+ifeq ($(shell uname -m),x86_64)
+ISA_SETTINGS := \
+  "XLA_FLAGS=--xla_cpu_max_isa=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2|" \
+  "XLA_FLAGS=--xla_cpu_max_isa=AVX ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX ONEDNN_MAX_CPU_ISA=AVX|taskset -c 0"
+else
+ISA_SETTINGS := \
+  "ATEN_CPU_CAPABILITY=default|" \
+  "ATEN_CPU_CAPABILITY=default|taskset -c 0"
+endif
+
+.PHONY: setup demo test test-isa test-slow clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,6 +35,13 @@ demo: setup
 
 test: setup
 	$(PYTEST) -q
+
+test-isa: setup
+	@for setting in $(ISA_SETTINGS); do \
+	  vars=$${setting%%|*}; wrap=$${setting#*|}; \
+	  echo "== make test-isa: $$vars $$wrap"; \
+	  env $$vars TLALOC_TOLERANCE_REPORT=1 JAX_PLATFORMS=cpu $$wrap $(PY) -m pytest -q -m "numeric and not slow" || exit 1; \
+	done
 
 test-slow: setup
 	$(PYTEST) -q -m slow

@@ -240,6 +240,18 @@ class Buffer:
         return f"<Buffer {self.dtype.name}{list(self.shape)} {state}>"
 
 
+def _host_cpu() -> str:
+    """The host CPU's model and instruction-set flags (Linux /proc/cpuinfo; elsewhere the machine type)."""
+    import platform
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.machine()
+    keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    lines = sorted({line.strip() for line in text.splitlines() if line.split(":", 1)[0].strip() in keys})
+    return platform.machine() + "\n" + "\n".join(lines)
+
+
 def _numpy_dtype(plugin: pypjrt.Plugin, code: int) -> np.dtype:
     for name, dt in _DTYPES:
         if getattr(plugin.abi, f"PJRT_Buffer_Type_{name}", None) == code:
@@ -379,7 +391,10 @@ class Device:
         return ctypes.string_at(a.platform_version, a.platform_version_size).decode()
 
     def _identity(self) -> str:
-        """What a cached executable must match: the plugin file and what it says of itself."""
+        """What a cached executable must match: the plugin file and what it says of itself, the XLA
+        flags it compiled under (--xla_cpu_max_isa and the like change the code), and the host CPU:
+        a CPU executable holds code for the instruction set it was compiled on, so a cache directory
+        shared with, or copied to, another machine must miss rather than run that code."""
         st = os.stat(self.plugin_path)
         facts = {
             "path": str(Path(self.plugin_path).resolve()), "size": st.st_size,
@@ -388,8 +403,28 @@ class Device:
                 k: list(v) if isinstance(v, tuple) else v
                 for k, v in sorted(self._plugin.attributes.items())},
             "platform": [self.platform_name, self.platform_version],
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "host_cpu": _host_cpu(),
         }
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
+
+    def memory_available(self) -> int | None:
+        """Bytes this device can still allocate, or None when unknown: the plugin's limit less what is in use
+        (CUDA), else, on the CPU, the host's available memory (/proc/meminfo MemAvailable)."""
+        try:
+            stats = self._device.memory_stats()
+        except pjrt_errors.PjrtError:
+            stats = {}
+        if "bytes_limit" in stats:
+            return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        if self.platform_name.lower() == "cpu":
+            try:
+                for line in Path("/proc/meminfo").read_text().splitlines():
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+            except (OSError, ValueError, IndexError):
+                return None
+        return None
 
     # -- compile -------------------------------------------------------------------------------
 
