@@ -117,7 +117,7 @@ def main(argv=None) -> None:
             return build_step_inputs(rows, batch=b, tokens=tokens, width=width, block_size=block)
 
         rows = []
-        jax_pools = model.new_pools(m.kv_pool.num_blocks)
+        jax_pools = model.new_pools(m.pool("kv").capacity)
         for b in batches:
             entry = m.entry(f"decode_b{b}_c{args.context}")
             inputs = step_inputs(b)
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
                 return np.asarray(nxt)
 
             exe = engine.executables[entry.name]
-            host_pool = np.zeros(m.kv_pool.shape, np.float32)
+            host_pool = np.zeros(m.pool("kv").shape, np.float32)
 
             def host_copy_step():
                 nonlocal host_pool
@@ -192,7 +192,7 @@ def main(argv=None) -> None:
         inputs = step_inputs(1)
         bufs = [engine.device.upload(inputs[k]) for k in ("token_ids", "positions", "block_tables", "seq_lens",
                                                           "slot_mapping")]
-        pool = engine.device.upload(np.zeros(m.kv_pool.shape, np.float32))
+        pool = engine.device.upload(np.zeros(m.pool("kv").shape, np.float32))
         outs = engine.device.execute(exe, bufs + [pool] + [engine.weights[w.slot] for w in m.weights], donate=())
         t_logits_copy, t_next_copy = _median_times([lambda: engine.device.to_host(outs[0]),
                                                     lambda: engine.device.to_host(outs[1])], 50)

@@ -56,9 +56,9 @@ def main(argv=None) -> None:
             engines[name] = Engine.load(tmp / name, cache_dir=None, progress=False)
         m = engines["windowed"].manifest
         page_bytes = {p.name: p.shape[0] * 2 * S * p.shape[4] * p.shape[5] * 4 for p in m.pools}  # all layers of the pool
-        full_page_bytes = engines["full-history"].manifest.kv_pool.shape[0] * 2 * S * cfg.num_kv_heads * cfg.head_dim * 4
+        full_page_bytes = engines["full-history"].manifest.pool("kv").shape[0] * 2 * S * cfg.num_kv_heads * cfg.head_dim * 4
         print(f"model: gemma3_text-shaped, 4 layers (3 sliding, window {W}), {cfg.num_kv_heads} KV heads of "
-              f"{cfg.head_dim}, f32 KV, pages of {S}; ring of {m.window.ring_pages} pages; prefill chunks of {args.chunk}")
+              f"{cfg.head_dim}, f32 KV, pages of {S}; ring of {m.ring.ring_pages} pages; prefill chunks of {args.chunk}")
         print()
         print(f"{'positions':>10} | {'full-history KV/seq':>19} | {'windowed KV/seq':>15} | {'ratio':>5} | "
               f"{'last chunk, full':>16} | {'last chunk, ring':>16} | {'speed-up':>8}")

@@ -1,6 +1,10 @@
-"""tlaloc_jax.export: a checkpoint -> a serving artifact (`python -m tlaloc_jax.export --help`)."""
+"""tlaloc_jax.export: stage a step function (`stage`) or a Hugging Face checkpoint (`export_checkpoint`,
+`python -m tlaloc_jax.export --help`) as a serving artifact."""
 
-from ._artifact import export_checkpoint
+from ._artifact import decoder_pools, export_checkpoint
 from ._entries import ExportError, check_custom_calls, custom_call_targets, plan_entries
+from ._pools import PagedKV, RingKV, StateSlots
+from ._stage import flatten_weights, stage
 
-__all__ = ["export_checkpoint", "ExportError", "check_custom_calls", "custom_call_targets", "plan_entries"]
+__all__ = ["stage", "PagedKV", "RingKV", "StateSlots", "export_checkpoint", "decoder_pools", "flatten_weights",
+           "ExportError", "check_custom_calls", "custom_call_targets", "plan_entries"]

@@ -46,6 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("--window-blocks", type=int, default=None,
                     help="pages in the windowed pool (default: a ring per sequence of the largest context that the "
                          "full pool holds)")
+    ap.add_argument("--state-slots", type=int, default=None,
+                    help="slots of the linear-attention state pools, one per live sequence (default: as many sequences "
+                         "as the full pool holds at the largest context)")
     ap.add_argument("--platform", choices=["cpu", "cuda"], default="cpu",
                     help="platform the bodies are lowered for, one per artifact (default cpu)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -71,14 +74,17 @@ def main(argv=None) -> int:
                               num_blocks=args.num_blocks, weight_dtype_name=dtypes[args.weight_dtype],
                               kv_dtype=dtypes[args.kv_dtype], attention_block=args.attention_block,
                               windowed_kv=args.windowed_kv == "true", window_blocks=args.window_blocks,
+                              state_slots=args.state_slots,
                               platform=args.platform, progress=not args.quiet)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     wbytes = sum(w.nbytes for w in m.weights)
+    pools = ", ".join(f"{p.name} ({p.kind}) {p.capacity} {'slots' if p.kind == 'state_slots' else 'pages'}"
+                      for p in m.pools)
     print(f"wrote {args.out}: {len(m.entries)} entries, {len(m.weights)} weights ({wbytes / 2**20:.1f} MiB), "
-          f"pools {', '.join(f'{p.name} {p.num_blocks} pages' for p in m.pools)} of {m.block_size} tokens"
-          + (f", rings of {m.window.ring_pages} pages for window {m.window.window}" if m.window else "")
+          f"pools {pools}, pages of {m.block_size} tokens"
+          + (f", rings of {m.ring.ring_pages} pages for window {m.ring.window}" if m.ring else "")
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -20,8 +20,11 @@ as it grows, so a live sequence never runs out of pages and is never preempted: 
 fit now is refused (RequestRefused, kind "pool_exhausted") and may be sent again once other sequences
 end; one that would not fit even the empty pool is refused for good (kind "exceeds_pool";
 `check_could_fit` answers that for several sequences at once, without touching the pool).
-With a windowed pool (manifest v3) a sequence also holds a ring of at most ring_pages pages for its
-sliding layers, whatever its length, and a piece of prompt is split so that each call fits the ring.
+The engine knows an artifact's pools by kind only (manifest PoolKind), never by name or model: for each
+kind it keeps one allocator, and a sequence holds, of each, what the kind's rule (tlaloc_jax.paging)
+says a sequence of its length holds: a page per block for paged KV, at most a ring of pages for ring KV
+(sliding layers; a piece of prompt is split so that each call fits the ring), one slot for its life for
+state pools (a recurrent layer's state: carried across a prompt's chunks, freed when it ends).
 
 The invariant, per request: whatever one request does (bad sampling parameters, a refused admission, a
 failure while its token is sampled, an exception anywhere on its path), its own pages, held and
@@ -47,7 +50,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from tlaloc_jax import manifest as mf
-from tlaloc_jax.paging import PageAllocator, PoolExhausted, RowCall, build_step_inputs, pages_for, ring_call_limit
+from tlaloc_jax.paging import PageAllocator, PoolExhausted, RowCall, build_step_inputs, pool_rule, row_call
 
 from .pjrt import Buffer, Device, Executable
 from .sampling import GREEDY, Sampling, sample
@@ -90,9 +93,8 @@ class _Seq:
     stop: frozenset[int]
     sampling: Sampling
     rng: np.random.Generator
-    pages: list[int] | None          # full-history pages (None: the model has no full-history pool)
-    ring: list[int]                  # windowed pages (empty without a windowed pool)
-    reserved: dict[str, int]         # pages promised to the sequence and not yet taken, per pool
+    held: dict[mf.PoolKind, list[int]]   # pages (or state slots) the sequence holds, per kind of pool
+    reserved: dict[mf.PoolKind, int]     # units promised to the sequence and not yet taken, per kind
     arrival: float
     prefilled: int = 0
     first_scheduled: float | None = None     # when the first call that reads this sequence started
@@ -123,37 +125,54 @@ class Engine:
 
     def __init__(self, artifact_dir: str | Path, plugin: str | None = None, *,
                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR, memory_fraction: float = 0.75,
-                 donate: bool = True, progress: bool = True):
+                 donate: bool = True, progress: bool = True, trust_weights: bool = False):
+        """Load an artifact: validate it all (files, hashes, every body's @main against its entry, the memory its
+        weights and pools need), then compile, upload the weights and allocate the pools. A bad artifact is
+        refused (ManifestError naming what is wrong) before anything is compiled or allocated.
+
+        trust_weights: skip hashing the weight files (their sizes are still checked), for very large
+        artifacts whose weights are known good; the log says so.
+        """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
-        self.manifest = m = mf.load_manifest(self.artifact_dir)   # refuses a bad artifact before anything runs
-        if m.versions.platform not in ("cpu", "cuda"):
-            raise mf.ManifestError(f"artifact platform {m.versions.platform!r} is not served")
+        # Refuses a bad artifact before anything runs.
+        self.manifest = m = mf.load_manifest(self.artifact_dir, verify_weights=not trust_weights)
+        if trust_weights:
+            log.warning("--trust-weights: the weight files of %s are not hashed", self.artifact_dir)
+        elif any(not w.sha256 for w in m.weights):
+            log.warning("%s (%s) carries no hashes of its weight and tokenizer files: they are not verified",
+                        self.artifact_dir, m.schema)
         self.device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir)
         want = {"cpu": "cpu", "cuda": "cuda"}[m.versions.platform]
         if self.device.platform_name.lower() not in (want, "gpu" if want == "cuda" else want):
             self.device.close()
             raise mf.ManifestError(f"artifact was exported for {m.versions.platform}, the plugin "
                                    f"{self.device.plugin_path} is {self.device.platform_name}")
+        try:
+            self._check_memory()
+        except BaseException:
+            self.device.close()
+            raise
         self.donate = donate
         self.block_size = m.block_size
-        self.ring_pages = m.window.ring_pages if m.window else 0
+        self.ring_pages = m.ring.ring_pages if m.ring else 0
+        self.rules = {kind: pool_rule(m.pools_of(kind)[0], m.block_size) for kind in m.pool_kinds}
         self.vocab = m.model.vocab
         self.max_context = max(m.buckets.context_ladder)
         self.refused = {r.token_id: r.config_key for r in m.refused_tokens}
         self._by_kind = {kind: sorted((e for e in m.entries if e.kind == kind), key=lambda e: (e.context, e.batch))
-                         for kind in ("decode", "prefill")}
+                         for kind in mf.EntryKind}
         self.executables: dict[str, Executable] = {}
         try:
             self._compile_all(progress)
             self.weights = {w.slot: self._upload_weight(w) for w in m.weights}
-            self.pools: dict[str, Buffer] = {p.name: self.device.upload(np.zeros(p.shape, _np_dtype(p.dtype)))
+            self.pools: dict[str, Buffer] = {p.name: self.device.upload(np.zeros(p.shape, mf.numpy_dtype(p.dtype)))
                                              for p in m.pools}
         except BaseException:
             self.device.close()
             raise
-        self.allocators = {p.name: PageAllocator(p.num_blocks, {"kv": "KV", "window_kv": "windowed KV"}[p.name])
-                           for p in m.pools}
+        self.allocators = {kind: PageAllocator(m.capacity(kind), *_KIND_NAMES.get(kind, (str(kind), "units")))
+                           for kind in m.pool_kinds}
         self._seqs: dict[str, _Seq] = {}
         self._ids = itertools.count()
         self._runs = 0
@@ -167,7 +186,7 @@ class Engine:
                  self.artifact_dir, len(self.executables),
                  ", ".join(f"{k}: {v}" for k, v in self.compile_report().items()),
                  self.weight_bytes / 2**20, self.pool_bytes / 2**20,
-                 ", ".join(f"{p.name} {p.num_blocks} pages" for p in m.pools), self.block_size, self.load_seconds)
+                 ", ".join(f"{p.name} ({p.kind}) {p.capacity}" for p in m.pools), self.block_size, self.load_seconds)
 
     @classmethod
     def load(cls, artifact_dir: str | Path, plugin: str | None = None, **kwargs) -> "Engine":
@@ -182,8 +201,19 @@ class Engine:
             body = (self.artifact_dir / e.serialized).read_bytes()
             self.executables[e.name] = self.device.compile(body, name=e.name)
 
+    def _check_memory(self) -> None:
+        """Refuse an artifact whose weights and pools cannot fit the device's free memory, before any of it is
+        allocated."""
+        need = self.weight_bytes + self.pool_bytes
+        free = self.device.memory_available()
+        if free is not None and need > free:
+            pools = ", ".join(f"{p.name} {p.nbytes / 2**20:.1f} MiB" for p in self.manifest.pools)
+            raise mf.ManifestError(f"the artifact needs {need / 2**20:.1f} MiB on the device (weights "
+                                   f"{self.weight_bytes / 2**20:.1f} MiB; pools {pools}), and "
+                                   f"{self.device.platform_name} has {free / 2**20:.1f} MiB free")
+
     def _upload_weight(self, w: mf.WeightFile) -> Buffer:
-        data = np.fromfile(self.artifact_dir / w.file, dtype=np.dtype(_np_dtype(w.dtype)).newbyteorder("<"))
+        data = np.fromfile(self.artifact_dir / w.file, dtype=mf.numpy_dtype(w.dtype).newbyteorder("<"))
         return self.device.upload(data.reshape(w.shape))
 
     def compile_report(self) -> dict[str, int]:
@@ -199,7 +229,7 @@ class Engine:
 
     @property
     def pool_bytes(self) -> int:
-        return sum(int(np.prod(p.shape)) * mf.DTYPE_BYTES[p.dtype] for p in self.manifest.pools)
+        return sum(p.nbytes for p in self.manifest.pools)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -216,12 +246,12 @@ class Engine:
             rng = np.random.default_rng(s.seed)
             self.check_could_fit([(len(prompt), max_new_tokens)])
             # The promise of pages comes last: whatever is refused above leaves the pools as they were.
-            reserved = self._reserve(pages_for(len(prompt) + max_new_tokens - 1, self.block_size))
+            reserved = self._reserve(len(prompt) + max_new_tokens - 1)
         except RequestRefused:
             self._stats["requests_refused"] += 1
             raise
-        self._seqs[rid] = _Seq(rid, prompt, int(max_new_tokens), stop, s, rng,
-                               [] if "kv" in self.allocators else None, [], reserved, time.perf_counter())
+        self._seqs[rid] = _Seq(rid, prompt, int(max_new_tokens), stop, s, rng, {kind: [] for kind in self.allocators},
+                               reserved, time.perf_counter())
         return rid
 
     def check_could_fit(self, sizes: Sequence[tuple[int, int]]) -> None:
@@ -230,41 +260,37 @@ class Engine:
         "exceeds_pool". Reads only the pools' sizes, never their state, so any thread may call it."""
         for prompt_len, max_new_tokens in sizes:
             self._check_length(prompt_len, max_new_tokens)
-        blocks = [pages_for(p + m - 1, self.block_size) for p, m in sizes]
-        for name, alloc in self.allocators.items():
-            need = sum(self._need(name, b) for b in blocks)
+        for kind, alloc in self.allocators.items():
+            need = sum(self.rules[kind].units(p + m - 1) for p, m in sizes)
             if need > alloc.num_pages:
                 seqs = f"{len(sizes)} sequence needs" if len(sizes) == 1 else f"{len(sizes)} sequences need"
-                raise RequestRefused("exceeds_pool", f"{seqs} {need} {alloc.name} pages together (each its prompt "
-                                                     f"plus max_new_tokens), and the pool holds {alloc.num_pages} "
-                                                     "pages: they could never run at once")
+                raise RequestRefused("exceeds_pool", f"{seqs} {need} {alloc.name} {alloc.unit} together (each its "
+                                                     f"prompt plus max_new_tokens), and the pool holds "
+                                                     f"{alloc.num_pages} {alloc.unit}: they could never run at once")
 
-    def _need(self, name: str, blocks: int) -> int:
-        return min(blocks, self.ring_pages) if name == "window_kv" else blocks
-
-    def _reserve(self, blocks: int) -> dict[str, int]:
-        """Promise a sequence of `blocks` blocks its full-history pages and its ring; all or nothing."""
-        got: dict[str, int] = {}
+    def _reserve(self, length: int) -> dict[mf.PoolKind, int]:
+        """Promise a sequence of `length` positions what it will hold of each kind of pool; all or nothing."""
+        got: dict[mf.PoolKind, int] = {}
         try:
-            for name, alloc in self.allocators.items():
-                alloc.reserve(self._need(name, blocks))
-                got[name] = self._need(name, blocks)
+            for kind, alloc in self.allocators.items():
+                n = self.rules[kind].units(length)
+                alloc.reserve(n)
+                got[kind] = n
         except PoolExhausted as e:
-            for name, n in got.items():
-                self.allocators[name].unreserve(n)
+            for kind, n in got.items():
+                self.allocators[kind].unreserve(n)
             raise RequestRefused("pool_exhausted", f"{e}; {len(self.active_requests())} sequences hold pages; "
                                                    "retry after one ends") from None
         return got
 
     def _grow(self, s: _Seq, end: int) -> None:
-        """Take, from the sequence's reservation, the pages its positions up to `end` reach."""
-        blocks = pages_for(end, self.block_size)
-        for name, held in (("kv", s.pages), ("window_kv", s.ring)):
-            if name in self.allocators and held is not None:
-                n = self._need(name, blocks) - len(held)
-                if n > 0:
-                    held.extend(self.allocators[name].alloc(n, reserved=True))
-                    s.reserved[name] -= n
+        """Take, from the sequence's reservation, what its positions up to `end` hold of each kind of pool."""
+        for kind, held in s.held.items():
+            n = self.rules[kind].units(end) - len(held)
+            if n > 0:
+                held.extend(self.allocators[kind].alloc(n, reserved=True))
+                s.reserved[kind] -= n
+
     def _check_prompt(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise RequestRefused("bad_request", f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -320,13 +346,11 @@ class Engine:
     def _finish(self, s: _Seq, reason: str, error: str | None = None) -> None:
         s.finish_reason = reason
         s.error = error
-        if s.pages:
-            self.allocators["kv"].free(s.pages)
-        if s.ring:
-            self.allocators["window_kv"].free(s.ring)
-        for name, n in s.reserved.items():
-            self.allocators[name].unreserve(n)
-        s.pages, s.ring, s.reserved = ([] if s.pages is not None else None), [], {}
+        for kind, held in s.held.items():
+            self.allocators[kind].free(held)
+        for kind, n in s.reserved.items():
+            self.allocators[kind].unreserve(n)
+        s.held, s.reserved = {kind: [] for kind in s.held}, {}
         self._stats["requests_failed" if reason == "error" else "requests_finished"] += 1
 
     # -- scheduling ------------------------------------------------------------------------------
@@ -346,8 +370,10 @@ class Engine:
         """(start, length) of the next piece of the prompt this sequence prefills."""
         start = s.prefilled
         cap = self.manifest.buckets.prefill_chunk or self.max_context
-        if self.ring_pages:
-            cap = min(cap, ring_call_limit(start, self.manifest.window.window, self.ring_pages, self.block_size))
+        for rule in self.rules.values():
+            limit = rule.call_limit(start)
+            if limit is not None:
+                cap = min(cap, limit)
         return start, min(len(s.prompt) - start, cap)
 
     def _plan(self) -> list[_Call]:
@@ -358,22 +384,21 @@ class Engine:
             if s is not None:
                 trial = group + [s]
                 ends = [self._chunk(x) for x in trial]
-                if self._pick("prefill", len(trial), max(a + n for a, n in ends), max(n for _, n in ends)):
+                if self._pick(mf.EntryKind.PREFILL, len(trial), max(a + n for a, n in ends), max(n for _, n in ends)):
                     group = trial
                     continue
             if group:
                 ends = [self._chunk(x) for x in group]
-                entry = self._pick("prefill", len(group), max(a + n for a, n in ends), max(n for _, n in ends))
-                rows = tuple(RowCall(x.prompt[a:a + n], a, x.pages, x.ring) for x, (a, n) in zip(group, ends))
+                entry = self._pick(mf.EntryKind.PREFILL, len(group), max(a + n for a, n in ends), max(n for _, n in ends))
+                rows = tuple(row_call(x.prompt[a:a + n], a, x.held) for x, (a, n) in zip(group, ends))
                 calls.append(_Call(entry, tuple(group), rows))
             group = [s] if s is not None else []
         decoding = [s for s in self._seqs.values() if s.decoding]
-        max_batch = max(e.batch for e in self._entries("decode"))
+        max_batch = max(e.batch for e in self._entries(mf.EntryKind.DECODE))
         for i in range(0, len(decoding), max_batch):
             part = decoding[i:i + max_batch]
-            rows = tuple(RowCall([s.generated[-1]], len(s.prompt) + len(s.generated) - 1, s.pages, s.ring)
-                         for s in part)
-            entry = self._pick("decode", len(part), max(r.start + 1 for r in rows), 1)
+            rows = tuple(row_call([s.generated[-1]], len(s.prompt) + len(s.generated) - 1, s.held) for s in part)
+            entry = self._pick(mf.EntryKind.DECODE, len(part), max(r.start + 1 for r in rows), 1)
             calls.append(_Call(entry, tuple(part), rows))
         return calls
 
@@ -400,20 +425,23 @@ class Engine:
         try:
             for s, row in zip(call.seqs, call.rows):
                 self._grow(s, row.start + len(row.token_ids))
-            inputs = build_step_inputs(call.rows, batch=e.batch, tokens=e.tokens_per_seq,
+            # Rows read what each sequence holds now that it has grown (a new sequence takes its state slot here).
+            rows = [row_call(row.token_ids, row.start, s.held) for s, row in zip(call.seqs, call.rows)]
+            inputs = build_step_inputs(rows, batch=e.batch, tokens=e.tokens_per_seq,
                                        width=e.context // self.block_size, block_size=self.block_size,
-                                       ring_pages=self.ring_pages)
+                                       ring_pages=self.ring_pages,
+                                       state_slots=mf.PoolKind.STATE_SLOTS in self.allocators)
             next_ids, logits = self._execute(e, inputs, want_logits)
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
             log.error("call of %s failed: %s", e.name, err)
             return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]
-        self._stats["prefill_calls" if e.kind == "prefill" else "decode_calls"] += 1
+        self._stats["prefill_calls" if e.kind == mf.EntryKind.PREFILL else "decode_calls"] += 1
         bs = self._stats["batch_sizes"]
         bs[len(call.seqs)] = bs.get(len(call.seqs), 0) + 1
         now = time.perf_counter()
         events = []
         for b, (s, row) in enumerate(zip(call.seqs, call.rows)):
-            if e.kind == "prefill":
+            if e.kind == mf.EntryKind.PREFILL:
                 s.prefilled = row.start + len(row.token_ids)
                 self._stats["prompt_tokens"] += len(row.token_ids)
                 if s.prefilled < len(s.prompt):
@@ -445,7 +473,7 @@ class Engine:
             if sig.role in mf.STEP_FIELDS:
                 buf = self.device.upload(inputs[mf.STEP_FIELDS[sig.role]])
                 uploaded.append(buf)
-            elif sig.role in mf.POOL_IN_ROLES:
+            elif sig.role == mf.Role.POOL_IN:
                 buf = self.pools[sig.slot]
                 pool_args[i] = sig.slot
             else:
@@ -477,7 +505,7 @@ class Engine:
                             ", ".join(f"{n} {a:#x} -> {b:#x}" for n, (a, b) in moved.items()))
             else:
                 log.debug("run %d (%s): pools updated in place", self._runs, e.name)
-        logits_buf, next_buf = outs[e.output_index(mf.LOGITS)], outs[e.output_index(mf.NEXT_TOKEN)]
+        logits_buf, next_buf = outs[e.output_index(mf.Role.LOGITS)], outs[e.output_index(mf.Role.NEXT_TOKEN)]
         next_ids = self.device.to_host(next_buf)
         logits = None
         if want_logits:
@@ -511,10 +539,15 @@ class Engine:
     def stats(self) -> dict:
         st = dict(self._stats, executions_by_entry=dict(self._stats["executions_by_entry"]),
                   batch_sizes=dict(self._stats["batch_sizes"]))
-        kv = self.allocators.get("kv") or self.allocators["window_kv"]
-        st.update(pages_in_use=kv.pages_in_use, pages_free=kv.free_pages, num_pages=kv.num_pages,
-                  pools={n: dict(pages_in_use=a.pages_in_use, pages_free=a.free_pages, num_pages=a.num_pages)
-                         for n, a in self.allocators.items()},
+        # The headline numbers are the first kind's in PoolKind order: paged KV pages when there are some.
+        first = self.allocators[self.manifest.pool_kinds[0]]
+        pools = {}
+        for p in self.manifest.pools:     # pools of one kind share their allocator (pages, or state slots)
+            a = self.allocators[p.kind]
+            pools[p.name] = dict(kind=str(p.kind), pages_in_use=a.pages_in_use, pages_reserved=a.reserved,
+                                 pages_free=a.free_pages, num_pages=a.num_pages)
+        st.update(pages_in_use=first.pages_in_use, pages_free=first.free_pages, num_pages=first.num_pages,
+                  pools=pools,
                   active_requests=len(self.active_requests()),
                   weight_bytes=self.weight_bytes, pool_bytes=self.pool_bytes, entries=len(self.executables),
                   compile=self.compile_report(), load_seconds=self.load_seconds, donate=self.donate)
@@ -555,8 +588,6 @@ def _check_sampling(sampling: Sampling | None) -> Sampling:
     return sampling
 
 
-def _np_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
+# How refusals and logs name each kind's allocator and what it hands out.
+_KIND_NAMES = {mf.PoolKind.PAGED_KV: ("KV", "pages"), mf.PoolKind.RING_KV: ("windowed KV", "pages"),
+               mf.PoolKind.STATE_SLOTS: ("state", "slots")}

@@ -56,7 +56,8 @@ from .loop import EngineLoop, Inbox, SeqSpec, Update
 from .metrics import CountRequests, Metrics
 from .prompts import PromptTokenizer
 from .sampling import Sampling
-from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStrings, TextTokenizer, load_tokenizer
+from .tokenizer import (ChatTemplateError, IncrementalDetokenizer, StopStrings, TextTokenizer, load_tokenizer,
+                        read_listed_json)
 from .validation import CHAT_FIELDS, COMPLETION_FIELDS, check_sequence_count, parse_body, validate
 
 log = logging.getLogger("tlaloc_jax.serve.http")
@@ -540,12 +541,8 @@ def _generation_defaults(engine: Engine) -> dict:
     """Sampling defaults: the checkpoint's generation_config.json where it sets them, else OpenAI's
     (temperature 1, top_p 1; top_k off)."""
     out = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
-    path = engine.artifact_dir / "generation_config.json"
-    if "generation_config.json" in engine.manifest.tokenizer_files and path.is_file():
-        try:
-            cfg = json.loads(path.read_text())
-        except ValueError:
-            cfg = {}
+    cfg = read_listed_json(engine.artifact_dir, engine.manifest, "generation_config.json")
+    if cfg:
         for k in out:
             v = cfg.get(k)
             if isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -42,21 +42,35 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
+def read_listed(root: Path, manifest: mf.Manifest, name: str) -> str | None:
+    """The text of a tokenizer file the manifest lists (inside the artifact, its sha256 checked), or None when it
+    lists none by that name: a file the exporter did not copy is never read, whatever lies in the directory."""
+    path = mf.artifact_file(root, manifest, name)
+    if path is None:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise mf.ManifestError(f"tokenizer file {name!r} cannot be read as UTF-8 text: {e}") from None
+
+
+def read_listed_json(root: Path, manifest: mf.Manifest, name: str) -> dict:
+    text = read_listed(root, manifest, name)
+    if text is None:
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise mf.ManifestError(f"tokenizer file {path.name!r} is not valid JSON: {e}") from None
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise mf.ManifestError(f"tokenizer file {name!r} is not valid JSON: {e}") from None
     return data if isinstance(data, dict) else {}
 
 
-def _chat_template(root: Path, config: dict) -> str | None:
+def _chat_template(root: Path, manifest: mf.Manifest, config: dict) -> str | None:
     """The checkpoint's chat template: chat_template.jinja, chat_template.json, then tokenizer_config.json."""
-    if (root / "chat_template.jinja").is_file():
-        return (root / "chat_template.jinja").read_text(encoding="utf-8")
-    template = _read_json(root / "chat_template.json").get("chat_template") or config.get("chat_template")
+    jinja = read_listed(root, manifest, "chat_template.jinja")
+    if jinja is not None:
+        return jinja
+    template = read_listed_json(root, manifest, "chat_template.json").get("chat_template") or config.get("chat_template")
     if isinstance(template, list):   # named templates: [{"name": "default", "template": "..."}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -69,13 +83,19 @@ class TextTokenizer:
     def __init__(self, root: Path, manifest: mf.Manifest):
         from tokenizers import Tokenizer
         self.root = root
-        self.tok = Tokenizer.from_file(str(root / "tokenizer.json"))
-        config = _read_json(root / "tokenizer_config.json")
+        text = read_listed(root, manifest, "tokenizer.json")
+        if text is None:
+            raise mf.ManifestError("the manifest lists no tokenizer.json")
+        try:
+            self.tok = Tokenizer.from_str(text)
+        except Exception as e:   # noqa: BLE001 - tokenizers raises its own Exception type for a corrupt file
+            raise mf.ManifestError(f"tokenizer file 'tokenizer.json' does not load: {e}") from None
+        config = read_listed_json(root, manifest, "tokenizer_config.json")
         self.special_tokens = {k: t for k in ("bos_token", "eos_token", "unk_token", "pad_token")
                                if (t := _token_text(config.get(k))) is not None}
-        self.chat_template = _chat_template(root, config)
+        self.chat_template = _chat_template(root, manifest, config)
         eos = set(manifest.model.eos_token_ids)
-        gen = _read_json(root / "generation_config.json").get("eos_token_id")
+        gen = read_listed_json(root, manifest, "generation_config.json").get("eos_token_id")
         eos.update(gen if isinstance(gen, list) else [gen] if isinstance(gen, int) else [])
         if "eos_token" in self.special_tokens and (i := self.tok.token_to_id(self.special_tokens["eos_token"])) is not None:
             eos.add(i)
@@ -146,12 +166,11 @@ def _compile(source: str):
 
 
 def load_tokenizer(artifact_dir: str | os.PathLike, manifest: mf.Manifest) -> TextTokenizer | None:
-    """The artifact's tokenizer, or None when the exporter copied no tokenizer.json."""
-    if "tokenizer.json" not in manifest.tokenizer_files:
+    """The artifact's tokenizer, or None when the exporter copied no tokenizer.json. Reads only the files the
+    manifest lists, each checked like every other file of the artifact; a corrupt one is a ManifestError."""
+    if not any(t.file == "tokenizer.json" for t in manifest.tokenizer_files):
         return None
-    root = Path(artifact_dir)
-    mf.resolve_inside(root, "tokenizer.json", "tokenizer file")
-    return TextTokenizer(root, manifest)
+    return TextTokenizer(Path(artifact_dir), manifest)
 
 
 class IncrementalDetokenizer:

@@ -65,9 +65,10 @@ class InProcess:
     def pool(self) -> dict:
         """Pages held and promised per pool, and the loop's queues, read on the loop thread between steps."""
         def read(loop):
+            pools = loop.engine.stats()["pools"]
             return dict(running=len(loop._running), waiting=len(loop._waiting),
-                        **{f"{n}_in_use": a.pages_in_use for n, a in loop.engine.allocators.items()},
-                        **{f"{n}_reserved": a.reserved for n, a in loop.engine.allocators.items()})
+                        **{f"{n}_in_use": p["pages_in_use"] for n, p in pools.items()},
+                        **{f"{n}_reserved": p["pages_reserved"] for n, p in pools.items()})
         return self.server.loop.call(read).result(timeout=30)
 
     def wait_idle(self, timeout: float = 10.0) -> dict:

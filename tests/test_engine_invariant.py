@@ -35,7 +35,7 @@ def solo(engine):
 
 def _pool(engine) -> dict[str, tuple[int, int]]:
     """(pages held, pages promised) per pool."""
-    return {name: (a.pages_in_use, a.reserved) for name, a in engine.allocators.items()}
+    return {name: (p["pages_in_use"], p["pages_reserved"]) for name, p in engine.stats()["pools"].items()}
 
 
 def _run_all(engine) -> list:

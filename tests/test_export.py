@@ -19,6 +19,7 @@ from jax import export as jax_export
 from safetensors.numpy import load_file
 
 import tlaloc_jax
+from bodies import entry_args, run_body
 from hf_models import build_checkpoint
 from margins import assert_within
 from tlaloc_jax import manifest as mf
@@ -44,20 +45,15 @@ def artifacts(checkpoints, tmp_path_factory):
     return {k: (export_checkpoint(v, root / k, **LADDER), root / k) for k, v in checkpoints.items()}
 
 
-def _run_body(art: Path, entry: mf.Entry, args):
-    exp = jax_export.deserialize(bytearray((art / entry.body.replace(".mlir", ".exported")).read_bytes()))
-    return exp.call(*args)
-
-
 @pytest.mark.numeric
 @pytest.mark.parametrize("name", ["llama", "qwen3-tied"])
 def test_bodies_match_the_in_process_decoder(name, checkpoints, artifacts):
     m, art = artifacts[name]
     model = tlaloc_jax.load_hf(checkpoints[name], block_size=m.block_size)
-    weights = [jnp.asarray(model.weights[w.slot]) for w in m.weights]
     rng = np.random.default_rng(0)
+    kv = m.pool("kv")
     for entry in m.entries:
-        alloc = PageAllocator(m.kv_pool.num_blocks)
+        alloc = PageAllocator(kv.capacity)
         rows = []
         for b in range(entry.batch):
             n = int(rng.integers(1, entry.tokens_per_seq + 1))
@@ -69,15 +65,14 @@ def test_bodies_match_the_in_process_decoder(name, checkpoints, artifacts):
             rows.append(RowCall(rng.integers(0, m.model.vocab, n).tolist(), start, pages))
         inputs = build_step_inputs(rows, batch=entry.batch, tokens=entry.tokens_per_seq,
                                    width=entry.context // m.block_size, block_size=m.block_size)
-        pool = rng.standard_normal(m.kv_pool.shape).astype(np.float32)
+        pool = rng.standard_normal(kv.shape).astype(np.float32)
         want_logits, want_pools = model.step({"kv": jnp.asarray(pool)}, inputs)
-        logits, nxt, kv = _run_body(art, entry, [jnp.asarray(inputs[k]) for k in
-                                                 ("token_ids", "positions", "block_tables", "seq_lens", "slot_mapping")]
-                                    + [jnp.asarray(pool)] + weights)
+        out = run_body(art, entry, entry_args(entry, inputs, {"kv": pool}, model.weights))
+        logits, nxt = out["logits"], out["next_token"]
         # The body and jax.jit compile the same function, possibly fused and summed in other orders.
         bound = tol.bound(tol.decoder_roundings_of(model.config, context=entry.context))
         assert_within(relative_error(logits, want_logits), bound, f"{name} {entry.name}: logits")
-        assert_within(relative_error(kv, want_pools["kv"]), bound, f"{name} {entry.name}: KV pool")
+        assert_within(relative_error(out["kv"], want_pools["kv"]), bound, f"{name} {entry.name}: KV pool")
         # NEXT_TOKEN is the argmax of the body's own logits (the in-process argmax may differ at a near-tie).
         np.testing.assert_array_equal(np.asarray(nxt), np.argmax(np.asarray(logits), -1))
 
@@ -92,7 +87,8 @@ def test_every_donated_pool_parameter_carries_tf_aliasing_output(artifacts):
                    if "tf.aliasing_output" in a}
         assert aliased == {5: "2"}, e.name
         assert e.donations == ((2, 5),)
-        assert e.inputs[5].role == mf.KV_POOL_IN and e.outputs[2].role == mf.KV_POOL_OUT
+        assert (e.inputs[5].role, e.inputs[5].slot) == (mf.Role.POOL_IN, "kv")
+        assert (e.outputs[2].role, e.outputs[2].slot) == (mf.Role.POOL_OUT, "kv")
 
 
 def test_entries_follow_the_ladders(artifacts):
@@ -101,7 +97,7 @@ def test_entries_follow_the_ladders(artifacts):
     assert names == sorted(f"{k}_b{b}_c{c}" for k in ("decode", "prefill") for b in (1, 2) for c in (32, 64))
     for e in m.entries:
         assert e.tokens_per_seq == (1 if e.kind == "decode" else 16)
-    assert m.kv_pool.num_blocks == 2 * 64 // 8     # the largest batch at the largest context
+    assert m.pool("kv").capacity == 2 * 64 // 8     # the largest batch at the largest context
 
 
 def _hash_tree(root: Path) -> dict[str, str]:
@@ -142,11 +138,11 @@ def test_manifest_refusals_name_the_fault(artifacts, tmp_path):
     _, art = artifacts["llama"]
     cases = [
         (lambda r: r.update(schema="tlaloc-serving-v9"), r"unknown manifest schema version 'tlaloc-serving-v9'"),
-        (lambda r: r["pools"][0].pop("num_blocks"), r"missing field manifest\.pools\[0\]\.num_blocks"),
+        (lambda r: r["pools"][0].pop("capacity"), r"missing field manifest\.pools\[0\]\.capacity"),
         (lambda r: r["entries"][0].update(body_sha256="0" * 64), r"entry 'decode_b1_c32' body .* has sha256"),
-        (lambda r: r["weights"][1].update(file="../../etc/passwd"), r"weight 'final_norm' path '\.\./\.\./etc/passwd' "
+        (lambda r: r["weights"][1].update(file="../../etc/passwd"), r"weight '\S+' file path '\.\./\.\./etc/passwd' "
                                                                      r"leaves the artifact directory"),
-        (lambda r: r["weights"][1].update(file="/etc/passwd"), r"weight 'final_norm' path '/etc/passwd' is not relative"),
+        (lambda r: r["weights"][1].update(file="/etc/passwd"), r"weight '\S+' file path '/etc/passwd' is not relative"),
     ]
     for i, (edit, message) in enumerate(cases):
         dst = _broken_copy(art, tmp_path / str(i))
@@ -163,14 +159,14 @@ def test_wrong_weight_length_and_symlink_out_are_refused(artifacts, tmp_path):
     w = m.weights[0]
     with open(dst / w.file, "ab") as f:
         f.write(b"\0\0\0\0")
-    with pytest.raises(mf.ManifestError, match=rf"weight 'embed' file '{re.escape(w.file)}' has \d+ bytes"):
+    with pytest.raises(mf.ManifestError, match=rf"weight '{w.slot}' file '{re.escape(w.file)}' has \d+ bytes"):
         mf.load_manifest(dst)
     dst = _broken_copy(art, tmp_path / "link")
     outside = tmp_path / "outside.bin"
     outside.write_bytes((dst / m.weights[1].file).read_bytes())
     (dst / m.weights[1].file).unlink()
     os.symlink(outside, dst / m.weights[1].file)
-    with pytest.raises(mf.ManifestError, match=r"weight 'final_norm' path .* leaves the artifact directory"):
+    with pytest.raises(mf.ManifestError, match=rf"weight '{m.weights[1].slot}' file path .* leaves the artifact directory"):
         mf.load_manifest(dst)
 
 
@@ -186,10 +182,10 @@ def test_custom_call_the_plugin_lacks_is_refused_by_name():
 def test_dropped_argument_is_refused_by_name():
     def f(x, unused):
         return x * 2
-    sigs = [mf.TensorSig(mf.TOKEN_IDS, "float32", (2,)), mf.TensorSig(mf.WEIGHT, "float32", (3,), "layers.ghost")]
+    sigs = [mf.TensorSig(mf.Role.TOKEN_IDS, "float32", (2,)), mf.TensorSig(mf.Role.WEIGHT, "float32", (3,), "layers.ghost")]
     exp = jax_export.export(jax.jit(f), platforms=["cpu"])(*(jax.ShapeDtypeStruct(s.shape, jnp.float32) for s in sigs))
     with pytest.raises(ExportError, match=r"dropped unused inputs \['layers\.ghost'\]"):
-        check_body("f", exp, sigs, [mf.TensorSig(mf.LOGITS, "float32", (2,))])
+        check_body("f", exp, sigs, [mf.TensorSig(mf.Role.LOGITS, "float32", (2,))])
 
 
 def test_cli_subprocess_and_help(checkpoints, tmp_path):

@@ -307,9 +307,42 @@ def test_donated_state_pools_are_written_in_place(model):
     assert {k: v.unsafe_buffer_pointer() for k, v in pools.items()} == before
 
 
-def test_export_refuses_linear_layers_by_name(checkpoints, tmp_path):
-    from tlaloc_jax.export import ExportError, export_checkpoint
-    with pytest.raises(ExportError, match=r"linear-attention .* manifest v4"):
-        export_checkpoint(checkpoints["qwen3_5_text"], tmp_path / "a", batch_ladder=(1,), context_ladder=(64,),
-                          progress=False)
-    assert not (tmp_path / "a").exists()
+@pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_next"])
+def test_served_gives_transformers_ids_with_state_pools(name, checkpoints, tmp_path_factory, tmp_path, monkeypatch):
+    """Exported with their state pools (conv and recurrent: state_slots, a slot per sequence) beside the KV
+    pages, and served by the JAX-free runtime: prompts longer than a prefill chunk carry their state across
+    chunks; alone and decoded together they give transformers' greedy ids (near-tie rule). Control: every
+    sequence handed slot 0 (sequences decoded together read and write each other's state) fails the check."""
+    from tlaloc_jax import manifest as mf
+    from tlaloc_jax.export import export_checkpoint
+    from tlaloc_jax.serve import Engine
+    path = _checkpoint(checkpoints, tmp_path_factory, name)
+    m = export_checkpoint(path, tmp_path / "art", batch_ladder=(1, 4), context_ladder=(64, 128), block_size=8,
+                          prefill_chunk=32, progress=False)
+    assert {p.name: p.kind for p in m.pools} == {"kv": mf.PoolKind.PAGED_KV, "conv": mf.PoolKind.STATE_SLOTS,
+                                                 "recurrent": mf.PoolKind.STATE_SLOTS}
+    ref = load_hf_torch(path)
+    want = [torch_greedy(ref, p, 16) for p in PROMPTS]
+    cfg = tlaloc_jax.load_hf(path).config
+    bound = tol.bound(tol.decoder_roundings_of(cfg, context=max(map(len, PROMPTS)) + 16))
+
+    def check(eng):
+        next_token = engine_next_token(eng)
+        check_greedy_batch(PROMPTS, [eng.generate([p], 16)[0] for p in PROMPTS], want, logit_bound=bound,
+                           next_token=next_token)
+        check_greedy_batch(PROMPTS, eng.generate(PROMPTS, 16), want, logit_bound=bound, next_token=next_token)
+
+    with Engine.load(tmp_path / "art", cache_dir=tmp_path / "cache", progress=False) as eng:
+        check(eng)
+        assert eng.stats()["pools"]["recurrent"]["pages_in_use"] == 0
+        import tlaloc_jax.serve.engine as engine_module
+        real = engine_module.build_step_inputs
+
+        def one_slot_for_all(*args, **kwargs):
+            out = real(*args, **kwargs)
+            out["state_slots"] = np.where(out["state_slots"] >= 0, 0, -1).astype(np.int32)
+            return out
+
+        monkeypatch.setattr(engine_module, "build_step_inputs", one_slot_for_all)
+        with pytest.raises(GreedyMismatch):
+            check(eng)

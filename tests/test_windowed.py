@@ -1,4 +1,4 @@
-"""Sliding-window models end to end: the windowed KV pool (rings, manifest v3) against full-history pages."""
+"""Sliding-window models end to end: the windowed KV pool (rings, a ring_kv pool) against full-history pages."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export as jax_export
 
 import tlaloc_jax
+from bodies import entry_args, run_body
 from hf_models import build_checkpoint, load_hf_torch, torch_greedy
 from margins import assert_within
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token, kv_one_slot_off
@@ -45,12 +45,13 @@ def family(request, tmp_path_factory):
 
 def test_manifests(family):
     _, _, (w, _), (f, _) = family
-    assert w.schema == mf.SCHEMA_V3 and f.schema == mf.SCHEMA_V2
-    assert w.window.window == WINDOW and w.window.ring_pages == pages_for(WINDOW - 1 + CHUNK, S) == 3
+    assert w.schema == f.schema == mf.SCHEMA_V4
     win = w.pool("window_kv")
+    assert win.kind == mf.PoolKind.RING_KV and w.ring is win
+    assert win.window == WINDOW and win.ring_pages == pages_for(WINDOW - 1 + CHUNK, S) == 3
     assert set(win.layers) == {i for i, t in enumerate(tlaloc_jax.load_hf(family[1]).config.layer_types)
                                if t == "sliding_attention"}
-    assert f.pool("window_kv") is None and f.window is None
+    assert f.pool("window_kv") is None and f.ring is None and f.pool("kv").kind == mf.PoolKind.PAGED_KV
 
 
 def logit_bound(ck, context: int) -> float:
@@ -78,22 +79,6 @@ def test_runtime_gives_transformers_ids_alone_and_four_together(family, cache_di
             check(eng)
 
 
-def _deserialize(art, entry):
-    return jax_export.deserialize(bytearray((art / entry.body.replace(".mlir", ".exported")).read_bytes()))
-
-
-def _args(m: mf.Manifest, entry: mf.Entry, inputs, pools, weights):
-    out = []
-    for sig in entry.inputs:
-        if sig.role in mf.STEP_FIELDS:
-            out.append(jnp.asarray(inputs[mf.STEP_FIELDS[sig.role]]))
-        elif sig.role in mf.POOL_IN_ROLES:
-            out.append(pools[sig.slot])
-        else:
-            out.append(weights[sig.slot])
-    return out
-
-
 def test_windowed_and_full_artifacts_agree_over_several_windows(family):
     """The same calls (chunks of 5, then decode steps, 70 positions) through both artifacts' bodies.
     Free pages and ring slots outside the window hold NaN: the outputs stay finite."""
@@ -102,8 +87,8 @@ def test_windowed_and_full_artifacts_agree_over_several_windows(family):
     weights = {k: jnp.asarray(v) for k, v in model.weights.items()}
     pools = {name: {p.name: jnp.full(p.shape, jnp.nan, jnp.float32) for p in m.pools} for name, m in
              (("w", wm), ("f", fm))}
-    full_alloc, ring_alloc = PageAllocator(fm.kv_pool.num_blocks), PageAllocator(wm.pool("window_kv").num_blocks)
-    pages, ring = full_alloc.alloc(96 // S), ring_alloc.alloc(wm.window.ring_pages)
+    full_alloc, ring_alloc = PageAllocator(fm.pool("kv").capacity), PageAllocator(wm.pool("window_kv").capacity)
+    pages, ring = full_alloc.alloc(96 // S), ring_alloc.alloc(wm.ring.ring_pages)
     tokens = [(i * 13 + 5) % 256 for i in range(70)]
     p0, worst, calls = 0, 0.0, 0
     while p0 < len(tokens):
@@ -115,11 +100,11 @@ def test_windowed_and_full_artifacts_agree_over_several_windows(family):
             entry = m.entry(f"{kind}_b1_c{ctx}")
             inputs = build_step_inputs([RowCall(tokens[p0:p0 + n], p0, pages, ring)], batch=1,
                                        tokens=entry.tokens_per_seq, width=ctx // S, block_size=S,
-                                       ring_pages=m.window.ring_pages if m.window else 0)
-            outs = _deserialize(art, entry).call(*_args(m, entry, inputs, pools[key], weights))
-            for (o, _), p in zip(entry.donations, m.pools):
-                pools[key][entry.outputs[o].slot] = outs[o]
-            results[key] = np.asarray(outs[0])
+                                       ring_pages=m.ring.ring_pages if m.ring else 0)
+            outs = run_body(art, entry, entry_args(entry, inputs, pools[key], weights))
+            for p in m.pools:
+                pools[key][p.name] = outs[p.name]
+            results[key] = np.asarray(outs["logits"])
         assert np.isfinite(results["w"]).all() and np.isfinite(results["f"]).all()
         worst = max(worst, relative_error(results["w"], results["f"]))
         p0 += n
@@ -165,7 +150,7 @@ def test_controls_ring_one_page_short_and_call_one_token_too_long(tmp_path):
 
 def test_a_sequence_ten_windows_long_holds_only_its_ring(family, cache_dir):
     name, ck, (wm, art), _ = family
-    R = wm.window.ring_pages
+    R = wm.ring.ring_pages
     with Engine.load(art, cache_dir=cache_dir, progress=False) as eng:
         rid = eng.add_request([3, 1, 4, 1, 5], max_new_tokens=76)      # 80 positions: 10 windows
         held_full, held_ring = [], []
@@ -175,7 +160,7 @@ def test_a_sequence_ten_windows_long_holds_only_its_ring(family, cache_dir):
             held_full.append(st["kv"]["pages_in_use"] if "kv" in st else None)
             held_ring.append(st["window_kv"]["pages_in_use"])
         assert max(held_ring) == R and held_ring[-1] == 0   # the ring stops growing at R pages; freed at the end
-        if wm.kv_pool is not None:                            # the full-attention layers' pages follow the sequence
+        if wm.pool("kv") is not None:                            # the full-attention layers' pages follow the sequence
             growing = held_full[:-1]
             assert growing == sorted(growing) and growing[0] == 1 and growing[-1] == pages_for(80, S) == 10
             assert held_full[-1] == 0

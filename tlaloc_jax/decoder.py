@@ -8,8 +8,6 @@ artifact) under the JAX-free runtime.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -18,6 +16,7 @@ from tlaloc_jax.kernels import (causal_conv1d, causal_conv1d_update, gated_delta
                                 gated_delta_rule_recurrent, kv_cache_write, paged_attention)
 
 from .config import FULL, LINEAR, SLIDING, DecoderConfig
+from .inputs import StepInputs
 from .layers import apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
 # layer_period and pool_of are the decoder's public names too (the exporter reads pool_of).
 from .plan import STATE_POOLS, layer_period, layer_plan, pool_of  # noqa: F401
@@ -28,23 +27,6 @@ Pools = dict[str, jax.Array]
 DEFAULT_KEY_BLOCK = 2048
 # Tokens per chunk of the gated delta rule's prefill form (the seed's 64).
 DELTA_CHUNK = 64
-
-
-class StepInputs(NamedTuple):
-    """The integer inputs of one call, named by their manifest roles (docs/glossary.md)."""
-
-    token_ids: jax.Array     # TOKEN_IDS    [B, T] int32
-    positions: jax.Array     # POSITIONS    [B, T] int32, -1 = padding
-    block_tables: jax.Array  # BLOCK_TABLES [B, M] int32
-    seq_lens: jax.Array      # SEQ_LENS     [B] int32
-    slot_mapping: jax.Array  # SLOT_MAPPING [B, T] int32, -1 = write nothing
-    # With a windowed pool (sliding layers in rings): WINDOW_BLOCK_TABLES [B, M] (entry b: the ring page
-    # of block b) and WINDOW_SLOT_MAPPING [B, T]. None without one.
-    window_block_tables: jax.Array | None = None
-    window_slot_mapping: jax.Array | None = None
-    # With linear-attention layers: STATE_SLOTS [B], the row's slot in the state pools; -1 = an empty row,
-    # which reads zeros and writes nothing. None without linear layers.
-    state_slots: jax.Array | None = None
 
 
 def pool_shapes(cfg: DecoderConfig, num_blocks: int, block_size: int,

@@ -1,23 +1,35 @@
 """The serving artifact's manifest schema: written by tlaloc_jax.export, read by the JAX-free runtime.
 
-Standard library only. A manifest is a tree of frozen dataclasses; `Manifest.to_json()` writes it
-deterministically and `load_manifest()` reads and validates an artifact directory, refusing, by
-name, an unknown schema version, a missing field, a body whose sha256 does not match, a weight file of
-the wrong byte length and any path that leaves the artifact directory.
+Standard library only (numpy and ml_dtypes are imported lazily, by `numpy_dtype`). A manifest is a tree of
+frozen dataclasses; `Manifest.to_json()` writes it deterministically and `load_manifest()` reads and
+validates an artifact directory. Everything an artifact may say is one typed vocabulary here: the roles of
+an entry's inputs and outputs (`Role`), the kinds of pools (`PoolKind`) and of entries (`EntryKind`), and
+the dtypes (`DTYPES`); str enums, so the JSON stays readable.
 
 Changelog:
-  tlaloc-serving-v2: full-history KV pool (one buffer, layers stacked), decode and prefill entries.
-  tlaloc-serving-v3: adds the windowed KV pool: sliding layers keep a ring of pages per sequence
-    (`window`: the window and the ring size; pool "window_kv" with roles WINDOW_BLOCK_TABLES,
-    WINDOW_SLOT_MAPPING, WINDOW_KV_POOL_IN/OUT).
+  tlaloc-serving-v2: a full-history KV pool (one buffer, layers stacked); decode and prefill entries.
+    Roles KV_POOL_IN / KV_POOL_OUT.
+  tlaloc-serving-v3: adds the windowed KV pool for sliding layers, a ring of pages per sequence
+    (top-level `window`: the window and the ring size; pool "window_kv" with roles WINDOW_BLOCK_TABLES,
+    WINDOW_SLOT_MAPPING, WINDOW_KV_POOL_IN / OUT).
+  tlaloc-serving-v4: pools described generically: each has a `kind` (paged_kv, ring_kv, state_slots), a
+    `capacity` (pages, or state slots), and a ring's `window` and `ring_pages`; every pool travels in role
+    POOL_IN / POOL_OUT with the pool's name in `slot`, and the step inputs a kind needs are listed in
+    POOL_KIND_INPUTS (state pools add STATE_SLOTS). sha256 of every weight file, tokenizer file and of jax's
+    serialized `.exported` body (now recorded in each entry). `model.embedding_slot` names the weight whose
+    rows are the vocabulary (checked at load). The feature a manifest uses no longer sets its version.
+v2 and v3 manifests still load: `Manifest.from_json` upgrades them to the v4 model in memory (their
+weights and tokenizer files carry no hashes; the loader says so).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import os
+import re
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,40 +38,126 @@ from typing import Any
 MANIFEST_NAME = "tlaloc-serving.json"
 SCHEMA_V2 = "tlaloc-serving-v2"
 SCHEMA_V3 = "tlaloc-serving-v3"
-SUPPORTED_SCHEMAS = (SCHEMA_V2, SCHEMA_V3)
-
-# Input roles (docs/glossary.md) and output roles.
-TOKEN_IDS, POSITIONS, BLOCK_TABLES, SEQ_LENS, SLOT_MAPPING = (
-    "TOKEN_IDS", "POSITIONS", "BLOCK_TABLES", "SEQ_LENS", "SLOT_MAPPING")
-WINDOW_BLOCK_TABLES, WINDOW_SLOT_MAPPING = "WINDOW_BLOCK_TABLES", "WINDOW_SLOT_MAPPING"
-KV_POOL_IN, KV_POOL_OUT, WEIGHT = "KV_POOL_IN", "KV_POOL_OUT", "WEIGHT"
-WINDOW_KV_POOL_IN, WINDOW_KV_POOL_OUT = "WINDOW_KV_POOL_IN", "WINDOW_KV_POOL_OUT"
-LOGITS, NEXT_TOKEN = "LOGITS", "NEXT_TOKEN"
-# The integer inputs of a call, by role, and the StepInputs field each one is.
-STEP_FIELDS = {TOKEN_IDS: "token_ids", POSITIONS: "positions", BLOCK_TABLES: "block_tables",
-               SEQ_LENS: "seq_lens", SLOT_MAPPING: "slot_mapping", WINDOW_BLOCK_TABLES: "window_block_tables",
-               WINDOW_SLOT_MAPPING: "window_slot_mapping"}
-STEP_ROLES = tuple(STEP_FIELDS)
-POOL_IN_ROLES = (KV_POOL_IN, WINDOW_KV_POOL_IN)
-INPUT_ROLES = STEP_ROLES + POOL_IN_ROLES + (WEIGHT,)
-OUTPUT_ROLES = (LOGITS, NEXT_TOKEN, KV_POOL_OUT, WINDOW_KV_POOL_OUT)
-
-# Element sizes of the dtypes an artifact may hold (names as numpy/ml_dtypes spell them).
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int8": 1, "uint8": 1}
+SCHEMA_V4 = "tlaloc-serving-v4"
+SUPPORTED_SCHEMAS = (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4)
+MAX_MANIFEST_BYTES = 64 << 20
+_MAX_JSON_DEPTH = 32
 
 
 class ManifestError(ValueError):
     """An artifact is refused at load; the message names the file, field or entry at fault."""
 
 
+class Role(enum.StrEnum):
+    """What an entry's input or output holds (docs/glossary.md)."""
+
+    # The integer step inputs.
+    TOKEN_IDS = "TOKEN_IDS"
+    POSITIONS = "POSITIONS"
+    SEQ_LENS = "SEQ_LENS"
+    BLOCK_TABLES = "BLOCK_TABLES"
+    SLOT_MAPPING = "SLOT_MAPPING"
+    WINDOW_BLOCK_TABLES = "WINDOW_BLOCK_TABLES"
+    WINDOW_SLOT_MAPPING = "WINDOW_SLOT_MAPPING"
+    STATE_SLOTS = "STATE_SLOTS"
+    # A pool (slot: the pool's name), donated: POOL_OUT is written over the POOL_IN of the same name.
+    POOL_IN = "POOL_IN"
+    POOL_OUT = "POOL_OUT"
+    # A weight (slot: its name in the weight table).
+    WEIGHT = "WEIGHT"
+    # Outputs.
+    LOGITS = "LOGITS"
+    NEXT_TOKEN = "NEXT_TOKEN"
+
+
+class PoolKind(enum.StrEnum):
+    """How a pool is indexed, and so what a sequence holds of it.
+
+    paged_kv: pages of `block_size` positions; a sequence holds one page per block of its length.
+    ring_kv: the same pages, but a sequence holds a ring of at most `ring_pages` of them (sliding layers:
+        block b lives on ring page b % ring_pages).
+    state_slots: one slot per live sequence, whatever its length (a recurrent layer's state).
+    """
+
+    PAGED_KV = "paged_kv"
+    RING_KV = "ring_kv"
+    STATE_SLOTS = "state_slots"
+
+
+class EntryKind(enum.StrEnum):
+    DECODE = "decode"      # one new token per sequence
+    PREFILL = "prefill"    # up to tokens_per_seq tokens per sequence, rows right-aligned
+
+
+# The integer inputs of a call, by role, and the field of tlaloc_jax.paging.build_step_inputs (and of the
+# decoder's StepInputs) each one is.
+STEP_FIELDS: dict[Role, str] = {
+    Role.TOKEN_IDS: "token_ids", Role.POSITIONS: "positions", Role.SEQ_LENS: "seq_lens",
+    Role.BLOCK_TABLES: "block_tables", Role.SLOT_MAPPING: "slot_mapping",
+    Role.WINDOW_BLOCK_TABLES: "window_block_tables", Role.WINDOW_SLOT_MAPPING: "window_slot_mapping",
+    Role.STATE_SLOTS: "state_slots",
+}
+# Every entry takes these; each kind of pool it holds adds its own.
+BASE_STEP_INPUTS = (Role.TOKEN_IDS, Role.POSITIONS, Role.SEQ_LENS)
+POOL_KIND_INPUTS: dict[PoolKind, tuple[Role, ...]] = {
+    PoolKind.PAGED_KV: (Role.BLOCK_TABLES, Role.SLOT_MAPPING),
+    PoolKind.RING_KV: (Role.WINDOW_BLOCK_TABLES, Role.WINDOW_SLOT_MAPPING),
+    PoolKind.STATE_SLOTS: (Role.STATE_SLOTS,),
+}
+INPUT_ROLES = frozenset(STEP_FIELDS) | {Role.POOL_IN, Role.WEIGHT}
+OUTPUT_ROLES = frozenset({Role.LOGITS, Role.NEXT_TOKEN, Role.POOL_OUT})
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str        # as numpy / ml_dtypes spell it, and the manifest
+    itemsize: int
+    mlir: str        # as StableHLO spells it
+
+
+# The one dtype table of the project: what an artifact may hold, and how each side names it.
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("float32", 4, "f32"), DType("bfloat16", 2, "bf16"), DType("float16", 2, "f16"),
+    DType("float8_e4m3fn", 1, "f8E4M3FN"), DType("int32", 4, "i32"), DType("int8", 1, "i8"),
+    DType("uint8", 1, "ui8"), DType("bool", 1, "i1"))}
+MLIR_DTYPES = {d.mlir: d.name for d in DTYPES.values()}
+
+
+def dtype_info(name: str, what: str = "dtype") -> DType:
+    if name not in DTYPES:
+        raise ManifestError(f"{what} has unknown dtype {name!r} (known: {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def numpy_dtype(name: str):
+    """The numpy dtype of a manifest dtype name (bfloat16 and float8 through ml_dtypes)."""
+    import numpy as np
+    dtype_info(name)
+    if name in ("bfloat16", "float8_e4m3fn"):
+        import ml_dtypes
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def nbytes(dtype: str, shape: tuple[int, ...], what: str = "tensor") -> int:
+    n = dtype_info(dtype, what).itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
 @dataclass(frozen=True)
 class TensorSig:
     """One input or output of an entry. `slot` names the weight for role WEIGHT, the pool for pool roles."""
 
-    role: str
+    role: Role
     dtype: str
     shape: tuple[int, ...]
     slot: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}{' ' + self.slot if self.slot else ''}"
 
 
 @dataclass(frozen=True)
@@ -67,31 +165,33 @@ class Entry:
     """One compiled program: a decode or prefill call of `batch` sequences in a `context`-position bucket."""
 
     name: str
-    kind: str                      # "decode" | "prefill"
+    kind: EntryKind
     batch: int
     context: int
     tokens_per_seq: int
-    body: str                      # bodies/<sha256>.mlir, textual StableHLO
+    body: str                      # bodies/<sha256>.mlir, textual StableHLO (its @main is checked at load)
     body_sha256: str
-    serialized: str                # bodies/<sha256>.bin, jax.export's portable serialized form
+    serialized: str                # bodies/<sha256>.mlirbc, portable StableHLO bytecode: what the runtime compiles
     serialized_sha256: str
     program: str                   # programs/<name>.json
     inputs: tuple[TensorSig, ...]
     outputs: tuple[TensorSig, ...]
     donations: tuple[tuple[int, int], ...]   # (output index, input index it is written over)
     kept_inputs: tuple[int, ...]             # jax.export's module_kept_var_idx: all of them, checked at export
+    exported: str = ""             # bodies/<sha256>.exported, jax.export's serialization (v4; for jax callers)
+    exported_sha256: str = ""
 
-    def input_index(self, role: str, slot: str = "") -> int:
+    def input_index(self, role: Role, slot: str = "") -> int:
         for i, sig in enumerate(self.inputs):
             if sig.role == role and (not slot or sig.slot == slot):
                 return i
         raise ManifestError(f"entry {self.name!r} has no input with role {role}{' ' + slot if slot else ''}")
 
-    def output_index(self, role: str) -> int:
+    def output_index(self, role: Role, slot: str = "") -> int:
         for i, sig in enumerate(self.outputs):
-            if sig.role == role:
+            if sig.role == role and (not slot or sig.slot == slot):
                 return i
-        raise ManifestError(f"entry {self.name!r} has no output with role {role}")
+        raise ManifestError(f"entry {self.name!r} has no output with role {role}{' ' + slot if slot else ''}")
 
 
 @dataclass(frozen=True)
@@ -101,42 +201,55 @@ class WeightFile:
     shape: tuple[int, ...]
     nbytes: int
     file: str                      # weights/NNNN_<slot>.bin, raw little-endian, no header
+    sha256: str = ""               # v4; "" in v2/v3 artifacts
 
 
 @dataclass(frozen=True)
 class Pool:
-    """A device-resident pool class: its layers stacked, donated to every entry that takes it."""
+    """A device-resident pool: its layers stacked, donated to every entry that takes it.
 
-    name: str                      # "kv" (full-history pages) | "window_kv" (the sliding layers' rings)
-    in_role: str
-    out_role: str
-    layers: tuple[int, ...]        # the model layers whose keys and values it holds, in stack order
-    num_blocks: int
+    shape: paged_kv and ring_kv [L', 2, P, S, K, D] with P = capacity pages of S = block_size positions;
+    state_slots any shape with capacity slots on axis `slot_axis`. Pools of one kind share an index
+    space (one block table, or one state slot per sequence), so they have one capacity.
+    """
+
+    name: str
+    kind: PoolKind
     dtype: str
-    shape: tuple[int, ...]         # [L', 2, P, S, K, D]
+    shape: tuple[int, ...]
+    capacity: int                  # pages (paged_kv, ring_kv) or slots (state_slots)
+    layers: tuple[int, ...] = ()   # the model layers it holds, in stack order (informative)
+    slot_axis: int = 2             # the axis of shape that capacity indexes
+    window: int = 0                # ring_kv: the sliding window, in positions
+    ring_pages: int = 0            # ring_kv: pages of a sequence's ring
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.dtype, self.shape, f"pool {self.name!r}")
 
 
 @dataclass(frozen=True)
-class Window:
-    """The windowed pool's geometry (v3): each sequence holds a ring of at most ring_pages pages."""
-
-    window: int
-    ring_pages: int
+class TokenizerFile:
+    file: str
+    sha256: str = ""               # v4; "" in v2/v3 artifacts
 
 
 @dataclass(frozen=True)
 class ModelShape:
+    """What the runtime needs of the model (name, vocabulary, stop ids) and what describes it to a reader."""
+
     name: str
-    model_type: str
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
+    model_type: str                # an HF family, or "authored" (tlaloc_jax.stage)
     vocab: int
     weight_dtype: str
-    kv_dtype: str
+    kv_dtype: str = ""
     eos_token_ids: tuple[int, ...] = ()
+    embedding_slot: str = ""       # the weight whose rows are the vocabulary (v4), checked at load
+    layers: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    hidden: int = 0
 
 
 @dataclass(frozen=True)
@@ -161,7 +274,7 @@ class Versions:
     jaxlib: str
     calling_convention: int
     platform: str
-    attention_block: int
+    attention_block: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,16 +288,27 @@ class Manifest:
     weights: tuple[WeightFile, ...]
     versions: Versions
     refused_tokens: tuple[RefusedToken, ...] = ()
-    tokenizer_files: tuple[str, ...] = ()
-    window: Window | None = None
+    tokenizer_files: tuple[TokenizerFile, ...] = ()
 
     def pool(self, name: str) -> Pool | None:
         return next((p for p in self.pools if p.name == name), None)
 
+    def pools_of(self, kind: PoolKind) -> tuple[Pool, ...]:
+        return tuple(p for p in self.pools if p.kind == kind)
+
     @property
-    def kv_pool(self) -> Pool | None:
-        """The full-history pool (None when every attention layer is in the windowed pool)."""
-        return self.pool("kv")
+    def pool_kinds(self) -> tuple[PoolKind, ...]:
+        """The kinds of the artifact's pools, in PoolKind order."""
+        return tuple(k for k in PoolKind if self.pools_of(k))
+
+    def capacity(self, kind: PoolKind) -> int:
+        return self.pools_of(kind)[0].capacity
+
+    @property
+    def ring(self) -> Pool | None:
+        """The first ring_kv pool (its window and ring size are the runtime's), or None."""
+        rings = self.pools_of(PoolKind.RING_KV)
+        return rings[0] if rings else None
 
     def entry(self, name: str) -> Entry:
         for e in self.entries:
@@ -196,18 +320,80 @@ class Manifest:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True) + "\n"
 
     @staticmethod
-    def from_json(text: str) -> "Manifest":
+    def from_json(text: str | bytes) -> "Manifest":
+        if isinstance(text, bytes):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ManifestError(f"{MANIFEST_NAME} is not UTF-8 text: {e}") from None
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
             raise ManifestError(f"{MANIFEST_NAME} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ManifestError(f"{MANIFEST_NAME} nests deeper than any manifest") from None
         if not isinstance(raw, dict):
             raise ManifestError(f"{MANIFEST_NAME} must hold a JSON object")
+        _check_depth(raw, _MAX_JSON_DEPTH)
         schema = raw.get("schema")
         if schema not in SUPPORTED_SCHEMAS:
             raise ManifestError(f"unknown manifest schema version {schema!r} (this runtime reads "
                                 f"{', '.join(SUPPORTED_SCHEMAS)})")
+        if schema in (SCHEMA_V2, SCHEMA_V3):
+            raw = _upgrade_v2_v3(raw)
         return _build(Manifest, raw, "manifest")
+
+
+def _check_depth(node: Any, limit: int) -> None:
+    stack = [(node, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            raise ManifestError(f"{MANIFEST_NAME} nests deeper than any manifest ({limit} levels)")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
+_V3_POOL_ROLES = {"KV_POOL_IN": Role.POOL_IN, "WINDOW_KV_POOL_IN": Role.POOL_IN,
+                  "KV_POOL_OUT": Role.POOL_OUT, "WINDOW_KV_POOL_OUT": Role.POOL_OUT}
+
+
+def _upgrade_v2_v3(raw: dict) -> dict:
+    """A v2 or v3 manifest as the v4 model reads it: pools get their kind and capacity, pool roles become
+    POOL_IN / POOL_OUT, tokenizer files carry an empty hash. The schema string is kept."""
+    raw = dict(raw)
+    window = raw.pop("window", None) or {}
+    if not isinstance(window, dict):
+        raise ManifestError("manifest.window must be an object")
+    pools = []
+    for i, p in enumerate(raw.get("pools") or []):
+        if not isinstance(p, dict):
+            raise ManifestError(f"manifest.pools[{i}] must be an object")
+        ring = p.get("in_role") == "WINDOW_KV_POOL_IN"
+        if ring and not window:
+            raise ManifestError(f"schema {raw.get('schema')} pool {p.get('name')!r} is windowed, but the manifest "
+                                "has no window")
+        pools.append({"name": p.get("name"), "kind": PoolKind.RING_KV if ring else PoolKind.PAGED_KV,
+                      "dtype": p.get("dtype"), "shape": p.get("shape"), "capacity": p.get("num_blocks"),
+                      "layers": p.get("layers", []), "slot_axis": 2,
+                      "window": window.get("window", 0) if ring else 0,
+                      "ring_pages": window.get("ring_pages", 0) if ring else 0})
+    if raw.get("schema") == SCHEMA_V3 and not any(p["kind"] == PoolKind.RING_KV for p in pools):
+        raise ManifestError(f"schema {SCHEMA_V3} needs a windowed pool (window_kv)")
+    raw["pools"] = pools
+    entries = []
+    for e in raw.get("entries") or []:
+        if isinstance(e, dict):
+            e = dict(e)
+            for key in ("inputs", "outputs"):
+                e[key] = [dict(s, role=_V3_POOL_ROLES.get(s.get("role"), s.get("role"))) if isinstance(s, dict)
+                          else s for s in (e.get(key) or [])]
+        entries.append(e)
+    raw["entries"] = entries
+    raw["tokenizer_files"] = [{"file": f, "sha256": ""} for f in raw.get("tokenizer_files") or []]
+    return raw
 
 
 def _build(cls, raw: Any, where: str):
@@ -216,20 +402,18 @@ def _build(cls, raw: Any, where: str):
         if not isinstance(raw, dict):
             raise ManifestError(f"{where} must be an object")
         kwargs = {}
-        hints = {f.name: f for f in dataclasses.fields(cls)}
-        for name, f in hints.items():
-            if name not in raw:
+        for f in dataclasses.fields(cls):
+            if f.name not in raw:
                 if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
                     continue
-                raise ManifestError(f"missing field {where}.{name}")
-            kwargs[name] = _build(_FIELD_TYPES[cls][name], raw[name], f"{where}.{name}")
+                raise ManifestError(f"missing field {where}.{f.name}")
+            kwargs[f.name] = _build(_FIELD_TYPES[cls][f.name], raw[f.name], f"{where}.{f.name}")
         return cls(**kwargs)
-    origin = getattr(cls, "__origin__", None)
     if type(cls) is types.UnionType:       # X | None
         if raw is None:
             return None
         return _build(next(a for a in cls.__args__ if a is not type(None)), raw, where)
-    if origin is tuple:
+    if getattr(cls, "__origin__", None) is tuple:
         if not isinstance(raw, list):
             raise ManifestError(f"{where} must be a list")
         args = cls.__args__
@@ -238,6 +422,12 @@ def _build(cls, raw: Any, where: str):
         if len(raw) != len(args):
             raise ManifestError(f"{where} must have {len(args)} items")
         return tuple(_build(a, x, f"{where}[{i}]") for i, (a, x) in enumerate(zip(args, raw)))
+    if isinstance(cls, type) and issubclass(cls, enum.Enum):
+        try:
+            return cls(raw)
+        except ValueError:
+            raise ManifestError(f"{where} is {raw!r}, not a known {cls.__name__} "
+                                f"({', '.join(m.value for m in cls)})") from None
     if cls is int and not (isinstance(raw, int) and not isinstance(raw, bool)):
         raise ManifestError(f"{where} must be an integer, got {raw!r}")
     if cls is str and not isinstance(raw, str):
@@ -247,13 +437,73 @@ def _build(cls, raw: Any, where: str):
 
 def _resolve_types():
     import typing
-    out = {}
-    for cls in (TensorSig, Entry, WeightFile, Pool, Window, ModelShape, Buckets, RefusedToken, Versions, Manifest):
-        out[cls] = typing.get_type_hints(cls)
-    return out
+    return {cls: typing.get_type_hints(cls) for cls in (TensorSig, Entry, WeightFile, Pool, TokenizerFile, ModelShape,
+                                                         Buckets, RefusedToken, Versions, Manifest)}
 
 
 _FIELD_TYPES = _resolve_types()
+
+
+# -- the bodies' @main, read from textual StableHLO ------------------------------------------------
+
+_MAIN = re.compile(r"func\.func public @main\((.*?)\)\s*->\s*\((.*?)\)\s*\{", re.S)
+_ARG = re.compile(r"%arg\d+: tensor<([^>]*)>(\s*\{[^}]*\})?")
+_ALIAS = re.compile(r"tf\.aliasing_output = (\d+)")
+
+
+@dataclass(frozen=True)
+class MainSignature:
+    """@main of a body: each argument's (dtype, shape, aliased output or None), each result's (dtype, shape)."""
+
+    args: tuple[tuple[str, tuple[int, ...], int | None], ...]
+    results: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def _parse_tensor(t: str) -> tuple[str, tuple[int, ...]]:
+    parts = t.split("x")
+    try:
+        shape = tuple(int(p) for p in parts[:-1])
+    except ValueError:
+        shape = (-1,)                       # a dynamic dimension: never equals a manifest shape
+    return MLIR_DTYPES.get(parts[-1], parts[-1]), shape
+
+
+def main_signature(mlir_text: str, what: str = "body") -> MainSignature:
+    m = _MAIN.search(mlir_text)
+    if not m:
+        raise ManifestError(f"{what} has no public @main")
+    args = []
+    for tensor, attrs in _ARG.findall(m.group(1)):
+        alias = _ALIAS.search(attrs or "")
+        args.append((*_parse_tensor(tensor), int(alias.group(1)) if alias else None))
+    results = tuple(_parse_tensor(r) for r in re.findall(r"tensor<([^>]*)>", m.group(2)))
+    return MainSignature(tuple(args), results)
+
+
+def signature_mismatch(inputs: tuple[TensorSig, ...], outputs: tuple[TensorSig, ...],
+                       donations: tuple[tuple[int, int], ...], sig: MainSignature) -> str | None:
+    """Why a body's @main does not take and return `inputs` and `outputs` with the pools aliased as `donations`
+    say (None when it does)."""
+    if len(sig.args) != len(inputs):
+        return f"its @main takes {len(sig.args)} arguments, the manifest lists {len(inputs)} inputs"
+    aliases = {i: o for o, i in donations}
+    for i, ((dtype, shape, alias), want) in enumerate(zip(sig.args, inputs)):
+        if (dtype, shape) != (want.dtype, tuple(want.shape)):
+            return (f"argument {i} ({want.label}) is {dtype}{list(shape)} in the body, the manifest says "
+                    f"{want.dtype}{list(want.shape)}")
+        if alias != aliases.get(i):
+            return f"argument {i} ({want.label}) is aliased to output {alias} in the body, the manifest says " \
+                   f"{aliases.get(i)}"
+    if len(sig.results) != len(outputs):
+        return f"its @main returns {len(sig.results)} results, the manifest lists {len(outputs)} outputs"
+    for i, ((dtype, shape), want) in enumerate(zip(sig.results, outputs)):
+        if (dtype, shape) != (want.dtype, tuple(want.shape)):
+            return (f"result {i} ({want.label}) is {dtype}{list(shape)} in the body, the manifest says "
+                    f"{want.dtype}{list(want.shape)}")
+    return None
+
+
+# -- files ---------------------------------------------------------------------------------------------
 
 
 def sha256_file(path: Path) -> str:
@@ -273,101 +523,200 @@ def resolve_inside(root: Path, rel: str, what: str) -> Path:
     root = root.resolve()
     path = (root / rel).resolve()
     if root != path and root not in path.parents:
-        raise ManifestError(f"{what} path {rel!r} leaves the artifact directory (resolves to {path})")
+        raise ManifestError(f"{what} path {rel!r} leaves the artifact directory")
     return path
 
 
-def load_manifest(artifact_dir: str | os.PathLike, *, verify_files: bool = True) -> Manifest:
-    """Read and validate an artifact directory's manifest; with verify_files, check every file too."""
+def _checked_file(root: Path, rel: str, digest: str | None, what: str) -> Path:
+    """A file the manifest lists: inside the artifact, present, and (digest given) with that sha256."""
+    p = resolve_inside(root, rel, what)
+    if not p.is_file():
+        raise ManifestError(f"{what} {rel!r} does not exist")
+    if digest is not None:
+        got = sha256_file(p)
+        if got != digest:
+            raise ManifestError(f"{what} {rel!r} has sha256 {got}, the manifest says {digest}")
+    return p
+
+
+def artifact_file(root: str | os.PathLike, manifest: Manifest, name: str) -> Path | None:
+    """A tokenizer file the manifest lists, checked like every other file (None when it lists none by that
+    name). The runtime opens no other file of an artifact directory."""
+    for t in manifest.tokenizer_files:
+        if t.file == name:
+            return _checked_file(Path(root), t.file, t.sha256 or None, "tokenizer file")
+    return None
+
+
+def load_manifest(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
+                  verify_weights: bool = True) -> Manifest:
+    """Read and validate an artifact directory's manifest.
+
+    verify_files: check every file the manifest lists (inside the artifact, present, the right size, and its
+    sha256 where the manifest has one) and each body's @main against its entry. verify_weights False skips
+    hashing the weight files (their sizes are still checked): for very large artifacts whose weights are
+    trusted (`--trust-weights`).
+    """
     root = Path(artifact_dir)
     path = root / MANIFEST_NAME
     if not path.is_file():
-        raise ManifestError(f"no {MANIFEST_NAME} in {str(artifact_dir)!r}")
-    m = Manifest.from_json(path.read_text())
+        raise ManifestError(f"no {MANIFEST_NAME} in the artifact directory")
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{MANIFEST_NAME} is {path.stat().st_size} bytes, more than any manifest "
+                            f"({MAX_MANIFEST_BYTES})")
+    m = Manifest.from_json(path.read_bytes())
     _check_consistency(m)
     if verify_files:
         for e in m.entries:
-            for rel, digest, what in ((e.body, e.body_sha256, "body"),
-                                      (e.serialized, e.serialized_sha256, "serialized body")):
-                p = resolve_inside(root, rel, f"entry {e.name!r} {what}")
-                if not p.is_file():
-                    raise ManifestError(f"entry {e.name!r} {what} {rel!r} does not exist")
-                got = sha256_file(p)
-                if got != digest:
-                    raise ManifestError(f"entry {e.name!r} {what} {rel!r} has sha256 {got}, "
-                                        f"the manifest says {digest}")
-            p = resolve_inside(root, e.program, f"entry {e.name!r} program")
-            if not p.is_file():
-                raise ManifestError(f"entry {e.name!r} program {e.program!r} does not exist")
+            body = _checked_file(root, e.body, e.body_sha256, f"entry {e.name!r} body")
+            _checked_file(root, e.serialized, e.serialized_sha256, f"entry {e.name!r} serialized body")
+            if e.exported:
+                _checked_file(root, e.exported, e.exported_sha256, f"entry {e.name!r} exported body")
+            _checked_file(root, e.program, None, f"entry {e.name!r} program")
+            why = signature_mismatch(e.inputs, e.outputs, e.donations,
+                                     main_signature(body.read_text(encoding="utf-8", errors="replace"),
+                                                    f"entry {e.name!r} body"))
+            if why:
+                raise ManifestError(f"entry {e.name!r} body {e.body!r} does not match the manifest: {why}")
         for w in m.weights:
-            p = resolve_inside(root, w.file, f"weight {w.slot!r}")
-            if not p.is_file():
-                raise ManifestError(f"weight {w.slot!r} file {w.file!r} does not exist")
+            p = _checked_file(root, w.file, None, f"weight {w.slot!r} file")
             size = p.stat().st_size
             if size != w.nbytes:
-                raise ManifestError(f"weight {w.slot!r} file {w.file!r} has {size} bytes, "
-                                    f"the manifest says {w.nbytes}")
-        for rel in m.tokenizer_files:
-            resolve_inside(root, rel, "tokenizer file")
+                raise ManifestError(f"weight {w.slot!r} file {w.file!r} has {size} bytes, the manifest says {w.nbytes}")
+            if verify_weights and w.sha256:
+                _checked_file(root, w.file, w.sha256, f"weight {w.slot!r} file")
+        for t in m.tokenizer_files:
+            _checked_file(root, t.file, t.sha256 or None, "tokenizer file")
     return m
 
 
-def _nbytes(dtype: str, shape: tuple[int, ...], what: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ManifestError(f"{what} has unknown dtype {dtype!r}")
-    n = DTYPE_BYTES[dtype]
-    for d in shape:
-        n *= d
-    return n
+# -- cross-field checks -------------------------------------------------------------------------------------
+
+
+def _positive(value: int, what: str) -> None:
+    if value <= 0:
+        raise ManifestError(f"{what} must be positive, got {value}")
 
 
 def _check_consistency(m: Manifest) -> None:
-    """Cross-field checks that need no files: weight sizes, roles, donations, pool shapes."""
-    if (m.schema == SCHEMA_V3) != (m.window is not None and m.pool("window_kv") is not None):
-        raise ManifestError(f"schema {m.schema} " + ("needs a window and a window_kv pool" if m.schema == SCHEMA_V3
-                                                     else "has no windowed pool, but the manifest describes one"))
-    pools_by_role = {}
+    """Checks that need no files: ladders, pools, weight sizes, roles, donations, hashes a v4 must carry."""
+    v4 = m.schema == SCHEMA_V4
+    _positive(m.block_size, "block_size")
+    _positive(m.model.vocab, "model.vocab")
+    for name, ladder in (("batch_ladder", m.buckets.batch_ladder), ("context_ladder", m.buckets.context_ladder)):
+        if not ladder:
+            raise ManifestError(f"buckets.{name} is empty")
+        for v in ladder:
+            _positive(v, f"buckets.{name} value")
+    if not m.entries:
+        raise ManifestError("the manifest has no entries")
+    if m.versions.platform not in ("cpu", "cuda"):
+        raise ManifestError(f"versions.platform {m.versions.platform!r} is not served (cpu, cuda)")
+
+    pools = {}
     for p in m.pools:
-        if p.in_role not in POOL_IN_ROLES or p.out_role not in OUTPUT_ROLES:
-            raise ManifestError(f"pool {p.name!r} has unknown roles {p.in_role}/{p.out_role}")
-        if len(p.shape) != 6 or p.shape[0] != len(p.layers) or p.shape[2] != p.num_blocks \
-                or p.shape[3] != m.block_size:
-            raise ManifestError(f"pool {p.name!r} shape {list(p.shape)} does not match its layers, "
-                                f"num_blocks and the block size")
-        pools_by_role[p.in_role] = p
+        what = f"pool {p.name!r}"
+        if p.name in pools:
+            raise ManifestError(f"{what} is declared twice")
+        dtype_info(p.dtype, what)
+        for d in p.shape:
+            _positive(d, f"{what} dimension")
+        _positive(p.capacity, f"{what} capacity")
+        if not 0 <= p.slot_axis < len(p.shape) or p.shape[p.slot_axis] != p.capacity:
+            raise ManifestError(f"{what} shape {list(p.shape)} has no axis {p.slot_axis} of its capacity {p.capacity}")
+        if p.kind in (PoolKind.PAGED_KV, PoolKind.RING_KV) and (len(p.shape) != 6 or p.shape[3] != m.block_size):
+            raise ManifestError(f"{what} shape {list(p.shape)} is not [L, 2, pages, {m.block_size}, K, D]")
+        if p.kind == PoolKind.RING_KV:
+            _positive(p.window, f"{what} window")
+            if not 0 < p.ring_pages <= p.capacity:
+                raise ManifestError(f"{what} ring of {p.ring_pages} pages does not fit its {p.capacity} pages")
+        pools[p.name] = p
+    for kind in m.pool_kinds:
+        same = m.pools_of(kind)
+        if len({p.capacity for p in same}) > 1 or (kind == PoolKind.RING_KV and
+                                                  len({(p.window, p.ring_pages) for p in same}) > 1):
+            raise ManifestError(f"pools {[p.name for p in same]} of kind {kind} share an index space but differ "
+                                "in capacity or ring")
+
     slots = {}
     for w in m.weights:
-        if w.nbytes != _nbytes(w.dtype, w.shape, f"weight {w.slot!r}"):
+        if w.nbytes != nbytes(w.dtype, w.shape, f"weight {w.slot!r}"):
             raise ManifestError(f"weight {w.slot!r}: nbytes {w.nbytes} does not match dtype {w.dtype} "
                                 f"and shape {list(w.shape)}")
+        if v4 and not w.sha256:
+            raise ManifestError(f"weight {w.slot!r} has no sha256 ({SCHEMA_V4} hashes every file)")
         slots[w.slot] = w
+    if v4:
+        for t in m.tokenizer_files:
+            if not t.sha256:
+                raise ManifestError(f"tokenizer file {t.file!r} has no sha256 ({SCHEMA_V4} hashes every file)")
+    if m.model.embedding_slot:
+        w = slots.get(m.model.embedding_slot)
+        if w is None or not w.shape or w.shape[0] != m.model.vocab:
+            raise ManifestError(f"model.vocab is {m.model.vocab}, but the embedding "
+                                f"{m.model.embedding_slot!r} has {list(w.shape) if w else 'no weight'} rows")
+
+    step_roles = set(BASE_STEP_INPUTS)
+    for kind in m.pool_kinds:
+        step_roles.update(POOL_KIND_INPUTS[kind])
     for e in m.entries:
-        if e.kind not in ("decode", "prefill"):
-            raise ManifestError(f"entry {e.name!r} has unknown kind {e.kind!r}")
+        what = f"entry {e.name!r}"
+        if v4 and not e.exported:
+            raise ManifestError(f"{what} records no exported body ({SCHEMA_V4})")
+        _positive(e.batch, f"{what} batch")
+        _positive(e.tokens_per_seq, f"{what} tokens_per_seq")
+        if e.context not in m.buckets.context_ladder or e.batch not in m.buckets.batch_ladder:
+            raise ManifestError(f"{what} (batch {e.batch}, context {e.context}) is not on the ladders")
+        if e.context % m.block_size:
+            raise ManifestError(f"{what} context {e.context} is not a multiple of the block size {m.block_size}")
+        seen_pools_in, seen_pools_out, seen_roles = set(), set(), set()
         for sig in e.inputs:
             if sig.role not in INPUT_ROLES:
-                raise ManifestError(f"entry {e.name!r} input has unknown role {sig.role!r}")
-            if sig.role == WEIGHT:
+                raise ManifestError(f"{what} input has role {sig.role}, which is not an input role")
+            dtype_info(sig.dtype, f"{what} input {sig.label}")
+            if sig.role in STEP_FIELDS:
+                if sig.role not in step_roles:
+                    raise ManifestError(f"{what} takes {sig.role}, which none of the artifact's pools needs")
+                seen_roles.add(sig.role)
+            elif sig.role == Role.WEIGHT:
                 w = slots.get(sig.slot)
                 if w is None:
-                    raise ManifestError(f"entry {e.name!r} takes weight {sig.slot!r}, which the weight table lacks")
+                    raise ManifestError(f"{what} takes weight {sig.slot!r}, which the weight table lacks")
                 if (w.dtype, tuple(w.shape)) != (sig.dtype, tuple(sig.shape)):
-                    raise ManifestError(f"entry {e.name!r} takes weight {sig.slot!r} as {sig.dtype}{list(sig.shape)}, "
+                    raise ManifestError(f"{what} takes weight {sig.slot!r} as {sig.dtype}{list(sig.shape)}, "
                                         f"the weight table has {w.dtype}{list(w.shape)}")
-            if sig.role in POOL_IN_ROLES:
-                p = pools_by_role.get(sig.role)
+            else:
+                p = pools.get(sig.slot)
                 if p is None or (sig.dtype, tuple(sig.shape)) != (p.dtype, tuple(p.shape)):
-                    raise ManifestError(f"entry {e.name!r} input {sig.role} {sig.dtype}{list(sig.shape)} differs "
-                                        f"from the manifest's pool {p.name if p else None!r}")
+                    raise ManifestError(f"{what} input {sig.label} {sig.dtype}{list(sig.shape)} differs from the "
+                                        f"manifest's pool {p.name if p else None!r}")
+                seen_pools_in.add(sig.slot)
+        missing = step_roles - seen_roles
+        if missing:
+            raise ManifestError(f"{what} lacks the step inputs {sorted(missing)} its pools need")
         for sig in e.outputs:
             if sig.role not in OUTPUT_ROLES:
-                raise ManifestError(f"entry {e.name!r} output has unknown role {sig.role!r}")
+                raise ManifestError(f"{what} output has role {sig.role}, which is not an output role")
+            if sig.role == Role.POOL_OUT:
+                seen_pools_out.add(sig.slot)
+        if seen_pools_in != set(pools) or seen_pools_out != set(pools):
+            raise ManifestError(f"{what} takes pools {sorted(seen_pools_in)} and returns {sorted(seen_pools_out)}; "
+                                f"the manifest has {sorted(pools)}")
+        logits = e.outputs[e.output_index(Role.LOGITS)]
+        if tuple(logits.shape) != (e.batch, m.model.vocab):
+            raise ManifestError(f"{what} returns logits of shape {list(logits.shape)}, the model's vocabulary is "
+                                f"{m.model.vocab} (batch {e.batch})")
+        donated = set()
         for out_i, in_i in e.donations:
             if not (0 <= out_i < len(e.outputs) and 0 <= in_i < len(e.inputs)):
-                raise ManifestError(f"entry {e.name!r} donation ({out_i}, {in_i}) is out of range")
+                raise ManifestError(f"{what} donation ({out_i}, {in_i}) is out of range")
             o, i = e.outputs[out_i], e.inputs[in_i]
-            if (o.dtype, tuple(o.shape)) != (i.dtype, tuple(i.shape)):
-                raise ManifestError(f"entry {e.name!r} donates input {in_i} to output {out_i} of another "
-                                    "shape or dtype")
+            if (o.role, i.role) != (Role.POOL_OUT, Role.POOL_IN) or o.slot != i.slot or \
+                    (o.dtype, tuple(o.shape)) != (i.dtype, tuple(i.shape)):
+                raise ManifestError(f"{what} donates input {in_i} ({i.label}) to output {out_i} ({o.label}): "
+                                    "only a pool to itself")
+            donated.add(i.slot)
+        if donated != set(pools):
+            raise ManifestError(f"{what} donates pools {sorted(donated)}, not all of {sorted(pools)}")
         if tuple(e.kept_inputs) != tuple(range(len(e.inputs))):
-            raise ManifestError(f"entry {e.name!r}: its body dropped inputs (kept {list(e.kept_inputs)})")
+            raise ManifestError(f"{what}: its body dropped inputs (kept {list(e.kept_inputs)})")

@@ -11,6 +11,8 @@ from typing import Sequence
 
 import numpy as np
 
+from tlaloc_jax import manifest as mf
+
 
 class PoolExhausted(RuntimeError):
     """A pool has fewer free pages than a request needs. Nothing was allocated."""
@@ -24,10 +26,11 @@ class PageAllocator:
     runs short later, while it holds only the pages it has reached.
     """
 
-    def __init__(self, num_pages: int, name: str = "kv"):
+    def __init__(self, num_pages: int, name: str = "kv", unit: str = "pages"):
         if num_pages <= 0:
             raise ValueError(f"pool {name!r} needs at least one page, got {num_pages}")
         self.name = name
+        self.unit = unit
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest page
         self._held: set[int] = set()
@@ -43,7 +46,7 @@ class PageAllocator:
         return len(self._held)
 
     def _refuse(self, n: int) -> None:
-        raise PoolExhausted(f"{self.name} pool exhausted: {n} pages needed, {self.free_pages} of "
+        raise PoolExhausted(f"{self.name} pool exhausted: {n} {self.unit} needed, {self.free_pages} of "
                             f"{self.num_pages} free")
 
     def reserve(self, n: int) -> None:
@@ -164,3 +167,67 @@ def build_step_inputs(rows: Sequence[RowCall], *, batch: int, tokens: int, width
     if state_slots:
         out.update(state_slots=sslots)
     return out
+
+
+# -- what a sequence holds of each kind of pool --------------------------------------------------------
+# One rule per manifest PoolKind: how many units (pages, or state slots) a sequence of a given length holds,
+# and the most tokens one call may write from a position. The runtime's scheduler asks these rules and
+# never names a kind; a new kind of pool is a new rule here (and its step inputs in build_step_inputs).
+
+
+@dataclass(frozen=True)
+class PagedRule:
+    """paged_kv: one page per block of the sequence's length."""
+
+    block_size: int
+
+    def units(self, length: int) -> int:
+        return pages_for(length, self.block_size)
+
+    def call_limit(self, start: int) -> int | None:
+        return None
+
+
+@dataclass(frozen=True)
+class RingRule:
+    """ring_kv: at most the ring's pages, whatever the length; a call must not overwrite a position that one
+    of its own tokens still sees."""
+
+    block_size: int
+    window: int
+    ring_pages: int
+
+    def units(self, length: int) -> int:
+        return min(pages_for(length, self.block_size), self.ring_pages)
+
+    def call_limit(self, start: int) -> int | None:
+        return ring_call_limit(start, self.window, self.ring_pages, self.block_size)
+
+
+@dataclass(frozen=True)
+class SlotRule:
+    """state_slots: one slot for the sequence's life."""
+
+    def units(self, length: int) -> int:
+        return 1 if length > 0 else 0
+
+    def call_limit(self, start: int) -> int | None:
+        return None
+
+
+def pool_rule(pool: mf.Pool, block_size: int) -> PagedRule | RingRule | SlotRule:
+    """The rule of a manifest pool's kind."""
+    if pool.kind == mf.PoolKind.PAGED_KV:
+        return PagedRule(block_size)
+    if pool.kind == mf.PoolKind.RING_KV:
+        return RingRule(block_size, pool.window, pool.ring_pages)
+    if pool.kind == mf.PoolKind.STATE_SLOTS:
+        return SlotRule()
+    raise ValueError(f"pool {pool.name!r} has kind {pool.kind!r}, for which this runtime has no rule")
+
+
+def row_call(token_ids: Sequence[int], start: int, held: dict[mf.PoolKind, list[int]]) -> RowCall:
+    """A sequence's part of a call, from what it holds of each kind of pool (absent kinds: none)."""
+    slots = held.get(mf.PoolKind.STATE_SLOTS)
+    return RowCall(token_ids, start, held.get(mf.PoolKind.PAGED_KV), held.get(mf.PoolKind.RING_KV, ()),
+                   slots[0] if slots else -1)

@@ -1,0 +1,368 @@
+"""tlaloc_jax.stage: a step function authored in JAX -> a serving artifact the JAX-free runtime serves.
+
+    manifest = tlaloc_jax.stage(step, weights, {"kv": PagedKV(layers=4, kv_heads=2, head_dim=32)}, "artifact/",
+                                batch_ladder=(1, 4), context_ladder=(128, 512), prefill_chunk=64)
+
+`step(weights, pools, inputs) -> (logits [B, V] f32, pools)` is one call of the model: `weights` is the
+pytree given here, `pools` a dict of the declared pools' arrays, `inputs` a `StepInputs` holding the integer
+roles those pools need. `stage` exports it with `jax.export` once per (kind, batch, context) point of the
+ladders, each body taking its pools donated, and writes the bodies, the weights (raw, one file a leaf,
+hashed), the tokenizer files and a manifest (tlaloc-serving-v4) that says everything by role and pool
+kind. The built-in Hugging Face decoder is staged by the same function (`export_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+from jax import export as jax_export
+from tqdm.auto import tqdm
+
+from tlaloc_jax import manifest as mf
+from tlaloc_jax.inputs import StepInputs
+from tlaloc_jax.paging import ring_pages_for
+
+from ._entries import EntrySpec, ExportError, check_body, plan_entries
+from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
+
+Role = mf.Role
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
+_SLOT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def _ladder(values: Sequence[int], what: str) -> tuple[int, ...]:
+    out = tuple(sorted(set(int(v) for v in values)))
+    if not out or out[0] <= 0:
+        raise ExportError(f"{what} must hold positive integers, got {list(values)}")
+    return out
+
+
+def _write(path: Path, data: bytes) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _key_name(k) -> str | None:
+    if isinstance(k, jax.tree_util.DictKey):
+        return str(k.key)
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return str(k.idx)
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return k.name
+    if isinstance(k, jax.tree_util.FlattenedIndexKey):
+        return str(k.key)
+    return str(k)
+
+
+def flatten_weights(weights: Any) -> tuple[dict[str, np.ndarray], Any]:
+    """A weights pytree (a dict of named arrays, nested dicts, a flax.nnx State) -> ({slot name: array}, treedef).
+
+    Slot names join the path's keys with "." (an nnx Variable's trailing `.value` dropped); they name the
+    artifact's weight files, so they keep to letters, digits, "_", "." and "-"."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(weights)
+    out: dict[str, np.ndarray] = {}
+    for path, leaf in leaves:
+        keys = list(path)
+        if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == "value":
+            keys = keys[:-1]
+        name = ".".join(_key_name(k) for k in keys) or "weight"
+        if not _SLOT_NAME.match(name):
+            raise ExportError(f"weight {name!r}: a slot name keeps to letters, digits, '_', '.' and '-'")
+        if name in out:
+            raise ExportError(f"two weights flatten to the slot name {name!r}")
+        arr = np.asarray(leaf)
+        if arr.dtype.name not in mf.DTYPES:
+            raise ExportError(f"weight {name!r} has dtype {arr.dtype.name}, which an artifact cannot hold "
+                              f"(known: {', '.join(mf.DTYPES)})")
+        out[name] = arr
+    if not out:
+        raise ExportError("the weights pytree has no arrays")
+    return out, treedef
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The resolved pools: manifest Pools in declaration order, and the ring size (0 without a ring)."""
+
+    pools: tuple[mf.Pool, ...]
+    ring_pages: int
+
+    @property
+    def kinds(self) -> tuple[mf.PoolKind, ...]:
+        return tuple(k for k in mf.PoolKind if any(p.kind == k for p in self.pools))
+
+
+def _resolve_pools(specs: Mapping[str, PoolSpec], *, block_size: int, contexts: tuple[int, ...], max_batch: int,
+                   chunk: int, num_blocks: int | None, ring_blocks: int | None, state_slots: int | None) -> _Layout:
+    """Size each declared pool: pages for paged and ring pools, slots for state pools."""
+    if not specs:
+        raise ExportError("declare at least one pool (PagedKV, RingKV or StateSlots)")
+    pages_per_seq = contexts[-1] // block_size
+    full_pages = int(num_blocks or max_batch * pages_per_seq)
+    if full_pages < pages_per_seq:
+        raise ExportError(f"num_blocks {full_pages} cannot hold one sequence of the largest context "
+                          f"({pages_per_seq} pages)")
+    sequences = max(max_batch, full_pages // pages_per_seq)
+    rings = {(s.window, s.ring_pages) for s in specs.values() if isinstance(s, RingKV)}
+    if len(rings) > 1:
+        raise ExportError(f"ring pools share one ring per sequence; they declare windows and rings {sorted(rings)}")
+    ring = 0
+    if rings:
+        window, declared = rings.pop()
+        if window <= 0:
+            raise ExportError(f"a ring pool needs a positive window, got {window}")
+        ring = int(declared or ring_pages_for(window, chunk or contexts[-1], block_size, pages_per_seq))
+        ring_blocks = int(ring_blocks or min(full_pages, sequences * ring))
+        if ring_blocks < ring:
+            raise ExportError(f"ring_blocks {ring_blocks} cannot hold one ring of {ring} pages")
+    slots = int(state_slots or sequences)
+    if slots < 1:
+        raise ExportError(f"state_slots must be positive, got {slots}")
+    pools = []
+    for name, spec in specs.items():
+        if not isinstance(spec, (PagedKV, RingKV, StateSlots)):
+            raise ExportError(f"pool {name!r} is a {type(spec).__name__}; declare PagedKV, RingKV or StateSlots")
+        if not _SLOT_NAME.match(name):
+            raise ExportError(f"pool name {name!r} keeps to letters, digits, '_', '.' and '-'")
+        if spec.dtype not in mf.DTYPES:
+            raise ExportError(f"pool {name!r} has dtype {spec.dtype!r} (known: {', '.join(mf.DTYPES)})")
+        if isinstance(spec, RingKV):
+            spec = dataclasses.replace(spec, ring_pages=ring)
+        capacity = {mf.PoolKind.PAGED_KV: full_pages, mf.PoolKind.RING_KV: ring_blocks,
+                    mf.PoolKind.STATE_SLOTS: slots}[spec.kind]
+        pools.append(spec.to_pool(name, capacity, block_size))
+    return _Layout(tuple(pools), ring)
+
+
+def entry_signature(spec: EntrySpec, layout: _Layout, block_size: int, vocab: int,
+                    weights: Mapping[str, np.ndarray]) -> tuple[list[mf.TensorSig], list[mf.TensorSig],
+                                                                tuple[tuple[int, int], ...]]:
+    """(inputs, outputs, donations) of an entry: the step inputs its pools need, the pools, the weights."""
+    B, T, M = spec.batch, spec.tokens_per_seq, spec.context // block_size
+    shapes = {Role.TOKEN_IDS: (B, T), Role.POSITIONS: (B, T), Role.SEQ_LENS: (B,), Role.BLOCK_TABLES: (B, M),
+              Role.SLOT_MAPPING: (B, T), Role.WINDOW_BLOCK_TABLES: (B, M), Role.WINDOW_SLOT_MAPPING: (B, T),
+              Role.STATE_SLOTS: (B,)}
+    roles = set(mf.BASE_STEP_INPUTS)
+    for kind in layout.kinds:
+        roles.update(mf.POOL_KIND_INPUTS[kind])
+    inputs = [mf.TensorSig(role, "int32", shapes[role]) for role in mf.STEP_FIELDS if role in roles]
+    outputs = [mf.TensorSig(Role.LOGITS, "float32", (B, vocab)), mf.TensorSig(Role.NEXT_TOKEN, "int32", (B,))]
+    donations = []
+    for p in layout.pools:
+        donations.append((len(outputs), len(inputs)))
+        inputs.append(mf.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name))
+        outputs.append(mf.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name))
+    inputs += [mf.TensorSig(Role.WEIGHT, w.dtype.name, tuple(w.shape), slot) for slot, w in weights.items()]
+    return inputs, outputs, tuple(donations)
+
+
+def _entry_fn(step: Callable, treedef, inputs: list[mf.TensorSig], outputs: list[mf.TensorSig], ring_pages: int):
+    """The entry's function over its positional arguments, in signature order."""
+    def entry(*args):
+        fields, pools, leaves = {}, {}, []
+        for sig, a in zip(inputs, args):
+            if sig.role in mf.STEP_FIELDS:
+                fields[mf.STEP_FIELDS[sig.role]] = a
+            elif sig.role == Role.POOL_IN:
+                pools[sig.slot] = a
+            else:
+                leaves.append(a)
+        if ring_pages:
+            # The step sees a sequence's ring, not the bucket-wide table the runtime fills.
+            fields["window_block_tables"] = fields["window_block_tables"][:, :ring_pages]
+        result = step(jax.tree_util.tree_unflatten(treedef, leaves), pools, StepInputs(**fields))
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise ExportError("the step function must return (logits, pools)")
+        logits, new_pools = result
+        if not isinstance(new_pools, Mapping) or set(new_pools) != set(pools):
+            got = sorted(new_pools) if isinstance(new_pools, Mapping) else type(new_pools).__name__
+            raise ExportError(f"the step function returned pools {got}; it was given {sorted(pools)}")
+        for name, buf in new_pools.items():
+            if (buf.shape, buf.dtype) != (pools[name].shape, pools[name].dtype):
+                raise ExportError(f"the step function returned pool {name!r} as {buf.dtype}{list(buf.shape)}, it "
+                                  f"was given {pools[name].dtype}{list(pools[name].shape)}")
+        logits = logits.astype(jnp.float32)
+        # The argmax rides along so a greedy caller need not pull the whole logits vector each step.
+        results = {(Role.LOGITS, ""): logits,
+                   (Role.NEXT_TOKEN, ""): jnp.argmax(logits, axis=-1).astype(jnp.int32)}
+        results.update({(Role.POOL_OUT, name): buf for name, buf in new_pools.items()})
+        return tuple(results[(o.role, o.slot)] for o in outputs)
+    return entry
+
+
+def _avals(sigs: Sequence[mf.TensorSig]):
+    return [jax.ShapeDtypeStruct(s.shape, jnp.dtype(mf.numpy_dtype(s.dtype))) for s in sigs]
+
+
+def _vocab(step: Callable, treedef, spec: EntrySpec, layout: _Layout, block_size: int,
+           weights: Mapping[str, np.ndarray]) -> int:
+    """The vocabulary: the last axis of the step's logits, read off an abstract evaluation of one entry."""
+    inputs, outputs, _ = entry_signature(spec, layout, block_size, 1, weights)
+    shape = jax.eval_shape(_entry_fn(step, treedef, inputs, outputs, layout.ring_pages), *_avals(inputs))[0].shape
+    if len(shape) != 2 or shape[0] != spec.batch:
+        raise ExportError(f"the step function returned logits of shape {list(shape)}; expected [B, V] with "
+                          f"B = {spec.batch}")
+    return int(shape[1])
+
+
+def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, donations, *, ring_pages: int,
+                 platform: str) -> jax_export.Exported:
+    """jax.export one entry with its pools donated; checks the body against its signature.
+
+    jax.export drops arguments the function never reads. A weight or pool dropped that way is a mistake and
+    is refused (check_body); a step input the model has no use for (a recurrent model needs no SEQ_LENS)
+    is kept in the body instead, so that every entry takes what its pools' kinds say."""
+    def export(keep_unused: bool) -> jax_export.Exported:
+        fn = jax.jit(_entry_fn(step, treedef, inputs, outputs, ring_pages),
+                     donate_argnums=tuple(i for _, i in donations), keep_unused=keep_unused)
+        # Source locations would put this checkout's file paths into the body; an artifact must not depend on them.
+        limit = jax.config.jax_traceback_in_locations_limit
+        jax.config.update("jax_traceback_in_locations_limit", 0)
+        try:
+            return jax_export.export(fn, platforms=[platform])(*_avals(inputs))
+        finally:
+            jax.config.update("jax_traceback_in_locations_limit", limit)
+
+    exp = export(keep_unused=False)
+    dropped = set(range(len(inputs))) - set(exp.module_kept_var_idx)
+    if dropped and all(inputs[i].role in mf.STEP_FIELDS for i in dropped):
+        exp = export(keep_unused=True)
+    check_body(spec.name, exp, inputs, outputs, donations)
+    return exp
+
+
+def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, *,
+          batch_ladder: Sequence[int] = (1, 2, 4), context_ladder: Sequence[int] = (64, 256, 1024),
+          prefill_chunk: int | None = None, prefill_max_batch: int | None = None, block_size: int = 16,
+          num_blocks: int | None = None, ring_blocks: int | None = None, state_slots: int | None = None,
+          platform: str = "cpu", name: str = "model", model_type: str = "authored",
+          eos_token_ids: Sequence[int] = (), refused_tokens: Sequence[tuple[int, str]] = (),
+          tokenizer_dir=None, embedding_slot: str = "", describe: Mapping[str, int] | None = None,
+          attention_block: int = 0, progress: bool = True) -> mf.Manifest:
+    """Write the serving artifact of `step` to `out_dir` (empty or absent) and return its manifest.
+
+    step(weights, pools, inputs) -> (logits [B, V], pools): one call, traced once per entry; it must return
+        every pool it was given, same shape and dtype (written in place: the pools are donated).
+    weights: a pytree of arrays (a dict of named arrays, or a flax.nnx State); `step` gets the same structure.
+    pools: {name: PagedKV | RingKV | StateSlots}.
+    batch_ladder, context_ladder: one decode and one prefill entry per (batch, context) point; prefill batches
+        capped by prefill_max_batch, tokens per prefill call by prefill_chunk (None: the whole context).
+    block_size: positions per page. num_blocks: pages of the paged pools (default: the largest batch at the
+        largest context); ring_blocks: pages of the ring pools; state_slots: slots of the state pools (default:
+        as many sequences as the paged pools hold at the largest context, at least the largest batch).
+    tokenizer_dir: a directory whose tokenizer files (tokenizer.json, tokenizer_config.json, chat template,
+        generation_config.json) are copied into the artifact. embedding_slot: the weight whose rows are the
+        vocabulary, checked against it at load. describe: informative model sizes for the manifest (layers,
+        heads, kv_heads, head_dim, hidden).
+    The export needs no accelerator and loads no PJRT plugin; the same inputs give the same bytes.
+    """
+    batches = _ladder(batch_ladder, "batch ladder")
+    contexts = _ladder(context_ladder, "context ladder")
+    if block_size <= 0:
+        raise ExportError(f"block size must be positive, got {block_size}")
+    for c in contexts:
+        if c % block_size:
+            raise ExportError(f"context {c} is not a multiple of the block size {block_size}")
+    prefill_max_batch = batches[-1] if prefill_max_batch is None else int(prefill_max_batch)
+    if prefill_max_batch < batches[0]:
+        raise ExportError(f"prefill_max_batch {prefill_max_batch} is below the smallest batch {batches[0]}: "
+                          "no prefill entry would be written")
+    chunk = int(prefill_chunk or 0)
+    if chunk < 0:
+        raise ExportError(f"prefill chunk must be positive, got {chunk}")
+    if platform not in ("cpu", "cuda"):
+        raise ExportError(f"platform {platform!r}: bodies are lowered for cpu or cuda")
+    if sys.byteorder != "little":
+        raise ExportError("weight files are raw little-endian; exporting from a big-endian host is not supported")
+    flat, treedef = flatten_weights(weights)
+    if embedding_slot and embedding_slot not in flat:
+        raise ExportError(f"embedding_slot {embedding_slot!r} is not a weight (weights: {', '.join(flat)})")
+    layout = _resolve_pools(pools, block_size=block_size, contexts=contexts, max_batch=batches[-1], chunk=chunk,
+                            num_blocks=num_blocks, ring_blocks=ring_blocks, state_slots=state_slots)
+    specs = plan_entries(batches, contexts, prefill_max_batch, chunk)
+    vocab = _vocab(step, treedef, specs[0], layout, block_size, flat)
+    if embedding_slot and flat[embedding_slot].shape[:1] != (vocab,):
+        raise ExportError(f"embedding {embedding_slot!r} has {flat[embedding_slot].shape[0]} rows, the logits "
+                          f"{vocab} entries")
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"output directory {str(out)!r} is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    entries, calling_convention = [], 0
+    bar = tqdm(total=len(specs) + len(flat), desc="export", unit="item", disable=not progress)
+    for spec in specs:
+        bar.set_postfix_str(spec.name)
+        inputs, outputs, donations = entry_signature(spec, layout, block_size, vocab, flat)
+        exp = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=layout.ring_pages,
+                           platform=platform)
+        calling_convention = int(exp.calling_convention_version)
+        text = exp.mlir_module().encode()
+        digest = hashlib.sha256(text).hexdigest()
+        body = f"bodies/{digest}.mlir"
+        _write(out / body, text)
+        serialized = f"bodies/{digest}.mlirbc"
+        ser_digest = _write(out / serialized, exp.mlir_module_serialized)
+        exported = f"bodies/{digest}.exported"
+        exp_digest = _write(out / exported, exp.serialize())
+        entry = mf.Entry(name=spec.name, kind=mf.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
+                         tokens_per_seq=spec.tokens_per_seq, body=body, body_sha256=digest, serialized=serialized,
+                         serialized_sha256=ser_digest, exported=exported, exported_sha256=exp_digest,
+                         program=f"programs/{spec.name}.json", inputs=tuple(inputs), outputs=tuple(outputs),
+                         donations=donations, kept_inputs=tuple(exp.module_kept_var_idx))
+        _write(out / entry.program, (json.dumps({"entry": spec.name, "inputs": [dataclasses.asdict(s) for s in inputs],
+                                                 "outputs": [dataclasses.asdict(s) for s in outputs]},
+                                                indent=1, sort_keys=True) + "\n").encode())
+        entries.append(entry)
+        bar.update()
+
+    files = []
+    for i, (slot, w) in enumerate(flat.items()):
+        bar.set_postfix_str(slot)
+        rel = f"weights/{i:04d}_{slot}.bin"
+        data = np.ascontiguousarray(w).tobytes()     # host order; checked little-endian above
+        files.append(mf.WeightFile(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=len(data), file=rel,
+                                   sha256=_write(out / rel, data)))
+        bar.update()
+    bar.close()
+
+    tokenizer = []
+    if tokenizer_dir is not None:
+        for fname in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / fname
+            if src.is_file():
+                shutil.copyfile(src, out / fname)
+                tokenizer.append(mf.TokenizerFile(fname, mf.sha256_file(out / fname)))
+
+    describe = dict(describe or {})
+    dtypes = sorted({w.dtype.name for w in flat.values()})
+    m = mf.Manifest(
+        schema=mf.SCHEMA_V4, block_size=block_size, pools=layout.pools,
+        model=mf.ModelShape(name=name, model_type=model_type, vocab=vocab,
+                            weight_dtype=describe.pop("weight_dtype", dtypes[0] if len(dtypes) == 1 else "mixed"),
+                            kv_dtype=describe.pop("kv_dtype", layout.pools[0].dtype),
+                            eos_token_ids=tuple(int(t) for t in eos_token_ids), embedding_slot=embedding_slot,
+                            **describe),
+        buckets=mf.Buckets(batch_ladder=batches, context_ladder=contexts, prefill_max_batch=prefill_max_batch,
+                           prefill_chunk=chunk),
+        entries=tuple(entries), weights=tuple(files),
+        versions=mf.Versions(jax=jax.__version__, jaxlib=jaxlib.__version__, calling_convention=calling_convention,
+                             platform=platform, attention_block=attention_block),
+        refused_tokens=tuple(mf.RefusedToken(int(t), k) for t, k in refused_tokens),
+        tokenizer_files=tuple(tokenizer),
+    )
+    (out / mf.MANIFEST_NAME).write_text(m.to_json())
+    return mf.load_manifest(out)

@@ -1,0 +1,36 @@
+"""Running an artifact's bodies in process (through jax.export.deserialize), arguments built by role."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+from jax import export as jax_export
+
+from tlaloc_jax import manifest as mf
+
+
+def entry_args(entry: mf.Entry, step_inputs: dict, pools: dict, weights: dict) -> list:
+    """The entry's arguments in its signature's order: step inputs by role (build_step_inputs' dict), pools by
+    name, weights by slot."""
+    out = []
+    for sig in entry.inputs:
+        if sig.role in mf.STEP_FIELDS:
+            out.append(jnp.asarray(step_inputs[mf.STEP_FIELDS[sig.role]]))
+        elif sig.role == mf.Role.POOL_IN:
+            out.append(jnp.asarray(pools[sig.slot]))
+        else:
+            out.append(jnp.asarray(weights[sig.slot]))
+    return out
+
+
+def run_body(art: Path, entry: mf.Entry, args: list) -> dict:
+    """Call the entry's jax-serialized body; -> {"logits", "next_token", pool name: updated pool}."""
+    exported = entry.exported or entry.body.replace(".mlir", ".exported")   # v2/v3 did not record it
+    outs = jax_export.deserialize(bytearray((Path(art) / exported).read_bytes())).call(*args)
+    named = {}
+    for sig, value in zip(entry.outputs, outs):
+        key = sig.slot if sig.role == mf.Role.POOL_OUT else {mf.Role.LOGITS: "logits",
+                                                             mf.Role.NEXT_TOKEN: "next_token"}[sig.role]
+        named[key] = value
+    return named

@@ -1,0 +1,218 @@
+"""tlaloc_jax.stage on an authored model with one state pool (a gated linear recurrence, no KV at all), and the
+runtime's state slots: slots held for a sequence's life, state carried across prompt chunks, padding rows
+that never touch a slot; served equal to the in-process run, alone and batched, with controls that fail."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import tlaloc_jax
+from margins import assert_within
+from tlaloc_jax import manifest as mf
+from tlaloc_jax.kernels import tolerances as tol
+from tlaloc_jax.kernels.tolerances import relative_error
+from tlaloc_jax.paging import RowCall, build_step_inputs
+from tlaloc_jax.serve import Engine, RequestRefused
+
+V, E = 48, 16
+LADDER = dict(batch_ladder=(1, 4), context_ladder=(32, 64), prefill_chunk=8, block_size=8)
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [42 % V], [7, 7, 7, 1, 2, 3, 20, 10, 11]]
+
+
+def toy_weights(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"embed": rng.standard_normal((V, E)).astype(np.float32),
+            "decay": rng.standard_normal(E).astype(np.float32),
+            "mix": (rng.standard_normal((E, E)) / np.sqrt(E)).astype(np.float32),
+            "head": (rng.standard_normal((E, V)) * 2).astype(np.float32)}
+
+
+def recurrence(w, h, x):
+    """One token: h' = a * h + (1 - a) * tanh(x @ mix), a = sigmoid(decay) per channel. h, x: [..., E]."""
+    a = jax.nn.sigmoid(w["decay"])
+    return a * h + (1 - a) * jnp.tanh(x @ w["mix"])
+
+
+def toy_step(w, pools, inputs, *, padding_writes=False):
+    """The staged step: each row reads its state slot (zeros for a row starting at position 0, and for an
+    empty row, slot -1), runs the recurrence over its live tokens and writes the slot back."""
+    state = pools["state"]                                       # [slots, E]
+    capacity = state.shape[0]
+    slots = inputs.state_slots
+    # -1 (an empty row) -> one past the last slot: reads give zeros and the write is dropped. The control
+    # clips the write's index instead, so an empty row writes its zeros over slot 0.
+    index = jnp.where(slots < 0, capacity, slots)
+    write_index = jnp.clip(slots, 0, capacity - 1) if padding_writes else index
+    h = state.at[index].get(mode="fill", fill_value=0.0)
+    h = jnp.where(jnp.any(inputs.positions == 0, axis=1)[:, None], 0.0, h)
+    x = w["embed"][inputs.token_ids]                             # [B, T, E]
+    live = inputs.positions >= 0
+
+    def token(h, xs):
+        x_t, live_t = xs
+        return jnp.where(live_t[:, None], recurrence(w, h, x_t), h), None
+
+    h, _ = lax.scan(token, h, (x.swapaxes(0, 1), live.swapaxes(0, 1)))
+    # Rows are right-aligned: the carry after the last column is each row's state after its last token.
+    return h @ w["head"], {"state": state.at[write_index].set(h, mode="drop")}
+
+
+def reference_greedy(w, prompt, n):
+    """The model run token by token in numpy-backed jax, no pools: greedy ids and the final state."""
+    h = jnp.zeros(E)
+    for t in prompt:
+        h = recurrence(w, h, w["embed"][t])
+    out = []
+    for _ in range(n):
+        t = int(jnp.argmax(h @ w["head"]))
+        out.append(t)
+        h = recurrence(w, h, w["embed"][t])
+    return out
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return {k: jnp.asarray(v) for k, v in toy_weights().items()}
+
+
+def reference_greedy_ids(prompt, n):
+    return reference_greedy({k: jnp.asarray(v) for k, v in toy_weights().items()}, prompt, n)
+
+
+@pytest.fixture(scope="module")
+def artifact(weights, tmp_path_factory):
+    out = tmp_path_factory.mktemp("toy") / "artifact"
+    m = tlaloc_jax.stage(toy_step, weights, {"state": tlaloc_jax.StateSlots((E,))}, out, name="toy-recurrence",
+                         embedding_slot="embed", progress=False, **LADDER)
+    return m, out
+
+
+def test_manifest_describes_the_state_pool_by_kind(artifact):
+    m, _ = artifact
+    assert m.schema == mf.SCHEMA_V4 and m.model.vocab == V and m.model.model_type == "authored"
+    (pool,) = m.pools
+    assert (pool.name, pool.kind, pool.shape, pool.slot_axis) == ("state", mf.PoolKind.STATE_SLOTS, (4, E), 0)
+    for e in m.entries:
+        roles = [s.role for s in e.inputs if s.role in mf.STEP_FIELDS]
+        assert roles == [mf.Role.TOKEN_IDS, mf.Role.POSITIONS, mf.Role.SEQ_LENS, mf.Role.STATE_SLOTS], e.name
+
+
+def test_served_ids_equal_the_in_process_run_alone_and_together(artifact, weights, tmp_path):
+    """Prompts longer than the prefill chunk (8) carry their state across chunks; decoded together they
+    share calls, each in its own slot."""
+    want = [reference_greedy(weights, p, 12) for p in PROMPTS]
+    with Engine.load(artifact[1], cache_dir=tmp_path, progress=False) as eng:
+        assert [eng.generate([p], 12)[0] for p in PROMPTS] == want
+        assert eng.generate(PROMPTS, 12) == want
+        st = eng.stats()
+        assert st["pools"]["state"]["pages_in_use"] == 0 and st["pools"]["state"]["num_pages"] == 4
+        assert st["batch_sizes"].get(3, 0) > 0
+
+
+def test_a_sequence_holds_one_slot_for_its_life_and_frees_it(artifact, tmp_path):
+    with Engine.load(artifact[1], cache_dir=tmp_path, progress=False) as eng:
+        rids = [eng.add_request(p, 6) for p in PROMPTS]
+        held = []
+        while eng.has_unfinished():
+            eng.step()
+            held.append(eng.stats()["pools"]["state"]["pages_in_use"])
+        assert max(held) == 3 and held[-1] == 0
+        # Four slots: a fifth concurrent sequence is refused until one of the four ends.
+        for r in rids:
+            eng.release(r)
+        four = [eng.add_request([1, 2], 30) for _ in range(4)]
+        with pytest.raises(RequestRefused, match=r"state pool exhausted: 1 slots needed, 0 of 4 free") as err:
+            eng.add_request([1, 2], 4)
+        assert err.value.kind == "pool_exhausted"
+        eng.release(four[0])
+        assert eng.generate([[1, 2]], 4) == [reference_greedy_ids([1, 2], 4)]
+        for r in four[1:]:
+            eng.release(r)
+        assert eng.stats()["pools"]["state"]["pages_in_use"] == 0
+
+
+def _jit_step(padding_writes=False):
+    return jax.jit(lambda w, p, i: toy_step(w, p, i, padding_writes=padding_writes))
+
+
+def _call(step, w, pool, rows, tokens):
+    inputs = build_step_inputs(rows, batch=4, tokens=tokens, width=1, block_size=64, state_slots=True)
+    inputs = tlaloc_jax.StepInputs(**{k: jnp.asarray(v) for k, v in inputs.items() if k in
+                                      ("token_ids", "positions", "seq_lens", "state_slots")})
+    logits, pools = step(w, {"state": pool}, inputs)
+    return np.asarray(logits), np.asarray(pools["state"])
+
+
+def test_batched_prefill_gives_the_solo_logits_and_states(weights):
+    step = _jit_step()
+    nan_pool = jnp.full((6, E), jnp.nan)
+    # The recurrence's path: two E-term dots, tanh and three products a token, over at most 20 tokens.
+    bound = tol.bound(20 * (2 * E + tol.TRANSCENDENTAL_ULPS + 4))
+    slots = [4, 0, 2]
+    logits, pool = _call(step, weights, nan_pool, [RowCall(p, 0, None, state_slot=s)
+                                                   for p, s in zip(PROMPTS, slots)], 32)
+    for b, (p, s) in enumerate(zip(PROMPTS, slots)):
+        solo_logits, solo_pool = _call(step, weights, nan_pool, [RowCall(p, 0, None, state_slot=1)], 32)
+        assert_within(relative_error(logits[b], solo_logits[0]), bound, f"toy batched row {b}: logits")
+        assert_within(relative_error(pool[s], solo_pool[1]), bound, f"toy batched row {b}: state")
+    # The unused slots and the empty row's nothing: untouched (NaN).
+    assert np.isnan(pool[[1, 3, 5]]).all()
+
+
+def test_chunked_prefill_gives_the_whole_prompt_state(weights):
+    step = _jit_step()
+    prompt = PROMPTS[0]
+    pool = jnp.full((4, E), jnp.nan)
+    whole_logits, whole = _call(step, weights, pool, [RowCall(prompt, 0, None, state_slot=2)], 32)
+    for chunk in (1, 3, 8):
+        pool = jnp.full((4, E), jnp.nan)
+        for start in range(0, len(prompt), chunk):
+            logits, pool = _call(step, weights, jnp.asarray(pool),
+                                 [RowCall(prompt[start:start + chunk], start, None, state_slot=2)], chunk)
+        bound = tol.bound(len(prompt) * (2 * E + tol.TRANSCENDENTAL_ULPS + 4))
+        assert_within(relative_error(pool[2], whole[2]), bound, f"toy chunks of {chunk}: state")
+        assert_within(relative_error(logits[0], whole_logits[0]), bound, f"toy chunks of {chunk}: logits")
+
+
+@pytest.mark.parametrize("padding_writes", [False, True], ids=["step", "control-padding-writes"])
+def test_padding_rows_leave_every_slot_unchanged(weights, padding_writes):
+    """One live row in a batch of four: the three empty rows (slot -1) must leave every slot as it was. The
+    control, which clips the write's -1 to slot 0 instead of dropping it, changes a slot and fails."""
+    rng = np.random.default_rng(3)
+    pool = jnp.asarray(rng.standard_normal((5, E)).astype(np.float32))
+    _, after = _call(_jit_step(padding_writes), weights, pool, [RowCall(PROMPTS[2], 0, None, state_slot=1)], 16)
+    untouched = [0, 2, 3, 4]
+    same = np.array_equal(after[untouched], np.asarray(pool)[untouched])
+    assert same != padding_writes
+
+
+def test_a_step_that_drops_a_pool_is_refused_by_name(weights, tmp_path):
+    def forgets(w, pools, inputs):
+        return toy_step(w, pools, inputs)[0], {}
+    with pytest.raises(tlaloc_jax.export.ExportError, match=r"returned pools \[\]; it was given \['state'\]"):
+        tlaloc_jax.stage(forgets, weights, {"state": tlaloc_jax.StateSlots((E,))}, tmp_path / "a", progress=False,
+                         **LADDER)
+
+
+def test_unknown_pool_kind_or_role_is_refused_by_name(artifact, tmp_path):
+    import json
+    import shutil
+    _, art = artifact
+    for path, value, message in ((("pools", 0, "kind"), "magic_kv", r"pools\[0\]\.kind is 'magic_kv', not a known "
+                                                                    r"PoolKind"),
+                                 (("entries", 0, "inputs", 0, "role"), "MAGIC", r"inputs\[0\]\.role is 'MAGIC', not "
+                                                                                 r"a known Role")):
+        bad = tmp_path / value
+        shutil.copytree(art, bad)
+        raw = json.loads((bad / mf.MANIFEST_NAME).read_text())
+        node = raw
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        (bad / mf.MANIFEST_NAME).write_text(json.dumps(raw))
+        with pytest.raises(mf.ManifestError, match=message):
+            Engine.load(bad, cache_dir=tmp_path / "c", progress=False)
