@@ -72,6 +72,9 @@ def main(argv=None) -> int:
                     help="largest request body in bytes (default 1 MiB); larger ones are answered 413")
     ap.add_argument("--cache-dir", default=None,
                     help="compiled-executable cache (default ~/.cache/tlaloc-jax/executables; 'none' to disable)")
+    ap.add_argument("--trust-weights", action="store_true",
+                    help="skip hashing the weight files at load (their sizes are still checked): for very large "
+                         "artifacts whose weights are known good; the log says so")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = ap.parse_args(argv)
 
@@ -95,19 +98,26 @@ def main(argv=None) -> int:
     import prometheus_client
     import uvicorn
 
-    from tlaloc_jax.manifest import ManifestError
+    from tlaloc_jax.manifest import ManifestError, load_manifest
 
     from .engine import DEFAULT_CACHE_DIR, Engine
+    from .pjrt import CompileError, PluginNotFoundError
+    from .tokenizer import load_tokenizer
 
     cache_dir = DEFAULT_CACHE_DIR if args.cache_dir is None else None if args.cache_dir == "none" else args.cache_dir
     prometheus_client.disable_created_metrics()     # no *_created series: they are noise to a scraper
     try:
-        engine = Engine.load(args.artifact, args.plugin, cache_dir=cache_dir, progress=False)
-    except (ManifestError, OSError) as e:
+        # Everything that can be checked without the device first: the manifest, every file and body
+        # signature, and the tokenizer, so a bad artifact is refused before anything compiles.
+        manifest = load_manifest(args.artifact, verify_weights=not args.trust_weights)
+        tokenizer = load_tokenizer(args.artifact, manifest)
+        engine = Engine.load(args.artifact, args.plugin, cache_dir=cache_dir, progress=False,
+                             trust_weights=args.trust_weights, manifest=manifest)
+    except (ManifestError, OSError, CompileError, PluginNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        app = http.create_app(engine, model_name=args.served_model_name, api_key=api_key,
+        app = http.create_app(engine, tokenizer=tokenizer, model_name=args.served_model_name, api_key=api_key,
                               max_batch=args.max_batch,
                               max_body_bytes=args.max_body_bytes or http.DEFAULT_MAX_BODY_BYTES,
                               allowed_hosts=allowed_hosts, allowed_origins=_names(args.allowed_origins))

@@ -125,18 +125,21 @@ class Engine:
 
     def __init__(self, artifact_dir: str | Path, plugin: str | None = None, *,
                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR, memory_fraction: float = 0.75,
-                 donate: bool = True, progress: bool = True, trust_weights: bool = False):
+                 donate: bool = True, progress: bool = True, trust_weights: bool = False,
+                 manifest: mf.Manifest | None = None):
         """Load an artifact: validate it all (files, hashes, every body's @main against its entry, the memory its
         weights and pools need), then compile, upload the weights and allocate the pools. A bad artifact is
         refused (ManifestError naming what is wrong) before anything is compiled or allocated.
 
         trust_weights: skip hashing the weight files (their sizes are still checked), for very large
         artifacts whose weights are known good; the log says so.
+        manifest: this artifact's manifest as `mf.load_manifest` returned it, when the caller has validated it
+        already (the server does, to read the tokenizer before anything compiles): it is not read again.
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
         # Refuses a bad artifact before anything runs.
-        self.manifest = m = mf.load_manifest(self.artifact_dir, verify_weights=not trust_weights)
+        self.manifest = m = manifest or mf.load_manifest(self.artifact_dir, verify_weights=not trust_weights)
         if trust_weights:
             log.warning("--trust-weights: the weight files of %s are not hashed", self.artifact_dir)
         elif any(not w.sha256 for w in m.weights):

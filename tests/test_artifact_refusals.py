@@ -1,0 +1,189 @@
+"""A tampered or broken artifact is refused at load, by name, before anything is compiled or allocated; and
+the server reads no file the manifest does not list (issue 12, findings 3, 4, 5 and 9)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tlaloc_jax import manifest as mf
+from tlaloc_jax.serve import Engine
+from tlaloc_jax.serve import engine as engine_module
+from tlaloc_jax.serve.__main__ import main as serve_main
+from tlaloc_jax.serve.tokenizer import load_tokenizer
+
+
+@pytest.fixture
+def artifact(http_artifacts, tmp_path):
+    """A private copy of the HTTP tests' text artifact (tokenizer files included) to tamper with."""
+    dst = tmp_path / "art"
+    shutil.copytree(http_artifacts[0], dst)
+    return dst
+
+
+@pytest.fixture
+def no_device(monkeypatch):
+    """Any use of the device (creating a client, compiling, allocating) fails the test: a refusal must come first."""
+    class Untouchable:
+        def __init__(self, *a, **k):
+            raise AssertionError("the device was touched before the artifact was refused")
+    monkeypatch.setattr(engine_module, "Device", Untouchable)
+
+
+def _edit(art: Path, fn) -> None:
+    raw = json.loads((art / mf.MANIFEST_NAME).read_text())
+    fn(raw)
+    (art / mf.MANIFEST_NAME).write_text(json.dumps(raw))
+
+
+def _pool_sigs(raw, name):
+    for e in raw["entries"]:
+        for s in e["inputs"] + e["outputs"]:
+            if s["slot"] == name and s["role"] in ("POOL_IN", "POOL_OUT"):
+                yield s
+
+
+def _resize_pool(raw, pages):
+    """The pool's size changed everywhere in the manifest (as a consistent tamper would), not in the bodies."""
+    pool = raw["pools"][0]
+    pool["capacity"] = pages
+    pool["shape"][2] = pages
+    for s in _pool_sigs(raw, pool["name"]):
+        s["shape"][2] = pages
+
+
+def _swap_bodies(raw):
+    a, b = raw["entries"][0], raw["entries"][1]
+    for key in ("body", "body_sha256", "serialized", "serialized_sha256", "exported", "exported_sha256"):
+        a[key], b[key] = b[key], a[key]
+
+
+def _grow_vocab(raw, with_logits: bool):
+    raw["model"]["vocab"] += 16
+    if with_logits:
+        for e in raw["entries"]:
+            for s in e["outputs"]:
+                if s["role"] == "LOGITS":
+                    s["shape"][1] += 16
+
+
+TAMPERS = {
+    # Finding 4: what the bodies were compiled for differs from the manifest.
+    "pool-resized": (lambda r: _resize_pool(r, 80), r"body .* does not match the manifest: argument \d+ \(POOL_IN kv\) "
+                                                    r"is float32\[3, 2, 64, 8, 2, 16\] in the body, the manifest says float32\[3, 2, 80, 8, 2, 16\]"),
+    "pool-2GiB": (lambda r: _resize_pool(r, 1 << 20), r"does not match the manifest: argument \d+ \(POOL_IN kv\)"),
+    "bodies-swapped": (_swap_bodies, r"entry 'decode_b1_c32' body .* does not match the manifest: argument 0 "
+                                     r"\(TOKEN_IDS\) is int32\[8, 1\] in the body"),
+    "vocab-larger": (lambda r: _grow_vocab(r, False), r"model\.vocab is 304, but the embedding 'embed' has \[288, 64\] rows"),
+    "vocab-and-logits-larger": (lambda r: (_grow_vocab(r, True), r["model"].update(embedding_slot="")),
+                                r"result 0 \(LOGITS\) is float32\[1, 288\] in the body, the manifest says float32\[1, 304\]"),
+    # Finding 9: refused with a message, never a traceback.
+    "pool-negative": (lambda r: r["pools"][0].update(capacity=-4), r"pool 'kv' capacity must be positive"),
+    "ladder-empty": (lambda r: r["buckets"].update(batch_ladder=[]), r"buckets\.batch_ladder is empty"),
+    "no-entries": (lambda r: r.update(entries=[]), r"the manifest has no entries"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERS))
+def test_a_tampered_manifest_is_refused_by_name_before_the_device_is_touched(artifact, no_device, case):
+    edit, message = TAMPERS[case]
+    _edit(artifact, edit)
+    with pytest.raises(mf.ManifestError, match=message):
+        Engine.load(artifact, progress=False)
+
+
+def test_unreadable_manifests_are_refused_by_name(artifact, no_device):
+    for content, message in ((b'{"schema": "tlaloc-serving-v4", "model": "\xff\xfe"}', r"is not UTF-8 text"),
+                             (b"[" * 100_000 + b"]" * 100_000, r"nests deeper than any manifest"),
+                             (b'{"a":' * 40 + b"1" + b"}" * 40, r"nests deeper than any manifest")):
+        (artifact / mf.MANIFEST_NAME).write_bytes(content)
+        with pytest.raises(mf.ManifestError, match=message):
+            Engine.load(artifact, progress=False)
+
+
+def test_swapped_weight_files_and_an_edited_tokenizer_are_refused(artifact, no_device, caplog):
+    """Finding 5: every weight and tokenizer file is hashed. Two same-length weight files swapped, or one
+    edited character of tokenizer.json, are refused; --trust-weights skips the weights' hashes (and says so)
+    but never the tokenizer's."""
+    m = mf.load_manifest(artifact)
+    a, b = (next(w for w in m.weights if w.slot == s) for s in ("layers.attn_norm", "layers.mlp_norm"))
+    assert a.nbytes == b.nbytes
+    pa, pb = artifact / a.file, artifact / b.file
+    da, db = pa.read_bytes(), pb.read_bytes()
+    pa.write_bytes(db)
+    pb.write_bytes(da)
+    with pytest.raises(mf.ManifestError, match=rf"weight 'layers.attn_norm' file .* has sha256 [0-9a-f]+, the "
+                                              rf"manifest says {a.sha256}"):
+        Engine.load(artifact, progress=False)
+    # Trusted, the swap goes unnoticed by the hash (the sizes still agree): the device is reached.
+    with caplog.at_level(logging.WARNING, logger="tlaloc_jax.serve"):
+        with pytest.raises(AssertionError, match="the device was touched"):
+            Engine.load(artifact, progress=False, trust_weights=True)
+    assert "--trust-weights: the weight files" in caplog.text
+    pa.write_bytes(da)
+    pb.write_bytes(db)
+    tok = artifact / "tokenizer.json"
+    tok.write_text(tok.read_text().replace('"a"', '"b"', 1))
+    for trust in (False, True):
+        with pytest.raises(mf.ManifestError, match=r"tokenizer file 'tokenizer.json' has sha256"):
+            Engine.load(artifact, progress=False, trust_weights=trust)
+
+
+def test_no_file_outside_the_manifest_is_read(artifact, tmp_path):
+    """Finding 3: a chat_template.jinja the manifest does not list is never read (here a symlink to a file outside
+    the artifact); one it lists but that leads outside is refused."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("{{ 'SECRET' }}")
+    m = mf.load_manifest(artifact)
+    assert "chat_template.jinja" not in {t.file for t in m.tokenizer_files}
+    for name in ("chat_template.jinja", "generation_config.json", "tokenizer_config.json"):
+        if not (artifact / name).exists():
+            os.symlink(secret, artifact / name)
+    tok = load_tokenizer(artifact, m)
+    assert "SECRET" not in (tok.chat_template or "")
+    listed = next(t for t in m.tokenizer_files if t.file != "tokenizer.json")
+    (artifact / listed.file).unlink(missing_ok=True)
+    os.symlink(secret, artifact / listed.file)
+    with pytest.raises(mf.ManifestError, match=rf"tokenizer file path '{listed.file}' leaves the artifact directory"):
+        mf.load_manifest(artifact)
+
+
+def test_pools_that_do_not_fit_the_device_are_refused_before_they_are_allocated(artifact, monkeypatch):
+    """Finding 4: the pools' and weights' bytes are checked against the device's free memory first."""
+    from tlaloc_jax.serve import pjrt
+    monkeypatch.setattr(pjrt.Device, "memory_available", lambda self: 1000)
+
+    def no_compile(self, *a, **k):
+        raise AssertionError("compiled before the memory check")
+    monkeypatch.setattr(pjrt.Device, "compile", no_compile)
+    with pytest.raises(mf.ManifestError, match=r"the artifact needs [\d.]+ MiB on the device \(weights [\d.]+ MiB; "
+                                               r"pools kv [\d.]+ MiB\), and cpu has 0\.0 MiB free"):
+        Engine.load(artifact, cache_dir=None, progress=False)
+
+
+@pytest.mark.parametrize("case", ["non-utf8", "deep", "negative-pool", "corrupt-tokenizer", "missing"])
+def test_the_server_refuses_a_bad_artifact_with_an_error_line_and_status_2(artifact, capsys, case):
+    """Finding 9: `python -m tlaloc_jax.serve` prints `error: ...` and exits 2 (no traceback), a corrupt
+    tokenizer.json included, which is read before anything compiles."""
+    if case == "non-utf8":
+        (artifact / mf.MANIFEST_NAME).write_bytes(b"\xff\xfe\x00")
+    elif case == "deep":
+        (artifact / mf.MANIFEST_NAME).write_bytes(b"[" * 50_000 + b"]" * 50_000)
+    elif case == "negative-pool":
+        _edit(artifact, lambda r: r["pools"][0].update(capacity=-1))
+    elif case == "corrupt-tokenizer":
+        (artifact / "tokenizer.json").write_text('{"version": "1.0", "model": 3}')
+        digest = mf.sha256_file(artifact / "tokenizer.json")
+        _edit(artifact, lambda r: [t.update(sha256=digest) for t in r["tokenizer_files"] if t["file"] == "tokenizer.json"])
+    else:
+        shutil.rmtree(artifact)
+    assert serve_main([str(artifact), "--cache-dir", "none", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    if case == "corrupt-tokenizer":
+        assert "tokenizer file 'tokenizer.json' does not load" in err
