@@ -26,7 +26,7 @@ class PageAllocator:
     runs short later, while it holds only the pages it has reached.
     """
 
-    def __init__(self, num_pages: int, name: str = "kv", unit: str = "pages"):
+    def __init__(self, num_pages: int, name: str = "pool", unit: str = "pages"):
         if num_pages <= 0:
             raise ValueError(f"pool {name!r} needs at least one page, got {num_pages}")
         self.name = name
