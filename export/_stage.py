@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 from jax import export as jax_export
-from tqdm.auto import tqdm
 
 from tlaloc_jax import manifest as mf
 from tlaloc_jax.inputs import StepInputs
@@ -303,6 +302,11 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         raise ExportError(f"output directory {str(out)!r} is not empty")
     out.mkdir(parents=True, exist_ok=True)
     entries, calling_convention = [], 0
+    # Imported only when shown: tqdm.auto warns in a notebook without ipywidgets even when disabled.
+    if progress:
+        from tqdm.auto import tqdm
+    else:
+        from tqdm import tqdm
     bar = tqdm(total=len(specs) + len(flat), desc="export", unit="item", disable=not progress)
     for spec in specs:
         bar.set_postfix_str(spec.name)

@@ -23,9 +23,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, 
 
     Token t sees keys 0..t, and only t - W + 1..t with a window W (None, int or int32 scalar; <= 0 = none).
     soft_cap: scores -> cap * tanh(scores / cap). Differentiable in q, k, v (jax.custom_vjp).
+    key_block: keys per block of the online softmax, at most T (a shorter sequence is one block, not padded
+    to key_block keys).
     """
     window = jnp.asarray(0 if window is None else window, jnp.int32)
-    return _causal_attention(scale, soft_cap, key_block, q, k, v, window)
+    return _causal_attention(scale, soft_cap, min(key_block, q.shape[1]), q, k, v, window)
 
 
 def _padded_blocks(x: jax.Array, key_block: int) -> jax.Array:
