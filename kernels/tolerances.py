@@ -99,6 +99,24 @@ def rms_norm_roundings(width: int) -> int:
     return width + 1 + TRANSCENDENTAL_ULPS + 2
 
 
+def moe_roundings(*, hidden: int, expert_hidden: int, experts: int, top_k: int, shared_hidden: int = 0) -> int:
+    """One output of a mixture-of-experts MLP (kernels/moe.py): the longer of an expert's path (its gate and up
+    projections, a bias, the activation, the product, the down projection, a bias) and its routing weight's
+    (the router's hidden-term dot, a bias, the softmax: exp, an experts-term sum and the divide, then the
+    top_k-term renormalisation and its divide); then the weight's product and the top_k-term sum over the
+    chosen experts. A shared expert runs beside them (its projections, activation, sigmoid gate and product)
+    and adds one rounding. Which experts are chosen is not a rounding: two computations that choose
+    differently (router logits within rounding of a tie) differ by far more than this, so a comparison holds
+    only where the router's margins exceed the bound on its logits (see kernels.moe.router_margins)."""
+    expert = 2 * hidden + 1 + TRANSCENDENTAL_ULPS + 1 + expert_hidden + 1
+    weight = hidden + 1 + TRANSCENDENTAL_ULPS + experts + 1 + top_k + 1
+    path = max(expert, weight) + 1 + top_k
+    if shared_hidden:
+        shared = 2 * hidden + TRANSCENDENTAL_ULPS + 1 + shared_hidden + hidden + TRANSCENDENTAL_ULPS + 1
+        path = max(path, shared) + 1
+    return path
+
+
 def decoder_roundings(*, hidden: int, intermediate: int, heads: int, head_dim: int,
                       mixers: "list[int]") -> int:
     """A decoder's logit. mixers: per layer, the roundings of its token mixer (attention over its keys,
