@@ -62,12 +62,20 @@ def block_scores(q: jax.Array, k: jax.Array, *, scale: float, soft_cap: float | 
     return s
 
 
-def init_state(q: jax.Array) -> SoftmaxState:
-    """q: [B, T, K, G, D] -> the state before any key block: m = -inf, l = 0, acc = 0."""
+def init_state(q: jax.Array, sinks: jax.Array | None = None) -> SoftmaxState:
+    """q: [B, T, K, G, D] -> the state before any key block: m = -inf, l = 0, acc = 0.
+
+    sinks: [H] or None. An attention sink (GPT-OSS) is a learned logit per query head that joins the softmax's
+    denominator and has no value: the state starts as if one key with that score and a zero value had been
+    seen (m = sink, l = 1, acc = 0).
+    """
     B, T, K, G, D = q.shape
-    return SoftmaxState(m=jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
-                        l=jnp.zeros((B, K, G, T), jnp.float32),
-                        acc=jnp.zeros((B, K, G, T, D), jnp.float32))
+    acc = jnp.zeros((B, K, G, T, D), jnp.float32)
+    if sinks is None:
+        return SoftmaxState(m=jnp.full((B, K, G, T), -jnp.inf, jnp.float32), l=jnp.zeros((B, K, G, T), jnp.float32),
+                            acc=acc)
+    m = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(K, G)[None, :, :, None], (B, K, G, T))
+    return SoftmaxState(m=m, l=jnp.ones((B, K, G, T), jnp.float32), acc=acc)
 
 
 def fold_block(state: SoftmaxState, s: jax.Array, mask: jax.Array, v: jax.Array) -> SoftmaxState:

@@ -61,14 +61,16 @@ _kv_cache_write.defjvp(_refuse_derivative("kv_cache_write"))
 
 def paged_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.Array, positions: jax.Array,
                     seq_lens: jax.Array, *, scale: float, window=None, soft_cap: float | None = None,
-                    key_block: int = 2048, ring: bool = False) -> jax.Array:
+                    key_block: int = 2048, ring: bool = False, sinks: jax.Array | None = None) -> jax.Array:
     """Attention of the call's tokens over their sequences' pages.
 
     q: [B, T, H, D]; kv_pool: [L, 2, P, S, K, D]; layer: int or int32 scalar; block_tables: [B, M] int32;
     positions: [B, T] int32 (-1 = padding); seq_lens: [B] int32 (keys written for the row; 0 = empty row).
     Token (b, t) sees key j iff j <= positions[b, t], j < seq_lens[b] and, with a window W > 0,
     j > positions[b, t] - W. window: None, int, or int32 scalar (<= 0 = none, so it can vary under a scan
-    over layers). soft_cap: scores -> cap * tanh(scores / cap). -> [B, T, H, D] f32; 0 where nothing is seen.
+    over layers). soft_cap: scores -> cap * tanh(scores / cap). sinks: [H] or None, a logit per query head
+    that joins each softmax's denominator with no value (GPT-OSS's attention sinks; not soft-capped).
+    -> [B, T, H, D] f32; 0 where nothing is seen.
 
     A call whose context M * S fits in key_block is scored in one pass; a longer one loops over key
     blocks of key_block positions (a multiple of S) with an online softmax.
@@ -84,22 +86,23 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.A
     if key_block % page_size:
         raise ValueError(f"paged_attention: key_block {key_block} is not a multiple of the page size S = {page_size}")
     return _paged_attention(scale, soft_cap, key_block, ring, q, kv_pool, jnp.asarray(layer, jnp.int32),
-                            block_tables, positions, seq_lens, _window_array(window))
+                            block_tables, positions, seq_lens, _window_array(window), sinks)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
 def _paged_attention(scale, soft_cap, key_block, ring, q, kv_pool, layer, block_tables, positions, seq_lens,
-                     window):
+                     window, sinks):
     q = group_heads(q.astype(jnp.float32), kv_pool.shape[4])
     fold = functools.partial(_fold_pages, q=q, kv_pool=kv_pool, layer=layer, positions=positions,
                              seq_lens=seq_lens, window=window, scale=scale, soft_cap=soft_cap)
     M, page_size = block_tables.shape[1], kv_pool.shape[3]
     if ring:
-        state = fold(init_state(q), block_tables, ring_key_positions(seq_lens, M * page_size))
+        state = fold(init_state(q, sinks), block_tables, ring_key_positions(seq_lens, M * page_size))
     elif M * page_size <= key_block:
-        state = fold(init_state(q), block_tables, 0)
+        state = fold(init_state(q, sinks), block_tables, 0)
     else:
-        state = _blockwise(fold, init_state(q), block_tables, positions, seq_lens, window, key_block, page_size)
+        state = _blockwise(fold, init_state(q, sinks), block_tables, positions, seq_lens, window, key_block,
+                           page_size)
     return ungroup_heads(finish(state)[0])
 
 
@@ -174,10 +177,11 @@ def _blockwise(fold, state, block_tables, positions, seq_lens, window, key_block
 
 def paged_attention_reference(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.Array,
                               positions: jax.Array, seq_lens: jax.Array, *, scale: float, window=None,
-                              soft_cap: float | None = None) -> jax.Array:
+                              soft_cap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Naive dense paged attention, for tests: same arguments and result as paged_attention.
 
-    Gathers every page of every row, repeats KV heads to query heads, and takes a dense masked softmax.
+    Gathers every page of every row, repeats KV heads to query heads, and takes a dense masked softmax (with
+    sinks: over the visible scores and the head's sink, whose weight is then dropped).
     """
     B, T, H, D = q.shape
     _, _, _, S, K, _ = kv_pool.shape
@@ -199,8 +203,14 @@ def paged_attention_reference(q: jax.Array, kv_pool: jax.Array, layer, block_tab
     mask = mask[:, None]  # [B, 1, T, N]
 
     scores = jnp.where(mask, scores, -jnp.inf)
-    weights = jnp.where(mask, jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True)), 0.0)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], top.shape)   # [B, H, T, 1]
+        top = jnp.maximum(top, sink)
+    weights = jnp.where(mask, jnp.exp(scores - top), 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sink - top)
     probs = weights / jnp.where(total > 0, total, 1.0)  # [B, H, T, N]
     terms = jnp.where(mask[..., None], probs[..., None] * jnp.transpose(values, (0, 2, 1, 3))[:, :, None], 0.0)
     return jnp.transpose(jnp.sum(terms, axis=3), (0, 2, 1, 3))  # [B, H, T, D] -> [B, T, H, D]

@@ -67,21 +67,21 @@ def make_call(seed, lengths, new_tokens, *, T=8, H=4, K=2, layers=2, layer=1, dt
 
 # window is always traced here (0 = none), as under a scan over layers; layer is traced by jit too.
 @functools.partial(jax.jit, static_argnames=("key_block", "soft_cap"))
-def fast(call, window, *, key_block, soft_cap=None):
-    return paged_attention(*call, scale=SCALE, window=window, soft_cap=soft_cap, key_block=key_block)
+def fast(call, window, *, key_block, soft_cap=None, sinks=None):
+    return paged_attention(*call, scale=SCALE, window=window, soft_cap=soft_cap, key_block=key_block, sinks=sinks)
 
 
 @functools.partial(jax.jit, static_argnames=("soft_cap",))
-def reference(call, window, *, soft_cap=None):
-    return paged_attention_reference(*call, scale=SCALE, window=window, soft_cap=soft_cap)
+def reference(call, window, *, soft_cap=None, sinks=None):
+    return paged_attention_reference(*call, scale=SCALE, window=window, soft_cap=soft_cap, sinks=sinks)
 
 
-def check_against_reference(call, window=0, soft_cap=None):
+def check_against_reference(call, window=0, soft_cap=None, sinks=None):
     """Blockwise and one-pass forms agree to reordering error, and both match the reference. -> blockwise output."""
     window = jnp.int32(window)
-    blockwise = fast(call, window, key_block=KEY_BLOCK, soft_cap=soft_cap)
-    one_pass = fast(call, window, key_block=ONE_PASS, soft_cap=soft_cap)
-    expected = reference(call, window, soft_cap=soft_cap)
+    blockwise = fast(call, window, key_block=KEY_BLOCK, soft_cap=soft_cap, sinks=sinks)
+    one_pass = fast(call, window, key_block=ONE_PASS, soft_cap=soft_cap, sinks=sinks)
+    expected = reference(call, window, soft_cap=soft_cap, sinks=sinks)
     assert blockwise.dtype == jnp.float32 and np.all(np.isfinite(blockwise)) and np.all(np.isfinite(one_pass))
     assert_within(relative_error(blockwise, one_pass), BOUND, "blockwise vs one-pass")
     assert_within(relative_error(blockwise, expected), BOUND, "blockwise vs reference")
@@ -124,6 +124,44 @@ def test_hand_worked_case(attention):
     pool = call[1].at[0, 0, 0, 1, 0, 0].set(2.0 * np.arctanh(np.log(3.0) / 2.0))
     capped = attention(call[0], pool, *call[2:], scale=1.0, soft_cap=2.0)
     np.testing.assert_allclose(capped[0, :, 0], [[4.0, 0.0], [1.0, 6.0]], rtol=rtol)
+
+
+@pytest.mark.parametrize("attention", [paged_attention_reference,
+                                       functools.partial(paged_attention, key_block=2)],
+                         ids=["reference", "blockwise"])
+def test_hand_worked_sinks(attention):
+    """The hand-worked call with a sink of ln 4: token 1's weights are 1, 3 and the sink's 4 over 8, so it
+    gets (4 + 0) / 8, (8 * 3) / 8 = (0.5, 3); token 0 sees k0 and the sink: 4 / 5 = 0.8. The sink has no
+    value, and the empty row still gets 0."""
+    attention = jax.jit(attention, static_argnames=("scale", "window", "soft_cap"))
+    call = hand_worked_call()
+    out = attention(*call, scale=1.0, sinks=jnp.log(jnp.array([4.0])))
+    np.testing.assert_allclose(out[0, :, 0], [[0.8, 0.0], [0.5, 3.0]], rtol=tol.bound(tol.attention_roundings(2, 3)))
+    np.testing.assert_array_equal(out[1], 0.0)
+
+
+SINK_CASES = {
+    "prefill, GQA 2": (dict(lengths=[30, 48, 7, 19], new_tokens=[8, 8, 7, 3], H=4, K=2), 0),
+    "prefill, window 7": (dict(lengths=[30, 48, 7, 19], new_tokens=[8, 8, 7, 3], H=4, K=2), 7),
+    "decode": (dict(lengths=[1, 16, 17, 48], new_tokens=[1, 1, 1, 1], T=1, H=4, K=1), 0),
+    "lengths 0 and 1, no live row": (dict(lengths=[0, 1, 5, 0], new_tokens=[0, 1, 3, 0]), 0),
+}
+
+
+@pytest.mark.parametrize("case", SINK_CASES)
+def test_sinks_match_reference(case):
+    """Sinks (one logit per query head, joining each softmax's denominator) in the blockwise and one-pass forms
+    against the reference's explicit extra column. Control: ignoring the sinks is far off."""
+    kw, window = SINK_CASES[case]
+    call = make_call(29, **kw)
+    H = call.q.shape[2]
+    # Sinks around the scores' scale, so each takes a real share of its softmax.
+    sinks = jnp.asarray(np.random.default_rng(31).standard_normal(H) + 1.0, jnp.float32)
+    out = check_against_reference(call, window, sinks=sinks)
+    live = np.asarray(call.positions) >= 0
+    if live.any():
+        without = reference(call, jnp.int32(window))
+        assert relative_error(np.asarray(without)[live], np.asarray(out)[live]) > 0.05
 
 
 def test_controls_that_must_fail():

@@ -32,7 +32,7 @@ def _kv(positions, seed=0):
     return jnp.asarray(table[0, positions]), jnp.asarray(table[1, positions])
 
 
-def _run(length: int, window: int, call: int, ring: int, *, call_override: int | None = None):
+def _run(length: int, window: int, call: int, ring: int, *, call_override: int | None = None, sinks=None):
     """Write a sequence of `length` tokens in calls of `call` through a full pool and a ring of `ring` pages;
     -> the largest difference between the two attentions over all calls, relative to the largest output."""
     full_pages = list(range(-(-length // S)))
@@ -54,9 +54,9 @@ def _run(length: int, window: int, call: int, ring: int, *, call_override: int |
         positions = jnp.asarray(pos[None], jnp.int32)
         seq_lens = jnp.asarray([p0 + n], jnp.int32)
         want = paged_attention(q, full, 0, jnp.asarray([full_pages + [0] * (16 - len(full_pages))], jnp.int32),
-                               positions, seq_lens, scale=SCALE, window=window)
+                               positions, seq_lens, scale=SCALE, window=window, sinks=sinks)
         got = paged_attention(q, win, 0, jnp.asarray([ring_ids], jnp.int32), positions, seq_lens,
-                              scale=SCALE, window=window, ring=True)
+                              scale=SCALE, window=window, ring=True, sinks=sinks)
         assert np.isfinite(np.asarray(want)).all()
         worst = max(worst, float(jnp.max(jnp.abs(got - want))) if np.isfinite(np.asarray(got)).all() else np.inf)
         scale = max(scale, float(jnp.max(jnp.abs(want))))
@@ -67,6 +67,12 @@ def _run(length: int, window: int, call: int, ring: int, *, call_override: int |
 @pytest.mark.parametrize("window, call", [(6, 3), (8, 1), (5, 4), (4, 9)])
 def test_ring_matches_full_history_over_several_windows(window, call):
     assert_within(_run(LENGTH, window, call, ring_pages(window, call)), BOUND, f"ring, window {window}, call {call}")
+
+
+def test_ring_with_sinks_matches_full_history():
+    """GPT-OSS's sliding layers: sinks in the ring's one pass as in the full-history pages."""
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    assert_within(_run(LENGTH, 6, 3, ring_pages(6, 3), sinks=sinks), BOUND, "ring with sinks, window 6, call 3")
 
 
 def test_control_ring_one_page_short_changes_the_result():
