@@ -1,10 +1,12 @@
 """tlaloc_jax.export: stage a step function (`stage`) or a Hugging Face checkpoint (`export_checkpoint`,
-`python -m tlaloc_jax.export --help`) as a serving artifact."""
+`python -m tlaloc_jax.export --help`) as a serving artifact, or a function that is not a decoder as a
+bounded-program artifact (`stage_bounded`)."""
 
 from ._artifact import decoder_pools, export_checkpoint
+from ._bounded import stage_bounded
 from ._entries import ExportError, check_custom_calls, custom_call_targets, plan_entries
 from ._pools import PagedKV, RingKV, StateSlots
 from ._stage import flatten_weights, stage
 
-__all__ = ["stage", "PagedKV", "RingKV", "StateSlots", "export_checkpoint", "decoder_pools", "flatten_weights",
-           "ExportError", "check_custom_calls", "custom_call_targets", "plan_entries"]
+__all__ = ["stage", "stage_bounded", "PagedKV", "RingKV", "StateSlots", "export_checkpoint", "decoder_pools",
+           "flatten_weights", "ExportError", "check_custom_calls", "custom_call_targets", "plan_entries"]

@@ -225,15 +225,8 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
     is refused (check_body); a step input the model has no use for (a recurrent model needs no SEQ_LENS)
     is kept in the body instead, so that every entry takes what its pools' kinds say."""
     def export(keep_unused: bool) -> jax_export.Exported:
-        fn = jax.jit(_entry_fn(step, treedef, inputs, outputs, ring_pages),
-                     donate_argnums=tuple(i for _, i in donations), keep_unused=keep_unused)
-        # Source locations would put this checkout's file paths into the body; an artifact must not depend on them.
-        limit = jax.config.jax_traceback_in_locations_limit
-        jax.config.update("jax_traceback_in_locations_limit", 0)
-        try:
-            return jax_export.export(fn, platforms=[platform])(*_avals(inputs))
-        finally:
-            jax.config.update("jax_traceback_in_locations_limit", limit)
+        return export_fn(_entry_fn(step, treedef, inputs, outputs, ring_pages), _avals(inputs), platform=platform,
+                         donate=tuple(i for _, i in donations), keep_unused=keep_unused)
 
     exp = export(keep_unused=False)
     dropped = set(range(len(inputs))) - set(exp.module_kept_var_idx)
@@ -241,6 +234,71 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
         exp = export(keep_unused=True)
     check_body(spec.name, exp, inputs, outputs, donations)
     return exp
+
+
+def export_fn(fn: Callable, avals, *, platform: str, donate: tuple[int, ...] = (),
+              keep_unused: bool = False) -> jax_export.Exported:
+    """jax.export `fn` jitted (arguments `donate` donated) at `avals`, for one platform."""
+    jitted = jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused)
+    # Source locations would put this checkout's file paths into the body; an artifact must not depend on them.
+    limit = jax.config.jax_traceback_in_locations_limit
+    jax.config.update("jax_traceback_in_locations_limit", 0)
+    try:
+        return jax_export.export(jitted, platforms=[platform])(*avals)
+    finally:
+        jax.config.update("jax_traceback_in_locations_limit", limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyFiles:
+    """The three files of one exported body, named by the textual body's sha256 (field names as mf.Entry's)."""
+
+    body: str
+    body_sha256: str
+    serialized: str
+    serialized_sha256: str
+    exported: str
+    exported_sha256: str
+
+
+def write_body(out: Path, exp: jax_export.Exported) -> BodyFiles:
+    """Write an exported body: its textual StableHLO, the portable bytecode the runtime compiles, and jax's own
+    serialization."""
+    text = exp.mlir_module().encode()
+    digest = hashlib.sha256(text).hexdigest()
+    body = f"bodies/{digest}.mlir"
+    _write(out / body, text)
+    serialized = f"bodies/{digest}.mlirbc"
+    exported = f"bodies/{digest}.exported"
+    return BodyFiles(body=body, body_sha256=digest, serialized=serialized,
+                     serialized_sha256=_write(out / serialized, exp.mlir_module_serialized),
+                     exported=exported, exported_sha256=_write(out / exported, exp.serialize()))
+
+
+def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar) -> tuple[mf.WeightFile, ...]:
+    """One raw file per weight (host order, checked little-endian by the caller), hashed; `bar` ticks per file."""
+    files = []
+    for i, (slot, w) in enumerate(flat.items()):
+        bar.set_postfix_str(slot)
+        rel = f"weights/{i:04d}_{slot}.bin"
+        data = np.ascontiguousarray(w).tobytes()
+        files.append(mf.WeightFile(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=len(data), file=rel,
+                                   sha256=_write(out / rel, data)))
+        bar.update()
+    return tuple(files)
+
+
+def copy_tokenizer(out: Path, tokenizer_dir) -> tuple[mf.TokenizerFile, ...]:
+    """The tokenizer files of `tokenizer_dir` (those of TOKENIZER_FILES it has), copied into the artifact, hashed."""
+    if tokenizer_dir is None:
+        return ()
+    files = []
+    for fname in TOKENIZER_FILES:
+        src = Path(tokenizer_dir) / fname
+        if src.is_file():
+            shutil.copyfile(src, out / fname)
+            files.append(mf.TokenizerFile(fname, mf.sha256_file(out / fname)))
+    return tuple(files)
 
 
 def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, *,
@@ -314,17 +372,8 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         exp = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=layout.ring_pages,
                            platform=platform)
         calling_convention = int(exp.calling_convention_version)
-        text = exp.mlir_module().encode()
-        digest = hashlib.sha256(text).hexdigest()
-        body = f"bodies/{digest}.mlir"
-        _write(out / body, text)
-        serialized = f"bodies/{digest}.mlirbc"
-        ser_digest = _write(out / serialized, exp.mlir_module_serialized)
-        exported = f"bodies/{digest}.exported"
-        exp_digest = _write(out / exported, exp.serialize())
         entry = mf.Entry(name=spec.name, kind=mf.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
-                         tokens_per_seq=spec.tokens_per_seq, body=body, body_sha256=digest, serialized=serialized,
-                         serialized_sha256=ser_digest, exported=exported, exported_sha256=exp_digest,
+                         tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp)),
                          program=f"programs/{spec.name}.json", inputs=tuple(inputs), outputs=tuple(outputs),
                          donations=donations, kept_inputs=tuple(exp.module_kept_var_idx))
         _write(out / entry.program, (json.dumps({"entry": spec.name, "inputs": [dataclasses.asdict(s) for s in inputs],
@@ -333,23 +382,9 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         entries.append(entry)
         bar.update()
 
-    files = []
-    for i, (slot, w) in enumerate(flat.items()):
-        bar.set_postfix_str(slot)
-        rel = f"weights/{i:04d}_{slot}.bin"
-        data = np.ascontiguousarray(w).tobytes()     # host order; checked little-endian above
-        files.append(mf.WeightFile(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=len(data), file=rel,
-                                   sha256=_write(out / rel, data)))
-        bar.update()
+    files = write_weights(out, flat, bar)
     bar.close()
-
-    tokenizer = []
-    if tokenizer_dir is not None:
-        for fname in TOKENIZER_FILES:
-            src = Path(tokenizer_dir) / fname
-            if src.is_file():
-                shutil.copyfile(src, out / fname)
-                tokenizer.append(mf.TokenizerFile(fname, mf.sha256_file(out / fname)))
+    tokenizer = copy_tokenizer(out, tokenizer_dir)
 
     describe = dict(describe or {})
     dtypes = sorted({w.dtype.name for w in flat.values()})
@@ -362,11 +397,11 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
                             **describe),
         buckets=mf.Buckets(batch_ladder=batches, context_ladder=contexts, prefill_max_batch=prefill_max_batch,
                            prefill_chunk=chunk),
-        entries=tuple(entries), weights=tuple(files),
+        entries=tuple(entries), weights=files,
         versions=mf.Versions(jax=jax.__version__, jaxlib=jaxlib.__version__, calling_convention=calling_convention,
                              platform=platform, attention_block=attention_block),
         refused_tokens=tuple(mf.RefusedToken(int(t), k) for t, k in refused_tokens),
-        tokenizer_files=tuple(tokenizer),
+        tokenizer_files=tokenizer,
     )
     (out / mf.MANIFEST_NAME).write_text(m.to_json())
     return mf.load_manifest(out)

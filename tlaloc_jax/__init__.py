@@ -5,9 +5,11 @@ The in-process API and the staging API are loaded on first use:
 
     tlaloc_jax.load_hf(path).generate(...)                   # a Hugging Face checkpoint, in process
     tlaloc_jax.stage(step, weights, {"kv": tlaloc_jax.PagedKV(...)}, "artifact/")   # an authored model
+    tlaloc_jax.stage_bounded(fn, params, {"ids": ids}, "artifact/", bounds={"tokens": tlaloc_jax.Bound(...)})
 """
 
-__all__ = ["load_hf", "Model", "DecoderConfig", "stage", "PagedKV", "RingKV", "StateSlots", "StepInputs"]
+__all__ = ["load_hf", "Model", "DecoderConfig", "stage", "PagedKV", "RingKV", "StateSlots", "StepInputs",
+           "stage_bounded", "Bound", "Valid", "exact_valid", "EmbeddingTask"]
 
 
 def __getattr__(name):
@@ -17,9 +19,15 @@ def __getattr__(name):
     if name == "DecoderConfig":
         from .config import DecoderConfig
         return DecoderConfig
-    if name in ("stage", "PagedKV", "RingKV", "StateSlots"):
+    if name in ("stage", "stage_bounded", "PagedKV", "RingKV", "StateSlots"):
         from . import export
         return getattr(export, name)
+    if name in ("Bound", "Valid", "exact_valid"):
+        from . import bounded
+        return getattr(bounded, name)
+    if name == "EmbeddingTask":
+        from .bounded_manifest import EmbeddingTask
+        return EmbeddingTask
     if name == "StepInputs":
         from .inputs import StepInputs
         return StepInputs

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import os
@@ -407,7 +408,7 @@ def _build(cls, raw: Any, where: str):
                 if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
                     continue
                 raise ManifestError(f"missing field {where}.{f.name}")
-            kwargs[f.name] = _build(_FIELD_TYPES[cls][f.name], raw[f.name], f"{where}.{f.name}")
+            kwargs[f.name] = _build(_field_types(cls)[f.name], raw[f.name], f"{where}.{f.name}")
         return cls(**kwargs)
     if type(cls) is types.UnionType:       # X | None
         if raw is None:
@@ -435,13 +436,12 @@ def _build(cls, raw: Any, where: str):
     return raw
 
 
-def _resolve_types():
+@functools.cache
+def _field_types(cls) -> dict[str, Any]:
+    """A manifest dataclass's field types, resolved once (this module's, and tlaloc_jax.bounded_manifest's, which
+    builds its schema with `_build` too)."""
     import typing
-    return {cls: typing.get_type_hints(cls) for cls in (TensorSig, Entry, WeightFile, Pool, TokenizerFile, ModelShape,
-                                                         Buckets, RefusedToken, Versions, Manifest)}
-
-
-_FIELD_TYPES = _resolve_types()
+    return typing.get_type_hints(cls)
 
 
 # -- the bodies' @main, read from textual StableHLO ------------------------------------------------
@@ -560,6 +560,11 @@ def load_manifest(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
     root = Path(artifact_dir)
     path = root / MANIFEST_NAME
     if not path.is_file():
+        from .bounded_manifest import BOUNDED_NAME
+        if (root / BOUNDED_NAME).is_file():
+            raise ManifestError(f"no {MANIFEST_NAME} in the artifact directory: it holds a bounded program "
+                                f"({BOUNDED_NAME}), not a decoder; load it with tlaloc_jax.serve.BoundedProgram "
+                                "(python -m tlaloc_jax.serve --embedding-artifact DIR serves an embedding program)")
         raise ManifestError(f"no {MANIFEST_NAME} in the artifact directory")
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{MANIFEST_NAME} is {path.stat().st_size} bytes, more than any manifest "
