@@ -1,5 +1,5 @@
 """python -m tlaloc_jax.serve ARTIFACT_DIR [--host 127.0.0.1] [--port 8000] [--plugin PATH] [--max-batch N] [--api-key KEY]
-[--allowed-hosts HOST,...] [--allowed-origins ORIGIN,...]"""
+[--allowed-hosts HOST,...] [--allowed-origins ORIGIN,...] [--embedding-artifact DIR]"""
 
 from __future__ import annotations
 
@@ -75,6 +75,11 @@ def main(argv=None) -> int:
     ap.add_argument("--trust-weights", action="store_true",
                     help="skip hashing the weight files at load (their sizes are still checked): for very large "
                          "artifacts whose weights are known good; the log says so")
+    ap.add_argument("--embedding-artifact", default=None, metavar="DIR",
+                    help="also serve this embedding program (a bounded-program artifact written by "
+                         "tlaloc_jax.stage_bounded with an embedding task) on /v1/embeddings, on the same device")
+    ap.add_argument("--embedding-model-name", default=None,
+                    help="the embedding program's model id (default: its manifest's name)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = ap.parse_args(argv)
 
@@ -98,8 +103,11 @@ def main(argv=None) -> int:
     import prometheus_client
     import uvicorn
 
+    from tlaloc_jax.bounded_manifest import load_bounded
     from tlaloc_jax.manifest import ManifestError, load_manifest
 
+    from .bounded import BoundedProgram
+    from .embeddings import Embeddings, embedding_task, load_embedding_tokenizer
     from .engine import DEFAULT_CACHE_DIR, Engine
     from .pjrt import CompileError, PluginNotFoundError
     from .tokenizer import load_tokenizer
@@ -111,16 +119,34 @@ def main(argv=None) -> int:
         # signature, and the tokenizer, so a bad artifact is refused before anything compiles.
         manifest = load_manifest(args.artifact, verify_weights=not args.trust_weights)
         tokenizer = load_tokenizer(args.artifact, manifest)
+        if args.embedding_artifact is not None:
+            try:
+                embedding_manifest = load_bounded(args.embedding_artifact, verify_weights=not args.trust_weights)
+                embedding_task(embedding_manifest)
+                embedding_tokenizer = load_embedding_tokenizer(args.embedding_artifact, embedding_manifest)
+            except ManifestError as e:
+                raise ManifestError(f"--embedding-artifact: {e}") from None
         engine = Engine.load(args.artifact, args.plugin, cache_dir=cache_dir, progress=False,
                              trust_weights=args.trust_weights, manifest=manifest)
     except (ManifestError, OSError, CompileError, PluginNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    embeddings = None
+    if args.embedding_artifact is not None:
+        try:
+            program = BoundedProgram.load(args.embedding_artifact, device=engine.device, cache_dir=cache_dir,
+                                          trust_weights=args.trust_weights, manifest=embedding_manifest)
+        except (ManifestError, OSError, CompileError) as e:
+            engine.close()
+            print(f"error: --embedding-artifact: {e}", file=sys.stderr)
+            return 2
+        embeddings = Embeddings(program, embedding_tokenizer, args.embedding_model_name)
     try:
         app = http.create_app(engine, tokenizer=tokenizer, model_name=args.served_model_name, api_key=api_key,
                               max_batch=args.max_batch,
                               max_body_bytes=args.max_body_bytes or http.DEFAULT_MAX_BODY_BYTES,
-                              allowed_hosts=allowed_hosts, allowed_origins=_names(args.allowed_origins))
+                              allowed_hosts=allowed_hosts, allowed_origins=_names(args.allowed_origins),
+                              embeddings=embeddings)
         server = app.state.server
         if not _is_loopback(args.host) and not api_key:
             log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
@@ -129,6 +155,10 @@ def main(argv=None) -> int:
                  server.model_name, args.artifact, args.host, args.port, server.loop.max_running,
                  engine.stats()["num_pages"], engine.block_size, engine.max_context,
                  "tokenizer" if server.tokenizer else "no tokenizer: token ids only")
+        if embeddings is not None:
+            log.info("serving embedding model %r from %s on /v1/embeddings (%d dimensions, at most %d tokens, %s)",
+                     embeddings.model_name, args.embedding_artifact, embeddings.dimensions, embeddings.max_tokens,
+                     "tokenizer" if embeddings.prompt_tokenizer else "no tokenizer: token ids only")
         srv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                             timeout_graceful_shutdown=5))
         try:
@@ -136,6 +166,8 @@ def main(argv=None) -> int:
         except KeyboardInterrupt:   # uvicorn re-raises Ctrl-C after its graceful shutdown
             pass
     finally:
+        if embeddings is not None:
+            embeddings.program.close()
         engine.close()
     return 0 if srv.started else 1      # not started: the port could not be bound
 

@@ -5,7 +5,8 @@ the OpenAI response shapes.
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Endpoints: POST /v1/completions and POST /v1/chat/completions (`stream: true` answers with server-sent
-events in OpenAI's chunk format), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+events in OpenAI's chunk format), GET /v1/models, GET /health, GET /metrics (Prometheus text format), and, when an
+embedding program is served beside the decoder, POST /v1/embeddings (serve/embeddings.py).
 
 A request is checked (serve/validation.py: body size, JSON depth, Unicode, fields; then prompts x n and
 the prompt's length in characters), tokenized on a worker thread (serve/prompts.py), checked against the
@@ -50,6 +51,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from .embeddings import Embeddings
 from .engine import Engine, RequestRefused
 from .errors import APIError, refusal
 from .loop import EngineLoop, Inbox, SeqSpec, Update
@@ -58,7 +60,7 @@ from .prompts import PromptTokenizer
 from .sampling import Sampling
 from .tokenizer import (ChatTemplateError, IncrementalDetokenizer, StopStrings, TextTokenizer, load_tokenizer,
                         read_listed_json)
-from .validation import CHAT_FIELDS, COMPLETION_FIELDS, check_sequence_count, parse_body, validate
+from .validation import CHAT_FIELDS, COMPLETION_FIELDS, EMBEDDING_FIELDS, check_sequence_count, parse_body, validate
 
 log = logging.getLogger("tlaloc_jax.serve.http")
 
@@ -302,8 +304,9 @@ def _sse(obj: Any) -> str:
 
 class _Server:
     def __init__(self, engine: Engine, tokenizer: TextTokenizer | None, model_name: str, api_key: str | None,
-                 max_batch: int, max_body_bytes: int):
+                 max_batch: int, max_body_bytes: int, embeddings: Embeddings | None):
         self.engine = engine
+        self.embeddings = embeddings
         self.tokenizer = tokenizer
         self.prompt_tokenizer = PromptTokenizer(tokenizer, engine.max_context) if tokenizer is not None else None
         self.model_name = model_name
@@ -419,6 +422,13 @@ class _Server:
         gen = self.plan(req, [prompt], None, arrival)
         return await self.run(request, req, gen, chat=True)
 
+    async def embed(self, request: Request) -> dict:
+        self.check_key(request)
+        if self.embeddings is None:
+            raise APIError(404, "this server serves no embedding program (python -m tlaloc_jax.serve "
+                                "--embedding-artifact DIR adds one)", code="model_not_found")
+        return await self.embeddings.answer(validate(await self.read_json(request), EMBEDDING_FIELDS, "input"))
+
     async def run(self, request: Request, req: dict, gen: _Generation, chat: bool) -> Response:
         prompt_param = "messages" if chat else "prompt"
         gen.check_could_fit(prompt_param)
@@ -523,9 +533,11 @@ class _Server:
 
     def models(self, request: Request) -> dict:
         self.check_key(request)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "tlaloc-jax", "root": self.model_name,
-                                            "max_model_len": self.engine.max_context}]}
+        models = [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tlaloc-jax",
+                   "root": self.model_name, "max_model_len": self.engine.max_context}]
+        if self.embeddings is not None:
+            models.append(self.embeddings.model_card(self.created))
+        return {"object": "list", "data": models}
 
     async def metrics_text(self) -> Response:
         if self.loop.alive:
@@ -535,6 +547,8 @@ class _Server:
     def close(self) -> None:
         if self.prompt_tokenizer is not None:
             self.prompt_tokenizer.close()
+        if self.embeddings is not None:
+            self.embeddings.close()
 
 
 def _generation_defaults(engine: Engine) -> dict:
@@ -553,7 +567,7 @@ def _generation_defaults(engine: Engine) -> dict:
 def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto", model_name: str | None = None,
                api_key: str | None = None, max_batch: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Iterable[str] | None = None,
-               allowed_origins: Iterable[str] = ()) -> FastAPI:
+               allowed_origins: Iterable[str] = (), embeddings: Embeddings | None = None) -> FastAPI:
     """The FastAPI app serving `engine`. The engine loop thread starts and stops with the app's lifespan.
 
     tokenizer: "auto" loads the artifact's (None when it has no tokenizer.json); max_batch: the most
@@ -561,7 +575,8 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     api_key: required as 'Authorization: Bearer KEY' on /v1/* when set (an empty key is refused: it would
     refuse every request); allowed_hosts: the Host header names answered (any port; "*": any host), others
     get 421 (default None: every Host; `python -m tlaloc_jax.serve` passes LOOPBACK_HOSTS when bound to
-    loopback); allowed_origins: browser origins CORS lets read the answers ("*": any; default none).
+    loopback); allowed_origins: browser origins CORS lets read the answers ("*": any; default none); embeddings:
+    an embedding program to serve on /v1/embeddings beside the decoder (serve/embeddings.py).
     """
     if api_key is not None and (problem := api_key_problem(api_key)) is not None:
         raise ValueError(f"api_key {problem}")
@@ -573,7 +588,7 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     if max_batch < 1:
         raise ValueError(f"max_batch must be positive, got {max_batch}")
     server = _Server(engine, tokenizer, model_name or engine.manifest.model.name, api_key, int(max_batch),
-                     int(max_body_bytes))
+                     int(max_body_bytes), embeddings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -603,6 +618,10 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await server.chat(request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings_(request: Request):
+        return await server.embed(request)
 
     @app.get("/v1/models")
     async def models(request: Request):

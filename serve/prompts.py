@@ -89,10 +89,11 @@ class PromptTokenizer:
         self._check_length(text, "messages", "the chat as its template renders it, {} characters,")
         return self._encode([text], False)[0]     # the template wrote the special tokens
 
-    async def encode(self, texts: list[str]) -> list[list[int]]:
-        """Completions' text prompts -> ids (special tokens added, as the tokenizer's post-processor says)."""
+    async def encode(self, texts: list[str], param: str = "prompt") -> list[list[int]]:
+        """Completions' text prompts (or /v1/embeddings' inputs: `param`) -> ids (special tokens added, as the
+        tokenizer's post-processor says)."""
         for text in texts:
-            self._check_length(text, "prompt", "prompt of {} characters")
+            self._check_length(text, param, param + " of {} characters")
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, texts, True)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:

@@ -1,8 +1,8 @@
 """Request schema checks: the JSON body (UTF-8, nesting depth, no lone surrogates) and the fields of
-/v1/completions and /v1/chat/completions. Every refusal is an APIError 400 that names the field.
+/v1/completions, /v1/chat/completions and /v1/embeddings. Every refusal is an APIError 400 that names the field.
 
-`parse_body(bytes) -> dict` then `validate(body, COMPLETION_FIELDS or CHAT_FIELDS, required)` -> one value
-per known field (None where absent).
+`parse_body(bytes) -> dict` then `validate(body, COMPLETION_FIELDS, CHAT_FIELDS or EMBEDDING_FIELDS, required)`
+-> one value per known field (None where absent).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 from .errors import APIError
 
 MAX_SEQS_PER_REQUEST = 64          # prompts x n
+MAX_EMBEDDING_INPUTS = 2048        # OpenAI's limit on the inputs of one /v1/embeddings request
 MAX_JSON_DEPTH = 64
 MAX_SEED = 2**63 - 1               # OpenAI's int64; seed + j (choice j < 64) stays inside Sampling's [0, 2**64)
 
@@ -207,6 +208,27 @@ def _prompt(name, v):
     raise bad_type(name, want, v)
 
 
+def _embedding_input(name, v):
+    """/v1/embeddings' input, as `_prompt` reads it, with at least one input, none of them empty."""
+    kind, inputs = _prompt(name, v)
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise bad_value(name, f"at most {MAX_EMBEDDING_INPUTS} inputs, got {len(inputs)}.")
+    for i, x in enumerate(inputs):
+        if not x:
+            where = "the input" if len(inputs) == 1 else f"input {i}"
+            raise APIError(400, f"Invalid value for '{name}': {where} is empty; send text or at least one token id.",
+                           param=name, code="empty_prompt")
+    return kind, inputs
+
+
+def _one_of(*allowed):
+    def check(name, v):
+        if v not in allowed or not isinstance(v, str):
+            raise bad_value(name, f"must be {' or '.join(json.dumps(a) for a in allowed)}, got {json.dumps(v)}.")
+        return v
+    return check
+
+
 def _messages(name, v):
     if not isinstance(v, list):
         raise bad_type(name, "an array of messages", v)
@@ -271,6 +293,10 @@ CHAT_FIELDS = {**_COMMON, "messages": _messages, "max_completion_tokens": _opt(_
                "tools": _opt(_unsupported([])), "tool_choice": _opt(_unsupported("none")),
                "parallel_tool_calls": _opt(_unsupported(True, False)),
                "response_format": _opt(_unsupported({"type": "text"}))}
+
+
+EMBEDDING_FIELDS = {"input": _embedding_input, "model": _opt(_str), "encoding_format": _opt(_one_of("float", "base64")),
+                    "dimensions": _opt(_int(lo=1)), "user": _opt(_str)}
 
 
 def validate(body: dict, fields: dict, required: str) -> dict:
