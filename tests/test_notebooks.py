@@ -106,3 +106,32 @@ def test_author_a_model_notebook_serves_its_in_process_ids(tmp_path, monkeypatch
             check_greedy_batch(prompts, r["control_together"], oracles, logit_bound=bound, next_token=next_token)
     finally:
         shutil.rmtree(r["work"], ignore_errors=True)
+
+
+# Appended to embed_sentences.ipynb: what it measured, for the test to hold to the tolerance model itself.
+EMBED_HANDOFF = """
+import json
+Path("handoff.json").write_text(json.dumps(dict(checks=checks, control=control_message, artifact=str(artifact),
+                                                work=str(work))))
+"""
+
+
+@pytest.mark.numeric
+def test_embed_sentences_notebook_serves_its_in_process_embeddings(tmp_path, monkeypatch):
+    """A flax.nnx sentence encoder staged as a bounded program and served: each served embedding (its sentences,
+    and 1 to 4 rows at every bucket edge) is the in-process one within the tolerance model's bound for the largest
+    body; its control, a mean over the padded tokens, was refused at export by name."""
+    import re
+
+    from margins import assert_within
+    from tlaloc_jax.bounded_manifest import load_bounded
+    run_notebook("embed_sentences.ipynb", tmp_path, monkeypatch, EMBED_HANDOFF)
+    r = json.loads((tmp_path / "handoff.json").read_text())
+    try:
+        bound = tol.bound(dict(load_bounded(r["artifact"]).output("embedding").roundings))
+        assert len(r["checks"]) == 8 + 9
+        for what, err in r["checks"]:
+            assert_within(err, bound, f"embed_sentences notebook {what}")
+        assert re.match(r"output 'embedding' reads padding: in bucket rows \d, tokens \d+ ", r["control"]), r["control"]
+    finally:
+        shutil.rmtree(r["work"], ignore_errors=True)
