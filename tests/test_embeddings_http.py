@@ -198,6 +198,7 @@ def test_python_m_serve_hosts_a_decoder_and_an_embedding_program(http_artifacts,
                                          temperature=0)
         assert done.usage.completion_tokens == 3
         assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+        assert srv.metrics()['tlaloc_http_requests_total{route="/v1/embeddings",status="200"}'] == 2
     finally:
         srv.stop()
 
