@@ -138,7 +138,8 @@ def _avals(sigs) -> list[jax.ShapeDtypeStruct]:
 def _output_specs(body, bounds: tuple[bm.BoundSpec, ...], inputs: tuple[bm.TensorSpec, ...],
                   table: tuple[mf.WeightFile, ...]) -> tuple[bm.TensorSpec, ...]:
     """Each output's spec, in the body's (sorted) order: its shape with every bound at its max, and which bound each
-    axis follows, read off abstract evaluations with one bound at a time one below its max."""
+    axis follows, read off abstract evaluations with one bound at a time at another size: its next bucket down
+    (a size the function is traced at anyway), or max - 1 when it has one bucket."""
     def shapes(sizes) -> dict[str, jax.ShapeDtypeStruct]:
         args, _ = bm.program_signature(bounds, inputs, (), table, sizes)
         return jax.eval_shape(body, *_avals(args))
@@ -147,14 +148,15 @@ def _output_specs(body, bounds: tuple[bm.BoundSpec, ...], inputs: tuple[bm.Tenso
     base = shapes(top)
     axes = {n: [""] * len(o.shape) for n, o in base.items()}
     for i, b in enumerate(bounds):
-        probe = shapes(tuple(s - 1 if j == i else s for j, s in enumerate(top)))
+        other = b.buckets[-2] if len(b.buckets) > 1 else b.max - 1
+        probe = shapes(tuple(other if j == i else s for j, s in enumerate(top)))
         for n, o in base.items():
             for a, (d, e) in enumerate(zip(o.shape, probe[n].shape)):
                 if d == e:
                     continue
-                if (d, e) != (b.max, b.max - 1) or axes[n][a]:
+                if (d, e) != (b.max, other) or axes[n][a]:
                     raise ExportError(f"output {n!r} axis {a} is {d} with bound {b.name!r} at {b.max} and {e} at "
-                                      f"{b.max - 1}; an output axis has one bound's size or a fixed one")
+                                      f"{other}; an output axis has one bound's size or a fixed one")
                 axes[n][a] = b.name
     batch = next((b.name for b in bounds if b.kind == bm.BoundKind.BATCH), None)
     specs = []
