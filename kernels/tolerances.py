@@ -118,24 +118,30 @@ def moe_roundings(*, hidden: int, expert_hidden: int, experts: int, top_k: int, 
 
 
 def decoder_roundings(*, hidden: int, intermediate: int, heads: int, head_dim: int,
-                      mixers: "list[int]") -> int:
+                      mixers: "list[int]", mlp: int | None = None) -> int:
     """A decoder's logit. mixers: per layer, the roundings of its token mixer (attention over its keys,
     or a linear-attention layer's conv and state chain). Each layer adds a norm, the mixer's input
-    projection and rope, the mixer, its output projection and the residual, a norm, the gate and up
-    projections, the activation, the down projection and the residual; then the final norm and the head
+    projection and rope, the mixer, its output projection and the residual, a norm, the MLP (`mlp`: its
+    roundings from its normed input to its output; None: the gated MLP's gate and up projections, the
+    activation, the product and the down projection) and the residual; then the final norm and the head
     (a `hidden`-term dot)."""
+    if mlp is None:
+        mlp = 2 * hidden + TRANSCENDENTAL_ULPS + 1 + intermediate
     per_layer = (rms_norm_roundings(hidden) + hidden + 3                 # norm, projection, rope
                  + heads * head_dim + 1                                  # output projection, residual
-                 + rms_norm_roundings(hidden) + 2 * hidden               # norm, gate and up
-                 + TRANSCENDENTAL_ULPS + 1 + intermediate + 1)           # activation, product, down, residual
+                 + rms_norm_roundings(hidden) + mlp + 1)                 # norm, MLP, residual
     return sum(per_layer + mixer for mixer in mixers) + rms_norm_roundings(hidden) + hidden
 
 
 def decoder_roundings_of(cfg, context: int) -> int:
     """decoder_roundings for a DecoderConfig (or anything with its field names) whose calls reach `context`
     positions: a full attention layer reads them all, a sliding one at most its window, a linear-attention
-    layer runs its conv and carries its state over all of them."""
+    layer runs its conv and carries its state over all of them. Attention sinks add a term to each softmax's
+    sum; projection biases and YaRN's scaled rotation add a rounding each; mixture-of-experts MLPs count
+    moe_roundings instead of the gated MLP's."""
     mixers = []
+    sinks = 1 if getattr(cfg, "attn_sinks", False) else 0
+    extra = 2 * int(getattr(cfg, "attention_bias", False)) + int(getattr(cfg.rope, "attention_factor", 1.0) != 1.0)
     for layer_type in cfg.layer_types:
         if layer_type == "linear_attention":
             conv = cfg.linear_conv_kernel + 1 + TRANSCENDENTAL_ULPS + 2
@@ -143,9 +149,14 @@ def decoder_roundings_of(cfg, context: int) -> int:
                           + rms_norm_roundings(cfg.linear_value_dim) + TRANSCENDENTAL_ULPS + 2)
         else:
             keys = min(context, cfg.sliding_window) if layer_type == "sliding_attention" else context
-            mixers.append(attention_roundings(cfg.head_dim, keys))
+            mixers.append(attention_roundings(cfg.head_dim, keys + sinks) + extra)
+    mlp = None
+    if getattr(cfg, "num_experts", 0):
+        mlp = moe_roundings(hidden=cfg.hidden_size, expert_hidden=cfg.moe_intermediate_size,
+                            experts=cfg.num_experts, top_k=cfg.experts_per_token,
+                            shared_hidden=cfg.shared_expert_intermediate_size)
     return decoder_roundings(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, heads=cfg.num_heads,
-                             head_dim=cfg.head_dim, mixers=mixers)
+                             head_dim=cfg.head_dim, mixers=mixers, mlp=mlp)
 
 
 def backward_roundings(forward: int, batch_tokens: int) -> int:

@@ -23,6 +23,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 LINEAR_DIMS = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                    linear_value_head_dim=8, linear_conv_kernel_dim=4)
 
+# Mixture-of-experts dims: 8 experts of 32, 2 chosen per token (experts > top-k, so routing matters).
+MOE_DIMS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+# GPT-OSS's YaRN with the ramp inside the tiny head (original context 64), so the blend is exercised.
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+
 # Small windows so that prompts and generations span several windows.
 FAMILY_DEFAULTS = {
     "mistral": dict(sliding_window=8),
@@ -38,7 +44,16 @@ FAMILY_DEFAULTS = {
     "qwen3_next": dict(num_hidden_layers=4, num_experts=0, **LINEAR_DIMS),
     "qwen3_5_text": dict(num_hidden_layers=8, **LINEAR_DIMS),
     "qwen3_5": dict(num_hidden_layers=4, **LINEAR_DIMS),
+    # Qwen3-Next with its sparse layers: build_checkpoint(..., model_type="qwen3_next", **QWEN3_NEXT_MOE).
+    "qwen3_moe": dict(**MOE_DIMS),
+    # Mixtral's experts' hidden size is intermediate_size; a window of 8 on every layer.
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8),
+    # 4 layers: sliding, full, sliding, full (two periods); the clamp at 0.6 bites on the tiny activations.
+    "gpt_oss": dict(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                    sliding_window=8, swiglu_limit=0.6, rope_parameters=GPT_OSS_YARN, max_position_embeddings=256),
 }
+# Qwen3-Next with a mixture of experts and a shared expert in every layer (norm_topk_prob defaults to true).
+QWEN3_NEXT_MOE = dict(MOE_DIMS, shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[])
 
 # A multimodal checkpoint's config: the decoder's keys under text_config, a minimal vision tower beside it.
 NESTED = {
@@ -56,6 +71,9 @@ CLASSES = {
     "qwen3_next": lambda: (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
     "qwen3_5_text": lambda: (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
     "qwen3_5": lambda: (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
+    "qwen3_moe": lambda: (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "mixtral": lambda: (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "gpt_oss": lambda: (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
 
 

@@ -67,8 +67,12 @@ def test_unsupported_config_flags_are_refused_by_name():
                 num_attention_heads=2)
     with pytest.raises(ConfigError, match="attention_bias"):
         config_from_hf(dict(base, attention_bias=True))
-    with pytest.raises(ConfigError, match="rope type 'yarn'"):
+    with pytest.raises(ConfigError, match="rope type 'longrope'"):
+        config_from_hf(dict(base, rope_parameters={"rope_type": "longrope", "factor": 2.0}))
+    with pytest.raises(ConfigError, match="yarn rope scaling needs 'original_max_position_embeddings'"):
         config_from_hf(dict(base, rope_parameters={"rope_type": "yarn", "factor": 2.0}))
+    with pytest.raises(ConfigError, match=r"quantization_config \(quant_method 'mxfp4'\)"):
+        config_from_hf(dict(base, quantization_config={"quant_method": "mxfp4"}))
     with pytest.raises(ConfigError, match="missing the key 'hidden_size'"):
         config_from_hf({k: v for k, v in base.items() if k != "hidden_size"})
 

@@ -150,14 +150,24 @@ def test_hybrid_config_keys():
     config_from_hf(dict(base, num_experts=8, mlp_only_layers=list(range(8))))
 
 
-def test_mixture_of_experts_is_refused_by_name():
+def test_mixture_of_experts_config_keys_and_refusals():
     base = dict(model_type="qwen3_next", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
                 num_attention_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                 linear_key_head_dim=4, linear_value_head_dim=4)
-    with pytest.raises(ConfigError, match=r"qwen3_next layers \[0, 1, 2, 3\] have sparse mixture-of-experts"):
-        config_from_hf(dict(base, num_experts=8))
-    with pytest.raises(ConfigError, match=r"layers \[1, 3\] .*decoder_sparse_step=2"):
-        config_from_hf(dict(base, num_experts=8, decoder_sparse_step=2))
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=20)
+    _, cfg = config_from_hf(dict(base, **moe))
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size) == (8, 2, 12)
+    assert cfg.router_normalize and cfg.shared_expert and cfg.shared_expert_intermediate_size == 20
+    assert not config_from_hf(dict(base, **moe, norm_topk_prob=False))[1].router_normalize
+    # Sparse layers among dense ones are refused, naming the keys that make the mix.
+    with pytest.raises(ConfigError, match=r"qwen3_next layers \[0, 2\] have dense MLPs among mixture-of-experts "
+                                          r"layers .*decoder_sparse_step=2"):
+        config_from_hf(dict(base, **moe, decoder_sparse_step=2))
+    with pytest.raises(ConfigError, match=r"layers \[1\] have dense MLPs .*mlp_only_layers=\[1\]"):
+        config_from_hf(dict(base, **moe, mlp_only_layers=[1]))
+    # Qwen3.5's table has no experts.
+    with pytest.raises(ConfigError, match=r"qwen3_5_text layers \[0, 1, 2, 3\] have sparse mixture-of-experts"):
+        config_from_hf(dict(base, **moe, model_type="qwen3_5_text"))
     with pytest.raises(ConfigError, match=r"unknown model_type 'qwen3_5_moe'"):
         config_from_hf(dict(base, model_type="qwen3_5_moe"))
     with pytest.raises(ConfigError, match="missing the key 'linear_num_key_heads'"):

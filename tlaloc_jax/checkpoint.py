@@ -69,19 +69,20 @@ class _TensorIndex:
 
 
 def _hf_shape(spec: Tensor, cfg: DecoderConfig) -> tuple[int, ...]:
-    """The checkpoint tensor's shape for one layer of a slot (the inverse of _read_slot's steps)."""
-    expected = spec.layer_shape(cfg)
-    shape = list(reversed(expected)) if spec.transpose else list(expected)
+    """The checkpoint tensor's shape for one layer of a slot (one expert's, for a per-expert slot): the inverse
+    of _read_one's steps."""
+    expected = spec.layer_shape(cfg)[1:] if spec.per_expert else spec.layer_shape(cfg)
+    shape = list(expected)
+    if spec.transpose:
+        shape[-2:] = shape[-1], shape[-2]
     if spec.split is not None:
-        shape[0] = split_rows(spec.split, cfg)[1]
+        shape[spec.split.axis] = split_rows(spec.split, cfg)[1]
     if spec.squeeze is not None:
         shape.insert(spec.squeeze, 1)
     return tuple(shape)
 
 
-def _read_slot(index: _TensorIndex, fam: Family, spec: Tensor, cfg: DecoderConfig, layer: int | None,
-               dtype: np.dtype) -> np.ndarray:
-    name = spec.hf.format(p=fam.prefix, i=layer)
+def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, dtype: np.dtype) -> np.ndarray:
     arr = index.get(name)
     hf_shape = _hf_shape(spec, cfg)
     if tuple(arr.shape) != hf_shape:
@@ -90,10 +91,18 @@ def _read_slot(index: _TensorIndex, fam: Family, spec: Tensor, cfg: DecoderConfi
     if spec.squeeze is not None:
         arr = arr.squeeze(spec.squeeze)
     if spec.split is not None:
-        arr = arr[split_rows(spec.split, cfg)[0]]
+        arr = np.take(arr, split_rows(spec.split, cfg)[0], axis=spec.split.axis)
     if spec.transpose:
-        arr = arr.T
+        arr = arr.swapaxes(-1, -2)
     return np.ascontiguousarray(arr.astype(np.float32).astype(dtype) if arr.dtype != dtype else arr)
+
+
+def _read_slot(index: _TensorIndex, fam: Family, spec: Tensor, cfg: DecoderConfig, layer: int | None,
+               dtype: np.dtype) -> np.ndarray:
+    if spec.per_expert:
+        return np.stack([_read_one(index, spec.hf.format(p=fam.prefix, i=layer, e=e), spec, cfg, dtype)
+                         for e in range(cfg.num_experts)])
+    return _read_one(index, spec.hf.format(p=fam.prefix, i=layer), spec, cfg, dtype)
 
 
 def load_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderConfig,
@@ -144,17 +153,10 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike, hf_config: dict[str, Any]
         layers = stack_layers(spec.slot, cfg)
         per_layer = list(zip(layers, arr)) if layers else [(None, arr)]
         for i, a in per_layer:
-            name = spec.hf.format(p=fam.prefix, i=i)
-            a = a.T if spec.transpose else a
-            if spec.split is not None:
-                rows, length = split_rows(spec.split, cfg)
-                whole = tensors.setdefault(name, np.zeros((length, *a.shape[1:]), np.float32))
-                whole[rows] = a
-                covered.setdefault(name, np.zeros(length, bool))[rows] = True
-                continue
-            if spec.squeeze is not None:
-                a = np.expand_dims(a, spec.squeeze)
-            tensors[name] = np.ascontiguousarray(a)
+            per_expert = ([(spec.hf.format(p=fam.prefix, i=i, e=e), a[e]) for e in range(cfg.num_experts)]
+                          if spec.per_expert else [(spec.hf.format(p=fam.prefix, i=i), a)])
+            for name, t in per_expert:
+                _write_one(tensors, covered, name, t, spec, cfg)
     for name, rows in covered.items():
         if not rows.all():
             raise CheckpointError(f"the slots of {cfg.model_type} fill only {int(rows.sum())} of the "
@@ -164,6 +166,25 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike, hf_config: dict[str, Any]
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def _write_one(tensors: dict, covered: dict, name: str, a: np.ndarray, spec: Tensor, cfg: DecoderConfig) -> None:
+    """Put one slot's tensor (one layer's, one expert's) into the checkpoint tensor `name` (_read_one inverted)."""
+    a = a.swapaxes(-1, -2) if spec.transpose else a
+    if spec.split is not None:
+        rows, length = split_rows(spec.split, cfg)
+        axis = spec.split.axis
+        shape = list(a.shape)
+        shape[axis] = length
+        whole = tensors.setdefault(name, np.zeros(shape, np.float32))
+        index = [slice(None)] * a.ndim
+        index[axis] = rows
+        whole[tuple(index)] = a
+        covered.setdefault(name, np.zeros(length, bool))[rows] = True
+        return
+    if spec.squeeze is not None:
+        a = np.expand_dims(a, spec.squeeze)
+    tensors[name] = np.ascontiguousarray(a)
 
 
 def random_weights(cfg: DecoderConfig, fam: Family, seed: int = 0, std: float = 0.08) -> dict[str, np.ndarray]:

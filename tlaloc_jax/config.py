@@ -14,8 +14,9 @@ class ConfigError(ValueError):
 class RopeConfig:
     """Rotary position embedding settings.
 
-    rope_type: "default" (plain RoPE), "linear" (positions divided by factor) or "llama3" (Llama 3.1
-    frequency scaling).
+    rope_type: "default" (plain RoPE), "linear" (positions divided by factor), "llama3" (Llama 3.1
+    frequency scaling) or "yarn" (YaRN: frequencies blended between interpolated and original by a ramp
+    from beta_fast to beta_slow rotations, cos and sin scaled by attention_factor; GPT-OSS).
     partial_rotary_factor: the fraction of the head that is rotated (1.0 for Llama and Qwen3).
     """
 
@@ -26,10 +27,17 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial_rotary_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 LAYER_TYPES = (FULL, SLIDING, LINEAR)
+# A mixture-of-experts MLP's router scorings and expert activations (tlaloc_jax.kernels.moe).
+ROUTER_SCORINGS = ("softmax", "topk_softmax", "sigmoid")
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,23 @@ class DecoderConfig:
     linear_value_heads: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
+    attention_bias: bool = False               # q, k, v and o projections add biases (GPT-OSS)
+    attn_sinks: bool = False                   # a learned sink logit per query head joins each softmax (GPT-OSS)
+    # Mixture-of-experts MLPs, in every layer when num_experts > 0: num_experts experts (X) of
+    # moe_intermediate_size, the router's experts_per_token (J) best kept and weighed by router_scoring
+    # (renormalised with router_normalize), experts computing expert_activation; a router bias and expert
+    # biases where the family has them, and a shared expert of shared_expert_intermediate_size (0: none).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    router_scoring: str = "softmax"
+    router_normalize: bool = False
+    router_bias: bool = False
+    expert_activation: str = "silu"
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702                # "swiglu_clamped": g * sigmoid(alpha g)
+    swiglu_limit: float = 7.0                  # "swiglu_clamped": the clamp of g and u
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -101,6 +126,17 @@ class DecoderConfig:
             if self.linear_value_heads % self.linear_key_heads:
                 raise ConfigError(f"linear value heads ({self.linear_value_heads}) are not a multiple of linear key "
                                   f"heads ({self.linear_key_heads})")
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts:
+                raise ConfigError(f"num_experts_per_tok={self.experts_per_token} must be between 1 and "
+                                  f"num_experts={self.num_experts}")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError(f"mixture-of-experts layers need a positive moe_intermediate_size, got "
+                                  f"{self.moe_intermediate_size}")
+            if self.router_scoring not in ROUTER_SCORINGS:
+                raise ConfigError(f"router scoring {self.router_scoring!r} is not supported")
+            if self.expert_activation not in EXPERT_ACTIVATIONS:
+                raise ConfigError(f"expert activation {self.expert_activation!r} is not supported")
         object.__setattr__(self, "layer_types", tuple(types))
 
     @property
@@ -116,6 +152,19 @@ class DecoderConfig:
     def conv_channels(self) -> int:
         """C: the channels of a linear layer's causal conv, q | k | v."""
         return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+
+    @property
+    def moe(self) -> bool:
+        """Whether the layers' MLPs are mixtures of experts (every layer's: a mix is refused by the families)."""
+        return self.num_experts > 0
+
+    @property
+    def dense_mlp(self) -> bool:
+        return not self.moe
+
+    @property
+    def shared_expert(self) -> bool:
+        return self.moe and self.shared_expert_intermediate_size > 0
 
     def layer_window(self, layer: int) -> int:
         """The window of a layer's attention (0: full history)."""

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tlaloc_jax.kernels import (causal_conv1d, causal_conv1d_update, gated_delta_rule_chunked,
-                                gated_delta_rule_recurrent, kv_cache_write, paged_attention)
+from tlaloc_jax.kernels import (MoeSpec, causal_conv1d, causal_conv1d_update, gated_delta_rule_chunked,
+                                gated_delta_rule_recurrent, kv_cache_write, moe, paged_attention)
 
 from .config import FULL, LINEAR, SLIDING, DecoderConfig
 from .inputs import StepInputs
@@ -74,9 +74,10 @@ def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Ar
     has the step, rotated by rope (cos, sin: [B, T, R])."""
     B, T, _ = x.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, w["q_proj"]).reshape(B, T, H, D)
-    k = linear(x, w["k_proj"]).reshape(B, T, K, D)
-    v = linear(x, w["v_proj"]).reshape(B, T, K, D)
+    q, k, v = linear(x, w["q_proj"]), linear(x, w["k_proj"]), linear(x, w["v_proj"])
+    if cfg.attention_bias:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
@@ -90,18 +91,54 @@ def attention_output(cfg: DecoderConfig, w: Weights, x: jax.Array, o: jax.Array)
     o = o.reshape(B, T, H * D)
     if cfg.attn_output_gate:
         o = o * jax.nn.sigmoid(linear(x, w["gate_proj"]))
-    return linear(o, w["o_proj"])
+    o = linear(o, w["o_proj"])
+    return o + w["o_bias"] if cfg.attention_bias else o
 
 
-def residual_mlp(cfg: DecoderConfig, lw: Weights, h: jax.Array, a: jax.Array) -> jax.Array:
+# A mixture-of-experts layer's expert slots ("layers.expert_<name>"), as kernels.moe names them.
+EXPERT_SLOTS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+
+
+def moe_spec(cfg: DecoderConfig) -> MoeSpec:
+    return MoeSpec(experts=cfg.num_experts, top_k=cfg.experts_per_token, scoring=cfg.router_scoring,
+                   normalize=cfg.router_normalize, activation=cfg.expert_activation, alpha=cfg.swiglu_alpha,
+                   limit=cfg.swiglu_limit)
+
+
+def stacked_experts(weights: Weights) -> dict[str, jax.Array]:
+    """The experts' slots stacked over layers, [L, X, ...], by kernels.moe's names ({} for a dense model)."""
+    return {name: weights[f"layers.expert_{name}"] for name in EXPERT_SLOTS if f"layers.expert_{name}" in weights}
+
+
+def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, valid: jax.Array | None = None,
+                 experts: dict | None = None, layer=None) -> jax.Array:
+    """A layer's MLP on its normed input x [B, T, E] -> [B, T, E]: the gated MLP, or the mixture of experts
+    (kernels.moe; padding tokens, valid False, run no expert).
+
+    experts, layer: the experts stacked over layers (stacked_experts) and this layer's index in them, so that
+    each expert is read in place; None: the layer's own slots in lw.
+    """
+    if cfg.dense_mlp:
+        return gated_mlp(x, lw["gate_proj"], lw["up_proj"], lw["down_proj"], cfg.hidden_act)
+    if experts is None:
+        experts, layer = {name: lw[f"expert_{name}"] for name in EXPERT_SLOTS if f"expert_{name}" in lw}, None
+    shared = None
+    if cfg.shared_expert:
+        shared = {"gate": lw["shared_gate"], "up": lw["shared_up"], "down": lw["shared_down"],
+                  "gate_proj": lw["shared_expert_gate"]}
+    return moe(moe_spec(cfg), x, lw["router"], experts, router_bias=lw.get("router_bias"), shared=shared,
+               valid=valid, layer=layer)
+
+
+def residual_mlp(cfg: DecoderConfig, lw: Weights, h: jax.Array, a: jax.Array, *, valid: jax.Array | None = None,
+                 experts: dict | None = None, layer=None) -> jax.Array:
     """The rest of a layer after its attention a: h + a (a normed first with sandwich norms), then the
-    gated MLP's residual. h, a: [B, T, E] -> [B, T, E]."""
+    MLP's residual (feed_forward, whose arguments the keywords are). h, a: [B, T, E] -> [B, T, E]."""
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     if cfg.sandwich_norms:
         a = rms_norm(a, lw["post_attn_norm"], eps, off)
     h = h + a
-    m = gated_mlp(rms_norm(h, lw["mlp_norm"], eps, off), lw["gate_proj"], lw["up_proj"], lw["down_proj"],
-                  cfg.hidden_act)
+    m = feed_forward(cfg, lw, rms_norm(h, lw["mlp_norm"], eps, off), valid=valid, experts=experts, layer=layer)
     if cfg.sandwich_norms:
         m = rms_norm(m, lw["post_mlp_norm"], eps, off)
     return h + m
@@ -123,7 +160,7 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
     kv = kv_cache_write(kv, k, v, slots, layer)
     o = paged_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens,
                         scale=cfg.query_scale, window=window or None, soft_cap=cfg.attn_softcap or None,
-                        key_block=key_block, ring=bool(ring_pages))
+                        key_block=key_block, ring=bool(ring_pages), sinks=w["sinks"] if cfg.attn_sinks else None)
     return attention_output(cfg, w, x, o), kv
 
 
@@ -192,6 +229,8 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     if LINEAR in cfg.layer_types and inputs.state_slots is None:
         raise ValueError(f"{cfg.model_type} has linear-attention layers: its step inputs need state_slots")
     plan = layer_plan(cfg, windowed=ring_pages > 0)
+    experts = stacked_experts(weights) or None
+    valid = inputs.positions >= 0
 
     def period(carry, i):
         h, pools = carry
@@ -206,7 +245,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
                 a, kv = _attention(cfg, aw, a, pools[name], lp.pool.index(i), inputs, tables[lp.kind], lp.window,
                                    key_block, ring_pages if name == "window_kv" else 0)
                 pools = {**pools, name: kv}
-            h = residual_mlp(cfg, lw, h, a)
+            h = residual_mlp(cfg, lw, h, a, valid=valid, experts=experts, layer=lp.layer.index(i))
         return (h, pools), None
 
     # A scan over periods keeps one copy of the period's layers in the graph (compile time, body size);

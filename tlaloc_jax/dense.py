@@ -37,6 +37,9 @@ def _per_layer(cfg: DecoderConfig, weights: Weights) -> Weights:
     if linear_layers:
         raise ConfigError(f"the dense forward has no linear-attention layers (layers {linear_layers} of "
                           f"{cfg.model_type} are {cfg.layer_types[linear_layers[0]]!r})")
+    if cfg.attn_sinks:
+        raise ConfigError(f"the dense forward has no attention sinks ({cfg.model_type} config); its training "
+                          "attention (kernels.causal_attention) would drop them")
     return {name.split(".", 1)[1]: w for name, w in weights.items() if "." in name}
 
 

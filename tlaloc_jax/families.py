@@ -32,14 +32,16 @@ class Split:
     groups: str
     parts: tuple[str, ...]
     take: tuple[int, ...]
+    axis: int = 0      # the checkpoint tensor's axis that holds the groups (one layer's tensor, as stored)
 
 
 def _size(name: str, cfg: DecoderConfig) -> int:
-    return math.prod(int(getattr(cfg, n)) for n in name.split("*"))
+    """A size: a DecoderConfig attribute, a number, or a product "a*b" of them."""
+    return math.prod(int(n) if n.isdigit() else int(getattr(cfg, n)) for n in name.split("*"))
 
 
 def split_rows(split: Split, cfg: DecoderConfig) -> tuple[np.ndarray, int]:
-    """(the indices along the checkpoint tensor's first axis that make up the slot, in slot order; that
+    """(the indices along the checkpoint tensor's split axis that make up the slot, in slot order; that
     axis' full length)."""
     groups = _size(split.groups, cfg)
     sizes = [_size(p, cfg) for p in split.parts]
@@ -53,10 +55,11 @@ class Tensor:
     """One weight slot of a family.
 
     slot: the name in Weights and in the artifact. Slots starting with "layers." are stacked over layers.
-    hf: the checkpoint name; "{p}" is the family's decoder prefix, "{i}" the layer index.
-    shape: the slot's shape in one layer, linears [in, out]; each size names a DecoderConfig attribute, or a
-        product "a*b" of two (as in Split).
-    transpose: the checkpoint stores a linear [out, in]; the slot holds [in, out].
+    hf: the checkpoint name; "{p}" is the family's decoder prefix, "{i}" the layer index, "{e}" an expert's:
+        the checkpoint holds one tensor per expert, and the slot stacks them along its first axis (X).
+    shape: the slot's shape in one layer, linears [in, out], experts' [X, in, out]; each size names a
+        DecoderConfig attribute, a number, or a product "a*b" of them (as in Split).
+    transpose: the checkpoint stores a linear [out, in] (its last two axes); the slot holds [in, out].
     when: a DecoderConfig flag the slot needs ("qk_norm"), or "untied_head".
     split: the checkpoint tensor holds this slot and others, interleaved along its first axis (Split).
     squeeze: an axis of size 1 that the checkpoint has and the slot drops (a depthwise conv's [C, 1, W]).
@@ -73,6 +76,10 @@ class Tensor:
     def __post_init__(self):
         if self.split is not None and self.squeeze is not None:
             raise ValueError(f"slot {self.slot!r}: a split tensor cannot also be squeezed")
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.hf
 
     def layer_shape(self, cfg: DecoderConfig) -> tuple[int, ...]:
         """The slot's shape in one layer (the whole slot's, unstacked)."""
@@ -95,6 +102,7 @@ class Family:
     sliding: bool = False          # reads `sliding_window` for every layer (Mistral)
     tied_default: bool = False     # tie_word_embeddings when the config does not say
     text_config: bool = False      # a multimodal checkpoint: the decoder's keys sit under `text_config`
+    experts: "Experts | None" = None   # how the config describes mixture-of-experts MLPs (None: dense only)
 
     def slots(self, cfg: DecoderConfig) -> tuple[Tensor, ...]:
         """The tensors this configuration has (optional steps filtered by their flags)."""
@@ -134,18 +142,38 @@ def read_rope(hf: dict[str, Any], params: dict[str, Any] | None = None) -> RopeC
             if "rope_theta" in hf:
                 params.setdefault("rope_theta", hf["rope_theta"])
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "linear", "llama3"):
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise ConfigError(f"rope type {rope_type!r} (config key rope_parameters/rope_scaling) is not supported; "
-                          "supported: 'default', 'linear', 'llama3'")
+                          "supported: 'default', 'linear', 'llama3', 'yarn'")
     kw: dict[str, Any] = dict(theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_type=rope_type)
     needed = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-              "linear": ("factor",)}.get(rope_type, ())
+              "linear": ("factor",), "yarn": ("original_max_position_embeddings",)}.get(rope_type, ())
     for key in needed:
         if key not in params:
             raise ConfigError(f"{rope_type} rope scaling needs {key!r} in rope_parameters/rope_scaling")
         kw[key] = (int if key == "original_max_position_embeddings" else float)(params[key])
+    if rope_type == "yarn":
+        kw.update(_yarn(hf, params, kw["original_max_position_embeddings"]))
     prf = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     return RopeConfig(partial_rotary_factor=float(prf), **kw)
+
+
+def _yarn(hf: dict[str, Any], params: dict[str, Any], original: int) -> dict[str, Any]:
+    """YaRN's keys, with transformers' defaults: the factor (else max_position_embeddings / original), the
+    ramp's beta_fast and beta_slow, truncate, and the cos/sin scale (attention_factor, else from mscale)."""
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else float(hf["max_position_embeddings"]) / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return dict(factor=factor, beta_fast=float(params.get("beta_fast") or 32.0),
+                beta_slow=float(params.get("beta_slow") or 1.0), truncate=bool(params.get("truncate", True)),
+                attention_factor=float(attention_factor))
 
 
 def _eos(hf: dict[str, Any]) -> tuple[int, ...]:
@@ -162,6 +190,11 @@ def _refuse_flag(hf: dict[str, Any], key: str, family: str) -> None:
 
 def _common(family: "Family", hf: dict[str, Any]) -> dict[str, Any]:
     """The keys every decoder family shares."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(f"{family.name} config key quantization_config (quant_method {method!r}) is not "
+                          "supported: the weights must be stored unquantized (float32 or bfloat16)")
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     return dict(
@@ -232,28 +265,116 @@ def parse_gemma(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
         sandwich_norms=True, **kw)
 
 
+@dataclass(frozen=True)
+class Experts:
+    """How a family's config describes its mixture-of-experts MLPs (kernels/moe.py names the scorings and
+    activations).
+
+    scoring: the router's scoring; normalize: the config key that renormalises the chosen weights
+    (norm_topk_prob) and its default, or None with the family's fixed choice in normalize_default;
+    hidden_key: the key of an expert's hidden size; biases: router and expert biases (GPT-OSS);
+    shared_key: the key of a shared expert's hidden size (Qwen3-Next), or None.
+    """
+
+    scoring: str
+    hidden_key: str
+    normalize: str | None = None
+    normalize_default: bool = False
+    activation: str = "silu"
+    biases: bool = False
+    shared_key: str | None = None
+
+
+def _num_experts(hf: dict[str, Any]) -> int:
+    # transformers writes Qwen3-MoE's num_experts as num_local_experts (an attribute_map); the Hub's files say
+    # num_experts.
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
 def _sparse_layers(hf: dict[str, Any], layers: int) -> list[int]:
-    """The layers whose MLP is a sparse mixture of experts (Qwen3-Next's rule; none without `num_experts`)."""
-    if int(hf.get("num_experts") or 0) <= 0:
+    """The layers whose MLP is a sparse mixture of experts: Qwen3-MoE's and Qwen3-Next's rule (every
+    decoder_sparse_step-th layer not in mlp_only_layers), which is every layer for Mixtral and GPT-OSS;
+    none without experts."""
+    if _num_experts(hf) <= 0:
         return []
     step = int(hf.get("decoder_sparse_step") or 1)
     dense = set(hf.get("mlp_only_layers") or ())
     return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
 
 
+def _moe_keys(family: "Family", hf: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The DecoderConfig keys of a family's mixture-of-experts MLPs ({} when every MLP is dense)."""
+    sparse = _sparse_layers(hf, layers)
+    if not sparse:
+        return {}
+    keys = (f"num_experts={_num_experts(hf)}, decoder_sparse_step={hf.get('decoder_sparse_step', 1)}, "
+            f"mlp_only_layers={hf.get('mlp_only_layers') or []}")
+    spec = family.experts
+    if spec is None:
+        raise ConfigError(f"{family.name} layers {sparse} have sparse mixture-of-experts MLPs (config keys {keys}); "
+                          "only dense MLPs are supported")
+    if len(sparse) != layers:
+        dense = sorted(set(range(layers)) - set(sparse))
+        raise ConfigError(f"{family.name} layers {dense} have dense MLPs among mixture-of-experts layers (config "
+                          f"keys {keys}): a mix of dense and sparse MLP layers is not supported")
+    act = _activation(hf, family.name, "hidden_act")
+    if spec.activation == "silu" and act != "silu":
+        raise ConfigError(f"{family.name} config key hidden_act={hf['hidden_act']!r} is not supported for experts "
+                          "(SwiGLU experts take silu)")
+    normalize = bool(hf.get(spec.normalize, spec.normalize_default)) if spec.normalize else spec.normalize_default
+    kw = dict(num_experts=_num_experts(hf), experts_per_token=int(hf["num_experts_per_tok"]),
+              moe_intermediate_size=int(hf[spec.hidden_key]), router_scoring=spec.scoring,
+              router_normalize=normalize, router_bias=spec.biases, expert_bias=spec.biases,
+              expert_activation=spec.activation)
+    if spec.activation == "swiglu_clamped":
+        kw.update(swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+    if spec.shared_key:
+        kw["shared_expert_intermediate_size"] = int(hf.get(spec.shared_key) or 0)
+    return kw
+
+
+def parse_moe(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """Mixture-of-experts decoders with Llama-style attention: Qwen3-MoE (q/k norms; every layer sliding with
+    use_sliding_window), Mixtral (every layer sliding when sliding_window is set)."""
+    for key in ("attention_bias", "mlp_bias"):
+        _refuse_flag(hf, key, family.name)
+    kw = _common(family, hf)
+    if family.sliding:
+        window = hf.get("sliding_window")
+    else:
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if window:
+        kw.update(layer_types=(SLIDING,) * kw["num_layers"], sliding_window=int(window))
+    moe = _moe_keys(family, hf, kw["num_layers"])
+    if not moe:
+        raise ConfigError(f"{family.name} config has no experts (config key num_experts / num_local_experts)")
+    return DecoderConfig(rope=read_rope(hf), **moe, **kw)
+
+
+def parse_gpt_oss(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """GPT-OSS: attention with biases and a sink per head, sliding and full layers (`layer_types`, else
+    alternating from a sliding first layer), YaRN RoPE, and experts with a biased router (softmax over the
+    chosen logits) and GPT-OSS's clamped SwiGLU with biases."""
+    kw = _common(family, hf)
+    layers = kw["num_layers"]
+    types = hf.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
+    moe = _moe_keys(family, hf, layers)
+    if not moe:
+        raise ConfigError(f"{family.name} config has no experts (config key num_local_experts)")
+    # transformers' default window (128) where the config leaves it out.
+    return DecoderConfig(rope=read_rope(hf), layer_types=tuple(types), sliding_window=int(hf.get("sliding_window") or 128),
+                         attention_bias=bool(hf.get("attention_bias", True)), attn_sinks=True, **moe, **kw)
+
+
 def parse_hybrid(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
     """Qwen3-Next and Qwen3.5 text decoders: Gated DeltaNet (LINEAR) layers between gated full-attention
     layers (`layer_types`, or every `full_attention_interval`-th layer full), (1 + w) norms, q/k norms,
-    partial rotary (0.25 of the head unless the config says), dense SwiGLU MLPs only."""
+    partial rotary (0.25 of the head unless the config says), dense SwiGLU MLPs, or (Qwen3-Next) a mixture
+    of experts with a shared expert in every layer."""
     _refuse_flag(hf, "attention_bias", family.name)
     kw = _common(family, hf)
     layers = kw["num_layers"]
-    sparse = _sparse_layers(hf, layers)
-    if sparse:
-        raise ConfigError(
-            f"{family.name} layers {sparse} have sparse mixture-of-experts MLPs (config keys num_experts="
-            f"{hf.get('num_experts')}, decoder_sparse_step={hf.get('decoder_sparse_step', 1)}, mlp_only_layers="
-            f"{hf.get('mlp_only_layers') or []}); only dense MLPs are supported")
+    moe = _moe_keys(family, hf, layers)
     types = hf.get("layer_types")
     if types is None:
         interval = int(hf.get("full_attention_interval", 4))
@@ -271,7 +392,7 @@ def parse_hybrid(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
         rope=rope, layer_types=tuple(types), norm_offset=1.0, hidden_act=act, attn_output_gate=True,
         linear_key_heads=int(hf["linear_num_key_heads"]), linear_key_dim=int(hf["linear_key_head_dim"]),
         linear_value_heads=int(hf["linear_num_value_heads"]), linear_value_dim=int(hf["linear_value_head_dim"]),
-        linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), **kw)
+        linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), **moe, **kw)
 
 
 # Slot names: "embed", "final_norm", "head" are whole tensors; "layers.*" are stacked over every layer,
@@ -347,14 +468,71 @@ _DELTANET_INTERLEAVED = (
     Tensor("linear.in_a", _BA_HF, (E, Hv), transpose=True, split=Split("linear_key_heads", _BA, (1,))),
     *_DELTANET_TAIL,
 )
+# Mixture-of-experts MLPs: X experts of hidden FX stacked [X, in, out] per layer, a router [E, X].
+X, FX, FS = "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"
+_QWEN_EXPERTS = (   # Qwen3-MoE, Qwen3-Next: one tensor per expert
+    Tensor("layers.router", "{p}layers.{i}.mlp.gate.weight", (E, X), transpose=True, when="moe"),
+    Tensor("layers.expert_gate", "{p}layers.{i}.mlp.experts.{e}.gate_proj.weight", (X, E, FX), transpose=True,
+           when="moe"),
+    Tensor("layers.expert_up", "{p}layers.{i}.mlp.experts.{e}.up_proj.weight", (X, E, FX), transpose=True,
+           when="moe"),
+    Tensor("layers.expert_down", "{p}layers.{i}.mlp.experts.{e}.down_proj.weight", (X, FX, E), transpose=True,
+           when="moe"),
+)
+_SHARED_EXPERT = (  # Qwen3-Next: a SwiGLU every token runs, scaled by sigmoid(x Ws)
+    Tensor("layers.shared_gate", "{p}layers.{i}.mlp.shared_expert.gate_proj.weight", (E, FS), transpose=True,
+           when="shared_expert"),
+    Tensor("layers.shared_up", "{p}layers.{i}.mlp.shared_expert.up_proj.weight", (E, FS), transpose=True,
+           when="shared_expert"),
+    Tensor("layers.shared_down", "{p}layers.{i}.mlp.shared_expert.down_proj.weight", (FS, E), transpose=True,
+           when="shared_expert"),
+    Tensor("layers.shared_expert_gate", "{p}layers.{i}.mlp.shared_expert_gate.weight", (E, "1"), transpose=True,
+           when="shared_expert"),
+)
+_MIXTRAL_EXPERTS = (  # w1 gate, w3 up, w2 down
+    Tensor("layers.router", "{p}layers.{i}.block_sparse_moe.gate.weight", (E, X), transpose=True),
+    Tensor("layers.expert_gate", "{p}layers.{i}.block_sparse_moe.experts.{e}.w1.weight", (X, E, FX), transpose=True),
+    Tensor("layers.expert_up", "{p}layers.{i}.block_sparse_moe.experts.{e}.w3.weight", (X, E, FX), transpose=True),
+    Tensor("layers.expert_down", "{p}layers.{i}.block_sparse_moe.experts.{e}.w2.weight", (X, FX, E), transpose=True),
+)
+# GPT-OSS stores its experts fused and [in, out] already: gate_up_proj [X, E, 2 FX] holds gate and up
+# alternating along its last axis (gate = [..., 0::2], up = [..., 1::2]), its bias [X, 2 FX] likewise.
+_GATE_UP, _GATE_UP_BIAS = "{p}layers.{i}.mlp.experts.gate_up_proj", "{p}layers.{i}.mlp.experts.gate_up_proj_bias"
+_ALTERNATE = (FX, ("1", "1"))
+_GPT_OSS_EXPERTS = (
+    Tensor("layers.router", "{p}layers.{i}.mlp.router.weight", (E, X), transpose=True),
+    Tensor("layers.router_bias", "{p}layers.{i}.mlp.router.bias", (X,), when="router_bias"),
+    Tensor("layers.expert_gate", _GATE_UP, (X, E, FX), split=Split(*_ALTERNATE, (0,), axis=2)),
+    Tensor("layers.expert_up", _GATE_UP, (X, E, FX), split=Split(*_ALTERNATE, (1,), axis=2)),
+    Tensor("layers.expert_down", "{p}layers.{i}.mlp.experts.down_proj", (X, FX, E)),
+    Tensor("layers.expert_gate_bias", _GATE_UP_BIAS, (X, FX), split=Split(*_ALTERNATE, (0,), axis=1),
+           when="expert_bias"),
+    Tensor("layers.expert_up_bias", _GATE_UP_BIAS, (X, FX), split=Split(*_ALTERNATE, (1,), axis=1),
+           when="expert_bias"),
+    Tensor("layers.expert_down_bias", "{p}layers.{i}.mlp.experts.down_proj_bias", (X, E), when="expert_bias"),
+)
+_ATTN_BIASES_SINKS = (
+    Tensor("attn.q_bias", "{p}layers.{i}.self_attn.q_proj.bias", (HD,), when="attention_bias"),
+    Tensor("attn.k_bias", "{p}layers.{i}.self_attn.k_proj.bias", (KD,), when="attention_bias"),
+    Tensor("attn.v_bias", "{p}layers.{i}.self_attn.v_proj.bias", (KD,), when="attention_bias"),
+    Tensor("attn.o_bias", "{p}layers.{i}.self_attn.o_proj.bias", (E,), when="attention_bias"),
+    Tensor("attn.sinks", "{p}layers.{i}.self_attn.sinks", ("num_heads",), when="attn_sinks"),
+)
+_NORMS = (
+    Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight", (E,)),
+    Tensor("layers.mlp_norm", "{p}layers.{i}.post_attention_layernorm.weight", (E,)),
+)
+_QWEN3_MOE_LAYER = (*_NORMS, *_ATTN, *_QWEN_EXPERTS)
+_MIXTRAL_LAYER = (*_NORMS, *_ATTN, *_MIXTRAL_EXPERTS)
+_GPT_OSS_LAYER = (*_NORMS, *_ATTN, *_ATTN_BIASES_SINKS, *_GPT_OSS_EXPERTS)
 _NORMS_MLP = (
     Tensor("layers.mlp_norm", "{p}layers.{i}.post_attention_layernorm.weight", (E,)),
-    *_MLP,
+    *(dataclasses.replace(t, when="dense_mlp") for t in _MLP),
 )
 _QWEN3_5_LAYER = (Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight", (E,)), *_GATED_ATTN,
                   *_DELTANET, *_NORMS_MLP)
 _QWEN3_NEXT_LAYER = (Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight", (E,)), *_GATED_ATTN,
-                     *_DELTANET_INTERLEAVED, *_NORMS_MLP)
+                     *_DELTANET_INTERLEAVED, *_NORMS_MLP, *_QWEN_EXPERTS, *_SHARED_EXPERT)
 _TOP = (
     Tensor("embed", "{p}embed_tokens.weight", (V, E)),
     Tensor("final_norm", "{p}norm.weight", (E,)),
@@ -370,7 +548,16 @@ FAMILIES: tuple[Family, ...] = (
            tied_default=True),
     Family("gemma3_text", ("gemma3_text",), "model.", _TOP + _GEMMA_LAYER, qk_norm=True, parse=parse_gemma,
            tied_default=True),
-    Family("qwen3_next", ("qwen3_next",), "model.", _TOP + _QWEN3_NEXT_LAYER, qk_norm=True, parse=parse_hybrid),
+    Family("qwen3_next", ("qwen3_next",), "model.", _TOP + _QWEN3_NEXT_LAYER, qk_norm=True, parse=parse_hybrid,
+           experts=Experts("softmax", "moe_intermediate_size", "norm_topk_prob", True,
+                           shared_key="shared_expert_intermediate_size")),
+    Family("qwen3_moe", ("qwen3_moe",), "model.", _TOP + _QWEN3_MOE_LAYER, qk_norm=True, parse=parse_moe,
+           experts=Experts("softmax", "moe_intermediate_size", "norm_topk_prob", False)),
+    # Mixtral renormalises the chosen experts' softmax weights always.
+    Family("mixtral", ("mixtral",), "model.", _TOP + _MIXTRAL_LAYER, qk_norm=False, parse=parse_moe, sliding=True,
+           experts=Experts("softmax", "intermediate_size", normalize_default=True)),
+    Family("gpt_oss", ("gpt_oss",), "model.", _TOP + _GPT_OSS_LAYER, qk_norm=False, parse=parse_gpt_oss,
+           experts=Experts("topk_softmax", "intermediate_size", activation="swiglu_clamped", biases=True)),
     Family("qwen3_5_text", ("qwen3_5_text",), "model.", _TOP + _QWEN3_5_LAYER, qk_norm=True, parse=parse_hybrid),
     # The text decoder of a Qwen3.5 checkpoint (vision tower and MTP head not read).
     Family("qwen3_5", ("qwen3_5",), "model.language_model.", _TOP + _QWEN3_5_LAYER, qk_norm=True,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -83,7 +85,32 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    if rope.rope_type == "yarn":
+        inv = _yarn_inv_freq(rope, rot)
     return inv
+
+
+def _yarn_inv_freq(rope: RopeConfig, rot: int) -> np.ndarray:
+    """YaRN (Peng et al. 2023, as transformers computes it): each frequency blends the original (extrapolated)
+    and the one divided by `factor` (interpolated), by a linear ramp over the dims between the ones that turn
+    beta_fast and beta_slow times within the original context."""
+    base, old = rope.theta, rope.original_max_position_embeddings
+
+    def dim_of(rotations: float) -> float:
+        return (rot * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot - 1)
+    if low == high:
+        high += 0.001
+    pos = np.float32(base) ** (np.arange(0, rot, 2, dtype=np.int64).astype(np.float32) / np.float32(rot))
+    extrapolated = (np.float32(1.0) / pos).astype(np.float32)
+    interpolated = (np.float32(1.0) / (np.float32(rope.factor) * pos)).astype(np.float32)
+    ramp = np.clip((np.arange(rot // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1.0) - ramp).astype(np.float32)
+    return (interpolated * (np.float32(1.0) - keep) + extrapolated * keep).astype(np.float32)
 
 
 def rope_tables(rope: RopeConfig, head_dim: int, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -91,6 +118,8 @@ def rope_tables(rope: RopeConfig, head_dim: int, positions: jax.Array) -> tuple[
     inv = jnp.asarray(rope_inv_freq(rope, head_dim))
     freqs = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * inv
     freqs = jnp.concatenate([freqs, freqs], axis=-1)
+    if rope.attention_factor != 1.0:     # YaRN scales cos and sin (and so every score) by it
+        return jnp.cos(freqs) * jnp.float32(rope.attention_factor), jnp.sin(freqs) * jnp.float32(rope.attention_factor)
     return jnp.cos(freqs), jnp.sin(freqs)
 
 
