@@ -399,14 +399,17 @@ def moe_reference(spec: MoeSpec, x: jax.Array, router: jax.Array, experts: dict,
     if spec.normalize and spec.scoring != "topk_softmax":
         dense = dense / jnp.sum(dense, axis=-1, keepdims=True)
     f = {k: _f32(v) for k, v in experts.items()}
-    g = jnp.einsum("bte,xef->btxf", x, f["gate"], precision=HIGHEST)
-    u = jnp.einsum("bte,xef->btxf", x, f["up"], precision=HIGHEST)
+    # Every expert on every token: tokens broadcast along X, so each product is a batch of X plain matmuls
+    # (contracting "bte,xef" directly makes XLA transpose all the experts' weights first on CPU).
+    xs = jnp.broadcast_to(x[None], (X, *x.shape))                                              # [X, B, T, E]
+    g = jnp.einsum("xbte,xef->xbtf", xs, f["gate"], precision=HIGHEST)
+    u = jnp.einsum("xbte,xef->xbtf", xs, f["up"], precision=HIGHEST)
     if "gate_bias" in f:
-        g, u = g + f["gate_bias"], u + f["up_bias"]
-    y = jnp.einsum("btxf,xfe->btxe", activation(spec, g, u), f["down"], precision=HIGHEST)
+        g, u = g + f["gate_bias"][:, None, None], u + f["up_bias"][:, None, None]
+    y = jnp.einsum("xbtf,xfe->xbte", activation(spec, g, u), f["down"], precision=HIGHEST)
     if "down_bias" in f:
-        y = y + f["down_bias"]
-    out = jnp.einsum("btx,btxe->bte", dense, y, precision=HIGHEST)
+        y = y + f["down_bias"][:, None, None]
+    out = jnp.einsum("btx,xbte->bte", dense, y, precision=HIGHEST)
     if shared is not None:
         s = {k: _f32(v) for k, v in shared.items()}
         h = jax.nn.silu(jnp.einsum("bte,ef->btf", x, s["gate"], precision=HIGHEST)) * jnp.einsum(

@@ -40,8 +40,9 @@ SPECS = {
 BIASED = {"gpt_oss"}         # router and expert biases
 SHARED = {"qwen3_moe"}       # a shared expert (Qwen3-Next's), here on the softmax router
 
-# (B, T): one token; a decode batch (B T J <= X: the gathered form); odd prefill lengths (grouped).
-SHAPES = [(1, 1), (4, 1), (2, 37), (3, 64)]
+# (B, T): a decode batch (B T J <= X: the gathered form) and an odd prefill length (grouped) under make test;
+# one token, and a longer prefill, under make test-slow.
+SHAPES = [pytest.param((1, 1), marks=pytest.mark.slow), (4, 1), (2, 37), pytest.param((3, 64), marks=pytest.mark.slow)]
 
 
 def make_params(name: str, seed: int = 0):
@@ -97,7 +98,7 @@ fast = jax.jit(moe, static_argnums=(0,))
 reference = jax.jit(moe_reference, static_argnums=(0,))
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}T{s[1]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=["B1T1", "B4T1", "B2T37", "B3T64"])
 @pytest.mark.parametrize("name", list(SPECS))
 def test_matches_reference(name, shape):
     spec, params = make_params(name)
@@ -166,8 +167,8 @@ def test_reference_hand_worked():
     rtol = tol.bound(tol.moe_roundings(hidden=1, expert_hidden=1, experts=3, top_k=2))
     for spec, want in cases.items():
         for f in (moe_reference, moe):
-            np.testing.assert_allclose(float(f(spec, x, router, experts)[0, 0, 0]), want, rtol=rtol,
-                                       err_msg=f"{f.__name__} {spec}")
+            got = jax.jit(f, static_argnums=0)(spec, x, router, experts)
+            np.testing.assert_allclose(float(got[0, 0, 0]), want, rtol=rtol, err_msg=f"{f.__name__} {spec}")
 
 
 def test_reference_hand_worked_clamped_swiglu():
@@ -181,14 +182,17 @@ def test_reference_hand_worked_clamped_swiglu():
     for first, want in ((True, 0.0 + 0.5), (False, 2.0 * 1.5 * 0.5 / (1 + math.exp(-1.0)) - 0.25)):
         router = jnp.array([[1.0, -1.0]]) if first else jnp.array([[-1.0, 1.0]])
         for f in (moe_reference, moe):
-            np.testing.assert_allclose(float(f(spec, x, router, experts)[0, 0, 0]), want, rtol=1e-6)
+            got = jax.jit(f, static_argnums=0)(spec, x, router, experts)
+            np.testing.assert_allclose(float(got[0, 0, 0]), want, rtol=1e-6)
 
 
 # --- gradients -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(4, 1), (2, 37)], ids=["gathered", "grouped"])
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name,shape", [
+    (name, shape) if name in ("qwen3_moe", "gpt_oss") or shape[1] > 1 else
+    pytest.param(name, shape, marks=pytest.mark.slow) for name in SPECS for shape in [(4, 1), (2, 37)]],
+    ids=lambda v: v if isinstance(v, str) else ("gathered" if v[1] == 1 else "grouped"))
 def test_gradient_matches_reference(name, shape):
     """jax.grad through the custom_vjp (x, the router and its bias, every expert weight and bias, the shared
     expert) against jax.grad of the dense reference."""
@@ -216,7 +220,7 @@ def test_padding_tokens_get_no_gradient():
     spec, params = make_params("mixtral", seed=19)
     x, valid = make_tokens((2, 37), seed=23)
     x = jnp.where(valid[..., None], x, 1.0)
-    dx = jax.grad(lambda x: jnp.sum(moe(spec, x, valid=valid, **params)))(x)
+    dx = jax.jit(jax.grad(lambda x: jnp.sum(moe(spec, x, valid=valid, **params))))(x)
     np.testing.assert_array_equal(np.asarray(dx)[~np.asarray(valid)], 0.0)
 
 
