@@ -147,6 +147,40 @@ def test_stacked_layers_read_in_place():
         np.testing.assert_array_equal(np.asarray(layered), np.asarray(one))
 
 
+def test_stacked_layers_gradient_lands_in_its_layer():
+    spec, params = make_params("qwen3_moe", seed=2)
+    x, valid = make_tokens((2, 37), seed=7, padding=0.0)
+    stacked = {k: jnp.stack([v, v, v]) for k, v in params["experts"].items()}
+
+    def loss(experts, layer):
+        return jnp.sum(jnp.sin(moe(spec, x, params["router"], experts, shared=params["shared"], layer=layer)))
+
+    one = jax.jit(jax.grad(loss), static_argnums=1)(params["experts"], None)
+    layered = jax.jit(jax.grad(loss))(stacked, jnp.int32(1))
+    for k in one:
+        np.testing.assert_array_equal(np.asarray(layered[k][1]), np.asarray(one[k]))
+        np.testing.assert_array_equal(np.asarray(layered[k][0]), 0.0)
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (2, 37)], ids=["gathered", "grouped"])
+def test_bf16_experts(shape):
+    """bf16 expert weights: the op rounds each expert product's input to bf16 (as tlaloc_jax.layers.linear does)
+    and accumulates in f32; the reference widens the same bf16 weights to f32 and keeps f32 inputs. Two rounding
+    points in bf16 (the token before the gate and up products, the activation before the down) on top of the
+    f32 path. The router stays f32, so the choice is the f32 one on both sides."""
+    spec, params = make_params("gpt_oss", seed=37)
+    params["experts"] = {k: v.astype(jnp.bfloat16) for k, v in params["experts"].items()}
+    x, valid = make_tokens(shape, seed=41)
+    assert_routing_is_decided(spec, params, x, valid)
+    got = fast(spec, x, valid=valid, **params)
+    want = reference(spec, jnp.where(valid[..., None], x, 0.0), valid=valid, **params)
+    forward = tol.moe_roundings(hidden=E, expert_hidden=F, experts=spec.experts, top_k=spec.top_k)
+    bound = tol.bound({"bfloat16": 2, "float32": forward})
+    assert_within(relative_error(live_part(got, valid), live_part(want, valid)), bound, f"moe bf16 experts {shape}")
+    # Control: the f32 bound is too tight for bf16 experts (the rounding is real and seen).
+    assert relative_error(live_part(got, valid), live_part(want, valid)) > tol.bound(forward)
+
+
 # --- the reference itself ------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -235,6 +236,43 @@ def test_decode_step_copies_no_layer_of_experts(store, tmp_path_factory):
             assert not re.search(shape, line), f"a whole layer of experts is materialised: {line.strip()[:160]}"
     one_expert = rf"f32\[1,1,{E},{FX}\]"
     assert re.search(one_expert, hlo) or re.search(rf"f32\[{E},{FX}\]", hlo)
+
+
+@pytest.mark.slow
+def test_moe_decoder_trains_through_the_dense_forward(monkeypatch):
+    """jax.grad of the training forward's next-token loss (tlaloc_jax.dense: layers scanned, each layer's experts
+    [X, ...]) for a tiny qwen3_moe through kernels.moe's custom_vjp, against the same loss with the dense reference
+    in its place. Routing near-ties: the reference run records every router margin, which must exceed twice the
+    forward's logit bound (module docstring)."""
+    from tlaloc_jax import decoder
+    from tlaloc_jax.dense import next_token_loss, training_attention
+    from tlaloc_jax.kernels.moe import moe_reference, router_logits, router_margins
+    hf = dict(MOE_BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    fam, cfg = config_from_hf(hf)
+    weights = {k: jnp.asarray(v) for k, v in random_weights(cfg, fam, seed=5, std=0.3).items()}
+    batch = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 18)), jnp.int32)
+    margins = []
+
+    def dense_moe(spec, x, router, experts, *, router_bias=None, shared=None, valid=None, layer=None):
+        logits = router_logits(x, router, router_bias)
+        jax.debug.callback(lambda m, s: margins.append(float(np.min(m)) / float(s)), router_margins(spec, logits),
+                           jnp.max(jnp.abs(logits)))
+        return moe_reference(spec, x, router, experts, router_bias=router_bias, shared=shared, valid=valid)
+
+    def grads():
+        loss = lambda w: next_token_loss(cfg, w, batch, attention=training_attention(key_block=8))  # noqa: E731
+        return jax.jit(jax.grad(loss))(weights)
+
+    got = grads()
+    with monkeypatch.context() as patch:
+        patch.setattr(decoder, "moe", dense_moe)
+        want = grads()
+    forward = tol.decoder_roundings_of(cfg, context=17)
+    assert margins and min(margins) > 2 * tol.bound(forward), "a routing choice within rounding of a tie"
+    bound = tol.bound(tol.backward_roundings(forward, batch_tokens=2 * 17))
+    assert set(got) == set(want)
+    for k in sorted(got):
+        assert_within(relative_error(got[k], want[k]), bound, f"dense forward's gradient of {k}")
 
 
 # ---------------------------------------------------------------------------------------------------
