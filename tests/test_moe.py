@@ -12,7 +12,6 @@ with its own message, not a mismatch.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -24,7 +23,7 @@ from jax import lax
 from margins import assert_within
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.moe import (Layout, MoeSpec, gathered_form, moe, moe_reference, route, router_logits,
-                                    router_margins, routed_experts, tile_rows)
+                                    router_margins, tile_rows)
 from tlaloc_jax.kernels.tolerances import relative_error
 
 pytestmark = pytest.mark.numeric
