@@ -172,7 +172,7 @@ class Layout:
         A = idx.size
         X = experts
         self.tile = Tr = tile_rows(A, X)
-        # At most ceil((A + m (Tr - 1)) / Tr) tiles, m = min(X, A) experts in use, each wasting < Tr rows.
+        # At most floor((A + m (Tr - 1)) / Tr) tiles, m = min(X, A) experts in use, each wasting < Tr rows.
         tiles = (A + min(X, A) * (Tr - 1)) // Tr
         self.rows = R = tiles * Tr
         e = jnp.where(live, idx, X).reshape(A)                        # X: a padding token's, laid out nowhere
