@@ -51,6 +51,17 @@ def main(argv=None) -> int:
                          "as the full pool holds at the largest context)")
     ap.add_argument("--platform", choices=["cpu", "cuda"], default="cpu",
                     help="platform the bodies are lowered for, one per artifact (default cpu)")
+    ap.add_argument("--no-sampler", action="store_true",
+                    help="stage the model's step alone, without the sampler in each entry (temperature, top-k, top-p, "
+                         "min-p, penalties, logit bias, structured-output masks and logprobs computed in the body); the "
+                         "server then samples on the host from pulled logits")
+    ap.add_argument("--top-logprobs", type=int, default=20,
+                    help="the sampler's top logprobs per token (default 20, OpenAI's largest top_logprobs)")
+    ap.add_argument("--logit-bias-slots", type=int, default=64,
+                    help="logit_bias entries a request may carry (default 64)")
+    ap.add_argument("--allow-longer-context", action="store_true",
+                    help="export a context ladder past the checkpoint's max_position_embeddings (refused otherwise; "
+                         "with this flag it is a warning)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     if len(args.paths) != (1 if args.demo else 2):
@@ -61,7 +72,7 @@ def main(argv=None) -> int:
     else:
         args.checkpoint, args.out = args.paths
 
-    from . import ExportError, export_checkpoint
+    from . import ExportError, Sampler, export_checkpoint
     from tlaloc_jax.checkpoint import CheckpointError
     from tlaloc_jax.config import ConfigError
 
@@ -75,7 +86,9 @@ def main(argv=None) -> int:
                               kv_dtype=dtypes[args.kv_dtype], attention_block=args.attention_block,
                               windowed_kv=args.windowed_kv == "true", window_blocks=args.window_blocks,
                               state_slots=args.state_slots,
-                              platform=args.platform, progress=not args.quiet)
+                              platform=args.platform, progress=not args.quiet,
+                              sampler=None if args.no_sampler else Sampler(args.top_logprobs, args.logit_bias_slots),
+                              allow_longer_context=args.allow_longer_context)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -85,6 +98,7 @@ def main(argv=None) -> int:
     print(f"wrote {args.out}: {len(m.entries)} entries, {len(m.weights)} weights ({wbytes / 2**20:.1f} MiB), "
           f"pools {pools}, pages of {m.block_size} tokens"
           + (f", rings of {m.ring.ring_pages} pages for window {m.ring.window}" if m.ring else "")
+          + (f", sampler in every entry (top {m.sampler.top_logprobs} logprobs)" if m.sampler else ", no sampler")
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
     return 0
 

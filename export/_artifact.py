@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -21,7 +22,7 @@ from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import ExportError
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
-from ._stage import _ladder, stage
+from ._stage import Sampler, _ladder, stage
 
 
 def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pages: int) -> dict[str, PoolSpec]:
@@ -52,7 +53,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       block_size: int = 16, num_blocks: int | None = None, weight_dtype_name: str = "float32",
                       kv_dtype: str = "float32", attention_block: int = DEFAULT_KEY_BLOCK,
                       windowed_kv: bool = True, window_blocks: int | None = None, state_slots: int | None = None,
-                      platform: str = "cpu", progress: bool = True) -> mf.Manifest:
+                      platform: str = "cpu", progress: bool = True, sampler: Sampler | None = None,
+                      allow_longer_context: bool = False) -> mf.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -65,12 +67,22 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     window_blocks pages (default: a ring for each sequence the full pool holds at the largest context).
     A model with linear-attention layers keeps their states in state_slots slots (default: as many sequences
     as the full pool holds at the largest context).
+    sampler: `Sampler()` stages the sampler in every entry (see `stage`). A context ladder past the
+    checkpoint's max_position_embeddings is refused unless allow_longer_context, which warns instead.
     """
     contexts = _ladder(context_ladder, "context ladder")
     if block_size <= 0 or attention_block % block_size:
         raise ExportError(f"attention block {attention_block} is not a multiple of the block size {block_size}")
     kv_np = weight_dtype(kv_dtype)       # the same dtypes are allowed for KV pools
     cfg, weights = load_checkpoint(checkpoint_dir, weight_dtype_name)
+    if contexts[-1] > cfg.max_position_embeddings:
+        why = (f"the context ladder reaches {contexts[-1]} positions, past the checkpoint's max_position_embeddings "
+               f"({cfg.max_position_embeddings}): the model was not trained for positions that far and its output "
+               "there is not to be trusted")
+        if not allow_longer_context:
+            raise ExportError(f"{why}; lower the context ladder, or pass allow_longer_context=True "
+                              "(--allow-longer-context) to export it anyway")
+        warnings.warn(why, stacklevel=2)
     windowed = windowed_kv and SLIDING in cfg.layer_types
     ring = 0
     if windowed:
@@ -85,4 +97,5 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                  num_blocks=num_blocks, ring_blocks=window_blocks, state_slots=state_slots, platform=platform,
                  name=cfg.name or Path(checkpoint_dir).name, model_type=cfg.model_type,
                  eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, tokenizer_dir=checkpoint_dir,
-                 embedding_slot="embed", describe=describe, attention_block=attention_block, progress=progress)
+                 embedding_slot="embed", describe=describe, attention_block=attention_block, progress=progress,
+                 sampler=sampler)

@@ -30,6 +30,7 @@ from jax import export as jax_export
 
 from tlaloc_jax import manifest as mf
 from tlaloc_jax.inputs import StepInputs
+from tlaloc_jax.kernels import sampling as sampling_kernel
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import EntrySpec, ExportError, check_body, plan_entries
@@ -93,6 +94,26 @@ def flatten_weights(weights: Any) -> tuple[dict[str, np.ndarray], Any]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Sampler:
+    """The sampler `stage` appends to every entry (kernels/sampling.py): temperature, top-k, top-p, min-p,
+    presence / frequency / repetition penalties, logit bias and a token mask applied in the body, a counter-based
+    random stream per row, and the logprobs an OpenAI response reports.
+
+    top_logprobs: N, the largest logprobs each entry returns (with their ids) when a row asks; OpenAI allows
+        up to 20. logit_bias: NB, the logit-bias entries a row may carry."""
+
+    top_logprobs: int = 20
+    logit_bias: int = 64
+
+    def manifest(self, vocab: int) -> mf.Sampler:
+        if self.top_logprobs < 0 or self.logit_bias < 0:
+            raise ExportError(f"Sampler(top_logprobs={self.top_logprobs}, logit_bias={self.logit_bias}): both must "
+                              "be >= 0")
+        return mf.Sampler(columns=mf.SAMPLING_COLUMNS, top_logprobs=min(self.top_logprobs, vocab),
+                          logit_bias=self.logit_bias, mask_words=sampling_kernel.mask_words(vocab))
+
+
+@dataclasses.dataclass(frozen=True)
 class _Layout:
     """The resolved pools: manifest Pools in declaration order, and the ring size (0 without a ring)."""
 
@@ -147,9 +168,10 @@ def _resolve_pools(specs: Mapping[str, PoolSpec], *, block_size: int, contexts: 
 
 
 def entry_signature(spec: EntrySpec, layout: _Layout, block_size: int, vocab: int,
-                    weights: Mapping[str, np.ndarray]) -> tuple[list[mf.TensorSig], list[mf.TensorSig],
-                                                                tuple[tuple[int, int], ...]]:
-    """(inputs, outputs, donations) of an entry: the step inputs its pools need, the pools, the weights."""
+                    weights: Mapping[str, np.ndarray], sampler: mf.Sampler | None = None
+                    ) -> tuple[list[mf.TensorSig], list[mf.TensorSig], tuple[tuple[int, int], ...]]:
+    """(inputs, outputs, donations) of an entry: the step inputs its pools need, the sampler's inputs, the
+    pools, the weights."""
     B, T, M = spec.batch, spec.tokens_per_seq, spec.context // block_size
     shapes = {Role.TOKEN_IDS: (B, T), Role.POSITIONS: (B, T), Role.SEQ_LENS: (B,), Role.BLOCK_TABLES: (B, M),
               Role.SLOT_MAPPING: (B, T), Role.WINDOW_BLOCK_TABLES: (B, M), Role.WINDOW_SLOT_MAPPING: (B, T),
@@ -159,6 +181,10 @@ def entry_signature(spec: EntrySpec, layout: _Layout, block_size: int, vocab: in
         roles.update(mf.POOL_KIND_INPUTS[kind])
     inputs = [mf.TensorSig(role, "int32", shapes[role]) for role in mf.STEP_FIELDS if role in roles]
     outputs = [mf.TensorSig(Role.LOGITS, "float32", (B, vocab)), mf.TensorSig(Role.NEXT_TOKEN, "int32", (B,))]
+    if sampler is not None:
+        shapes = sampler.shapes(B, spec.context)
+        inputs += [mf.TensorSig(r, mf.SAMPLER_DTYPES.get(r, "int32"), shapes[r]) for r in mf.SAMPLER_INPUTS]
+        outputs += [mf.TensorSig(r, mf.SAMPLER_DTYPES.get(r, "int32"), shapes[r]) for r in mf.SAMPLER_OUTPUTS]
     donations = []
     for p in layout.pools:
         donations.append((len(outputs), len(inputs)))
@@ -171,10 +197,12 @@ def entry_signature(spec: EntrySpec, layout: _Layout, block_size: int, vocab: in
 def _entry_fn(step: Callable, treedef, inputs: list[mf.TensorSig], outputs: list[mf.TensorSig], ring_pages: int):
     """The entry's function over its positional arguments, in signature order."""
     def entry(*args):
-        fields, pools, leaves = {}, {}, []
+        fields, pools, leaves, sampler = {}, {}, [], {}
         for sig, a in zip(inputs, args):
             if sig.role in mf.STEP_FIELDS:
                 fields[mf.STEP_FIELDS[sig.role]] = a
+            elif sig.role in mf.SAMPLER_INPUTS:
+                sampler[sig.role] = a
             elif sig.role == Role.POOL_IN:
                 pools[sig.slot] = a
             else:
@@ -197,6 +225,13 @@ def _entry_fn(step: Callable, treedef, inputs: list[mf.TensorSig], outputs: list
         # The argmax rides along so a greedy caller need not pull the whole logits vector each step.
         results = {(Role.LOGITS, ""): logits,
                    (Role.NEXT_TOKEN, ""): jnp.argmax(logits, axis=-1).astype(jnp.int32)}
+        if sampler:
+            # The sampler runs on every entry, after the step: the host pulls a token per row (and its logprobs),
+            # never the logits, whatever the row's sampling parameters.
+            top_n = next(o.shape[1] for o in outputs if o.role == Role.TOP_LOGPROBS)
+            chosen = sampling_kernel.sample_tokens(logits, *(sampler[r] for r in mf.SAMPLER_INPUTS),
+                                                   fields["seq_lens"], top_n=top_n)
+            results.update({(role, ""): value for role, value in zip(mf.SAMPLER_OUTPUTS, chosen)})
         results.update({(Role.POOL_OUT, name): buf for name, buf in new_pools.items()})
         return tuple(results[(o.role, o.slot)] for o in outputs)
     return entry
@@ -308,7 +343,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
           platform: str = "cpu", name: str = "model", model_type: str = "authored",
           eos_token_ids: Sequence[int] = (), refused_tokens: Sequence[tuple[int, str]] = (),
           tokenizer_dir=None, embedding_slot: str = "", describe: Mapping[str, int] | None = None,
-          attention_block: int = 0, progress: bool = True) -> mf.Manifest:
+          attention_block: int = 0, progress: bool = True, sampler: Sampler | None = None) -> mf.Manifest:
     """Write the serving artifact of `step` to `out_dir` (empty or absent) and return its manifest.
 
     step(weights, pools, inputs) -> (logits [B, V], pools): one call, traced once per entry; it must return
@@ -324,6 +359,11 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         generation_config.json) are copied into the artifact. embedding_slot: the weight whose rows are the
         vocabulary, checked against it at load. describe: informative model sizes for the manifest (layers,
         heads, kv_heads, head_dim, hidden).
+    sampler: a `Sampler()` appends the sampler to every entry (temperature, top-k, top-p, min-p, penalties, logit
+        bias, a token mask, logprobs: kernels/sampling.py), so that the runtime pulls a token per row, never the
+        logits. None (the default here; `python -m tlaloc_jax.export` stages one unless --no-sampler) stages the
+        step alone: the runtime then samples on the host from pulled logits. The sampler adds about a second of
+        compile time per entry on a 2-core CPU.
     The export needs no accelerator and loads no PJRT plugin; the same inputs give the same bytes.
     """
     batches = _ladder(batch_ladder, "batch ladder")
@@ -351,6 +391,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
                             num_blocks=num_blocks, ring_blocks=ring_blocks, state_slots=state_slots)
     specs = plan_entries(batches, contexts, prefill_max_batch, chunk)
     vocab = _vocab(step, treedef, specs[0], layout, block_size, flat)
+    sampler_spec = sampler.manifest(vocab) if sampler is not None else None
     if embedding_slot and flat[embedding_slot].shape[:1] != (vocab,):
         raise ExportError(f"embedding {embedding_slot!r} has {flat[embedding_slot].shape[0]} rows, the logits "
                           f"{vocab} entries")
@@ -368,7 +409,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     bar = tqdm(total=len(specs) + len(flat), desc="export", unit="item", disable=not progress)
     for spec in specs:
         bar.set_postfix_str(spec.name)
-        inputs, outputs, donations = entry_signature(spec, layout, block_size, vocab, flat)
+        inputs, outputs, donations = entry_signature(spec, layout, block_size, vocab, flat, sampler_spec)
         exp = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=layout.ring_pages,
                            platform=platform)
         calling_convention = int(exp.calling_convention_version)
@@ -401,7 +442,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         versions=mf.Versions(jax=jax.__version__, jaxlib=jaxlib.__version__, calling_convention=calling_convention,
                              platform=platform, attention_block=attention_block),
         refused_tokens=tuple(mf.RefusedToken(int(t), k) for t, k in refused_tokens),
-        tokenizer_files=tokenizer,
+        tokenizer_files=tokenizer, sampler=sampler_spec,
     )
     (out / mf.MANIFEST_NAME).write_text(m.to_json())
     return mf.load_manifest(out)

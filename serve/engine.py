@@ -42,6 +42,7 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +54,7 @@ from tlaloc_jax import manifest as mf
 from tlaloc_jax.paging import PageAllocator, PoolExhausted, RowCall, build_step_inputs, pool_rule, row_call
 
 from .pjrt import Buffer, Device, Executable
-from .sampling import GREEDY, Sampling, sample
+from .sampling import GREEDY, NEUTRAL_ROW, Sampling, log_softmax, pack_mask, sample, seed_words, top_logprobs
 
 log = logging.getLogger("tlaloc_jax.serve")
 
@@ -76,13 +77,34 @@ class RequestRefused(ValueError):
 
 @dataclass(frozen=True)
 class StepEvent:
-    """A token produced for a request in one step (token None: the request failed)."""
+    """A token produced for a request in one step (token None: the request failed).
+
+    logprob and top_logprobs (when the request asked for logprobs): the token's logprob under the model
+    (log_softmax of the logits) and the `logprobs` largest as (id, logprob) pairs. prompt_logprobs (with a
+    request's first token, when it asked for them): per prompt token, None for the first, else
+    (its logprob, the top pairs)."""
 
     request_id: str
     token: int | None
     finished: bool
     finish_reason: str | None = None   # "stop" | "length" | "error" | "aborted"
     error: str | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    prompt_logprobs: tuple | None = None
+
+
+class Constraint:
+    """What a structured-output request asks of each token (serve/structured.py implements it with a grammar).
+
+    fill(allowed): clear, in `allowed` ([V] bool, all True on entry), the tokens the constraint forbids now.
+    accept(token): advance past the chosen token; False if the constraint refuses it."""
+
+    def fill(self, allowed: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def accept(self, token: int) -> bool:
+        raise NotImplementedError
 
 
 @dataclass
@@ -96,6 +118,9 @@ class _Seq:
     held: dict[mf.PoolKind, list[int]]   # pages (or state slots) the sequence holds, per kind of pool
     reserved: dict[mf.PoolKind, int]     # units promised to the sequence and not yet taken, per kind
     arrival: float
+    seed: int = 0                        # the body's 64-bit seed (the request's, else a random one)
+    constraint: Constraint | None = None
+    prompt_logprobs: list | None = None  # filled while the prompt is read, when the request asked
     prefilled: int = 0
     first_scheduled: float | None = None     # when the first call that reads this sequence started
     generated: list[int] = field(default_factory=list)
@@ -126,7 +151,7 @@ class Engine:
     def __init__(self, artifact_dir: str | Path, plugin: str | None = None, *,
                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR, memory_fraction: float = 0.75,
                  donate: bool = True, progress: bool = True, trust_weights: bool = False,
-                 manifest: mf.Manifest | None = None):
+                 manifest: mf.Manifest | None = None, max_model_len: int | None = None):
         """Load an artifact: validate it all (files, hashes, every body's @main against its entry, the memory its
         weights and pools need), then compile, upload the weights and allocate the pools. A bad artifact is
         refused (ManifestError naming what is wrong) before anything is compiled or allocated.
@@ -135,6 +160,8 @@ class Engine:
         artifacts whose weights are known good; the log says so.
         manifest: this artifact's manifest as `mf.load_manifest` returned it, when the caller has validated it
         already (the server does, to read the tokenizer before anything compiles): it is not read again.
+        max_model_len: the longest sequence (prompt plus new tokens) served, at most the artifact's largest
+        context (default: that context).
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
@@ -162,6 +189,13 @@ class Engine:
         self.rules = {kind: pool_rule(m.pools_of(kind)[0], m.block_size) for kind in m.pool_kinds}
         self.vocab = m.model.vocab
         self.max_context = max(m.buckets.context_ladder)
+        if max_model_len is not None:
+            if not isinstance(max_model_len, int) or not 0 < max_model_len <= self.max_context:
+                raise ValueError(f"max_model_len {max_model_len!r} must be a positive integer at most the artifact's "
+                                 f"largest context ({self.max_context})")
+            self.max_context = max_model_len
+        self.sampler = m.sampler           # None: the host samples from pulled logits
+        self._neutral: dict[tuple[str, mf.Role], Buffer] = {}
         self.refused = {r.token_id: r.config_key for r in m.refused_tokens}
         self._by_kind = {kind: sorted((e for e in m.entries if e.kind == kind), key=lambda e: (e.context, e.batch))
                          for kind in mf.EntryKind}
@@ -182,7 +216,7 @@ class Engine:
         self._entries_checked: set[str] = set()
         self._stats = dict(steps=0, executions=0, prefill_calls=0, decode_calls=0, tokens_generated=0,
                            prompt_tokens=0, requests_finished=0, requests_failed=0, requests_refused=0,
-                           pool_address_checks=0, pool_in_place=0, logits_pulled=0,
+                           pool_address_checks=0, pool_in_place=0, logits_pulled=0, sampled_in_body=0,
                            executions_by_entry={}, batch_sizes={})
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s: %d entries (%s), weights %.1f MiB, pools %.1f MiB (%s; pages of %d), %.1f s",
@@ -200,7 +234,9 @@ class Engine:
     def _compile_all(self, progress: bool) -> None:
         from tqdm.auto import tqdm
         entries = self.manifest.entries
-        for e in tqdm(entries, desc="compile", unit="entry", disable=not progress):
+        bar = tqdm(entries, desc="compile", unit="entry", disable=not progress)
+        for e in bar:
+            bar.set_postfix_str(e.name)
             body = (self.artifact_dir / e.serialized).read_bytes()
             self.executables[e.name] = self.device.compile(body, name=e.name)
 
@@ -237,12 +273,16 @@ class Engine:
     # -- requests --------------------------------------------------------------------------------
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int = 16, stop_token_ids: Iterable[int] = (),
-                    sampling: Sampling | None = None, request_id: str | None = None) -> str:
-        """Admit a request (its pages reserved) or raise RequestRefused; returns its id."""
+                    sampling: Sampling | None = None, request_id: str | None = None,
+                    constraint: Constraint | None = None) -> str:
+        """Admit a request (its pages reserved) or raise RequestRefused; returns its id.
+
+        constraint: the tokens it may choose at each step (structured output); applied before sampling."""
         try:
             prompt = self._check_prompt(prompt, max_new_tokens)
             stop = _check_stop(stop_token_ids)
             s = _check_sampling(sampling)
+            self._check_sampler_fits(s)
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._seqs:
                 raise RequestRefused("bad_request", f"request id {rid!r} is already in use")
@@ -253,9 +293,26 @@ class Engine:
         except RequestRefused:
             self._stats["requests_refused"] += 1
             raise
+        seed = s.seed if s.seed is not None else int.from_bytes(os.urandom(8), "little")
         self._seqs[rid] = _Seq(rid, prompt, int(max_new_tokens), stop, s, rng, {kind: [] for kind in self.allocators},
-                               reserved, time.perf_counter())
+                               reserved, time.perf_counter(), seed=seed, constraint=constraint,
+                               prompt_logprobs=[None] if s.prompt_logprobs is not None else None)
         return rid
+
+    def _check_sampler_fits(self, s: Sampling) -> None:
+        """What the artifact's sampler cannot carry is refused by name (the host fallback carries anything)."""
+        if self.sampler is None:
+            return
+        if len(s.logit_bias) > self.sampler.logit_bias:
+            raise RequestRefused("bad_request", f"logit_bias has {len(s.logit_bias)} entries; this artifact's sampler "
+                                                f"takes at most {self.sampler.logit_bias}")
+        if s.logprobs is not None and s.logprobs > self.sampler.top_logprobs:
+            raise RequestRefused("bad_request", f"{s.logprobs} top logprobs asked; this artifact's sampler returns at "
+                                                f"most {self.sampler.top_logprobs}")
+        for t, _ in s.logit_bias:
+            if not 0 <= t < self.vocab:
+                raise RequestRefused("out_of_vocabulary", f"logit_bias token id {t} is outside the vocabulary (size "
+                                                          f"{self.vocab})")
 
     def check_could_fit(self, sizes: Sequence[tuple[int, int]]) -> None:
         """Refuse sequences, given as (prompt tokens, max_new_tokens), that together would not fit the pools
@@ -373,6 +430,10 @@ class Engine:
         """(start, length) of the next piece of the prompt this sequence prefills."""
         start = s.prefilled
         cap = self.manifest.buckets.prefill_chunk or self.max_context
+        if s.prompt_logprobs is not None:
+            # Prompt logprobs need the distribution after every prompt token, and an entry returns the logits of
+            # each row's last token: such a prompt is read one token a call.
+            cap = 1
         for rule in self.rules.values():
             limit = rule.call_limit(start)
             if limit is not None:
@@ -424,7 +485,9 @@ class Engine:
 
     def _run_call(self, call: _Call) -> list[StepEvent]:
         e = call.entry
-        want_logits = any(not s.sampling.greedy for s in call.seqs)
+        # The rows whose last token is a new one (decoding, or reading the end of their prompt): they get a token.
+        producing = [e.kind == mf.EntryKind.DECODE or row.start + len(row.token_ids) == len(s.prompt)
+                     for s, row in zip(call.seqs, call.rows)]
         try:
             for s, row in zip(call.seqs, call.rows):
                 self._grow(s, row.start + len(row.token_ids))
@@ -434,7 +497,10 @@ class Engine:
                                        width=e.context // self.block_size, block_size=self.block_size,
                                        ring_pages=self.ring_pages,
                                        state_slots=mf.PoolKind.STATE_SLOTS in self.allocators)
-            next_ids, logits = self._execute(e, inputs, want_logits)
+            allowed = [self._allowed(s) if p else None for s, p in zip(call.seqs, producing)]
+            if self.sampler is not None:
+                inputs.update(self._sampler_inputs(e, call, producing, allowed))
+            out = self._execute(e, inputs, self._wanted(call, producing, allowed))
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
             log.error("call of %s failed: %s", e.name, err)
             return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]
@@ -444,17 +510,29 @@ class Engine:
         now = time.perf_counter()
         events = []
         for b, (s, row) in enumerate(zip(call.seqs, call.rows)):
+            lsm = None
+            if s.prompt_logprobs is not None and s.prefilled < len(s.prompt):
+                # The distribution after this prompt token scores the next one (the last one's is the first
+                # generated token's, reported with it).
+                lsm = log_softmax(out[mf.Role.LOGITS][b])
+                nxt = row.start + len(row.token_ids)
+                if nxt < len(s.prompt):
+                    t = s.prompt[nxt]
+                    s.prompt_logprobs.append((float(lsm[t]), tuple(top_logprobs(lsm, s.sampling.prompt_logprobs))))
             if e.kind == mf.EntryKind.PREFILL:
                 s.prefilled = row.start + len(row.token_ids)
                 self._stats["prompt_tokens"] += len(row.token_ids)
-                if s.prefilled < len(s.prompt):
+                if not producing[b]:
                     continue      # more of the prompt to read; this call's logits are not a token yet
             try:
-                tok = int(next_ids[b]) if s.sampling.greedy else sample(logits[b], s.sampling, s.rng)
+                tok, logprob, top = self._token(out, b, s, allowed[b], lsm)
+                if s.constraint is not None and not s.constraint.accept(tok):
+                    raise ValueError(f"token {tok} is outside the request's grammar")
             except Exception as err:   # noqa: BLE001 - this sequence fails; the call's others keep their tokens
                 log.error("sampling %s failed: %s", s.rid, err)
                 events.append(self._fail(s, f"sampling failed: {err}"))
                 continue
+            first = not s.generated
             s.generated.append(tok)
             s.token_times.append(now)
             if s.first_token_time is None:
@@ -463,19 +541,136 @@ class Engine:
             reason = "stop" if tok in s.stop else "length" if len(s.generated) >= s.max_new_tokens else None
             if reason:
                 self._finish(s, reason)
-            events.append(StepEvent(s.rid, tok, reason is not None, reason))
+            events.append(StepEvent(s.rid, tok, reason is not None, reason, logprob=logprob, top_logprobs=top,
+                                    prompt_logprobs=tuple(s.prompt_logprobs) if first and s.prompt_logprobs else None))
         return events
 
-    def _execute(self, e: mf.Entry, inputs: dict[str, np.ndarray], want_logits: bool):
+    def _allowed(self, s: _Seq) -> np.ndarray | None:
+        """[V] bool: the tokens the sequence may choose now (its constraint, and no stop token before
+        min_tokens), or None when it may choose any."""
+        allowed = None
+        if s.constraint is not None:
+            allowed = np.ones(self.vocab, bool)
+            s.constraint.fill(allowed)
+        if len(s.generated) < s.sampling.min_tokens and s.stop:
+            allowed = np.ones(self.vocab, bool) if allowed is None else allowed
+            allowed[[t for t in s.stop if 0 <= t < self.vocab]] = False
+        return allowed
+
+    def _wanted(self, call: _Call, producing: list[bool], allowed: list) -> set[mf.Role]:
+        """The outputs to pull to the host for this call."""
+        want = set()
+        if any(s.prompt_logprobs is not None and s.prefilled < len(s.prompt) for s in call.seqs):
+            want.add(mf.Role.LOGITS)
+        if self.sampler is not None:
+            want.add(mf.Role.SAMPLED_TOKEN)
+            if any(s.sampling.logprobs is not None for s in call.seqs):
+                want.add(mf.Role.TOKEN_LOGPROB)
+            if any(s.sampling.logprobs for s in call.seqs):
+                want |= {mf.Role.TOP_LOGPROBS, mf.Role.TOP_IDS}
+            return want
+        want.add(mf.Role.NEXT_TOKEN)
+        if any(p and (not s.sampling.plain or s.sampling.logprobs is not None or a is not None)
+               for s, p, a in zip(call.seqs, producing, allowed)):
+            want.add(mf.Role.LOGITS)
+        return want
+
+    def _token(self, out: dict, b: int, s: _Seq, allowed: np.ndarray | None, lsm: np.ndarray | None):
+        """Row b's token, its logprob and top logprobs (None unless asked), from the body's sampler or, without
+        one, sampled here from the pulled logits."""
+        n = s.sampling.logprobs
+        if self.sampler is not None:
+            tok = int(out[mf.Role.SAMPLED_TOKEN][b])
+            if allowed is not None and not allowed[tok]:
+                raise ValueError(f"the sampler chose token {tok}, which the mask forbids (no allowed token left?)")
+            if n is None:
+                return tok, None, None
+            top = tuple(zip(out[mf.Role.TOP_IDS][b][:n].tolist(), out[mf.Role.TOP_LOGPROBS][b][:n].tolist())) \
+                if n else ()
+            return tok, float(out[mf.Role.TOKEN_LOGPROB][b]), top
+        if mf.Role.LOGITS not in out:
+            return int(out[mf.Role.NEXT_TOKEN][b]), None, None
+        logits = out[mf.Role.LOGITS][b]
+        if s.sampling.plain and allowed is None:
+            tok = int(out[mf.Role.NEXT_TOKEN][b])
+        else:
+            extra = {}
+            if s.sampling.penalized:
+                extra.update(history=s.prompt + s.generated, generated=len(s.generated))
+            if allowed is not None:
+                extra["allowed"] = allowed
+            tok = sample(logits, s.sampling, s.rng, **extra)
+        if n is None:
+            return tok, None, None
+        lsm = log_softmax(logits) if lsm is None else lsm
+        return tok, float(lsm[tok]), tuple(top_logprobs(lsm, n))
+
+    def _sampler_inputs(self, e: mf.Entry, call: _Call, producing: list[bool], allowed: list) -> dict:
+        """The sampler's inputs of a call, by role: a host array, or a device buffer of neutral rows kept for the
+        entry when no row of the call needs that input (nothing is uploaded for it)."""
+        sp, B, C = self.sampler, e.batch, e.context
+        seqs = call.seqs
+        out: dict = {}
+        params = np.array([[NEUTRAL_ROW[c] for c in sp.columns]] * B, np.float32)
+        seeds = np.zeros((B, 2), np.int32)
+        steps = np.zeros(B, np.int32)
+        for b, (s, p) in enumerate(zip(seqs, producing)):
+            if p:
+                params[b] = s.sampling.row(sp.columns)
+                seeds[b] = seed_words(s.seed)
+                steps[b] = len(s.generated)
+        out[mf.Role.SAMPLING], out[mf.Role.RNG_SEED], out[mf.Role.RNG_STEP] = params, seeds, steps
+        if any(a is not None for a in allowed):
+            mask = np.full((B, sp.mask_words), -1, np.int32)
+            for b, a in enumerate(allowed):
+                if a is not None:
+                    mask[b] = pack_mask(a)
+            out[mf.Role.TOKEN_MASK] = mask
+        if any(p and s.sampling.logit_bias for s, p in zip(seqs, producing)):
+            ids = np.full((B, sp.logit_bias), -1, np.int32)
+            vals = np.zeros((B, sp.logit_bias), np.float32)
+            for b, (s, p) in enumerate(zip(seqs, producing)):
+                if p and s.sampling.logit_bias:
+                    pairs = s.sampling.logit_bias
+                    ids[b, :len(pairs)] = [t for t, _ in pairs]
+                    vals[b, :len(pairs)] = [v for _, v in pairs]
+            out[mf.Role.LOGIT_BIAS_IDS], out[mf.Role.LOGIT_BIAS] = ids, vals
+        if any(p and s.sampling.penalized for s, p in zip(seqs, producing)):
+            history = np.full((B, C), -1, np.int32)
+            for b, (s, row, p) in enumerate(zip(seqs, call.rows, producing)):
+                if p:
+                    tokens = (s.prompt + s.generated)[:row.start + len(row.token_ids)]
+                    history[b, :len(tokens)] = tokens
+            out[mf.Role.TOKEN_HISTORY] = history
+        for role in (mf.Role.TOKEN_MASK, mf.Role.LOGIT_BIAS_IDS, mf.Role.LOGIT_BIAS, mf.Role.TOKEN_HISTORY):
+            if role not in out:
+                out[role] = self._neutral_buffer(e, role)
+        return out
+
+    def _neutral_buffer(self, e: mf.Entry, role: mf.Role) -> Buffer:
+        key = (e.name, role)
+        if key not in self._neutral:
+            sig = e.inputs[e.input_index(role)]
+            fill = {mf.Role.TOKEN_MASK: -1, mf.Role.LOGIT_BIAS_IDS: -1, mf.Role.TOKEN_HISTORY: -1}.get(role, 0)
+            self._neutral[key] = self.device.upload(np.full(sig.shape, fill, mf.numpy_dtype(sig.dtype)))
+        return self._neutral[key]
+
+    def _execute(self, e: mf.Entry, inputs: dict, want: set[mf.Role]) -> dict[mf.Role, np.ndarray]:
+        """Run entry `e` on `inputs` (step inputs by field name, the sampler's by role: host arrays, or device
+        buffers kept for the entry); -> the outputs of `want`, pulled to the host."""
         exe = self.executables[e.name]
         check = self._runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
         args: list[Buffer] = []
         uploaded: list[Buffer] = []
         pool_args: dict[int, str] = {}
         for i, sig in enumerate(e.inputs):
-            if sig.role in mf.STEP_FIELDS:
-                buf = self.device.upload(inputs[mf.STEP_FIELDS[sig.role]])
-                uploaded.append(buf)
+            if sig.role in mf.STEP_FIELDS or sig.role in mf.SAMPLER_INPUTS:
+                value = inputs[mf.STEP_FIELDS.get(sig.role, sig.role)]
+                if isinstance(value, np.ndarray):
+                    buf = self.device.upload(value)
+                    uploaded.append(buf)
+                else:
+                    buf = value          # a kept neutral buffer: read, never donated
             elif sig.role == mf.Role.POOL_IN:
                 buf = self.pools[sig.slot]
                 pool_args[i] = sig.slot
@@ -508,15 +703,19 @@ class Engine:
                             ", ".join(f"{n} {a:#x} -> {b:#x}" for n, (a, b) in moved.items()))
             else:
                 log.debug("run %d (%s): pools updated in place", self._runs, e.name)
-        logits_buf, next_buf = outs[e.output_index(mf.Role.LOGITS)], outs[e.output_index(mf.Role.NEXT_TOKEN)]
-        next_ids = self.device.to_host(next_buf)
-        logits = None
-        if want_logits:
-            logits = self.device.to_host(logits_buf)
+        pulled = {}
+        donated_outs = {o for o, _ in e.donations}
+        for i, sig in enumerate(e.outputs):
+            if i in donated_outs:
+                continue
+            if sig.role in want:
+                pulled[sig.role] = self.device.to_host(outs[i])
+            outs[i].close()
+        if mf.Role.LOGITS in want:
             self._stats["logits_pulled"] += 1
-        logits_buf.close()
-        next_buf.close()
-        return next_ids, logits
+        if mf.Role.SAMPLED_TOKEN in want:
+            self._stats["sampled_in_body"] += 1
+        return pulled
 
     # -- conveniences ----------------------------------------------------------------------------
 

@@ -35,9 +35,9 @@ def free_port() -> int:
 
 def export_demo(out_dir: Path, quiet: bool = True):
     """Export the embedded model with a small ladder (what the demo and its test serve)."""
-    from .export import export_checkpoint
+    from .export import Sampler, export_checkpoint
     return export_checkpoint(DEMO_MODEL, out_dir, batch_ladder=(1, 4), context_ladder=(256,), prefill_chunk=128,
-                             block_size=16, progress=not quiet)
+                             block_size=16, progress=not quiet, sampler=Sampler())
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> None:

@@ -18,6 +18,11 @@ Changelog:
     POOL_KIND_INPUTS (state pools add STATE_SLOTS). sha256 of every weight file, tokenizer file and of jax's
     serialized `.exported` body (now recorded in each entry). `model.embedding_slot` names the weight whose
     rows are the vocabulary (checked at load). The feature a manifest uses no longer sets its version.
+    v4 + sampler (optional, still tlaloc-serving-v4): top-level `sampler` (its SAMPLING columns, N top
+    logprobs, NB logit-bias slots) and, in every entry, the sampler's inputs SAMPLING, RNG_SEED, RNG_STEP,
+    TOKEN_MASK, LOGIT_BIAS_IDS, LOGIT_BIAS, TOKEN_HISTORY and outputs SAMPLED_TOKEN, TOKEN_LOGPROB,
+    TOP_LOGPROBS, TOP_IDS (kernels/sampling.py). A manifest without them is served as before (the host
+    samples from pulled logits); a runtime that predates them refuses the new roles by name.
 v2 and v3 manifests still load: `Manifest.from_json` upgrades them to the v4 model in memory (their
 weights and tokenizer files carry no hashes; the loader says so).
 """
@@ -66,9 +71,27 @@ class Role(enum.StrEnum):
     POOL_OUT = "POOL_OUT"
     # A weight (slot: its name in the weight table).
     WEIGHT = "WEIGHT"
+    # The sampler's per-row inputs (manifest `sampler`; kernels/sampling.py): SAMPLING [B, P] f32 (the
+    # columns of Sampler.columns), RNG_SEED [B, 2] i32 (a 64-bit seed's low and high words), RNG_STEP [B]
+    # i32 (tokens generated before the call: the random stream's counter), TOKEN_MASK [B, W] i32 (allowed
+    # tokens, bit t % 32 of word t // 32), LOGIT_BIAS_IDS [B, NB] i32 (-1: empty) and LOGIT_BIAS [B, NB] f32,
+    # TOKEN_HISTORY [B, C] i32 (the sequence's tokens by position, -1 past its end; C the entry's context).
+    SAMPLING = "SAMPLING"
+    RNG_SEED = "RNG_SEED"
+    RNG_STEP = "RNG_STEP"
+    TOKEN_MASK = "TOKEN_MASK"
+    LOGIT_BIAS_IDS = "LOGIT_BIAS_IDS"
+    LOGIT_BIAS = "LOGIT_BIAS"
+    TOKEN_HISTORY = "TOKEN_HISTORY"
     # Outputs.
     LOGITS = "LOGITS"
     NEXT_TOKEN = "NEXT_TOKEN"
+    # The sampler's outputs: the chosen token [B] i32, its logprob [B] f32 (log_softmax of the logits), the
+    # N largest logprobs [B, N] f32 and their ids [B, N] i32.
+    SAMPLED_TOKEN = "SAMPLED_TOKEN"
+    TOKEN_LOGPROB = "TOKEN_LOGPROB"
+    TOP_LOGPROBS = "TOP_LOGPROBS"
+    TOP_IDS = "TOP_IDS"
 
 
 class PoolKind(enum.StrEnum):
@@ -105,8 +128,15 @@ POOL_KIND_INPUTS: dict[PoolKind, tuple[Role, ...]] = {
     PoolKind.RING_KV: (Role.WINDOW_BLOCK_TABLES, Role.WINDOW_SLOT_MAPPING),
     PoolKind.STATE_SLOTS: (Role.STATE_SLOTS,),
 }
-INPUT_ROLES = frozenset(STEP_FIELDS) | {Role.POOL_IN, Role.WEIGHT}
-OUTPUT_ROLES = frozenset({Role.LOGITS, Role.NEXT_TOKEN, Role.POOL_OUT})
+# The sampler's inputs and outputs, in signature order (after the step inputs; its outputs after NEXT_TOKEN).
+SAMPLER_INPUTS = (Role.SAMPLING, Role.RNG_SEED, Role.RNG_STEP, Role.TOKEN_MASK, Role.LOGIT_BIAS_IDS, Role.LOGIT_BIAS,
+                  Role.TOKEN_HISTORY)
+SAMPLER_OUTPUTS = (Role.SAMPLED_TOKEN, Role.TOKEN_LOGPROB, Role.TOP_LOGPROBS, Role.TOP_IDS)
+# The columns of SAMPLING a runtime knows how to fill, each with its neutral value (kernels/sampling.py).
+SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "top_logprobs")
+INPUT_ROLES = frozenset(STEP_FIELDS) | {Role.POOL_IN, Role.WEIGHT} | frozenset(SAMPLER_INPUTS)
+OUTPUT_ROLES = frozenset({Role.LOGITS, Role.NEXT_TOKEN, Role.POOL_OUT}) | frozenset(SAMPLER_OUTPUTS)
 
 
 @dataclass(frozen=True)
@@ -268,6 +298,29 @@ class RefusedToken:
 
 
 @dataclass(frozen=True)
+class Sampler:
+    """The sampler every entry runs after the step (kernels/sampling.py): the SAMPLING columns in order, the
+    N top logprobs it returns, the NB logit-bias slots it takes, the W words of its token mask."""
+
+    columns: tuple[str, ...]
+    top_logprobs: int
+    logit_bias: int
+    mask_words: int
+
+    def shapes(self, batch: int, context: int) -> dict[Role, tuple[int, ...]]:
+        """Each sampler role's shape in an entry of `batch` rows and `context` positions."""
+        return {Role.SAMPLING: (batch, len(self.columns)), Role.RNG_SEED: (batch, 2), Role.RNG_STEP: (batch,),
+                Role.TOKEN_MASK: (batch, self.mask_words), Role.LOGIT_BIAS_IDS: (batch, self.logit_bias),
+                Role.LOGIT_BIAS: (batch, self.logit_bias), Role.TOKEN_HISTORY: (batch, context),
+                Role.SAMPLED_TOKEN: (batch,), Role.TOKEN_LOGPROB: (batch,),
+                Role.TOP_LOGPROBS: (batch, self.top_logprobs), Role.TOP_IDS: (batch, self.top_logprobs)}
+
+
+SAMPLER_DTYPES = {Role.SAMPLING: "float32", Role.LOGIT_BIAS: "float32", Role.TOKEN_LOGPROB: "float32",
+                  Role.TOP_LOGPROBS: "float32"}      # the others are int32
+
+
+@dataclass(frozen=True)
 class Versions:
     """What produced the bodies; a runtime checks them against its plugin."""
 
@@ -290,6 +343,7 @@ class Manifest:
     versions: Versions
     refused_tokens: tuple[RefusedToken, ...] = ()
     tokenizer_files: tuple[TokenizerFile, ...] = ()
+    sampler: Sampler | None = None     # v4 + sampler: every entry samples in its body
 
     def pool(self, name: str) -> Pool | None:
         return next((p for p in self.pools if p.name == name), None)
@@ -598,6 +652,14 @@ def load_manifest(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
 # -- cross-field checks -------------------------------------------------------------------------------------
 
 
+def _check_sampler_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
+    if m.sampler is None:
+        raise ManifestError(f"{what} has {sig.role}, but the manifest has no sampler")
+    want = (SAMPLER_DTYPES.get(sig.role, "int32"), m.sampler.shapes(e.batch, e.context)[sig.role])
+    if (sig.dtype, tuple(sig.shape)) != want:
+        raise ManifestError(f"{what} {sig.role} is {sig.dtype}{list(sig.shape)}, the sampler's is {want[0]}{list(want[1])}")
+
+
 def _positive(value: int, what: str) -> None:
     if value <= 0:
         raise ManifestError(f"{what} must be positive, got {value}")
@@ -664,6 +726,16 @@ def _check_consistency(m: Manifest) -> None:
     step_roles = set(BASE_STEP_INPUTS)
     for kind in m.pool_kinds:
         step_roles.update(POOL_KIND_INPUTS[kind])
+    if m.sampler is not None:
+        unknown = [c for c in m.sampler.columns if c not in SAMPLING_COLUMNS]
+        if unknown:
+            raise ManifestError(f"sampler.columns {unknown} are not columns this runtime fills "
+                                f"({', '.join(SAMPLING_COLUMNS)})")
+        if m.sampler.top_logprobs < 0 or m.sampler.logit_bias < 0:
+            raise ManifestError("sampler.top_logprobs and sampler.logit_bias must be >= 0")
+        if m.sampler.mask_words != (m.model.vocab + 31) // 32:
+            raise ManifestError(f"sampler.mask_words is {m.sampler.mask_words}; a mask over {m.model.vocab} tokens "
+                                f"has {(m.model.vocab + 31) // 32}")
     for e in m.entries:
         what = f"entry {e.name!r}"
         if v4 and not e.exported:
@@ -682,6 +754,9 @@ def _check_consistency(m: Manifest) -> None:
             if sig.role in STEP_FIELDS:
                 if sig.role not in step_roles:
                     raise ManifestError(f"{what} takes {sig.role}, which none of the artifact's pools needs")
+                seen_roles.add(sig.role)
+            elif sig.role in SAMPLER_INPUTS:
+                _check_sampler_sig(m, e, sig, what)
                 seen_roles.add(sig.role)
             elif sig.role == Role.WEIGHT:
                 w = slots.get(sig.slot)
@@ -704,6 +779,13 @@ def _check_consistency(m: Manifest) -> None:
                 raise ManifestError(f"{what} output has role {sig.role}, which is not an output role")
             if sig.role == Role.POOL_OUT:
                 seen_pools_out.add(sig.slot)
+            elif sig.role in SAMPLER_OUTPUTS:
+                _check_sampler_sig(m, e, sig, what)
+                seen_roles.add(sig.role)
+        sampler_roles = set(SAMPLER_INPUTS) | set(SAMPLER_OUTPUTS)
+        if m.sampler is not None and not sampler_roles <= seen_roles:
+            raise ManifestError(f"{what} lacks the sampler's roles {sorted(sampler_roles - seen_roles)} (the manifest "
+                                "has a sampler)")
         if seen_pools_in != set(pools) or seen_pools_out != set(pools):
             raise ManifestError(f"{what} takes pools {sorted(seen_pools_in)} and returns {sorted(seen_pools_out)}; "
                                 f"the manifest has {sorted(pools)}")
