@@ -1,5 +1,6 @@
-"""python -m tlaloc_jax.serve ARTIFACT_DIR [--host 127.0.0.1] [--port 8000] [--plugin PATH] [--max-batch N] [--api-key KEY]
-[--allowed-hosts HOST,...] [--allowed-origins ORIGIN,...] [--embedding-artifact DIR]"""
+"""python -m tlaloc_jax.serve ARTIFACT_DIR [--host 127.0.0.1] [--port 8000] [--plugin PATH] [--max-num-seqs N]
+[--max-model-len N] [--api-key KEY] [--allowed-hosts HOST,...] [--allowed-origins ORIGIN,...] [--strict-fields]
+[--embedding-artifact DIR]"""
 
 from __future__ import annotations
 
@@ -54,9 +55,16 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     ap.add_argument("--plugin", default=None,
                     help="PJRT plugin library (default: the CPU plugin of lammps-jax-pjrt-cpu)")
-    ap.add_argument("--max-batch", type=_positive, default=None,
+    ap.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=_positive, default=None,
                     help="most sequences running at once; later requests wait for a slot (default: the largest "
-                         "decode batch of the artifact)")
+                         "decode batch of the artifact); --max-num-seqs is vLLM's name")
+    ap.add_argument("--max-model-len", type=_positive, default=None,
+                    help="longest sequence served, prompt plus new tokens (default and at most: the artifact's "
+                         "largest context)")
+    ap.add_argument("--strict-fields", action="store_true",
+                    help="refuse (400) request fields this server does not know; by default they are logged as "
+                         "ignored, as vLLM does")
+    ap.add_argument("--no-progress", action="store_true", help="no compile progress bar on load")
     ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $TLALOC_API_KEY, else no key)")
     ap.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST...]",
@@ -126,9 +134,14 @@ def main(argv=None) -> int:
                 embedding_tokenizer = load_embedding_tokenizer(args.embedding_artifact, embedding_manifest)
             except ManifestError as e:
                 raise ManifestError(f"--embedding-artifact: {e}") from None
-        engine = Engine.load(args.artifact, args.plugin, cache_dir=cache_dir, progress=False,
-                             trust_weights=args.trust_weights, manifest=manifest)
-    except (ManifestError, OSError, CompileError, PluginNotFoundError) as e:
+        largest = max(manifest.buckets.context_ladder)
+        if args.max_model_len is not None and args.max_model_len > largest:
+            raise ValueError(f"--max-model-len {args.max_model_len} is past the artifact's largest context "
+                             f"({largest}); export a longer context ladder to serve longer sequences")
+        # The bar shows the compile of each entry (a cold cache on a large artifact takes minutes).
+        engine = Engine.load(args.artifact, args.plugin, cache_dir=cache_dir, progress=not args.no_progress,
+                             trust_weights=args.trust_weights, manifest=manifest, max_model_len=args.max_model_len)
+    except (ManifestError, OSError, CompileError, PluginNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     embeddings = None
@@ -146,15 +159,16 @@ def main(argv=None) -> int:
                               max_batch=args.max_batch,
                               max_body_bytes=args.max_body_bytes or http.DEFAULT_MAX_BODY_BYTES,
                               allowed_hosts=allowed_hosts, allowed_origins=_names(args.allowed_origins),
-                              embeddings=embeddings)
+                              embeddings=embeddings, strict_fields=args.strict_fields)
         server = app.state.server
         if not _is_loopback(args.host) and not api_key:
             log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                         args.host)
-        log.info("serving %r from %s on http://%s:%d (max batch %d, KV pool %d pages of %d, context %d, %s)",
+        log.info("serving %r from %s on http://%s:%d (max batch %d, KV pool %d pages of %d, context %d, %s, %s)",
                  server.model_name, args.artifact, args.host, args.port, server.loop.max_running,
                  engine.stats()["num_pages"], engine.block_size, engine.max_context,
-                 "tokenizer" if server.tokenizer else "no tokenizer: token ids only")
+                 "tokenizer" if server.tokenizer else "no tokenizer: token ids only",
+                 "sampling in the body" if engine.sampler else "sampling on the host (the artifact has no sampler)")
         if embeddings is not None:
             log.info("serving embedding model %r from %s on /v1/embeddings (%d dimensions, at most %d tokens, %s)",
                      embeddings.model_name, args.embedding_artifact, embeddings.dimensions, embeddings.max_tokens,

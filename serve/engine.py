@@ -54,7 +54,7 @@ from tlaloc_jax import manifest as mf
 from tlaloc_jax.paging import PageAllocator, PoolExhausted, RowCall, build_step_inputs, pool_rule, row_call
 
 from .pjrt import Buffer, Device, Executable
-from .sampling import GREEDY, NEUTRAL_ROW, Sampling, log_softmax, pack_mask, sample, seed_words, top_logprobs
+from .sampling import GREEDY, NEUTRAL_ROW, Sampling, log_softmax, sample, seed_words, top_logprobs, unpack_mask
 
 log = logging.getLogger("tlaloc_jax.serve")
 
@@ -82,7 +82,7 @@ class StepEvent:
     logprob and top_logprobs (when the request asked for logprobs): the token's logprob under the model
     (log_softmax of the logits) and the `logprobs` largest as (id, logprob) pairs. prompt_logprobs (with a
     request's first token, when it asked for them): per prompt token, None for the first, else
-    (its logprob, the top pairs)."""
+    (its logprob, its rank, the top pairs)."""
 
     request_id: str
     token: int | None
@@ -97,10 +97,11 @@ class StepEvent:
 class Constraint:
     """What a structured-output request asks of each token (serve/structured.py implements it with a grammar).
 
-    fill(allowed): clear, in `allowed` ([V] bool, all True on entry), the tokens the constraint forbids now.
-    accept(token): advance past the chosen token; False if the constraint refuses it."""
+    fill(words): clear, in `words` (the packed mask: [ceil(V / 32)] int32, bit t % 32 of word t // 32, all ones
+    on entry), the tokens the constraint forbids now. accept(token): advance past the chosen token; False if
+    the constraint refuses it."""
 
-    def fill(self, allowed: np.ndarray) -> None:
+    def fill(self, words: np.ndarray) -> None:
         raise NotImplementedError
 
     def accept(self, token: int) -> bool:
@@ -518,7 +519,8 @@ class Engine:
                 nxt = row.start + len(row.token_ids)
                 if nxt < len(s.prompt):
                     t = s.prompt[nxt]
-                    s.prompt_logprobs.append((float(lsm[t]), tuple(top_logprobs(lsm, s.sampling.prompt_logprobs))))
+                    s.prompt_logprobs.append((float(lsm[t]), int(np.sum(lsm > lsm[t])) + 1,
+                                              tuple(top_logprobs(lsm, s.sampling.prompt_logprobs))))
             if e.kind == mf.EntryKind.PREFILL:
                 s.prefilled = row.start + len(row.token_ids)
                 self._stats["prompt_tokens"] += len(row.token_ids)
@@ -546,16 +548,19 @@ class Engine:
         return events
 
     def _allowed(self, s: _Seq) -> np.ndarray | None:
-        """[V] bool: the tokens the sequence may choose now (its constraint, and no stop token before
-        min_tokens), or None when it may choose any."""
-        allowed = None
+        """The packed mask of the tokens the sequence may choose now ([ceil(V / 32)] int32: its constraint, and
+        no stop token before min_tokens), or None when it may choose any."""
+        words = None
         if s.constraint is not None:
-            allowed = np.ones(self.vocab, bool)
-            s.constraint.fill(allowed)
+            words = np.full((self.vocab + 31) // 32, -1, np.int32)
+            s.constraint.fill(words)
         if len(s.generated) < s.sampling.min_tokens and s.stop:
-            allowed = np.ones(self.vocab, bool) if allowed is None else allowed
-            allowed[[t for t in s.stop if 0 <= t < self.vocab]] = False
-        return allowed
+            words = np.full((self.vocab + 31) // 32, -1, np.int32) if words is None else words
+            bits = words.view(np.uint32)
+            for t in s.stop:
+                if 0 <= t < self.vocab:
+                    bits[t // 32] &= ~np.uint32(1 << (t % 32))
+        return words
 
     def _wanted(self, call: _Call, producing: list[bool], allowed: list) -> set[mf.Role]:
         """The outputs to pull to the host for this call."""
@@ -581,7 +586,7 @@ class Engine:
         n = s.sampling.logprobs
         if self.sampler is not None:
             tok = int(out[mf.Role.SAMPLED_TOKEN][b])
-            if allowed is not None and not allowed[tok]:
+            if allowed is not None and not (int(allowed.view(np.uint32)[tok // 32]) >> (tok % 32)) & 1:
                 raise ValueError(f"the sampler chose token {tok}, which the mask forbids (no allowed token left?)")
             if n is None:
                 return tok, None, None
@@ -598,7 +603,7 @@ class Engine:
             if s.sampling.penalized:
                 extra.update(history=s.prompt + s.generated, generated=len(s.generated))
             if allowed is not None:
-                extra["allowed"] = allowed
+                extra["allowed"] = unpack_mask(allowed, self.vocab)
             tok = sample(logits, s.sampling, s.rng, **extra)
         if n is None:
             return tok, None, None
@@ -624,7 +629,7 @@ class Engine:
             mask = np.full((B, sp.mask_words), -1, np.int32)
             for b, a in enumerate(allowed):
                 if a is not None:
-                    mask[b] = pack_mask(a)
+                    mask[b] = a
             out[mf.Role.TOKEN_MASK] = mask
         if any(p and s.sampling.logit_bias for s, p in zip(seqs, producing)):
             ids = np.full((B, sp.logit_bias), -1, np.int32)

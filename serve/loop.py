@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .engine import Engine
+from .engine import Constraint, Engine
 from .metrics import Metrics
 from .sampling import Sampling
 
@@ -32,17 +32,22 @@ class SeqSpec:
     max_new_tokens: int
     stop_token_ids: frozenset[int]
     sampling: Sampling
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
 class Update:
-    """A token of one of a request's sequences (token None: the sequence failed)."""
+    """A token of one of a request's sequences (token None: the sequence failed), with its logprobs when asked
+    (engine.StepEvent)."""
 
     seq: int
     token: int | None
     finished: bool
     reason: str | None = None
     error: str | None = None
+    logprob: float | None = None
+    top_logprobs: tuple | None = None
+    prompt_logprobs: tuple | None = None
 
 
 Sink = Callable[[list[Update]], None]
@@ -159,7 +164,7 @@ class EngineLoop:
             try:
                 for spec in adm.specs:
                     rids.append(self.engine.add_request(spec.prompt, spec.max_new_tokens, spec.stop_token_ids,
-                                                        spec.sampling))
+                                                        spec.sampling, constraint=spec.constraint))
             except Exception as e:  # noqa: BLE001 - RequestRefused, or a bug: nothing of it stays admitted
                 for rid in rids:
                     self.engine.release(rid)
@@ -184,7 +189,8 @@ class EngineLoop:
             if ev.finished:
                 self._end(ev.request_id, ev.finish_reason or "stop")
             out.setdefault(id(run.sink), (run.sink, []))[1].append(
-                Update(run.seq, ev.token, ev.finished, ev.finish_reason, ev.error))
+                Update(run.seq, ev.token, ev.finished, ev.finish_reason, ev.error, ev.logprob, ev.top_logprobs,
+                       ev.prompt_logprobs))
         for sink, updates in out.values():
             _deliver(sink, updates)
 

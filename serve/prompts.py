@@ -84,8 +84,8 @@ class PromptTokenizer:
     def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
-    def _chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
+    def _chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+        text = self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         self._check_length(text, "messages", "the chat as its template renders it, {} characters,")
         return self._encode([text], False)[0]     # the template wrote the special tokens
 
@@ -96,10 +96,16 @@ class PromptTokenizer:
             self._check_length(text, param, param + " of {} characters")
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, texts, True)
 
-    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Chat messages -> the ids of the chat template's text (ChatTemplateError where it refuses them)."""
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
+                          tools: list[dict] | None = None) -> list[int]:
+        """Chat messages (and tools) -> the ids of the chat template's text (ChatTemplateError where it refuses
+        them)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._chat, messages,
-                                                                add_generation_prompt)
+                                                                add_generation_prompt, tools)
+
+    async def run(self, fn, *args):
+        """fn(*args) on a worker thread (a grammar's compilation, a long decode)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

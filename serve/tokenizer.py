@@ -108,12 +108,18 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (what a logprobs entry names)."""
+        return self.tok.decode([int(token_id)], skip_special_tokens=False)
+
     def detokenizer(self, prompt_ids: Sequence[int]) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_ids)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to `messages` (each {"role", "content"}), as text to encode without
-        adding special tokens (the template writes them)."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The chat template applied to `messages` (each {"role", "content"}; an assistant's may hold
+        tool_calls, a tool's its tool_call_id) and `tools` (OpenAI's function declarations), as text to encode
+        without adding special tokens (the template writes them)."""
         if self.chat_template is None:
             raise ChatTemplateError("this artifact's tokenizer has no chat template (tokenizer_config.json "
                                     "chat_template, chat_template.jinja or chat_template.json)")
@@ -122,7 +128,7 @@ class TextTokenizer:
         import jinja2
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, **self.special_tokens)
+                                         tools=tools or None, **self.special_tokens)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from None
 

@@ -2,7 +2,9 @@
 /v1/completions, /v1/chat/completions and /v1/embeddings. Every refusal is an APIError 400 that names the field.
 
 `parse_body(bytes) -> dict` then `validate(body, COMPLETION_FIELDS, CHAT_FIELDS or EMBEDDING_FIELDS, required)`
--> one value per known field (None where absent).
+-> one value per known field (None where absent). A field the endpoint does not know is ignored (its name is
+returned under IGNORED, and the server logs it), as vLLM does: clients written for vLLM or OpenAI send fields
+such as `metadata`, `store` or `service_tier`. With strict=True (`--strict-fields`) it is refused (400).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from .errors import APIError
 MAX_SEQS_PER_REQUEST = 64          # prompts x n
 MAX_EMBEDDING_INPUTS = 2048        # OpenAI's limit on the inputs of one /v1/embeddings request
 MAX_JSON_DEPTH = 64
+MAX_TOP_LOGPROBS = 20              # vLLM's default max_logprobs; OpenAI's top_logprobs allows 20 too
+IGNORED = "_ignored"               # validate(): the unknown fields it ignored
 MAX_SEED = 2**63 - 1               # OpenAI's int64; seed + j (choice j < 64) stays inside Sampling's [0, 2**64)
 
 # A JSON string, escapes included (the unrolled form: no backtracking on long strings).
@@ -256,12 +260,134 @@ def _messages(name, v):
         msg = {"role": role, "content": content if content is not None else ""}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if m.get("tool_calls") is not None:
+            calls = m["tool_calls"]
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                      for c in calls):
+                raise bad_type(f"{where}.tool_calls", "an array of tool calls", calls)
+            # Templates read the arguments as an object (transformers' convention); OpenAI sends JSON text.
+            msg["tool_calls"] = [dict(c, function=dict(c["function"], arguments=_arguments(c["function"])))
+                                 for c in calls]
+        if isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
 
 
+def _arguments(function: dict):
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
 def _opt(check):
     return lambda name, v: None if v is None else check(name, v)
+
+
+def _logit_bias(name, v):
+    """{"token id": bias in [-100, 100]} -> ((id, bias), ...)."""
+    if not isinstance(v, dict):
+        raise bad_type(name, "an object mapping token ids to numbers", v)
+    out = []
+    for k, x in v.items():
+        try:
+            t = int(k)
+        except ValueError:
+            raise bad_value(name, f"key {json.dumps(k)} is not a token id.") from None
+        out.append((t, _number(-100.0, 100.0)(f"{name}.{k}", x)))
+    return tuple(out)
+
+
+def _json_schema_arg(name, v):
+    """A JSON schema: an object, or a JSON text of one."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise bad_value(name, f"not valid JSON ({e}).") from None
+    if not isinstance(v, dict):
+        raise bad_type(name, "a JSON schema (an object)", v)
+    return v
+
+
+def _choices(name, v):
+    if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+        raise bad_type(name, "a non-empty array of non-empty strings", v)
+    return list(v)
+
+
+def _response_format(name, v):
+    """OpenAI's response_format -> None (text), ("json", True) (any JSON object) or ("json", schema)."""
+    if not isinstance(v, dict):
+        raise bad_type(name, "an object", v)
+    kind = v.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json", True
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise bad_value(f"{name}.json_schema", "must be an object with a 'schema'.")
+        return "json", _json_schema_arg(f"{name}.json_schema.schema", spec["schema"])
+    raise bad_value(f"{name}.type", f"must be \"text\", \"json_object\" or \"json_schema\", got {json.dumps(kind)}.")
+
+
+_STRUCTURED_KINDS = {"json": _json_schema_arg, "regex": _str, "choice": _choices, "grammar": _str,
+                     "json_object": _bool}
+
+
+def _structured_outputs(name, v):
+    """vLLM's structured_outputs (and guided_decoding): one of json, regex, choice, grammar (Lark), json_object."""
+    if not isinstance(v, dict):
+        raise bad_type(name, "an object", v)
+    given = {k: x for k, x in v.items() if x is not None and k in _STRUCTURED_KINDS}
+    if len(given) != 1:
+        raise bad_value(name, f"must set exactly one of {', '.join(_STRUCTURED_KINDS)}.")
+    (kind, x), = given.items()
+    x = _STRUCTURED_KINDS[kind](f"{name}.{kind}", x)
+    if kind == "json_object":
+        return ("json", True) if x else None
+    return {"grammar": "lark"}.get(kind, kind), x
+
+
+def _tools(name, v):
+    if not isinstance(v, list):
+        raise bad_type(name, "an array of tools", v)
+    out = []
+    for i, t in enumerate(v):
+        where = f"{name}[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise bad_value(where, "must be {\"type\": \"function\", \"function\": {...}}.")
+        f = t["function"]
+        if not isinstance(f.get("name"), str) or not f["name"]:
+            raise bad_type(f"{where}.function.name", "a non-empty string", f.get("name"))
+        params = f.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_type(f"{where}.function.parameters", "a JSON schema (an object)", params)
+        out.append({"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters", "strict")
+                                                       if k in f}})
+    return out
+
+
+def _tool_choice(name, v):
+    """-> "none", "auto", "required" or a function's name."""
+    if v in ("none", "auto", "required"):
+        return v
+    if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
+            and isinstance(v["function"].get("name"), str):
+        return {"name": v["function"]["name"]}
+    raise bad_value(name, "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}.")
+
+
+def _ignored(name, v):
+    """A field accepted for compatibility whose value changes nothing here."""
+    return v
 
 
 _COMMON = {
@@ -279,32 +405,52 @@ _COMMON = {
     "return_token_ids": _opt(_bool),
     "ignore_eos": _opt(_bool),
     "user": _opt(_str),
-    "presence_penalty": _opt(_unsupported(0, 0.0)),
-    "frequency_penalty": _opt(_unsupported(0, 0.0)),
-    "logit_bias": _opt(_unsupported({})),
+    "presence_penalty": _opt(_number(-2.0, 2.0)),
+    "frequency_penalty": _opt(_number(-2.0, 2.0)),
+    "repetition_penalty": _opt(_number(0.0, 100.0, lo_open=True)),
+    "min_p": _opt(_number(0.0, 1.0)),
+    "min_tokens": _opt(_int(lo=0)),
+    "logit_bias": _opt(_logit_bias),
+    "prompt_logprobs": _opt(_int(lo=0, hi=MAX_TOP_LOGPROBS)),
+    "response_format": _opt(_response_format),
+    "structured_outputs": _opt(_structured_outputs),
+    "guided_decoding": _opt(_structured_outputs),
+    "guided_json": _opt(_json_schema_arg),
+    "guided_regex": _opt(_str),
+    "guided_choice": _opt(_choices),
+    "guided_grammar": _opt(_str),
+    "guided_decoding_backend": _opt(_ignored),
+    "guided_whitespace_pattern": _opt(_ignored),
+    "skip_special_tokens": _opt(_bool),
 }
-COMPLETION_FIELDS = {**_COMMON, "prompt": _prompt, "echo": _opt(_unsupported(False)),
-                     "suffix": _opt(_unsupported("")), "logprobs": _opt(_unsupported(0)),
+COMPLETION_FIELDS = {**_COMMON, "prompt": _prompt, "echo": _opt(_bool),
+                     "suffix": _opt(_unsupported("")), "logprobs": _opt(_int(lo=0, hi=MAX_TOP_LOGPROBS)),
                      "best_of": _opt(_unsupported(1))}
 CHAT_FIELDS = {**_COMMON, "messages": _messages, "max_completion_tokens": _opt(_int(lo=1)),
-               "logprobs": _opt(_unsupported(False)), "top_logprobs": _opt(_unsupported(0)),
+               "logprobs": _opt(_bool), "top_logprobs": _opt(_int(lo=0, hi=MAX_TOP_LOGPROBS)),
                "add_generation_prompt": _opt(_bool),
-               # Tool calling and structured output are not served; clients that send the neutral values pass.
-               "tools": _opt(_unsupported([])), "tool_choice": _opt(_unsupported("none")),
-               "parallel_tool_calls": _opt(_unsupported(True, False)),
-               "response_format": _opt(_unsupported({"type": "text"}))}
+               "tools": _opt(_tools), "tool_choice": _opt(_tool_choice), "parallel_tool_calls": _opt(_bool),
+               "chat_template_kwargs": _opt(_ignored)}
 
 
 EMBEDDING_FIELDS = {"input": _embedding_input, "model": _opt(_str), "encoding_format": _opt(_one_of("float", "base64")),
                     "dimensions": _opt(_int(lo=1)), "user": _opt(_str)}
+TOKENIZE_FIELDS = {"model": _opt(_str), "prompt": _opt(_str), "messages": _opt(_messages),
+                   "add_special_tokens": _opt(_bool), "add_generation_prompt": _opt(_bool),
+                   "return_token_strs": _opt(_bool)}
+DETOKENIZE_FIELDS = {"model": _opt(_str), "tokens": _token_ids}
 
 
-def validate(body: dict, fields: dict, required: str) -> dict:
-    """body -> {field: checked value or None} for every field of the endpoint; APIError 400 on the first bad one."""
-    for k in body:
-        if k not in fields:
-            raise APIError(400, f"Unrecognized request argument supplied: {k}", param=k, code="unknown_parameter")
-    if body.get(required) is None:
+def validate(body: dict, fields: dict, required: str | None, strict: bool = False) -> dict:
+    """body -> {field: checked value or None} for every field of the endpoint, and IGNORED: the names of the
+    fields it does not know (strict: refused instead); APIError 400 on the first bad one."""
+    unknown = [k for k in body if k not in fields]
+    if unknown and strict:
+        raise APIError(400, f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0],
+                       code="unknown_parameter")
+    if required is not None and body.get(required) is None:
         raise APIError(400, f"Missing required parameter: '{required}'.", param=required,
                        code="missing_required_parameter")
-    return {k: check(k, body.get(k)) for k, check in fields.items()}
+    out = {k: check(k, body.get(k)) for k, check in fields.items()}
+    out[IGNORED] = unknown
+    return out
