@@ -432,7 +432,8 @@ class _Server:
             if name is not None and name not in {t["function"]["name"] for t in req["tools"]}:
                 raise bad_value("tool_choice", f"names the function {json.dumps(name)}, which 'tools' does not "
                                                "declare.")
-            asked.append(("lark", tool_call_grammar(req["tools"], name), "tool_choice"))
+            parallel = req["parallel_tool_calls"] is not False
+            asked.append(("lark", tool_call_grammar(req["tools"], name, parallel), "tool_choice"))
         if len(asked) > 1:
             raise APIError(400, f"{', '.join(a[2] for a in asked)}: ask for one structured output at a time",
                            param=asked[1][2], code="invalid_value")

@@ -143,9 +143,10 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     return content or None, calls
 
 
-def tool_call_grammar(tools: list[dict], name: str | None) -> str:
-    """Lark: one or more Hermes tool calls whose JSON is a call of one of `tools` (of `name` alone when given),
-    its arguments valid against the function's parameters schema."""
+def tool_call_grammar(tools: list[dict], name: str | None, parallel: bool = True) -> str:
+    """Lark: Hermes tool calls whose JSON is a call of one of `tools` (of `name` alone when given), its arguments
+    valid against the function's parameters schema: one call for a named function or without `parallel`, else
+    one or more."""
     schemas = []
     for t in tools:
         f = t["function"]
@@ -157,7 +158,7 @@ def tool_call_grammar(tools: list[dict], name: str | None) -> str:
     schema = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": schemas}
     # Compact JSON with the separators the templates write (a model is not free to pad it with whitespace).
     schema["x-guidance"] = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-    repeat = "" if name is not None else ' ("\\n" call)*'
+    repeat = "" if name is not None or not parallel else ' ("\\n" call)*'
     return (f"start: call{repeat}\n"
             f"call: {json.dumps(TOOL_OPEN + chr(10))} body {json.dumps(chr(10) + TOOL_CLOSE)}\n"
             f"body: %json {json.dumps(schema)}\n")

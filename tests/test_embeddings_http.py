@@ -142,14 +142,12 @@ BAD = {
                r"'encoding_format': must be \"float\" or \"base64\", got \"int8\""),
     "dimensions": ({"input": "hi", "dimensions": 5}, "unsupported_parameter",
                    r"'dimensions' = 5: this model's embeddings have 12 dimensions"),
-    "unknown-field": ({"input": "hi", "temperature": 1}, "unknown_parameter",
-                      r"Unrecognized request argument supplied: temperature"),
     "missing": ({"model": NAME}, "missing_required_parameter", r"Missing required parameter: 'input'"),
     "surrogate": (b'{"input": "hi \\ud800 there"}', "invalid_unicode", r"'input' holds a lone surrogate"),
     "surrogate-in-list": (b'{"input": ["ok", "\\udfff"]}', "invalid_unicode", r"'input\[1\]' holds a lone surrogate"),
     "deep": (b'{"input": ' + b"[" * 100 + b"1" + b"]" * 100 + b"}", "invalid_json", r"nested deeper than 64 levels"),
 }
-_PARAM = {"format": "encoding_format", "dimensions": "dimensions", "unknown-field": "temperature", "deep": None,
+_PARAM = {"format": "encoding_format", "dimensions": "dimensions", "deep": None,
           "surrogate-in-list": "input[1]"}
 
 

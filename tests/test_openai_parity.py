@@ -377,3 +377,176 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_batched_with_seven_oth
     alone, together, control = asyncio.run(go())
     assert engine.stats()["batch_sizes"].get(8), "the eight requests never shared a call"
     assert together[0] == alone and control != alone
+
+
+# -- logprobs against transformers -----------------------------------------------------------------------------------
+
+
+def _logprob_events(engine, prompt, n):
+    rid = engine.add_request(prompt, n, sampling=Sampling(logprobs=1, prompt_logprobs=1))
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    engine.release(rid)
+    return events
+
+
+def _lsm(logits):
+    x = np.asarray(logits, np.float64)
+    return x - (x.max(-1, keepdims=True) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+
+
+@pytest.mark.numeric
+def test_greedy_logprobs_and_prompt_logprobs_equal_transformers_log_softmax(artifacts, engine):
+    """Served greedy ids against transformers' (near-tie rule); up to any divergence, each step's chosen-token logprob
+    (the body's TOKEN_LOGPROB) within the tolerance model of log_softmax of transformers' logits, and so is every
+    prompt token's logprob (read a token a call). The bound: a logit moves by at most D = logit_bound * max |logit|,
+    so a log_softmax entry by 2 D, plus log_softmax's own roundings (a V-term sum, exp, log). Control: the served
+    logprobs against the oracle's one step later are far outside it."""
+    import torch
+
+    import tlaloc_jax
+    from hf_models import load_hf_torch, torch_greedy
+    from margins import assert_within
+    from oracle import check_greedy, engine_next_token
+    from tlaloc_jax.kernels import tolerances as tol
+    ck = artifacts[2]
+    n = 12
+    cfg = tlaloc_jax.load_hf(ck).config
+    logit_bound = tol.bound(tol.decoder_roundings_of(cfg, context=len(GOOD) + n))
+    lsm_bound = tol.bound(cfg.vocab_size + 2 * tol.TRANSCENDENTAL_ULPS + 2)
+    ref = load_hf_torch(ck)
+    want = torch_greedy(ref, GOOD, n)
+    events = _logprob_events(engine, GOOD, n)
+    got = [e.token for e in events]
+    ties = check_greedy(GOOD, got, want, logit_bound=logit_bound, next_token=engine_next_token(engine))
+    agree = ties[0].step if ties else n
+    oracle = _lsm(want.logits)
+    for k in range(agree):
+        allowed = 2 * logit_bound * np.abs(want.logits[k]).max() + lsm_bound * np.abs(oracle[k]).max()
+        assert_within(abs(events[k].logprob - oracle[k][got[k]]), allowed, f"step {k} logprob")
+        assert events[k].top_logprobs[0] == (got[k], pytest.approx(events[k].logprob))
+    shifted = max(abs(events[k].logprob - oracle[k + 1][got[k]]) for k in range(agree - 1))
+    assert shifted > 10 * (2 * logit_bound * np.abs(want.logits).max() + lsm_bound * np.abs(oracle).max()), \
+        "control: logprobs one step off pass"
+    with torch.no_grad():
+        prompt_logits = ref(torch.tensor([GOOD])).logits[0].float().numpy()
+    prompt_lsm = _lsm(prompt_logits)
+    plp = events[0].prompt_logprobs
+    assert plp[0] is None and len(plp) == len(GOOD)
+    for k in range(1, len(GOOD)):
+        allowed = 2 * logit_bound * np.abs(prompt_logits[k - 1]).max() + lsm_bound * np.abs(prompt_lsm[k - 1]).max()
+        assert_within(abs(plp[k][0] - prompt_lsm[k - 1][GOOD[k]]), allowed, f"prompt token {k} logprob")
+
+
+# -- the demo model: JSON-schema requests and its tool-defining template -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_engine(tmp_path_factory, serve_cache_dir):
+    from tlaloc_jax.demo import export_demo
+    art = tmp_path_factory.mktemp("demo") / "artifact"
+    export_demo(art)
+    with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
+        yield eng
+
+
+def test_a_hundred_json_schema_requests_to_the_demo_model_parse_and_validate(demo_engine):
+    """100 concurrent chat requests with response_format json_schema, sampled at temperature 1 (each its own seed):
+    every answer parses and validates. Control: the same requests without the schema do not parse."""
+    async def go(schema: bool, count: int):
+        async with serving(demo_engine) as (http, _):
+            async def one(seed):
+                body = {"messages": [{"role": "user", "content": "def person():"}], "max_tokens": 120,
+                        "temperature": 1.0, "seed": seed}
+                if schema:
+                    body["response_format"] = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+                r = await http.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]
+            return await asyncio.gather(*(one(s) for s in range(count)))
+    answers = asyncio.run(go(True, 100))
+    for a in answers:
+        assert a["finish_reason"] == "stop", a
+        jsonschema.validate(json.loads(a["message"]["content"]), SCHEMA)
+    parsed = 0
+    for a in asyncio.run(go(False, 8)):
+        try:
+            jsonschema.validate(json.loads(a["message"]["content"]), SCHEMA)
+            parsed += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    assert parsed == 0, "control: unconstrained answers validate"
+
+
+def test_the_demo_models_template_defines_tools(demo_engine):
+    with InProcess(demo_engine) as srv:
+        client = openai.OpenAI(base_url="http://localhost/v1", api_key="x", http_client=srv.client, max_retries=0)
+        r = client.chat.completions.create(model=demo_engine.manifest.model.name, max_tokens=50, temperature=0,
+                                           messages=[{"role": "user", "content": "weather in oslo"}],
+                                           tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+        call = ch.message.tool_calls[0].function
+        schema = {"weather": WEATHER, "clock": CLOCK}[call.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.arguments), schema)
+
+
+# -- 7. serving and export options ---------------------------------------------------------------------------
+
+
+def test_max_model_len_max_num_seqs_and_the_compile_bar(artifacts, serve_cache_dir, capfd):
+    from tlaloc_jax.serve.__main__ import main
+    assert main([str(artifacts[0]), "--max-model-len", "4096", "--cache-dir", str(serve_cache_dir)]) == 2
+    assert "--max-model-len 4096 is past the artifact's largest context (512)" in capfd.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(artifacts[0]), "--max-num-seqs", "0"])
+    assert "--max-num-seqs" in capfd.readouterr().err
+    with Engine.load(artifacts[0], cache_dir=serve_cache_dir, max_model_len=40) as eng:
+        assert "compile" in capfd.readouterr().err              # the bar, on stderr
+        with InProcess(eng, max_batch=2) as srv:
+            assert srv.client.get("/v1/models").json()["data"][0]["max_model_len"] == 40
+            r = srv.post("/v1/completions", {"prompt": GOOD, "max_tokens": 40})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            assert srv.post("/v1/completions", {"prompt": GOOD, "max_tokens": 30}).status_code == 200
+            assert srv.server.loop.max_running == 2
+
+
+def test_an_export_past_max_position_embeddings_is_refused_unless_allowed(artifacts, tmp_path, capfd):
+    from tlaloc_jax.export import ExportError, export_checkpoint
+    from tlaloc_jax.export.__main__ import main
+    ck = artifacts[2]                  # max_position_embeddings 512
+    small = dict(batch_ladder=(1,), context_ladder=(1024,), block_size=8, prefill_chunk=16, progress=False)
+    with pytest.raises(ExportError, match=r"reaches 1024 positions, past the checkpoint's max_position_embeddings "
+                                          r"\(512\).*allow_longer_context"):
+        export_checkpoint(ck, tmp_path / "refused", **small)
+    assert main([str(ck), str(tmp_path / "cli"), "--context-ladder", "1024", "--batch-ladder", "1", "--quiet"]) == 2
+    assert "--allow-longer-context" in capfd.readouterr().err
+    with pytest.warns(UserWarning, match="past the checkpoint's max_position_embeddings"):
+        m = export_checkpoint(ck, tmp_path / "allowed", allow_longer_context=True, **small)
+    assert m.buckets.context_ladder == (1024,) and m.sampler is None
+
+
+def test_the_serving_path_with_grammars_stays_jax_free(artifacts, tmp_path):
+    """llguidance on the serving path: a guarded process compiles a JSON schema and masks a step."""
+    import subprocess
+    import sys
+
+    from import_guard import guarded
+    script = guarded(f"""
+import numpy as np
+from tlaloc_jax import manifest as mf
+from tlaloc_jax.serve.structured import Grammars
+from tlaloc_jax.serve.tokenizer import read_listed
+m = mf.load_manifest({str(artifacts[0])!r})
+g = Grammars(read_listed(__import__("pathlib").Path({str(artifacts[0])!r}), m, "tokenizer.json"), m.model.vocab, [283])
+c = g.constraint(g.grammar("json", {{"type": "object"}}))
+words = np.full((m.model.vocab + 31) // 32, -1, np.int32)
+c.fill(words)
+assert (words.view(np.uint32)[123 // 32] >> (123 % 32)) & 1 and not (words.view(np.uint32)[0] & 1)
+leaked = BANNED & {{n.split(".")[0] for n in sys.modules}}
+assert not leaked, leaked
+print("ok")
+""")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
