@@ -502,6 +502,8 @@ class Engine:
             if self.sampler is not None:
                 inputs.update(self._sampler_inputs(e, call, producing, allowed))
             out = self._execute(e, inputs, self._wanted(call, producing, allowed))
+            if isinstance(out, tuple):      # an _execute wrapped in its earlier form: (next ids, logits)
+                out = {mf.Role.NEXT_TOKEN: out[0], **({mf.Role.LOGITS: out[1]} if out[1] is not None else {})}
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
             log.error("call of %s failed: %s", e.name, err)
             return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]
@@ -660,9 +662,13 @@ class Engine:
             self._neutral[key] = self.device.upload(np.full(sig.shape, fill, mf.numpy_dtype(sig.dtype)))
         return self._neutral[key]
 
-    def _execute(self, e: mf.Entry, inputs: dict, want: set[mf.Role]) -> dict[mf.Role, np.ndarray]:
+    def _execute(self, e: mf.Entry, inputs: dict, want: set[mf.Role] | bool) -> dict[mf.Role, np.ndarray]:
         """Run entry `e` on `inputs` (step inputs by field name, the sampler's by role: host arrays, or device
-        buffers kept for the entry); -> the outputs of `want`, pulled to the host."""
+        buffers kept for the entry); -> the outputs of `want`, pulled to the host, by role. (want a bool, the
+        earlier form that tests wrap: -> (NEXT_TOKEN, LOGITS or None).)"""
+        if isinstance(want, bool):
+            out = self._execute(e, inputs, {mf.Role.NEXT_TOKEN} | ({mf.Role.LOGITS} if want else set()))
+            return out[mf.Role.NEXT_TOKEN], out.get(mf.Role.LOGITS)
         exe = self.executables[e.name]
         check = self._runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
         args: list[Buffer] = []

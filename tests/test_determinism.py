@@ -42,7 +42,7 @@ SERVED = textwrap.dedent("""
             entry = eng._pick(kind, len(rows), 64, max(len(r.token_ids) for r in rows))
             inputs = build_step_inputs(rows, batch=entry.batch, tokens=entry.tokens_per_seq,
                                        width=entry.context // eng.block_size, block_size=eng.block_size)
-            logits = eng._execute(entry, inputs, {"LOGITS"})["LOGITS"]
+            _, logits = eng._execute(entry, inputs, True)
             digest.update(np.ascontiguousarray(logits).tobytes())
     print(json.dumps({"greedy": greedy, "sampled": sampled, "logits": digest.hexdigest()}))
 """)
