@@ -331,8 +331,13 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+# Characters JSON leaves raw that line-splitting clients (Python's str.splitlines, httpx's aiter_lines) read as line
+# breaks, cutting an event in two: written as escapes.
+_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':')).translate(_LINE_BREAKS)}\n\n"
 
 
 # -- the server --------------------------------------------------------------------------------------

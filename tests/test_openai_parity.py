@@ -550,3 +550,12 @@ print("ok")
 """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_a_streamed_event_is_one_line_whatever_its_text():
+    """U+2028, U+2029 and U+0085 are line breaks to str.splitlines (httpx's aiter_lines): written as escapes, an
+    event holding them stays one line (a sampled stream of the tiny model cut its events in two)."""
+    from tlaloc_jax.serve.http import _sse
+    text = "a\u2028b\u2029c\x85d\u00e9"
+    event = _sse({"text": text})
+    assert event.splitlines() == [event[:-2], ""] and json.loads(event[6:])["text"] == text
