@@ -1,12 +1,15 @@
-"""Load test of the HTTP server: requests/s, time to first token and inter-token latency at 1, 4 and 16 clients.
+"""Load test of the HTTP server: requests/s, tokens/s, time to first token and inter-token latency at 1, 4 and 16
+clients, for greedy and for sampled decoding.
 
-    python bench/load.py                     # exports the tests' tiny model into a temp dir and serves it
+    python bench/load.py                     # exports the tests' tiny model (sampler staged) into a temp dir
     python bench/load.py ARTIFACT_DIR [--requests-per-client 8] [--max-tokens 32] [--clients 1,4,16]
+                                      [--modes greedy,sampled]
 
-Starts `python -m tlaloc_jax.serve` on a free loopback port (nothing leaves 127.0.0.1), then for each
+Starts `python -m tlaloc_jax.serve` on a free loopback port (nothing leaves 127.0.0.1), then for each mode and
 level runs that many clients, each sending its requests one after another: streaming completions of
-token-id prompts at temperature 0 with ignore_eos, so every request generates exactly --max-tokens
-tokens. Times are measured by the clients (TTFT: request sent to the first token's chunk; ITL: between
+token-id prompts with ignore_eos, so every request generates exactly --max-tokens tokens; greedy at
+temperature 0, sampled at temperature 0.8, top_p 0.95, top_k 50 (a seed per request). With an artifact whose
+entries carry the sampler the draw is made in the body; without one the host samples from pulled logits. Times are measured by the clients (TTFT: request sent to the first token's chunk; ITL: between
 a request's consecutive token chunks). Bounded: clients x requests-per-client requests per level, each
 with a timeout. Prints a Markdown table and the server's batch statistics.
 """
@@ -35,12 +38,12 @@ def _tiny_artifact(out: Path) -> Path:
     from hf_models import build_checkpoint
     from tokenizers_util import EOS, VOCAB, write_tokenizer
 
-    from tlaloc_jax.export import export_checkpoint
+    from tlaloc_jax.export import Sampler, export_checkpoint
 
     ck = build_checkpoint(out / "ck", "llama", seed=31, vocab_size=VOCAB, eos_token_id=EOS)
     write_tokenizer(ck)
     export_checkpoint(ck, out / "artifact", batch_ladder=(1, 4, 8), context_ladder=(32, 64), block_size=8,
-                      prefill_chunk=16, prefill_max_batch=4, num_blocks=128, progress=False)
+                      prefill_chunk=16, prefill_max_batch=4, num_blocks=128, progress=False, sampler=Sampler())
     return out / "artifact"
 
 
@@ -53,10 +56,16 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
+
+
+async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int, mode: str,
+               seed: int) -> tuple[float, list[float], int]:
     """-> (ttft, inter-token gaps, tokens) of one streaming request."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "return_token_ids": True}
+    if mode == "sampled":
+        body.update(SAMPLED, seed=seed)
     t0 = time.perf_counter()
     times, tokens = [], 0
     async with http.stream("POST", "/v1/completions", json=body) as r:
@@ -71,14 +80,15 @@ async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> t
     return times[0] - t0, list(np.diff(times)), tokens
 
 
-async def _level(url: str, clients: int, per_client: int, max_tokens: int, seed: int) -> dict:
+async def _level(url: str, clients: int, per_client: int, max_tokens: int, seed: int, mode: str = "greedy") -> dict:
     rng = np.random.default_rng(seed)
     prompts = [[int(t) for t in rng.integers(1, 250, size=int(rng.integers(4, 17)))]
                for _ in range(clients * per_client)]
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
         async def client(i):
-            return [await _one(http, prompts[i * per_client + k], max_tokens) for k in range(per_client)]
+            return [await _one(http, prompts[i * per_client + k], max_tokens, mode, seed * 1000 + i * per_client + k)
+                    for k in range(per_client)]
         t0 = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(client(i) for i in range(clients))) for r in rs]
         wall = time.perf_counter() - t0
@@ -95,10 +105,12 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", default="1,4,16", help="concurrency levels (default 1,4,16)")
     ap.add_argument("--requests-per-client", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--modes", default="greedy,sampled", help="greedy, sampled or both (default both)")
     ap.add_argument("--max-batch", type=int, default=None, help="passed to the server")
     ap.add_argument("--plugin", default=None, help="passed to the server")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.clients.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
 
     with tempfile.TemporaryDirectory() as tmp:
         artifact = Path(args.artifact) if args.artifact else _tiny_artifact(Path(tmp))
@@ -129,18 +141,23 @@ def main(argv=None) -> int:
             asyncio.run(_level(url, 2, 2, args.max_tokens, seed=99))      # warm-up: first calls, allocations
             print(f"artifact {artifact}; streaming completions of {args.max_tokens} tokens, "
                   f"{args.requests_per_client} requests per client, loopback\n")
-            print("| clients | requests | req/s | tokens/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) "
-                  "| mean batch | executions / sequence-step |")
-            print("|---|---|---|---|---|---|---|---|")
-            for c in levels:
-                before = _metrics(url)
-                r = asyncio.run(_level(url, c, args.requests_per_client, args.max_tokens, seed=c))
-                after = _metrics(url)
-                calls = after["tlaloc_batch_size_count"] - before["tlaloc_batch_size_count"]
-                rows = after["tlaloc_batch_size_sum"] - before["tlaloc_batch_size_sum"]
-                print(f"| {c} | {r['requests']} | {r['rps']:.1f} | {r['tps']:.0f} | "
-                      f"{' / '.join(f'{x:.1f}' for x in r['ttft'])} | {' / '.join(f'{x:.2f}' for x in r['itl'])} | "
-                      f"{rows / calls:.2f} | {calls / rows:.2f} |", flush=True)
+            print("| mode | clients | requests | req/s | tokens/s | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) "
+                  "| mean batch | tokens/s vs greedy |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            greedy_tps = {}
+            for mode in modes:
+                for c in levels:
+                    before = _metrics(url)
+                    r = asyncio.run(_level(url, c, args.requests_per_client, args.max_tokens, seed=c, mode=mode))
+                    after = _metrics(url)
+                    calls = after["tlaloc_batch_size_count"] - before["tlaloc_batch_size_count"]
+                    rows = after["tlaloc_batch_size_sum"] - before["tlaloc_batch_size_sum"]
+                    if mode == "greedy":
+                        greedy_tps[c] = r["tps"]
+                    ratio = f"{r['tps'] / greedy_tps[c]:.2f}" if c in greedy_tps else "-"
+                    print(f"| {mode} | {c} | {r['requests']} | {r['rps']:.1f} | {r['tps']:.0f} | "
+                          f"{' / '.join(f'{x:.1f}' for x in r['ttft'])} | {' / '.join(f'{x:.2f}' for x in r['itl'])} | "
+                          f"{rows / calls:.2f} | {ratio} |", flush=True)
         finally:
             proc.terminate()
             proc.wait(30)
