@@ -667,7 +667,8 @@ class Engine:
         buffers kept for the entry); -> the outputs of `want`, pulled to the host, by role. (want a bool, the
         earlier form that tests wrap: -> (NEXT_TOKEN, LOGITS or None).)"""
         if isinstance(want, bool):
-            out = self._execute(e, inputs, {mf.Role.NEXT_TOKEN} | ({mf.Role.LOGITS} if want else set()))
+            # The class's own method: `self._execute` may be the wrapper that called this one.
+            out = Engine._execute(self, e, inputs, {mf.Role.NEXT_TOKEN} | ({mf.Role.LOGITS} if want else set()))
             return out[mf.Role.NEXT_TOKEN], out.get(mf.Role.LOGITS)
         exe = self.executables[e.name]
         check = self._runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
