@@ -13,7 +13,6 @@ import asyncio
 import json
 import re
 
-import httpx
 import jsonschema
 import numpy as np
 import openai
@@ -21,7 +20,7 @@ import pytest
 
 from http_util import GOOD, LADDER, STOP, InProcess, serving
 from tlaloc_jax.serve import Engine, Sampling
-from tokenizers_util import CHAT_TEMPLATE, EOS, write_tokenizer
+from tokenizers_util import write_tokenizer
 
 MODEL = "sampled"
 # A Qwen3-style template: the tools in a system block, calls in <tool_call> blocks, results in <tool_response>.
