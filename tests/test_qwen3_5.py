@@ -327,7 +327,7 @@ def test_served_gives_transformers_ids_with_state_pools(name, checkpoints, tmp_p
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.serve import Engine
     path = _checkpoint(checkpoints, tmp_path_factory, name)
-    m = export_checkpoint(path, tmp_path / "art", batch_ladder=(1, 4), context_ladder=(64, 128), block_size=8,
+    m = export_checkpoint(path, tmp_path / "art", batch_ladder=(4,), context_ladder=(128,), block_size=8,
                           prefill_chunk=32, progress=False)
     assert {p.name: p.kind for p in m.pools} == {"kv": mf.PoolKind.PAGED_KV, "conv": mf.PoolKind.STATE_SLOTS,
                                                  "recurrent": mf.PoolKind.STATE_SLOTS}
