@@ -7,14 +7,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from . import manifest as mf
 from .config import ConfigError, DecoderConfig
 from .families import Family, Tensor, config_from_hf, split_rows, stack_layers
 
-DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+# The dtypes a checkpoint is read into (weights and KV pools); their names and numpy types come from the
+# project's one dtype table (tlaloc_jax.manifest.DTYPES).
+WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
 class CheckpointError(ValueError):
@@ -29,9 +31,9 @@ def read_config(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def weight_dtype(name: str) -> np.dtype:
-    if name not in DTYPES:
-        raise ConfigError(f"weight dtype {name!r} is not supported (choose from {', '.join(DTYPES)})")
-    return DTYPES[name]
+    if name not in WEIGHT_DTYPES:
+        raise ConfigError(f"weight dtype {name!r} is not supported (choose from {', '.join(WEIGHT_DTYPES)})")
+    return mf.numpy_dtype(name)
 
 
 class _TensorIndex:
