@@ -59,6 +59,10 @@ def main(argv=None) -> int:
                     help="the sampler's top logprobs per token (default 20, OpenAI's largest top_logprobs)")
     ap.add_argument("--logit-bias-slots", type=int, default=64,
                     help="logit_bias entries a request may carry (default 64)")
+    ap.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                    help="add a scoring prefill entry beside each prefill entry: echo + logprobs and prompt_logprobs "
+                         "(up to N top logprobs per prompt token) then read a prompt in chunks, scored in the body; "
+                         "without it such a prompt is read a token a call (default: none)")
     ap.add_argument("--allow-longer-context", action="store_true",
                     help="export a context ladder past the checkpoint's max_position_embeddings (refused otherwise; "
                          "with this flag it is a warning)")
@@ -88,7 +92,8 @@ def main(argv=None) -> int:
                               state_slots=args.state_slots,
                               platform=args.platform, progress=not args.quiet,
                               sampler=None if args.no_sampler else Sampler(args.top_logprobs, args.logit_bias_slots),
-                              allow_longer_context=args.allow_longer_context)
+                              allow_longer_context=args.allow_longer_context,
+                              prompt_logprobs=args.prompt_logprobs)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -99,6 +104,7 @@ def main(argv=None) -> int:
           f"pools {pools}, pages of {m.block_size} tokens"
           + (f", rings of {m.ring.ring_pages} pages for window {m.ring.window}" if m.ring else "")
           + (f", sampler in every entry (top {m.sampler.top_logprobs} logprobs)" if m.sampler else ", no sampler")
+          + (f", scoring prefill entries (top {m.scorer.top_logprobs} prompt logprobs)" if m.scorer else "")
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
     return 0
 

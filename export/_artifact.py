@@ -16,13 +16,13 @@ from typing import Sequence
 from tlaloc_jax import manifest as mf
 from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
 from tlaloc_jax.config import SLIDING, DecoderConfig
-from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, forward
+from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, final_hidden, forward, logits_from_hidden
 from tlaloc_jax.plan import layer_plan
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import ExportError
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
-from ._stage import Sampler, _ladder, stage
+from ._stage import PromptScorer, Sampler, _ladder, stage
 
 
 def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pages: int) -> dict[str, PoolSpec]:
@@ -54,7 +54,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       kv_dtype: str = "float32", attention_block: int = DEFAULT_KEY_BLOCK,
                       windowed_kv: bool = True, window_blocks: int | None = None, state_slots: int | None = None,
                       platform: str = "cpu", progress: bool = True, sampler: Sampler | None = None,
-                      allow_longer_context: bool = False) -> mf.Manifest:
+                      allow_longer_context: bool = False, prompt_logprobs: int | None = None) -> mf.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -69,6 +69,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     as the full pool holds at the largest context).
     sampler: `Sampler()` stages the sampler in every entry (see `stage`). A context ladder past the
     checkpoint's max_position_embeddings is refused unless allow_longer_context, which warns instead.
+    prompt_logprobs: N adds a scoring prefill entry beside each prefill entry, returning per prompt position the
+    next token's logprob and rank and the N top logprobs (see `stage`, PromptScorer); None adds none.
     """
     contexts = _ladder(context_ladder, "context ladder")
     if block_size <= 0 or attention_block % block_size:
@@ -90,6 +92,11 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         ring = ring_pages_for(cfg.sliding_window, chunk or contexts[-1], block_size, contexts[-1] // block_size)
     pools = decoder_pools(cfg, windowed=windowed, kv_dtype=kv_np.name, ring_pages=ring)
     step = functools.partial(forward, cfg, key_block=attention_block, ring_pages=ring)
+    scorer = None
+    if prompt_logprobs is not None:
+        scorer = PromptScorer(hidden=functools.partial(final_hidden, cfg, key_block=attention_block, ring_pages=ring,
+                                                       all_positions=True),
+                              head=functools.partial(logits_from_hidden, cfg), top_logprobs=prompt_logprobs)
     describe = dict(layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                     hidden=cfg.hidden_size, weight_dtype=weight_dtype_name, kv_dtype=kv_np.name)
     return stage(step, weights, pools, out_dir, batch_ladder=batch_ladder, context_ladder=contexts,
@@ -98,4 +105,4 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                  name=cfg.name or Path(checkpoint_dir).name, model_type=cfg.model_type,
                  eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, tokenizer_dir=checkpoint_dir,
                  embedding_slot="embed", describe=describe, attention_block=attention_block, progress=progress,
-                 sampler=sampler)
+                 sampler=sampler, prompt_logprobs=scorer)

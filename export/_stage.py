@@ -31,6 +31,7 @@ from jax import export as jax_export
 from tlaloc_jax import manifest as mf
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import sampling as sampling_kernel
+from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import EntrySpec, ExportError, check_body, plan_entries
@@ -114,6 +115,28 @@ class Sampler:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptScorer:
+    """Scoring prefill entries `stage` adds beside the plain ones (kind prefill_scored, one per prefill entry): the
+    same call, which also returns, for every position, the logprob and rank of the token that follows it and the
+    N largest logprobs (kernels/scoring.py), for echo and prompt_logprobs. A request that asks for none runs the
+    plain entries and never pays for the T x V logits; the runtime compiles the scoring ones on first use.
+
+    hidden(weights, pools, inputs) -> (hidden [B, T, E], pools): the step up to its output head, for every token
+        of the call (the step's own layers: one forward pass serves the next token and the scores).
+    head(weights, x [R, E]) -> logits [R, V]: the output head; head(hidden[:, -1]) is the step's logits.
+    top_logprobs: N, the largest logprobs returned per position (vLLM allows prompt_logprobs up to 20)."""
+
+    hidden: Callable
+    head: Callable
+    top_logprobs: int = 20
+
+    def manifest(self, vocab: int) -> mf.Scorer:
+        if self.top_logprobs < 0:
+            raise ExportError(f"PromptScorer(top_logprobs={self.top_logprobs}) must be >= 0")
+        return mf.Scorer(top_logprobs=min(self.top_logprobs, vocab))
+
+
+@dataclasses.dataclass(frozen=True)
 class _Layout:
     """The resolved pools: manifest Pools in declaration order, and the ring size (0 without a ring)."""
 
@@ -168,10 +191,11 @@ def _resolve_pools(specs: Mapping[str, PoolSpec], *, block_size: int, contexts: 
 
 
 def entry_signature(spec: EntrySpec, layout: _Layout, block_size: int, vocab: int,
-                    weights: Mapping[str, np.ndarray], sampler: mf.Sampler | None = None
+                    weights: Mapping[str, np.ndarray], sampler: mf.Sampler | None = None,
+                    scorer: mf.Scorer | None = None
                     ) -> tuple[list[mf.TensorSig], list[mf.TensorSig], tuple[tuple[int, int], ...]]:
-    """(inputs, outputs, donations) of an entry: the step inputs its pools need, the sampler's inputs, the
-    pools, the weights."""
+    """(inputs, outputs, donations) of an entry: the step inputs its pools need, the sampler's inputs, (a scoring
+    prefill) the scorer's, the pools, the weights."""
     B, T, M = spec.batch, spec.tokens_per_seq, spec.context // block_size
     shapes = {Role.TOKEN_IDS: (B, T), Role.POSITIONS: (B, T), Role.SEQ_LENS: (B,), Role.BLOCK_TABLES: (B, M),
               Role.SLOT_MAPPING: (B, T), Role.WINDOW_BLOCK_TABLES: (B, M), Role.WINDOW_SLOT_MAPPING: (B, T),
@@ -185,6 +209,10 @@ def entry_signature(spec: EntrySpec, layout: _Layout, block_size: int, vocab: in
         shapes = sampler.shapes(B, spec.context)
         inputs += [mf.TensorSig(r, mf.SAMPLER_DTYPES.get(r, "int32"), shapes[r]) for r in mf.SAMPLER_INPUTS]
         outputs += [mf.TensorSig(r, mf.SAMPLER_DTYPES.get(r, "int32"), shapes[r]) for r in mf.SAMPLER_OUTPUTS]
+    if spec.kind == mf.EntryKind.PREFILL_SCORED:
+        shapes = scorer.shapes(B, T)
+        inputs += [mf.TensorSig(r, "int32", shapes[r]) for r in mf.SCORER_INPUTS]
+        outputs += [mf.TensorSig(r, mf.SCORER_DTYPES.get(r, "int32"), shapes[r]) for r in mf.SCORER_OUTPUTS]
     donations = []
     for p in layout.pools:
         donations.append((len(outputs), len(inputs)))
@@ -194,15 +222,19 @@ def entry_signature(spec: EntrySpec, layout: _Layout, block_size: int, vocab: in
     return inputs, outputs, tuple(donations)
 
 
-def _entry_fn(step: Callable, treedef, inputs: list[mf.TensorSig], outputs: list[mf.TensorSig], ring_pages: int):
-    """The entry's function over its positional arguments, in signature order."""
+def _entry_fn(step: Callable, treedef, inputs: list[mf.TensorSig], outputs: list[mf.TensorSig], ring_pages: int,
+              scorer: PromptScorer | None = None):
+    """The entry's function over its positional arguments, in signature order (a scoring prefill, one that takes
+    SCORE_TARGETS, runs `scorer` in place of `step`)."""
     def entry(*args):
-        fields, pools, leaves, sampler = {}, {}, [], {}
+        fields, pools, leaves, sampler, targets = {}, {}, [], {}, None
         for sig, a in zip(inputs, args):
             if sig.role in mf.STEP_FIELDS:
                 fields[mf.STEP_FIELDS[sig.role]] = a
             elif sig.role in mf.SAMPLER_INPUTS:
                 sampler[sig.role] = a
+            elif sig.role == Role.SCORE_TARGETS:
+                targets = a
             elif sig.role == Role.POOL_IN:
                 pools[sig.slot] = a
             else:
@@ -210,7 +242,15 @@ def _entry_fn(step: Callable, treedef, inputs: list[mf.TensorSig], outputs: list
         if ring_pages:
             # The step sees a sequence's ring, not the bucket-wide table the runtime fills.
             fields["window_block_tables"] = fields["window_block_tables"][:, :ring_pages]
-        result = step(jax.tree_util.tree_unflatten(treedef, leaves), pools, StepInputs(**fields))
+        weights = jax.tree_util.tree_unflatten(treedef, leaves)
+        if targets is not None:
+            result = scorer.hidden(weights, pools, StepInputs(**fields))
+            if not (isinstance(result, tuple) and len(result) == 2) or getattr(result[0], "ndim", 0) != 3:
+                raise ExportError("the scorer's hidden function must return (hidden [B, T, E], pools)")
+            hidden = result[0]
+            result = (scorer.head(weights, hidden[:, -1]), result[1])
+        else:
+            result = step(weights, pools, StepInputs(**fields))
         if not (isinstance(result, tuple) and len(result) == 2):
             raise ExportError("the step function must return (logits, pools)")
         logits, new_pools = result
@@ -232,6 +272,10 @@ def _entry_fn(step: Callable, treedef, inputs: list[mf.TensorSig], outputs: list
             chosen = sampling_kernel.sample_tokens(logits, *(sampler[r] for r in mf.SAMPLER_INPUTS),
                                                    fields["seq_lens"], top_n=top_n)
             results.update({(role, ""): value for role, value in zip(mf.SAMPLER_OUTPUTS, chosen)})
+        if targets is not None:
+            top_n = next(o.shape[2] for o in outputs if o.role == Role.PROMPT_TOP_LOGPROBS)
+            scores = scoring_kernel.score_positions(hidden, targets, lambda x: scorer.head(weights, x), top_n=top_n)
+            results.update({(role, ""): value for role, value in zip(mf.SCORER_OUTPUTS, scores)})
         results.update({(Role.POOL_OUT, name): buf for name, buf in new_pools.items()})
         return tuple(results[(o.role, o.slot)] for o in outputs)
     return entry
@@ -253,15 +297,15 @@ def _vocab(step: Callable, treedef, spec: EntrySpec, layout: _Layout, block_size
 
 
 def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, donations, *, ring_pages: int,
-                 platform: str) -> jax_export.Exported:
+                 platform: str, scorer: PromptScorer | None = None) -> jax_export.Exported:
     """jax.export one entry with its pools donated; checks the body against its signature.
 
     jax.export drops arguments the function never reads. A weight or pool dropped that way is a mistake and
     is refused (check_body); a step input the model has no use for (a recurrent model needs no SEQ_LENS)
     is kept in the body instead, so that every entry takes what its pools' kinds say."""
     def export(keep_unused: bool) -> jax_export.Exported:
-        return export_fn(_entry_fn(step, treedef, inputs, outputs, ring_pages), _avals(inputs), platform=platform,
-                         donate=tuple(i for _, i in donations), keep_unused=keep_unused)
+        return export_fn(_entry_fn(step, treedef, inputs, outputs, ring_pages, scorer), _avals(inputs),
+                         platform=platform, donate=tuple(i for _, i in donations), keep_unused=keep_unused)
 
     exp = export(keep_unused=False)
     dropped = set(range(len(inputs))) - set(exp.module_kept_var_idx)
@@ -343,7 +387,8 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
           platform: str = "cpu", name: str = "model", model_type: str = "authored",
           eos_token_ids: Sequence[int] = (), refused_tokens: Sequence[tuple[int, str]] = (),
           tokenizer_dir=None, embedding_slot: str = "", describe: Mapping[str, int] | None = None,
-          attention_block: int = 0, progress: bool = True, sampler: Sampler | None = None) -> mf.Manifest:
+          attention_block: int = 0, progress: bool = True, sampler: Sampler | None = None,
+          prompt_logprobs: PromptScorer | None = None) -> mf.Manifest:
     """Write the serving artifact of `step` to `out_dir` (empty or absent) and return its manifest.
 
     step(weights, pools, inputs) -> (logits [B, V], pools): one call, traced once per entry; it must return
@@ -364,6 +409,9 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         logits. None (the default here; `python -m tlaloc_jax.export` stages one unless --no-sampler) stages the
         step alone: the runtime then samples on the host from pulled logits. The sampler adds about a second of
         compile time per entry on a 2-core CPU.
+    prompt_logprobs: a `PromptScorer` adds a scoring prefill entry beside each prefill entry (echo and
+        prompt_logprobs read a prompt in chunks and score it in the body); None: such a prompt is read a token
+        a call and scored on the host.
     The export needs no accelerator and loads no PJRT plugin; the same inputs give the same bytes.
     """
     batches = _ladder(batch_ladder, "batch ladder")
@@ -390,8 +438,12 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     layout = _resolve_pools(pools, block_size=block_size, contexts=contexts, max_batch=batches[-1], chunk=chunk,
                             num_blocks=num_blocks, ring_blocks=ring_blocks, state_slots=state_slots)
     specs = plan_entries(batches, contexts, prefill_max_batch, chunk)
+    if prompt_logprobs is not None:
+        specs += [dataclasses.replace(s, kind=mf.EntryKind.PREFILL_SCORED) for s in specs
+                  if s.kind == mf.EntryKind.PREFILL]
     vocab = _vocab(step, treedef, specs[0], layout, block_size, flat)
     sampler_spec = sampler.manifest(vocab) if sampler is not None else None
+    scorer_spec = prompt_logprobs.manifest(vocab) if prompt_logprobs is not None else None
     if embedding_slot and flat[embedding_slot].shape[:1] != (vocab,):
         raise ExportError(f"embedding {embedding_slot!r} has {flat[embedding_slot].shape[0]} rows, the logits "
                           f"{vocab} entries")
@@ -409,9 +461,10 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     bar = tqdm(total=len(specs) + len(flat), desc="export", unit="item", disable=not progress)
     for spec in specs:
         bar.set_postfix_str(spec.name)
-        inputs, outputs, donations = entry_signature(spec, layout, block_size, vocab, flat, sampler_spec)
+        inputs, outputs, donations = entry_signature(spec, layout, block_size, vocab, flat, sampler_spec,
+                                                     scorer_spec)
         exp = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=layout.ring_pages,
-                           platform=platform)
+                           platform=platform, scorer=prompt_logprobs)
         calling_convention = int(exp.calling_convention_version)
         entry = mf.Entry(name=spec.name, kind=mf.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
                          tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp)),
@@ -442,7 +495,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         versions=mf.Versions(jax=jax.__version__, jaxlib=jaxlib.__version__, calling_convention=calling_convention,
                              platform=platform, attention_block=attention_block),
         refused_tokens=tuple(mf.RefusedToken(int(t), k) for t, k in refused_tokens),
-        tokenizer_files=tokenizer, sampler=sampler_spec,
+        tokenizer_files=tokenizer, sampler=sampler_spec, scorer=scorer_spec,
     )
     (out / mf.MANIFEST_NAME).write_text(m.to_json())
     return mf.load_manifest(out)

@@ -176,16 +176,20 @@ def logprobs(logits, tokens, params, top_n: int):
         B = logits.shape[0]
         return chosen, jnp.zeros((B, 0), jnp.float32), jnp.zeros((B, 0), jnp.int32)
 
-    def top(lsm):
-        vals, ids = lax.top_k(lsm, top_n)
-        return vals, ids.astype(jnp.int32)
-
     def none(lsm):
         B = lsm.shape[0]
         return jnp.zeros((B, top_n), jnp.float32), jnp.zeros((B, top_n), jnp.int32)
 
-    vals, ids = lax.cond(jnp.any(params[:, _COL["top_logprobs"]] > 0), top, none, lsm)
+    vals, ids = lax.cond(jnp.any(params[:, _COL["top_logprobs"]] > 0), lambda lsm: top_logprobs(lsm, top_n), none,
+                         lsm)
     return chosen, vals, ids
+
+
+def top_logprobs(lsm, top_n: int):
+    """lsm [R, V] -> the top_n largest logprobs of each row [R, N] f32 and their ids [R, N] int32, largest first
+    (lax.top_k: of equal values, the smaller id first). Prompt scoring (kernels/scoring.py) reports the same."""
+    vals, ids = lax.top_k(lsm, top_n)
+    return vals, ids.astype(jnp.int32)
 
 
 def sample_tokens(logits, params, seeds, steps, mask, bias_ids, bias, history, seq_lens, *, top_n: int):

@@ -196,6 +196,7 @@ class Engine:
                                  f"largest context ({self.max_context})")
             self.max_context = max_model_len
         self.sampler = m.sampler           # None: the host samples from pulled logits
+        self.scorer = m.scorer             # None: a prompt whose logprobs are asked is read a token a call
         self._neutral: dict[tuple[str, mf.Role], Buffer] = {}
         self.refused = {r.token_id: r.config_key for r in m.refused_tokens}
         self._by_kind = {kind: sorted((e for e in m.entries if e.kind == kind), key=lambda e: (e.context, e.batch))
@@ -233,13 +234,24 @@ class Engine:
     # -- loading ---------------------------------------------------------------------------------
 
     def _compile_all(self, progress: bool) -> None:
+        """Compile every entry but the scoring prefills, which only requests for prompt logprobs run: they are
+        compiled on first use (`_executable`), so a server that never scores a prompt never compiles them."""
         from tqdm.auto import tqdm
-        entries = self.manifest.entries
+        entries = [e for e in self.manifest.entries if e.kind != mf.EntryKind.PREFILL_SCORED]
         bar = tqdm(entries, desc="compile", unit="entry", disable=not progress)
         for e in bar:
             bar.set_postfix_str(e.name)
-            body = (self.artifact_dir / e.serialized).read_bytes()
-            self.executables[e.name] = self.device.compile(body, name=e.name)
+            self._executable(e)
+
+    def _executable(self, e: mf.Entry) -> Executable:
+        exe = self.executables.get(e.name)
+        if exe is None:
+            t0 = time.perf_counter()
+            exe = self.device.compile((self.artifact_dir / e.serialized).read_bytes(), name=e.name)
+            self.executables[e.name] = exe
+            if e.kind == mf.EntryKind.PREFILL_SCORED:
+                log.info("compiled %s on first use (%s), %.1f s", e.name, exe.cache, time.perf_counter() - t0)
+        return exe
 
     def _check_memory(self) -> None:
         """Refuse an artifact whose weights and pools cannot fit the device's free memory, before any of it is
@@ -427,12 +439,19 @@ class Engine:
                 return e
         return None
 
+    def _scored(self, s: _Seq) -> bool:
+        """Whether the sequence's prompt logprobs come from the scoring prefill entries (the artifact has them,
+        with as many top logprobs as the request asks)."""
+        return (s.prompt_logprobs is not None and self.scorer is not None
+                and s.sampling.prompt_logprobs <= self.scorer.top_logprobs)
+
     def _chunk(self, s: _Seq) -> tuple[int, int]:
         """(start, length) of the next piece of the prompt this sequence prefills."""
         start = s.prefilled
         cap = self.manifest.buckets.prefill_chunk or self.max_context
-        if s.prompt_logprobs is not None:
-            # Prompt logprobs need the distribution after every prompt token, and an entry returns the logits of
+        if s.prompt_logprobs is not None and not self._scored(s):
+            # The fallback for artifacts without scoring entries (or with fewer top logprobs than asked): prompt
+            # logprobs need the distribution after every prompt token, and a plain entry returns the logits of
             # each row's last token: such a prompt is read one token a call.
             cap = 1
         for rule in self.rules.values():
@@ -444,20 +463,9 @@ class Engine:
     def _plan(self) -> list[_Call]:
         calls: list[_Call] = []
         prefilling = [s for s in self._seqs.values() if not s.finished and s.prefilled < len(s.prompt)]
-        group: list[_Seq] = []
-        for s in prefilling + [None]:
-            if s is not None:
-                trial = group + [s]
-                ends = [self._chunk(x) for x in trial]
-                if self._pick(mf.EntryKind.PREFILL, len(trial), max(a + n for a, n in ends), max(n for _, n in ends)):
-                    group = trial
-                    continue
-            if group:
-                ends = [self._chunk(x) for x in group]
-                entry = self._pick(mf.EntryKind.PREFILL, len(group), max(a + n for a, n in ends), max(n for _, n in ends))
-                rows = tuple(row_call(x.prompt[a:a + n], a, x.held) for x, (a, n) in zip(group, ends))
-                calls.append(_Call(entry, tuple(group), rows))
-            group = [s] if s is not None else []
+        # Prompts scored in the body run the scoring prefill entries, the others the plain ones (no T x V logits).
+        calls += self._prefill_calls([s for s in prefilling if not self._scored(s)], mf.EntryKind.PREFILL)
+        calls += self._prefill_calls([s for s in prefilling if self._scored(s)], mf.EntryKind.PREFILL_SCORED)
         decoding = [s for s in self._seqs.values() if s.decoding]
         max_batch = max(e.batch for e in self._entries(mf.EntryKind.DECODE))
         for i in range(0, len(decoding), max_batch):
@@ -465,6 +473,26 @@ class Engine:
             rows = tuple(row_call([s.generated[-1]], len(s.prompt) + len(s.generated) - 1, s.held) for s in part)
             entry = self._pick(mf.EntryKind.DECODE, len(part), max(r.start + 1 for r in rows), 1)
             calls.append(_Call(entry, tuple(part), rows))
+        return calls
+
+    def _prefill_calls(self, prefilling: list[_Seq], kind: mf.EntryKind) -> list[_Call]:
+        """The calls that read the next chunk of each prompt: sequences in order, as many a call as an entry of
+        `kind` holds."""
+        calls: list[_Call] = []
+        group: list[_Seq] = []
+        for s in prefilling + [None]:
+            if s is not None:
+                trial = group + [s]
+                ends = [self._chunk(x) for x in trial]
+                if self._pick(kind, len(trial), max(a + n for a, n in ends), max(n for _, n in ends)):
+                    group = trial
+                    continue
+            if group:
+                ends = [self._chunk(x) for x in group]
+                entry = self._pick(kind, len(group), max(a + n for a, n in ends), max(n for _, n in ends))
+                rows = tuple(row_call(x.prompt[a:a + n], a, x.held) for x, (a, n) in zip(group, ends))
+                calls.append(_Call(entry, tuple(group), rows))
+            group = [s] if s is not None else []
         return calls
 
     def step(self) -> list[StepEvent]:
@@ -489,6 +517,7 @@ class Engine:
         # The rows whose last token is a new one (decoding, or reading the end of their prompt): they get a token.
         producing = [e.kind == mf.EntryKind.DECODE or row.start + len(row.token_ids) == len(s.prompt)
                      for s, row in zip(call.seqs, call.rows)]
+        scoring = e.kind == mf.EntryKind.PREFILL_SCORED
         try:
             for s, row in zip(call.seqs, call.rows):
                 self._grow(s, row.start + len(row.token_ids))
@@ -501,20 +530,25 @@ class Engine:
             allowed = [self._allowed(s) if p else None for s, p in zip(call.seqs, producing)]
             if self.sampler is not None:
                 inputs.update(self._sampler_inputs(e, call, producing, allowed))
+            if scoring:
+                inputs[mf.Role.SCORE_TARGETS] = score_targets(call, e.batch, e.tokens_per_seq)
             out = self._execute(e, inputs, self._wanted(call, producing, allowed))
             if isinstance(out, tuple):      # an _execute wrapped in its earlier form: (next ids, logits)
                 out = {mf.Role.NEXT_TOKEN: out[0], **({mf.Role.LOGITS: out[1]} if out[1] is not None else {})}
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
             log.error("call of %s failed: %s", e.name, err)
             return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]
-        self._stats["prefill_calls" if e.kind == mf.EntryKind.PREFILL else "decode_calls"] += 1
+        prefill = e.kind in (mf.EntryKind.PREFILL, mf.EntryKind.PREFILL_SCORED)
+        self._stats["prefill_calls" if prefill else "decode_calls"] += 1
         bs = self._stats["batch_sizes"]
         bs[len(call.seqs)] = bs.get(len(call.seqs), 0) + 1
         now = time.perf_counter()
         events = []
         for b, (s, row) in enumerate(zip(call.seqs, call.rows)):
             lsm = None
-            if s.prompt_logprobs is not None and s.prefilled < len(s.prompt):
+            if scoring:
+                s.prompt_logprobs.extend(prompt_scores(out, b, s, row, e.tokens_per_seq))
+            elif s.prompt_logprobs is not None and s.prefilled < len(s.prompt):
                 # The distribution after this prompt token scores the next one (the last one's is the first
                 # generated token's, reported with it).
                 lsm = log_softmax(out[mf.Role.LOGITS][b])
@@ -523,7 +557,7 @@ class Engine:
                     t = s.prompt[nxt]
                     s.prompt_logprobs.append((float(lsm[t]), int(np.sum(lsm > lsm[t])) + 1,
                                               tuple(top_logprobs(lsm, s.sampling.prompt_logprobs))))
-            if e.kind == mf.EntryKind.PREFILL:
+            if prefill:
                 s.prefilled = row.start + len(row.token_ids)
                 self._stats["prompt_tokens"] += len(row.token_ids)
                 if not producing[b]:
@@ -567,7 +601,10 @@ class Engine:
     def _wanted(self, call: _Call, producing: list[bool], allowed: list) -> set[mf.Role]:
         """The outputs to pull to the host for this call."""
         want = set()
-        if any(s.prompt_logprobs is not None and s.prefilled < len(s.prompt) for s in call.seqs):
+        if call.entry.kind == mf.EntryKind.PREFILL_SCORED:
+            want |= set(mf.SCORER_OUTPUTS) if any(s.sampling.prompt_logprobs for s in call.seqs) else \
+                {mf.Role.PROMPT_LOGPROB, mf.Role.PROMPT_RANK}
+        elif any(s.prompt_logprobs is not None and s.prefilled < len(s.prompt) for s in call.seqs):
             want.add(mf.Role.LOGITS)
         if self.sampler is not None:
             want.add(mf.Role.SAMPLED_TOKEN)
@@ -670,13 +707,13 @@ class Engine:
             # The class's own method: `self._execute` may be the wrapper that called this one.
             out = Engine._execute(self, e, inputs, {mf.Role.NEXT_TOKEN} | ({mf.Role.LOGITS} if want else set()))
             return out[mf.Role.NEXT_TOKEN], out.get(mf.Role.LOGITS)
-        exe = self.executables[e.name]
+        exe = self._executable(e)
         check = self._runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
         args: list[Buffer] = []
         uploaded: list[Buffer] = []
         pool_args: dict[int, str] = {}
         for i, sig in enumerate(e.inputs):
-            if sig.role in mf.STEP_FIELDS or sig.role in mf.SAMPLER_INPUTS:
+            if sig.role in mf.STEP_FIELDS or sig.role in mf.SAMPLER_INPUTS or sig.role in mf.SCORER_INPUTS:
                 value = inputs[mf.STEP_FIELDS.get(sig.role, sig.role)]
                 if isinstance(value, np.ndarray):
                     buf = self.device.upload(value)
@@ -775,6 +812,31 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def score_targets(call: _Call, batch: int, tokens: int) -> np.ndarray:
+    """SCORE_TARGETS [B, T] of a scoring prefill: each position's next prompt token, right-aligned as the rows'
+    tokens are (paging.build_step_inputs); -1 where there is none (padding, the prompt's last token)."""
+    targets = np.full((batch, tokens), -1, np.int32)
+    for b, (s, row) in enumerate(zip(call.seqs, call.rows)):
+        n = len(row.token_ids)
+        nxt = s.prompt[row.start + 1:row.start + n + 1]
+        targets[b, tokens - n:tokens - n + len(nxt)] = nxt
+    return targets
+
+
+def prompt_scores(out: dict, b: int, s: _Seq, row: RowCall, tokens: int) -> list[tuple]:
+    """Row b's prompt logprob entries from a scoring prefill's outputs: per position whose next token is a prompt
+    token, (that token's logprob, its rank, the top (id, logprob) pairs the request asked for)."""
+    n = len(row.token_ids)
+    scored = min(n, len(s.prompt) - 1 - row.start)
+    k = s.sampling.prompt_logprobs
+    cols = range(tokens - n, tokens - n + scored)
+    lp, rank = out[mf.Role.PROMPT_LOGPROB][b], out[mf.Role.PROMPT_RANK][b]
+    if not k:
+        return [(float(lp[c]), int(rank[c]), ()) for c in cols]
+    ids, vals = out[mf.Role.PROMPT_TOP_IDS][b], out[mf.Role.PROMPT_TOP_LOGPROBS][b]
+    return [(float(lp[c]), int(rank[c]), tuple(zip(ids[c, :k].tolist(), vals[c, :k].tolist()))) for c in cols]
 
 
 def _check_stop(stop_token_ids: Iterable[int]) -> frozenset[int]:

@@ -8,7 +8,8 @@ The in-process API and the staging API are loaded on first use:
     tlaloc_jax.stage_bounded(fn, params, {"ids": ids}, "artifact/", bounds={"tokens": tlaloc_jax.Bound(...)})
 """
 
-__all__ = ["load_hf", "Model", "DecoderConfig", "stage", "Sampler", "PagedKV", "RingKV", "StateSlots", "StepInputs",
+__all__ = ["load_hf", "Model", "DecoderConfig", "stage", "Sampler", "PromptScorer", "PagedKV", "RingKV", "StateSlots",
+           "StepInputs",
            "stage_bounded", "Bound", "Valid", "exact_valid", "EmbeddingTask"]
 
 
@@ -19,7 +20,7 @@ def __getattr__(name):
     if name == "DecoderConfig":
         from .config import DecoderConfig
         return DecoderConfig
-    if name in ("stage", "stage_bounded", "PagedKV", "RingKV", "StateSlots", "Sampler"):
+    if name in ("stage", "stage_bounded", "PagedKV", "RingKV", "StateSlots", "Sampler", "PromptScorer"):
         from . import export
         return getattr(export, name)
     if name in ("Bound", "Valid", "exact_valid"):

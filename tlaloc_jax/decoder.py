@@ -213,8 +213,10 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
 
 
 def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs, *,
-                 key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0) -> tuple[jax.Array, Pools]:
-    """Run every layer over the call's tokens: -> (final-normed hidden state of each row's last token [B, E], pools).
+                 key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
+                 all_positions: bool = False) -> tuple[jax.Array, Pools]:
+    """Run every layer over the call's tokens: -> (final-normed hidden state of each row's last token [B, E], pools);
+    all_positions: of every token of the call [B, T, E] (a scoring prefill scores each one).
 
     ring_pages > 0 puts the sliding layers in the windowed pool ("window_kv"), each sequence's ring of
     ring_pages pages; 0 keeps every attention layer in the full-history pool ("kv").
@@ -252,7 +254,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     # the pools ride in the carry so each layer's scatter writes the donated buffers in place.
     (h, pools), _ = lax.scan(period, (h, pools), jnp.arange(plan.periods))
     # Rows are right-aligned, so every row's last token is at T - 1.
-    return rms_norm(h[:, -1], weights["final_norm"], eps, off), pools
+    return rms_norm(h if all_positions else h[:, -1], weights["final_norm"], eps, off), pools
 
 
 def logits_from_hidden(cfg: DecoderConfig, weights: Weights, x: jax.Array) -> jax.Array:

@@ -23,6 +23,12 @@ Changelog:
     TOKEN_MASK, LOGIT_BIAS_IDS, LOGIT_BIAS, TOKEN_HISTORY and outputs SAMPLED_TOKEN, TOKEN_LOGPROB,
     TOP_LOGPROBS, TOP_IDS (kernels/sampling.py). A manifest without them is served as before (the host
     samples from pulled logits); a runtime that predates them refuses the new roles by name.
+    v4 + scorer (optional, still tlaloc-serving-v4): top-level `scorer` (N top logprobs per prompt position)
+    and entries of kind prefill_scored: a prefill that also scores every position of the call against the
+    token that follows it (input SCORE_TARGETS; outputs PROMPT_LOGPROB, PROMPT_RANK, PROMPT_TOP_LOGPROBS,
+    PROMPT_TOP_IDS; kernels/scoring.py), for echo and prompt_logprobs. A manifest without them is served as
+    before (such a prompt is read a token a call and scored on the host); a runtime that predates them refuses
+    the new kind by name.
 v2 and v3 manifests still load: `Manifest.from_json` upgrades them to the v4 model in memory (their
 weights and tokenizer files carry no hashes; the loader says so).
 """
@@ -83,6 +89,9 @@ class Role(enum.StrEnum):
     LOGIT_BIAS_IDS = "LOGIT_BIAS_IDS"
     LOGIT_BIAS = "LOGIT_BIAS"
     TOKEN_HISTORY = "TOKEN_HISTORY"
+    # A scoring prefill's input (manifest `scorer`; kernels/scoring.py): SCORE_TARGETS [B, T] i32, the token each
+    # position of the call is scored against (the next prompt token), -1 for none.
+    SCORE_TARGETS = "SCORE_TARGETS"
     # Outputs.
     LOGITS = "LOGITS"
     NEXT_TOKEN = "NEXT_TOKEN"
@@ -92,6 +101,13 @@ class Role(enum.StrEnum):
     TOKEN_LOGPROB = "TOKEN_LOGPROB"
     TOP_LOGPROBS = "TOP_LOGPROBS"
     TOP_IDS = "TOP_IDS"
+    # A scoring prefill's outputs, per position of the call: the target's logprob [B, T] f32 and rank [B, T] i32
+    # (1 + the tokens of larger logprob; both 0 where the target is -1), the N largest logprobs [B, T, N] f32 and
+    # their ids [B, T, N] i32.
+    PROMPT_LOGPROB = "PROMPT_LOGPROB"
+    PROMPT_RANK = "PROMPT_RANK"
+    PROMPT_TOP_LOGPROBS = "PROMPT_TOP_LOGPROBS"
+    PROMPT_TOP_IDS = "PROMPT_TOP_IDS"
 
 
 class PoolKind(enum.StrEnum):
@@ -111,6 +127,7 @@ class PoolKind(enum.StrEnum):
 class EntryKind(enum.StrEnum):
     DECODE = "decode"      # one new token per sequence
     PREFILL = "prefill"    # up to tokens_per_seq tokens per sequence, rows right-aligned
+    PREFILL_SCORED = "prefill_scored"  # a prefill that also scores each position (manifest `scorer`)
 
 
 # The integer inputs of a call, by role, and the field of tlaloc_jax.paging.build_step_inputs (and of the
@@ -132,11 +149,16 @@ POOL_KIND_INPUTS: dict[PoolKind, tuple[Role, ...]] = {
 SAMPLER_INPUTS = (Role.SAMPLING, Role.RNG_SEED, Role.RNG_STEP, Role.TOKEN_MASK, Role.LOGIT_BIAS_IDS, Role.LOGIT_BIAS,
                   Role.TOKEN_HISTORY)
 SAMPLER_OUTPUTS = (Role.SAMPLED_TOKEN, Role.TOKEN_LOGPROB, Role.TOP_LOGPROBS, Role.TOP_IDS)
+# A scoring prefill's input and outputs, in signature order (after the sampler's).
+SCORER_INPUTS = (Role.SCORE_TARGETS,)
+SCORER_OUTPUTS = (Role.PROMPT_LOGPROB, Role.PROMPT_RANK, Role.PROMPT_TOP_LOGPROBS, Role.PROMPT_TOP_IDS)
 # The columns of SAMPLING a runtime knows how to fill, each with its neutral value (kernels/sampling.py).
 SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "top_logprobs")
-INPUT_ROLES = frozenset(STEP_FIELDS) | {Role.POOL_IN, Role.WEIGHT} | frozenset(SAMPLER_INPUTS)
-OUTPUT_ROLES = frozenset({Role.LOGITS, Role.NEXT_TOKEN, Role.POOL_OUT}) | frozenset(SAMPLER_OUTPUTS)
+INPUT_ROLES = (frozenset(STEP_FIELDS) | {Role.POOL_IN, Role.WEIGHT} | frozenset(SAMPLER_INPUTS)
+               | frozenset(SCORER_INPUTS))
+OUTPUT_ROLES = (frozenset({Role.LOGITS, Role.NEXT_TOKEN, Role.POOL_OUT}) | frozenset(SAMPLER_OUTPUTS)
+                | frozenset(SCORER_OUTPUTS))
 
 
 @dataclass(frozen=True)
@@ -321,6 +343,22 @@ SAMPLER_DTYPES = {Role.SAMPLING: "float32", Role.LOGIT_BIAS: "float32", Role.TOK
 
 
 @dataclass(frozen=True)
+class Scorer:
+    """What the scoring prefill entries (kind prefill_scored) return per position: the N top logprobs."""
+
+    top_logprobs: int
+
+    def shapes(self, batch: int, tokens: int) -> dict[Role, tuple[int, ...]]:
+        """Each scorer role's shape in an entry of `batch` rows of `tokens` tokens."""
+        return {Role.SCORE_TARGETS: (batch, tokens), Role.PROMPT_LOGPROB: (batch, tokens),
+                Role.PROMPT_RANK: (batch, tokens), Role.PROMPT_TOP_LOGPROBS: (batch, tokens, self.top_logprobs),
+                Role.PROMPT_TOP_IDS: (batch, tokens, self.top_logprobs)}
+
+
+SCORER_DTYPES = {Role.PROMPT_LOGPROB: "float32", Role.PROMPT_TOP_LOGPROBS: "float32"}     # the others are int32
+
+
+@dataclass(frozen=True)
 class Versions:
     """What produced the bodies; a runtime checks them against its plugin."""
 
@@ -344,6 +382,7 @@ class Manifest:
     refused_tokens: tuple[RefusedToken, ...] = ()
     tokenizer_files: tuple[TokenizerFile, ...] = ()
     sampler: Sampler | None = None     # v4 + sampler: every entry samples in its body
+    scorer: Scorer | None = None       # v4 + scorer: prefill_scored entries score each prompt position
 
     def pool(self, name: str) -> Pool | None:
         return next((p for p in self.pools if p.name == name), None)
@@ -660,6 +699,16 @@ def _check_sampler_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None
         raise ManifestError(f"{what} {sig.role} is {sig.dtype}{list(sig.shape)}, the sampler's is {want[0]}{list(want[1])}")
 
 
+def _check_scorer_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
+    if e.kind != EntryKind.PREFILL_SCORED or m.scorer is None:
+        raise ManifestError(f"{what} has {sig.role}, which only a {EntryKind.PREFILL_SCORED} entry of a manifest "
+                            "with a scorer has")
+    want = (SCORER_DTYPES.get(sig.role, "int32"), m.scorer.shapes(e.batch, e.tokens_per_seq)[sig.role])
+    if (sig.dtype, tuple(sig.shape)) != want:
+        raise ManifestError(f"{what} {sig.role} is {sig.dtype}{list(sig.shape)}, the scorer's is "
+                            f"{want[0]}{list(want[1])}")
+
+
 def _positive(value: int, what: str) -> None:
     if value <= 0:
         raise ManifestError(f"{what} must be positive, got {value}")
@@ -736,6 +785,10 @@ def _check_consistency(m: Manifest) -> None:
         if m.sampler.mask_words != (m.model.vocab + 31) // 32:
             raise ManifestError(f"sampler.mask_words is {m.sampler.mask_words}; a mask over {m.model.vocab} tokens "
                                 f"has {(m.model.vocab + 31) // 32}")
+    if m.scorer is not None and not 0 <= m.scorer.top_logprobs <= m.model.vocab:
+        raise ManifestError(f"scorer.top_logprobs {m.scorer.top_logprobs} must be in [0, {m.model.vocab}]")
+    if m.scorer is not None and not any(e.kind == EntryKind.PREFILL_SCORED for e in m.entries):
+        raise ManifestError(f"the manifest has a scorer but no {EntryKind.PREFILL_SCORED} entry")
     for e in m.entries:
         what = f"entry {e.name!r}"
         if v4 and not e.exported:
@@ -757,6 +810,9 @@ def _check_consistency(m: Manifest) -> None:
                 seen_roles.add(sig.role)
             elif sig.role in SAMPLER_INPUTS:
                 _check_sampler_sig(m, e, sig, what)
+                seen_roles.add(sig.role)
+            elif sig.role in SCORER_INPUTS:
+                _check_scorer_sig(m, e, sig, what)
                 seen_roles.add(sig.role)
             elif sig.role == Role.WEIGHT:
                 w = slots.get(sig.slot)
@@ -782,10 +838,17 @@ def _check_consistency(m: Manifest) -> None:
             elif sig.role in SAMPLER_OUTPUTS:
                 _check_sampler_sig(m, e, sig, what)
                 seen_roles.add(sig.role)
+            elif sig.role in SCORER_OUTPUTS:
+                _check_scorer_sig(m, e, sig, what)
+                seen_roles.add(sig.role)
         sampler_roles = set(SAMPLER_INPUTS) | set(SAMPLER_OUTPUTS)
         if m.sampler is not None and not sampler_roles <= seen_roles:
             raise ManifestError(f"{what} lacks the sampler's roles {sorted(sampler_roles - seen_roles)} (the manifest "
                                 "has a sampler)")
+        scorer_roles = set(SCORER_INPUTS) | set(SCORER_OUTPUTS)
+        if e.kind == EntryKind.PREFILL_SCORED and not scorer_roles <= seen_roles:
+            raise ManifestError(f"{what} lacks the scorer's roles {sorted(scorer_roles - seen_roles)} (a "
+                                f"{EntryKind.PREFILL_SCORED} entry scores every position)")
         if seen_pools_in != set(pools) or seen_pools_out != set(pools):
             raise ManifestError(f"{what} takes pools {sorted(seen_pools_in)} and returns {sorted(seen_pools_out)}; "
                                 f"the manifest has {sorted(pools)}")
