@@ -203,6 +203,35 @@ def test_prompts_scored_together_equal_alone_and_transformers(engine, oracle):
             assert_within(abs(a[j][0] - b[j][0]), 2 * allowed[j - 1], f"prompt {k} position {j} batched vs alone")
 
 
+@pytest.mark.slow
+@pytest.mark.numeric
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3_next"])
+def test_scored_prompts_of_windowed_and_recurrent_models_equal_transformers(model_type, tmp_path, serve_cache_dir):
+    """Gemma 2 (sliding layers in a ring pool, soft-capped logits) and Qwen3-Next (linear-attention state slots): a
+    prompt of three chunks scored in the body as transformers' log_softmax says. Control: one position off fails."""
+    import torch
+
+    import tlaloc_jax
+    from hf_models import build_checkpoint, load_hf_torch
+    from tlaloc_jax.export import Sampler, export_checkpoint
+    ck = build_checkpoint(tmp_path / "ck", model_type, seed=3)
+    export_checkpoint(ck, tmp_path / "art", batch_ladder=(1,), context_ladder=(64,), block_size=8,
+                      prefill_chunk=CHUNK, progress=False, sampler=Sampler(top_logprobs=TOP, logit_bias=1),
+                      prompt_logprobs=TOP)
+    cfg = tlaloc_jax.load_hf(ck).config
+    with torch.no_grad():
+        logits = load_hf_torch(ck)(torch.tensor([LONG])).logits[0].float().numpy().astype(np.float64)
+    lsm = _lsm(logits)
+    allowed = (2 * tol.bound(tol.decoder_roundings_of(cfg, context=len(LONG))) * np.abs(logits).max(-1)
+               + tol.bound(cfg.vocab_size + 2 * tol.TRANSCENDENTAL_ULPS + 2) * np.abs(lsm).max(-1))
+    with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False) as eng:
+        (plp,) = _prompt_logprobs(eng, [LONG])
+        assert _scored_calls(eng) >= -(-len(LONG) // CHUNK)
+    check_scores(plp[1:], lsm[:-1], LONG[1:], allowed[:-1], model_type)
+    with pytest.raises(AssertionError):
+        check_scores(plp[2:], lsm[:-2], LONG[1:-1], allowed[:-2], "control: one position off")
+
+
 def test_requests_without_prompt_logprobs_never_run_the_scoring_entries(engine):
     """The plain prefill entries serve requests that ask for no prompt logprobs; one asking for more top logprobs
     than the scorer returns falls back to the token-a-call path (its count of prefill calls is the prompt's)."""
