@@ -73,8 +73,8 @@ def test_score_positions_equals_the_naive_form_and_a_shifted_read_fails():
     hidden = rng.normal(size=(B, T, E)).astype(np.float32)
     head_w = (rng.normal(size=(E, V)) * 0.5).astype(np.float32)
     targets = rng.integers(0, V, size=(B, T)).astype(np.int32)
-    targets[0, :2] = -1           # padding
-    targets[1, :3] = -1           # a whole block of 3 with no target
+    targets[:, :3] = -1           # the first block of 3 positions has no target in any row: skipped
+    targets[0, 3] = -1            # one position without a target in a scored block
     head = jax.jit(lambda x: jnp.dot(x, head_w, precision=jax.lax.Precision.HIGHEST))
     got = jax.jit(lambda h, t: scoring.score_positions(h, t, head, top_n=N, max_elements=B * 3 * V))(hidden, targets)
     assert scoring.block_positions(B, T, V, B * 3 * V) == 3
@@ -87,7 +87,8 @@ def test_score_positions_equals_the_naive_form_and_a_shifted_read_fails():
         live = np.flatnonzero(targets[b] >= 0)
         scores = [(lp[b, t], rank[b, t], tuple(zip(ids[b, t], vals[b, t]))) for t in live]
         check_scores(scores, lsm[b, live], targets[b, live], [bound] * len(live), f"row {b}")
-        assert np.all(lp[b, targets[b] < 0] == 0) and np.all(rank[b, targets[b] < 0] == 0)
+        dead = targets[b] < 0
+        assert np.all(lp[b, dead] == 0) and np.all(rank[b, dead] == 0) and np.all(vals[b, dead] == 0)
         assert_within(float(np.abs(lp[b, live] - ref[0][b, live]).max()), bound, f"row {b} against score_reference")
         with pytest.raises(AssertionError):
             check_scores(scores[1:], lsm[b, live[:-1]], targets[b, live[:-1]], [bound] * (len(live) - 1),
@@ -127,6 +128,8 @@ def artifact(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(artifact, serve_cache_dir):
     with Engine.load(artifact, cache_dir=serve_cache_dir, progress=False) as eng:
+        # The scoring entries compile on first use: a server that never scores a prompt never compiles them.
+        assert sorted(eng.executables) == sorted(e.name for e in eng.manifest.entries if e.kind != "prefill_scored")
         yield eng
 
 
