@@ -460,21 +460,6 @@ class Engine:
                 cap = min(cap, limit)
         return start, min(len(s.prompt) - start, cap)
 
-    def _plan(self) -> list[_Call]:
-        calls: list[_Call] = []
-        prefilling = [s for s in self._seqs.values() if not s.finished and s.prefilled < len(s.prompt)]
-        # Prompts scored in the body run the scoring prefill entries, the others the plain ones (no T x V logits).
-        calls += self._prefill_calls([s for s in prefilling if not self._scored(s)], mf.EntryKind.PREFILL)
-        calls += self._prefill_calls([s for s in prefilling if self._scored(s)], mf.EntryKind.PREFILL_SCORED)
-        decoding = [s for s in self._seqs.values() if s.decoding]
-        max_batch = max(e.batch for e in self._entries(mf.EntryKind.DECODE))
-        for i in range(0, len(decoding), max_batch):
-            part = decoding[i:i + max_batch]
-            rows = tuple(row_call([s.generated[-1]], len(s.prompt) + len(s.generated) - 1, s.held) for s in part)
-            entry = self._pick(mf.EntryKind.DECODE, len(part), max(r.start + 1 for r in rows), 1)
-            calls.append(_Call(entry, tuple(part), rows))
-        return calls
-
     def _prefill_calls(self, prefilling: list[_Seq], kind: mf.EntryKind) -> list[_Call]:
         """The calls that read the next chunk of each prompt: sequences in order, as many a call as an entry of
         `kind` holds."""
@@ -493,6 +478,21 @@ class Engine:
                 rows = tuple(row_call(x.prompt[a:a + n], a, x.held) for x, (a, n) in zip(group, ends))
                 calls.append(_Call(entry, tuple(group), rows))
             group = [s] if s is not None else []
+        return calls
+
+    def _plan(self) -> list[_Call]:
+        calls: list[_Call] = []
+        prefilling = [s for s in self._seqs.values() if not s.finished and s.prefilled < len(s.prompt)]
+        # Prompts scored in the body run the scoring prefill entries, the others the plain ones (no T x V logits).
+        calls += self._prefill_calls([s for s in prefilling if not self._scored(s)], mf.EntryKind.PREFILL)
+        calls += self._prefill_calls([s for s in prefilling if self._scored(s)], mf.EntryKind.PREFILL_SCORED)
+        decoding = [s for s in self._seqs.values() if s.decoding]
+        max_batch = max(e.batch for e in self._entries(mf.EntryKind.DECODE))
+        for i in range(0, len(decoding), max_batch):
+            part = decoding[i:i + max_batch]
+            rows = tuple(row_call([s.generated[-1]], len(s.prompt) + len(s.generated) - 1, s.held) for s in part)
+            entry = self._pick(mf.EntryKind.DECODE, len(part), max(r.start + 1 for r in rows), 1)
+            calls.append(_Call(entry, tuple(part), rows))
         return calls
 
     def step(self) -> list[StepEvent]:
