@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 from margins import assert_within
 from tlaloc_jax.kernels import paged_attention_reference
@@ -140,25 +139,6 @@ def test_controls_that_must_fail():
     tiled = call.q.reshape(3, 1, 2, 2, D).transpose(0, 1, 3, 2, 4).reshape(3, 1, 4, D)
     wrong = kernel(call._replace(q=tiled), jnp.int32(0)).reshape(3, 1, 2, 2, D).transpose(0, 1, 3, 2, 4)
     assert relative_error(wrong.reshape(3, 1, 4, D), want) > 100 * BOUND
-
-
-def test_per_layer_windows_under_scan():
-    """A lax.scan over layers with a traced layer and window per layer (0 = full attention)."""
-    windows = [0, 6]
-    call = make_call(3, [40, 17, 29, 1], layers=2)
-
-    @jax.jit
-    def all_layers(call, windows):
-        def layer(_, xs):
-            index, window = xs
-            return None, paged_decode_attention(call.q, call.kv_pool, index, *call[3:], scale=SCALE, window=window,
-                                                pages_per_block=PPB, interpret=True)
-        return lax.scan(layer, None, (jnp.arange(2), windows))[1]
-
-    outs = all_layers(call, jnp.asarray(windows, jnp.int32))
-    for index, window in enumerate(windows):
-        want = paged_attention_reference(*call._replace(layer=index), scale=SCALE, window=window)
-        assert_within(relative_error(outs[index], want), BOUND, f"layer {index} under scan")
 
 
 def ring_call(seed, lengths, ring, window):

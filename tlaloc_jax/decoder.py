@@ -14,6 +14,7 @@ from jax import lax
 
 from tlaloc_jax.kernels import (MoeSpec, causal_conv1d, causal_conv1d_update, gated_delta_rule_chunked,
                                 gated_delta_rule_recurrent, kv_cache_write, moe, paged_attention)
+from tlaloc_jax.kernels.paged_attention_gpu import paged_decode_attention
 
 from .config import FULL, LINEAR, SLIDING, DecoderConfig
 from .inputs import StepInputs
@@ -25,6 +26,10 @@ Weights = dict[str, jax.Array]
 Pools = dict[str, jax.Array]
 
 DEFAULT_KEY_BLOCK = 2048
+# How a decode call (T = 1) attends over its pages: "xla", kernels.paged_attention in plain ops (every platform);
+# "pallas", the Pallas GPU kernel (kernels.paged_attention_gpu, lowered through Triton: cuda only);
+# "pallas-interpret", that kernel in Pallas' interpreter (any platform, slow: for tests). Prefill calls use "xla".
+DECODE_ATTENTION = ("xla", "pallas", "pallas-interpret")
 # Tokens per chunk of the gated delta rule's prefill form (the seed's 64).
 DELTA_CHUNK = 64
 
@@ -146,7 +151,7 @@ def residual_mlp(cfg: DecoderConfig, lw: Weights, h: jax.Array, a: jax.Array, *,
 
 def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, layer: jax.Array, inputs: StepInputs,
                rope: tuple[jax.Array, jax.Array], window: int, key_block: int,
-               ring_pages: int = 0) -> tuple[jax.Array, jax.Array]:
+               ring_pages: int = 0, decode_attention: str = "xla") -> tuple[jax.Array, jax.Array]:
     """x: [B, T, E] (normed) -> (attention output [B, T, E], kv pool with this layer's keys and values written).
 
     ring_pages > 0: the layer's pool is the windowed pool; it writes through the window slot mapping and
@@ -158,9 +163,13 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
     else:
         slots, tables = inputs.slot_mapping, inputs.block_tables
     kv = kv_cache_write(kv, k, v, slots, layer)
-    o = paged_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens,
-                        scale=cfg.query_scale, window=window or None, soft_cap=cfg.attn_softcap or None,
-                        key_block=key_block, ring=bool(ring_pages), sinks=w["sinks"] if cfg.attn_sinks else None)
+    common = dict(scale=cfg.query_scale, window=window or None, soft_cap=cfg.attn_softcap or None,
+                  ring=bool(ring_pages), sinks=w["sinks"] if cfg.attn_sinks else None)
+    if decode_attention != "xla" and q.shape[1] == 1:
+        o = paged_decode_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens, **common,
+                                   interpret=decode_attention == "pallas-interpret")
+    else:
+        o = paged_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens, key_block=key_block, **common)
     return attention_output(cfg, w, x, o), kv
 
 
@@ -213,12 +222,16 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
 
 
 def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs, *,
-                 key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0) -> tuple[jax.Array, Pools]:
+                 key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
+                 decode_attention: str = "xla") -> tuple[jax.Array, Pools]:
     """Run every layer over the call's tokens: -> (final-normed hidden state of each row's last token [B, E], pools).
 
     ring_pages > 0 puts the sliding layers in the windowed pool ("window_kv"), each sequence's ring of
-    ring_pages pages; 0 keeps every attention layer in the full-history pool ("kv").
+    ring_pages pages; 0 keeps every attention layer in the full-history pool ("kv"). decode_attention: one of
+    DECODE_ATTENTION, the attention of a decode call.
     """
+    if decode_attention not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention {decode_attention!r} is not one of {', '.join(DECODE_ATTENTION)}")
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     h = embed(weights["embed"], inputs.token_ids)
     if cfg.embed_scale:
@@ -243,7 +256,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
             else:
                 (name,) = lp.pools
                 a, kv = _attention(cfg, aw, a, pools[name], lp.pool.index(i), inputs, tables[lp.kind], lp.window,
-                                   key_block, ring_pages if name == "window_kv" else 0)
+                                   key_block, ring_pages if name == "window_kv" else 0, decode_attention)
                 pools = {**pools, name: kv}
             h = residual_mlp(cfg, lw, h, a, valid=valid, experts=experts, layer=lp.layer.index(i))
         return (h, pools), None
@@ -262,8 +275,10 @@ def logits_from_hidden(cfg: DecoderConfig, weights: Weights, x: jax.Array) -> ja
 
 
 def forward(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs, *,
-            key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0) -> tuple[jax.Array, Pools]:
+            key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
+            decode_attention: str = "xla") -> tuple[jax.Array, Pools]:
     """One call: -> (logits of each row's last token [B, V] f32, updated pools)."""
-    x, pools = final_hidden(cfg, weights, pools, inputs, key_block=key_block, ring_pages=ring_pages)
+    x, pools = final_hidden(cfg, weights, pools, inputs, key_block=key_block, ring_pages=ring_pages,
+                            decode_attention=decode_attention)
     return logits_from_hidden(cfg, weights, x), pools
 
