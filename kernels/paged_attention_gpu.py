@@ -1,10 +1,12 @@
 """Paged attention for decode on GPU: a Pallas kernel lowered through Triton (inference only).
 
 Same arguments and result as kernels.paged_attention.paged_attention for a decode call (one token a row,
-T = 1), which stays the reference and the CPU path. One program per (row, KV head): it reads the row's
-length, position and window, walks the key blocks that hold the row's visible keys (never the rest of
-the bucket), loads each block's pages straight from the stacked pool in the pool's dtype, widens them in
-registers, and folds them into an online softmax in f32 for the G query heads that share the KV head.
+T = 1), which stays the reference and the CPU path. One program per (row, KV head, split): it reads the
+row's length, position and window, walks its share of the key blocks that hold the row's visible keys
+(never the rest of the bucket), loads each block's pages straight from the stacked pool in the pool's dtype,
+widens them in registers, and folds them into an online softmax in f32 for the G query heads that share the
+KV head. With one split (large batches) the program finishes the softmax; with several (small batches, so
+that enough programs run) the splits' states are merged by a small XLA fusion after the kernel.
 
 Layout: kv_pool [L, 2, P, S, K, D] as paged_attention's; the grouped queries [B, K, Gp, D] with G = H / K
 padded to Gp = max(16, G rounded up to a power of two) rows (Triton's dot wants 16 rows; the padding rows
@@ -38,6 +40,7 @@ from .paged_attention import _refuse_derivative, _window_array
 # instead (PTX compiled by jaxlib, run by a handler jaxlib's CUDA plugin registers): the export refuses that one.
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 KEYS_PER_BLOCK = 64     # keys a program loads per loop iteration (rounded to whole pages)
+TARGET_PROGRAMS = 128   # split a row's key blocks until about this many programs run (an H100/H200 has 132 SMs)
 MIN_DOT_ROWS = 16       # Triton's dot wants at least 16 rows, columns and contraction length
 FLOAT_POOLS = ("float32", "bfloat16", "float16")
 
@@ -72,15 +75,25 @@ def pages_per_block_for(page_size: int) -> int:
     return max(1, KEYS_PER_BLOCK // page_size, -(-MIN_DOT_ROWS // page_size))
 
 
+def splits_for(batch: int, kv_heads: int, table_width: int, pages_per_block: int) -> int:
+    """Programs per (row, KV head): enough that about TARGET_PROGRAMS run, at most the key blocks a row's table
+    spans (one more for a ring, whose live keys may straddle its wrap)."""
+    blocks = -(-table_width // pages_per_block) + 1
+    return max(1, min(blocks, TARGET_PROGRAMS // (batch * kv_heads)))
+
+
 def paged_decode_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.Array, positions: jax.Array,
                            seq_lens: jax.Array, *, scale: float, window=None, soft_cap: float | None = None,
                            ring: bool = False, sinks: jax.Array | None = None, pages_per_block: int | None = None,
-                           num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
+                           splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                           interpret: bool = False) -> jax.Array:
     """Decode attention over paged keys and values, as paged_attention with T = 1.
 
     q: [B, 1, H, D]; kv_pool: [L, 2, P, S, K, D]; layer: int or int32 scalar; block_tables: [B, M] int32
     (ring: [B, R], each row's ring); positions: [B, 1] int32 (-1 = padding); seq_lens: [B] int32.
     -> [B, 1, H, D] f32; 0 where nothing is seen. interpret: run the kernel in Pallas' interpreter (CPU).
+    splits: programs per (row, KV head), each folding a contiguous share of the row's key blocks; their
+    partial softmax states are merged after the kernel (default splits_for: more for small batches).
     Refuses (ValueError, naming the reason) a call `refusal` names.
     """
     B, T, H, D = q.shape
@@ -92,14 +105,17 @@ def paged_decode_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables
     if not _power_of_two(ppb) or ppb * S < MIN_DOT_ROWS:
         raise ValueError(f"paged_decode_attention: pages_per_block {ppb} must be a power of two making at least "
                          f"{MIN_DOT_ROWS} keys with pages of {S}")
-    return _paged_decode(scale, soft_cap, ring, ppb, num_warps, num_stages, interpret, q, kv_pool,
+    splits = splits or splits_for(B, K, block_tables.shape[1], ppb)
+    if splits < 1:
+        raise ValueError(f"paged_decode_attention: splits must be >= 1, got {splits}")
+    return _paged_decode(scale, soft_cap, ring, ppb, splits, num_warps, num_stages, interpret, q, kv_pool,
                          jnp.asarray(layer, jnp.int32), block_tables, positions, seq_lens, _window_array(window),
                          sinks)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _paged_decode(scale, soft_cap, ring, ppb, num_warps, num_stages, interpret, q, kv_pool, layer, block_tables,
-                  positions, seq_lens, window, sinks):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+def _paged_decode(scale, soft_cap, ring, ppb, splits, num_warps, num_stages, interpret, q, kv_pool, layer,
+                  block_tables, positions, seq_lens, window, sinks):
     B, _, H, D = q.shape
     K = kv_pool.shape[4]
     G = H // K
@@ -111,32 +127,59 @@ def _paged_decode(scale, soft_cap, ring, ppb, num_warps, num_stages, interpret, 
     sink = (sinks.astype(jnp.float32).reshape(K, G) if has_sinks else jnp.zeros((K, G), jnp.float32))
     sink = jnp.pad(sink, ((0, 0), (0, Gp - G)))
     scalars = jnp.stack([layer, window]).astype(jnp.int32)
+    # One split: the program finishes its softmax (sinks included). Several: each writes its unnormalised state.
     kernel = functools.partial(_decode_kernel, scale=scale, soft_cap=soft_cap, ring=ring, pages_per_block=ppb,
-                               has_sinks=has_sinks)
+                               has_sinks=has_sinks, splits=splits)
+    if splits == 1:
+        out_specs = pl.BlockSpec((None, None, None, Gp, D), lambda b, k, s: (s, b, k, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((1, B, K, Gp, D), jnp.float32)
+    else:
+        out_specs = [pl.BlockSpec((None, None, None, Gp, D), lambda b, k, s: (s, b, k, 0, 0)),    # acc
+                     pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (s, b, k, 0)),          # m
+                     pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (s, b, k, 0))]          # l
+        out_shape = [jax.ShapeDtypeStruct((splits, B, K, Gp, D), jnp.float32),
+                     *[jax.ShapeDtypeStruct((splits, B, K, Gp), jnp.float32)] * 2]
     out = pl.pallas_call(
         kernel,
-        grid=(B, K),
+        grid=(B, K, splits),
         in_specs=[
-            pl.BlockSpec((None, None, Gp, D), lambda b, k: (b, k, 0, 0)),   # q
-            pl.BlockSpec((None, Gp), lambda b, k: (k, 0)),                  # sinks
+            pl.BlockSpec((None, None, Gp, D), lambda b, k, s: (b, k, 0, 0)),   # q
+            pl.BlockSpec((None, Gp), lambda b, k, s: (k, 0)),                  # sinks
             *[pl.BlockSpec()] * 5,            # whole arrays: pool, tables, positions, seq_lens, (layer, window)
         ],
-        out_specs=pl.BlockSpec((None, None, Gp, D), lambda b, k: (b, k, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, K, Gp, D), jnp.float32),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tlaloc_paged_decode_attention",
     )(q, sink, kv_pool, block_tables, positions[:, 0], seq_lens, scalars)
+    out = out[0] if splits == 1 else merge_splits(*out, sink if has_sinks else None)
     return out[:, :, :G].reshape(B, 1, H, D)
+
+
+def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, sink: jax.Array | None) -> jax.Array:
+    """The splits' softmax states (acc [N, B, K, Gp, D], m, l [N, B, K, Gp]; a split that saw nothing: m = -inf,
+    l = 0) and the sinks [K, Gp] -> the attention output [B, K, Gp, D] (0 where nothing is seen)."""
+    top = jnp.max(m, axis=0)
+    if sink is not None:
+        top = jnp.maximum(top, sink[None])
+    shift = jnp.where(top == -jnp.inf, 0.0, top)
+    w = jnp.exp(m - shift[None])
+    total = jnp.sum(w * l, axis=0)
+    if sink is not None:
+        total = total + jnp.exp(sink[None] - shift)
+    seen = total > 0
+    return jnp.where(seen[..., None], jnp.sum(w[..., None] * acc, axis=0) / jnp.where(seen, total, 1.0)[..., None], 0.0)
 
 
 _paged_decode.defjvp(_refuse_derivative("paged_decode_attention"))
 
 
-def _decode_kernel(q_ref, sink_ref, pool_ref, tables_ref, pos_ref, lens_ref, scalars_ref, o_ref, *, scale,
-                   soft_cap, ring, pages_per_block, has_sinks):
-    """Program (b, kh): the G (padded Gp) queries of row b that read KV head kh."""
-    b, kh = pl.program_id(0), pl.program_id(1)
+def _decode_kernel(q_ref, sink_ref, pool_ref, tables_ref, pos_ref, lens_ref, scalars_ref, *out_refs, scale,
+                   soft_cap, ring, pages_per_block, has_sinks, splits):
+    """Program (b, kh, s): the G (padded Gp) queries of row b that read KV head kh, over share s of the row's key
+    blocks. One split: out_refs = (o,), the finished output; several: (acc, m, l), the unnormalised state."""
+    b, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     Gp, D = q_ref.shape
     pages, S = pool_ref.shape[2], pool_ref.shape[3]
     width = tables_ref.shape[1]
@@ -155,7 +198,7 @@ def _decode_kernel(q_ref, sink_ref, pool_ref, tables_ref, pos_ref, lens_ref, sca
     hi = jnp.where(pos >= 0, hi, 0)                        # a padding row sees nothing
 
     q = q_ref[...]                                         # [Gp, D] f32
-    if has_sinks:
+    if has_sinks and splits == 1:   # several splits: the sinks join when their states merge
         m0, l0 = sink_ref[...], jnp.ones((Gp,), jnp.float32)
     else:
         m0, l0 = jnp.full((Gp,), -jnp.inf, jnp.float32), jnp.zeros((Gp,), jnp.float32)
@@ -187,6 +230,13 @@ def _decode_kernel(q_ref, sink_ref, pool_ref, tables_ref, pos_ref, lens_ref, sca
 
     first = lo // block
     last = jnp.where(hi > lo, (hi + block - 1) // block, first)                   # exclusive
-    _, l, acc = lax.fori_loop(first, last, fold, (m0, l0, acc0))
-    seen = l > 0
-    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+    share = (last - first + splits - 1) // splits
+    start = first + split * share
+    stop = jnp.maximum(jnp.minimum(start + share, last), start)
+    m, l, acc = lax.fori_loop(start, stop, fold, (m0, l0, acc0))
+    if splits == 1:
+        seen = l > 0
+        out_refs[0][...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l

@@ -69,10 +69,11 @@ def make_call(seed, lengths, *, H=4, K=2, layers=2, layer=1, dtype=np.float32, p
 
 
 # window is traced (0 = none), as under a scan over layers; layer is traced by jit too.
-@functools.partial(jax.jit, static_argnames=("soft_cap", "pages_per_block"))
-def kernel(call, window, *, soft_cap=None, sinks=None, pages_per_block=PPB):
+@functools.partial(jax.jit, static_argnames=("soft_cap", "pages_per_block", "splits"))
+def kernel(call, window, *, soft_cap=None, sinks=None, pages_per_block=PPB, splits=None):
+    """splits None: splits_for's choice, several for these small batches (4 for 8 rows of 2 KV heads)."""
     return paged_decode_attention(*call, scale=SCALE, window=window, soft_cap=soft_cap, sinks=sinks,
-                                  pages_per_block=pages_per_block, interpret=True)
+                                  pages_per_block=pages_per_block, splits=splits, interpret=True)
 
 
 @functools.partial(jax.jit, static_argnames=("soft_cap",))
@@ -83,7 +84,7 @@ def reference(call, window, *, soft_cap=None, sinks=None):
 def check(call, window=0, **kw):
     """The kernel matches the reference; padding and empty rows get 0. -> the kernel's output."""
     out = kernel(call, jnp.int32(window), **kw)
-    want = reference(call, jnp.int32(window), **{k: v for k, v in kw.items() if k != "pages_per_block"})
+    want = reference(call, jnp.int32(window), **{k: v for k, v in kw.items() if k not in ("pages_per_block", "splits")})
     assert out.dtype == jnp.float32 and out.shape == call.q.shape and np.all(np.isfinite(out))
     assert_within(relative_error(out, want), BOUND, f"pallas decode vs reference, window {window}, {kw}")
     dead = np.asarray(call.positions[:, 0]) < 0
@@ -94,18 +95,20 @@ def check(call, window=0, **kw):
 EDGES = [1, 4, 5, 16, 17, 48, 3, 0]  # length 1, at and one past a page (4) and a key block (16), the full bucket, empty
 
 
-@pytest.mark.parametrize("H, K, dtype", [(4, 4, np.float32), (4, 2, jnp.bfloat16), (8, 2, np.float32),
-                                         (6, 2, jnp.bfloat16)], ids=["G1-f32", "G2-bf16", "G4-f32", "G3-bf16"])
-def test_decode_matches_reference(H, K, dtype):
+@pytest.mark.parametrize("H, K, dtype, splits", [(4, 4, np.float32, 1), (4, 2, jnp.bfloat16, None),
+                                                 (8, 2, np.float32, 3), (6, 2, jnp.bfloat16, None)],
+                         ids=["G1-f32-1split", "G2-bf16", "G4-f32-3splits", "G3-bf16"])
+def test_decode_matches_reference(H, K, dtype, splits):
     """Lengths 1, a key-block boundary and one past, the full bucket, an empty row, a padding row with keys;
-    GQA ratios 1, 2, 4 and 3 (padded to 16 rows), f32 and bf16 pools; with and without a window (traced, one
-    compile). Both sides widen a bf16 pool to f32, so it is held to the f32 bound."""
+    GQA ratios 1, 2, 4 and 3 (padded to 16 rows), f32 and bf16 pools; one program per (row, KV head), or the
+    key blocks split over 3 (uneven shares) or 4 programs; with and without a window (traced, one compile).
+    Both sides widen a bf16 pool to f32, so it is held to the f32 bound."""
     call = make_call(H + K, EDGES, H=H, K=K, dtype=dtype, padding=(6,))
-    check(call)
-    check(call, window=5)
-    check(call, window=17)     # the window start crosses a key block boundary for the long rows
+    check(call, splits=splits)
+    check(call, window=5, splits=splits)
+    check(call, window=17, splits=splits)     # the window start crosses a key block boundary for the long rows
     if H == K:
-        check(call, pages_per_block=None)   # the default key block: 16 pages, the whole context in one block
+        check(call, pages_per_block=None, splits=splits)   # the default key block: the whole context in one block
 
 
 def test_windows_skip_blocks_whose_pages_are_freed():
@@ -120,13 +123,15 @@ def test_windows_skip_blocks_whose_pages_are_freed():
     check(call._replace(kv_pool=jnp.asarray(pool)), window=window)
 
 
-def test_soft_cap_and_sinks():
-    call = make_call(11, [1, 16, 17, 48], H=4, K=2)
-    check(call, soft_cap=2.0)
-    # Sinks around the scores' scale, so each takes a real share of its softmax; the control ignores them.
+@pytest.mark.parametrize("splits", [1, None], ids=["1split", "splits"])
+def test_soft_cap_and_sinks(splits):
+    """Soft-capped scores and sinks, the sinks in the one program's softmax or joining the splits' merge.
+    Control: the same without the sinks is far off."""
+    call = make_call(11, [1, 16, 17, 48, 0], H=4, K=2)
+    # Sinks around the scores' scale, so each takes a real share of its softmax.
     sinks = jnp.asarray(np.random.default_rng(31).standard_normal(4) + 1.0, jnp.float32)
-    out = check(call, window=7, sinks=sinks)
-    assert relative_error(out, reference(call, jnp.int32(7))) > 0.05
+    out = check(call, window=7, soft_cap=2.0, sinks=sinks, splits=splits)
+    assert relative_error(out, reference(call, jnp.int32(7), soft_cap=2.0)) > 0.05
 
 
 def test_controls_that_must_fail():
@@ -202,14 +207,16 @@ def test_inference_only():
         jax.jvp(lambda x: paged_decode_attention(x, *call[1:], scale=SCALE, interpret=True), (call.q,), (call.q,))
 
 
-def test_lowers_for_cuda_to_one_triton_call():
+@pytest.mark.parametrize("splits", [1, None], ids=["1split", "splits"])
+def test_lowers_for_cuda_to_one_triton_call(splits):
     """jax.export for cuda lowers the kernel on this CPU machine (no GPU): one custom call to the GPU plugin's
     Triton target, the Triton IR in its backend_config, and the pool read in place (no gather of it)."""
     from tlaloc_jax.export import custom_call_targets
     from tlaloc_jax.export._stage import export_fn
     call = make_call(0, [20, 33], H=4, K=2, dtype=jnp.bfloat16)
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in call._replace(layer=jnp.int32(1))]
-    f = lambda q, pool, layer, t, pos, n: paged_decode_attention(q, pool, layer, t, pos, n, scale=SCALE, window=7)
+    f = lambda q, pool, layer, t, pos, n: paged_decode_attention(q, pool, layer, t, pos, n, scale=SCALE, window=7,
+                                                                 splits=splits)
     text = export_fn(f, avals, platform="cuda").mlir_module()
     assert custom_call_targets(text) == {TRITON_CUSTOM_CALL}
     assert text.count(f"stablehlo.custom_call @{TRITON_CUSTOM_CALL}") == 1
