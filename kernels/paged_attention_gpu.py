@@ -35,8 +35,8 @@ from jax.experimental.pallas import triton as pl_triton
 
 from .paged_attention import _refuse_derivative, _window_array
 
-# The custom-call target of a Pallas kernel lowered for cuda by jaxlib 0.10.x (the Triton IR rides in its
-# backend_config and XLA's GPU compiler turns it into PTX). jaxlib 0.11 lowers to "triton_kernel_call_ffi"
+# The custom-call target of a Pallas kernel lowered for cuda by jaxlib up to 0.10.2 (the Triton IR rides in its
+# backend_config and XLA's GPU compiler turns it into PTX). Later jaxlibs lower to "triton_kernel_call_ffi"
 # instead (PTX compiled by jaxlib, run by a handler jaxlib's CUDA plugin registers): the export refuses that one.
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 KEYS_PER_BLOCK = 64     # keys a program loads per loop iteration (rounded to whole pages)
