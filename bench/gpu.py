@@ -197,12 +197,18 @@ def stage_runtime(arts: list[Path], plugin: str | None, steps: int) -> None:
     import numpy as np
     from tlaloc_jax.serve import Engine
     engines = {}
-    for art in arts:
+    for art in arts:   # a variant the plugin refuses (say, Triton IR it cannot read) is reported, the rest timed
         t0 = time.perf_counter()
-        engines[art.name] = Engine.load(art, plugin, cache_dir=f"/tmp/tlaloc-gpu-bench-cache/{art.name}",
-                                        progress=False, trust_weights=True, memory_fraction=0.9 / len(arts))
+        try:
+            engines[art.name] = Engine.load(art, plugin, cache_dir=f"/tmp/tlaloc-gpu-bench-cache/{art.name}",
+                                            progress=False, trust_weights=True, memory_fraction=0.9 / len(arts))
+        except Exception as e:
+            result(stage="runtime", what="error", art=art.name, error=f"{type(e).__name__}: {e}"[:3000])
+            continue
         result(stage="runtime", what="load", art=art.name, seconds=round(time.perf_counter() - t0, 1),
                platform=engines[art.name].device.platform_name)
+    if not engines:
+        return
     first = next(iter(engines.values()))
     for entry, tokens, start in entry_plan(first.manifest):
         inp = step_inputs(first.manifest, entry.batch, tokens, start)
@@ -241,24 +247,34 @@ def stage_jax(arts: list[Path], steps: int) -> None:
     del x
     loaded = {}
     for art in arts:
-        m = mf.load_manifest(art, verify_weights=False)
+        try:
+            m = mf.load_manifest(art, verify_weights=False)
+        except Exception as e:
+            result(stage="jax", what="error", art=art.name, error=f"{type(e).__name__}: {e}"[:3000])
+            continue
         weights = {w.slot: jax.device_put(np.fromfile(art / w.file, dtype=ml_dtypes.bfloat16 if w.dtype == "bfloat16"
                                                       else np.float32).reshape(w.shape)) for w in m.weights}
         pools = {p.name: jnp.zeros(p.shape, jnp.bfloat16 if p.dtype == "bfloat16" else jnp.float32) for p in m.pools}
         loaded[art.name] = (m, weights, pools)
+    if not loaded:
+        return
     first = next(iter(loaded.values()))[0]
     for entry, tokens, start in entry_plan(first):
         inp = step_inputs(first, entry.batch, tokens, start)
         fns = {}
         for k, (m, weights, pools) in loaded.items():
             e = next(x for x in m.entries if x.name == entry.name)
-            exp = jax.export.deserialize(bytearray((art_of(arts, k) / e.exported).read_bytes()))
-            pool_idx = tuple(i for i, s in enumerate(e.inputs) if s.role == mf.Role.POOL_IN)
-            f = jax.jit(exp.call, donate_argnums=pool_idx)
-            nt = e.output_index(mf.Role.NEXT_TOKEN)
-            fns[k] = _jax_step(f, e, inp, weights, pools, nt, mf)
+            try:
+                exp = jax.export.deserialize(bytearray((art_of(arts, k) / e.exported).read_bytes()))
+                pool_idx = tuple(i for i, s in enumerate(e.inputs) if s.role == mf.Role.POOL_IN)
+                f = jax.jit(exp.call, donate_argnums=pool_idx)
+                fns[k] = _jax_step(f, e, inp, weights, pools, e.output_index(mf.Role.NEXT_TOKEN), mf)
+                fns[k]()                       # compiles: a body this jax cannot run is reported, the rest timed
+            except Exception as ex:
+                fns.pop(k, None)
+                result(stage="jax", what="error", art=k, entry=entry.name, error=f"{type(ex).__name__}: {ex}"[:3000])
         ms = interleaved(fns, steps if entry.kind == "decode" else max(3, steps // 3))
-        for k in loaded:
+        for k in fns:
             result(stage="jax", art=k, entry=entry.name, kind=str(entry.kind), batch=entry.batch, tokens=tokens,
                    position=start, ms=round(ms[k], 3))
 
@@ -378,6 +394,8 @@ def table(lines: list[dict], kit: Path) -> None:
     for r in lines:
         if r.get("what") == "load":
             print(f"load {r['art']}: {r['seconds']} s ({r['platform']})")
+        elif r.get("what") == "error":
+            print(f"ERROR {r['stage']} {r['art']} {r.get('entry', '')}: {r['error']}")
 
 
 def dry_run(kit: Path, steps: int) -> None:

@@ -44,7 +44,7 @@ def plan_entries(batch_ladder, context_ladder, prefill_max_batch: int, prefill_c
 PLUGIN_CUSTOM_CALLS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})
 # Per platform, the targets its plugin's own compiler handles on top of those. cuda: a Pallas kernel lowered
 # through Triton (kernels/paged_attention_gpu.py) carries its Triton IR to XLA's GPU compiler, which turns it
-# into PTX inside the CUDA plugin. jaxlib 0.11's "triton_kernel_call_ffi" (PTX compiled by jaxlib, run by a
+# into PTX inside the CUDA plugin. Later jaxlibs' "triton_kernel_call_ffi" (PTX compiled by jaxlib, run by a
 # handler jaxlib's CUDA plugin registers at import) is not in the list: the standalone plugin lacks it.
 PLATFORM_CUSTOM_CALLS = {"cpu": frozenset(), "cuda": frozenset({TRITON_CUSTOM_CALL})}
 _CUSTOM_CALL = re.compile(r"stablehlo\.custom_call\s+@([\w.$-]+)|call_target_name\s*=\s*\"([^\"]+)\"")
