@@ -3,7 +3,7 @@ runtime and through in-process JAX, each step printed as a multiple of the HBM f
 
 Here (the project's .venv, no GPU needed; about 3 minutes, most of it the Qwen3-0.6B-shape export):
 
-    .venv/bin/python bench/gpu.py kit                     # -> .gpu-bench/ (git-ignored, about 10 MiB)
+    .venv/bin/python bench/gpu.py kit                     # -> .gpu-bench/ (git-ignored, about 3 MiB)
 
 On the GPU machine, from the project root with .gpu-bench/ carried along (python3 with jax[cuda] and ml_dtypes;
 no pypjrt, no project install needed: the kit holds both), in under 5 minutes:

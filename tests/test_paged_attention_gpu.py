@@ -107,6 +107,7 @@ def test_decode_matches_reference(H, K, dtype, splits):
     check(call, splits=splits)
     check(call, window=5, splits=splits)
     check(call, window=17, splits=splits)     # the window start crosses a key block boundary for the long rows
+    check(call._replace(positions=jnp.full_like(call.positions, -1)), splits=splits)   # no live row: all 0
     if H == K:
         check(call, pages_per_block=None, splits=splits)   # the default key block: the whole context in one block
 
