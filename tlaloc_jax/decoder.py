@@ -14,7 +14,6 @@ from jax import lax
 
 from tlaloc_jax.kernels import (MoeSpec, causal_conv1d, causal_conv1d_update, gated_delta_rule_chunked,
                                 gated_delta_rule_recurrent, kv_cache_write, moe, paged_attention)
-from tlaloc_jax.kernels.paged_attention_gpu import paged_decode_attention
 
 from .config import FULL, LINEAR, SLIDING, DecoderConfig
 from .inputs import StepInputs
@@ -156,6 +155,7 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
 
     ring_pages > 0: the layer's pool is the windowed pool; it writes through the window slot mapping and
     scores only the first ring_pages entries of the window block table (the ring), whatever the bucket.
+    decode_attention: which attention a decode call (T = 1) uses (DECODE_ATTENTION); other calls use plain ops.
     """
     q, k, v = project_qkv(cfg, w, x, rope)
     if ring_pages:
@@ -166,6 +166,7 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
     common = dict(scale=cfg.query_scale, window=window or None, soft_cap=cfg.attn_softcap or None,
                   ring=bool(ring_pages), sinks=w["sinks"] if cfg.attn_sinks else None)
     if decode_attention != "xla" and q.shape[1] == 1:
+        from tlaloc_jax.kernels.paged_attention_gpu import paged_decode_attention   # imports Pallas: only when used
         o = paged_decode_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens, **common,
                                    interpret=decode_attention == "pallas-interpret")
     else:
