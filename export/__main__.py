@@ -51,6 +51,9 @@ def main(argv=None) -> int:
                          "as the full pool holds at the largest context)")
     ap.add_argument("--platform", choices=["cpu", "cuda"], default="cpu",
                     help="platform the bodies are lowered for, one per artifact (default cpu)")
+    ap.add_argument("--decode-attention", choices=["pallas", "xla"], default=None,
+                    help="decode entries' paged attention: pallas (a Pallas GPU kernel lowered through Triton; the "
+                         "default for cuda) or xla (plain ops; the default, and the only choice, for cpu)")
     ap.add_argument("--no-sampler", action="store_true",
                     help="stage the model's step alone, without the sampler in each entry (temperature, top-k, top-p, "
                          "min-p, penalties, logit bias, structured-output masks and logprobs computed in the body); the "
@@ -93,7 +96,8 @@ def main(argv=None) -> int:
                               platform=args.platform, progress=not args.quiet,
                               sampler=None if args.no_sampler else Sampler(args.top_logprobs, args.logit_bias_slots),
                               allow_longer_context=args.allow_longer_context,
-                              prompt_logprobs=args.prompt_logprobs)
+                              prompt_logprobs=args.prompt_logprobs,
+                              decode_attention=args.decode_attention)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from tlaloc_jax import manifest as mf
 from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
 from tlaloc_jax.config import SLIDING, DecoderConfig
 from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, final_hidden, forward, logits_from_hidden
+from tlaloc_jax.kernels import paged_attention_gpu
 from tlaloc_jax.plan import layer_plan
 from tlaloc_jax.paging import ring_pages_for
 
@@ -54,7 +55,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       kv_dtype: str = "float32", attention_block: int = DEFAULT_KEY_BLOCK,
                       windowed_kv: bool = True, window_blocks: int | None = None, state_slots: int | None = None,
                       platform: str = "cpu", progress: bool = True, sampler: Sampler | None = None,
-                      allow_longer_context: bool = False, prompt_logprobs: int | None = None) -> mf.Manifest:
+                      allow_longer_context: bool = False, prompt_logprobs: int | None = None,
+                      decode_attention: str | None = None) -> mf.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -71,7 +73,16 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     checkpoint's max_position_embeddings is refused unless allow_longer_context, which warns instead.
     prompt_logprobs: N adds a scoring prefill entry beside each prefill entry, returning per prompt position the
     next token's logprob and rank and the N top logprobs (see `stage`, PromptScorer); None adds none.
+    decode_attention: how decode entries attend over their pages: "pallas" (the Pallas GPU kernel, lowered
+    through Triton; the default on cuda, refused on cpu) or "xla" (plain ops; the default on cpu). Prefill
+    entries use plain ops either way.
     """
+    decode_attention = decode_attention or ("pallas" if platform == "cuda" else "xla")
+    if decode_attention not in ("pallas", "xla"):
+        raise ExportError(f"decode_attention {decode_attention!r} is not one of pallas, xla")
+    if decode_attention == "pallas" and platform != "cuda":
+        raise ExportError(f"decode_attention 'pallas' lowers through Triton, which only the cuda plugin compiles; "
+                          f"platform {platform!r} takes decode_attention 'xla'")
     contexts = _ladder(context_ladder, "context ladder")
     if block_size <= 0 or attention_block % block_size:
         raise ExportError(f"attention block {attention_block} is not a multiple of the block size {block_size}")
@@ -91,7 +102,13 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         chunk = int(prefill_chunk or 0)
         ring = ring_pages_for(cfg.sliding_window, chunk or contexts[-1], block_size, contexts[-1] // block_size)
     pools = decoder_pools(cfg, windowed=windowed, kv_dtype=kv_np.name, ring_pages=ring)
-    step = functools.partial(forward, cfg, key_block=attention_block, ring_pages=ring)
+    if decode_attention == "pallas":
+        why = paged_attention_gpu.refusal(1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, kv_np)
+        if why:
+            raise ExportError(f"the Pallas GPU decode-attention kernel cannot serve this model: {why}; export with "
+                              "decode_attention='xla' (--decode-attention xla)")
+    step = functools.partial(forward, cfg, key_block=attention_block, ring_pages=ring,
+                             decode_attention=decode_attention)
     scorer = None
     if prompt_logprobs is not None:
         scorer = PromptScorer(hidden=functools.partial(final_hidden, cfg, key_block=attention_block, ring_pages=ring,

@@ -258,7 +258,7 @@ def _export(body, pname: str, args, results, platform: str):
     if dropped:
         exp = export_fn(body, _avals(args), platform=platform, keep_unused=True)
     text = exp.mlir_module()
-    check_custom_calls(pname, text)
+    check_custom_calls(pname, text, platform)
     why = mf.signature_mismatch(args, results, (), mf.main_signature(text, f"program {pname!r} body"))
     if why:
         raise ExportError(f"program {pname!r}: {why}")

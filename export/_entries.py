@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from jax import export as jax_export
 
 from tlaloc_jax import manifest as mf
+from tlaloc_jax.kernels.paged_attention_gpu import TRITON_CUSTOM_CALL
 
 
 class ExportError(ValueError):
@@ -41,6 +42,11 @@ def plan_entries(batch_ladder, context_ladder, prefill_max_batch: int, prefill_c
 # Custom-call targets a standalone PJRT plugin compiles. Anything else (jaxlib's LAPACK handlers such
 # as lapack_strsm_ffi, cuSOLVER, ...) lives in jaxlib, not in the plugin, and is refused at export.
 PLUGIN_CUSTOM_CALLS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})
+# Per platform, the targets its plugin's own compiler handles on top of those. cuda: a Pallas kernel lowered
+# through Triton (kernels/paged_attention_gpu.py) carries its Triton IR to XLA's GPU compiler, which turns it
+# into PTX inside the CUDA plugin. Later jaxlibs' "triton_kernel_call_ffi" (PTX compiled by jaxlib, run by a
+# handler jaxlib's CUDA plugin registers at import) is not in the list: the standalone plugin lacks it.
+PLATFORM_CUSTOM_CALLS = {"cpu": frozenset(), "cuda": frozenset({TRITON_CUSTOM_CALL})}
 _CUSTOM_CALL = re.compile(r"stablehlo\.custom_call\s+@([\w.$-]+)|call_target_name\s*=\s*\"([^\"]+)\"")
 
 
@@ -48,15 +54,20 @@ def custom_call_targets(mlir_text: str) -> set[str]:
     return {a or b for a, b in _CUSTOM_CALL.findall(mlir_text)}
 
 
-def check_custom_calls(name: str, mlir_text: str) -> None:
-    bad = sorted(custom_call_targets(mlir_text) - PLUGIN_CUSTOM_CALLS)
+def check_custom_calls(name: str, mlir_text: str, platform: str = "cpu") -> None:
+    """Refuse a body holding a custom call the `platform`'s standalone PJRT plugin cannot compile, by name."""
+    allowed = PLUGIN_CUSTOM_CALLS | PLATFORM_CUSTOM_CALLS.get(platform, frozenset())
+    bad = sorted(custom_call_targets(mlir_text) - allowed)
     if bad:
-        raise ExportError(f"entry {name!r} holds custom_call {', '.join(repr(b) for b in bad)}, which the PJRT "
-                          "plugins do not provide (a JAX-free runtime cannot compile it); write that step in plain ops")
+        only = sorted(p for p, targets in PLATFORM_CUSTOM_CALLS.items() if set(bad) <= targets)
+        where = f" (only on {', '.join(only)})" if only else ""
+        raise ExportError(f"entry {name!r} holds custom_call {', '.join(repr(b) for b in bad)}, which the {platform} "
+                          f"PJRT plugin does not provide{where} (a JAX-free runtime cannot compile it); write that "
+                          "step in plain ops")
 
 
 def check_body(name: str, exp: jax_export.Exported, inputs: list[mf.TensorSig], outputs: list[mf.TensorSig],
-               donations: tuple[tuple[int, int], ...] = ()) -> None:
+               donations: tuple[tuple[int, int], ...] = (), platform: str = "cpu") -> None:
     """The body's @main against the entry's signature: kept args, custom calls, shapes, dtypes, the pool
     aliases; the same reading of @main the runtime does at load (manifest.signature_mismatch)."""
     if tuple(exp.module_kept_var_idx) != tuple(range(len(inputs))):
@@ -64,7 +75,7 @@ def check_body(name: str, exp: jax_export.Exported, inputs: list[mf.TensorSig], 
         raise ExportError(f"entry {name!r}: jax.export dropped unused inputs "
                           f"{[inputs[i].slot or inputs[i].role for i in dropped]}")
     text = exp.mlir_module()
-    check_custom_calls(name, text)
+    check_custom_calls(name, text, platform)
     try:
         why = mf.signature_mismatch(tuple(inputs), tuple(outputs), tuple(donations),
                                     mf.main_signature(text, f"entry {name!r} body"))

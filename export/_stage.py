@@ -34,7 +34,7 @@ from tlaloc_jax.kernels import sampling as sampling_kernel
 from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.paging import ring_pages_for
 
-from ._entries import EntrySpec, ExportError, check_body, plan_entries
+from ._entries import PLATFORM_CUSTOM_CALLS, EntrySpec, ExportError, check_body, plan_entries
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
 
 Role = mf.Role
@@ -311,19 +311,25 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
     dropped = set(range(len(inputs))) - set(exp.module_kept_var_idx)
     if dropped and all(inputs[i].role in mf.STEP_FIELDS for i in dropped):
         exp = export(keep_unused=True)
-    check_body(spec.name, exp, inputs, outputs, donations)
+    check_body(spec.name, exp, inputs, outputs, donations, platform)
     return exp
 
 
 def export_fn(fn: Callable, avals, *, platform: str, donate: tuple[int, ...] = (),
               keep_unused: bool = False) -> jax_export.Exported:
-    """jax.export `fn` jitted (arguments `donate` donated) at `avals`, for one platform."""
+    """jax.export `fn` jitted (arguments `donate` donated) at `avals`, for one platform.
+
+    jax.export refuses custom calls it gives no compatibility guarantee for; the platform's own ones
+    (PLATFORM_CUSTOM_CALLS: a Triton kernel on cuda) are let through here, and check_custom_calls refuses
+    the rest by name. The Triton IR such a kernel carries is outside StableHLO's compatibility guarantees: a
+    plugin of another jax release than the exporting one (versions.jax in the manifest) may not read it."""
     jitted = jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused)
+    disabled = [jax_export.DisabledSafetyCheck.custom_call(t) for t in sorted(PLATFORM_CUSTOM_CALLS.get(platform, ()))]
     # Source locations would put this checkout's file paths into the body; an artifact must not depend on them.
     limit = jax.config.jax_traceback_in_locations_limit
     jax.config.update("jax_traceback_in_locations_limit", 0)
     try:
-        return jax_export.export(jitted, platforms=[platform])(*avals)
+        return jax_export.export(jitted, platforms=[platform], disabled_checks=disabled)(*avals)
     finally:
         jax.config.update("jax_traceback_in_locations_limit", limit)
 

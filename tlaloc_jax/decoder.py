@@ -25,6 +25,10 @@ Weights = dict[str, jax.Array]
 Pools = dict[str, jax.Array]
 
 DEFAULT_KEY_BLOCK = 2048
+# How a decode call (T = 1) attends over its pages: "xla", kernels.paged_attention in plain ops (every platform);
+# "pallas", the Pallas GPU kernel (kernels.paged_attention_gpu, lowered through Triton: cuda only);
+# "pallas-interpret", that kernel in Pallas' interpreter (any platform, slow: for tests). Prefill calls use "xla".
+DECODE_ATTENTION = ("xla", "pallas", "pallas-interpret")
 # Tokens per chunk of the gated delta rule's prefill form (the seed's 64).
 DELTA_CHUNK = 64
 
@@ -146,11 +150,12 @@ def residual_mlp(cfg: DecoderConfig, lw: Weights, h: jax.Array, a: jax.Array, *,
 
 def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, layer: jax.Array, inputs: StepInputs,
                rope: tuple[jax.Array, jax.Array], window: int, key_block: int,
-               ring_pages: int = 0) -> tuple[jax.Array, jax.Array]:
+               ring_pages: int = 0, decode_attention: str = "xla") -> tuple[jax.Array, jax.Array]:
     """x: [B, T, E] (normed) -> (attention output [B, T, E], kv pool with this layer's keys and values written).
 
     ring_pages > 0: the layer's pool is the windowed pool; it writes through the window slot mapping and
     scores only the first ring_pages entries of the window block table (the ring), whatever the bucket.
+    decode_attention: which attention a decode call (T = 1) uses (DECODE_ATTENTION); other calls use plain ops.
     """
     q, k, v = project_qkv(cfg, w, x, rope)
     if ring_pages:
@@ -158,9 +163,14 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
     else:
         slots, tables = inputs.slot_mapping, inputs.block_tables
     kv = kv_cache_write(kv, k, v, slots, layer)
-    o = paged_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens,
-                        scale=cfg.query_scale, window=window or None, soft_cap=cfg.attn_softcap or None,
-                        key_block=key_block, ring=bool(ring_pages), sinks=w["sinks"] if cfg.attn_sinks else None)
+    common = dict(scale=cfg.query_scale, window=window or None, soft_cap=cfg.attn_softcap or None,
+                  ring=bool(ring_pages), sinks=w["sinks"] if cfg.attn_sinks else None)
+    if decode_attention != "xla" and q.shape[1] == 1:
+        from tlaloc_jax.kernels.paged_attention_gpu import paged_decode_attention   # imports Pallas: only when used
+        o = paged_decode_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens, **common,
+                                   interpret=decode_attention == "pallas-interpret")
+    else:
+        o = paged_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens, key_block=key_block, **common)
     return attention_output(cfg, w, x, o), kv
 
 
@@ -214,13 +224,16 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
 
 def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs, *,
                  key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
-                 all_positions: bool = False) -> tuple[jax.Array, Pools]:
+                 all_positions: bool = False, decode_attention: str = "xla") -> tuple[jax.Array, Pools]:
     """Run every layer over the call's tokens: -> (final-normed hidden state of each row's last token [B, E], pools);
     all_positions: of every token of the call [B, T, E] (a scoring prefill scores each one).
 
     ring_pages > 0 puts the sliding layers in the windowed pool ("window_kv"), each sequence's ring of
-    ring_pages pages; 0 keeps every attention layer in the full-history pool ("kv").
+    ring_pages pages; 0 keeps every attention layer in the full-history pool ("kv"). decode_attention: one of
+    DECODE_ATTENTION, the attention of a decode call.
     """
+    if decode_attention not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention {decode_attention!r} is not one of {', '.join(DECODE_ATTENTION)}")
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     h = embed(weights["embed"], inputs.token_ids)
     if cfg.embed_scale:
@@ -245,7 +258,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
             else:
                 (name,) = lp.pools
                 a, kv = _attention(cfg, aw, a, pools[name], lp.pool.index(i), inputs, tables[lp.kind], lp.window,
-                                   key_block, ring_pages if name == "window_kv" else 0)
+                                   key_block, ring_pages if name == "window_kv" else 0, decode_attention)
                 pools = {**pools, name: kv}
             h = residual_mlp(cfg, lw, h, a, valid=valid, experts=experts, layer=lp.layer.index(i))
         return (h, pools), None
@@ -264,8 +277,10 @@ def logits_from_hidden(cfg: DecoderConfig, weights: Weights, x: jax.Array) -> ja
 
 
 def forward(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs, *,
-            key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0) -> tuple[jax.Array, Pools]:
+            key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
+            decode_attention: str = "xla") -> tuple[jax.Array, Pools]:
     """One call: -> (logits of each row's last token [B, V] f32, updated pools)."""
-    x, pools = final_hidden(cfg, weights, pools, inputs, key_block=key_block, ring_pages=ring_pages)
+    x, pools = final_hidden(cfg, weights, pools, inputs, key_block=key_block, ring_pages=ring_pages,
+                            decode_attention=decode_attention)
     return logits_from_hidden(cfg, weights, x), pools
 
