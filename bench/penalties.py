@@ -70,8 +70,8 @@ def main(argv=None) -> int:
         jax.block_until_ready(x)
     t_pool = (time.perf_counter() - t0) / 20
     print(f"V {V}, B {B}, C {C}, slots {P}")
-    print(f"| design | body per step (ms) | host bytes per step | device memory |")
-    print(f"|---|---|---|---|")
+    print("| design | body per step (ms) | host bytes per step | device memory |")
+    print("|---|---|---|---|")
     print(f"| history input (chosen) | {t_hist * 1e3:.2f} | {B * C * 4 / 1024:.0f} KiB | none |")
     print(f"| counts pool | {t_pool * 1e3:.2f} | 0 | {P * V * 4 / 2**20:.0f} MiB |")
     print(f"history / pool time: {t_hist / t_pool:.2f}")
