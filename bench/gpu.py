@@ -244,7 +244,7 @@ def stage_jax(arts: list[Path], steps: int) -> None:
     add_one = jax.jit(lambda x: x + 1)      # reads and writes n words
     ms = interleaved({"copy": lambda: jax.block_until_ready(add_one(x))}, 10, 1)["copy"]
     result(stage="jax", what="hbm", device=str(dev.device_kind), GBps=round(2 * 4 * n / ms / 1e6, 1), jax=jax.__version__)
-    del x
+    x = None     # frees the buffer before the artifacts load
     loaded = {}
     for art in arts:
         try:
