@@ -49,6 +49,10 @@ def main(argv=None) -> int:
     ap.add_argument("--state-slots", type=int, default=None,
                     help="slots of the linear-attention state pools, one per live sequence (default: as many sequences "
                          "as the full pool holds at the largest context)")
+    ap.add_argument("--weight-layout", choices=["per-layer", "stacked"], default="per-layer",
+                    help="per-layer (default): one array per layer and projection, q|k|v and gate|up fused, the layer "
+                         "loop unrolled (XLA's CPU dots read them in place); stacked: one [L, ...] stack per slot, "
+                         "scanned (smaller bodies, faster compiles; see tlaloc_jax/layout.py)")
     ap.add_argument("--platform", choices=["cpu", "cuda"], default="cpu",
                     help="platform the bodies are lowered for, one per artifact (default cpu)")
     ap.add_argument("--decode-attention", choices=["pallas", "xla"], default=None,
@@ -92,7 +96,7 @@ def main(argv=None) -> int:
                               num_blocks=args.num_blocks, weight_dtype_name=dtypes[args.weight_dtype],
                               kv_dtype=dtypes[args.kv_dtype], attention_block=args.attention_block,
                               windowed_kv=args.windowed_kv == "true", window_blocks=args.window_blocks,
-                              state_slots=args.state_slots,
+                              state_slots=args.state_slots, weight_layout=args.weight_layout,
                               platform=args.platform, progress=not args.quiet,
                               sampler=None if args.no_sampler else Sampler(args.top_logprobs, args.logit_bias_slots),
                               allow_longer_context=args.allow_longer_context,

@@ -18,6 +18,7 @@ from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
 from tlaloc_jax.config import SLIDING, DecoderConfig
 from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, final_hidden, forward, logits_from_hidden
 from tlaloc_jax.kernels import paged_attention_gpu
+from tlaloc_jax.layout import in_layout
 from tlaloc_jax.plan import layer_plan
 from tlaloc_jax.paging import ring_pages_for
 
@@ -56,7 +57,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       windowed_kv: bool = True, window_blocks: int | None = None, state_slots: int | None = None,
                       platform: str = "cpu", progress: bool = True, sampler: Sampler | None = None,
                       allow_longer_context: bool = False, prompt_logprobs: int | None = None,
-                      decode_attention: str | None = None) -> mf.Manifest:
+                      decode_attention: str | None = None, weight_layout: str = "per-layer") -> mf.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -69,6 +70,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     window_blocks pages (default: a ring for each sequence the full pool holds at the largest context).
     A model with linear-attention layers keeps their states in state_slots slots (default: as many sequences
     as the full pool holds at the largest context).
+    weight_layout: "per-layer" (one array per layer, q|k|v and gate|up fused, layers unrolled) or "stacked"
+    (scanned stacks): see tlaloc_jax/layout.py.
     sampler: `Sampler()` stages the sampler in every entry (see `stage`). A context ladder past the
     checkpoint's max_position_embeddings is refused unless allow_longer_context, which warns instead.
     prompt_logprobs: N adds a scoring prefill entry beside each prefill entry, returning per prompt position the
@@ -88,6 +91,10 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         raise ExportError(f"attention block {attention_block} is not a multiple of the block size {block_size}")
     kv_np = weight_dtype(kv_dtype)       # the same dtypes are allowed for KV pools
     cfg, weights = load_checkpoint(checkpoint_dir, weight_dtype_name)
+    try:
+        weights = in_layout(weights, weight_layout)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     if contexts[-1] > cfg.max_position_embeddings:
         why = (f"the context ladder reaches {contexts[-1]} positions, past the checkpoint's max_position_embeddings "
                f"({cfg.max_position_embeddings}): the model was not trained for positions that far and its output "

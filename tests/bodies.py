@@ -5,14 +5,27 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 from jax import export as jax_export
 
 from tlaloc_jax import manifest as mf
+from tlaloc_jax.export import flatten_weights
+from tlaloc_jax.layout import per_layer
+
+
+def weights_by_slot(entry: mf.Entry, weights: dict) -> dict:
+    """In-process (stacked) decoder weights by the entry's slot names: as they are when the artifact kept them
+    stacked, else in the per-layer layout the exporter writes (tlaloc_jax.layout)."""
+    slots = {sig.slot for sig in entry.inputs if sig.role not in mf.STEP_FIELDS and sig.role != mf.Role.POOL_IN}
+    if slots <= set(weights):
+        return weights
+    return flatten_weights(per_layer({k: np.asarray(v) for k, v in weights.items()}))[0]
 
 
 def entry_args(entry: mf.Entry, step_inputs: dict, pools: dict, weights: dict) -> list:
     """The entry's arguments in its signature's order: step inputs by role (build_step_inputs' dict), pools by
-    name, weights by slot."""
+    name, weights by slot (stacked weights are laid out as the entry's slots name them)."""
+    weights = weights_by_slot(entry, weights)
     out = []
     for sig in entry.inputs:
         if sig.role in mf.STEP_FIELDS:

@@ -17,7 +17,8 @@ from tlaloc_jax.kernels import (MoeSpec, causal_conv1d, causal_conv1d_update, ga
 
 from .config import FULL, LINEAR, SLIDING, DecoderConfig
 from .inputs import StepInputs
-from .layers import apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
+from .layers import ACTIVATIONS, apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
+from .layout import is_per_layer
 # layer_period and pool_of are the decoder's public names too (the exporter reads pool_of).
 from .plan import STATE_POOLS, layer_period, layer_plan, pool_of  # noqa: F401
 
@@ -64,12 +65,15 @@ def init_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, dtype=jnp.f
             for name, shape in pool_shapes(cfg, num_blocks, block_size, window_blocks, state_slots).items()}
 
 
-def _layer_slice(weights: Weights, group: str, index: jax.Array) -> Weights:
-    """One layer's slots of a stacked group ("layers", "attn", "linear"): each [L', ...] stack indexed at
-    `index` with a dynamic index, which XLA reads in place inside the loop. (Indexing a slice that the
-    scan already cut, w[i][j], makes XLA copy the layer's weights first: 2 GB/s against 10 on CPU.)"""
+def _layer_slice(weights: Weights, group: str, index) -> Weights:
+    """One layer's slots of a group ("layers", "attn", "linear").
+
+    Stacked weights ([L', ...] each) are indexed with a dynamic index (the scan's counter). (Indexing a slice
+    that the scan already cut, w[i][j], makes XLA copy the layer's weights first: 2 GB/s against 10 on CPU.)
+    Per-layer weights (a tuple of L' arrays each, tlaloc_jax.layout) are picked by the static index."""
     prefix = group + "."
-    return {name[len(prefix):]: lax.dynamic_index_in_dim(w, index, keepdims=False)
+    return {name[len(prefix):]: (w[index] if isinstance(w, (tuple, list))
+                                 else lax.dynamic_index_in_dim(w, index, keepdims=False))
             for name, w in weights.items() if name.startswith(prefix)}
 
 
@@ -78,9 +82,15 @@ def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Ar
     has the step, rotated by rope (cos, sin: [B, T, R])."""
     B, T, _ = x.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q, k, v = linear(x, w["q_proj"]), linear(x, w["k_proj"]), linear(x, w["v_proj"])
-    if cfg.attention_bias:
-        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    if "qkv_proj" in w:             # fused at export (tlaloc_jax.layout): one projection, split here
+        qkv = linear(x, w["qkv_proj"])
+        if cfg.attention_bias:
+            qkv = qkv + w["qkv_bias"]
+        q, k, v = jnp.split(qkv, (H * D, (H + K) * D), axis=-1)
+    else:
+        q, k, v = linear(x, w["q_proj"]), linear(x, w["k_proj"]), linear(x, w["v_proj"])
+        if cfg.attention_bias:
+            q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
@@ -110,8 +120,10 @@ def moe_spec(cfg: DecoderConfig) -> MoeSpec:
 
 
 def stacked_experts(weights: Weights) -> dict[str, jax.Array]:
-    """The experts' slots stacked over layers, [L, X, ...], by kernels.moe's names ({} for a dense model)."""
-    return {name: weights[f"layers.expert_{name}"] for name in EXPERT_SLOTS if f"layers.expert_{name}" in weights}
+    """The experts' slots stacked over layers, [L, X, ...], by kernels.moe's names ({} for a dense model, and for
+    per-layer weights, whose layers carry their own experts)."""
+    return {name: weights[f"layers.expert_{name}"] for name in EXPERT_SLOTS
+            if f"layers.expert_{name}" in weights and not isinstance(weights[f"layers.expert_{name}"], (tuple, list))}
 
 
 def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, valid: jax.Array | None = None,
@@ -123,6 +135,9 @@ def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, valid: jax.Ar
     each expert is read in place; None: the layer's own slots in lw.
     """
     if cfg.dense_mlp:
+        if "gate_up_proj" in lw:    # fused at export (tlaloc_jax.layout)
+            gate, up = jnp.split(linear(x, lw["gate_up_proj"]), 2, axis=-1)
+            return linear(ACTIVATIONS[cfg.hidden_act](gate) * up, lw["down_proj"])
         return gated_mlp(x, lw["gate_proj"], lw["up_proj"], lw["down_proj"], cfg.hidden_act)
     if experts is None:
         experts, layer = {name: lw[f"expert_{name}"] for name in EXPERT_SLOTS if f"expert_{name}" in lw}, None
@@ -263,9 +278,16 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
             h = residual_mlp(cfg, lw, h, a, valid=valid, experts=experts, layer=lp.layer.index(i))
         return (h, pools), None
 
-    # A scan over periods keeps one copy of the period's layers in the graph (compile time, body size);
-    # the pools ride in the carry so each layer's scatter writes the donated buffers in place.
-    (h, pools), _ = lax.scan(period, (h, pools), jnp.arange(plan.periods))
+    if is_per_layer(weights):
+        # One array per layer (tlaloc_jax.layout): the periods unrolled, each dot reading its weight in place.
+        carry = (h, pools)
+        for i in range(plan.periods):
+            carry, _ = period(carry, i)
+        h, pools = carry
+    else:
+        # A scan over periods keeps one copy of the period's layers in the graph (compile time, body size);
+        # the pools ride in the carry so each layer's scatter writes the donated buffers in place.
+        (h, pools), _ = lax.scan(period, (h, pools), jnp.arange(plan.periods))
     # Rows are right-aligned, so every row's last token is at T - 1.
     return rms_norm(h if all_positions else h[:, -1], weights["final_norm"], eps, off), pools
 

@@ -13,6 +13,7 @@ import numpy as np
 from .checkpoint import load_checkpoint
 from .config import LINEAR, DecoderConfig
 from .decoder import DEFAULT_KEY_BLOCK, Pools, StepInputs, forward, init_pools
+from .layout import in_layout
 from .paging import PageAllocator, RowCall, build_step_inputs, pages_for
 
 
@@ -26,7 +27,8 @@ class Model:
     def __init__(self, config: DecoderConfig, weights: dict, *, block_size: int = 16,
                  key_block: int = DEFAULT_KEY_BLOCK, kv_dtype=jnp.float32):
         self.config = config
-        self.weights = {k: jnp.asarray(v) for k, v in weights.items()}
+        self.weights = {k: tuple(jnp.asarray(a) for a in v) if isinstance(v, (tuple, list)) else jnp.asarray(v)
+                        for k, v in weights.items()}
         self.block_size = block_size
         self.key_block = key_block
         self.kv_dtype = kv_dtype
@@ -113,7 +115,10 @@ def _greedy(step, weights, pools, inputs):
 
 
 def load_hf(checkpoint_dir: str | os.PathLike, dtype: str = "float32", *, block_size: int = 16,
-            key_block: int = DEFAULT_KEY_BLOCK) -> Model:
-    """Load a Hugging Face checkpoint directory (config.json + safetensors) as a Model."""
+            key_block: int = DEFAULT_KEY_BLOCK, weight_layout: str = "stacked") -> Model:
+    """Load a Hugging Face checkpoint directory (config.json + safetensors) as a Model.
+
+    weight_layout: "stacked" (one [L, ...] array per slot, the layers scanned: what training uses) or
+    "per-layer" (what the exporter writes by default: tlaloc_jax.layout)."""
     cfg, weights = load_checkpoint(checkpoint_dir, dtype)
-    return Model(cfg, weights, block_size=block_size, key_block=key_block)
+    return Model(cfg, in_layout(weights, weight_layout), block_size=block_size, key_block=key_block)

@@ -1,0 +1,91 @@
+"""How a decoder's layer weights are laid out for a body: stacked (scanned) or one array per layer (unrolled).
+
+The decoder reads either form (`decoder.final_hidden`):
+
+- "stacked": one [L', ...] array per slot of a weight group ("layers", "attn", "linear"), and a `lax.scan` over
+  the layer periods that indexes each stack with the scan's counter. One period's layers are in the graph, so
+  compiles are short; it is the form training uses.
+- "per-layer": a tuple of L' arrays per slot, and the layer loop unrolled with static indices. On XLA's CPU
+  backend a dot cannot read a dynamic slice of its operand in place: the scanned form copies every layer's
+  weights into a temporary before each dot (a `dynamic-slice` loop fusion as large as the weight), so a decode
+  step reads each weight byte twice and writes it once. Separate arrays are read by the dot directly
+  (bench/decode.py --weight-layout measures both). The per-layer form also fuses q | k | v into one
+  [E, (H + 2K) * D] projection and gate | up into one [E, 2F] (split in the body): one matrix-vector kernel
+  where there were three, or two.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+import numpy as np
+
+LAYOUTS = ("per-layer", "stacked")
+# The weight groups whose slots stack the layers (decoder._layer_slice reads them by layer).
+LAYER_GROUPS = ("layers", "attn", "linear")
+# Fused slot <- the slots it joins along the output axis, in order; within the group of the first name's prefix.
+FUSED = {
+    "attn.qkv_proj": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
+    "attn.qkv_bias": ("attn.q_bias", "attn.k_bias", "attn.v_bias"),
+    "layers.gate_up_proj": ("layers.gate_proj", "layers.up_proj"),
+}
+
+
+def fuse_projections(weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Stacked weights with q | k | v and gate | up joined along their last (output) axis where all the parts
+    are present; every other slot as it was."""
+    out = dict(weights)
+    for fused, parts in FUSED.items():
+        if all(p in out for p in parts):
+            out[fused] = np.concatenate([np.asarray(out.pop(p)) for p in parts], axis=-1)
+    return out
+
+
+def unstack_layers(weights: Mapping[str, np.ndarray]) -> dict[str, object]:
+    """Stacked weights -> the per-layer form: each layer group's [L', ...] slot becomes a tuple of its L'
+    layers' arrays (contiguous copies, so each is a weight file of its own); other slots are unchanged."""
+    out: dict[str, object] = {}
+    for name, w in weights.items():
+        if name.split(".", 1)[0] in LAYER_GROUPS:
+            w = np.asarray(w)
+            out[name] = tuple(np.ascontiguousarray(w[i]) for i in range(w.shape[0]))
+        else:
+            out[name] = w
+    return out
+
+
+def per_layer(weights: Mapping[str, np.ndarray]) -> dict[str, object]:
+    """The per-layer form of stacked weights: fused projections, one array per layer."""
+    return unstack_layers(fuse_projections(weights))
+
+
+def in_layout(weights: Mapping[str, np.ndarray], layout: str) -> Mapping[str, object]:
+    """Stacked weights in `layout` (one of LAYOUTS)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown weight layout {layout!r}: one of {', '.join(LAYOUTS)}")
+    return per_layer(weights) if layout == "per-layer" else weights
+
+
+def is_per_layer(weights: Mapping[str, object]) -> bool:
+    """Whether the decoder's layer weights come one array per layer (tuples) rather than stacked."""
+    return any(isinstance(w, (tuple, list)) for name, w in weights.items()
+               if name.split(".", 1)[0] in LAYER_GROUPS)
+
+
+_SLICE_FUSION = re.compile(r"%(\S*dynamic-slice\S*fusion\S*) = (\w+)\[([\d,]*)\]")
+_ITEM_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "f8e4m3fn": 1, "s32": 4}
+
+
+def weight_slice_copies(hlo_text: str, min_bytes: int) -> list[int]:
+    """The byte sizes of the dynamic-slice fusions in an optimized HLO module whose result holds at least
+    min_bytes: on XLA's CPU backend, the layer weights a scanned body copies out of their stacks before each dot
+    (none in a per-layer body)."""
+    sizes = []
+    for m in _SLICE_FUSION.finditer(hlo_text):
+        n = _ITEM_BYTES.get(m.group(2), 4)
+        for d in m.group(3).split(","):
+            n *= int(d) if d else 1
+        if n >= min_bytes:
+            sizes.append(n)
+    return sizes
