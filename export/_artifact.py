@@ -22,6 +22,7 @@ from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import ExportError
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
+from ._quant import quantize_weights, scheme_label
 from ._stage import Sampler, _ladder, stage
 
 
@@ -54,7 +55,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       kv_dtype: str = "float32", attention_block: int = DEFAULT_KEY_BLOCK,
                       windowed_kv: bool = True, window_blocks: int | None = None, state_slots: int | None = None,
                       platform: str = "cpu", progress: bool = True, sampler: Sampler | None = None,
-                      allow_longer_context: bool = False) -> mf.Manifest:
+                      allow_longer_context: bool = False, weight_quant: str = "none", quant_group: int = 128,
+                      quant_axis: str = "output") -> mf.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -69,12 +71,23 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     as the full pool holds at the largest context).
     sampler: `Sampler()` stages the sampler in every entry (see `stage`). A context ladder past the
     checkpoint's max_position_embeddings is refused unless allow_longer_context, which warns instead.
+    weight_quant "int8", "fp8" or "int4" (groups of quant_group input channels) stores the projections as codes
+    and scales quantized from the checkpoint's f32 values (export/_quant.py; quant_axis "input" is the
+    wrong-axis control of the quality check); kv_dtype "float8_e4m3fn" stores the KV pools as e4m3fn codes.
+    The model's name then ends in ":q<scheme>" and ":kvfp8".
     """
     contexts = _ladder(context_ladder, "context ladder")
     if block_size <= 0 or attention_block % block_size:
         raise ExportError(f"attention block {attention_block} is not a multiple of the block size {block_size}")
-    kv_np = weight_dtype(kv_dtype)       # the same dtypes are allowed for KV pools
-    cfg, weights = load_checkpoint(checkpoint_dir, weight_dtype_name)
+    kv_np = mf.numpy_dtype(kv_dtype) if kv_dtype == "float8_e4m3fn" else weight_dtype(kv_dtype)
+    quantized = weight_quant != "none"
+    cfg, weights = load_checkpoint(checkpoint_dir, "float32" if quantized else weight_dtype_name)
+    name = cfg.name or Path(checkpoint_dir).name
+    if quantized:
+        weights = quantize_weights(weights, weight_quant, quant_group, compute=weight_dtype_name, axis=quant_axis)
+        name += f":q{scheme_label(weight_quant, quant_group)}" + ("-wrong-axis" if quant_axis == "input" else "")
+    if kv_dtype == "float8_e4m3fn":
+        name += ":kvfp8"
     if contexts[-1] > cfg.max_position_embeddings:
         why = (f"the context ladder reaches {contexts[-1]} positions, past the checkpoint's max_position_embeddings "
                f"({cfg.max_position_embeddings}): the model was not trained for positions that far and its output "
@@ -95,7 +108,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     return stage(step, weights, pools, out_dir, batch_ladder=batch_ladder, context_ladder=contexts,
                  prefill_chunk=prefill_chunk, prefill_max_batch=prefill_max_batch, block_size=block_size,
                  num_blocks=num_blocks, ring_blocks=window_blocks, state_slots=state_slots, platform=platform,
-                 name=cfg.name or Path(checkpoint_dir).name, model_type=cfg.model_type,
+                 name=name, model_type=cfg.model_type,
                  eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, tokenizer_dir=checkpoint_dir,
                  embedding_slot="embed", describe=describe, attention_block=attention_block, progress=progress,
                  sampler=sampler)

@@ -65,7 +65,7 @@ def _layer_slice(weights: Weights, group: str, index: jax.Array) -> Weights:
     `index` with a dynamic index, which XLA reads in place inside the loop. (Indexing a slice that the
     scan already cut, w[i][j], makes XLA copy the layer's weights first: 2 GB/s against 10 on CPU.)"""
     prefix = group + "."
-    return {name[len(prefix):]: lax.dynamic_index_in_dim(w, index, keepdims=False)
+    return {name[len(prefix):]: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), w)
             for name, w in weights.items() if name.startswith(prefix)}
 
 
