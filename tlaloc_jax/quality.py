@@ -146,9 +146,12 @@ def text_ids_for(artifact: str, text: str, tokens: int) -> list[int]:
 
     m = mf.load_manifest(artifact, verify_files=False)
     tok = load_tokenizer(artifact, m)
-    if tok is None:
-        raise ValueError(f"artifact {artifact!r} has no tokenizer.json to encode the text with")
-    return tok.encode(text, add_special_tokens=False)[:tokens]
+    if tok is not None:
+        return tok.encode(text, add_special_tokens=False)[:tokens]
+    if m.model.vocab >= 256:      # a tokenizer-less test checkpoint: the text's UTF-8 bytes are its ids
+        return list(text.encode("utf-8"))[:tokens]
+    raise ValueError(f"artifact {artifact!r} has no tokenizer.json to encode the text with, and its vocabulary "
+                     f"({m.model.vocab}) does not cover bytes")
 
 
 def main(argv=None) -> int:
