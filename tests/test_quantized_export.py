@@ -159,8 +159,8 @@ def _quality(checkpoint, tmp_path, context, variants):
     with Engine.load(ref, progress=False) as ea:
         for name, kw in variants.items():
             with Engine.load(export(name, **kw), progress=False) as eb:
-                reports[name] = (compare(ea, eb, ids), eb.manifest.model.name)
-    return reports
+                reports[name] = compare(ea, eb, ids)
+    return reports, ids
 
 
 @pytest.mark.slow
@@ -171,13 +171,14 @@ def test_quality_int8_keeps_fixture_ids_and_the_wrong_axis_is_caught(model, tmp_
     perplexity within a few percent; the wrong-axis control (codes per input channel under per-output-channel
     scales) loses the ids, the top-1 agreement and the perplexity, as the seed's check requires."""
     from tlaloc_jax.demo import DEMO_MODEL
+    from tlaloc_jax.quality import fixture_prompts
     from tlaloc_jax.serve.engine import Engine
 
     checkpoint = DEMO_MODEL if model == "demo" else build_checkpoint(tmp_path / "ck", "llama", seed=0)
     context = 256 if model == "demo" else 512
-    reports = _quality(checkpoint, tmp_path, context, {
+    reports, ids = _quality(checkpoint, tmp_path, context, {
         "int8": dict(weight_quant="int8"), "wrong": dict(weight_quant="int8", quant_axis="input")})
-    good, wrong = reports["int8"][0], reports["wrong"][0]
+    good, wrong = reports["int8"], reports["wrong"]
     assert abs(good.perplexity_b / good.perplexity_a - 1) < 0.05, good
     assert good.top1_agree >= 0.9 * good.top1_positions, good
     assert good.fixture_ids_equal > 2 * wrong.fixture_ids_equal and good.top1_agree > 1.2 * wrong.top1_agree
@@ -192,7 +193,7 @@ def test_quality_int8_keeps_fixture_ids_and_the_wrong_axis_is_caught(model, tmp_
     # The fixture ids against transformers, near-tie rule, on the served int8 artifact; and the control fails it.
     bound = quant_logit_bound(checkpoint, "int8", context=context)
     torch_model = load_hf_torch(checkpoint)
-    prompts = [[int(t) for t in p] for p in ([1, 50, 60, 70, 80], [3, 9, 27, 81, 243 % 200, 11])]
+    prompts = fixture_prompts(ids, 3, 16)        # the quality check's own fixtures, cut from the text
     want = [torch_greedy(torch_model, p, 16) for p in prompts]
     for name, ok in (("int8", True), ("wrong", False)):
         with Engine.load(tmp_path / name, progress=False) as engine:
@@ -203,3 +204,35 @@ def test_quality_int8_keeps_fixture_ids_and_the_wrong_axis_is_caught(model, tmp_
             else:
                 with pytest.raises(GreedyMismatch):
                     run()
+
+
+@pytest.mark.slow
+@pytest.mark.numeric
+def test_served_int8_experts_match_the_dequantized_checkpoint(tmp_path):
+    """A mixture-of-experts model with its routed experts quantized per expert and output channel, served:
+    its greedy ids against transformers running the weights the codes stand for (the dequantized checkpoint),
+    near-tie rule at the f32 bound, since both sides hold the same weights. Control: the wrong-axis codes."""
+    from tlaloc_jax.checkpoint import read_config, save_checkpoint
+    from tlaloc_jax.kernels.quantized_matmul import QuantizedWeight
+    from tlaloc_jax.serve.engine import Engine
+
+    ck = build_checkpoint(tmp_path / "ck", "qwen3_moe", seed=3)
+    export_checkpoint(ck, tmp_path / "art", batch_ladder=(1,), context_ladder=(64,), weight_quant="int8",
+                      progress=False, sampler=None)
+    m = mf.load_manifest(tmp_path / "art")
+    assert {w.slot for w in m.weights if w.quant} >= {f"layers.expert_{p}.{part}" for p in ("gate", "up", "down")
+                                                      for part in ("codes", "scales")}
+    cfg, weights = load_checkpoint(ck, "float32")
+    quant = quantize_weights(weights, "int8", 0, compute="float32")
+    deq = {k: (dequantize(v).astype(np.float32) if isinstance(v, QuantizedWeight) else v) for k, v in quant.items()}
+    save_checkpoint(tmp_path / "deq", read_config(ck), deq)
+    oracle = load_hf_torch(tmp_path / "deq")
+    want = [torch_greedy(oracle, p, NEW) for p in PROMPTS]
+    bound = tol.bound(tol.decoder_roundings_of(cfg, 64))
+    with Engine.load(tmp_path / "art", progress=False) as engine:
+        check_greedy_batch(PROMPTS, engine.generate(PROMPTS, NEW), want, logit_bound=bound,
+                           next_token=engine_next_token(engine))
+    wrong = tlaloc_jax.Model(cfg, quantize_weights(weights, "int8", 0, compute="float32", axis="input"))
+    with pytest.raises(GreedyMismatch):
+        check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, max_new_tokens=NEW), want, logit_bound=bound,
+                           next_token=engine_next_token(wrong))
