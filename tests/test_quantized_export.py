@@ -68,6 +68,17 @@ def test_manifest_records_each_quantized_weight(int8_artifact):
         assert by_slot[slot].quant is None and by_slot[slot].dtype == "float32"
 
 
+def test_export_cli_refuses_int4_groups_that_do_not_tile(llama, tmp_path, capsys):
+    """--weight-quant int4 --quant-group 64 on a 96-wide MLP: exit 2, the message names the weight, nothing
+    written."""
+    from tlaloc_jax.export.__main__ import main
+
+    assert main([str(llama), str(tmp_path / "art"), "--weight-quant", "int4", "--quant-group", "64", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "layers.down_proj" in err and "int4 groups of 64 do not tile 96" in err, err
+    assert not (tmp_path / "art").exists()
+
+
 def _tampered(src, dst, edit):
     shutil.copytree(src, dst)
     raw = json.loads((dst / mf.MANIFEST_NAME).read_text())
@@ -179,6 +190,10 @@ def test_quality_int8_keeps_fixture_ids_and_the_wrong_axis_is_caught(model, tmp_
     reports, ids = _quality(checkpoint, tmp_path, context, {
         "int8": dict(weight_quant="int8"), "wrong": dict(weight_quant="int8", quant_axis="input")})
     good, wrong = reports["int8"], reports["wrong"]
+    # The CLI over the same artifacts reports the same measures (its own text and fixtures: a shorter run).
+    from tlaloc_jax.quality import main as quality_main
+    assert quality_main([str(tmp_path / "none"), str(tmp_path / "int8"), "--tokens", "64", "--fixtures", "1",
+                         "--json"]) == 0
     assert abs(good.perplexity_b / good.perplexity_a - 1) < 0.05, good
     assert good.top1_agree >= 0.9 * good.top1_positions, good
     assert good.fixture_ids_equal > 2 * wrong.fixture_ids_equal and good.top1_agree > 1.2 * wrong.top1_agree
