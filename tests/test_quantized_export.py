@@ -6,7 +6,6 @@ and (slow) the quality check on the demo model and a tiny Llama with its wrong-a
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import jax
