@@ -72,7 +72,15 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill", type=int, default=128, help="tokens of the prefill call")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per measurement")
     ap.add_argument("--plugin", default=None)
+    ap.add_argument("--weight-quant", default=None,
+                    help="int8,fp8,int4: compare the decode step of each weight scheme with bf16 and f32 instead "
+                         "(bench/decode_quant.py, which reads the arguments itself)")
     args = ap.parse_args(argv)
+    if args.weight_quant:
+        import sys
+
+        import decode_quant
+        return decode_quant.main(sys.argv[1:] if argv is None else argv)
 
     import jax
 

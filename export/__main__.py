@@ -37,7 +37,15 @@ def main(argv=None) -> int:
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="pages in the KV pool (default: room for the largest batch at the largest context)")
     ap.add_argument("--weight-dtype", choices=["f32", "bf16"], default="f32", help="weight dtype (default f32)")
-    ap.add_argument("--kv-dtype", choices=["f32", "bf16"], default="f32", help="KV pool dtype (default f32)")
+    ap.add_argument("--kv-dtype", choices=["f32", "bf16", "fp8"], default="f32",
+                    help="KV pool dtype (default f32); fp8 stores keys and values as e4m3fn, clamped to +-448, no scale")
+    ap.add_argument("--weight-quant", choices=["none", "int8", "fp8", "int4"], default="none",
+                    help="store the projections (q, k, v, o, output gate, gate, up, down, experts) as int8 or fp8 codes "
+                         "with a scale per output channel, or int4 codes with a scale per --quant-group input channels, "
+                         "quantized from the checkpoint's values; embedding, norms and head keep the weight dtype "
+                         "(default none). It changes the model's numerics: python -m tlaloc_jax.quality measures it")
+    ap.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=128,
+                    help="input channels per int4 scale (default 128)")
     ap.add_argument("--attention-block", type=int, default=2048,
                     help="key block of the blockwise attention loop, in positions (default 2048)")
     ap.add_argument("--windowed-kv", choices=["true", "false"], default="true",
@@ -87,7 +95,7 @@ def main(argv=None) -> int:
     from tlaloc_jax.checkpoint import CheckpointError
     from tlaloc_jax.config import ConfigError
 
-    dtypes = {"f32": "float32", "bf16": "bfloat16"}
+    dtypes = {"f32": "float32", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
     t0 = time.perf_counter()
     try:
         m = export_checkpoint(args.checkpoint, args.out, batch_ladder=args.batch_ladder,
@@ -101,7 +109,8 @@ def main(argv=None) -> int:
                               sampler=None if args.no_sampler else Sampler(args.top_logprobs, args.logit_bias_slots),
                               allow_longer_context=args.allow_longer_context,
                               prompt_logprobs=args.prompt_logprobs,
-                              decode_attention=args.decode_attention)
+                              decode_attention=args.decode_attention,
+                              weight_quant=args.weight_quant, quant_group=args.quant_group)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

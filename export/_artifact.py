@@ -18,12 +18,13 @@ from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
 from tlaloc_jax.config import SLIDING, DecoderConfig
 from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, final_hidden, forward, logits_from_hidden
 from tlaloc_jax.kernels import paged_attention_gpu
-from tlaloc_jax.layout import in_layout
+from tlaloc_jax.layout import LAYOUTS, fuse_projections, unstack_layers
 from tlaloc_jax.plan import layer_plan
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import ExportError
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
+from ._quant import quantize_weights, scheme_label
 from ._stage import PromptScorer, Sampler, _ladder, stage
 
 
@@ -57,7 +58,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       windowed_kv: bool = True, window_blocks: int | None = None, state_slots: int | None = None,
                       platform: str = "cpu", progress: bool = True, sampler: Sampler | None = None,
                       allow_longer_context: bool = False, prompt_logprobs: int | None = None,
-                      decode_attention: str | None = None, weight_layout: str = "per-layer") -> mf.Manifest:
+                      decode_attention: str | None = None, weight_layout: str = "per-layer",
+                      weight_quant: str = "none", quant_group: int = 128,
+                      quant_axis: str = "output") -> mf.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -79,6 +82,10 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     decode_attention: how decode entries attend over their pages: "pallas" (the Pallas GPU kernel, lowered
     through Triton; the default on cuda, refused on cpu) or "xla" (plain ops; the default on cpu). Prefill
     entries use plain ops either way.
+    weight_quant "int8", "fp8" or "int4" (groups of quant_group input channels) stores the projections as codes
+    and scales quantized from the checkpoint's f32 values (export/_quant.py; quant_axis "input" is the
+    wrong-axis control of the quality check); kv_dtype "float8_e4m3fn" stores the KV pools as e4m3fn codes.
+    The model's name then ends in ":q<scheme>" and ":kvfp8".
     """
     decode_attention = decode_attention or ("pallas" if platform == "cuda" else "xla")
     if decode_attention not in ("pallas", "xla"):
@@ -89,12 +96,22 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     contexts = _ladder(context_ladder, "context ladder")
     if block_size <= 0 or attention_block % block_size:
         raise ExportError(f"attention block {attention_block} is not a multiple of the block size {block_size}")
-    kv_np = weight_dtype(kv_dtype)       # the same dtypes are allowed for KV pools
-    cfg, weights = load_checkpoint(checkpoint_dir, weight_dtype_name)
-    try:
-        weights = in_layout(weights, weight_layout)
-    except ValueError as e:
-        raise ExportError(str(e)) from None
+    if weight_layout not in LAYOUTS:
+        raise ExportError(f"unknown weight layout {weight_layout!r}: one of {', '.join(LAYOUTS)}")
+    kv_np = mf.numpy_dtype(kv_dtype) if kv_dtype == "float8_e4m3fn" else weight_dtype(kv_dtype)
+    quantized = weight_quant != "none"
+    cfg, weights = load_checkpoint(checkpoint_dir, "float32" if quantized else weight_dtype_name)
+    name = cfg.name or Path(checkpoint_dir).name
+    per_layer = weight_layout == "per-layer"
+    if per_layer:
+        weights = fuse_projections(weights)     # before quantizing: the fused projection gets its own scales
+    if quantized:
+        weights = quantize_weights(weights, weight_quant, quant_group, compute=weight_dtype_name, axis=quant_axis)
+        name += f":q{scheme_label(weight_quant, quant_group)}" + ("-wrong-axis" if quant_axis == "input" else "")
+    if kv_dtype == "float8_e4m3fn":
+        name += ":kvfp8"
+    if per_layer:
+        weights = unstack_layers(weights)
     if contexts[-1] > cfg.max_position_embeddings:
         why = (f"the context ladder reaches {contexts[-1]} positions, past the checkpoint's max_position_embeddings "
                f"({cfg.max_position_embeddings}): the model was not trained for positions that far and its output "
@@ -126,7 +143,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     return stage(step, weights, pools, out_dir, batch_ladder=batch_ladder, context_ladder=contexts,
                  prefill_chunk=prefill_chunk, prefill_max_batch=prefill_max_batch, block_size=block_size,
                  num_blocks=num_blocks, ring_blocks=window_blocks, state_slots=state_slots, platform=platform,
-                 name=cfg.name or Path(checkpoint_dir).name, model_type=cfg.model_type,
+                 name=name, model_type=cfg.model_type,
                  eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, tokenizer_dir=checkpoint_dir,
                  embedding_slot="embed", describe=describe, attention_block=attention_block, progress=progress,
                  sampler=sampler, prompt_logprobs=scorer)

@@ -36,6 +36,7 @@ from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import PLATFORM_CUSTOM_CALLS, EntrySpec, ExportError, check_body, plan_entries
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
+from ._quant import quant_records
 
 Role = mf.Role
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -360,15 +361,18 @@ def write_body(out: Path, exp: jax_export.Exported) -> BodyFiles:
                      exported=exported, exported_sha256=_write(out / exported, exp.serialize()))
 
 
-def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar) -> tuple[mf.WeightFile, ...]:
-    """One raw file per weight (host order, checked little-endian by the caller), hashed; `bar` ticks per file."""
+def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar,
+                  quant: Mapping[str, mf.WeightQuant] | None = None) -> tuple[mf.WeightFile, ...]:
+    """One raw file per weight (host order, checked little-endian by the caller), hashed; `bar` ticks per file.
+    quant: the slots that are halves of quantized weights (export/_quant.py's quant_records)."""
+    quant = quant or {}
     files = []
     for i, (slot, w) in enumerate(flat.items()):
         bar.set_postfix_str(slot)
         rel = f"weights/{i:04d}_{slot}.bin"
         data = np.ascontiguousarray(w).tobytes()
         files.append(mf.WeightFile(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=len(data), file=rel,
-                                   sha256=_write(out / rel, data)))
+                                   sha256=_write(out / rel, data), quant=quant.get(slot)))
         bar.update()
     return tuple(files)
 
@@ -482,7 +486,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         entries.append(entry)
         bar.update()
 
-    files = write_weights(out, flat, bar)
+    files = write_weights(out, flat, bar, quant_records(weights))
     bar.close()
     tokenizer = copy_tokenizer(out, tokenizer_dir)
 

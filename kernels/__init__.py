@@ -3,3 +3,5 @@ from .paged_attention import kv_cache_write, paged_attention, paged_attention_re
 from .conv1d import causal_conv1d, causal_conv1d_reference, causal_conv1d_update
 from .gated_delta import gated_delta_rule_chunked, gated_delta_rule_recurrent, gated_delta_rule_reference
 from .moe import MoeSpec, moe, moe_reference, route, routed_experts, router_logits, router_margins
+from .quantized_matmul import (QuantizedWeight, qat_linear, quantize, quantized_matmul,
+                               quantized_matmul_reference)

@@ -56,6 +56,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+
+from .quantized_matmul import QuantizedWeight, quantized_matmul
+
 HIGHEST = lax.Precision.HIGHEST
 SCORINGS = ("softmax", "topk_softmax", "sigmoid")
 ACTIVATIONS = ("silu", "swiglu_clamped")
@@ -90,7 +93,9 @@ class MoeSpec:
 
 def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """A product with a weight: f32 at HIGHEST; a bf16 weight stays bf16 and the input is rounded to it
-    (as tlaloc_jax.layers.linear)."""
+    (as tlaloc_jax.layers.linear). A quantized weight (x @ W specs only) is read as its codes."""
+    if isinstance(w, QuantizedWeight):
+        return quantized_matmul(x, w)
     if w.dtype != jnp.float32:
         x = x.astype(w.dtype)
     return jnp.einsum(spec, x, w, precision=HIGHEST, preferred_element_type=jnp.float32)
@@ -205,8 +210,11 @@ def _expert_weights(experts: dict, layer, i) -> dict:
     """Expert i's weights and biases, read in place (a dynamic slice) from the stacked [X, ...] arrays, or from
     [L, X, ...] at `layer`. (Slicing the layer first, w[layer][i], makes XLA copy all X experts of the layer.)"""
     if layer is None:
-        return {k: lax.dynamic_index_in_dim(v, i, keepdims=False) for k, v in experts.items()}
-    return {k: lax.dynamic_slice(v, (layer, i) + (0,) * (v.ndim - 2), (1, 1) + v.shape[2:])[0, 0]
+        return {k: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), v)
+                for k, v in experts.items()}
+    # A quantized expert's codes and scales are sliced alike (kernels.quantized_matmul.QuantizedWeight).
+    return {k: jax.tree.map(lambda a: lax.dynamic_slice(a, (layer, i) + (0,) * (a.ndim - 2),
+                                                        (1, 1) + a.shape[2:])[0, 0], v)
             for k, v in experts.items()}
 
 

@@ -35,7 +35,8 @@ def _window_array(window) -> jax.Array:
 def kv_cache_write(kv_pool: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, layer) -> jax.Array:
     """Scatter the call's keys and values into the pool.
 
-    kv_pool: [L, 2, P, S, K, D], any float dtype (k and v are cast to it); k, v: [B, T, K, D];
+    kv_pool: [L, 2, P, S, K, D], any float dtype (k and v are cast to it; float8_e4m3fn clamps them to +-448
+    first); k, v: [B, T, K, D];
     slot_mapping: [B, T] int32, page * S + offset, -1 = write nothing; layer: int or int32 scalar.
     -> the updated kv_pool. One scatter into the whole pool, so XLA updates a donated pool in place.
     """
@@ -49,7 +50,11 @@ def _kv_cache_write(kv_pool, k, v, slot_mapping, layer):
     page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, pages)
     offset = slot_mapping % page_size
     key_or_value = jnp.arange(2, dtype=jnp.int32)[:, None, None]  # [2, 1, 1] against page/offset [B, T]
-    new = jnp.stack([k, v]).astype(kv_pool.dtype)  # [2, B, T, K, D]
+    new = jnp.stack([k, v])  # [2, B, T, K, D]
+    if kv_pool.dtype == jnp.float8_e4m3fn:
+        # e4m3fn has no infinity: past +-448 the convert gives NaN. A value is stored as itself, clamped.
+        new = jnp.clip(new, -448.0, 448.0)
+    new = new.astype(kv_pool.dtype)
     return kv_pool.at[layer, key_or_value, page, offset].set(new, mode="drop")
 
 

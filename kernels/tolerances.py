@@ -176,6 +176,31 @@ def bf16_rounding_points(layers: int, *, every_activation: bool) -> int:
     return layers * (13 if every_activation else 4) + (2 if every_activation else 1)
 
 
+def weight_quantization_roundoff(w, w_dequantized) -> float:
+    """The unit roundoff a quantized weight behaves as, from the weight itself (never from a model's output):
+    u = sqrt(3) rms(W - dequantized W) / rms(W), the u of a rounding whose relative error is uniform on [-u, u]
+    (standard deviation u / sqrt(3)). int8 per output channel gives about 1/127 of a Gaussian weight's rms
+    scale, int4 in groups about 1/7 of it."""
+    w = np.asarray(w, np.float64)
+    d = np.asarray(w_dequantized, np.float64) - w
+    den = np.sqrt(np.mean(w ** 2))
+    return float(np.sqrt(3.0) * np.sqrt(np.mean(d ** 2)) / den) if den else 0.0
+
+
+def quantized_logit_bound(weight_roundoff: float, layers: int, f32_roundings: int = 0, *,
+                          confidence: float = CONFIDENCE) -> float:
+    """Relative bound (of the largest |logit|) on the difference between a model with quantized projections and
+    the same model unquantized (plus, with f32_roundings, an f32 computation that rounds differently).
+
+    Quantizing a whole weight is one rounding point (as rounding a tensor to bf16 is) at unit roundoff
+    `weight_roundoff` (weight_quantization_roundoff), on one side only: the quantized projections' inputs on
+    the path to a logit are bf16_rounding_points(layers, every_activation=False) less the head, which is kept.
+    Variances add."""
+    n_q = bf16_rounding_points(layers, every_activation=False) - 1
+    variance = weight_roundoff ** 2 * n_q / 3.0 + 2.0 * unit_roundoff("float32") ** 2 * f32_roundings / 3.0
+    return confidence * math.sqrt(variance)
+
+
 # -- measuring -----------------------------------------------------------------------------------
 
 

@@ -72,8 +72,8 @@ def _layer_slice(weights: Weights, group: str, index) -> Weights:
     that the scan already cut, w[i][j], makes XLA copy the layer's weights first: 2 GB/s against 10 on CPU.)
     Per-layer weights (a tuple of L' arrays each, tlaloc_jax.layout) are picked by the static index."""
     prefix = group + "."
-    return {name[len(prefix):]: (w[index] if isinstance(w, (tuple, list))
-                                 else lax.dynamic_index_in_dim(w, index, keepdims=False))
+    return {name[len(prefix):]: (w[index] if isinstance(w, (tuple, list)) else
+                                 jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), w))
             for name, w in weights.items() if name.startswith(prefix)}
 
 

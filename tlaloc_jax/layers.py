@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tlaloc_jax.kernels.quantized_matmul import QuantizedWeight, quantized_matmul
+
 from .config import RopeConfig
 
 HIGHEST = lax.Precision.HIGHEST
@@ -17,8 +19,11 @@ HIGHEST = lax.Precision.HIGHEST
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x: [..., I] f32, w: [I, O] -> [..., O] f32.
 
-    A bf16 weight stays bf16: the input is rounded to bf16 and the product accumulates in f32.
+    A bf16 weight stays bf16: the input is rounded to bf16 and the product accumulates in f32. A quantized
+    weight (kernels.quantized_matmul.QuantizedWeight) is read as its codes, its scales applied after the dot.
     """
+    if isinstance(w, QuantizedWeight):
+        return quantized_matmul(x, w)
     if w.dtype != jnp.float32:
         x = x.astype(w.dtype)
     return jnp.einsum("...i,io->...o", x, w, precision=HIGHEST, preferred_element_type=jnp.float32)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
+import jax
 import numpy as np
 
 LAYOUTS = ("per-layer", "stacked")
@@ -42,14 +43,16 @@ def fuse_projections(weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]
     return out
 
 
-def unstack_layers(weights: Mapping[str, np.ndarray]) -> dict[str, object]:
+def unstack_layers(weights: Mapping[str, object]) -> dict[str, object]:
     """Stacked weights -> the per-layer form: each layer group's [L', ...] slot becomes a tuple of its L'
-    layers' arrays (contiguous copies, so each is a weight file of its own); other slots are unchanged."""
+    layers' arrays (contiguous copies, so each is a weight file of its own; a quantized weight's codes and
+    scales alike); other slots are unchanged."""
     out: dict[str, object] = {}
     for name, w in weights.items():
         if name.split(".", 1)[0] in LAYER_GROUPS:
-            w = np.asarray(w)
-            out[name] = tuple(np.ascontiguousarray(w[i]) for i in range(w.shape[0]))
+            leaves = jax.tree.leaves(w)
+            out[name] = tuple(jax.tree.map(lambda a, i=i: np.ascontiguousarray(np.asarray(a)[i]), w)
+                              for i in range(np.shape(leaves[0])[0]))
         else:
             out[name] = w
     return out

@@ -29,6 +29,10 @@ Changelog:
     PROMPT_TOP_IDS; kernels/scoring.py), for echo and prompt_logprobs. A manifest without them is served as
     before (such a prompt is read a token a call and scored on the host); a runtime that predates them refuses
     the new kind by name.
+    v4 + quantized weights (optional, still tlaloc-serving-v4): a weight file may carry `quant` (WeightQuant:
+    its QuantScheme, whether it holds the codes or the scales, the quantized weight's name, int4's group);
+    checked at load (codes in the scheme's dtype, f32 scales of the matching shape, both halves present).
+    A manifest without it has none; a runtime feeds the files by slot as before.
 v2 and v3 manifests still load: `Manifest.from_json` upgrades them to the v4 model in memory (their
 weights and tokenizer files carry no hashes; the loader says so).
 """
@@ -247,6 +251,37 @@ class Entry:
         raise ManifestError(f"entry {self.name!r} has no output with role {role}{' ' + slot if slot else ''}")
 
 
+class QuantScheme(enum.StrEnum):
+    """How a quantized weight's codes stand for its values (kernels/quantized_matmul.py): int8 and fp8 (e4m3fn)
+    codes [..., I, O] with f32 scales per output channel [..., O]; int4 codes two a byte (int8 [..., I / 2, O])
+    with f32 scales per group of `group` input channels [..., I / group, O]."""
+
+    INT8 = "int8"
+    FP8 = "fp8"
+    INT4 = "int4"
+
+
+class QuantPart(enum.StrEnum):
+    CODES = "codes"
+    SCALES = "scales"
+
+
+# The dtype of each scheme's codes (scales are float32), and int4's group sizes.
+QUANT_CODE_DTYPES = {QuantScheme.INT8: "int8", QuantScheme.FP8: "float8_e4m3fn", QuantScheme.INT4: "int8"}
+QUANT_GROUPS = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """A weight file that is half of a quantized weight: its codes or its scales. `weight` names the quantized
+    weight (the codes' and the scales' slots are `weight`.codes and `weight`.scales)."""
+
+    scheme: QuantScheme
+    part: QuantPart
+    weight: str
+    group: int = 0                 # int4: input channels per scale; 0 otherwise
+
+
 @dataclass(frozen=True)
 class WeightFile:
     slot: str
@@ -255,6 +290,7 @@ class WeightFile:
     nbytes: int
     file: str                      # weights/NNNN_<slot>.bin, raw little-endian, no header
     sha256: str = ""               # v4; "" in v2/v3 artifacts
+    quant: WeightQuant | None = None   # v4, optional: part of a quantized weight (None: a plain one)
 
 
 @dataclass(frozen=True)
@@ -641,6 +677,42 @@ def artifact_file(root: str | os.PathLike, manifest: Manifest, name: str) -> Pat
     return None
 
 
+def _validate_quant(weights: tuple[WeightFile, ...]) -> None:
+    """Each quantized weight has its codes in its scheme's dtype and its f32 scales, of matching shapes."""
+    parts: dict[str, dict[QuantPart, WeightFile]] = {}
+    for w in weights:
+        q = w.quant
+        if q is None:
+            continue
+        what = f"weight {w.slot!r} ({q.scheme} {q.part} of {q.weight!r})"
+        if w.slot != f"{q.weight}.{q.part}":
+            raise ManifestError(f"{what}: its slot should be {q.weight}.{q.part}")
+        if (q.group in QUANT_GROUPS) != (q.scheme == QuantScheme.INT4):
+            raise ManifestError(f"{what}: group {q.group} is not " + (f"one of {QUANT_GROUPS}" if q.scheme ==
+                                QuantScheme.INT4 else "0 (only int4 has groups)"))
+        want = QUANT_CODE_DTYPES[q.scheme] if q.part == QuantPart.CODES else "float32"
+        if w.dtype != want:
+            raise ManifestError(f"{what} has dtype {w.dtype}; {q.scheme} {q.part} are {want}")
+        if len(w.shape) < (2 if q.part == QuantPart.CODES else 1):
+            raise ManifestError(f"{what} has shape {list(w.shape)}, too few axes")
+        seen = parts.setdefault(q.weight, {})
+        if q.part in seen or (seen and next(iter(seen.values())).quant.scheme != q.scheme):
+            raise ManifestError(f"{what}: the quantized weight has two {q.part} or two schemes")
+        seen[q.part] = w
+    for name, seen in parts.items():
+        if set(seen) != set(QuantPart):
+            missing = next(p for p in QuantPart if p not in seen)
+            raise ManifestError(f"quantized weight {name!r} has no {missing} file")
+        codes, scales, q = seen[QuantPart.CODES], seen[QuantPart.SCALES], seen[QuantPart.CODES].quant
+        *lead, rows, cols = codes.shape
+        want = (*lead, rows * 2 // q.group, cols) if q.scheme == QuantScheme.INT4 else (*lead, cols)
+        if q.scheme == QuantScheme.INT4 and (rows * 2) % q.group:
+            raise ManifestError(f"quantized weight {name!r}: int4 groups of {q.group} do not tile {rows * 2} inputs")
+        if tuple(scales.shape) != tuple(want):
+            raise ManifestError(f"quantized weight {name!r}: codes {list(codes.shape)} need scales {list(want)}, "
+                                f"got {list(scales.shape)}")
+
+
 def load_manifest(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
                   verify_weights: bool = True) -> Manifest:
     """Read and validate an artifact directory's manifest.
@@ -762,6 +834,7 @@ def _check_consistency(m: Manifest) -> None:
         if v4 and not w.sha256:
             raise ManifestError(f"weight {w.slot!r} has no sha256 ({SCHEMA_V4} hashes every file)")
         slots[w.slot] = w
+    _validate_quant(m.weights)
     if v4:
         for t in m.tokenizer_files:
             if not t.sha256:

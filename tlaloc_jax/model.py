@@ -27,8 +27,7 @@ class Model:
     def __init__(self, config: DecoderConfig, weights: dict, *, block_size: int = 16,
                  key_block: int = DEFAULT_KEY_BLOCK, kv_dtype=jnp.float32):
         self.config = config
-        self.weights = {k: tuple(jnp.asarray(a) for a in v) if isinstance(v, (tuple, list)) else jnp.asarray(v)
-                        for k, v in weights.items()}
+        self.weights = {k: jax.tree.map(jnp.asarray, v) for k, v in weights.items()}   # tuples, a QuantizedWeight too
         self.block_size = block_size
         self.key_block = key_block
         self.kv_dtype = kv_dtype

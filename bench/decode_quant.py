@@ -1,0 +1,163 @@
+"""Decode with quantized weights: the bytes a decode step reads and its time for each weight scheme against
+bf16 and f32, all served by the JAX-free runtime in one run (steps interleaved), and what XLA's CPU backend does
+with a quantized projection (read from the optimized HLO of the decode step).
+
+    python bench/decode.py --weight-quant int8,fp8,int4          # or: python bench/decode_quant.py ...
+
+One random Llama-shaped checkpoint (f32), exported as f32, bf16 and each scheme (quantized from the f32 values;
+the rest of the weights in bf16, the compute dtype the codes are widened to); KV pools f32 in all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np
+
+
+def _median_times(fns, steps: int, warmup: int = 2) -> list[float]:
+    """Median seconds of each function, the functions interleaved so that drift hits them alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(steps):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
+
+
+def step_bytes(manifest, vocab: int) -> int:
+    """The weight bytes a batch-1 decode step reads: every weight file, but one row of the embedding."""
+    embed = next(w for w in manifest.weights if w.slot == "embed")
+    return sum(w.nbytes for w in manifest.weights) - embed.nbytes + embed.nbytes // vocab
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* (\w+)\(.*?(?:calls=%(\S+?)[,\s]|$)", re.M)
+
+
+def widening_report(cfg, weights, block: int, context: int) -> str:
+    """Compile the in-process decode step (batch 1) over `weights` and say which weight-shaped float buffers
+    its optimized HLO produces: a convert fusion per projection means its codes (or bf16 values) are widened in
+    a pass of their own before the dot (a library call on CPU), not read by it."""
+
+    import tlaloc_jax
+    from tlaloc_jax.decoder import StepInputs
+    from tlaloc_jax.paging import RowCall, build_step_inputs
+
+    model = tlaloc_jax.Model(cfg, weights, block_size=block)
+    pools = model.new_pools(context // block)
+    inputs = StepInputs(**build_step_inputs([RowCall([7], 3, list(range(context // block)))], batch=1, tokens=1,
+                                            width=context // block, block_size=block))
+    hlo = model._step.lower(model.weights, pools, inputs).compile().as_text()
+    from tlaloc_jax.export._quant import QUANTIZED_SLOTS
+    shapes = {int(np.prod(w.shape[-2:])): name for name, w in weights.items() if name in QUANTIZED_SLOTS}
+    body = {}
+    for m in re.finditer(r"^%(\S+) .*?\{\n(.*?)\n\}", hlo, re.M | re.S):
+        body[m.group(1)] = m.group(2)
+    found = []
+    # Only the computations that run (the entry, loop bodies and conditions), not the fused ones' insides.
+    outer = "\n".join(b for name, b in body.items() if not name.startswith(("fused_", "wrapped_", "region_")))
+    outer += "\n" + hlo[hlo.index("ENTRY"):]
+    for name, dtype, dims, op, calls in _INSTR.findall(outer):
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        if n in shapes and dtype in ("f32", "bf16") and op in ("fusion", "convert"):
+            ops = sorted(set(re.findall(r"= \S+ (\w[\w-]*)\(", body.get(calls, ""))) - {"parameter", "bitcast",
+                                                                                       "constant"})
+            if "convert" in ops and not {"scatter", "gather"} & set(ops):     # a widened weight, not a pool
+                found.append(f"{shapes[n]}: {dtype}[{dims}] = {op}({', '.join(ops) or op})")
+    if not found:
+        return "no weight-shaped float buffer: the dot reads the codes directly"
+    return (f"{len(found)} weight-shaped float buffers in the step's loop body (instruction: its fused ops): "
+            + "; ".join(sorted(set(found))))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weight-quant", default="int8,fp8,int4", help="schemes, comma-separated (int8, fp8, int4)")
+    ap.add_argument("--quant-group", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--vocab", type=int, default=8000)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20, help="timed decode steps per variant")
+    ap.add_argument("--plugin", default=None)
+    ap.add_argument("--prefill", type=int, default=0, help="(bench/decode.py's; unused here)")
+    args = ap.parse_args(argv)
+    schemes = [s for s in args.weight_quant.split(",") if s and s != "none"]
+
+    import jax
+
+    from tlaloc_jax.checkpoint import load_checkpoint, random_weights, save_checkpoint
+    from tlaloc_jax.export import export_checkpoint
+    from tlaloc_jax.export._quant import quantize_weights, scheme_label
+    from tlaloc_jax.families import config_from_hf
+    from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.serve import Engine
+
+    hf = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+              num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+              head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, max_position_embeddings=4 * args.context,
+              tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    fam, cfg = config_from_hf(hf)
+    block = 16
+    variants = [("f32", "float32", "none"), ("bf16", "bfloat16", "none")]
+    variants += [(f"{scheme_label(s, args.quant_group)} (bf16 rest)", "bfloat16", s) for s in schemes]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        weights = random_weights(cfg, fam, seed=0, std=0.02)
+        n_params = sum(w.size for w in weights.values())
+        save_checkpoint(tmp / "ck", hf, weights)
+        del weights
+        engines, manifests = [], []
+        for i, (label, dtype, quant) in enumerate(variants):
+            m = export_checkpoint(tmp / "ck", tmp / f"art{i}", batch_ladder=(1,), context_ladder=(args.context,),
+                                  prefill_max_batch=1, prefill_chunk=16, block_size=block, progress=False,
+                                  weight_dtype_name=dtype, weight_quant=quant, quant_group=args.quant_group)
+            manifests.append(m)
+            engines.append(Engine.load(tmp / f"art{i}", args.plugin, cache_dir=None, progress=False))
+        print(f"model: llama, {n_params / 1e6:.1f}M parameters, {args.layers} layers, hidden {args.hidden}, "
+              f"MLP {args.intermediate}, vocab {args.vocab}; decode batch 1 at position {args.context // 2}; "
+              f"jax {jax.__version__}, {os.cpu_count()} CPUs")
+        width = args.context // block
+        inputs = build_step_inputs([RowCall([7], args.context // 2, list(range(width)))], batch=1, tokens=1,
+                                   width=width, block_size=block)
+        entry = f"decode_b1_c{args.context}"
+        fns = [(lambda e=e, m=m: e._execute(m.entry(entry), inputs, False)) for e, m in zip(engines, manifests)]
+        times = _median_times(fns, args.steps)
+        base_b, base_t = step_bytes(manifests[1], args.vocab), times[1]
+        print()
+        print(f"{'weights':>22} | {'MiB a step':>10} | {'vs bf16':>7} | {'step ms':>8} | {'vs bf16':>7} | "
+              f"{'vs f32':>6}")
+        for (label, _, _), m, t in zip(variants, manifests, times):
+            b = step_bytes(m, args.vocab)
+            print(f"{label:>22} | {b / 2**20:10.2f} | {b / base_b:6.2f}x | {t * 1e3:8.2f} | {t / base_t:6.2f}x | "
+                  f"{t / times[0]:5.2f}x")
+        for e in engines:
+            e.close()
+        if schemes:
+            cfg32, w32 = load_checkpoint(tmp / "ck", "float32")
+            q = quantize_weights(w32, schemes[0], args.quant_group, compute="bfloat16")
+            print()
+            print(f"XLA CPU, optimized HLO of the {schemes[0]} decode step: "
+                  + widening_report(cfg32, q, block, args.context))
+            import ml_dtypes
+            bf = {k: v.astype(ml_dtypes.bfloat16) for k, v in w32.items()}
+            print("XLA CPU, the bf16 decode step: " + widening_report(cfg32, bf, block, args.context))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Quantized weights and the matmul that reads them: int8 and fp8 (e4m3fn) codes with one f32 scale per output
+channel, int4 codes packed two a byte with one f32 scale per group of input channels.
+
+A linear's weight is [..., I, O] (in, out), as everywhere in this library. Its quantized form:
+
+* int8: codes int8 [..., I, O], code = clamp(round_half_even(W / s), -127, 127), s = max_i |W[i, o]| / 127
+  (1 for an all-zero column), scales f32 [..., O].
+* fp8: codes float8_e4m3fn [..., I, O], code = e4m3fn(W / s) rounded to nearest even, s = max_i |W| / 448.
+* int4: codes int8 [..., I / 2, O], two codes a byte; scales f32 [..., I / g, O], one per group of g input
+  channels (g = 32, 64 or 128), code = clamp(round_half_even(W / s), -7, 7), s = max over the group / 7
+  (15 levels). Inside a group, byte j holds input j in its low nibble and input j + g / 2 in its high one,
+  so unpacking is two shifts and a concatenation per group, with no interleave.
+
+`quantized_matmul(x, w)` widens the codes to the compute dtype (exact: |code| <= 127 fits bf16's 8 bits),
+contracts in f32 and multiplies the f32 output by the scales after the dot (per group, then sums the
+groups, for int4). `quantized_matmul_reference` dequantizes the codes in float64 and multiplies: the op's
+definition, with its quantization error, as a naive reference.
+
+`qat_linear(x, w_float, scheme)` is the training form: the forward quantizes the float weight and runs
+`quantized_matmul`; its custom_vjp gives x its exact gradient (through the dequantized weight the forward
+used) and the float weight the straight-through one (x^T dy, as if rounding were the identity).
+
+On XLA's CPU backend the dot is a library call: the codes are widened by a separate pass into a
+weight-sized buffer before it (tests/test_quantized_matmul.py reads the optimized HLO and says so). XLA's GPU
+backend fuses the widening into the dot. The stored and loaded bytes are the codes' either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+HIGHEST = lax.Precision.HIGHEST
+
+INT8, FP8, INT4 = "int8", "fp8", "int4"
+SCHEMES = (INT8, FP8, INT4)
+GROUP_SIZES = (32, 64, 128)
+# The largest code of each scheme: int8 keeps 127 steps a side, e4m3fn's largest finite value is 448,
+# int4 keeps 7 a side (15 levels).
+QMAX = {INT8: 127.0, FP8: 448.0, INT4: 7.0}
+CODE_DTYPES = {INT8: jnp.int8, FP8: jnp.float8_e4m3fn, INT4: jnp.int8}
+
+
+class QuantError(ValueError):
+    """A scheme, group size or shape that quantization cannot take; the message names it."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear's weight as codes and scales (leaves), its scheme, group and compute dtype (static).
+
+    codes: int8 / float8_e4m3fn [..., I, O], or int8 [..., I / 2, O] for int4; scales f32 [..., O], or
+    [..., I / group, O] for int4. compute: the dtype the codes are widened to (the model's weight dtype).
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    scheme: str = dataclasses.field(metadata=dict(static=True))
+    group: int = dataclasses.field(default=0, metadata=dict(static=True))
+    compute: str = dataclasses.field(default="float32", metadata=dict(static=True))
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[-2] * (2 if self.scheme == INT4 else 1)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float weight's shape [..., I, O]."""
+        return (*self.codes.shape[:-2], self.in_features, self.codes.shape[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.codes.nbytes) + int(self.scales.nbytes)
+
+
+def check_scheme(scheme: str, group: int = 0, in_features: int | None = None) -> None:
+    if scheme not in SCHEMES:
+        raise QuantError(f"unknown weight quantization scheme {scheme!r} (known: {', '.join(SCHEMES)})")
+    if scheme == INT4:
+        if group not in GROUP_SIZES:
+            raise QuantError(f"int4 group size {group} is not one of {GROUP_SIZES}")
+        if in_features is not None and in_features % group:
+            raise QuantError(f"int4 groups of {group} do not tile {in_features} input channels")
+
+
+# --- quantizing ----------------------------------------------------------------------------------------
+
+
+def _safe_scale(amax: jax.Array, qmax: float) -> jax.Array:
+    return jnp.where(amax > 0, amax / jnp.float32(qmax), jnp.float32(1.0))
+
+
+def quantize_parts(w: jax.Array, scheme: str, group: int = 0, *, rounding=jnp.round):
+    """w: [..., I, O] float -> (codes before packing, as f32 integers or e4m3fn values [..., I, O], scales).
+
+    rounding: round half to even (jnp.round); the gradient check passes the identity instead."""
+    check_scheme(scheme, group, w.shape[-2])
+    w = w.astype(jnp.float32)
+    qmax = QMAX[scheme]
+    exact = rounding is jnp.round
+
+    def to_codes(ratio):
+        # |ratio| <= qmax up to the division's rounding; the clip catches that (and fp8's convert, which would
+        # give NaN past 448, needs it). The gradient check's identity rounding replaces the clip too.
+        if not exact:
+            return rounding(ratio)
+        if scheme == FP8:
+            return jnp.clip(ratio, -qmax, qmax).astype(jnp.float8_e4m3fn)   # XLA's convert: nearest even
+        return jnp.clip(jnp.round(ratio), -qmax, qmax)
+
+    if scheme == INT4:
+        I, O = w.shape[-2:]
+        wg = w.reshape(*w.shape[:-2], I // group, group, O)
+        scales = _safe_scale(jnp.max(jnp.abs(wg), axis=-2), qmax)              # [..., G, O]
+        return to_codes(wg / scales[..., None, :]).reshape(w.shape), scales
+    scales = _safe_scale(jnp.max(jnp.abs(w), axis=-2), qmax)                    # [..., O]
+    return to_codes(w / scales[..., None, :]), scales
+
+
+def pack_int4(codes: jax.Array, group: int) -> jax.Array:
+    """int4 codes (integers in [-7, 7], any dtype) [..., I, O] -> int8 [..., I / 2, O], the layout above."""
+    I, O = codes.shape[-2:]
+    c = codes.astype(jnp.int8).reshape(*codes.shape[:-2], I // group, 2, group // 2, O)
+    low, high = c[..., 0, :, :], c[..., 1, :, :]
+    packed = jnp.bitwise_or(jnp.bitwise_and(low, jnp.int8(0x0F)), jnp.left_shift(high, jnp.int8(4)))
+    return packed.reshape(*codes.shape[:-2], I // 2, O)
+
+
+def unpack_int4(packed: jax.Array, group: int) -> jax.Array:
+    """int8 [..., I / 2, O] -> int8 codes [..., I / group, 2, group / 2, O] (low nibbles, then high ones)."""
+    half, O = packed.shape[-2:]
+    p = packed.reshape(*packed.shape[:-2], half * 2 // group, 1, group // 2, O)
+    low = jnp.right_shift(jnp.left_shift(p, jnp.int8(4)), jnp.int8(4))     # arithmetic shift: sign-extended
+    high = jnp.right_shift(p, jnp.int8(4))
+    return jnp.concatenate([low, high], axis=-3)
+
+
+def quantize(w: jax.Array, scheme: str, group: int = 0, *, compute: str = "float32") -> QuantizedWeight:
+    """A float weight [..., I, O] -> its QuantizedWeight (computed in f32 from w's values)."""
+    codes, scales = quantize_parts(w, scheme, group)
+    if scheme == INT4:
+        codes = pack_int4(codes, group)
+    else:
+        codes = codes.astype(CODE_DTYPES[scheme])
+    return QuantizedWeight(codes, scales.astype(jnp.float32), scheme, group if scheme == INT4 else 0, compute)
+
+
+@functools.partial(jax.jit, static_argnames=("scheme", "group", "compute"))
+def _quantize_jit(w, scheme, group, compute):
+    return quantize(w, scheme, group, compute=compute)
+
+
+def quantize_array(w, scheme: str, group: int = 0, *, compute: str = "float32") -> QuantizedWeight:
+    """quantize for a host array (the exporter): jitted, the leaves brought back as numpy arrays."""
+    q = _quantize_jit(jnp.asarray(w), scheme, group, compute)
+    return QuantizedWeight(np.asarray(q.codes), np.asarray(q.scales), q.scheme, q.group, q.compute)
+
+
+def dequantize(q: QuantizedWeight, dtype=np.float64) -> np.ndarray:
+    """The float weight the codes stand for, [..., I, O], in numpy `dtype` (float64: exact)."""
+    codes = np.asarray(q.codes)
+    scales = np.asarray(q.scales, dtype)
+    if q.scheme == INT4:
+        c = np.asarray(unpack_int4(jnp.asarray(codes), q.group), dtype)       # [..., G, 2, g/2, O]
+        c = c.reshape(*c.shape[:-4], c.shape[-4], q.group, c.shape[-1])      # [..., G, g, O]
+        return (c * scales[..., :, None, :]).reshape(q.shape)
+    return np.asarray(codes.astype(np.float32), dtype) * scales[..., None, :]
+
+
+# --- the matmul ----------------------------------------------------------------------------------------
+
+
+def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x: [..., I] -> [..., O] f32: x times the weight the codes stand for.
+
+    x is rounded to the compute dtype (as a bf16 linear rounds its input), the codes are widened to it
+    (exact), the dot accumulates in f32 and the scales multiply its f32 output (int4: each group's partial
+    dot, then the groups are summed)."""
+    cd = jnp.dtype(w.compute)
+    lead = x.shape[:-1]
+    xc = x.reshape(-1, x.shape[-1]).astype(cd)
+    if w.scheme == INT4:
+        G = w.scales.shape[-2]
+        c = unpack_int4(w.codes, w.group).astype(cd)                           # [G, 2, g/2, O]
+        xg = xc.reshape(-1, G, 2, w.group // 2)                                 # [M, G, 2, g/2]
+        part = lax.dot_general(xg, c, (((2, 3), (1, 2)), ((1,), (0,))), precision=HIGHEST,
+                               preferred_element_type=jnp.float32)              # [G, M, O]
+        y = jnp.sum(part * w.scales[:, None, :], axis=0)
+    else:
+        y = lax.dot_general(xc, w.codes.astype(cd), (((1,), (0,)), ((), ())), precision=HIGHEST,
+                            preferred_element_type=jnp.float32) * w.scales
+    return y.reshape(*lead, y.shape[-1])
+
+
+def quantized_matmul_reference(x, w: QuantizedWeight) -> np.ndarray:
+    """The naive form in float64: x (rounded to the compute dtype, as the op's input is) times the
+    dequantized weight."""
+    x = np.asarray(jnp.asarray(x).astype(jnp.dtype(w.compute)).astype(jnp.float32), np.float64)
+    return x @ dequantize(w, np.float64)
+
+
+# --- training: quantization-aware, straight-through ---------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def qat_linear(x: jax.Array, w: jax.Array, scheme: str, group: int = 0, compute: str = "float32") -> jax.Array:
+    """x: [..., I], w: float [I, O] -> quantized_matmul(x, quantize(w)): the forward that serving runs.
+
+    Gradients: x gets the exact one (dy times the dequantized weight's transpose); w gets the
+    straight-through one, x^T dy, as if quantizing were the identity (quantization-aware fine-tuning)."""
+    return quantized_matmul(x, quantize(w, scheme, group, compute=compute))
+
+
+def _qat_fwd(x, w, scheme, group, compute):
+    q = quantize(w, scheme, group, compute=compute)
+    return quantized_matmul(x, q), (x, q, jnp.zeros((), w.dtype))
+
+
+def _qat_bwd(scheme, group, compute, res, dy):
+    x, q, w_like = res
+    w_dtype = w_like.dtype
+    cd = jnp.dtype(compute)
+    codes, scales = (unpack_int4(q.codes, group).reshape(*q.shape) if scheme == INT4 else q.codes), q.scales
+    if scheme == INT4:
+        G = scales.shape[-2]
+        wq = (codes.astype(jnp.float32).reshape(G, group, -1) * scales[:, None, :]).reshape(q.shape)
+    else:
+        wq = codes.astype(jnp.float32) * scales
+    dy = dy.astype(jnp.float32)
+    # x's gradient: through the rounding of x to the compute dtype (identity) and the dequantized weight.
+    dx = jnp.einsum("...o,io->...i", dy, wq, precision=HIGHEST).astype(x.dtype)
+    xc = x.astype(cd).astype(jnp.float32).reshape(-1, x.shape[-1])
+    dw = jnp.einsum("mi,mo->io", xc, dy.reshape(-1, dy.shape[-1]), precision=HIGHEST).astype(w_dtype)
+    return dx, dw
+
+
+qat_linear.defvjp(_qat_fwd, _qat_bwd)
+
+
+def qat_linear_reference(x, w, scheme: str, group: int = 0, *, rounding=jnp.round) -> jax.Array:
+    """The training form as plain jnp, for jax.grad: quantize with `rounding`, dequantize, multiply in f32.
+    With rounding = identity its weight gradient is the straight-through one (fp8's convert is replaced too)."""
+    codes, scales = quantize_parts(w, scheme, group, rounding=rounding)
+    codes = codes.astype(jnp.float32)
+    if scheme == INT4:
+        G = scales.shape[-2]
+        wq = (codes.reshape(G, group, -1) * scales[:, None, :]).reshape(w.shape)
+    else:
+        wq = codes * scales
+    return jnp.einsum("...i,io->...o", x.astype(jnp.float32), wq, precision=HIGHEST)
