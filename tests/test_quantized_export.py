@@ -57,13 +57,16 @@ def test_manifest_records_each_quantized_weight(int8_artifact):
     m = mf.load_manifest(int8_artifact)
     assert m.model.name.endswith(":qint8")
     by_slot = {w.slot: w for w in m.weights}
-    for slot in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "layers.gate_proj", "layers.up_proj",
-                 "layers.down_proj"):
-        codes, scales = by_slot[f"{slot}.codes"], by_slot[f"{slot}.scales"]
-        assert (codes.dtype, scales.dtype) == ("int8", "float32")
-        assert codes.quant == mf.WeightQuant(mf.QuantScheme.INT8, mf.QuantPart.CODES, slot, 0)
-        assert scales.shape == codes.shape[:1] + codes.shape[2:]
-    for slot in ("embed", "head", "final_norm", "layers.attn_norm", "layers.mlp_norm"):
+    # The per-layer layout (tlaloc_jax.layout): q|k|v and gate|up fused, then quantized, one file per layer.
+    layers = m.model.layers
+    for slot in ("attn.qkv_proj", "attn.o_proj", "layers.gate_up_proj", "layers.down_proj"):
+        for i in range(layers):
+            name = f"{slot}.{i}"
+            codes, scales = by_slot[f"{name}.codes"], by_slot[f"{name}.scales"]
+            assert (codes.dtype, scales.dtype) == ("int8", "float32")
+            assert codes.quant == mf.WeightQuant(mf.QuantScheme.INT8, mf.QuantPart.CODES, name, 0)
+            assert scales.shape == codes.shape[1:]
+    for slot in ("embed", "head", "final_norm", "layers.attn_norm.0", "layers.mlp_norm.0"):
         assert by_slot[slot].quant is None and by_slot[slot].dtype == "float32"
 
 
@@ -87,11 +90,11 @@ def _tampered(src, dst, edit):
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda w, raw: w["attn.q_proj.codes"]["quant"].update(scheme="int3"), "not a known QuantScheme"),
-    (lambda w, raw: w["attn.q_proj.codes"]["quant"].update(group=32), "group 32 is not 0"),
-    (lambda w, raw: w["attn.q_proj.scales"]["quant"].update(part="codes"), "should be attn.q_proj.codes"),
-    (lambda w, raw: w["attn.q_proj.scales"].update(quant=None), "'attn.q_proj' has no scales file"),
-    (lambda w, raw: w["attn.q_proj.codes"]["quant"].update(scheme="fp8"), "float8_e4m3fn"),
+    (lambda w, raw: w["attn.qkv_proj.0.codes"]["quant"].update(scheme="int3"), "not a known QuantScheme"),
+    (lambda w, raw: w["attn.qkv_proj.0.codes"]["quant"].update(group=32), "group 32 is not 0"),
+    (lambda w, raw: w["attn.qkv_proj.0.scales"]["quant"].update(part="codes"), "should be attn.qkv_proj.0.codes"),
+    (lambda w, raw: w["attn.qkv_proj.0.scales"].update(quant=None), "'attn.qkv_proj.0' has no scales file"),
+    (lambda w, raw: w["attn.qkv_proj.0.codes"]["quant"].update(scheme="fp8"), "float8_e4m3fn"),
 ], ids=["unknown-scheme", "int8-with-group", "part-mismatch", "scales-unmarked", "codes-dtype"])
 def test_bad_quantization_entries_are_refused_at_load(int8_artifact, tmp_path, edit, message):
     bad = _tampered(int8_artifact, tmp_path / "bad", edit)
