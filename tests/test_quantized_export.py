@@ -237,9 +237,9 @@ def test_served_int8_experts_match_the_dequantized_checkpoint(tmp_path):
     export_checkpoint(ck, tmp_path / "art", batch_ladder=(1,), context_ladder=(64,), weight_quant="int8",
                       progress=False, sampler=None)
     m = mf.load_manifest(tmp_path / "art")
-    assert {w.slot for w in m.weights if w.quant} >= {f"layers.expert_{p}.{part}" for p in ("gate", "up", "down")
-                                                      for part in ("codes", "scales")}
     cfg, weights = load_checkpoint(ck, "float32")
+    assert {w.slot for w in m.weights if w.quant} >= {f"layers.expert_{p}.{i}.{part}" for p in ("gate", "up", "down")
+                                                      for part in ("codes", "scales") for i in range(cfg.num_layers)}
     quant = quantize_weights(weights, "int8", 0, compute="float32")
     deq = {k: (dequantize(v).astype(np.float32) if isinstance(v, QuantizedWeight) else v) for k, v in quant.items()}
     save_checkpoint(tmp_path / "deq", read_config(ck), deq)
