@@ -1,0 +1,193 @@
+"""The OpenAI server as a Ray Serve application (serve/ray.py): a local Ray head on loopback, two replicas of the
+tiny ids artifact of tests/http_util.py, driven through Ray's HTTP proxy by the official openai client. The oracle
+for every generated id is the in-process Engine on the same artifact (Engine.generate, solo).
+
+Needs the `ray` extra (`pip install -e '.[ray]'`; `make test-engines` installs it and runs this file)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import socket
+import time
+
+import pytest
+
+# Ray's single-machine mode: every Ray process (GCS, raylet, workers, the HTTP proxy) on 127.0.0.1 rather than
+# the machine's network address. Read when ray is imported, and inherited by the processes it starts.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+ray = pytest.importorskip("ray", reason="the `ray` extra is not installed (pip install -e '.[ray]')")
+serve = pytest.importorskip("ray.serve", reason="the `ray` extra is not installed (pip install -e '.[ray]')")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from http_util import STOP  # noqa: E402
+from tlaloc_jax.serve import Engine  # noqa: E402
+from tlaloc_jax.serve.ray import REPLICA_HEADER, RayServeArgs, app  # noqa: E402
+
+pytestmark = pytest.mark.slow        # a Ray head and two replicas: ~1 minute; `make test-engines` runs it
+
+APP = "tlaloc"
+REPLICA = REPLICA_HEADER.decode()
+# 16 prompts of distinct lengths and ids: the 16 streams are told apart by their ids.
+PROMPTS = [[(7 * i + 3 * k) % 250 + 1 for k in range(3 + i % 5)] for i in range(16)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ids_artifact(http_artifacts):
+    return http_artifacts[1]
+
+
+@pytest.fixture(scope="module")
+def solo(ids_artifact, serve_cache_dir):
+    """prompt ids, max_tokens -> the ids Engine.generate gives that prompt alone (greedy)."""
+    with Engine.load(ids_artifact, cache_dir=serve_cache_dir, progress=False) as engine:
+        memo = {}
+
+        def run(prompt, max_tokens):
+            key = (tuple(prompt), max_tokens)
+            if key not in memo:
+                memo[key] = engine.generate([prompt], max_tokens, stop_token_ids=STOP)[0]
+            return memo[key]
+        yield run
+
+
+@pytest.fixture(scope="module")
+def ray_app(ids_artifact, serve_cache_dir):
+    """The application on a local Ray head bound to loopback: (base url, replica ids at start)."""
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app({"artifact": str(ids_artifact), "num_replicas": 2, "cache_dir": str(serve_cache_dir),
+                       "health_check_period_s": 1, "health_check_timeout_s": 30}),
+                  name=APP, route_prefix="/")
+        assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _replica_states() -> dict:
+    return serve.status().applications[APP].deployments["tlaloc"].replica_states
+
+
+def _kill_replica(replica: str) -> None:
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{replica}")]
+    assert len(names) == 1, f"replica {replica}: actors {names}"
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+
+
+async def _stream(client, prompt, max_tokens, started: asyncio.Event | None = None, count=None):
+    """(replica, ids, finish_reason) of one streaming request; the replica is set before the first chunk is read."""
+    raw = await client.completions.with_raw_response.create(model="ck", prompt=prompt, max_tokens=max_tokens,
+                                                            temperature=0, stream=True)
+    replica = raw.headers.get(REPLICA)
+    out = {"replica": replica, "ids": [], "finish": None}
+    if count is not None:
+        count.append(replica)
+        if len(count) == 16:
+            started.set()
+    stream = raw.parse()
+    if inspect.isawaitable(stream):
+        stream = await stream
+    try:
+        async for chunk in stream:
+            ch = chunk.choices[0]
+            out["ids"] += (ch.model_extra or {}).get("token_ids") or []
+            out["finish"] = ch.finish_reason or out["finish"]
+    except (openai.APIError, httpx.HTTPError) as e:     # the stream broke: recorded with the replica it was on
+        out["error"] = e
+    return out
+
+
+def test_builder_args_are_checked():
+    with pytest.raises(ValueError, match="num_replicas is a fixed count"):
+        RayServeArgs(artifact="a", num_replicas=2, max_replicas=4)
+    with pytest.raises(ValueError, match="not both"):
+        RayServeArgs(artifact="a", min_replicas=1, autoscaling_config={"max_replicas": 2})
+    assert RayServeArgs(artifact="a", min_replicas="1", max_replicas="3").autoscaling() == \
+        {"min_replicas": 1, "max_replicas": 3}
+    with pytest.raises(ValueError, match="unknown_option"):
+        RayServeArgs(artifact="a", unknown_option=1)
+
+
+def test_sixteen_concurrent_streams_over_two_replicas_get_their_solo_ids(ray_app, solo):
+    wants = [solo(p, 24) for p in PROMPTS]
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{ray_app}/v1", api_key="none", max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(_stream(c, p, 24) for p in PROMPTS))
+
+    got = asyncio.run(main())
+    assert [g.get("error") for g in got] == [None] * 16
+    assert [g["ids"] for g in got] == wants
+    # Control: the check tells the streams apart (each prompt's ids differ from its neighbour's).
+    assert [g["ids"] for g in got] != wants[1:] + wants[:1]
+    assert {g["replica"] for g in got} == set(_replica_ids()), "both replicas served"
+
+
+def _replica_ids() -> list[str]:
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("SERVE_REPLICA::") and f"{APP}#tlaloc#" in a["name"]]
+    return [n.rsplit("#", 1)[1] for n in names]
+
+
+def test_killing_a_replica_fails_only_its_own_requests_and_ray_restarts_it(ray_app, solo):
+    max_tokens = 56
+    wants = [solo(p, max_tokens) for p in PROMPTS]
+    before = set(_replica_ids())
+    assert len(before) == 2
+
+    async def main():
+        started = asyncio.Event()
+        seen: list[str] = []
+        async with openai.AsyncOpenAI(base_url=f"{ray_app}/v1", api_key="none", max_retries=0, timeout=120) as c:
+            tasks = [asyncio.ensure_future(_stream(c, p, max_tokens, started, seen)) for p in PROMPTS]
+            await asyncio.wait_for(started.wait(), 120)
+            victim = seen[0]
+            _kill_replica(victim)
+            return victim, await asyncio.gather(*tasks)
+
+    victim, got = asyncio.run(main())
+    on_victim = [k for k, g in enumerate(got) if g["replica"] == victim]
+    survivors = [k for k, g in enumerate(got) if g["replica"] != victim]
+    assert survivors, "every request went to one replica"
+    # The other replica's requests all ran to their solo ids.
+    assert [got[k].get("error") for k in survivors] == [None] * len(survivors)
+    assert [got[k]["ids"] for k in survivors] == [wants[k] for k in survivors]
+    # The killed replica's in-flight requests failed (none was complete when it died); what each received before
+    # is the start of its solo ids.
+    failed = [k for k in on_victim if "error" in got[k] or got[k]["finish"] is None]
+    assert failed, "the kill came after the victim's requests had finished: it was not mid-run"
+    for k in on_victim:
+        assert got[k]["ids"] == wants[k][:len(got[k]["ids"])]
+
+    # Ray replaces the replica: two running replicas again, one of them new, and it serves.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now = set(_replica_ids())
+        if _replica_states().get("RUNNING") == 2 and len(now) == 2 and now != before:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"Ray did not restart the replica: {_replica_states()}, replicas {_replica_ids()}")
+    assert victim not in now and len(now & before) == 1
+
+    async def again():
+        async with openai.AsyncOpenAI(base_url=f"{ray_app}/v1", api_key="none", max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(_stream(c, p, 24) for p in PROMPTS))
+
+    got = asyncio.run(again())
+    assert [g["ids"] for g in got] == [solo(p, 24) for p in PROMPTS]
+    assert {g["replica"] for g in got} == now
