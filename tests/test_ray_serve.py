@@ -31,6 +31,9 @@ from tlaloc_jax.serve.ray import REPLICA_HEADER, RayServeArgs, app  # noqa: E402
 pytestmark = pytest.mark.slow        # a Ray head and two replicas: ~1 minute; `make test-engines` runs it
 
 APP = "tlaloc"
+# Sequences a replica runs at once (the artifact's decode batches are 1 and 8): 16 requests over two replicas
+# share decode calls, and each replica also holds requests waiting their turn.
+MAX_BATCH = 4
 REPLICA = REPLICA_HEADER.decode()
 # 16 prompts of distinct lengths and ids: the 16 streams are told apart by their ids.
 PROMPTS = [[(7 * i + 3 * k) % 250 + 1 for k in range(3 + i % 5)] for i in range(16)]
@@ -69,6 +72,7 @@ def ray_app(ids_artifact, serve_cache_dir):
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app({"artifact": str(ids_artifact), "num_replicas": 2, "cache_dir": str(serve_cache_dir),
+                       "max_batch": MAX_BATCH,
                        "health_check_period_s": 1, "health_check_timeout_s": 30}),
                   name=APP, route_prefix="/")
         assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
@@ -88,25 +92,27 @@ def _kill_replica(replica: str) -> None:
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
 
 
-async def _stream(client, prompt, max_tokens, started: asyncio.Event | None = None, count=None):
-    """(replica, ids, finish_reason) of one streaming request; the replica is set before the first chunk is read."""
-    raw = await client.completions.with_raw_response.create(model="ck", prompt=prompt, max_tokens=max_tokens,
-                                                            temperature=0, stream=True)
-    replica = raw.headers.get(REPLICA)
-    out = {"replica": replica, "ids": [], "finish": None}
-    if count is not None:
-        count.append(replica)
-        if len(count) == 16:
-            started.set()
-    stream = raw.parse()
-    if inspect.isawaitable(stream):
-        stream = await stream
+async def _stream(client, prompt, max_tokens, seen: list | None = None, both: asyncio.Event | None = None):
+    """replica, ids, finish reason (and the error, if the request or its stream failed) of one streaming request.
+    The replica (None if the request failed before an answer began) is noted in `seen` as soon as the answer's
+    headers arrive; `both` is set once two replicas have answered."""
+    out = {"replica": None, "ids": [], "finish": None}
     try:
+        raw = await client.completions.with_raw_response.create(model="ck", prompt=prompt, max_tokens=max_tokens,
+                                                                temperature=0, stream=True)
+        out["replica"] = raw.headers.get(REPLICA)
+        if seen is not None:
+            seen.append(out["replica"])
+            if len(set(seen)) == 2:
+                both.set()
+        stream = raw.parse()
+        if inspect.isawaitable(stream):
+            stream = await stream
         async for chunk in stream:
             ch = chunk.choices[0]
             out["ids"] += (ch.model_extra or {}).get("token_ids") or []
             out["finish"] = ch.finish_reason or out["finish"]
-    except (openai.APIError, httpx.HTTPError) as e:     # the stream broke: recorded with the replica it was on
+    except (openai.APIError, httpx.HTTPError) as e:     # the request or its stream broke
         out["error"] = e
     return out
 
@@ -150,27 +156,33 @@ def test_killing_a_replica_fails_only_its_own_requests_and_ray_restarts_it(ray_a
     assert len(before) == 2
 
     async def main():
-        started = asyncio.Event()
+        both = asyncio.Event()
         seen: list[str] = []
         async with openai.AsyncOpenAI(base_url=f"{ray_app}/v1", api_key="none", max_retries=0, timeout=120) as c:
-            tasks = [asyncio.ensure_future(_stream(c, p, max_tokens, started, seen)) for p in PROMPTS]
-            await asyncio.wait_for(started.wait(), 120)
-            victim = seen[0]
+            tasks = [asyncio.ensure_future(_stream(c, p, max_tokens, seen, both)) for p in PROMPTS]
+            # Both replicas have begun answering. The one that began last is killed: its first sequences have
+            # just started their 56 tokens, and its later ones wait their turn (MAX_BATCH at a time).
+            await asyncio.wait_for(both.wait(), 120)
+            victim = seen[-1]
             _kill_replica(victim)
             return victim, await asyncio.gather(*tasks)
 
     victim, got = asyncio.run(main())
-    on_victim = [k for k, g in enumerate(got) if g["replica"] == victim]
-    survivors = [k for k, g in enumerate(got) if g["replica"] != victim]
-    assert survivors, "every request went to one replica"
-    # The other replica's requests all ran to their solo ids.
-    assert [got[k].get("error") for k in survivors] == [None] * len(survivors)
-    assert [got[k]["ids"] for k in survivors] == [wants[k] for k in survivors]
-    # The killed replica's in-flight requests failed (none was complete when it died); what each received before
-    # is the start of its solo ids.
-    failed = [k for k in on_victim if "error" in got[k] or got[k]["finish"] is None]
+    survivor = (before - {victim}).pop()
+    on_survivor = [k for k, g in enumerate(got) if g["replica"] == survivor]
+    assert on_survivor, "the surviving replica answered nothing"
+    # Every request the surviving replica answered ran to its solo ids.
+    assert [got[k].get("error") for k in on_survivor] == [None] * len(on_survivor)
+    assert [got[k]["ids"] for k in on_survivor] == [wants[k] for k in on_survivor]
+    # The others were the victim's: those it had begun answering, and those still waiting in its queue (they never
+    # got an answer: the surviving replica, alive throughout, answers every request routed to it). They failed
+    # (none of them ended with a finish reason), and what a stream received before the kill is the start of its
+    # solo ids.
+    others = [k for k in range(len(PROMPTS)) if k not in on_survivor]
+    assert {got[k]["replica"] for k in others} <= {victim, None}
+    failed = [k for k in others if "error" in got[k] or got[k]["finish"] is None]
     assert failed, "the kill came after the victim's requests had finished: it was not mid-run"
-    for k in on_victim:
+    for k in others:
         assert got[k]["ids"] == wants[k][:len(got[k]["ids"])]
 
     # Ray replaces the replica: two running replicas again, one of them new, and it serves.
