@@ -65,7 +65,7 @@ class RayServeArgs(BaseModel):
     trust_weights: bool = False
 
     @model_validator(mode="after")
-    def _one_way_to_scale(self) -> "RayServeArgs":
+    def _one_way_to_scale(self) -> RayServeArgs:
         flat = {k: v for k, v in (("min_replicas", self.min_replicas), ("max_replicas", self.max_replicas),
                                   ("target_ongoing_requests", self.target_ongoing_requests)) if v is not None}
         if flat and self.autoscaling_config is not None:

@@ -7,26 +7,25 @@ Needs the `ray` extra (`pip install -e '.[ray]'`; `make test-engines` installs i
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import os
 import socket
 import time
 
+import httpx
+import openai
 import pytest
+from tlaloc_jax.serve import Engine
+from tokenizers_util import EOS
+
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("the `ray` extra is not installed (pip install -e '.[ray]')", allow_module_level=True)
 
 # Ray's single-machine mode: every Ray process (GCS, raylet, workers, the HTTP proxy) on 127.0.0.1 rather than
-# the machine's network address. Read when ray is imported, and inherited by the processes it starts.
+# the machine's network address. Read when ray is imported (in the fixture: collecting this module imports no Ray),
+# and inherited by the processes it starts.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-
-ray = pytest.importorskip("ray", reason="the `ray` extra is not installed (pip install -e '.[ray]')")
-serve = pytest.importorskip("ray.serve", reason="the `ray` extra is not installed (pip install -e '.[ray]')")
-
-import httpx  # noqa: E402
-import openai  # noqa: E402
-
-from http_util import STOP  # noqa: E402
-from tlaloc_jax.serve import Engine  # noqa: E402
-from tlaloc_jax.serve.ray import REPLICA_HEADER, RayServeArgs, app  # noqa: E402
 
 pytestmark = pytest.mark.slow        # a Ray head and two replicas: ~1 minute; `make test-engines` runs it
 
@@ -34,7 +33,8 @@ APP = "tlaloc"
 # Sequences a replica runs at once (the artifact's decode batches are 1 and 8): 16 requests over two replicas
 # share decode calls, and each replica also holds requests waiting their turn.
 MAX_BATCH = 4
-REPLICA = REPLICA_HEADER.decode()
+REPLICA = "x-tlaloc-replica"        # serve/ray.py REPLICA_HEADER
+STOP = [EOS]
 # 16 prompts of distinct lengths and ids: the 16 streams are told apart by their ids.
 PROMPTS = [[(7 * i + 3 * k) % 250 + 1 for k in range(3 + i % 5)] for i in range(16)]
 
@@ -66,7 +66,11 @@ def solo(ids_artifact, serve_cache_dir):
 
 @pytest.fixture(scope="module")
 def ray_app(ids_artifact, serve_cache_dir):
-    """The application on a local Ray head bound to loopback: (base url, replica ids at start)."""
+    """The application on a local Ray head bound to loopback: its base url."""
+    import ray
+    from ray import serve
+    from tlaloc_jax.serve.ray import REPLICA_HEADER, app
+    assert REPLICA_HEADER.decode() == REPLICA
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         port = _free_port()
@@ -83,10 +87,12 @@ def ray_app(ids_artifact, serve_cache_dir):
 
 
 def _replica_states() -> dict:
+    from ray import serve
     return serve.status().applications[APP].deployments["tlaloc"].replica_states
 
 
 def _kill_replica(replica: str) -> None:
+    import ray
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{replica}")]
     assert len(names) == 1, f"replica {replica}: actors {names}"
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
@@ -118,6 +124,7 @@ async def _stream(client, prompt, max_tokens, seen: list | None = None, both: as
 
 
 def test_builder_args_are_checked():
+    from tlaloc_jax.serve.ray import RayServeArgs
     with pytest.raises(ValueError, match="num_replicas is a fixed count"):
         RayServeArgs(artifact="a", num_replicas=2, max_replicas=4)
     with pytest.raises(ValueError, match="not both"):
@@ -126,6 +133,18 @@ def test_builder_args_are_checked():
         {"min_replicas": 1, "max_replicas": 3}
     with pytest.raises(ValueError, match="unknown_option"):
         RayServeArgs(artifact="a", unknown_option=1)
+
+
+def test_check_health_raises_what_health_answers():
+    """Ray calls a replica's check_health; it fails with the reason /health gives (_Server.health_problem, tested
+    against a stopped engine loop in test_http_hardening), and passes while there is none."""
+    from types import SimpleNamespace
+
+    from tlaloc_jax.serve.ray import OpenAIReplica
+    check = OpenAIReplica.func_or_class.check_health
+    assert asyncio.run(check(SimpleNamespace(server=SimpleNamespace(health_problem=lambda: None)))) is None
+    with pytest.raises(RuntimeError, match="engine loop not running"):
+        asyncio.run(check(SimpleNamespace(server=SimpleNamespace(health_problem=lambda: "engine loop not running"))))
 
 
 def test_sixteen_concurrent_streams_over_two_replicas_get_their_solo_ids(ray_app, solo):
@@ -144,6 +163,7 @@ def test_sixteen_concurrent_streams_over_two_replicas_get_their_solo_ids(ray_app
 
 
 def _replica_ids() -> list[str]:
+    import ray
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["name"].startswith("SERVE_REPLICA::") and f"{APP}#tlaloc#" in a["name"]]
     return [n.rsplit("#", 1)[1] for n in names]

@@ -23,10 +23,9 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="the `triton-client` extra is not installed "
                                                              "(pip install -e '.[triton-client]')")
 httpclient = pytest.importorskip("tritonclient.http", reason="the `triton-client` extra is not installed")
-from tritonclient.utils import InferenceServerException  # noqa: E402
-
-from http_util import STOP  # noqa: E402
-from tlaloc_jax.serve import Engine, Sampling  # noqa: E402
+from tlaloc_jax.serve import Engine, Sampling
+from tokenizers_util import EOS
+from tritonclient.utils import InferenceServerException
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_PYTHON = Path(os.environ.get("TLALOC_TRITON_PYTHON", ROOT / ".venv-triton" / "bin" / "python"))
@@ -39,6 +38,7 @@ pytestmark = pytest.mark.slow        # starts a Triton server: ~40 s; `make test
 MODEL = "ck"
 PROMPTS = [[5, 17, 99, 3], [250, 8, 61], [1, 2, 3, 4, 5, 6, 7], [42], [100, 200, 7, 9, 11], [77, 78]]
 BAD_ID = 99999
+STOP = [EOS]            # the checkpoint's eos (tests/http_util.py): the model stops on it, so the oracle does too
 
 
 def _free_ports(n: int) -> list[int]:
@@ -67,11 +67,12 @@ def triton(ids_artifact, tmp_path_factory):
     """(http url, grpc url) of the Triton server serving the ids artifact."""
     http, grpc, metrics = _free_ports(3)
     log = tmp_path_factory.mktemp("triton") / "server.log"
-    proc = subprocess.Popen([str(TRITON_PYTHON), "-m", "tlaloc_jax.serve.triton", str(ids_artifact),
-                             "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-                             "--cache-dir", str(tmp_path_factory.mktemp("triton-executables")),
-                             "--log-level", "warning"],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(TRITON_PYTHON), "-m", "tlaloc_jax.serve.triton", str(ids_artifact),
+                                 "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+                                 "--cache-dir", str(tmp_path_factory.mktemp("triton-executables")),
+                                 "--log-level", "warning"],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     urls = (f"127.0.0.1:{http}", f"127.0.0.1:{grpc}")
     try:
         client = httpclient.InferenceServerClient(urls[0])
@@ -169,7 +170,7 @@ def test_grpc_streams_engine_generate_ids_for_several_prompts_at_once(triton, en
 
 
 def test_sampling_parameters_reach_the_engine(triton, engine):
-    params = dict(temperature=0.9, top_k=50, top_p=0.95, seed=11)
+    params = {"temperature": 0.9, "top_k": 50, "top_p": 0.95, "seed": 11}
     want = engine.generate([PROMPTS[0]], 16, sampling=Sampling(**params), stop_token_ids=STOP)[0]
     greedy = engine.generate([PROMPTS[0]], 16, stop_token_ids=STOP)[0]
     got = _stream(triton[1], {"s": (PROMPTS[0], 16, params), "g": (PROMPTS[0], 16, {})})
