@@ -28,7 +28,7 @@ import logging
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve import Application
 
@@ -63,6 +63,12 @@ class RayServeArgs(BaseModel):
     strict_fields: bool = False
     cache_dir: str | None = None
     trust_weights: bool = False
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _comma_separated(cls, v):
+        """`allowed_origins=https://a.example,https://b.example` on the command line."""
+        return [o.strip() for o in v.split(",") if o.strip()] if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _one_way_to_scale(self) -> RayServeArgs:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .__main__ import _positive
 from .engine import Engine
 from .loop import EngineLoop, Inbox, SeqSpec
 from .metrics import Metrics
@@ -118,6 +119,8 @@ class TritonModel:
         if len(requests) != 1:      # batching is off: Triton hands the requests over one at a time
             raise BadRequest(f"expected one request per call, got {len(requests)}")
         from pytriton.exceptions import PyTritonBadParameterError
+        if not self.loop.alive:     # the loop thread failed (its log has the cause): no request could be served
+            raise RuntimeError("the engine loop is not running; the server log has the cause")
         try:
             spec = self.spec(requests[0].data)
             self.engine.check_could_fit([(len(spec.prompt), spec.max_new_tokens)])
@@ -165,9 +168,9 @@ def main(argv=None) -> int:
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=8002)
-    ap.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=None,
+    ap.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=_positive, default=None,
                     help="most sequences running at once (default: the artifact's largest decode batch)")
-    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-model-len", type=_positive, default=None)
     ap.add_argument("--plugin", default=None)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--trust-weights", action="store_true")

@@ -131,6 +131,8 @@ def test_builder_args_are_checked():
         RayServeArgs(artifact="a", min_replicas=1, autoscaling_config={"max_replicas": 2})
     assert RayServeArgs(artifact="a", min_replicas="1", max_replicas="3").autoscaling() == \
         {"min_replicas": 1, "max_replicas": 3}
+    assert RayServeArgs(artifact="a", allowed_origins="https://a.example, https://b.example").allowed_origins == \
+        ["https://a.example", "https://b.example"]
     with pytest.raises(ValueError, match="unknown_option"):
         RayServeArgs(artifact="a", unknown_option=1)
 
