@@ -20,7 +20,7 @@ ISA_SETTINGS := \
   "ATEN_CPU_CAPABILITY=default|taskset -c 0"
 endif
 
-.PHONY: setup demo test test-isa test-slow clean
+.PHONY: setup demo test test-isa test-slow test-engines clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,5 +46,32 @@ test-isa: setup
 test-slow: setup
 	$(PYTEST) -q -m slow
 
+# `make test-engines`: the artifact served inside Ray Serve (tests/test_ray_serve.py) and NVIDIA Triton through
+# PyTriton (tests/test_triton.py). The ray and triton-client extras go into .venv. The Triton server runs in
+# .venv-triton, an environment without JAX (PyTriton 0.7.0 needs numpy < 2, JAX 0.10.2 numpy >= 2): the project
+# installed without its dependencies, then the serve and triton extras, then the CPU plugin without the jax its
+# metadata names (the runtime never imports jax).
+ENGINES_STAMP := $(VENV)/.engines-stamp
+TRITON_VENV   := .venv-triton
+TRITON_PY     := $(TRITON_VENV)/bin/python
+TRITON_STAMP  := $(TRITON_VENV)/.installed-stamp
+
+$(ENGINES_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[serve,test,ray,triton-client]'
+	touch $(ENGINES_STAMP)
+
+$(TRITON_STAMP): $(STAMP) pyproject.toml
+	test -x $(TRITON_PY) || python3 -m venv $(TRITON_VENV)
+	$(TRITON_PY) -m pip install -q --upgrade pip
+	$(PY) -c 'import tomllib; x = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; \
+	  print("\n".join(r for r in x["serve"] + x["triton"] if not r.startswith("lammps-jax-pjrt-cpu")))' \
+	  > $(TRITON_VENV)/requirements.txt
+	$(TRITON_PY) -m pip install -q -r $(TRITON_VENV)/requirements.txt
+	$(TRITON_PY) -m pip install -q --no-deps -e . lammps-jax-pjrt-cpu
+	touch $(TRITON_STAMP)
+
+test-engines: $(ENGINES_STAMP) $(TRITON_STAMP)
+	TLALOC_TRITON_PYTHON=$(TRITON_PY) $(PYTEST) -q -m "slow or not slow" tests/test_ray_serve.py tests/test_triton.py
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(TRITON_VENV)

@@ -720,6 +720,15 @@ class _Server:
         finally:
             gen.abort_unfinished()      # the client disconnected (this generator was cancelled) or a bug
 
+    def health_problem(self) -> str | None:
+        """Why this server cannot serve (its engine loop is not running), or None: /health's answer, and the
+        replica health check of the Ray Serve deployment (serve/ray.py)."""
+        if self.loop.alive:
+            return None
+        failure = self.loop.failure
+        return (f"engine loop stopped ({type(failure).__name__}); the server log has the cause" if failure
+                else "engine loop not running")
+
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tlaloc-jax",
                 "root": self.model_name, "parent": None, "max_model_len": self.engine.max_context}
@@ -860,12 +869,10 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
 
     @app.get("/health")
     async def health():
-        if server.loop.alive:
+        problem = server.health_problem()
+        if problem is None:
             return {"status": "ok"}
-        failure = server.loop.failure
-        why = (f"engine loop stopped ({type(failure).__name__}); the server log has the cause" if failure
-               else "engine loop not running")
-        return APIError(503, why, type="service_unavailable_error").response()
+        return APIError(503, problem, type="service_unavailable_error").response()
 
     @app.get("/metrics")
     async def metrics():

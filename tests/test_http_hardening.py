@@ -360,3 +360,15 @@ def test_allowed_origins_answer_cors_and_others_get_no_cors_headers(engine):
         r = srv.client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1},
                             headers={"origin": "https://app.example"})
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_health_answers_503_once_the_engine_loop_stops(engine):
+    """/health and the Ray Serve replica health check (serve/ray.py: `health_problem`) say the same: 200 while the
+    engine loop runs, 503 naming why once it has stopped."""
+    with InProcess(engine) as srv:
+        assert srv.client.get("/health").status_code == 200
+        assert srv.server.health_problem() is None
+        srv.server.loop.stop()
+        r = srv.client.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "engine loop not running"
+        assert srv.server.health_problem() == "engine loop not running"
