@@ -59,6 +59,10 @@ def main(argv=None) -> int:
                     help="the sampler's top logprobs per token (default 20, OpenAI's largest top_logprobs)")
     ap.add_argument("--logit-bias-slots", type=int, default=64,
                     help="logit_bias entries a request may carry (default 64)")
+    ap.add_argument("--decode-steps", type=int, default=1, metavar="K",
+                    help="K > 1 adds, beside each decode entry, one that runs up to K decode steps in one call (each "
+                         "token fed to the next, stopping a row on its stop ids or length); the server uses it while "
+                         "every sequence is decoding (default 1: single steps only)")
     ap.add_argument("--allow-longer-context", action="store_true",
                     help="export a context ladder past the checkpoint's max_position_embeddings (refused otherwise; "
                          "with this flag it is a warning)")
@@ -88,7 +92,7 @@ def main(argv=None) -> int:
                               state_slots=args.state_slots,
                               platform=args.platform, progress=not args.quiet,
                               sampler=None if args.no_sampler else Sampler(args.top_logprobs, args.logit_bias_slots),
-                              allow_longer_context=args.allow_longer_context)
+                              allow_longer_context=args.allow_longer_context, decode_steps=args.decode_steps)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

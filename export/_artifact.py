@@ -54,7 +54,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       kv_dtype: str = "float32", attention_block: int = DEFAULT_KEY_BLOCK,
                       windowed_kv: bool = True, window_blocks: int | None = None, state_slots: int | None = None,
                       platform: str = "cpu", progress: bool = True, sampler: Sampler | None = None,
-                      allow_longer_context: bool = False) -> mf.Manifest:
+                      allow_longer_context: bool = False, decode_steps: int = 1) -> mf.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -69,6 +69,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     as the full pool holds at the largest context).
     sampler: `Sampler()` stages the sampler in every entry (see `stage`). A context ladder past the
     checkpoint's max_position_embeddings is refused unless allow_longer_context, which warns instead.
+    decode_steps: K > 1 adds a K-step decode entry beside each decode entry (see `stage`).
     """
     contexts = _ladder(context_ladder, "context ladder")
     if block_size <= 0 or attention_block % block_size:
@@ -98,4 +99,4 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                  name=cfg.name or Path(checkpoint_dir).name, model_type=cfg.model_type,
                  eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, tokenizer_dir=checkpoint_dir,
                  embedding_slot="embed", describe=describe, attention_block=attention_block, progress=progress,
-                 sampler=sampler)
+                 sampler=sampler, decode_steps=decode_steps)
