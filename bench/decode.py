@@ -274,21 +274,16 @@ def _entry_pair(engine, art: Path, entry, start: int):
     from jax import export as jax_export
     from tlaloc_jax import manifest as mf
     from tlaloc_jax.paging import RowCall, build_step_inputs
-    from tlaloc_jax.serve.sampling import NEUTRAL_ROW
     m, B = engine.manifest, entry.batch
     width = entry.context // m.block_size
     rows = [RowCall([7], start, list(range(b * width, (b + 1) * width))) for b in range(B)]
     inputs = build_step_inputs(rows, batch=B, tokens=1, width=width, block_size=m.block_size)
     kept = {}
     if engine.sampler is not None:
-        inputs[mf.Role.SAMPLING] = np.array([[NEUTRAL_ROW[c] for c in engine.sampler.columns]] * B, np.float32)
-        inputs[mf.Role.RNG_SEED] = np.zeros((B, 2), np.int32)
-        inputs[mf.Role.RNG_STEP] = np.zeros(B, np.int32)
-        for role in (mf.Role.TOKEN_MASK, mf.Role.LOGIT_BIAS_IDS, mf.Role.LOGIT_BIAS, mf.Role.TOKEN_HISTORY):
-            inputs[role] = engine._neutral_buffer(entry, role)          # kept on the device, as the engine does
-            sig = entry.inputs[entry.input_index(role)]
-            fill = 0 if role == mf.Role.LOGIT_BIAS else -1
-            kept[role] = jnp.full(sig.shape, fill, mf.numpy_dtype(sig.dtype))
+        # Greedy rows: the engine passes the sampler's neutral inputs, kept on the device; so does JAX here.
+        for role in mf.SAMPLER_INPUTS:
+            inputs[role] = engine._neutral_buffer(entry, role)
+            kept[role] = jnp.asarray(engine.device.to_host(inputs[role]))
     multi = entry.kind == mf.EntryKind.DECODE_STEPS
     if multi:
         inputs[mf.Role.STEP_LIMIT] = np.full(B, entry.steps, np.int32)

@@ -208,6 +208,9 @@ class Engine:
             self.max_context = max_model_len
         self.sampler = m.sampler           # None: the host samples from pulled logits
         self._neutral: dict[tuple[str, mf.Role], Buffer] = {}
+        # The last host value of each (entry, input role) and its device buffer: an input equal to the previous
+        # call's (block tables, seeds, stop ids, ...) is not uploaded again.
+        self._kept_inputs: dict[tuple[str, mf.Role], tuple[bytes, Buffer]] = {}
         self.refused = {r.token_id: r.config_key for r in m.refused_tokens}
         self._by_kind = {kind: sorted((e for e in m.entries if e.kind == kind), key=lambda e: (e.context, e.batch))
                          for kind in mf.EntryKind}
@@ -722,6 +725,11 @@ class Engine:
                 seeds[b] = seed_words(s.seed)
                 steps[b] = len(s.generated)
         out[mf.Role.SAMPLING], out[mf.Role.RNG_SEED], out[mf.Role.RNG_STEP] = params, seeds, steps
+        if not params[:, sp.columns.index("temperature")].any():
+            # No row draws: the seeds and counters are read by no row (a greedy row is argmax).
+            del out[mf.Role.RNG_SEED], out[mf.Role.RNG_STEP]
+            if (params == np.array([NEUTRAL_ROW[c] for c in sp.columns], np.float32)).all():
+                del out[mf.Role.SAMPLING]
         if any(a is not None for a in allowed):
             mask = np.full((B, sp.mask_words), -1, np.int32)
             for b, a in enumerate(allowed):
@@ -744,17 +752,33 @@ class Engine:
                     tokens = (s.prompt + s.generated)[:row.start + len(row.token_ids)]
                     history[b, :len(tokens)] = tokens
             out[mf.Role.TOKEN_HISTORY] = history
-        for role in (mf.Role.TOKEN_MASK, mf.Role.LOGIT_BIAS_IDS, mf.Role.LOGIT_BIAS, mf.Role.TOKEN_HISTORY):
+        for role in mf.SAMPLER_INPUTS:
             if role not in out:
                 out[role] = self._neutral_buffer(e, role)
         return out
+
+    def _input_buffer(self, e: mf.Entry, role: mf.Role, value: np.ndarray) -> Buffer:
+        """The device buffer of an input's host value: the one kept from the entry's previous call when the value is
+        the same (never donated, so it outlives the call), else a new upload that replaces it."""
+        key = (e.name, role)
+        data = value.tobytes()            # the entry fixes the role's shape and dtype: the bytes say the value
+        kept = self._kept_inputs.get(key)
+        if kept is not None and kept[0] == data:
+            return kept[1]
+        buf = self.device.upload(value)
+        if kept is not None:
+            kept[1].close()
+        self._kept_inputs[key] = (data, buf)
+        return buf
 
     def _neutral_buffer(self, e: mf.Entry, role: mf.Role) -> Buffer:
         key = (e.name, role)
         if key not in self._neutral:
             sig = e.inputs[e.input_index(role)]
             fill = {mf.Role.TOKEN_MASK: -1, mf.Role.LOGIT_BIAS_IDS: -1, mf.Role.TOKEN_HISTORY: -1}.get(role, 0)
-            self._neutral[key] = self.device.upload(np.full(sig.shape, fill, mf.numpy_dtype(sig.dtype)))
+            if role == mf.Role.SAMPLING:
+                fill = np.array([NEUTRAL_ROW[c] for c in self.sampler.columns], np.float32)
+            self._neutral[key] = self.device.upload(np.broadcast_to(fill, sig.shape).astype(mf.numpy_dtype(sig.dtype)))
         return self._neutral[key]
 
     def _execute(self, e: mf.Entry, inputs: dict, want: set[mf.Role] | bool) -> dict[mf.Role, np.ndarray]:
@@ -768,14 +792,12 @@ class Engine:
         exe = self.executables[e.name]
         check = self._runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
         args: list[Buffer] = []
-        uploaded: list[Buffer] = []
         pool_args: dict[int, str] = {}
         for i, sig in enumerate(e.inputs):
             if sig.role in mf.STEP_FIELDS or sig.role in mf.SAMPLER_INPUTS or sig.role in mf.DECODE_STEPS_INPUTS:
                 value = inputs[mf.STEP_FIELDS.get(sig.role, sig.role)]
                 if isinstance(value, np.ndarray):
-                    buf = self.device.upload(value)
-                    uploaded.append(buf)
+                    buf = self._input_buffer(e, sig.role, value)
                 else:
                     buf = value          # a kept neutral buffer: read, never donated
             elif sig.role == mf.Role.POOL_IN:
@@ -785,11 +807,7 @@ class Engine:
                 buf = self.weights[sig.slot]
             args.append(buf)
         before = {name: self.device.device_address(self.pools[name]) for name in pool_args.values()} if check else {}
-        try:
-            outs = self.device.execute(exe, args, donate=set(pool_args) if self.donate else ())
-        finally:
-            for b in uploaded:
-                b.close()
+        outs = self.device.execute(exe, args, donate=set(pool_args) if self.donate else ())
         for out_i, in_i in e.donations:
             name = pool_args[in_i]
             if not self.donate:
