@@ -499,6 +499,10 @@ class Engine:
                 and not (s.stop and len(s.generated) < sp.min_tokens)
                 and (self.sampler is not None or sp.plain))
 
+    def _stop_ids(self, s: _Seq) -> list[int]:
+        """The stop ids a token can be (those inside the vocabulary), sorted."""
+        return sorted(t for t in s.stop if 0 <= t < self.vocab)
+
     def _steps_call(self, decoding: list[_Seq]) -> _Call | None:
         """One decode_steps call for every decoding sequence, or None (no such entry holds them, or one of them
         must stay on single steps). Each row may produce up to K tokens, at most its remaining max_new_tokens."""
@@ -507,7 +511,7 @@ class Engine:
             return None
         e0 = multi[0]
         stop_slots = e0.inputs[e0.input_index(mf.Role.STOP_IDS)].shape[1]
-        if any(len(s.stop) > stop_slots for s in decoding):
+        if any(len(self._stop_ids(s)) > stop_slots for s in decoding):
             return None
         rows = tuple(row_call([s.generated[-1]], len(s.prompt) + len(s.generated) - 1, s.held) for s in decoding)
         limits = tuple(min(e0.steps, s.max_new_tokens - len(s.generated)) for s in decoding)
@@ -616,7 +620,8 @@ class Engine:
             limit[:n] = call.limits
             stop = np.full(e.inputs[e.input_index(mf.Role.STOP_IDS)].shape, -1, np.int32)
             for b, s in enumerate(call.seqs):
-                stop[b, :len(s.stop)] = sorted(s.stop)
+                ids = self._stop_ids(s)
+                stop[b, :len(ids)] = ids
             inputs[mf.Role.STEP_LIMIT], inputs[mf.Role.STOP_IDS] = limit, stop
             if self.sampler is not None:
                 inputs.update(self._sampler_inputs(e, call, [True] * n, [None] * n))

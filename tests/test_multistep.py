@@ -111,6 +111,13 @@ def test_stop_mid_call(llama):
     assert llama.stats()["pools"]["kv"]["pages_in_use"] == 0
 
 
+def test_stop_ids_outside_the_vocabulary_are_no_stop(llama):
+    """A stop id no token can be (past the vocabulary, past int32) neither fails a K-step call nor stops a row."""
+    reqs = [(PROMPTS[0], 9, (2**40, 10**6), None), (PROMPTS[1], 9, (), None)]
+    single, multi = _both(llama, reqs)
+    assert multi[0] == single[0] and multi[1] == ["length"] * 2 and multi[2] > 0
+
+
 def test_arrival_during_k_call(llama):
     """A request added while another decodes waits one call at most: the next step reads its prompt."""
     reqs = [(PROMPTS[0], 14, (), SEEDED)]
