@@ -355,8 +355,8 @@ def decode_steps_bench(args) -> None:
                 print(f"{b:>5} | {single:12.1f} | {multi:11.1f} | {multi / single:7.2f}x || {ratios[0]:17.2f}x | "
                       f"{ratios[1]:15.2f}x")
             st = engine.stats()
-            print(f"  (decode_steps calls {st['decode_steps_calls']} of {st['decode_calls']} decode calls; pools in place "
-                  f"{st['pool_in_place']}/{st['pool_address_checks']} checks)")
+            print(f"  (decode_steps calls {st['decode_steps_calls']} of {st['decode_calls']} decode calls; pools in "
+                  f"place {st['pool_in_place']}/{st['pool_address_checks']} checks)")
             engine.close()
 
 

@@ -8,7 +8,6 @@ checks. Ids must be equal, not near: both paths run the same step function on th
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
