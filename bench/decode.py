@@ -52,6 +52,12 @@ def _median_times(fns, steps: int, warmup: int = 2) -> list[float]:
     return [statistics.median(ts) for ts in times]
 
 
+def _step_fields(entry) -> list[str]:
+    """The step inputs of an entry, by StepInputs field, in its signature order (a body takes them first)."""
+    from tlaloc_jax import manifest as mf
+    return [mf.STEP_FIELDS[s.role] for s in entry.inputs if s.role in mf.STEP_FIELDS]
+
+
 def _bandwidth(nbytes: int, threads: int, repeats: int = 7) -> float:
     """Read bandwidth in bytes/s: the best of several passes summing a buffer larger than the caches,
     split over `threads` threads (numpy releases the GIL in a reduction)."""
@@ -148,8 +154,7 @@ def main(argv=None) -> None:
 
             def host_copy_step():
                 nonlocal host_pool
-                bufs = [engine.device.upload(inputs[k]) for k in ("token_ids", "positions", "block_tables",
-                                                                  "seq_lens", "slot_mapping")]
+                bufs = [engine.device.upload(inputs[k]) for k in _step_fields(entry)]
                 pool = engine.device.upload(host_pool)
                 outs = engine.device.execute(exe, bufs + [pool] + [engine.weights[w.slot] for w in m.weights],
                                              donate=())
@@ -202,8 +207,7 @@ def main(argv=None) -> None:
         # What the argmax output saves is the logits copy itself: time it alone, on the last step's outputs.
         exe = engine.executables[f"decode_b1_c{args.context}"]
         inputs = step_inputs(1)
-        bufs = [engine.device.upload(inputs[k]) for k in ("token_ids", "positions", "block_tables", "seq_lens",
-                                                          "slot_mapping")]
+        bufs = [engine.device.upload(inputs[k]) for k in _step_fields(m.entry(f"decode_b1_c{args.context}"))]
         pool = engine.device.upload(np.zeros(m.pool("kv").shape, np.float32))
         outs = engine.device.execute(exe, bufs + [pool] + [engine.weights[w.slot] for w in m.weights], donate=())
         t_logits_copy, t_next_copy = _median_times([lambda: engine.device.to_host(outs[0]),
