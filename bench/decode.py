@@ -9,10 +9,15 @@ and prints:
   - prefill tokens/s of one call for the runtime and in-process JAX;
   - the weight bytes a decode step reads, the memory bandwidth measured here, and the runtime's decode
     step time as a multiple of that floor;
-  - what returning the argmax next to the logits saves per step (greedy pulls 4 bytes a row, not V * 4).
+  - what returning the argmax next to the logits saves per step (greedy pulls 4 bytes a row, not V * 4);
+  - with --decode-steps K (default 8; 0 skips it): the runtime's tokens/s with K-step decode entries against
+    single steps (the same engine, interleaved) at batch 1, 2, 4, on the tiny model (the tests' 3-layer shape)
+    and on the model above, and the runtime against in-process JAX running the same bodies (the artifact's
+    .exported files) for the single-step and the K-step entries.
 
     python bench/decode.py                       # ~100M parameters
     python bench/decode.py --hidden 256 --layers 2 --vocab 4096 --steps 8    # a quick look
+    python bench/decode.py --only-decode-steps     # the decode_steps comparison alone (tiny and ~100M)
 """
 
 from __future__ import annotations
@@ -47,6 +52,12 @@ def _median_times(fns, steps: int, warmup: int = 2) -> list[float]:
     return [statistics.median(ts) for ts in times]
 
 
+def _step_fields(entry) -> list[str]:
+    """The step inputs of an entry, by StepInputs field, in its signature order (a body takes them first)."""
+    from tlaloc_jax import manifest as mf
+    return [mf.STEP_FIELDS[s.role] for s in entry.inputs if s.role in mf.STEP_FIELDS]
+
+
 def _bandwidth(nbytes: int, threads: int, repeats: int = 7) -> float:
     """Read bandwidth in bytes/s: the best of several passes summing a buffer larger than the caches,
     split over `threads` threads (numpy releases the GIL in a reduction)."""
@@ -75,12 +86,19 @@ def main(argv=None) -> None:
     ap.add_argument("--weight-quant", default=None,
                     help="int8,fp8,int4: compare the decode step of each weight scheme with bf16 and f32 instead "
                          "(bench/decode_quant.py, which reads the arguments itself)")
+    ap.add_argument("--decode-steps", type=int, default=8, metavar="K",
+                    help="K of the decode_steps comparison (0: skip it)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence (decode_steps runs)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the decode_steps comparison")
+    ap.add_argument("--only-decode-steps", action="store_true", help="run the decode_steps comparison alone")
     args = ap.parse_args(argv)
     if args.weight_quant:
         import sys
 
         import decode_quant
         return decode_quant.main(sys.argv[1:] if argv is None else argv)
+    if args.only_decode_steps:
+        return decode_steps_bench(args)
 
     import jax
 
@@ -131,7 +149,7 @@ def main(argv=None) -> None:
             inputs = step_inputs(b)
 
             def runtime_step():
-                next_ids, _ = engine._execute(entry, inputs, want_logits=False)
+                next_ids, _ = engine._execute(entry, inputs, False)
                 return next_ids
 
             def jax_step():
@@ -144,8 +162,7 @@ def main(argv=None) -> None:
 
             def host_copy_step():
                 nonlocal host_pool
-                bufs = [engine.device.upload(inputs[k]) for k in ("token_ids", "positions", "block_tables",
-                                                                  "seq_lens", "slot_mapping")]
+                bufs = [engine.device.upload(inputs[k]) for k in _step_fields(entry)]
                 pool = engine.device.upload(host_pool)
                 outs = engine.device.execute(exe, bufs + [pool] + [engine.weights[w.slot] for w in m.weights],
                                              donate=())
@@ -156,7 +173,7 @@ def main(argv=None) -> None:
                 return nxt
 
             def runtime_step_logits():
-                return engine._execute(entry, inputs, want_logits=True)
+                return engine._execute(entry, inputs, True)
 
             t_rt, t_jax, t_host, t_logits = _median_times(
                 [runtime_step, jax_step, host_copy_step, runtime_step_logits], args.steps)
@@ -178,7 +195,7 @@ def main(argv=None) -> None:
             nonlocal jax_pools
             nxt, _, jax_pools = model._greedy(model.weights, jax_pools, StepInputs(**pin))
             return np.asarray(nxt)
-        t_rt_p, t_jax_p = _median_times([lambda: engine._execute(pentry, pin, want_logits=False), jax_prefill],
+        t_rt_p, t_jax_p = _median_times([lambda: engine._execute(pentry, pin, False), jax_prefill],
                                         max(3, args.steps // 4))
         print(f"prefill {args.prefill} tokens | runtime {args.prefill / t_rt_p:.0f} tok/s | in-process JAX "
               f"{args.prefill / t_jax_p:.0f} tok/s | runtime/JAX {t_jax_p / t_rt_p:.2f}x")
@@ -198,8 +215,7 @@ def main(argv=None) -> None:
         # What the argmax output saves is the logits copy itself: time it alone, on the last step's outputs.
         exe = engine.executables[f"decode_b1_c{args.context}"]
         inputs = step_inputs(1)
-        bufs = [engine.device.upload(inputs[k]) for k in ("token_ids", "positions", "block_tables", "seq_lens",
-                                                          "slot_mapping")]
+        bufs = [engine.device.upload(inputs[k]) for k in _step_fields(m.entry(f"decode_b1_c{args.context}"))]
         pool = engine.device.upload(np.zeros(m.pool("kv").shape, np.float32))
         outs = engine.device.execute(exe, bufs + [pool] + [engine.weights[w.slot] for w in m.weights], donate=())
         t_logits_copy, t_next_copy = _median_times([lambda: engine.device.to_host(outs[0]),
@@ -211,6 +227,149 @@ def main(argv=None) -> None:
         for b in bufs + [pool] + outs:
             b.close()
         engine.close()
+    if args.decode_steps > 1:
+        decode_steps_bench(args)
+
+
+
+# -- decode_steps: K tokens per call against single steps, and the runtime against in-process JAX ---------------
+
+TINY = dict(hidden=64, layers=3, heads=4, kv_heads=2, intermediate=96, vocab=256)   # tests/hf_models.py TINY
+
+
+def _export_shape(root: Path, shape: dict, args, *, context: int, block: int):
+    """A random Llama of `shape` exported with the sampler (as the CLI stages it) and decode_steps entries."""
+    from tlaloc_jax.checkpoint import random_weights, save_checkpoint
+    from tlaloc_jax.export import Sampler, export_checkpoint
+    from tlaloc_jax.families import config_from_hf
+    hf = dict(model_type="llama", vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+              intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
+              num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+              head_dim=shape["hidden"] // shape["heads"], rms_norm_eps=1e-6, max_position_embeddings=4 * context,
+              tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    fam, cfg = config_from_hf(hf)
+    weights = random_weights(cfg, fam, seed=0, std=0.02)
+    n_params = sum(w.size for w in weights.values())
+    save_checkpoint(root / "ck", hf, weights)
+    del weights
+    export_checkpoint(root / "ck", root / "art", batch_ladder=(1, 2, 4), context_ladder=(context,),
+                      prefill_max_batch=1, prefill_chunk=64, block_size=block, progress=False, sampler=Sampler(),
+                      decode_steps=args.decode_steps)
+    return n_params
+
+
+def _generate_rate(engine, batch: int, new_tokens: int, multi: bool, prompt_len: int = 32) -> float:
+    """Decode tokens/s of `batch` greedy sequences through Engine.step, after their prompts are read."""
+    engine.use_decode_steps = multi
+    rng = np.random.default_rng(batch)
+    rids = [engine.add_request(rng.integers(1, engine.vocab, prompt_len).tolist(), new_tokens) for _ in range(batch)]
+    try:
+        while any(not engine.request_info(r).generated for r in rids):
+            engine.step()
+        done = sum(len(engine.request_info(r).generated) for r in rids)
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        dt = time.perf_counter() - t0
+        return (sum(len(engine.request_info(r).generated) for r in rids) - done) / dt
+    finally:
+        for r in rids:
+            engine.release(r)
+
+
+def _entry_pair(engine, art: Path, entry, start: int):
+    """(runtime call, in-process JAX call) of one entry at batch entry.batch, every row decoding from `start`:
+    the same body (the artifact's .exported, jitted with its pools donated), the same inputs, the same output
+    pulled (the chosen tokens)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export as jax_export
+    from tlaloc_jax import manifest as mf
+    from tlaloc_jax.paging import RowCall, build_step_inputs
+    m, B = engine.manifest, entry.batch
+    width = entry.context // m.block_size
+    rows = [RowCall([7], start, list(range(b * width, (b + 1) * width))) for b in range(B)]
+    inputs = build_step_inputs(rows, batch=B, tokens=1, width=width, block_size=m.block_size)
+    kept = {}
+    if engine.sampler is not None:
+        # Greedy rows: the engine passes the sampler's neutral inputs, kept on the device; so does JAX here.
+        for role in mf.SAMPLER_INPUTS:
+            inputs[role] = engine._neutral_buffer(entry, role)
+            kept[role] = jnp.asarray(engine.device.to_host(inputs[role]))
+    multi = entry.kind == mf.EntryKind.DECODE_STEPS
+    if multi:
+        inputs[mf.Role.STEP_LIMIT] = np.full(B, entry.steps, np.int32)
+        inputs[mf.Role.STOP_IDS] = np.full(entry.inputs[entry.input_index(mf.Role.STOP_IDS)].shape, -1, np.int32)
+    want = mf.Role.STEP_TOKENS if multi else (mf.Role.SAMPLED_TOKEN if engine.sampler else mf.Role.NEXT_TOKEN)
+
+    def runtime_call():
+        return engine._execute(entry, inputs, {want})[want]
+
+    exp = jax_export.deserialize(bytearray((art / entry.exported).read_bytes()))
+    fn = jax.jit(exp.call, donate_argnums=tuple(i for _, i in entry.donations))
+    weights = {w.slot: jnp.asarray(np.fromfile(art / w.file, mf.numpy_dtype(w.dtype)).reshape(w.shape))
+               for w in m.weights}
+    pools = {p.name: jnp.zeros(p.shape, mf.numpy_dtype(p.dtype)) for p in m.pools}
+    out_i = entry.output_index(want)
+
+    def jax_call():
+        args = []
+        for sig in entry.inputs:
+            if sig.role == mf.Role.POOL_IN:
+                args.append(pools[sig.slot])
+            elif sig.role == mf.Role.WEIGHT:
+                args.append(weights[sig.slot])
+            elif sig.role in kept:
+                args.append(kept[sig.role])
+            else:
+                args.append(inputs[mf.STEP_FIELDS.get(sig.role, sig.role)])
+        outs = fn(*args)
+        for o, i in entry.donations:
+            pools[entry.inputs[i].slot] = outs[o]
+        return np.asarray(outs[out_i])
+
+    return runtime_call, jax_call
+
+
+def decode_steps_bench(args) -> None:
+    """K-step decode entries against single steps through the runtime, and the runtime against in-process JAX on
+    the same bodies, on the tiny model and on the model of the command line; ratios measured in one run."""
+    from tlaloc_jax.serve import Engine
+    K, block, context = args.decode_steps, 16, args.context
+    main_shape = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                      intermediate=args.intermediate, vocab=args.vocab)
+    print(f"\ndecode_steps: K = {K}; {args.new_tokens} greedy tokens per sequence after a 32-token prompt; "
+          f"context {context}; medians of {args.rounds} interleaved rounds")
+    for label, shape in (("tiny", TINY), ("model", main_shape)):
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            t0 = time.perf_counter()
+            n_params = _export_shape(tmp, shape, args, context=context, block=block)
+            export_s = time.perf_counter() - t0
+            engine = Engine.load(tmp / "art", args.plugin, cache_dir=None, progress=False)
+            print(f"\n{label}: {n_params / 1e6:.2f}M parameters (f32), hidden {shape['hidden']}, {shape['layers']} "
+                  f"layers, {shape['heads']}/{shape['kv_heads']} heads, vocab {shape['vocab']}; export "
+                  f"{export_s:.1f} s, load {engine.load_seconds:.1f} s")
+            print(f"{'batch':>5} | {'single tok/s':>12} | {f'K={K} tok/s':>11} | {'K/single':>8} || "
+                  f"{'runtime/JAX 1-step':>18} | {f'runtime/JAX K={K}':>16}")
+            for b in (1, 2, 4):
+                rates = {True: [], False: []}
+                for _ in range(args.rounds):
+                    for multi in (False, True):
+                        rates[multi].append(_generate_rate(engine, b, args.new_tokens, multi))
+                single, multi = statistics.median(rates[False]), statistics.median(rates[True])
+                ratios = []
+                for kind in ("decode", "decode_steps"):
+                    entry = engine.manifest.entry(f"{kind}_b{b}_c{context}")
+                    rt, jx = _entry_pair(engine, tmp / "art", entry, context // 2 - K)
+                    t_rt, t_jax = _median_times([rt, jx], max(5, args.steps))
+                    ratios.append(t_jax / t_rt)
+                print(f"{b:>5} | {single:12.1f} | {multi:11.1f} | {multi / single:7.2f}x || {ratios[0]:17.2f}x | "
+                      f"{ratios[1]:15.2f}x")
+            st = engine.stats()
+            print(f"  (decode_steps calls {st['decode_steps_calls']} of {st['decode_calls']} decode calls; pools in "
+                  f"place {st['pool_in_place']}/{st['pool_address_checks']} checks)")
+            engine.close()
 
 
 if __name__ == "__main__":

@@ -78,6 +78,10 @@ def main(argv=None) -> int:
                     help="add a scoring prefill entry beside each prefill entry: echo + logprobs and prompt_logprobs "
                          "(up to N top logprobs per prompt token) then read a prompt in chunks, scored in the body; "
                          "without it such a prompt is read a token a call (default: none)")
+    ap.add_argument("--decode-steps", type=int, default=1, metavar="K",
+                    help="K > 1 adds, beside each decode entry, one that runs up to K decode steps in one call (each "
+                         "token fed to the next, stopping a row on its stop ids or length); the server uses it while "
+                         "every sequence is decoding (default 1: single steps only)")
     ap.add_argument("--allow-longer-context", action="store_true",
                     help="export a context ladder past the checkpoint's max_position_embeddings (refused otherwise; "
                          "with this flag it is a warning)")
@@ -110,7 +114,8 @@ def main(argv=None) -> int:
                               allow_longer_context=args.allow_longer_context,
                               prompt_logprobs=args.prompt_logprobs,
                               decode_attention=args.decode_attention,
-                              weight_quant=args.weight_quant, quant_group=args.quant_group)
+                              weight_quant=args.weight_quant, quant_group=args.quant_group,
+                              decode_steps=args.decode_steps)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

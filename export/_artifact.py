@@ -60,7 +60,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       allow_longer_context: bool = False, prompt_logprobs: int | None = None,
                       decode_attention: str | None = None, weight_layout: str = "per-layer",
                       weight_quant: str = "none", quant_group: int = 128,
-                      quant_axis: str = "output") -> mf.Manifest:
+                      quant_axis: str = "output", decode_steps: int = 1) -> mf.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -86,6 +86,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     and scales quantized from the checkpoint's f32 values (export/_quant.py; quant_axis "input" is the
     wrong-axis control of the quality check); kv_dtype "float8_e4m3fn" stores the KV pools as e4m3fn codes.
     The model's name then ends in ":q<scheme>" and ":kvfp8".
+    decode_steps: K > 1 adds a K-step decode entry beside each decode entry (see `stage`).
     """
     decode_attention = decode_attention or ("pallas" if platform == "cuda" else "xla")
     if decode_attention not in ("pallas", "xla"):
@@ -146,4 +147,4 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                  name=name, model_type=cfg.model_type,
                  eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, tokenizer_dir=checkpoint_dir,
                  embedding_slot="embed", describe=describe, attention_block=attention_block, progress=progress,
-                 sampler=sampler, prompt_logprobs=scorer)
+                 sampler=sampler, prompt_logprobs=scorer, decode_steps=decode_steps)

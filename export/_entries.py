@@ -21,6 +21,7 @@ class EntrySpec:
     batch: int
     context: int
     tokens_per_seq: int
+    steps: int = 1
 
     @property
     def name(self) -> str:

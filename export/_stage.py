@@ -35,6 +35,7 @@ from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import PLATFORM_CUSTOM_CALLS, EntrySpec, ExportError, check_body, plan_entries
+from ._multistep import decode_steps_fn, decode_steps_signature
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
 from ._quant import quant_records
 
@@ -298,15 +299,21 @@ def _vocab(step: Callable, treedef, spec: EntrySpec, layout: _Layout, block_size
 
 
 def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, donations, *, ring_pages: int,
-                 platform: str, scorer: PromptScorer | None = None) -> jax_export.Exported:
+                 platform: str, scorer: PromptScorer | None = None, block_size: int = 0) -> jax_export.Exported:
     """jax.export one entry with its pools donated; checks the body against its signature.
 
     jax.export drops arguments the function never reads. A weight or pool dropped that way is a mistake and
     is refused (check_body); a step input the model has no use for (a recurrent model needs no SEQ_LENS)
     is kept in the body instead, so that every entry takes what its pools' kinds say."""
+    if spec.kind == mf.EntryKind.DECODE_STEPS:
+        fn = decode_steps_fn(step, treedef, inputs, outputs, steps=spec.steps, block_size=block_size,
+                             ring_pages=ring_pages)
+    else:
+        fn = _entry_fn(step, treedef, inputs, outputs, ring_pages, scorer)
+
     def export(keep_unused: bool) -> jax_export.Exported:
-        return export_fn(_entry_fn(step, treedef, inputs, outputs, ring_pages, scorer), _avals(inputs),
-                         platform=platform, donate=tuple(i for _, i in donations), keep_unused=keep_unused)
+        return export_fn(fn, _avals(inputs), platform=platform,
+                         donate=tuple(i for _, i in donations), keep_unused=keep_unused)
 
     exp = export(keep_unused=False)
     dropped = set(range(len(inputs))) - set(exp.module_kept_var_idx)
@@ -398,7 +405,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
           eos_token_ids: Sequence[int] = (), refused_tokens: Sequence[tuple[int, str]] = (),
           tokenizer_dir=None, embedding_slot: str = "", describe: Mapping[str, int] | None = None,
           attention_block: int = 0, progress: bool = True, sampler: Sampler | None = None,
-          prompt_logprobs: PromptScorer | None = None) -> mf.Manifest:
+          prompt_logprobs: PromptScorer | None = None, decode_steps: int = 1) -> mf.Manifest:
     """Write the serving artifact of `step` to `out_dir` (empty or absent) and return its manifest.
 
     step(weights, pools, inputs) -> (logits [B, V], pools): one call, traced once per entry; it must return
@@ -422,6 +429,9 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     prompt_logprobs: a `PromptScorer` adds a scoring prefill entry beside each prefill entry (echo and
         prompt_logprobs read a prompt in chunks and score it in the body); None: such a prompt is read a token
         a call and scored on the host.
+    decode_steps: K > 1 adds a decode_steps entry beside each decode entry: up to K decode steps in one call,
+        each step's token (argmax, or the sampler's) fed to the next, a row stopping on its stop ids or a
+        step limit (export/_multistep.py); the runtime uses it while every sequence is decoding.
     The export needs no accelerator and loads no PJRT plugin; the same inputs give the same bytes.
     """
     batches = _ladder(batch_ladder, "batch ladder")
@@ -448,6 +458,11 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     layout = _resolve_pools(pools, block_size=block_size, contexts=contexts, max_batch=batches[-1], chunk=chunk,
                             num_blocks=num_blocks, ring_blocks=ring_blocks, state_slots=state_slots)
     specs = plan_entries(batches, contexts, prefill_max_batch, chunk)
+    if not isinstance(decode_steps, int) or decode_steps < 1:
+        raise ExportError(f"decode_steps must be a positive integer, got {decode_steps!r}")
+    if decode_steps > 1:
+        specs += [EntrySpec(mf.EntryKind.DECODE_STEPS, s.batch, s.context, 1, decode_steps) for s in specs
+                  if s.kind == mf.EntryKind.DECODE]
     if prompt_logprobs is not None:
         specs += [dataclasses.replace(s, kind=mf.EntryKind.PREFILL_SCORED) for s in specs
                   if s.kind == mf.EntryKind.PREFILL]
@@ -473,13 +488,15 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         bar.set_postfix_str(spec.name)
         inputs, outputs, donations = entry_signature(spec, layout, block_size, vocab, flat, sampler_spec,
                                                      scorer_spec)
+        if spec.kind == mf.EntryKind.DECODE_STEPS:
+            inputs, outputs, donations = decode_steps_signature(inputs, outputs, batch=spec.batch, steps=spec.steps)
         exp = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=layout.ring_pages,
-                           platform=platform, scorer=prompt_logprobs)
+                           platform=platform, scorer=prompt_logprobs, block_size=block_size)
         calling_convention = int(exp.calling_convention_version)
         entry = mf.Entry(name=spec.name, kind=mf.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
                          tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp)),
                          program=f"programs/{spec.name}.json", inputs=tuple(inputs), outputs=tuple(outputs),
-                         donations=donations, kept_inputs=tuple(exp.module_kept_var_idx))
+                         donations=donations, kept_inputs=tuple(exp.module_kept_var_idx), steps=spec.steps)
         _write(out / entry.program, (json.dumps({"entry": spec.name, "inputs": [dataclasses.asdict(s) for s in inputs],
                                                  "outputs": [dataclasses.asdict(s) for s in outputs]},
                                                 indent=1, sort_keys=True) + "\n").encode())

@@ -15,6 +15,11 @@ entry's tokens per sequence takes several calls, each on the smallest entry whos
 last position), then runs one decode token for every sequence that was already generating, in one
 call on the smallest decode entry that holds them. New requests join between steps.
 
+With decode_steps entries in the artifact (`--decode-steps K`), a step in which every sequence is decoding
+and none is reading its prompt runs up to K tokens per sequence in one call (`_steps_call` says which
+requests qualify); the events of that call come back in step order. A request that arrives meanwhile waits
+for that one call only: the next step sees its prompt and runs single steps.
+
 A request reserves the pages for its prompt and all its new tokens when it is admitted and takes them
 as it grows, so a live sequence never runs out of pages and is never preempted: a request that does not
 fit now is refused (RequestRefused, kind "pool_exhausted") and may be sent again once other sequences
@@ -121,6 +126,7 @@ class _Seq:
     arrival: float
     seed: int = 0                        # the body's 64-bit seed (the request's, else a random one)
     constraint: Constraint | None = None
+    single_step: bool = False            # the caller checks each token (stop strings): no decode_steps calls
     prompt_logprobs: list | None = None  # filled while the prompt is read, when the request asked
     prefilled: int = 0
     first_scheduled: float | None = None     # when the first call that reads this sequence started
@@ -144,6 +150,7 @@ class _Call:
     entry: mf.Entry
     seqs: tuple[_Seq, ...]
     rows: tuple[RowCall, ...]
+    limits: tuple[int, ...] = ()         # decode_steps: the most tokens each row may produce in the call
 
 
 class Engine:
@@ -152,7 +159,8 @@ class Engine:
     def __init__(self, artifact_dir: str | Path, plugin: str | None = None, *,
                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR, memory_fraction: float = 0.75,
                  donate: bool = True, progress: bool = True, trust_weights: bool = False,
-                 manifest: mf.Manifest | None = None, max_model_len: int | None = None):
+                 manifest: mf.Manifest | None = None, max_model_len: int | None = None,
+                 use_decode_steps: bool = True):
         """Load an artifact: validate it all (files, hashes, every body's @main against its entry, the memory its
         weights and pools need), then compile, upload the weights and allocate the pools. A bad artifact is
         refused (ManifestError naming what is wrong) before anything is compiled or allocated.
@@ -163,6 +171,8 @@ class Engine:
         already (the server does, to read the tokenizer before anything compiles): it is not read again.
         max_model_len: the longest sequence (prompt plus new tokens) served, at most the artifact's largest
         context (default: that context).
+        use_decode_steps: run the artifact's decode_steps entries when every sequence is decoding (the attribute
+        of that name may be changed between steps; False serves with single decode steps only).
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
@@ -185,6 +195,7 @@ class Engine:
             self.device.close()
             raise
         self.donate = donate
+        self.use_decode_steps = use_decode_steps
         self.block_size = m.block_size
         self.ring_pages = m.ring.ring_pages if m.ring else 0
         self.rules = {kind: pool_rule(m.pools_of(kind)[0], m.block_size) for kind in m.pool_kinds}
@@ -198,6 +209,9 @@ class Engine:
         self.sampler = m.sampler           # None: the host samples from pulled logits
         self.scorer = m.scorer             # None: a prompt whose logprobs are asked is read a token a call
         self._neutral: dict[tuple[str, mf.Role], Buffer] = {}
+        # The last host value of each (entry, input role) and its device buffer: an input equal to the previous
+        # call's (block tables, seeds, stop ids, ...) is not uploaded again.
+        self._kept_inputs: dict[tuple[str, mf.Role], tuple[bytes, Buffer]] = {}
         self.refused = {r.token_id: r.config_key for r in m.refused_tokens}
         self._by_kind = {kind: sorted((e for e in m.entries if e.kind == kind), key=lambda e: (e.context, e.batch))
                          for kind in mf.EntryKind}
@@ -218,7 +232,8 @@ class Engine:
         self._entries_checked: set[str] = set()
         self._stats = dict(steps=0, executions=0, prefill_calls=0, decode_calls=0, tokens_generated=0,
                            prompt_tokens=0, requests_finished=0, requests_failed=0, requests_refused=0,
-                           pool_address_checks=0, pool_in_place=0, logits_pulled=0, sampled_in_body=0,
+                           decode_steps_calls=0, pool_address_checks=0, pool_in_place=0, logits_pulled=0,
+                           sampled_in_body=0,
                            executions_by_entry={}, batch_sizes={})
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s: %d entries (%s), weights %.1f MiB, pools %.1f MiB (%s; pages of %d), %.1f s",
@@ -287,10 +302,12 @@ class Engine:
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int = 16, stop_token_ids: Iterable[int] = (),
                     sampling: Sampling | None = None, request_id: str | None = None,
-                    constraint: Constraint | None = None) -> str:
+                    constraint: Constraint | None = None, single_step: bool = False) -> str:
         """Admit a request (its pages reserved) or raise RequestRefused; returns its id.
 
-        constraint: the tokens it may choose at each step (structured output); applied before sampling."""
+        constraint: the tokens it may choose at each step (structured output); applied before sampling.
+        single_step: the caller looks at every token before the next is due (stop strings): the request never
+        runs in a decode_steps call, which would compute tokens past the caller's stop."""
         try:
             prompt = self._check_prompt(prompt, max_new_tokens)
             stop = _check_stop(stop_token_ids)
@@ -309,6 +326,7 @@ class Engine:
         seed = s.seed if s.seed is not None else int.from_bytes(os.urandom(8), "little")
         self._seqs[rid] = _Seq(rid, prompt, int(max_new_tokens), stop, s, rng, {kind: [] for kind in self.allocators},
                                reserved, time.perf_counter(), seed=seed, constraint=constraint,
+                               single_step=bool(single_step),
                                prompt_logprobs=[None] if s.prompt_logprobs is not None else None)
         return rid
 
@@ -487,6 +505,10 @@ class Engine:
         calls += self._prefill_calls([s for s in prefilling if not self._scored(s)], mf.EntryKind.PREFILL)
         calls += self._prefill_calls([s for s in prefilling if self._scored(s)], mf.EntryKind.PREFILL_SCORED)
         decoding = [s for s in self._seqs.values() if s.decoding]
+        if decoding and not prefilling:
+            call = self._steps_call(decoding)
+            if call is not None:
+                return [call]
         max_batch = max(e.batch for e in self._entries(mf.EntryKind.DECODE))
         for i in range(0, len(decoding), max_batch):
             part = decoding[i:i + max_batch]
@@ -494,6 +516,37 @@ class Engine:
             entry = self._pick(mf.EntryKind.DECODE, len(part), max(r.start + 1 for r in rows), 1)
             calls.append(_Call(entry, tuple(part), rows))
         return calls
+
+    def _multi_step_ok(self, s: _Seq) -> bool:
+        """Whether a decoding sequence's next tokens may come from one decode_steps call: nothing the host decides
+        between its tokens. Single steps keep a grammar or other constraint, a stop id masked until min_tokens,
+        penalties (the history grows each step), logprobs, stop strings (single_step), more stop ids than the
+        entry's STOP_IDS slots, and (an artifact without a sampler) any request that is not plain greedy."""
+        sp = s.sampling
+        return (s.constraint is None and not s.single_step and sp.logprobs is None and not sp.penalized
+                and not (s.stop and len(s.generated) < sp.min_tokens)
+                and (self.sampler is not None or sp.plain))
+
+    def _stop_ids(self, s: _Seq) -> list[int]:
+        """The stop ids a token can be (those inside the vocabulary), sorted."""
+        return sorted(t for t in s.stop if 0 <= t < self.vocab)
+
+    def _steps_call(self, decoding: list[_Seq]) -> _Call | None:
+        """One decode_steps call for every decoding sequence, or None (no such entry holds them, or one of them
+        must stay on single steps). Each row may produce up to K tokens, at most its remaining max_new_tokens."""
+        multi = self._entries(mf.EntryKind.DECODE_STEPS)
+        if not (multi and self.use_decode_steps) or not all(self._multi_step_ok(s) for s in decoding):
+            return None
+        e0 = multi[0]
+        stop_slots = e0.inputs[e0.input_index(mf.Role.STOP_IDS)].shape[1]
+        if any(len(self._stop_ids(s)) > stop_slots for s in decoding):
+            return None
+        rows = tuple(row_call([s.generated[-1]], len(s.prompt) + len(s.generated) - 1, s.held) for s in decoding)
+        limits = tuple(min(e0.steps, s.max_new_tokens - len(s.generated)) for s in decoding)
+        entry = self._pick(mf.EntryKind.DECODE_STEPS, len(decoding), max(r.start + n for r, n in zip(rows, limits)), 1)
+        if entry is None or min(limits) < 1:
+            return None
+        return _Call(entry, tuple(decoding), rows, limits)
 
     def step(self) -> list[StepEvent]:
         """Run one scheduling step; returns the tokens produced (and the requests that failed)."""
@@ -514,6 +567,8 @@ class Engine:
 
     def _run_call(self, call: _Call) -> list[StepEvent]:
         e = call.entry
+        if e.kind == mf.EntryKind.DECODE_STEPS:
+            return self._run_steps_call(call)
         # The rows whose last token is a new one (decoding, or reading the end of their prompt): they get a token.
         producing = [e.kind == mf.EntryKind.DECODE or row.start + len(row.token_ids) == len(s.prompt)
                      for s, row in zip(call.seqs, call.rows)]
@@ -581,6 +636,54 @@ class Engine:
                 self._finish(s, reason)
             events.append(StepEvent(s.rid, tok, reason is not None, reason, logprob=logprob, top_logprobs=top,
                                     prompt_logprobs=tuple(s.prompt_logprobs) if first and s.prompt_logprobs else None))
+        return events
+
+    def _run_steps_call(self, call: _Call) -> list[StepEvent]:
+        """Run a decode_steps call: the pages for each row's tokens are taken before it; its tokens come back as
+        [B, K] (-1 past a row's stop) and are emitted in step order, each checked as a single step's would be."""
+        e = call.entry
+        n = len(call.seqs)
+        try:
+            for s, row, limit in zip(call.seqs, call.rows, call.limits):
+                self._grow(s, row.start + limit)
+            rows = [row_call(row.token_ids, row.start, s.held) for s, row in zip(call.seqs, call.rows)]
+            inputs = build_step_inputs(rows, batch=e.batch, tokens=1, width=e.context // self.block_size,
+                                       block_size=self.block_size, ring_pages=self.ring_pages,
+                                       state_slots=mf.PoolKind.STATE_SLOTS in self.allocators)
+            limit = np.zeros(e.batch, np.int32)
+            limit[:n] = call.limits
+            stop = np.full(e.inputs[e.input_index(mf.Role.STOP_IDS)].shape, -1, np.int32)
+            for b, s in enumerate(call.seqs):
+                ids = self._stop_ids(s)
+                stop[b, :len(ids)] = ids
+            inputs[mf.Role.STEP_LIMIT], inputs[mf.Role.STOP_IDS] = limit, stop
+            if self.sampler is not None:
+                inputs.update(self._sampler_inputs(e, call, [True] * n, [None] * n))
+            tokens = self._execute(e, inputs, {mf.Role.STEP_TOKENS})[mf.Role.STEP_TOKENS]
+        except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
+            log.error("call of %s failed: %s", e.name, err)
+            return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]
+        self._stats["decode_calls"] += 1
+        self._stats["decode_steps_calls"] += 1
+        bs = self._stats["batch_sizes"]
+        bs[n] = bs.get(n, 0) + 1
+        now = time.perf_counter()
+        events = []
+        for i in range(e.steps):
+            for b, s in enumerate(call.seqs):
+                tok = int(tokens[b, i])
+                if s.finished or tok < 0:
+                    continue
+                if not 0 <= tok < self.vocab:
+                    events.append(self._fail(s, f"{e.name} returned token {tok}, outside the vocabulary"))
+                    continue
+                s.generated.append(tok)
+                s.token_times.append(now)
+                self._stats["tokens_generated"] += 1
+                reason = "stop" if tok in s.stop else "length" if len(s.generated) >= s.max_new_tokens else None
+                if reason:
+                    self._finish(s, reason)
+                events.append(StepEvent(s.rid, tok, reason is not None, reason))
         return events
 
     def _allowed(self, s: _Seq) -> np.ndarray | None:
@@ -664,6 +767,11 @@ class Engine:
                 seeds[b] = seed_words(s.seed)
                 steps[b] = len(s.generated)
         out[mf.Role.SAMPLING], out[mf.Role.RNG_SEED], out[mf.Role.RNG_STEP] = params, seeds, steps
+        if not params[:, sp.columns.index("temperature")].any():
+            # No row draws: the seeds and counters are read by no row (a greedy row is argmax).
+            del out[mf.Role.RNG_SEED], out[mf.Role.RNG_STEP]
+            if (params == np.array([NEUTRAL_ROW[c] for c in sp.columns], np.float32)).all():
+                del out[mf.Role.SAMPLING]
         if any(a is not None for a in allowed):
             mask = np.full((B, sp.mask_words), -1, np.int32)
             for b, a in enumerate(allowed):
@@ -686,17 +794,33 @@ class Engine:
                     tokens = (s.prompt + s.generated)[:row.start + len(row.token_ids)]
                     history[b, :len(tokens)] = tokens
             out[mf.Role.TOKEN_HISTORY] = history
-        for role in (mf.Role.TOKEN_MASK, mf.Role.LOGIT_BIAS_IDS, mf.Role.LOGIT_BIAS, mf.Role.TOKEN_HISTORY):
+        for role in mf.SAMPLER_INPUTS:
             if role not in out:
                 out[role] = self._neutral_buffer(e, role)
         return out
+
+    def _input_buffer(self, e: mf.Entry, role: mf.Role, value: np.ndarray) -> Buffer:
+        """The device buffer of an input's host value: the one kept from the entry's previous call when the value is
+        the same (never donated, so it outlives the call), else a new upload that replaces it."""
+        key = (e.name, role)
+        data = value.tobytes()            # the entry fixes the role's shape and dtype: the bytes say the value
+        kept = self._kept_inputs.get(key)
+        if kept is not None and kept[0] == data:
+            return kept[1]
+        buf = self.device.upload(value)
+        if kept is not None:
+            kept[1].close()
+        self._kept_inputs[key] = (data, buf)
+        return buf
 
     def _neutral_buffer(self, e: mf.Entry, role: mf.Role) -> Buffer:
         key = (e.name, role)
         if key not in self._neutral:
             sig = e.inputs[e.input_index(role)]
             fill = {mf.Role.TOKEN_MASK: -1, mf.Role.LOGIT_BIAS_IDS: -1, mf.Role.TOKEN_HISTORY: -1}.get(role, 0)
-            self._neutral[key] = self.device.upload(np.full(sig.shape, fill, mf.numpy_dtype(sig.dtype)))
+            if role == mf.Role.SAMPLING:
+                fill = np.array([NEUTRAL_ROW[c] for c in self.sampler.columns], np.float32)
+            self._neutral[key] = self.device.upload(np.broadcast_to(fill, sig.shape).astype(mf.numpy_dtype(sig.dtype)))
         return self._neutral[key]
 
     def _execute(self, e: mf.Entry, inputs: dict, want: set[mf.Role] | bool) -> dict[mf.Role, np.ndarray]:
@@ -710,14 +834,13 @@ class Engine:
         exe = self._executable(e)
         check = self._runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
         args: list[Buffer] = []
-        uploaded: list[Buffer] = []
         pool_args: dict[int, str] = {}
         for i, sig in enumerate(e.inputs):
-            if sig.role in mf.STEP_FIELDS or sig.role in mf.SAMPLER_INPUTS or sig.role in mf.SCORER_INPUTS:
+            if (sig.role in mf.STEP_FIELDS or sig.role in mf.SAMPLER_INPUTS or sig.role in mf.SCORER_INPUTS
+                    or sig.role in mf.DECODE_STEPS_INPUTS):
                 value = inputs[mf.STEP_FIELDS.get(sig.role, sig.role)]
                 if isinstance(value, np.ndarray):
-                    buf = self.device.upload(value)
-                    uploaded.append(buf)
+                    buf = self._input_buffer(e, sig.role, value)
                 else:
                     buf = value          # a kept neutral buffer: read, never donated
             elif sig.role == mf.Role.POOL_IN:
@@ -727,11 +850,7 @@ class Engine:
                 buf = self.weights[sig.slot]
             args.append(buf)
         before = {name: self.device.device_address(self.pools[name]) for name in pool_args.values()} if check else {}
-        try:
-            outs = self.device.execute(exe, args, donate=set(pool_args) if self.donate else ())
-        finally:
-            for b in uploaded:
-                b.close()
+        outs = self.device.execute(exe, args, donate=set(pool_args) if self.donate else ())
         for out_i, in_i in e.donations:
             name = pool_args[in_i]
             if not self.donate:

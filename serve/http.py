@@ -176,7 +176,7 @@ class _Generation:
         self.choices = [_Choice(i * n + j, p, tok.detokenizer(p) if tok else None, stops, server.eos)
                         for i, p in enumerate(prompts) for j in range(n)]
         constraints = constraints or [None] * len(self.choices)
-        self.specs = [SeqSpec(c.prompt, max_tokens[k], stop_ids, sampling[k], constraints[k])
+        self.specs = [SeqSpec(c.prompt, max_tokens[k], stop_ids, sampling[k], constraints[k], stops is not None)
                       for k, c in enumerate(self.choices)]
         self.tools = False              # the choices' text is parsed for tool calls
         self.arrival = arrival

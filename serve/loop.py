@@ -33,6 +33,7 @@ class SeqSpec:
     stop_token_ids: frozenset[int]
     sampling: Sampling
     constraint: Constraint | None = None
+    single_step: bool = False        # stop strings: the server checks each token (engine.add_request)
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,8 @@ class EngineLoop:
             try:
                 for spec in adm.specs:
                     rids.append(self.engine.add_request(spec.prompt, spec.max_new_tokens, spec.stop_token_ids,
-                                                        spec.sampling, constraint=spec.constraint))
+                                                        spec.sampling, constraint=spec.constraint,
+                                                        single_step=spec.single_step))
             except Exception as e:  # noqa: BLE001 - RequestRefused, or a bug: nothing of it stays admitted
                 for rid in rids:
                     self.engine.release(rid)

@@ -33,6 +33,11 @@ Changelog:
     its QuantScheme, whether it holds the codes or the scales, the quantized weight's name, int4's group);
     checked at load (codes in the scheme's dtype, f32 scales of the matching shape, both halves present).
     A manifest without it has none; a runtime feeds the files by slot as before.
+    v4 + decode steps (optional, still tlaloc-serving-v4): entries of kind `decode_steps` with `steps` K (every
+    entry now records `steps`, 1 when absent): K decode steps in one call, inputs STEP_LIMIT and STOP_IDS beside
+    a decode entry's (the sampler's inputs included, RNG_STEP the first step's counter), output STEP_TOKENS
+    [B, K] and the pools, no logits. Older manifests load unchanged; a runtime that predates the kind refuses it
+    by name.
 v2 and v3 manifests still load: `Manifest.from_json` upgrades them to the v4 model in memory (their
 weights and tokenizer files carry no hashes; the loader says so).
 """
@@ -96,6 +101,10 @@ class Role(enum.StrEnum):
     # A scoring prefill's input (manifest `scorer`; kernels/scoring.py): SCORE_TARGETS [B, T] i32, the token each
     # position of the call is scored against (the next prompt token), -1 for none.
     SCORE_TARGETS = "SCORE_TARGETS"
+    # A decode_steps entry's own inputs: STEP_LIMIT [B] i32 (the most tokens the row may produce in the call,
+    # 0 for an empty row) and STOP_IDS [B, NS] i32 (ids that end the row once produced, -1: an empty slot).
+    STEP_LIMIT = "STEP_LIMIT"
+    STOP_IDS = "STOP_IDS"
     # Outputs.
     LOGITS = "LOGITS"
     NEXT_TOKEN = "NEXT_TOKEN"
@@ -112,6 +121,9 @@ class Role(enum.StrEnum):
     PROMPT_RANK = "PROMPT_RANK"
     PROMPT_TOP_LOGPROBS = "PROMPT_TOP_LOGPROBS"
     PROMPT_TOP_IDS = "PROMPT_TOP_IDS"
+    # A decode_steps entry's tokens [B, K] i32: step i's token of each row, -1 once the row has stopped (its stop
+    # id, its STEP_LIMIT) or for an empty row.
+    STEP_TOKENS = "STEP_TOKENS"
 
 
 class PoolKind(enum.StrEnum):
@@ -132,6 +144,9 @@ class EntryKind(enum.StrEnum):
     DECODE = "decode"      # one new token per sequence
     PREFILL = "prefill"    # up to tokens_per_seq tokens per sequence, rows right-aligned
     PREFILL_SCORED = "prefill_scored"  # a prefill that also scores each position (manifest `scorer`)
+    # Up to `steps` decode steps in one call: each step's token (argmax, or the in-body sampler's) is fed to the
+    # next; a row stops on one of its STOP_IDS or after STEP_LIMIT tokens; returns STEP_TOKENS, not the logits.
+    DECODE_STEPS = "decode_steps"
 
 
 # The integer inputs of a call, by role, and the field of tlaloc_jax.paging.build_step_inputs (and of the
@@ -159,10 +174,13 @@ SCORER_OUTPUTS = (Role.PROMPT_LOGPROB, Role.PROMPT_RANK, Role.PROMPT_TOP_LOGPROB
 # The columns of SAMPLING a runtime knows how to fill, each with its neutral value (kernels/sampling.py).
 SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "top_logprobs")
+# A decode_steps entry's inputs beyond a decode entry's (after the sampler's, before the pools), and its outputs.
+DECODE_STEPS_INPUTS = (Role.STEP_LIMIT, Role.STOP_IDS)
+DECODE_STEPS_OUTPUTS = (Role.STEP_TOKENS,)
 INPUT_ROLES = (frozenset(STEP_FIELDS) | {Role.POOL_IN, Role.WEIGHT} | frozenset(SAMPLER_INPUTS)
-               | frozenset(SCORER_INPUTS))
+               | frozenset(SCORER_INPUTS) | frozenset(DECODE_STEPS_INPUTS))
 OUTPUT_ROLES = (frozenset({Role.LOGITS, Role.NEXT_TOKEN, Role.POOL_OUT}) | frozenset(SAMPLER_OUTPUTS)
-                | frozenset(SCORER_OUTPUTS))
+                | frozenset(SCORER_OUTPUTS) | frozenset(DECODE_STEPS_OUTPUTS))
 
 
 @dataclass(frozen=True)
@@ -237,6 +255,7 @@ class Entry:
     kept_inputs: tuple[int, ...]             # jax.export's module_kept_var_idx: all of them, checked at export
     exported: str = ""             # bodies/<sha256>.exported, jax.export's serialization (v4; for jax callers)
     exported_sha256: str = ""
+    steps: int = 1                 # decode steps per call: K for a decode_steps entry, else 1
 
     def input_index(self, role: Role, slot: str = "") -> int:
         for i, sig in enumerate(self.inputs):
@@ -779,6 +798,15 @@ def _check_scorer_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
     if (sig.dtype, tuple(sig.shape)) != want:
         raise ManifestError(f"{what} {sig.role} is {sig.dtype}{list(sig.shape)}, the scorer's is "
                             f"{want[0]}{list(want[1])}")
+def _check_steps_sig(e: Entry, sig: TensorSig, what: str) -> None:
+    if e.kind != EntryKind.DECODE_STEPS:
+        raise ManifestError(f"{what} has {sig.role}, which only a decode_steps entry takes")
+    want = {Role.STEP_LIMIT: (e.batch,), Role.STEP_TOKENS: (e.batch, e.steps)}.get(sig.role)
+    ok = sig.dtype == "int32" and (tuple(sig.shape) == want if want else
+                                   len(sig.shape) == 2 and sig.shape[0] == e.batch)
+    if not ok:
+        raise ManifestError(f"{what} {sig.role} is {sig.dtype}{list(sig.shape)}; a decode_steps entry of batch "
+                            f"{e.batch} and {e.steps} steps takes int32{list(want) if want else [e.batch, 'NS']}")
 
 
 def _positive(value: int, what: str) -> None:
@@ -886,6 +914,8 @@ def _check_consistency(m: Manifest) -> None:
                 seen_roles.add(sig.role)
             elif sig.role in SCORER_INPUTS:
                 _check_scorer_sig(m, e, sig, what)
+            elif sig.role in DECODE_STEPS_INPUTS:
+                _check_steps_sig(e, sig, what)
                 seen_roles.add(sig.role)
             elif sig.role == Role.WEIGHT:
                 w = slots.get(sig.slot)
@@ -914,7 +944,18 @@ def _check_consistency(m: Manifest) -> None:
             elif sig.role in SCORER_OUTPUTS:
                 _check_scorer_sig(m, e, sig, what)
                 seen_roles.add(sig.role)
-        sampler_roles = set(SAMPLER_INPUTS) | set(SAMPLER_OUTPUTS)
+            elif sig.role in DECODE_STEPS_OUTPUTS:
+                _check_steps_sig(e, sig, what)
+                seen_roles.add(sig.role)
+        multi = e.kind == EntryKind.DECODE_STEPS
+        steps_roles = set(DECODE_STEPS_INPUTS) | set(DECODE_STEPS_OUTPUTS)
+        if multi and not steps_roles <= seen_roles:
+            raise ManifestError(f"{what} lacks the decode_steps roles {sorted(steps_roles - seen_roles)}")
+        if (e.steps > 1) != multi or (multi and e.tokens_per_seq != 1):
+            raise ManifestError(f"{what} is a {e.kind} entry of {e.steps} steps and {e.tokens_per_seq} tokens per "
+                                "sequence (a decode_steps entry runs K > 1 steps of one token; the others one step)")
+        # A decode_steps entry samples in its body but returns only the tokens: it takes the sampler's inputs.
+        sampler_roles = set(SAMPLER_INPUTS) | (set() if multi else set(SAMPLER_OUTPUTS))
         if m.sampler is not None and not sampler_roles <= seen_roles:
             raise ManifestError(f"{what} lacks the sampler's roles {sorted(sampler_roles - seen_roles)} (the manifest "
                                 "has a sampler)")
@@ -925,8 +966,8 @@ def _check_consistency(m: Manifest) -> None:
         if seen_pools_in != set(pools) or seen_pools_out != set(pools):
             raise ManifestError(f"{what} takes pools {sorted(seen_pools_in)} and returns {sorted(seen_pools_out)}; "
                                 f"the manifest has {sorted(pools)}")
-        logits = e.outputs[e.output_index(Role.LOGITS)]
-        if tuple(logits.shape) != (e.batch, m.model.vocab):
+        logits = e.outputs[e.output_index(Role.STEP_TOKENS if multi else Role.LOGITS)]
+        if not multi and tuple(logits.shape) != (e.batch, m.model.vocab):
             raise ManifestError(f"{what} returns logits of shape {list(logits.shape)}, the model's vocabulary is "
                                 f"{m.model.vocab} (batch {e.batch})")
         donated = set()
