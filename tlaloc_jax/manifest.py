@@ -914,6 +914,7 @@ def _check_consistency(m: Manifest) -> None:
                 seen_roles.add(sig.role)
             elif sig.role in SCORER_INPUTS:
                 _check_scorer_sig(m, e, sig, what)
+                seen_roles.add(sig.role)
             elif sig.role in DECODE_STEPS_INPUTS:
                 _check_steps_sig(e, sig, what)
                 seen_roles.add(sig.role)
