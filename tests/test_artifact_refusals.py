@@ -111,13 +111,13 @@ def test_swapped_weight_files_and_an_edited_tokenizer_are_refused(artifact, no_d
     edited character of tokenizer.json, are refused; --trust-weights skips the weights' hashes (and says so)
     but never the tokenizer's."""
     m = mf.load_manifest(artifact)
-    a, b = (next(w for w in m.weights if w.slot == s) for s in ("layers.attn_norm", "layers.mlp_norm"))
+    a, b = (next(w for w in m.weights if w.slot == s) for s in ("layers.attn_norm.0", "layers.mlp_norm.0"))
     assert a.nbytes == b.nbytes
     pa, pb = artifact / a.file, artifact / b.file
     da, db = pa.read_bytes(), pb.read_bytes()
     pa.write_bytes(db)
     pb.write_bytes(da)
-    with pytest.raises(mf.ManifestError, match=rf"weight 'layers.attn_norm' file .* has sha256 [0-9a-f]+, the "
+    with pytest.raises(mf.ManifestError, match=rf"weight 'layers.attn_norm.0' file .* has sha256 [0-9a-f]+, the "
                                               rf"manifest says {a.sha256}"):
         Engine.load(artifact, progress=False)
     # Trusted, the swap goes unnoticed by the hash (the sizes still agree): the device is reached.

@@ -20,6 +20,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 import torch
@@ -175,8 +176,9 @@ def served_first_logits(eng, prompt, monkeypatch) -> np.ndarray:
 def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, monkeypatch):
     """Exported (decode and 32-token prefill chunks, batches 1 and 4, contexts 64 and 128) and served by the
     JAX-free runtime: each prompt alone, then all decoded together, give transformers' greedy ids (near-tie
-    rule), and each prompt's first logits are within the tolerance model's bound of transformers'. The artifact stores each layer's experts stacked, [L, X, in, out]. Control: the served expert_down
-    weights rewritten with the experts one off along X (loaded with trust_weights, which skips the hashes)
+    rule), and each prompt's first logits are within the tolerance model's bound of transformers'. The artifact
+    stores each layer's experts as one file, [X, in, out] (the per-layer layout). Control: the served expert_down
+    weights of every layer rewritten with the experts one off along X (loaded with trust_weights, which skips the hashes)
     fail the check."""
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.serve import Engine
@@ -188,8 +190,9 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
     cfg = load_checkpoint(path)[0]
     weights = {w.slot: w for w in m.weights}
     X, E, FX, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_layers
-    assert weights["layers.expert_gate"].shape == (L, X, E, FX)
-    assert weights["layers.expert_down"].shape == (L, X, FX, E)
+    for i in range(L):
+        assert weights[f"layers.expert_gate.{i}"].shape == (X, E, FX)
+        assert weights[f"layers.expert_down.{i}"].shape == (X, FX, E)
     bound = logit_bound(cfg)
 
     def check(eng):
@@ -203,9 +206,10 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
         for prompt, run in zip(PROMPTS, want):
             assert_within(relative_error(served_first_logits(eng, prompt, monkeypatch), run.logits[0]), bound,
                           f"{name} served, prompt of {len(prompt)}: first logits")
-    down = art / weights["layers.expert_down"].file
-    arr = np.fromfile(down, np.float32).reshape(L, X, FX, E)
-    np.roll(arr, 1, axis=1).tofile(down)
+    for i in range(L):
+        down = art / weights[f"layers.expert_down.{i}"].file
+        arr = np.fromfile(down, np.float32).reshape(X, FX, E)
+        np.roll(arr, 1, axis=0).tofile(down)
     with Engine.load(art, cache_dir=tmp_path / "cache", progress=False, trust_weights=True) as eng:
         with pytest.raises(GreedyMismatch):
             check(eng)
@@ -215,12 +219,25 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
 # What a decode step reads: only the chosen experts, each in place.
 
 
-def test_decode_step_copies_no_layer_of_experts(store, tmp_path_factory):
+def _materialised(hlo: str, shapes) -> list[str]:
+    """The instructions of an optimized HLO module that make an f32 buffer of one of `shapes`: results of
+    computations, not the weights a step is handed (parameters, loop-carried aliases, layouts)."""
+    found = []
+    for line in hlo.splitlines():
+        if re.search(r"parameter\(|get-tuple-element\(|bitcast\(| tuple\(", line) or line.startswith("HloModule"):
+            continue
+        if any(re.search(r"= f32\[" + ",".join(map(str, shape)) + r"\]", line) for shape in shapes):
+            found.append(line.strip()[:160])
+    return found
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per-layer"])
+def test_decode_step_copies_no_layer_of_experts(store, tmp_path_factory, layout):
     """The compiled decode step (B = 4, T = 1) holds no [X, E, F] buffer: the experts of a layer are never
     sliced out of the stacked [L, X, E, F] weights as a whole (which reads every expert), only each chosen
-    expert's [E, F] is. Control: the prefill step's grouped form holds no such buffer either, but the dense
-    reference form of the same layer (every expert on every token) does hold [X, ...] products."""
-    model = tlaloc_jax.load_hf(checkpoint(store, tmp_path_factory, "qwen3_moe"), block_size=8)
+    expert's [E, F] is; nor, in the per-layer layout (what the exporter writes), out of a layer's [X, E, F]
+    weight. Control: a step that slices a layer's experts out of the stack whole is caught by the same check."""
+    model = tlaloc_jax.load_hf(checkpoint(store, tmp_path_factory, "qwen3_moe"), block_size=8, weight_layout=layout)
     cfg = model.config
     X, E, FX = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     pools = model.new_pools(16)
@@ -228,12 +245,13 @@ def test_decode_step_copies_no_layer_of_experts(store, tmp_path_factory):
                                 RowCall([9], 0, [3])], batch=4, tokens=1, width=2, block_size=8)
     hlo = model._step.lower(model.weights, pools, StepInputs(**{k: jnp.asarray(v) for k, v in inputs.items()})
                             ).compile().as_text()
-    layer_of_experts = [rf"f32\[{X},{E},{FX}\]", rf"f32\[{X},{FX},{E}\]"]
-    for line in hlo.splitlines():
-        if "parameter(" in line:
-            continue
-        for shape in layer_of_experts:
-            assert not re.search(shape, line), f"a whole layer of experts is materialised: {line.strip()[:160]}"
+    layer_of_experts = (X, E, FX), (X, FX, E)
+    assert _materialised(hlo, layer_of_experts) == []
+    # Control: a step that takes a layer's experts out of the stack whole (then scales them) is caught.
+    stacked = jnp.zeros((cfg.num_layers, X, E, FX), jnp.float32)
+    whole = jax.jit(lambda w, i: lax.dynamic_index_in_dim(w, i, keepdims=False) * 2.0).lower(
+        stacked, jnp.int32(1)).compile().as_text()
+    assert _materialised(whole, layer_of_experts)
     one_expert = rf"f32\[1,1,{E},{FX}\]"
     assert re.search(one_expert, hlo) or re.search(rf"f32\[{E},{FX}\]", hlo)
 
