@@ -71,8 +71,8 @@ def _bandwidth(nbytes: int, threads: int, repeats: int = 7) -> float:
     return a.nbytes / best
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The random Llama's shape (default: the 100M-parameter model of the decode-speed issue) and the context."""
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--heads", type=int, default=12)
@@ -80,6 +80,11 @@ def main(argv=None) -> None:
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=16000)
     ap.add_argument("--context", type=int, default=256)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
     ap.add_argument("--prefill", type=int, default=128, help="tokens of the prefill call")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per measurement")
     ap.add_argument("--plugin", default=None)

@@ -13,28 +13,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import sys
+
 import numpy as np
 
-
-def _median_times(fns, steps: int, warmup: int = 2) -> list[float]:
-    """Median seconds of each function, the functions interleaved so that drift hits them alike."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    times = [[] for _ in fns]
-    for _ in range(steps):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import _median_times  # noqa: E402
 
 
 def step_bytes(manifest, vocab: int) -> int:

@@ -24,20 +24,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-from decode import _bandwidth, _median_times  # noqa: E402
+from decode import _bandwidth, _median_times, add_model_args  # noqa: E402
 
 LAYOUTS = ("stacked", "per-layer")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=16000)
-    ap.add_argument("--context", type=int, default=256)
+    add_model_args(ap)
     ap.add_argument("--steps", type=int, default=15, help="timed decode steps per measurement")
     ap.add_argument("--plugin", default=None)
     args = ap.parse_args(argv)
