@@ -768,10 +768,12 @@ class Engine:
                 steps[b] = len(s.generated)
         out[mf.Role.SAMPLING], out[mf.Role.RNG_SEED], out[mf.Role.RNG_STEP] = params, seeds, steps
         if not params[:, sp.columns.index("temperature")].any():
-            # No row draws: the seeds and counters are read by no row (a greedy row is argmax).
-            del out[mf.Role.RNG_SEED], out[mf.Role.RNG_STEP]
+            # No row draws: no row reads its seed (a greedy row is argmax of the processed logits).
+            del out[mf.Role.RNG_SEED]
             if (params == np.array([NEUTRAL_ROW[c] for c in sp.columns], np.float32)).all():
-                del out[mf.Role.SAMPLING]
+                # Nor its counter, which presence and frequency penalties also read (the generated tokens are
+                # the history's last `step`): only when no row is penalised.
+                del out[mf.Role.RNG_STEP], out[mf.Role.SAMPLING]
         if any(a is not None for a in allowed):
             mask = np.full((B, sp.mask_words), -1, np.int32)
             for b, a in enumerate(allowed):
