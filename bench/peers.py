@@ -1,0 +1,414 @@
+"""tlaloc-jax against llama.cpp on one checkpoint, in one run: greedy decode at batch 1 and 4 on CPU.
+
+Builds one random Llama (about 100M parameters by default: hidden 768, 12 layers, 12/4 heads, vocab 16000, f32),
+writes it three ways -- a Hugging Face checkpoint, an F32 GGUF for llama.cpp (written with the `gguf` package,
+with a stand-in vocabulary: the checkpoint has no tokenizer, both systems are fed token ids), and the tlaloc-jax
+serving artifact (default per-layer weight layout) -- then measures, each system in a process of its own (llama.cpp's
+threads spin at a barrier and collapse when another process takes a core), the processes interleaved and their
+order rotated every round:
+
+  - llama.cpp through llama-cpp-python's low-level API (llama_decode on one llama_batch holding every sequence:
+    the prompts in one call, then one token per sequence per call; greedy = argmax of the returned logits);
+  - the tlaloc-jax runtime through `Engine.generate`, and its decode entry alone (`Engine._execute`, as
+    bench/decode.py times it).
+
+Each generation is a 32-token prompt per row and 64 greedy tokens, 2 threads per system (--threads). Printed per
+system and batch: tokens/s of the whole generation (B * 64 / wall time, prefill included), ms per decode step
+((T(64 tokens) - T(1 token)) / 63, so prefill cancels), and each system's bare step; then the ratio
+tlaloc-jax / llama.cpp of tokens/s and the agreement of the greedy ids (a divergence counts as a near-tie when
+llama.cpp's own top-2 logit gap there is within twice the tolerance model's bound, kernels/tolerances.py).
+
+Optional dependencies, not in `make test`: `pip install -e '.[peers]'` builds llama.cpp from the llama-cpp-python
+sdist (about 30 minutes on 2 cores). With llama.cpp already built as a shared library, install the bindings
+without building it and point them at the library:
+
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install llama-cpp-python==0.3.36 gguf
+    export LLAMA_CPP_LIB_PATH=/path/to/llama.cpp/build/bin      # the directory holding libllama.so
+    python bench/peers.py                  # ~100M parameters, 2 rounds
+    python bench/peers.py --hidden 256 --layers 2 --intermediate 512 --vocab 4096 --rounds 1   # a quick look
+
+Only a quiet machine gives a fair table: the load average before and after each process is printed with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np
+
+SYSTEMS = ("llama.cpp", "tlaloc-jax")
+BATCHES = (1, 4)
+PROMPT_LEN, NEW_TOKENS, BLOCK = 32, 64, 16
+INSTALL = ("bench/peers.py needs llama-cpp-python and gguf (optional, not in `make test`): "
+           "pip install -e '.[peers]' (builds llama.cpp, ~30 min on 2 cores), or with llama.cpp already built as a "
+           "shared library: CMAKE_ARGS=\"-DLLAMA_BUILD=OFF\" pip install llama-cpp-python==0.3.36 gguf and "
+           "LLAMA_CPP_LIB_PATH=<dir of libllama.so>")
+
+
+def hf_config(a) -> dict:
+    return dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=a.vocab, hidden_size=a.hidden,
+                intermediate_size=a.intermediate, num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads, rms_norm_eps=1e-6,
+                max_position_embeddings=4 * a.context, tie_word_embeddings=False, hidden_act="silu",
+                bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    """Four seeded prompts of PROMPT_LEN ids, clear of the stand-in vocabulary's control ids 0..2."""
+    rng = np.random.default_rng(1234)
+    return rng.integers(3, vocab, size=(max(BATCHES), PROMPT_LEN)).tolist()
+
+
+# -- the three forms of the model ------------------------------------------------------------------------
+
+
+def _rope_interleave(w: np.ndarray, heads: int) -> np.ndarray:
+    """A q or k projection [heads * D, E] from Hugging Face's rotate-half order to the interleaved pairs that
+    llama.cpp's Llama rope (type NORM) rotates: within each head, rows (i, i + D/2) become (2i, 2i + 1)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(ck: Path, hf: dict, out: Path) -> None:
+    """The checkpoint as an F32 GGUF of llama.cpp's `llama` architecture, with a stand-in SentencePiece vocabulary
+    (<unk>, <s>, </s>, 256 byte tokens, then placeholder pieces): ids are what the benchmark feeds and compares."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    t = load_file(str(ck / "model.safetensors"))
+    n, heads, kv = hf["vocab_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_rope_dimension_count(hf["head_dim"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    w.add_vocab_size(n)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    T = gguf.TokenType
+    toks = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
+    types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256
+    toks += [f"\u2581t{i}".encode() for i in range(len(toks), n)]
+    types += [T.NORMAL] * (n - len(types))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(n - 259)])
+    w.add_token_types(types)
+    w.add_bos_token_id(hf["bos_token_id"])
+    w.add_eos_token_id(hf["eos_token_id"])
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+    f32 = lambda name: np.ascontiguousarray(t[name], np.float32)  # noqa: E731
+    w.add_tensor("token_embd.weight", f32("model.embed_tokens.weight"))
+    w.add_tensor("output_norm.weight", f32("model.norm.weight"))
+    w.add_tensor("output.weight", f32("lm_head.weight"))
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_q.weight", _rope_interleave(f32(p + "self_attn.q_proj.weight"), heads))
+        w.add_tensor(f"blk.{i}.attn_k.weight", _rope_interleave(f32(p + "self_attn.k_proj.weight"), kv))
+        for g, h in names.items():
+            w.add_tensor(f"blk.{i}.{g}.weight", f32(p + h + ".weight"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def prepare(a, work: Path) -> None:
+    """Checkpoint, GGUF and artifact under `work`, each made once (kept for the next run with the same shape)."""
+    from tlaloc_jax.checkpoint import random_weights, save_checkpoint
+    from tlaloc_jax.export import export_checkpoint
+    from tlaloc_jax.families import config_from_hf
+
+    hf = hf_config(a)
+    ck = work / "ck"
+    if not (ck / "model.safetensors").exists():
+        fam, cfg = config_from_hf(hf)
+        weights = random_weights(cfg, fam, seed=0, std=0.02)
+        print(f"checkpoint: {sum(x.size for x in weights.values()) / 1e6:.1f}M parameters (f32)", flush=True)
+        save_checkpoint(ck, hf, weights)
+        del weights
+    if not (work / "model-f32.gguf").exists():
+        write_gguf(ck, hf, work / "model-f32.gguf.tmp")
+        os.replace(work / "model-f32.gguf.tmp", work / "model-f32.gguf")
+    if not (work / "art" / "tlaloc-serving.json").exists():
+        t0 = time.perf_counter()
+        export_checkpoint(ck, work / "art", batch_ladder=BATCHES, context_ladder=(a.context,),
+                          prefill_max_batch=max(BATCHES), prefill_chunk=PROMPT_LEN, block_size=BLOCK, progress=False,
+                          weight_layout=a.weight_layout)
+        print(f"exported the tlaloc-jax artifact ({a.weight_layout} layout) in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+
+
+# -- the workers: one system each, in a process of its own -----------------------------------------------
+
+
+def emit(**kw) -> None:
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def measure(name: str, gen, reps: int, extra=None) -> None:
+    """For each batch: a warm-up generation (its ids are the ones compared), then `reps` pairs of a 64-token and a
+    1-token generation from the same prompts."""
+    ps = prompts(gen.vocab)
+    for b in BATCHES:
+        ids, info = gen(ps[:b], NEW_TOKENS, record=True)
+        gen(ps[:b], 1)
+        t64, t1 = [], []
+        for _ in range(reps):
+            t, (out, _) = _timed(lambda: gen(ps[:b], NEW_TOKENS))
+            if out != ids:
+                raise SystemExit(f"{name}: batch {b} greedy ids changed between two runs")
+            t64.append(t)
+            t1.append(_timed(lambda: gen(ps[:b], 1))[0])
+        emit(system=name, batch=b, t64=t64, t1=t1, ids=ids, **info, **(extra(b) if extra else {}))
+
+
+class LlamaCppGreedy:
+    """Greedy generation for B sequences at once through llama.cpp's C API (llama-cpp-python's ctypes bindings):
+    one llama_batch holds every sequence's prompt, then one token of each per llama_decode."""
+
+    def __init__(self, gguf_path: Path, threads: int, context: int):
+        import llama_cpp as L
+        self.L = L
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(str(gguf_path).encode(), mp)
+        if not self.model:
+            raise SystemExit(f"llama.cpp could not load {gguf_path}")
+        cp = L.llama_context_default_params()
+        nb = max(BATCHES)
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = nb * context, nb * PROMPT_LEN, nb * PROMPT_LEN, nb
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.type_k = cp.type_v = 0          # GGML_TYPE_F32: an f32 KV cache, as the tlaloc-jax artifact's
+        cp.no_perf = True
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise SystemExit("llama.cpp could not create a context")
+        self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.batch = L.llama_batch_init(nb * PROMPT_LEN, 0, 1)
+        self.decode_s: list[float] = []
+
+    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
+        """rows: (token, position, sequence, wants logits)."""
+        bt = self.batch
+        for i, (tok, pos, seq, want) in enumerate(rows):
+            bt.token[i], bt.pos[i], bt.n_seq_id[i], bt.logits[i] = tok, pos, 1, int(want)
+            bt.seq_id[i][0] = seq
+        bt.n_tokens = len(rows)
+        t0 = time.perf_counter()
+        rc = self.L.llama_decode(self.ctx, bt)
+        self.decode_s.append(time.perf_counter() - t0)
+        if rc != 0:
+            raise SystemExit(f"llama_decode returned {rc}")
+
+    def _logits(self, i: int) -> np.ndarray:
+        return np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, i), shape=(self.vocab,))
+
+    def __call__(self, ps: list[list[int]], n: int, record: bool = False):
+        L = self.L
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        rows = [(t, j, s, j == len(p) - 1) for s, p in enumerate(ps) for j, t in enumerate(p)]
+        out_at = [i for i, r in enumerate(rows) if r[3]]
+        self.decode_s = []
+        self._decode(rows)
+        out: list[list[int]] = [[] for _ in ps]
+        gaps: list[list[tuple[float, float]]] = [[] for _ in ps]
+        for k in range(n):
+            for s in range(len(ps)):
+                lg = self._logits(out_at[s])
+                out[s].append(int(lg.argmax()))
+                if record:
+                    top2 = np.partition(lg, -2)[-2:]
+                    gaps[s].append((float(top2[1] - top2[0]), float(np.abs(lg).max())))
+            if k + 1 < n:
+                self._decode([(out[s][-1], len(ps[s]) + k, s, True) for s in range(len(ps))])
+                out_at = list(range(len(ps)))
+        info = dict(top2_gap=gaps, decode_ms=statistics.median(self.decode_s[1:]) * 1e3) if record else {}
+        return out, info
+
+
+def llama_worker(a, work: Path) -> None:
+    import llama_cpp
+    gen = LlamaCppGreedy(work / "model-f32.gguf", a.threads, a.context)
+    decode_ms = {}
+
+    def gen_record(ps, n, record=False):
+        out, info = gen(ps, n, record)
+        if record:
+            decode_ms[len(ps)] = info["decode_ms"]
+        return out, info
+    gen_record.vocab = gen.vocab
+    measure("llama.cpp", gen_record, a.reps, extra=lambda b: dict(version=llama_cpp.__version__))
+
+
+def tlaloc_worker(a, work: Path) -> None:
+    from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.serve import Engine
+
+    eng = Engine.load(work / "art", cache_dir=work / "compile-cache", progress=False)
+
+    def gen(ps, n, record=False):
+        return eng.generate(ps, n), {}
+    gen.vocab = a.vocab
+
+    def step_ms(b):
+        """The decode entry alone (batch b, context bucket a.context, position a.context // 2), median of 20."""
+        width = a.context // BLOCK
+        entry = eng.manifest.entry(f"decode_b{b}_c{a.context}")
+        rows = [RowCall([7], a.context // 2, list(range(i * width, (i + 1) * width))) for i in range(b)]
+        inputs = build_step_inputs(rows, batch=b, tokens=1, width=width, block_size=BLOCK)
+        for _ in range(3):
+            eng._execute(entry, inputs, False)
+        ts = [_timed(lambda: eng._execute(entry, inputs, False))[0] for _ in range(20)]
+        return dict(decode_ms=statistics.median(ts) * 1e3)
+    measure("tlaloc-jax", gen, a.reps, extra=step_ms)
+    eng.close()
+
+
+# -- the run: interleaved, rotated, summarised ---------------------------------------------------------
+
+
+def run_rounds(a, work: Path) -> list[dict]:
+    results = []
+    base = [sys.executable, __file__, "--work", str(work)] + [f"--{k}={v}" for k, v in (
+        ("hidden", a.hidden), ("layers", a.layers), ("heads", a.heads), ("kv-heads", a.kv_heads),
+        ("intermediate", a.intermediate), ("vocab", a.vocab), ("context", a.context), ("threads", a.threads),
+        ("reps", a.reps))]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), JAX_PLATFORMS="cpu")
+    for r in range(a.rounds):
+        order = SYSTEMS[r % 2:] + SYSTEMS[:r % 2]
+        for name in order:
+            l0 = os.getloadavg()
+            t0 = time.perf_counter()
+            p = subprocess.run(base + ["--worker", name], env=env, capture_output=True, text=True)
+            l1 = os.getloadavg()
+            got = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+            print(f"round {r} {name}: {time.perf_counter() - t0:.0f} s, load average (1 min) {l0[0]:.2f} -> "
+                  f"{l1[0]:.2f}", flush=True)
+            if p.returncode or len(got) != len(BATCHES):
+                raise SystemExit(f"{name} worker failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
+            for g in got:
+                g.update(round=r, load=[l0[0], l1[0]])
+            results += got
+    return results
+
+
+def agreement(a, llama: dict, tlaloc: dict) -> str:
+    """How the greedy ids of the two systems compare, row by row: equal, or where they part and whether
+    llama.cpp's own top-2 gap there is a near-tie under the tolerance model."""
+    from tlaloc_jax.families import config_from_hf
+    from tlaloc_jax.kernels.tolerances import bound, decoder_roundings_of
+
+    _, cfg = config_from_hf(hf_config(a))
+    rel = bound(decoder_roundings_of(cfg, a.context))
+    parts = []
+    for s, (x, y) in enumerate(zip(llama["ids"], tlaloc["ids"])):
+        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        if k is None:
+            parts.append(f"row {s}: all {len(x)} equal")
+            continue
+        gap, scale = llama["top2_gap"][s][k]
+        tie = "a near-tie" if gap <= 2 * rel * scale else "NOT a near-tie"
+        parts.append(f"row {s}: equal to step {k}, then llama.cpp {x[k]} vs tlaloc-jax {y[k]} (llama.cpp's top-2 gap "
+                     f"{gap:.3g}, allowed {2 * rel * scale:.3g}: {tie})")
+    return "; ".join(parts)
+
+
+def summarize(a, results: list[dict]) -> None:
+    print()
+    print(f"{'system':>10} | batch | tokens/s median [min-max] | ms/step (T64-T1)/63 | bare decode step ms | runs")
+    tps, by = {}, {}
+    for name in SYSTEMS:
+        for b in BATCHES:
+            rs = [r for r in results if r["system"] == name and r["batch"] == b]
+            by[name, b] = rs[0]
+            tok = [b * NEW_TOKENS / t for r in rs for t in r["t64"]]
+            step = [(t64 - t1) / (NEW_TOKENS - 1) * 1e3 for r in rs for t64, t1 in zip(r["t64"], r["t1"])]
+            bare = [r["decode_ms"] for r in rs]
+            tps[name, b] = statistics.median(tok)
+            print(f"{name:>10} | {b:5d} | {statistics.median(tok):7.1f} [{min(tok):.1f}-{max(tok):.1f}] | "
+                  f"{statistics.median(step):8.1f} [{min(step):.1f}-{max(step):.1f}] | "
+                  f"{statistics.median(bare):6.1f} | {len(tok)}")
+    print()
+    for b in BATCHES:
+        print(f"batch {b}: tlaloc-jax / llama.cpp tokens/s = {tps['tlaloc-jax', b] / tps['llama.cpp', b]:.2f}x")
+    for name in SYSTEMS:
+        print(f"{name}: batch-4 step / batch-1 step (bare) = "
+              f"{statistics.median(r['decode_ms'] for r in results if r['system'] == name and r['batch'] == 4) / statistics.median(r['decode_ms'] for r in results if r['system'] == name and r['batch'] == 1):.2f}x")  # noqa: E501
+    print()
+    for b in BATCHES:
+        print(f"greedy ids, batch {b}: {agreement(a, by['llama.cpp', b], by['tlaloc-jax', b])}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=16000)
+    ap.add_argument("--context", type=int, default=256, help="the decode context bucket (and llama.cpp's per row)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2, help="timed generations per batch in each process")
+    ap.add_argument("--weight-layout", default="per-layer", choices=("per-layer", "stacked"))
+    ap.add_argument("--work", default=None, help="where the checkpoint, GGUF and artifact are kept (default: a "
+                    "directory under the system's temp dir named after the shape)")
+    ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    missing = [m for m in ("llama_cpp", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"missing: {', '.join(missing)}. {INSTALL}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        import llama_cpp  # noqa: F401  (loads libllama: fails here when LLAMA_CPP_LIB_PATH points nowhere)
+    except (OSError, RuntimeError) as e:
+        print(f"llama-cpp-python is installed but its llama.cpp library did not load ({e}). {INSTALL}",
+              file=sys.stderr)
+        sys.exit(2)
+
+    import tempfile
+    shape = f"h{a.hidden}-l{a.layers}-a{a.heads}-{a.kv_heads}-f{a.intermediate}-v{a.vocab}-c{a.context}-{a.weight_layout}"
+    work = Path(a.work or Path(tempfile.gettempdir()) / f"tlaloc-peers-{shape}")
+    if a.worker:
+        (llama_worker if a.worker == "llama.cpp" else tlaloc_worker)(a, work)
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    prepare(a, work)
+    import jax
+    import llama_cpp
+    print(f"model: llama, hidden {a.hidden}, {a.layers} layers, {a.heads}/{a.kv_heads} heads, vocab {a.vocab}, f32; "
+          f"{PROMPT_LEN}-token prompts, {NEW_TOKENS} greedy tokens, {a.threads} threads; llama-cpp-python "
+          f"{llama_cpp.__version__}, jax {jax.__version__}, tlaloc-jax {a.weight_layout} layout; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    summarize(a, run_rounds(a, work))
+
+
+if __name__ == "__main__":
+    main()
