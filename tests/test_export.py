@@ -46,7 +46,7 @@ def artifacts(checkpoints, tmp_path_factory):
 
 
 @pytest.mark.numeric
-@pytest.mark.parametrize("name", ["llama", "qwen3-tied"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("qwen3-tied", marks=pytest.mark.slow)])
 def test_bodies_match_the_in_process_decoder(name, checkpoints, artifacts):
     m, art = artifacts[name]
     model = tlaloc_jax.load_hf(checkpoints[name], block_size=m.block_size)

@@ -211,6 +211,7 @@ def test_manifest_records_decode_steps(llama, tmp_path):
         mf._check_consistency(mf.Manifest.from_json(json.dumps(bad)))
 
 
+@pytest.mark.slow
 def test_ring_pool_without_sampler(tmp_path, serve_cache_dir, monkeypatch):
     """Sliding layers (a ring of pages per sequence, window 8 < the lengths reached) and no sampler: argmax in
     the body, ring slots computed there; the same ids as single steps, and the control bites."""

@@ -116,6 +116,7 @@ Path("handoff.json").write_text(json.dumps(dict(checks=checks, control=control_m
 """
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_embed_sentences_notebook_serves_its_in_process_embeddings(tmp_path, monkeypatch):
     """A flax.nnx sentence encoder staged as a bounded program and served: each served embedding (its sentences,

@@ -64,7 +64,8 @@ def _checkpoint(checkpoints, tmp_path_factory, name):
     return checkpoints[name]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# The multimodal config (qwen3_5) in `make test-slow`; its text decoder is qwen3_5_text's.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "qwen3_5" else n for n in CASES])
 def test_greedy_ids_and_first_logits_match_transformers(name, checkpoints, tmp_path_factory):
     path = _checkpoint(checkpoints, tmp_path_factory, name)
     ref = load_hf_torch(path)
