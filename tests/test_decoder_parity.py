@@ -29,8 +29,8 @@ CASES = {
 }
 
 
-# gemma3 runs in `make test-slow`: its families are checked against transformers served in test_windowed.
-@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n.startswith("gemma3") else n
+# gemma2 and gemma3 run in `make test-slow`: their families are checked against transformers served in test_windowed.
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n.startswith(("gemma2", "gemma3")) else n
                                         for n in CASES])
 def checkpoint(request, tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp(request.param), **CASES[request.param])

@@ -64,8 +64,10 @@ def _checkpoint(checkpoints, tmp_path_factory, name):
     return checkpoints[name]
 
 
-# The multimodal config (qwen3_5) in `make test-slow`; its text decoder is qwen3_5_text's.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "qwen3_5" else n for n in CASES])
+# The multimodal config (qwen3_5; its text decoder is qwen3_5_text's) and qwen3_next (served against transformers
+# in test_served_gives_transformers_ids_with_state_pools) in `make test-slow`.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("qwen3_5", "qwen3_next") else n
+                                  for n in CASES])
 def test_greedy_ids_and_first_logits_match_transformers(name, checkpoints, tmp_path_factory):
     path = _checkpoint(checkpoints, tmp_path_factory, name)
     ref = load_hf_torch(path)
