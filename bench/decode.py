@@ -82,6 +82,14 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--context", type=int, default=256)
 
 
+def llama_config(args) -> dict:
+    """The Hugging Face config of the random Llama that add_model_args describes."""
+    return dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, max_position_embeddings=4 * args.context,
+                tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -115,10 +123,7 @@ def main(argv=None) -> None:
     from tlaloc_jax.paging import RowCall, build_step_inputs
     from tlaloc_jax.serve import Engine
 
-    hf = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-              num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-              head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, max_position_embeddings=4 * args.context,
-              tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf = llama_config(args)
     fam, cfg = config_from_hf(hf)
     batches = (1, 2, 4)
     block = 16

@@ -24,7 +24,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-from decode import _bandwidth, _median_times, add_model_args  # noqa: E402
+from decode import _bandwidth, _median_times, add_model_args, llama_config  # noqa: E402
 
 LAYOUTS = ("stacked", "per-layer")
 
@@ -48,10 +48,7 @@ def main(argv=None) -> None:
     from tlaloc_jax.paging import RowCall, build_step_inputs
     from tlaloc_jax.serve import Engine
 
-    hf = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-              num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-              head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, max_position_embeddings=4 * args.context,
-              tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf = llama_config(args)
     fam, cfg = config_from_hf(hf)
     batches, block = (1, 2, 4), 16
     width = args.context // block

@@ -46,6 +46,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import add_model_args, llama_config  # noqa: E402
+
 SYSTEMS = ("llama.cpp", "tlaloc-jax")
 BATCHES = (1, 4)
 PROMPT_LEN, NEW_TOKENS, BLOCK = 32, 64, 16
@@ -56,12 +59,9 @@ INSTALL = ("bench/peers.py needs llama-cpp-python and gguf (optional, not in `ma
 
 
 def hf_config(a) -> dict:
-    return dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=a.vocab, hidden_size=a.hidden,
-                intermediate_size=a.intermediate, num_hidden_layers=a.layers, num_attention_heads=a.heads,
-                num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads, rms_norm_eps=1e-6,
-                max_position_embeddings=4 * a.context, tie_word_embeddings=False, hidden_act="silu",
-                bos_token_id=1, eos_token_id=2, torch_dtype="float32",
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    """bench/decode.py's random Llama, with what llama.cpp's GGUF writer also reads (architecture, stop ids)."""
+    return dict(llama_config(a), architectures=["LlamaForCausalLM"], hidden_act="silu", bos_token_id=1, eos_token_id=2,
+                torch_dtype="float32")
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -366,13 +366,7 @@ def summarize(a, results: list[dict]) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=16000)
-    ap.add_argument("--context", type=int, default=256, help="the decode context bucket (and llama.cpp's per row)")
+    add_model_args(ap)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2, help="timed generations per batch in each process")

@@ -16,6 +16,7 @@ over its batch-1 step. The runtime's plugin reads the same option from
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import statistics
 import tempfile
@@ -26,16 +27,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import add_model_args, llama_config  # noqa: E402
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=16000)
-    ap.add_argument("--context", type=int, default=256)
+    add_model_args(ap)
     ap.add_argument("--steps", type=int, default=21, help="timed steps per variant and batch")
     ap.add_argument("--isa", default=None, help="xla_cpu_max_isa for both compiles (e.g. AVX2)")
     args = ap.parse_args(argv)
@@ -49,10 +47,7 @@ def main(argv=None) -> None:
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.paging import RowCall, build_step_inputs
 
-    hf = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-              num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-              head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, max_position_embeddings=4 * args.context,
-              tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf = llama_config(args)
     fam, cfg = config_from_hf(hf)
     block, width, batches = 16, args.context // 16, (1, 4)
     base = {"xla_cpu_max_isa": args.isa} if args.isa else {}
