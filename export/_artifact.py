@@ -18,7 +18,7 @@ from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
 from tlaloc_jax.config import SLIDING, DecoderConfig
 from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, final_hidden, forward, logits_from_hidden
 from tlaloc_jax.kernels import paged_attention_gpu
-from tlaloc_jax.layout import LAYOUTS, fuse_projections, unstack_layers
+from tlaloc_jax.layout import LAYOUTS, fuse_projections, out_major, unstack_layers
 from tlaloc_jax.plan import layer_plan
 from tlaloc_jax.paging import ring_pages_for
 
@@ -112,7 +112,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     if kv_dtype == "float8_e4m3fn":
         name += ":kvfp8"
     if per_layer:
-        weights = unstack_layers(weights)
+        weights = out_major(unstack_layers(weights))
     if contexts[-1] > cfg.max_position_embeddings:
         why = (f"the context ladder reaches {contexts[-1]} positions, past the checkpoint's max_position_embeddings "
                f"({cfg.max_position_embeddings}): the model was not trained for positions that far and its output "

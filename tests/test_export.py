@@ -112,24 +112,25 @@ def test_export_is_byte_identical_twice(checkpoints, artifacts, tmp_path):
     assert a == b and len(a) > 10
 
 
-def test_tied_head_has_no_head_weight_and_linears_are_in_out(checkpoints, artifacts):
+def test_tied_head_has_no_head_weight_and_linears_are_out_in(checkpoints, artifacts):
     m, art = artifacts["qwen3-tied"]
-    assert "head" not in {w.slot for w in m.weights}
-    assert "head" in {w.slot for w in artifacts["llama"][0].weights}
+    assert not {"head", "head.out_in"} & {w.slot for w in m.weights}
+    assert "head.out_in" in {w.slot for w in artifacts["llama"][0].weights}
     slots = {w.slot: w for w in m.weights}
 
     def read(slot):
         return np.frombuffer((art / slots[slot].file).read_bytes(), "<f4").reshape(slots[slot].shape)
 
-    # The per-layer layout (tlaloc_jax.layout): one file per layer, q|k|v and gate|up joined on the output axis.
+    # The per-layer layout (tlaloc_jax.layout): one file per layer, q|k|v and gate|up joined on the output axis,
+    # each projection [out, in] as torch stores it (layers.OutMajor).
     hf = load_file(checkpoints["qwen3-tied"] / "model.safetensors")
     layer = "model.layers.2."
-    np.testing.assert_array_equal(read("attn.o_proj.2"), hf[layer + "self_attn.o_proj.weight"].T)
-    np.testing.assert_array_equal(read("attn.qkv_proj.2"), np.concatenate(
-        [hf[layer + f"self_attn.{p}_proj.weight"].T for p in "qkv"], axis=1))
-    np.testing.assert_array_equal(read("layers.gate_up_proj.2"), np.concatenate(
-        [hf[layer + f"mlp.{p}_proj.weight"].T for p in ("gate", "up")], axis=1))
-    assert not {"attn.q_proj.2", "attn.o_proj", "layers.gate_proj.2"} & set(slots)
+    np.testing.assert_array_equal(read("attn.o_proj.2.out_in"), hf[layer + "self_attn.o_proj.weight"])
+    np.testing.assert_array_equal(read("attn.qkv_proj.2.out_in"), np.concatenate(
+        [hf[layer + f"self_attn.{p}_proj.weight"] for p in "qkv"], axis=0))
+    np.testing.assert_array_equal(read("layers.gate_up_proj.2.out_in"), np.concatenate(
+        [hf[layer + f"mlp.{p}_proj.weight"] for p in ("gate", "up")], axis=0))
+    assert not {"attn.q_proj.2", "attn.o_proj", "attn.o_proj.2", "layers.gate_proj.2.out_in"} & set(slots)
 
 
 def _broken_copy(art: Path, tmp_path: Path) -> Path:

@@ -4,6 +4,9 @@ optimized CPU body reads each weight in place where the scanned one copies it fi
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +16,9 @@ from hf_models import QWEN3_NEXT_MOE, build_checkpoint
 from margins import assert_within
 from tlaloc_jax.decoder import StepInputs
 from tlaloc_jax.kernels import tolerances as tol
-from tlaloc_jax.layout import FUSED, fuse_projections, in_layout, is_per_layer, unstack_layers, weight_slice_copies
+from tlaloc_jax.layers import REDUCE_ROWS, OutMajor, linear
+from tlaloc_jax.layout import (FUSED, LINEAR_SLOTS, fuse_projections, in_layout, is_per_layer, out_major,
+                               unstack_layers, weight_slice_copies)
 from tlaloc_jax.paging import RowCall, build_step_inputs
 
 PROMPTS = [[3, 17, 91, 4, 200, 8, 33], [250, 1, 7]]
@@ -93,3 +98,63 @@ def test_per_layer_body_reads_weights_in_place(checkpoints, tmp_path_factory):
         copies[layout] = weight_slice_copies(hlo, 4 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim)
     assert len(copies["stacked"]) >= 4, copies     # the control: q, k, v, o, gate, up, down copied
     assert copies["per-layer"] == []
+
+
+def test_projections_are_stored_out_in_and_other_slots_are_not():
+    rng = np.random.default_rng(1)
+    w = {"attn.qkv_proj": (rng.standard_normal((8, 24)), rng.standard_normal((8, 24))),
+         "head": rng.standard_normal((8, 10)), "layers.attn_norm": (np.ones(8), np.ones(8)),
+         "layers.router": (rng.standard_normal((8, 4)),), "embed": rng.standard_normal((10, 8))}
+    got = out_major(w)
+    assert isinstance(got["head"], OutMajor) and got["head"].shape == (8, 10)
+    np.testing.assert_array_equal(got["head"].out_in, w["head"].T)
+    np.testing.assert_array_equal(got["attn.qkv_proj"][1].out_in, w["attn.qkv_proj"][1].T)
+    assert got["attn.qkv_proj"][1].out_in.flags.c_contiguous
+    # Norms, the embedding table and the MoE router (kernels.moe reads it) keep their arrays.
+    assert got["layers.attn_norm"] is w["layers.attn_norm"] and got["embed"] is w["embed"]
+    assert got["layers.router"] is w["layers.router"]
+    assert "layers.router" not in LINEAR_SLOTS and "embed" not in LINEAR_SLOTS
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 2, 5, REDUCE_ROWS, REDUCE_ROWS + 1, 40])
+def test_out_major_linear_is_the_dot(rows, dtype):
+    """linear over an OutMajor weight (multiply-reduce for 2..REDUCE_ROWS rows on CPU, a dot otherwise) against
+    the product in float64 of the same rounded operands; the control reads the weight in the wrong orientation."""
+    rng = np.random.default_rng(rows)
+    I, O = 96, 96
+    x = rng.standard_normal((rows, I)).astype(np.float32)
+    w = (rng.standard_normal((I, O)) / np.sqrt(I)).astype(dtype)
+    xr = x.astype(dtype).astype(np.float64)                   # linear rounds x to a bf16 weight's dtype
+    want = xr @ w.astype(np.float64)
+    f = jax.jit(linear)
+    got = f(jnp.asarray(x.reshape(1, rows, I)), OutMajor(jnp.asarray(np.ascontiguousarray(w.T))))
+    assert got.shape == (1, rows, O) and got.dtype == jnp.float32
+    bound = tol.bound(I + 1)                                  # I - 1 additions, each product exact in f32
+    assert_within(tol.relative_error(got[0], want), bound, f"OutMajor linear, {rows} rows, {dtype}")
+    wrong = f(jnp.asarray(x), OutMajor(jnp.asarray(w)))       # control: [I, O] read as [O, I]
+    assert tol.relative_error(wrong, want) > 100 * bound
+
+
+def _layer_projection_reduces(hlo: str, batch: int, cfg) -> int:
+    """The reduce instructions of an optimized CPU body with a layer projection's [batch, O] f32 result."""
+    widths = {(cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.num_heads * cfg.head_dim,
+              2 * cfg.intermediate_size, cfg.hidden_size}
+    return sum(int(o) in widths for o in re.findall(rf"= f32\[{batch},(\d+)\]\{{1,0\}} reduce\(", hlo))
+
+
+def test_cpu_body_runs_few_row_projections_as_multiply_reduce(checkpoints, tmp_path_factory):
+    """On CPU the per-layer batch-4 decode body computes each layer projection (q|k|v, o, gate|up, down) as a
+    reduce over the [O, I] weight; the batch-1 body (dots) and the stacked body at batch 4 are the controls."""
+    path = _checkpoint(checkpoints, tmp_path_factory, "llama")
+    counts = {}
+    for layout, batch in (("per-layer", 4), ("per-layer", 1), ("stacked", 4)):
+        model = tlaloc_jax.load_hf(path, block_size=8, weight_layout=layout)
+        rows = [RowCall([5], 3, [2 * i, 2 * i + 1]) for i in range(batch)]
+        inputs = build_step_inputs(rows, batch=batch, tokens=1, width=2, block_size=8)
+        hlo = model._step.lower(model.weights, model.new_pools(8), StepInputs(
+            **{k: jnp.asarray(v) for k, v in inputs.items()})).compile().as_text()
+        counts[layout, batch] = _layer_projection_reduces(hlo, batch, model.config)
+    layers = model.config.num_layers
+    assert counts == {("per-layer", 4): 4 * layers, ("per-layer", 1): 0, ("stacked", 4): 0}, counts

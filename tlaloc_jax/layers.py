@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -16,8 +17,57 @@ from .config import RopeConfig
 HIGHEST = lax.Precision.HIGHEST
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x: [..., I] f32, w: [I, O] -> [..., O] f32.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OutMajor:
+    """A linear's weight stored [O, I] (torch's order: each output's inputs contiguous), which the per-layer
+    layout (tlaloc_jax.layout) writes. `linear` reads it as the [I, O] weight it stands for.
+
+    Why: on XLA's CPU backend a projection of 2 to REDUCE_ROWS rows written as a multiply-reduce over an [O, I]
+    weight streams the weight once, each row of it reused for every input row from cache, at about the speed of
+    the batch-1 matrix-vector product; the dot of an [I, O] weight (a YNNPACK fusion walking 64-column strips)
+    takes 1.6-1.9x that (bench/dot_forms.py). At 1 row and past REDUCE_ROWS, and off CPU, it is a dot that
+    contracts both operands' last axes, which reads [O, I] in place."""
+
+    out_in: jax.Array
+
+    @property
+    def dtype(self):
+        return self.out_in.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's logical shape [..., I, O]."""
+        return (*self.out_in.shape[:-2], self.out_in.shape[-1], self.out_in.shape[-2])
+
+
+# The most rows (tokens of a call, over its batch) a projection of an OutMajor weight computes as a multiply-reduce
+# on CPU; more rows are compute-bound and go to the dot (bench/dot_forms.py --batches measures both).
+REDUCE_ROWS = 16
+
+
+def _out_major_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x: [..., I] (in w's dtype), w: [O, I] -> [..., O] f32, by the form XLA runs fastest on the platform."""
+    rows = math.prod(x.shape[:-1])
+    flat = x.reshape(rows, x.shape[-1])
+
+    def dot(flat, w):
+        return lax.dot_general(flat, w, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+    def multiply_reduce(flat, w):
+        # Exact products of the (rounded) input and the weight in f32, summed along I: a dot's arithmetic.
+        return jnp.sum(w.astype(jnp.float32)[None] * flat.astype(jnp.float32)[:, None, :], axis=-1)
+
+    if 2 <= rows <= REDUCE_ROWS:
+        out = lax.platform_dependent(flat, w, cpu=multiply_reduce, default=dot)
+    else:
+        out = dot(flat, w)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def linear(x: jax.Array, w: jax.Array | OutMajor | QuantizedWeight) -> jax.Array:
+    """x: [..., I] f32, w: [I, O] (or OutMajor [O, I]) -> [..., O] f32.
 
     A bf16 weight stays bf16: the input is rounded to bf16 and the product accumulates in f32. A quantized
     weight (kernels.quantized_matmul.QuantizedWeight) is read as its codes, its scales applied after the dot.
@@ -26,6 +76,8 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
         return quantized_matmul(x, w)
     if w.dtype != jnp.float32:
         x = x.astype(w.dtype)
+    if isinstance(w, OutMajor):
+        return _out_major_linear(x, w.out_in)
     return jnp.einsum("...i,io->...o", x, w, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 

@@ -11,7 +11,9 @@ The decoder reads either form (`decoder.final_hidden`):
   step reads each weight byte twice and writes it once. Separate arrays are read by the dot directly
   (bench/decode.py --weight-layout measures both). The per-layer form also fuses q | k | v into one
   [E, (H + 2K) * D] projection and gate | up into one [E, 2F] (split in the body): one matrix-vector kernel
-  where there were three, or two.
+  where there were three, or two. And it stores the projections that `layers.linear` reads (LINEAR_SLOTS,
+  the output head too) [O, I], as torch does (layers.OutMajor): on XLA's CPU backend a projection of a few rows
+  then runs as a multiply-reduce that streams the weight once (bench/dot_forms.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Mapping
 import jax
 import numpy as np
 
+from .layers import OutMajor
+
 LAYOUTS = ("per-layer", "stacked")
 # The weight groups whose slots stack the layers (decoder._layer_slice reads them by layer).
 LAYER_GROUPS = ("layers", "attn", "linear")
@@ -31,6 +35,13 @@ FUSED = {
     "attn.qkv_bias": ("attn.q_bias", "attn.k_bias", "attn.v_bias"),
     "layers.gate_up_proj": ("layers.gate_proj", "layers.up_proj"),
 }
+
+
+# The slots `layers.linear` reads (stacked names, fused ones included): the per-layer layout stores them [O, I].
+# Not the router and the experts, which kernels.moe reads itself.
+LINEAR_SLOTS = ("attn.qkv_proj", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.gate_proj", "attn.o_proj",
+                "layers.gate_up_proj", "layers.gate_proj", "layers.up_proj", "layers.down_proj",
+                "linear.in_qkv", "linear.in_z", "linear.in_b", "linear.in_a", "linear.out_proj", "head")
 
 
 def fuse_projections(weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -58,9 +69,21 @@ def unstack_layers(weights: Mapping[str, object]) -> dict[str, object]:
     return out
 
 
+def out_major(weights: Mapping[str, object]) -> dict[str, object]:
+    """The LINEAR_SLOTS' float arrays (each layer's, in the per-layer form) stored [O, I] as layers.OutMajor;
+    quantized weights and every other slot as they were."""
+    def flip(w):
+        if isinstance(w, (tuple, list)):
+            return tuple(flip(a) for a in w)
+        if isinstance(w, (np.ndarray, jax.Array)):
+            return OutMajor(np.ascontiguousarray(np.swapaxes(np.asarray(w), -1, -2)))
+        return w
+    return {name: flip(w) if name in LINEAR_SLOTS else w for name, w in weights.items()}
+
+
 def per_layer(weights: Mapping[str, np.ndarray]) -> dict[str, object]:
-    """The per-layer form of stacked weights: fused projections, one array per layer."""
-    return unstack_layers(fuse_projections(weights))
+    """The per-layer form of stacked weights: fused projections, one array per layer, projections [O, I]."""
+    return out_major(unstack_layers(fuse_projections(weights)))
 
 
 def in_layout(weights: Mapping[str, np.ndarray], layout: str) -> Mapping[str, object]:
