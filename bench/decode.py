@@ -135,10 +135,12 @@ def main(argv=None) -> None:
         del weights
         t0 = time.perf_counter()
         m = export_checkpoint(tmp / "ck", tmp / "art", batch_ladder=batches, context_ladder=(args.context,),
-                              prefill_max_batch=1, prefill_chunk=args.prefill, block_size=block, progress=False)
+                              prefill_max_batch=1, prefill_chunk=args.prefill, block_size=block, progress=False,
+                              weight_layout="per-layer")
         export_s = time.perf_counter() - t0
         engine = Engine.load(tmp / "art", args.plugin, cache_dir=None, progress=False)
-        model = tlaloc_jax.load_hf(tmp / "ck", block_size=block)
+        # In-process JAX runs the layout the exporter wrote (tlaloc_jax.layout), so the ratio is the runtime's own.
+        model = tlaloc_jax.load_hf(tmp / "ck", block_size=block, weight_layout="per-layer")
         print(f"model: llama, {n_params / 1e6:.1f}M parameters (f32), {args.layers} layers, hidden {args.hidden}, "
               f"vocab {args.vocab}; context {args.context}; export {export_s:.1f} s, load {engine.load_seconds:.1f} s")
         print(f"plugin: {engine.device.plugin_package or engine.device.plugin_path} ({engine.device.platform_name}); "
