@@ -852,7 +852,8 @@ class Engine:
                 buf = self.weights[sig.slot]
             args.append(buf)
         before = {name: self.device.device_address(self.pools[name]) for name in pool_args.values()} if check else {}
-        outs = self.device.execute(exe, args, donate=set(pool_args) if self.donate else ())
+        keep = {o for o, _ in e.donations} | {i for i, sig in enumerate(e.outputs) if sig.role in want}
+        outs = self.device.execute(exe, args, donate=set(pool_args) if self.donate else (), keep=keep)
         for out_i, in_i in e.donations:
             name = pool_args[in_i]
             if not self.donate:
@@ -876,7 +877,7 @@ class Engine:
         pulled = {}
         donated_outs = {o for o, _ in e.donations}
         for i, sig in enumerate(e.outputs):
-            if i in donated_outs:
+            if i in donated_outs or outs[i] is None:
                 continue
             if sig.role in want:
                 pulled[sig.role] = self.device.to_host(outs[i])

@@ -399,3 +399,35 @@ def test_runs_with_jax_imports_forbidden(tmp_path):
                        timeout=60, env={**os.environ, "PYTHONWARNINGS": "error::ResourceWarning"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["ok", str(10.0 * D)]
+
+
+@pytest.mark.parametrize("hot", [True, False], ids=["hot-calls", "pypjrt-calls"])
+def test_execute_keeps_the_results_asked_for_and_reuses_its_structs(dev, hot, monkeypatch):
+    """keep: the other results come back as None (released at once); the kept ones read right on every call,
+    donated pools stay in place, whether the hot PJRT calls or pypjrt's own run them."""
+    if not hot:
+        monkeypatch.setattr(dev, "_hot", None)
+    elif dev._hot is None:
+        pytest.fail("the installed pypjrt exposes no PJRT lock: Device runs no hot calls")
+
+    def f(pool, x):
+        return pool + x[0], x * 2.0, jnp.sum(x), x.astype(jnp.int32)
+    exp = _export(f, S((4, 8), jnp.float32), S((3,), jnp.float32), donate=(0,))
+    exe = dev.compile(exp.mlir_module_serialized)
+    pool = dev.upload(np.zeros((4, 8), np.float32))
+    for i in range(4):
+        x = np.array([i, i + 0.5, -i], np.float32)
+        before = dev.device_address(pool)
+        outs = dev.execute(exe, [pool, dev.upload(x)], donate={0}, keep={0, 2})
+        assert outs[1] is None and outs[3] is None and pool.consumed
+        pool = outs[0]
+        assert dev.device_address(pool) == before                  # the donated pool, written in place
+        assert dev.to_host(outs[2]) == pytest.approx(x.sum())
+        np.testing.assert_array_equal(dev.to_host(pool), np.full((4, 8), sum(range(i + 1)), np.float32))
+    assert exe._out_meta[1] == ((3,), np.dtype(np.float32), True)
+    assert len(exe._calls) == 1
+    # Every result when keep is not given; a consumed argument is refused by name.
+    outs = dev.execute(exe, [pool, dev.upload(x)], donate={0})
+    np.testing.assert_array_equal(dev.to_host(outs[3]), x.astype(np.int32))
+    with pytest.raises(ValueError, match="argument 0 is donated"):
+        dev.execute(exe, [pool, dev.upload(x)], donate={0})
