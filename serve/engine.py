@@ -44,6 +44,7 @@ promised, are released, it alone fails, and every other sequence's ids are those
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import numbers
@@ -65,6 +66,13 @@ log = logging.getLogger("tlaloc_jax.serve")
 
 DEFAULT_CACHE_DIR = Path("~/.cache/tlaloc-jax/executables")
 ADDRESS_CHECK_RUNS = 100
+
+
+class _ArgSource(enum.Enum):
+    """Where an entry's argument comes from (Engine._arg_plan)."""
+    STEP = "step input"
+    POOL = "pool"
+    WEIGHT = "weight"
 
 
 class RequestRefused(ValueError):
@@ -230,6 +238,8 @@ class Engine:
         self._ids = itertools.count()
         self._runs = 0
         self._entries_checked: set[str] = set()
+        # Per entry, where each argument comes from: (STEP, key in the inputs dict), (POOL, slot), (WEIGHT, slot).
+        self._arg_plans: dict[str, list[tuple[int, object]]] = {}
         self._stats = dict(steps=0, executions=0, prefill_calls=0, decode_calls=0, tokens_generated=0,
                            prompt_tokens=0, requests_finished=0, requests_failed=0, requests_refused=0,
                            decode_steps_calls=0, pool_address_checks=0, pool_in_place=0, logits_pulled=0,
@@ -825,6 +835,22 @@ class Engine:
             self._neutral[key] = self.device.upload(np.broadcast_to(fill, sig.shape).astype(mf.numpy_dtype(sig.dtype)))
         return self._neutral[key]
 
+    def _arg_plan(self, e: mf.Entry) -> list[tuple[_ArgSource, object, mf.Role]]:
+        """Where each of the entry's arguments comes from, in signature order (made once per entry)."""
+        plan = self._arg_plans.get(e.name)
+        if plan is None:
+            plan = []
+            for sig in e.inputs:
+                if (sig.role in mf.STEP_FIELDS or sig.role in mf.SAMPLER_INPUTS or sig.role in mf.SCORER_INPUTS
+                        or sig.role in mf.DECODE_STEPS_INPUTS):
+                    plan.append((_ArgSource.STEP, mf.STEP_FIELDS.get(sig.role, sig.role), sig.role))
+                elif sig.role == mf.Role.POOL_IN:
+                    plan.append((_ArgSource.POOL, sig.slot, sig.role))
+                else:
+                    plan.append((_ArgSource.WEIGHT, sig.slot, sig.role))
+            self._arg_plans[e.name] = plan
+        return plan
+
     def _execute(self, e: mf.Entry, inputs: dict, want: set[mf.Role] | bool) -> dict[mf.Role, np.ndarray]:
         """Run entry `e` on `inputs` (step inputs by field name, the sampler's by role: host arrays, or device
         buffers kept for the entry); -> the outputs of `want`, pulled to the host, by role. (want a bool, the
@@ -837,19 +863,18 @@ class Engine:
         check = self._runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
         args: list[Buffer] = []
         pool_args: dict[int, str] = {}
-        for i, sig in enumerate(e.inputs):
-            if (sig.role in mf.STEP_FIELDS or sig.role in mf.SAMPLER_INPUTS or sig.role in mf.SCORER_INPUTS
-                    or sig.role in mf.DECODE_STEPS_INPUTS):
-                value = inputs[mf.STEP_FIELDS.get(sig.role, sig.role)]
+        for i, (source, key, role) in enumerate(self._arg_plan(e)):
+            if source is _ArgSource.STEP:
+                value = inputs[key]
                 if isinstance(value, np.ndarray):
-                    buf = self._input_buffer(e, sig.role, value)
+                    buf = self._input_buffer(e, role, value)
                 else:
                     buf = value          # a kept neutral buffer: read, never donated
-            elif sig.role == mf.Role.POOL_IN:
-                buf = self.pools[sig.slot]
-                pool_args[i] = sig.slot
+            elif source is _ArgSource.POOL:
+                buf = self.pools[key]
+                pool_args[i] = key
             else:
-                buf = self.weights[sig.slot]
+                buf = self.weights[key]
             args.append(buf)
         before = {name: self.device.device_address(self.pools[name]) for name in pool_args.values()} if check else {}
         keep = {o for o, _ in e.donations} | {i for i, sig in enumerate(e.outputs) if sig.role in want}
