@@ -36,6 +36,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -132,7 +133,8 @@ def write_gguf(ck: Path, hf: dict, out: Path) -> None:
 
 
 def prepare(a, work: Path) -> None:
-    """Checkpoint, GGUF and artifact under `work`, each made once (kept for the next run with the same shape)."""
+    """Checkpoint and GGUF under `work`, made once (kept for the next run with the same shape), and the artifact,
+    exported on every run: a kept one would hold an older exporter's bodies."""
     from tlaloc_jax.checkpoint import random_weights, save_checkpoint
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.families import config_from_hf
@@ -148,13 +150,13 @@ def prepare(a, work: Path) -> None:
     if not (work / "model-f32.gguf").exists():
         write_gguf(ck, hf, work / "model-f32.gguf.tmp")
         os.replace(work / "model-f32.gguf.tmp", work / "model-f32.gguf")
-    if not (work / "art" / "tlaloc-serving.json").exists():
-        t0 = time.perf_counter()
-        export_checkpoint(ck, work / "art", batch_ladder=BATCHES, context_ladder=(a.context,),
-                          prefill_max_batch=max(BATCHES), prefill_chunk=PROMPT_LEN, block_size=BLOCK, progress=False,
-                          weight_layout=a.weight_layout)
-        print(f"exported the tlaloc-jax artifact ({a.weight_layout} layout) in {time.perf_counter() - t0:.1f} s",
-              flush=True)
+    shutil.rmtree(work / "art", ignore_errors=True)
+    t0 = time.perf_counter()
+    export_checkpoint(ck, work / "art", batch_ladder=BATCHES, context_ladder=(a.context,),
+                      prefill_max_batch=max(BATCHES), prefill_chunk=PROMPT_LEN, block_size=BLOCK, progress=False,
+                      weight_layout=a.weight_layout)
+    print(f"exported the tlaloc-jax artifact ({a.weight_layout} layout) in {time.perf_counter() - t0:.1f} s",
+          flush=True)
 
 
 # -- the workers: one system each, in a process of its own -----------------------------------------------
