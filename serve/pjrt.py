@@ -769,10 +769,12 @@ class Device:
                 raise ValueError(f"{executable.label}: argument {i} is {h._state.value} "
                                  f"(an earlier execution consumed it, or it was closed)")
             ptrs.append(h._ptr)
-        for i in donated:
-            if sum(1 for b in args if b._h is args[i]._h) > 1:
-                raise ValueError(f"{executable.label}: argument {i} is donated and also passed "
-                                 f"at another index")
+        if donated:
+            handles = [id(b._h) for b in args]
+            for i in donated:
+                if handles.count(handles[i]) > 1:
+                    raise ValueError(f"{executable.label}: argument {i} is donated and also passed "
+                                     f"at another index")
 
         plugin, hot = self._plugin, self._hot
         call = executable._call(plugin, n, donated)
@@ -780,14 +782,15 @@ class Device:
             call.row[:n] = ptrs
             call.events[0] = None
             try:
-                with self._client.diagnose_allocation():
-                    # reentrant: XLA may call FFI handlers synchronously inside Execute.
-                    if hot is not None:
-                        hot.execute(call.args)
-                    else:
-                        plugin.call("PJRT_LoadedExecutable_Execute", call.args, reentrant=True)
+                # reentrant: XLA may call FFI handlers synchronously inside Execute.
+                if hot is not None:
+                    hot.execute(call.args)
+                else:
+                    plugin.call("PJRT_LoadedExecutable_Execute", call.args, reentrant=True)
             except pjrt_errors.PjrtError as e:
-                raise type(e)(f"{executable.label}: {e.message}", e.code) from e
+                error = type(e)(f"{executable.label}: {e.message}", e.code)
+                with self._client.diagnose_allocation():     # an allocation failure gets the allocator's state
+                    raise error from e
             event, out_ptrs = call.events[0], list(call.out_row)
         if event:
             # Wait before looking at the inputs: a donated input is still being read until then.
