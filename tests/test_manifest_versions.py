@@ -78,7 +78,9 @@ def test_staged_bodies_give_the_old_bodies_logits_and_pools(case):
         want = run_body(old_art, old_entry, entry_args(old_entry, inputs, pools, weights))
         got = run_body(new_art, new_entry, entry_args(new_entry, inputs, pools, weights))
         for key in ["logits"] + [p.name for p in old.pools]:
-            assert_within(relative_error(got[key], want[key]), min(bound, 1e-6), f"{old_entry.name}: {key}")
+            # The new bodies read the projections [out, in] (tlaloc_jax.layout) and may sum in another order: the
+            # decoder's rounding model bounds the difference.
+            assert_within(relative_error(got[key], want[key]), bound, f"{old_entry.name}: {key}")
         # Control: the same call with another weight set (a transposed projection) is told apart.
         broken = dict(weights, **{"attn.o_proj": np.swapaxes(weights["attn.o_proj"], -1, -2)})
         other = run_body(new_art, new_entry, entry_args(new_entry, inputs, pools, broken))
