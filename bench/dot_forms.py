@@ -63,6 +63,8 @@ def main(argv=None) -> None:
                   lambda x, w, i: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))),
         "reduce_t": (lambda w: np.ascontiguousarray(w.T),
                      lambda x, w, i: jnp.sum(w[None, :, :] * x[:, None, :], axis=-1)),
+        "reduce_t2": (lambda w: np.ascontiguousarray(w.T),
+                      lambda x, w, i: jnp.sum(w[None, :, :] * jnp.concatenate([x, x])[:, None, :], axis=-1)[:x.shape[0]]),
         "reduce": (lambda w: w, lambda x, w, i: jnp.sum(w[None, :, :] * x[:, :, None], axis=1)),
         "blocked": (lambda w: np.ascontiguousarray(w.reshape(w.shape[0], -1, T).transpose(1, 0, 2)),
                     lambda x, w, i: jnp.einsum("bi,jit->bjt", x, w).reshape(x.shape[0], -1)),

@@ -26,6 +26,16 @@ Weights = dict[str, jax.Array]
 Pools = dict[str, jax.Array]
 
 DEFAULT_KEY_BLOCK = 2048
+# A decode call (T = 1) with plain-op attention folds its keys in blocks of at most this many positions (whole
+# pages), so it reads the blocks its rows have written rather than its whole context bucket: on XLA's CPU backend
+# the 100M Llama's decode step at 21 live positions took 18.4 ms in a 1024-position bucket with blocks of 128
+# against 22.0 ms with one block of the whole bucket, and at 1000 live positions 22.1 against 22.9 ms.
+DECODE_KEY_BLOCK = 128
+
+
+def decode_key_block(key_block: int, page_size: int) -> int:
+    """The key block of a decode call: key_block, capped at DECODE_KEY_BLOCK rounded down to whole pages."""
+    return min(key_block, max(DECODE_KEY_BLOCK // page_size, 1) * page_size)
 # How a decode call (T = 1) attends over its pages: "xla", kernels.paged_attention in plain ops (every platform);
 # "pallas", the Pallas GPU kernel (kernels.paged_attention_gpu, lowered through Triton: cuda only);
 # "pallas-interpret", that kernel in Pallas' interpreter (any platform, slow: for tests). Prefill calls use "xla".
@@ -185,6 +195,8 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
         o = paged_decode_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens, **common,
                                    interpret=decode_attention == "pallas-interpret")
     else:
+        if q.shape[1] == 1:
+            key_block = decode_key_block(key_block, kv.shape[3])
         o = paged_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens, key_block=key_block, **common)
     return attention_output(cfg, w, x, o), kv
 
