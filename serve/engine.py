@@ -239,7 +239,7 @@ class Engine:
         self._runs = 0
         self._entries_checked: set[str] = set()
         # Per entry, where each argument comes from: (STEP, key in the inputs dict), (POOL, slot), (WEIGHT, slot).
-        self._arg_plans: dict[str, list[tuple[int, object]]] = {}
+        self._arg_plans: dict[str, list[tuple[_ArgSource, object, mf.Role]]] = {}
         self._stats = dict(steps=0, executions=0, prefill_calls=0, decode_calls=0, tokens_generated=0,
                            prompt_tokens=0, requests_finished=0, requests_failed=0, requests_refused=0,
                            decode_steps_calls=0, pool_address_checks=0, pool_in_place=0, logits_pulled=0,
@@ -877,7 +877,8 @@ class Engine:
                 buf = self.weights[key]
             args.append(buf)
         before = {name: self.device.device_address(self.pools[name]) for name in pool_args.values()} if check else {}
-        keep = {o for o, _ in e.donations} | {i for i, sig in enumerate(e.outputs) if sig.role in want}
+        donated_outs = {o for o, _ in e.donations}
+        keep = donated_outs | {i for i, sig in enumerate(e.outputs) if sig.role in want}
         outs = self.device.execute(exe, args, donate=set(pool_args) if self.donate else (), keep=keep)
         for out_i, in_i in e.donations:
             name = pool_args[in_i]
@@ -900,7 +901,6 @@ class Engine:
             else:
                 log.debug("run %d (%s): pools updated in place", self._runs, e.name)
         pulled = {}
-        donated_outs = {o for o, _ in e.donations}
         for i, sig in enumerate(e.outputs):
             if i in donated_outs or outs[i] is None:
                 continue

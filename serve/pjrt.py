@@ -85,6 +85,7 @@ _BYTECODE_PRODUCER = re.compile(rb"StableHLO_v(\d+)\.(\d+)\.(\d+)")
 _MISSING_FFI_HANDLER = re.compile(r"No FFI handler registered for (\S+)")
 _CACHE_FORMAT = b"tlaloc-pjrt-cache-v1"
 _VOIDP = ctypes.c_void_p
+_EMPTY = ctypes.c_char()  # a valid host address for zero-size uploads
 
 
 class _HotCalls:
@@ -97,8 +98,8 @@ class _HotCalls:
     Buffer (Device.execute's `keep`) and the results' shapes read once per executable, this took a 3-layer
     model's decode call through the runtime from 0.72x to 0.84-0.94x in-process JAX's speed on the same body.
 
-    None of this exists when the installed pypjrt does not expose the lock (`_HotCalls.make` returns None) and
-    Device falls back to pypjrt's calls."""
+    When the installed pypjrt does not expose the lock (`_HotCalls.make` returns None), Device makes the same
+    calls through pypjrt (_PypjrtCalls)."""
 
     def __init__(self, plugin, lock, dispatch_flag):
         self.plugin, self.lock, self.flag = plugin, lock, dispatch_flag
@@ -159,7 +160,30 @@ class _HotCalls:
         if "PJRT_Buffer_OpaqueDeviceMemoryDataPointer" not in self._structs:
             return None
         return int(self._call("PJRT_Buffer_OpaqueDeviceMemoryDataPointer", "buffer", buffer).device_memory_ptr or 0)
-_EMPTY = ctypes.c_char()  # a valid host address for zero-size uploads
+
+
+class _PypjrtCalls:
+    """_HotCalls' calls made through pypjrt's own API: what Device uses when pypjrt exposes no PJRT lock."""
+
+    def __init__(self, plugin):
+        self.plugin = plugin
+
+    def execute(self, args_struct) -> None:
+        self.plugin.call("PJRT_LoadedExecutable_Execute", args_struct, reentrant=True)
+
+    def await_event(self, event: int) -> None:
+        _PjrtEvent(self.plugin, event).consume()
+
+    def destroy_buffer(self, buffer: int) -> None:
+        _PjrtBuffer(self.plugin, buffer).close()
+
+    def is_deleted(self, buffer: int) -> bool:
+        a = self.plugin.args("PJRT_Buffer_IsDeleted_Args", buffer=buffer)
+        self.plugin.call("PJRT_Buffer_IsDeleted", a)
+        return bool(a.is_deleted)
+
+    def device_pointer(self, buffer: int) -> None:
+        return None         # Device.device_address asks pypjrt's buffer itself
 
 
 class PluginNotFoundError(FileNotFoundError):
@@ -467,7 +491,7 @@ class Device:
                               for name, dt in _DTYPES
                               if hasattr(self._plugin.abi, f"PJRT_Buffer_Type_{name}")}
         self._owned: weakref.WeakSet = weakref.WeakSet()
-        self._hot = _HotCalls.make(self._plugin)
+        self._hot = _HotCalls.make(self._plugin) or _PypjrtCalls(self._plugin)
         self._cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
         self.platform_name = self._client.platform_name
         self.platform_version = self._platform_version()
@@ -722,7 +746,7 @@ class Device:
         """The buffer's device memory address (`PJRT_Buffer_OpaqueDeviceMemoryDataPointer`,
         else `PJRT_Buffer_UnsafePointer`). Equal addresses across an execution mean the output
         was written over the donated input."""
-        if self._hot is not None and buffer._h._state is _HandleState.LIVE:
+        if buffer._h._state is _HandleState.LIVE:
             try:
                 address = self._hot.device_pointer(buffer._h._ptr)
             except (pjrt_errors.Unimplemented, pjrt_errors.UnsupportedByPlugin):
@@ -782,11 +806,7 @@ class Device:
             call.row[:n] = ptrs
             call.events[0] = None
             try:
-                # reentrant: XLA may call FFI handlers synchronously inside Execute.
-                if hot is not None:
-                    hot.execute(call.args)
-                else:
-                    plugin.call("PJRT_LoadedExecutable_Execute", call.args, reentrant=True)
+                hot.execute(call.args)      # reentrant: XLA may call FFI handlers synchronously inside Execute
             except pjrt_errors.PjrtError as e:
                 error = type(e)(f"{executable.label}: {e.message}", e.code)
                 with self._client.diagnose_allocation():     # an allocation failure gets the allocator's state
@@ -795,13 +815,10 @@ class Device:
         if event:
             # Wait before looking at the inputs: a donated input is still being read until then.
             try:
-                if hot is not None:
-                    hot.await_event(event)
-                else:
-                    _PjrtEvent(plugin, event).consume()
+                hot.await_event(event)
             except pjrt_errors.PjrtError:
                 for ptr in out_ptrs:        # the failed run's results are released, not leaked
-                    _PjrtBuffer(plugin, ptr).close()
+                    hot.destroy_buffer(ptr)
                 raise
         # Once the run is complete its outputs are defined: to_host need not ask for their ready events.
         meta = executable._out_meta
@@ -810,10 +827,7 @@ class Device:
         outputs: list[Buffer | None] = []
         for j, ptr in enumerate(out_ptrs):
             if not first and keep is not None and j not in keep:
-                if hot is not None:
-                    hot.destroy_buffer(ptr)
-                else:
-                    _PjrtBuffer(plugin, ptr).close()
+                hot.destroy_buffer(ptr)
                 outputs.append(None)
                 continue
             shape, dtype, dense = (None, None, None) if first else meta[j]
@@ -832,7 +846,7 @@ class Device:
         missing = []
         for i in sorted(donated):
             h = args[i]._h
-            if (hot.is_deleted(h._ptr) if hot is not None else h.is_deleted):
+            if hot.is_deleted(h._ptr):
                 h._mark_donated()
             else:
                 missing.append(i)

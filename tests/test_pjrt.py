@@ -23,6 +23,7 @@ from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.serve.pjrt import (ENV_PLUGIN, CompileError, Device, DonationError,
                                    PluginNotFoundError, bytecode_stablehlo_version, find_plugin)
+from tlaloc_jax.serve.pjrt import _HotCalls, _PypjrtCalls
 
 # The same bodies on both sides, but the plugin's XLA is newer than jaxlib's and may fuse and sum in
 # other orders: each check's bound counts the roundings of its computation.
@@ -406,8 +407,8 @@ def test_execute_keeps_the_results_asked_for_and_reuses_its_structs(dev, hot, mo
     """keep: the other results come back as None (released at once); the kept ones read right on every call,
     donated pools stay in place, whether the hot PJRT calls or pypjrt's own run them."""
     if not hot:
-        monkeypatch.setattr(dev, "_hot", None)
-    elif dev._hot is None:
+        monkeypatch.setattr(dev, "_hot", _PypjrtCalls(dev._plugin))
+    elif not isinstance(dev._hot, _HotCalls):
         pytest.fail("the installed pypjrt exposes no PJRT lock: Device runs no hot calls")
 
     def f(pool, x):

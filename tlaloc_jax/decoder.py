@@ -36,6 +36,8 @@ DECODE_KEY_BLOCK = 128
 def decode_key_block(key_block: int, page_size: int) -> int:
     """The key block of a decode call: key_block, capped at DECODE_KEY_BLOCK rounded down to whole pages."""
     return min(key_block, max(DECODE_KEY_BLOCK // page_size, 1) * page_size)
+
+
 # How a decode call (T = 1) attends over its pages: "xla", kernels.paged_attention in plain ops (every platform);
 # "pallas", the Pallas GPU kernel (kernels.paged_attention_gpu, lowered through Triton: cuda only);
 # "pallas-interpret", that kernel in Pallas' interpreter (any platform, slow: for tests). Prefill calls use "xla".
