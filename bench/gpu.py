@@ -237,7 +237,7 @@ def stage_jax(arts: list[Path], steps: int) -> None:
     import jax.numpy as jnp
     import ml_dtypes
     import numpy as np
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as af
     dev = jax.devices()[0]
     n = (1 << 30) if dev.platform == "gpu" else (1 << 24)        # 4 GiB of uint32 on a GPU
     x = jnp.zeros((n,), jnp.uint32)
@@ -248,7 +248,7 @@ def stage_jax(arts: list[Path], steps: int) -> None:
     loaded = {}
     for art in arts:
         try:
-            m = mf.load_manifest(art, verify_weights=False)
+            m = af.load_manifest(art, verify_weights=False)
         except Exception as e:
             result(stage="jax", what="error", art=art.name, error=f"{type(e).__name__}: {e}"[:3000])
             continue
@@ -266,9 +266,9 @@ def stage_jax(arts: list[Path], steps: int) -> None:
             e = next(x for x in m.entries if x.name == entry.name)
             try:
                 exp = jax.export.deserialize(bytearray((art_of(arts, k) / e.exported).read_bytes()))
-                pool_idx = tuple(i for i, s in enumerate(e.inputs) if s.role == mf.Role.POOL_IN)
+                pool_idx = tuple(i for i, s in enumerate(e.inputs) if s.role == af.Role.POOL_IN)
                 f = jax.jit(exp.call, donate_argnums=pool_idx)
-                fns[k] = _jax_step(f, e, inp, weights, pools, e.output_index(mf.Role.NEXT_TOKEN), mf)
+                fns[k] = _jax_step(f, e, inp, weights, pools, e.output_index(af.Role.NEXT_TOKEN), af)
                 fns[k]()                       # compiles: a body this jax cannot run is reported, the rest timed
             except Exception as ex:
                 fns.pop(k, None)
@@ -283,14 +283,14 @@ def art_of(arts: list[Path], name: str) -> Path:
     return next(a for a in arts if a.name == name)
 
 
-def _jax_step(f, e, inp, weights, pools, nt, mf):
+def _jax_step(f, e, inp, weights, pools, nt, af):
     import jax.numpy as jnp
     import numpy as np
     fields = {k: jnp.asarray(v) for k, v in inp.items()}
 
     def step():
-        args = [fields[mf.STEP_FIELDS[s.role]] if s.role in mf.STEP_FIELDS else
-                pools[s.slot] if s.role == mf.Role.POOL_IN else weights[s.slot] for s in e.inputs]
+        args = [fields[af.STEP_FIELDS[s.role]] if s.role in af.STEP_FIELDS else
+                pools[s.slot] if s.role == af.Role.POOL_IN else weights[s.slot] for s in e.inputs]
         outs = f(*args)
         for o, i in e.donations:
             pools[e.inputs[i].slot] = outs[o]
@@ -363,7 +363,7 @@ def floor_ms(m, entry, tokens: int, start: int, gbps: float) -> float:
 
 
 def table(lines: list[dict], kit: Path) -> None:
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as af
     hbm = [r for r in lines if r.get("what") == "hbm"]
     gbps = statistics.median(r["GBps"] for r in hbm) if hbm else None
     if hbm:
@@ -378,7 +378,7 @@ def table(lines: list[dict], kit: Path) -> None:
         model, art, name = k
         r, j = rt.get(k), jx.get(k)
         if art not in manifests:
-            manifests[art] = mf.load_manifest(kit / "art" / art, verify_weights=False)
+            manifests[art] = af.load_manifest(kit / "art" / art, verify_weights=False)
         m = manifests[art]
         entry = next(e for e in m.entries if e.name == name)
         tokens, start = (r or j)["tokens"], (r or j)["position"]

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
 from tlaloc_jax.config import SLIDING, DecoderConfig
 from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, final_hidden, forward, logits_from_hidden
@@ -60,7 +60,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       allow_longer_context: bool = False, prompt_logprobs: int | None = None,
                       decode_attention: str | None = None, weight_layout: str = "per-layer",
                       weight_quant: str = "none", quant_group: int = 128,
-                      quant_axis: str = "output", decode_steps: int = 1) -> mf.Manifest:
+                      quant_axis: str = "output", decode_steps: int = 1) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -99,7 +99,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         raise ExportError(f"attention block {attention_block} is not a multiple of the block size {block_size}")
     if weight_layout not in LAYOUTS:
         raise ExportError(f"unknown weight layout {weight_layout!r}: one of {', '.join(LAYOUTS)}")
-    kv_np = mf.numpy_dtype(kv_dtype) if kv_dtype == "float8_e4m3fn" else weight_dtype(kv_dtype)
+    kv_np = af.numpy_dtype(kv_dtype) if kv_dtype == "float8_e4m3fn" else weight_dtype(kv_dtype)
     quantized = weight_quant != "none"
     cfg, weights = load_checkpoint(checkpoint_dir, "float32" if quantized else weight_dtype_name)
     name = cfg.name or Path(checkpoint_dir).name

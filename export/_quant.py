@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels.quantized_matmul import QuantError, QuantizedWeight, check_scheme, quantize_array
 
 from ._entries import ExportError
@@ -39,7 +39,7 @@ def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int,
     codes rounded against per-input-channel scales, stored with the per-output-channel ones."""
     if scheme not in WEIGHT_QUANT[1:]:
         raise ExportError(f"weight quantization {scheme!r} is not one of {', '.join(WEIGHT_QUANT)}")
-    dtype = mf.numpy_dtype(compute)
+    dtype = af.numpy_dtype(compute)
     out: dict[str, Any] = {}
     for name, w in weights.items():
         if name not in QUANTIZED_SLOTS:
@@ -60,7 +60,7 @@ def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int,
     return out
 
 
-def quant_records(weights: Any) -> dict[str, mf.WeightQuant]:
+def quant_records(weights: Any) -> dict[str, af.WeightQuant]:
     """{slot of a codes or scales file: what the manifest records of it}, for every QuantizedWeight in the
     weights pytree (slot names as stage's flatten_weights joins them)."""
     from ._stage import _key_name
@@ -71,6 +71,6 @@ def quant_records(weights: Any) -> dict[str, mf.WeightQuant]:
         if not is_q(leaf):
             continue
         name = ".".join(_key_name(k) for k in path)
-        for part in mf.QuantPart:
-            out[f"{name}.{part}"] = mf.WeightQuant(mf.QuantScheme(leaf.scheme), part, name, leaf.group)
+        for part in af.QuantPart:
+            out[f"{name}.{part}"] = af.WeightQuant(af.QuantScheme(leaf.scheme), part, name, leaf.group)
     return out

@@ -28,7 +28,7 @@ import jaxlib
 import numpy as np
 from jax import export as jax_export
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import sampling as sampling_kernel
 from tlaloc_jax.kernels import scoring as scoring_kernel
@@ -39,7 +39,7 @@ from ._multistep import decode_steps_fn, decode_steps_signature
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
 from ._quant import quant_records
 
-Role = mf.Role
+Role = af.Role
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json")
 _SLOT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -87,9 +87,9 @@ def flatten_weights(weights: Any) -> tuple[dict[str, np.ndarray], Any]:
         if name in out:
             raise ExportError(f"two weights flatten to the slot name {name!r}")
         arr = np.asarray(leaf)
-        if arr.dtype.name not in mf.DTYPES:
+        if arr.dtype.name not in af.DTYPES:
             raise ExportError(f"weight {name!r} has dtype {arr.dtype.name}, which an artifact cannot hold "
-                              f"(known: {', '.join(mf.DTYPES)})")
+                              f"(known: {', '.join(af.DTYPES)})")
         out[name] = arr
     if not out:
         raise ExportError("the weights pytree has no arrays")
@@ -108,11 +108,11 @@ class Sampler:
     top_logprobs: int = 20
     logit_bias: int = 64
 
-    def manifest(self, vocab: int) -> mf.Sampler:
+    def manifest(self, vocab: int) -> af.SamplerShape:
         if self.top_logprobs < 0 or self.logit_bias < 0:
             raise ExportError(f"Sampler(top_logprobs={self.top_logprobs}, logit_bias={self.logit_bias}): both must "
                               "be >= 0")
-        return mf.Sampler(columns=mf.SAMPLING_COLUMNS, top_logprobs=min(self.top_logprobs, vocab),
+        return af.SamplerShape(columns=af.SAMPLING_COLUMNS, top_logprobs=min(self.top_logprobs, vocab),
                           logit_bias=self.logit_bias, mask_words=sampling_kernel.mask_words(vocab))
 
 
@@ -132,22 +132,22 @@ class PromptScorer:
     head: Callable
     top_logprobs: int = 20
 
-    def manifest(self, vocab: int) -> mf.Scorer:
+    def manifest(self, vocab: int) -> af.ScorerShape:
         if self.top_logprobs < 0:
             raise ExportError(f"PromptScorer(top_logprobs={self.top_logprobs}) must be >= 0")
-        return mf.Scorer(top_logprobs=min(self.top_logprobs, vocab))
+        return af.ScorerShape(top_logprobs=min(self.top_logprobs, vocab))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """The resolved pools: manifest Pools in declaration order, and the ring size (0 without a ring)."""
 
-    pools: tuple[mf.Pool, ...]
+    pools: tuple[af.Pool, ...]
     ring_pages: int
 
     @property
-    def kinds(self) -> tuple[mf.PoolKind, ...]:
-        return tuple(k for k in mf.PoolKind if any(p.kind == k for p in self.pools))
+    def kinds(self) -> tuple[af.PoolKind, ...]:
+        return tuple(k for k in af.PoolKind if any(p.kind == k for p in self.pools))
 
 
 def _resolve_pools(specs: Mapping[str, PoolSpec], *, block_size: int, contexts: tuple[int, ...], max_batch: int,
@@ -182,58 +182,58 @@ def _resolve_pools(specs: Mapping[str, PoolSpec], *, block_size: int, contexts: 
             raise ExportError(f"pool {name!r} is a {type(spec).__name__}; declare PagedKV, RingKV or StateSlots")
         if not _SLOT_NAME.match(name):
             raise ExportError(f"pool name {name!r} keeps to letters, digits, '_', '.' and '-'")
-        if spec.dtype not in mf.DTYPES:
-            raise ExportError(f"pool {name!r} has dtype {spec.dtype!r} (known: {', '.join(mf.DTYPES)})")
+        if spec.dtype not in af.DTYPES:
+            raise ExportError(f"pool {name!r} has dtype {spec.dtype!r} (known: {', '.join(af.DTYPES)})")
         if isinstance(spec, RingKV):
             spec = dataclasses.replace(spec, ring_pages=ring)
-        capacity = {mf.PoolKind.PAGED_KV: full_pages, mf.PoolKind.RING_KV: ring_blocks,
-                    mf.PoolKind.STATE_SLOTS: slots}[spec.kind]
+        capacity = {af.PoolKind.PAGED_KV: full_pages, af.PoolKind.RING_KV: ring_blocks,
+                    af.PoolKind.STATE_SLOTS: slots}[spec.kind]
         pools.append(spec.to_pool(name, capacity, block_size))
     return _Layout(tuple(pools), ring)
 
 
 def entry_signature(spec: EntrySpec, layout: _Layout, block_size: int, vocab: int,
-                    weights: Mapping[str, np.ndarray], sampler: mf.Sampler | None = None,
-                    scorer: mf.Scorer | None = None
-                    ) -> tuple[list[mf.TensorSig], list[mf.TensorSig], tuple[tuple[int, int], ...]]:
+                    weights: Mapping[str, np.ndarray], sampler: af.SamplerShape | None = None,
+                    scorer: af.ScorerShape | None = None
+                    ) -> tuple[list[af.TensorSig], list[af.TensorSig], tuple[tuple[int, int], ...]]:
     """(inputs, outputs, donations) of an entry: the step inputs its pools need, the sampler's inputs, (a scoring
     prefill) the scorer's, the pools, the weights."""
     B, T, M = spec.batch, spec.tokens_per_seq, spec.context // block_size
     shapes = {Role.TOKEN_IDS: (B, T), Role.POSITIONS: (B, T), Role.SEQ_LENS: (B,), Role.BLOCK_TABLES: (B, M),
               Role.SLOT_MAPPING: (B, T), Role.WINDOW_BLOCK_TABLES: (B, M), Role.WINDOW_SLOT_MAPPING: (B, T),
               Role.STATE_SLOTS: (B,)}
-    roles = set(mf.BASE_STEP_INPUTS)
+    roles = set(af.BASE_STEP_INPUTS)
     for kind in layout.kinds:
-        roles.update(mf.POOL_KIND_INPUTS[kind])
-    inputs = [mf.TensorSig(role, "int32", shapes[role]) for role in mf.STEP_FIELDS if role in roles]
-    outputs = [mf.TensorSig(Role.LOGITS, "float32", (B, vocab)), mf.TensorSig(Role.NEXT_TOKEN, "int32", (B,))]
+        roles.update(af.POOL_KIND_INPUTS[kind])
+    inputs = [af.TensorSig(role, "int32", shapes[role]) for role in af.STEP_FIELDS if role in roles]
+    outputs = [af.TensorSig(Role.LOGITS, "float32", (B, vocab)), af.TensorSig(Role.NEXT_TOKEN, "int32", (B,))]
     if sampler is not None:
         shapes = sampler.shapes(B, spec.context)
-        inputs += [mf.TensorSig(r, mf.SAMPLER_DTYPES.get(r, "int32"), shapes[r]) for r in mf.SAMPLER_INPUTS]
-        outputs += [mf.TensorSig(r, mf.SAMPLER_DTYPES.get(r, "int32"), shapes[r]) for r in mf.SAMPLER_OUTPUTS]
-    if spec.kind == mf.EntryKind.PREFILL_SCORED:
+        inputs += [af.TensorSig(r, af.SAMPLER_DTYPES.get(r, "int32"), shapes[r]) for r in af.SAMPLER_INPUTS]
+        outputs += [af.TensorSig(r, af.SAMPLER_DTYPES.get(r, "int32"), shapes[r]) for r in af.SAMPLER_OUTPUTS]
+    if spec.kind == af.EntryKind.PREFILL_SCORED:
         shapes = scorer.shapes(B, T)
-        inputs += [mf.TensorSig(r, "int32", shapes[r]) for r in mf.SCORER_INPUTS]
-        outputs += [mf.TensorSig(r, mf.SCORER_DTYPES.get(r, "int32"), shapes[r]) for r in mf.SCORER_OUTPUTS]
+        inputs += [af.TensorSig(r, "int32", shapes[r]) for r in af.SCORER_INPUTS]
+        outputs += [af.TensorSig(r, af.SCORER_DTYPES.get(r, "int32"), shapes[r]) for r in af.SCORER_OUTPUTS]
     donations = []
     for p in layout.pools:
         donations.append((len(outputs), len(inputs)))
-        inputs.append(mf.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name))
-        outputs.append(mf.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name))
-    inputs += [mf.TensorSig(Role.WEIGHT, w.dtype.name, tuple(w.shape), slot) for slot, w in weights.items()]
+        inputs.append(af.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name))
+        outputs.append(af.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name))
+    inputs += [af.TensorSig(Role.WEIGHT, w.dtype.name, tuple(w.shape), slot) for slot, w in weights.items()]
     return inputs, outputs, tuple(donations)
 
 
-def _entry_fn(step: Callable, treedef, inputs: list[mf.TensorSig], outputs: list[mf.TensorSig], ring_pages: int,
+def _entry_fn(step: Callable, treedef, inputs: list[af.TensorSig], outputs: list[af.TensorSig], ring_pages: int,
               scorer: PromptScorer | None = None):
     """The entry's function over its positional arguments, in signature order (a scoring prefill, one that takes
     SCORE_TARGETS, runs `scorer` in place of `step`)."""
     def entry(*args):
         fields, pools, leaves, sampler, targets = {}, {}, [], {}, None
         for sig, a in zip(inputs, args):
-            if sig.role in mf.STEP_FIELDS:
-                fields[mf.STEP_FIELDS[sig.role]] = a
-            elif sig.role in mf.SAMPLER_INPUTS:
+            if sig.role in af.STEP_FIELDS:
+                fields[af.STEP_FIELDS[sig.role]] = a
+            elif sig.role in af.SAMPLER_INPUTS:
                 sampler[sig.role] = a
             elif sig.role == Role.SCORE_TARGETS:
                 targets = a
@@ -271,20 +271,20 @@ def _entry_fn(step: Callable, treedef, inputs: list[mf.TensorSig], outputs: list
             # The sampler runs on every entry, after the step: the host pulls a token per row (and its logprobs),
             # never the logits, whatever the row's sampling parameters.
             top_n = next(o.shape[1] for o in outputs if o.role == Role.TOP_LOGPROBS)
-            chosen = sampling_kernel.sample_tokens(logits, *(sampler[r] for r in mf.SAMPLER_INPUTS),
+            chosen = sampling_kernel.sample_tokens(logits, *(sampler[r] for r in af.SAMPLER_INPUTS),
                                                    fields["seq_lens"], top_n=top_n)
-            results.update({(role, ""): value for role, value in zip(mf.SAMPLER_OUTPUTS, chosen)})
+            results.update({(role, ""): value for role, value in zip(af.SAMPLER_OUTPUTS, chosen)})
         if targets is not None:
             top_n = next(o.shape[2] for o in outputs if o.role == Role.PROMPT_TOP_LOGPROBS)
             scores = scoring_kernel.score_positions(hidden, targets, lambda x: scorer.head(weights, x), top_n=top_n)
-            results.update({(role, ""): value for role, value in zip(mf.SCORER_OUTPUTS, scores)})
+            results.update({(role, ""): value for role, value in zip(af.SCORER_OUTPUTS, scores)})
         results.update({(Role.POOL_OUT, name): buf for name, buf in new_pools.items()})
         return tuple(results[(o.role, o.slot)] for o in outputs)
     return entry
 
 
-def _avals(sigs: Sequence[mf.TensorSig]):
-    return [jax.ShapeDtypeStruct(s.shape, jnp.dtype(mf.numpy_dtype(s.dtype))) for s in sigs]
+def _avals(sigs: Sequence[af.TensorSig]):
+    return [jax.ShapeDtypeStruct(s.shape, jnp.dtype(af.numpy_dtype(s.dtype))) for s in sigs]
 
 
 def _vocab(step: Callable, treedef, spec: EntrySpec, layout: _Layout, block_size: int,
@@ -305,7 +305,7 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
     jax.export drops arguments the function never reads. A weight or pool dropped that way is a mistake and
     is refused (check_body); a step input the model has no use for (a recurrent model needs no SEQ_LENS)
     is kept in the body instead, so that every entry takes what its pools' kinds say."""
-    if spec.kind == mf.EntryKind.DECODE_STEPS:
+    if spec.kind == af.EntryKind.DECODE_STEPS:
         fn = decode_steps_fn(step, treedef, inputs, outputs, steps=spec.steps, block_size=block_size,
                              ring_pages=ring_pages)
     else:
@@ -317,7 +317,7 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
 
     exp = export(keep_unused=False)
     dropped = set(range(len(inputs))) - set(exp.module_kept_var_idx)
-    if dropped and all(inputs[i].role in mf.STEP_FIELDS for i in dropped):
+    if dropped and all(inputs[i].role in af.STEP_FIELDS for i in dropped):
         exp = export(keep_unused=True)
     check_body(spec.name, exp, inputs, outputs, donations, platform)
     return exp
@@ -344,7 +344,7 @@ def export_fn(fn: Callable, avals, *, platform: str, donate: tuple[int, ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class BodyFiles:
-    """The three files of one exported body, named by the textual body's sha256 (field names as mf.Entry's)."""
+    """The three files of one exported body, named by the textual body's sha256 (field names as af.Entry's)."""
 
     body: str
     body_sha256: str
@@ -369,7 +369,7 @@ def write_body(out: Path, exp: jax_export.Exported) -> BodyFiles:
 
 
 def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar,
-                  quant: Mapping[str, mf.WeightQuant] | None = None) -> tuple[mf.WeightFile, ...]:
+                  quant: Mapping[str, af.WeightQuant] | None = None) -> tuple[af.WeightFile, ...]:
     """One raw file per weight (host order, checked little-endian by the caller), hashed; `bar` ticks per file.
     quant: the slots that are halves of quantized weights (export/_quant.py's quant_records)."""
     quant = quant or {}
@@ -378,13 +378,13 @@ def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar,
         bar.set_postfix_str(slot)
         rel = f"weights/{i:04d}_{slot}.bin"
         data = np.ascontiguousarray(w).tobytes()
-        files.append(mf.WeightFile(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=len(data), file=rel,
+        files.append(af.WeightFile(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=len(data), file=rel,
                                    sha256=_write(out / rel, data), quant=quant.get(slot)))
         bar.update()
     return tuple(files)
 
 
-def copy_tokenizer(out: Path, tokenizer_dir) -> tuple[mf.TokenizerFile, ...]:
+def copy_tokenizer(out: Path, tokenizer_dir) -> tuple[af.TokenizerFile, ...]:
     """The tokenizer files of `tokenizer_dir` (those of TOKENIZER_FILES it has), copied into the artifact, hashed."""
     if tokenizer_dir is None:
         return ()
@@ -393,7 +393,7 @@ def copy_tokenizer(out: Path, tokenizer_dir) -> tuple[mf.TokenizerFile, ...]:
         src = Path(tokenizer_dir) / fname
         if src.is_file():
             shutil.copyfile(src, out / fname)
-            files.append(mf.TokenizerFile(fname, mf.sha256_file(out / fname)))
+            files.append(af.TokenizerFile(fname, af.sha256_file(out / fname)))
     return tuple(files)
 
 
@@ -405,7 +405,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
           eos_token_ids: Sequence[int] = (), refused_tokens: Sequence[tuple[int, str]] = (),
           tokenizer_dir=None, embedding_slot: str = "", describe: Mapping[str, int] | None = None,
           attention_block: int = 0, progress: bool = True, sampler: Sampler | None = None,
-          prompt_logprobs: PromptScorer | None = None, decode_steps: int = 1) -> mf.Manifest:
+          prompt_logprobs: PromptScorer | None = None, decode_steps: int = 1) -> af.Manifest:
     """Write the serving artifact of `step` to `out_dir` (empty or absent) and return its manifest.
 
     step(weights, pools, inputs) -> (logits [B, V], pools): one call, traced once per entry; it must return
@@ -461,11 +461,11 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     if not isinstance(decode_steps, int) or decode_steps < 1:
         raise ExportError(f"decode_steps must be a positive integer, got {decode_steps!r}")
     if decode_steps > 1:
-        specs += [EntrySpec(mf.EntryKind.DECODE_STEPS, s.batch, s.context, 1, decode_steps) for s in specs
-                  if s.kind == mf.EntryKind.DECODE]
+        specs += [EntrySpec(af.EntryKind.DECODE_STEPS, s.batch, s.context, 1, decode_steps) for s in specs
+                  if s.kind == af.EntryKind.DECODE]
     if prompt_logprobs is not None:
-        specs += [dataclasses.replace(s, kind=mf.EntryKind.PREFILL_SCORED) for s in specs
-                  if s.kind == mf.EntryKind.PREFILL]
+        specs += [dataclasses.replace(s, kind=af.EntryKind.PREFILL_SCORED) for s in specs
+                  if s.kind == af.EntryKind.PREFILL]
     vocab = _vocab(step, treedef, specs[0], layout, block_size, flat)
     sampler_spec = sampler.manifest(vocab) if sampler is not None else None
     scorer_spec = prompt_logprobs.manifest(vocab) if prompt_logprobs is not None else None
@@ -488,12 +488,12 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         bar.set_postfix_str(spec.name)
         inputs, outputs, donations = entry_signature(spec, layout, block_size, vocab, flat, sampler_spec,
                                                      scorer_spec)
-        if spec.kind == mf.EntryKind.DECODE_STEPS:
+        if spec.kind == af.EntryKind.DECODE_STEPS:
             inputs, outputs, donations = decode_steps_signature(inputs, outputs, batch=spec.batch, steps=spec.steps)
         exp = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=layout.ring_pages,
                            platform=platform, scorer=prompt_logprobs, block_size=block_size)
         calling_convention = int(exp.calling_convention_version)
-        entry = mf.Entry(name=spec.name, kind=mf.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
+        entry = af.Entry(name=spec.name, kind=af.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
                          tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp)),
                          program=f"programs/{spec.name}.json", inputs=tuple(inputs), outputs=tuple(outputs),
                          donations=donations, kept_inputs=tuple(exp.module_kept_var_idx), steps=spec.steps)
@@ -509,20 +509,20 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
 
     describe = dict(describe or {})
     dtypes = sorted({w.dtype.name for w in flat.values()})
-    m = mf.Manifest(
-        schema=mf.SCHEMA_V4, block_size=block_size, pools=layout.pools,
-        model=mf.ModelShape(name=name, model_type=model_type, vocab=vocab,
+    m = af.Manifest(
+        schema=af.SCHEMA_V4, block_size=block_size, pools=layout.pools,
+        model=af.ModelShape(name=name, model_type=model_type, vocab=vocab,
                             weight_dtype=describe.pop("weight_dtype", dtypes[0] if len(dtypes) == 1 else "mixed"),
                             kv_dtype=describe.pop("kv_dtype", layout.pools[0].dtype),
                             eos_token_ids=tuple(int(t) for t in eos_token_ids), embedding_slot=embedding_slot,
                             **describe),
-        buckets=mf.Buckets(batch_ladder=batches, context_ladder=contexts, prefill_max_batch=prefill_max_batch,
+        buckets=af.Buckets(batch_ladder=batches, context_ladder=contexts, prefill_max_batch=prefill_max_batch,
                            prefill_chunk=chunk),
         entries=tuple(entries), weights=files,
-        versions=mf.Versions(jax=jax.__version__, jaxlib=jaxlib.__version__, calling_convention=calling_convention,
+        versions=af.Versions(jax=jax.__version__, jaxlib=jaxlib.__version__, calling_convention=calling_convention,
                              platform=platform, attention_block=attention_block),
-        refused_tokens=tuple(mf.RefusedToken(int(t), k) for t, k in refused_tokens),
+        refused_tokens=tuple(af.RefusedToken(int(t), k) for t, k in refused_tokens),
         tokenizer_files=tokenizer, sampler=sampler_spec, scorer=scorer_spec,
     )
-    (out / mf.MANIFEST_NAME).write_text(m.to_json())
-    return mf.load_manifest(out)
+    (out / af.MANIFEST_NAME).write_text(m.to_json())
+    return af.load_manifest(out)

@@ -56,7 +56,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 from tlaloc_jax.paging import PageAllocator, PoolExhausted, RowCall, build_step_inputs, pool_rule, row_call
 
 from .pjrt import Buffer, Device, Executable

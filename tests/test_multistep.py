@@ -12,7 +12,7 @@ import json
 import pytest
 
 from hf_models import build_checkpoint
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.export import Sampler, export_checkpoint
 from tlaloc_jax.serve import Engine, Sampling
 from tlaloc_jax.serve import engine as engine_mod
@@ -175,8 +175,8 @@ def test_control_fails(llama, monkeypatch):
 
     def ahead(self, e, call, producing, allowed):
         out = real_inputs(self, e, call, producing, allowed)
-        if e.kind == mf.EntryKind.DECODE_STEPS:
-            out[mf.Role.RNG_STEP] = out[mf.Role.RNG_STEP] + 1
+        if e.kind == af.EntryKind.DECODE_STEPS:
+            out[af.Role.RNG_STEP] = out[af.Role.RNG_STEP] + 1
         return out
     monkeypatch.setattr(Engine, "_sampler_inputs", ahead)
     assert _run(llama, seeded, multi=True)[0] != single
@@ -195,20 +195,20 @@ def _shifted(steps_call, row_fn):
 
 def test_manifest_records_decode_steps(llama, tmp_path):
     m = llama.manifest
-    multi = [e for e in m.entries if e.kind == mf.EntryKind.DECODE_STEPS]
+    multi = [e for e in m.entries if e.kind == af.EntryKind.DECODE_STEPS]
     assert {(e.batch, e.context, e.steps) for e in multi} == {(4, 64, K)}
-    assert all(e.steps == 1 for e in m.entries if e.kind != mf.EntryKind.DECODE_STEPS)
+    assert all(e.steps == 1 for e in m.entries if e.kind != af.EntryKind.DECODE_STEPS)
     e = multi[0]
-    assert e.outputs[0] == mf.TensorSig(mf.Role.STEP_TOKENS, "int32", (4, K))
+    assert e.outputs[0] == af.TensorSig(af.Role.STEP_TOKENS, "int32", (4, K))
     raw = json.loads(m.to_json())
     # An older v4 manifest (no `steps`, no decode_steps entries) loads as before.
     old = dict(raw, entries=[{k: v for k, v in x.items() if k != "steps"} for x in raw["entries"]
                              if x["kind"] != "decode_steps"])
-    mf._check_consistency(mf.Manifest.from_json(json.dumps(old)))
+    af.check_manifest(af.Manifest.from_json(json.dumps(old)))
     # A decode_steps entry that claims one step is refused by name.
     bad = dict(raw, entries=[dict(x, steps=1) if x["name"] == e.name else x for x in raw["entries"]])
-    with pytest.raises(mf.ManifestError, match=f"entry '{e.name}'.*decode_steps"):
-        mf._check_consistency(mf.Manifest.from_json(json.dumps(bad)))
+    with pytest.raises(af.ManifestError, match=f"entry '{e.name}'.*decode_steps"):
+        af.check_manifest(af.Manifest.from_json(json.dumps(bad)))
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 
 from http_util import InProcess
 from margins import assert_within
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.serve import Engine, Sampling
 
@@ -297,14 +297,14 @@ def test_openai_echo_logprobs_and_vllm_prompt_logprobs_come_from_the_scoring_ent
 def test_manifest_refuses_scorer_roles_where_they_do_not_belong(artifact):
     """A scoring role on a plain prefill entry, a scoring entry without its roles, or a scorer without scoring
     entries is refused by name; the artifact itself loads, and a manifest without a scorer still does."""
-    raw = json.loads((artifact / mf.MANIFEST_NAME).read_text())
-    mf._check_consistency(mf.Manifest.from_json(json.dumps(raw)))
+    raw = json.loads((artifact / af.MANIFEST_NAME).read_text())
+    af.check_manifest(af.Manifest.from_json(json.dumps(raw)))
 
     def refused(edit, match):
         bad = json.loads(json.dumps(raw))
         edit(bad)
-        with pytest.raises(mf.ManifestError, match=match):
-            mf._check_consistency(mf.Manifest.from_json(json.dumps(bad)))
+        with pytest.raises(af.ManifestError, match=match):
+            af.check_manifest(af.Manifest.from_json(json.dumps(bad)))
 
     def entry(bad, kind):
         return next(e for e in bad["entries"] if e["kind"] == kind)
@@ -326,4 +326,4 @@ def test_manifest_refuses_scorer_roles_where_they_do_not_belong(artifact):
     plain = json.loads(json.dumps(raw))
     no_scoring_entries(plain)
     plain["scorer"] = None
-    assert mf.Manifest.from_json(json.dumps(plain)).scorer is None
+    assert af.Manifest.from_json(json.dumps(plain)).scorer is None

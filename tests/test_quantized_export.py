@@ -19,7 +19,7 @@ import tlaloc_jax
 from hf_models import build_checkpoint, load_hf_torch, torch_greedy
 from margins import assert_within
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint
 from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.export._quant import QUANTIZED_SLOTS, quantize_weights
@@ -54,7 +54,7 @@ def quant_logit_bound(checkpoint, scheme: str, group: int = 0, context: int = 64
 
 
 def test_manifest_records_each_quantized_weight(int8_artifact):
-    m = mf.load_manifest(int8_artifact)
+    m = af.load_manifest(int8_artifact)
     assert m.model.name.endswith(":qint8")
     by_slot = {w.slot: w for w in m.weights}
     # The per-layer layout (tlaloc_jax.layout): q|k|v and gate|up fused, then quantized, one file per layer.
@@ -64,7 +64,7 @@ def test_manifest_records_each_quantized_weight(int8_artifact):
             name = f"{slot}.{i}"
             codes, scales = by_slot[f"{name}.codes"], by_slot[f"{name}.scales"]
             assert (codes.dtype, scales.dtype) == ("int8", "float32")
-            assert codes.quant == mf.WeightQuant(mf.QuantScheme.INT8, mf.QuantPart.CODES, name, 0)
+            assert codes.quant == af.WeightQuant(af.QuantScheme.INT8, af.QuantPart.CODES, name, 0)
             assert scales.shape == codes.shape[1:]
     # The output head stays float, stored [out, in] like the per-layer layout's other float projections.
     for slot in ("embed", "head.out_in", "final_norm", "layers.attn_norm.0", "layers.mlp_norm.0"):
@@ -84,9 +84,9 @@ def test_export_cli_refuses_int4_groups_that_do_not_tile(llama, tmp_path, capsys
 
 def _tampered(src, dst, edit):
     shutil.copytree(src, dst)
-    raw = json.loads((dst / mf.MANIFEST_NAME).read_text())
+    raw = json.loads((dst / af.MANIFEST_NAME).read_text())
     edit({w["slot"]: w for w in raw["weights"]}, raw)
-    (dst / mf.MANIFEST_NAME).write_text(json.dumps(raw))
+    (dst / af.MANIFEST_NAME).write_text(json.dumps(raw))
     return dst
 
 
@@ -99,8 +99,8 @@ def _tampered(src, dst, edit):
 ], ids=["unknown-scheme", "int8-with-group", "part-mismatch", "scales-unmarked", "codes-dtype"])
 def test_bad_quantization_entries_are_refused_at_load(int8_artifact, tmp_path, edit, message):
     bad = _tampered(int8_artifact, tmp_path / "bad", edit)
-    with pytest.raises(mf.ManifestError, match=message):
-        mf.load_manifest(bad)
+    with pytest.raises(af.ManifestError, match=message):
+        af.load_manifest(bad)
 
 
 @pytest.mark.numeric
@@ -237,7 +237,7 @@ def test_served_int8_experts_match_the_dequantized_checkpoint(tmp_path):
     ck = build_checkpoint(tmp_path / "ck", "qwen3_moe", seed=3)
     export_checkpoint(ck, tmp_path / "art", batch_ladder=(1,), context_ladder=(64,), weight_quant="int8",
                       progress=False, sampler=None)
-    m = mf.load_manifest(tmp_path / "art")
+    m = af.load_manifest(tmp_path / "art")
     cfg, weights = load_checkpoint(ck, "float32")
     assert {w.slot for w in m.weights if w.quant} >= {f"layers.expert_{p}.{i}.{part}" for p in ("gate", "up", "down")
                                                       for part in ("codes", "scales") for i in range(cfg.num_layers)}

@@ -326,14 +326,14 @@ def test_served_gives_transformers_ids_with_state_pools(name, checkpoints, tmp_p
     pages, and served by the JAX-free runtime: prompts longer than a prefill chunk carry their state across
     chunks; alone and decoded together they give transformers' greedy ids (near-tie rule). Control: every
     sequence handed slot 0 (sequences decoded together read and write each other's state) fails the check."""
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as af
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.serve import Engine
     path = _checkpoint(checkpoints, tmp_path_factory, name)
     m = export_checkpoint(path, tmp_path / "art", batch_ladder=(4,), context_ladder=(128,), block_size=8,
                           prefill_chunk=32, progress=False)
-    assert {p.name: p.kind for p in m.pools} == {"kv": mf.PoolKind.PAGED_KV, "conv": mf.PoolKind.STATE_SLOTS,
-                                                 "recurrent": mf.PoolKind.STATE_SLOTS}
+    assert {p.name: p.kind for p in m.pools} == {"kv": af.PoolKind.PAGED_KV, "conv": af.PoolKind.STATE_SLOTS,
+                                                 "recurrent": af.PoolKind.STATE_SLOTS}
     ref = load_hf_torch(path)
     want = [torch_greedy(ref, p, 16) for p in PROMPTS]
     cfg = tlaloc_jax.load_hf(path).config

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from margins import assert_within
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels import sampling as S
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
@@ -133,7 +133,7 @@ def test_controls_fail():
 
 
 def test_columns_are_the_manifests():
-    assert S.SAMPLING_COLUMNS == mf.SAMPLING_COLUMNS
+    assert S.SAMPLING_COLUMNS == af.SAMPLING_COLUMNS
     assert set(host.NEUTRAL_ROW) == set(S.SAMPLING_COLUMNS)
     assert all(host.NEUTRAL_ROW[c] == S.NEUTRAL[c] for c in S.SAMPLING_COLUMNS)
 

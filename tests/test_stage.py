@@ -12,7 +12,7 @@ from jax import lax
 
 import tlaloc_jax
 from margins import assert_within
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.paging import RowCall, build_step_inputs
@@ -93,12 +93,12 @@ def artifact(weights, tmp_path_factory):
 
 def test_manifest_describes_the_state_pool_by_kind(artifact):
     m, _ = artifact
-    assert m.schema == mf.SCHEMA_V4 and m.model.vocab == V and m.model.model_type == "authored"
+    assert m.schema == af.SCHEMA_V4 and m.model.vocab == V and m.model.model_type == "authored"
     (pool,) = m.pools
-    assert (pool.name, pool.kind, pool.shape, pool.slot_axis) == ("state", mf.PoolKind.STATE_SLOTS, (4, E), 0)
+    assert (pool.name, pool.kind, pool.shape, pool.slot_axis) == ("state", af.PoolKind.STATE_SLOTS, (4, E), 0)
     for e in m.entries:
-        roles = [s.role for s in e.inputs if s.role in mf.STEP_FIELDS]
-        assert roles == [mf.Role.TOKEN_IDS, mf.Role.POSITIONS, mf.Role.SEQ_LENS, mf.Role.STATE_SLOTS], e.name
+        roles = [s.role for s in e.inputs if s.role in af.STEP_FIELDS]
+        assert roles == [af.Role.TOKEN_IDS, af.Role.POSITIONS, af.Role.SEQ_LENS, af.Role.STATE_SLOTS], e.name
 
 
 def test_served_ids_equal_the_in_process_run_alone_and_together(artifact, weights, tmp_path):
@@ -208,11 +208,11 @@ def test_unknown_pool_kind_or_role_is_refused_by_name(artifact, tmp_path):
                                                                                  r"a known Role")):
         bad = tmp_path / value
         shutil.copytree(art, bad)
-        raw = json.loads((bad / mf.MANIFEST_NAME).read_text())
+        raw = json.loads((bad / af.MANIFEST_NAME).read_text())
         node = raw
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
-        (bad / mf.MANIFEST_NAME).write_text(json.dumps(raw))
-        with pytest.raises(mf.ManifestError, match=message):
+        (bad / af.MANIFEST_NAME).write_text(json.dumps(raw))
+        with pytest.raises(af.ManifestError, match=message):
             Engine.load(bad, cache_dir=tmp_path / "c", progress=False)

@@ -27,7 +27,7 @@ def __getattr__(name):
         from . import bounded
         return getattr(bounded, name)
     if name == "EmbeddingTask":
-        from .bounded_manifest import EmbeddingTask
+        from .artifact.bounded import EmbeddingTask
         return EmbeddingTask
     if name == "StepInputs":
         from .inputs import StepInputs

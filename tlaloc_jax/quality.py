@@ -141,10 +141,10 @@ def compare(engine_a, engine_b, text_ids: Sequence[int], *, fixtures: int = 3, f
 
 
 def text_ids_for(artifact: str, text: str, tokens: int) -> list[int]:
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as af
     from tlaloc_jax.serve.tokenizer import load_tokenizer
 
-    m = mf.load_manifest(artifact, verify_files=False)
+    m = af.load_manifest(artifact, verify_files=False)
     tok = load_tokenizer(artifact, m)
     if tok is not None:
         return tok.encode(text, add_special_tokens=False)[:tokens]
