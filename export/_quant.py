@@ -23,12 +23,12 @@ QUANTIZED_SLOTS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "
                    "attn.qkv_proj", "layers.gate_up_proj",                              # fused (tlaloc_jax.layout)
                    "layers.expert_gate", "layers.expert_up", "layers.expert_down",      # [L, X, in, out]
                    "layers.shared_gate", "layers.shared_up", "layers.shared_down")
-WEIGHT_QUANT = ("none", "int8", "fp8", "int4")
+WEIGHT_QUANT = ("none", *(s.value for s in af.QuantScheme))
 
 
 def scheme_label(scheme: str, group: int) -> str:
     """The scheme as the model's name carries it: "int8", "fp8", "int4g128"."""
-    return f"{scheme}g{group}" if scheme == "int4" else scheme
+    return f"{scheme}g{group}" if scheme == af.QuantScheme.INT4 else scheme
 
 
 def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int, *, compute: str,
@@ -46,12 +46,13 @@ def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int,
             out[name] = np.asarray(w).astype(dtype)
             continue
         try:
-            check_scheme(scheme, group if scheme == "int4" else 0, w.shape[-2])
-            q = quantize_array(np.asarray(w, np.float32), scheme, group if scheme == "int4" else 0, compute=compute)
+            check_scheme(scheme, group if scheme == af.QuantScheme.INT4 else 0, w.shape[-2])
+            q = quantize_array(np.asarray(w, np.float32), scheme, group if scheme == af.QuantScheme.INT4 else 0,
+                               compute=compute)
         except QuantError as e:
             raise ExportError(f"weight {name!r} {list(w.shape)}: {e}") from None
         if axis == "input":
-            if scheme != "int8":
+            if scheme != af.QuantScheme.INT8:
                 raise ExportError(f"the wrong-axis control quantizes int8 only, not {scheme}")
             wrong = quantize_array(np.swapaxes(np.asarray(w, np.float32), -1, -2), scheme, group, compute=compute)
             q = QuantizedWeight(np.ascontiguousarray(np.swapaxes(wrong.codes, -1, -2)), q.scales, q.scheme,

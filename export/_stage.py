@@ -113,7 +113,7 @@ class Sampler:
             raise ExportError(f"Sampler(top_logprobs={self.top_logprobs}, logit_bias={self.logit_bias}): both must "
                               "be >= 0")
         return af.SamplerShape(columns=af.SAMPLING_COLUMNS, top_logprobs=min(self.top_logprobs, vocab),
-                          logit_bias=self.logit_bias, mask_words=sampling_kernel.mask_words(vocab))
+                          logit_bias=self.logit_bias, mask_words=af.mask_words(vocab))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,7 @@ from tlaloc_jax import artifact as mf
 from tlaloc_jax.paging import PageAllocator, PoolExhausted, RowCall, build_step_inputs, pool_rule, row_call
 
 from .pjrt import Buffer, Device, Executable
-from .sampling import GREEDY, NEUTRAL_ROW, Sampling, log_softmax, sample, seed_words, top_logprobs, unpack_mask
+from .sampling import GREEDY, Sampling, log_softmax, sample, seed_words, top_logprobs, unpack_mask
 
 log = logging.getLogger("tlaloc_jax.serve")
 
@@ -701,10 +701,10 @@ class Engine:
         no stop token before min_tokens), or None when it may choose any."""
         words = None
         if s.constraint is not None:
-            words = np.full((self.vocab + 31) // 32, -1, np.int32)
+            words = np.full(mf.mask_words(self.vocab), -1, np.int32)
             s.constraint.fill(words)
         if len(s.generated) < s.sampling.min_tokens and s.stop:
-            words = np.full((self.vocab + 31) // 32, -1, np.int32) if words is None else words
+            words = np.full(mf.mask_words(self.vocab), -1, np.int32) if words is None else words
             bits = words.view(np.uint32)
             for t in s.stop:
                 if 0 <= t < self.vocab:
@@ -768,7 +768,7 @@ class Engine:
         sp, B, C = self.sampler, e.batch, e.context
         seqs = call.seqs
         out: dict = {}
-        params = np.array([[NEUTRAL_ROW[c] for c in sp.columns]] * B, np.float32)
+        params = np.array([[mf.SAMPLING_NEUTRAL[c] for c in sp.columns]] * B, np.float32)
         seeds = np.zeros((B, 2), np.int32)
         steps = np.zeros(B, np.int32)
         for b, (s, p) in enumerate(zip(seqs, producing)):
@@ -780,7 +780,7 @@ class Engine:
         if not params[:, sp.columns.index("temperature")].any():
             # No row draws: no row reads its seed (a greedy row is argmax of the processed logits).
             del out[mf.Role.RNG_SEED]
-            if (params == np.array([NEUTRAL_ROW[c] for c in sp.columns], np.float32)).all():
+            if (params == np.array([mf.SAMPLING_NEUTRAL[c] for c in sp.columns], np.float32)).all():
                 # Nor its counter, which presence and frequency penalties also read (the generated tokens are
                 # the history's last `step`): only when no row is penalised.
                 del out[mf.Role.RNG_STEP], out[mf.Role.SAMPLING]
@@ -831,7 +831,7 @@ class Engine:
             sig = e.inputs[e.input_index(role)]
             fill = {mf.Role.TOKEN_MASK: -1, mf.Role.LOGIT_BIAS_IDS: -1, mf.Role.TOKEN_HISTORY: -1}.get(role, 0)
             if role == mf.Role.SAMPLING:
-                fill = np.array([NEUTRAL_ROW[c] for c in self.sampler.columns], np.float32)
+                fill = np.array([mf.SAMPLING_NEUTRAL[c] for c in self.sampler.columns], np.float32)
             self._neutral[key] = self.device.upload(np.broadcast_to(fill, sig.shape).astype(mf.numpy_dtype(sig.dtype)))
         return self._neutral[key]
 
