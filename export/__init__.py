@@ -6,7 +6,8 @@ from ._artifact import decoder_pools, export_checkpoint
 from ._bounded import stage_bounded
 from ._entries import ExportError, check_custom_calls, custom_call_targets, plan_entries
 from ._pools import PagedKV, RingKV, StateSlots
-from ._stage import PromptScorer, Sampler, flatten_weights, stage
+from ._stage import PromptScorer, Sampler, stage
+from ._weights import flatten_weights
 
 __all__ = ["stage", "Sampler", "PromptScorer", "stage_bounded", "PagedKV", "RingKV", "StateSlots", "export_checkpoint",
            "decoder_pools",

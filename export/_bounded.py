@@ -32,10 +32,11 @@ from tlaloc_jax import artifact as af
 from tlaloc_jax.artifact import bounded as bm
 from tlaloc_jax.bounded import Bound, Valid
 
-from ._entries import ExportError, check_custom_calls
+from ._entries import ExportError, check_custom_calls, export_fn
+from ._files import copy_tokenizer, write_body, write_file, write_weights
 from ._padding import check_padding
 from ._roundings import output_roundings
-from ._stage import _key_name, _write, copy_tokenizer, export_fn, flatten_weights, write_body, write_weights
+from ._weights import flatten_weights, path_name
 
 Role = af.Role
 
@@ -45,7 +46,7 @@ def _examples(example_args: Mapping[str, Any]) -> dict[str, np.ndarray]:
         raise ExportError("example_args must be a dict {input name: array} of at least one input")
     out = {}
     for name, value in example_args.items():
-        if not isinstance(name, str) or not bm.NAME.match(name):
+        if not isinstance(name, str) or not af.NAME.match(name):
             raise ExportError(f"input {name!r}: a name keeps to letters, digits, '_', '.' and '-'")
         arr = np.asarray(value)
         # What the function sees in process too: jax's dtypes (int64 -> int32 without x64).
@@ -68,7 +69,7 @@ def _resolve_bounds(bounds: Mapping[str, Bound], examples: Mapping[str, np.ndarr
         what = f"bound {name!r}"
         if not isinstance(b, Bound):
             raise ExportError(f"{what} is a {type(b).__name__}; declare it as tlaloc_jax.Bound")
-        if not bm.NAME.match(name):
+        if not af.NAME.match(name):
             raise ExportError(f"{what}: a name keeps to letters, digits, '_', '.' and '-'")
         if b.max < 2:
             raise ExportError(f"{what} has max {b.max}: an axis of one size is fixed, not bounded")
@@ -107,7 +108,7 @@ def _resolve_bounds(bounds: Mapping[str, Bound], examples: Mapping[str, np.ndarr
 def _flatten_outputs(result) -> list[tuple[str, Any]]:
     """The function's outputs as (name, array): a dict's paths joined with ".", a bare array named "output"."""
     leaves = jax.tree_util.tree_flatten_with_path(result)[0]
-    out = [(".".join(_key_name(k) for k in path) or "output", leaf) for path, leaf in leaves]
+    out = [(path_name(path) or "output", leaf) for path, leaf in leaves]
     if not out:
         raise ExportError("the function returned no arrays")
     return out
@@ -162,7 +163,7 @@ def _output_specs(body, bounds: tuple[bm.BoundSpec, ...], inputs: tuple[bm.Tenso
     specs = []
     for n, o in base.items():
         dtype = np.dtype(o.dtype).name
-        if not bm.NAME.match(n):
+        if not af.NAME.match(n):
             raise ExportError(f"output {n!r}: a name keeps to letters, digits, '_', '.' and '-'")
         if dtype not in af.DTYPES:
             raise ExportError(f"output {n!r} has dtype {dtype}, which an artifact cannot hold")
@@ -234,7 +235,7 @@ def stage_bounded(fn: Callable, params: Any, example_args: Mapping[str, Any], ou
                            "inputs": bm.signature_json(args), "outputs": bm.signature_json(results)},
                           indent=1, sort_keys=True) + "\n"
         programs.append(bm.Program(name=pname, sizes=sizes, **dataclasses.asdict(write_body(out, exp)), program=rel,
-                                   program_sha256=_write(out / rel, text.encode()), inputs=args, outputs=results,
+                                   program_sha256=write_file(out / rel, text.encode()), inputs=args, outputs=results,
                                    kept_inputs=tuple(exp.module_kept_var_idx)))
     files = write_weights(out, flat, bar)
     bar.close()

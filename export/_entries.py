@@ -1,10 +1,13 @@
-"""Entries: the (kind, batch, context) points of the ladders, and the checks every exported body passes."""
+"""Entries: the (kind, batch, context) points of the ladders, how a body is exported, and the checks every exported
+body passes."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
+import jax
 from jax import export as jax_export
 
 from tlaloc_jax import artifact as af
@@ -84,3 +87,22 @@ def check_body(name: str, exp: jax_export.Exported, inputs: list[af.TensorSig], 
         raise ExportError(str(e)) from None
     if why:
         raise ExportError(f"entry {name!r}: {why}")
+
+
+def export_fn(fn: Callable, avals, *, platform: str, donate: tuple[int, ...] = (),
+              keep_unused: bool = False) -> jax_export.Exported:
+    """jax.export `fn` jitted (arguments `donate` donated) at `avals`, for one platform.
+
+    jax.export refuses custom calls it gives no compatibility guarantee for; the platform's own ones
+    (PLATFORM_CUSTOM_CALLS: a Triton kernel on cuda) are let through here, and check_custom_calls refuses
+    the rest by name. The Triton IR such a kernel carries is outside StableHLO's compatibility guarantees: a
+    plugin of another jax release than the exporting one (versions.jax in the manifest) may not read it."""
+    jitted = jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused)
+    disabled = [jax_export.DisabledSafetyCheck.custom_call(t) for t in sorted(PLATFORM_CUSTOM_CALLS.get(platform, ()))]
+    # Source locations would put this checkout's file paths into the body; an artifact must not depend on them.
+    limit = jax.config.jax_traceback_in_locations_limit
+    jax.config.update("jax_traceback_in_locations_limit", 0)
+    try:
+        return jax_export.export(jitted, platforms=[platform], disabled_checks=disabled)(*avals)
+    finally:
+        jax.config.update("jax_traceback_in_locations_limit", limit)

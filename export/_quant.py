@@ -16,6 +16,7 @@ from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels.quantized_matmul import QuantError, QuantizedWeight, check_scheme, quantize_array
 
 from ._entries import ExportError
+from ._weights import path_name
 
 # The weight slots a scheme quantizes (tlaloc_jax/families.py's names).
 QUANTIZED_SLOTS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "attn.gate_proj",
@@ -64,14 +65,12 @@ def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int,
 def quant_records(weights: Any) -> dict[str, af.WeightQuant]:
     """{slot of a codes or scales file: what the manifest records of it}, for every QuantizedWeight in the
     weights pytree (slot names as stage's flatten_weights joins them)."""
-    from ._stage import _key_name
-
     is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(weights, is_leaf=is_q)[0]:
         if not is_q(leaf):
             continue
-        name = ".".join(_key_name(k) for k in path)
+        name = path_name(path)
         for part in af.QuantPart:
             out[f"{name}.{part}"] = af.WeightQuant(af.QuantScheme(leaf.scheme), part, name, leaf.group)
     return out

@@ -14,10 +14,7 @@ kind. The built-in Hugging Face decoder is staged by the same function (`export_
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -34,15 +31,14 @@ from tlaloc_jax.kernels import sampling as sampling_kernel
 from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.paging import ring_pages_for
 
-from ._entries import PLATFORM_CUSTOM_CALLS, EntrySpec, ExportError, check_body, plan_entries
+from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entries
+from ._files import copy_tokenizer, write_body, write_file, write_weights
 from ._multistep import decode_steps_fn, decode_steps_signature
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
 from ._quant import quant_records
+from ._weights import flatten_weights
 
 Role = af.Role
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "generation_config.json")
-_SLOT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 def _ladder(values: Sequence[int], what: str) -> tuple[int, ...]:
@@ -50,50 +46,6 @@ def _ladder(values: Sequence[int], what: str) -> tuple[int, ...]:
     if not out or out[0] <= 0:
         raise ExportError(f"{what} must hold positive integers, got {list(values)}")
     return out
-
-
-def _write(path: Path, data: bytes) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return hashlib.sha256(data).hexdigest()
-
-
-def _key_name(k) -> str | None:
-    if isinstance(k, jax.tree_util.DictKey):
-        return str(k.key)
-    if isinstance(k, jax.tree_util.SequenceKey):
-        return str(k.idx)
-    if isinstance(k, jax.tree_util.GetAttrKey):
-        return k.name
-    if isinstance(k, jax.tree_util.FlattenedIndexKey):
-        return str(k.key)
-    return str(k)
-
-
-def flatten_weights(weights: Any) -> tuple[dict[str, np.ndarray], Any]:
-    """A weights pytree (a dict of named arrays, nested dicts, a flax.nnx State) -> ({slot name: array}, treedef).
-
-    Slot names join the path's keys with "." (an nnx Variable's trailing `.value` dropped); they name the
-    artifact's weight files, so they keep to letters, digits, "_", "." and "-"."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(weights)
-    out: dict[str, np.ndarray] = {}
-    for path, leaf in leaves:
-        keys = list(path)
-        if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and keys[-1].name == "value":
-            keys = keys[:-1]
-        name = ".".join(_key_name(k) for k in keys) or "weight"
-        if not _SLOT_NAME.match(name):
-            raise ExportError(f"weight {name!r}: a slot name keeps to letters, digits, '_', '.' and '-'")
-        if name in out:
-            raise ExportError(f"two weights flatten to the slot name {name!r}")
-        arr = np.asarray(leaf)
-        if arr.dtype.name not in af.DTYPES:
-            raise ExportError(f"weight {name!r} has dtype {arr.dtype.name}, which an artifact cannot hold "
-                              f"(known: {', '.join(af.DTYPES)})")
-        out[name] = arr
-    if not out:
-        raise ExportError("the weights pytree has no arrays")
-    return out, treedef
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +132,7 @@ def _resolve_pools(specs: Mapping[str, PoolSpec], *, block_size: int, contexts: 
     for name, spec in specs.items():
         if not isinstance(spec, (PagedKV, RingKV, StateSlots)):
             raise ExportError(f"pool {name!r} is a {type(spec).__name__}; declare PagedKV, RingKV or StateSlots")
-        if not _SLOT_NAME.match(name):
+        if not af.NAME.match(name):
             raise ExportError(f"pool name {name!r} keeps to letters, digits, '_', '.' and '-'")
         if spec.dtype not in af.DTYPES:
             raise ExportError(f"pool {name!r} has dtype {spec.dtype!r} (known: {', '.join(af.DTYPES)})")
@@ -323,80 +275,6 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
     return exp
 
 
-def export_fn(fn: Callable, avals, *, platform: str, donate: tuple[int, ...] = (),
-              keep_unused: bool = False) -> jax_export.Exported:
-    """jax.export `fn` jitted (arguments `donate` donated) at `avals`, for one platform.
-
-    jax.export refuses custom calls it gives no compatibility guarantee for; the platform's own ones
-    (PLATFORM_CUSTOM_CALLS: a Triton kernel on cuda) are let through here, and check_custom_calls refuses
-    the rest by name. The Triton IR such a kernel carries is outside StableHLO's compatibility guarantees: a
-    plugin of another jax release than the exporting one (versions.jax in the manifest) may not read it."""
-    jitted = jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused)
-    disabled = [jax_export.DisabledSafetyCheck.custom_call(t) for t in sorted(PLATFORM_CUSTOM_CALLS.get(platform, ()))]
-    # Source locations would put this checkout's file paths into the body; an artifact must not depend on them.
-    limit = jax.config.jax_traceback_in_locations_limit
-    jax.config.update("jax_traceback_in_locations_limit", 0)
-    try:
-        return jax_export.export(jitted, platforms=[platform], disabled_checks=disabled)(*avals)
-    finally:
-        jax.config.update("jax_traceback_in_locations_limit", limit)
-
-
-@dataclasses.dataclass(frozen=True)
-class BodyFiles:
-    """The three files of one exported body, named by the textual body's sha256 (field names as af.Entry's)."""
-
-    body: str
-    body_sha256: str
-    serialized: str
-    serialized_sha256: str
-    exported: str
-    exported_sha256: str
-
-
-def write_body(out: Path, exp: jax_export.Exported) -> BodyFiles:
-    """Write an exported body: its textual StableHLO, the portable bytecode the runtime compiles, and jax's own
-    serialization."""
-    text = exp.mlir_module().encode()
-    digest = hashlib.sha256(text).hexdigest()
-    body = f"bodies/{digest}.mlir"
-    _write(out / body, text)
-    serialized = f"bodies/{digest}.mlirbc"
-    exported = f"bodies/{digest}.exported"
-    return BodyFiles(body=body, body_sha256=digest, serialized=serialized,
-                     serialized_sha256=_write(out / serialized, exp.mlir_module_serialized),
-                     exported=exported, exported_sha256=_write(out / exported, exp.serialize()))
-
-
-def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar,
-                  quant: Mapping[str, af.WeightQuant] | None = None) -> tuple[af.WeightFile, ...]:
-    """One raw file per weight (host order, checked little-endian by the caller), hashed; `bar` ticks per file.
-    quant: the slots that are halves of quantized weights (export/_quant.py's quant_records)."""
-    quant = quant or {}
-    files = []
-    for i, (slot, w) in enumerate(flat.items()):
-        bar.set_postfix_str(slot)
-        rel = f"weights/{i:04d}_{slot}.bin"
-        data = np.ascontiguousarray(w).tobytes()
-        files.append(af.WeightFile(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=len(data), file=rel,
-                                   sha256=_write(out / rel, data), quant=quant.get(slot)))
-        bar.update()
-    return tuple(files)
-
-
-def copy_tokenizer(out: Path, tokenizer_dir) -> tuple[af.TokenizerFile, ...]:
-    """The tokenizer files of `tokenizer_dir` (those of TOKENIZER_FILES it has), copied into the artifact, hashed."""
-    if tokenizer_dir is None:
-        return ()
-    files = []
-    for fname in TOKENIZER_FILES:
-        src = Path(tokenizer_dir) / fname
-        if src.is_file():
-            shutil.copyfile(src, out / fname)
-            files.append(af.TokenizerFile(fname, af.sha256_file(out / fname)))
-    return tuple(files)
-
-
 def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, *,
           batch_ladder: Sequence[int] = (1, 2, 4), context_ladder: Sequence[int] = (64, 256, 1024),
           prefill_chunk: int | None = None, prefill_max_batch: int | None = None, block_size: int = 16,
@@ -497,7 +375,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
                          tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp)),
                          program=f"programs/{spec.name}.json", inputs=tuple(inputs), outputs=tuple(outputs),
                          donations=donations, kept_inputs=tuple(exp.module_kept_var_idx), steps=spec.steps)
-        _write(out / entry.program, (json.dumps({"entry": spec.name, "inputs": [dataclasses.asdict(s) for s in inputs],
+        write_file(out / entry.program, (json.dumps({"entry": spec.name, "inputs": [dataclasses.asdict(s) for s in inputs],
                                                  "outputs": [dataclasses.asdict(s) for s in outputs]},
                                                 indent=1, sort_keys=True) + "\n").encode())
         entries.append(entry)

@@ -146,7 +146,8 @@ def quantize(w: jax.Array, scheme: str, group: int = 0, *, compute: str = "float
         codes = pack_int4(codes, group)
     else:
         codes = codes.astype(CODE_DTYPES[scheme])
-    return QuantizedWeight(codes, scales.astype(jnp.float32), scheme, group if scheme == QuantScheme.INT4 else 0, compute)
+    return QuantizedWeight(codes, scales.astype(jnp.float32), scheme, group if scheme == QuantScheme.INT4 else 0,
+                           compute)
 
 
 @functools.partial(jax.jit, static_argnames=("scheme", "group", "compute"))
@@ -224,7 +225,8 @@ def _qat_bwd(scheme, group, compute, res, dy):
     x, q, w_like = res
     w_dtype = w_like.dtype
     cd = jnp.dtype(compute)
-    codes, scales = (unpack_int4(q.codes, group).reshape(*q.shape) if scheme == QuantScheme.INT4 else q.codes), q.scales
+    codes = unpack_int4(q.codes, group).reshape(*q.shape) if scheme == QuantScheme.INT4 else q.codes
+    scales = q.scales
     if scheme == QuantScheme.INT4:
         G = scales.shape[-2]
         wq = (codes.astype(jnp.float32).reshape(G, group, -1) * scales[:, None, :]).reshape(q.shape)

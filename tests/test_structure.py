@@ -1,12 +1,14 @@
-"""The tree's structure: each item of the artifact vocabulary is defined once (tlaloc_jax/artifact/vocabulary.py).
+"""The tree's structure: each item of the artifact vocabulary is defined once (tlaloc_jax/artifact/vocabulary.py),
+and no module of tlaloc_jax.* takes part in an import cycle, counting the imports inside functions.
 
-It reads the source as text (ast), so it sees every file, imported or not. Control: each detector finds a second
-definition planted in a temporary file."""
+Both read the source as text (ast), so they see every file, imported or not. Controls: each detector finds a
+second definition planted in a temporary file, and the cycle finder finds a cycle planted in a temporary package."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
+import tomllib
 from pathlib import Path
 
 from tlaloc_jax import artifact as af
@@ -119,3 +121,118 @@ FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_
 scheme = "int8" if quantized else "none"
 """)
     assert vocabulary_definitions(uses, "uses.py") == []
+
+
+# -- no import cycle ----------------------------------------------------------------------------------------------
+
+
+def project_modules(root: Path, package_dir: dict[str, str]) -> dict[str, Path]:
+    """{module name: file} of every module the installed packages hold (pyproject's package-dir mapping)."""
+    modules = {}
+    for package, folder in package_dir.items():
+        base = root / folder
+        for path in base.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def _in_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports anywhere in its file (functions included; TYPE_CHECKING blocks not).
+    `from package import x` is an import of package.x when that is a module, else of the package; importing a
+    module does not count as importing its parent packages."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if _in_type_checking(node, parents):
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = alias.name
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target:
+                    out.add(target)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in modules:
+                    out.add(sub)
+                elif base in modules:
+                    out.add(base)
+    out.discard(name)
+    return out
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def import_graph(root: Path, package_dir: dict[str, str]) -> dict[str, set[str]]:
+    modules = project_modules(root, package_dir)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def test_no_module_of_tlaloc_jax_is_in_an_import_cycle():
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    graph = import_graph(ROOT, package_dir)
+    assert {"tlaloc_jax.artifact.vocabulary", "tlaloc_jax.kernels.sampling", "tlaloc_jax.export._stage",
+            "tlaloc_jax.serve.engine"} <= set(graph)
+    assert "tlaloc_jax.artifact" in graph["tlaloc_jax.kernels.sampling"]
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_planted_cycle(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from .b import B\n")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("B = 1\ndef f():\n    from ..a import x   # inside a function: still an edge\n")
+    (pkg / "c.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from . import a\n")
+    graph = import_graph(tmp_path, {"pkg": "pkg"})
+    assert graph["pkg.sub"] == {"pkg.sub.b"} and graph["pkg.c"] == set()
+    assert import_cycles(graph) == [["pkg.a", "pkg.sub.b"]]

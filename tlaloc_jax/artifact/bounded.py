@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,12 +29,11 @@ from .files import read_manifest_file, verify_body, verify_listed_files
 from .serving import MANIFEST_NAME
 from .records import TensorSig, TokenizerFile, Versions, WeightFile, check_platform, check_tokenizer_hashes, \
     check_weight_table
-from .vocabulary import BoundKind, Role, dtype_info
+from .vocabulary import NAME, BoundKind, Role, dtype_info
 
 BOUNDED_NAME = "tlaloc-bounded.json"
 SCHEMA_V1 = "tlaloc-bounded-v1"
 MAX_BOUNDED_BYTES = 16 << 20
-NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 @dataclass(frozen=True)
@@ -200,7 +198,8 @@ def program_signature(bounds: tuple[BoundSpec, ...], inputs: tuple[TensorSpec, .
     args = [TensorSig(Role.INPUT, s.dtype, shape_at(s, at), s.name) for s in inputs]
     for b in bounds:
         length, mask = valid_shapes(bounds, b, at)
-        args += [TensorSig(Role.VALID_LENGTH, "int32", length, b.name), TensorSig(Role.VALID_MASK, "bool", mask, b.name)]
+        args += [TensorSig(Role.VALID_LENGTH, "int32", length, b.name),
+                 TensorSig(Role.VALID_MASK, "bool", mask, b.name)]
     args += [TensorSig(Role.WEIGHT, w.dtype, tuple(w.shape), w.slot) for w in weights]
     results = tuple(TensorSig(Role.OUTPUT, s.dtype, shape_at(s, at), s.name) for s in outputs)
     return tuple(args), results

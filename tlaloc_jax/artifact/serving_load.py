@@ -140,7 +140,8 @@ def _check_sampler_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None
         raise ManifestError(f"{what} has {sig.role}, but the manifest has no sampler")
     want = (SAMPLER_DTYPES.get(sig.role, "int32"), m.sampler.shapes(e.batch, e.context)[sig.role])
     if (sig.dtype, tuple(sig.shape)) != want:
-        raise ManifestError(f"{what} {sig.role} is {sig.dtype}{list(sig.shape)}, the sampler's is {want[0]}{list(want[1])}")
+        raise ManifestError(f"{what} {sig.role} is {sig.dtype}{list(sig.shape)}, the sampler's is "
+                            f"{want[0]}{list(want[1])}")
 
 
 def _check_scorer_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:

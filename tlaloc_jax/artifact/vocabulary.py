@@ -8,6 +8,7 @@ Standard library only (numpy and ml_dtypes are imported by `numpy_dtype` when it
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 from .errors import ManifestError
@@ -15,6 +16,8 @@ from .errors import ManifestError
 
 # The platforms bodies are lowered for and served on.
 PLATFORMS = ("cpu", "cuda")
+# What a weight slot, pool, bound, input or output name may hold (some name the artifact's files).
+NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 class Role(enum.StrEnum):
