@@ -82,7 +82,7 @@ def export_model(name: str, out: Path, *, platform: str, decode_attention: str) 
     import numpy as np
 
     from tlaloc_jax.decoder import forward
-    from tlaloc_jax.export import stage
+    from tlaloc_jax.export import Capacity, Ladders, ModelInfo, stage
     from tlaloc_jax.export._artifact import decoder_pools
     from tlaloc_jax.families import config_from_hf
 
@@ -95,13 +95,13 @@ def export_model(name: str, out: Path, *, platform: str, decode_attention: str) 
     tmp = out.with_name(out.name + ".full")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    stage(step, weights, pools, tmp, batch_ladder=spec["batches"], context_ladder=(spec["context"],),
-          prefill_max_batch=1, prefill_chunk=spec["prefill"], block_size=spec["block_size"],
-          num_blocks=spec["num_blocks"], platform=platform, name=name, model_type=cfg.model_type,
-          embedding_slot="embed", progress=False,
-          describe=dict(layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-                        head_dim=cfg.head_dim, hidden=cfg.hidden_size, weight_dtype=spec["dtype"],
-                        kv_dtype=spec["dtype"]))
+    stage(step, weights, pools, tmp, platform=platform, progress=False,
+          ladders=Ladders(batch=spec["batches"], context=(spec["context"],), prefill_max_batch=1,
+                          prefill_chunk=spec["prefill"]),
+          capacity=Capacity(block_size=spec["block_size"], paged_kv=spec["num_blocks"]),
+          model=ModelInfo(name=name, model_type=cfg.model_type, embedding_slot="embed", layers=cfg.num_layers,
+                          heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                          hidden=cfg.hidden_size, weight_dtype=spec["dtype"], kv_dtype=spec["dtype"]))
     shutil.copytree(tmp, out, ignore=shutil.ignore_patterns("*.bin"))
     (out / "weights").mkdir(exist_ok=True)
     shutil.rmtree(tmp)

@@ -25,7 +25,8 @@ from tlaloc_jax.paging import ring_pages_for
 from ._entries import ExportError
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
 from ._quant import quantize_weights, scheme_label
-from ._stage import PromptScorer, Sampler, _ladder, stage
+from ._options import Capacity, Features, Ladders, ModelInfo, Sampler, SplitStep
+from ._stage import sorted_ladder, stage
 
 
 def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pages: int) -> dict[str, PoolSpec]:
@@ -94,7 +95,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     if decode_attention == "pallas" and platform != "cuda":
         raise ExportError(f"decode_attention 'pallas' lowers through Triton, which only the cuda plugin compiles; "
                           f"platform {platform!r} takes decode_attention 'xla'")
-    contexts = _ladder(context_ladder, "context ladder")
+    contexts = sorted_ladder(context_ladder, "context ladder")
     if block_size <= 0 or attention_block % block_size:
         raise ExportError(f"attention block {attention_block} is not a multiple of the block size {block_size}")
     if weight_layout not in LAYOUTS:
@@ -132,19 +133,19 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         if why:
             raise ExportError(f"the Pallas GPU decode-attention kernel cannot serve this model: {why}; export with "
                               "decode_attention='xla' (--decode-attention xla)")
-    step = functools.partial(forward, cfg, key_block=attention_block, ring_pages=ring,
-                             decode_attention=decode_attention)
-    scorer = None
-    if prompt_logprobs is not None:
-        scorer = PromptScorer(hidden=functools.partial(final_hidden, cfg, key_block=attention_block, ring_pages=ring,
-                                                       all_positions=True),
-                              head=functools.partial(logits_from_hidden, cfg), top_logprobs=prompt_logprobs)
-    describe = dict(layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                    hidden=cfg.hidden_size, weight_dtype=weight_dtype_name, kv_dtype=kv_np.name)
-    return stage(step, weights, pools, out_dir, batch_ladder=batch_ladder, context_ladder=contexts,
-                 prefill_chunk=prefill_chunk, prefill_max_batch=prefill_max_batch, block_size=block_size,
-                 num_blocks=num_blocks, ring_blocks=window_blocks, state_slots=state_slots, platform=platform,
-                 name=name, model_type=cfg.model_type,
-                 eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, tokenizer_dir=checkpoint_dir,
-                 embedding_slot="embed", describe=describe, attention_block=attention_block, progress=progress,
-                 sampler=sampler, prompt_logprobs=scorer, decode_steps=decode_steps)
+    # The decoder's step norms only each row's last token; prompt scoring reads every position's hidden state.
+    step = SplitStep(hidden=functools.partial(final_hidden, cfg, key_block=attention_block, ring_pages=ring,
+                                              all_positions=True),
+                     head=functools.partial(logits_from_hidden, cfg),
+                     last=functools.partial(forward, cfg, key_block=attention_block, ring_pages=ring,
+                                            decode_attention=decode_attention))
+    model = ModelInfo(name=name, model_type=cfg.model_type, tokenizer_dir=checkpoint_dir, embedding_slot="embed",
+                      eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, layers=cfg.num_layers,
+                      heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden=cfg.hidden_size,
+                      weight_dtype=weight_dtype_name, kv_dtype=kv_np.name, attention_block=attention_block)
+    return stage(step, weights, pools, out_dir, platform=platform, progress=progress, model=model,
+                 ladders=Ladders(batch=batch_ladder, context=contexts, prefill_chunk=prefill_chunk,
+                                 prefill_max_batch=prefill_max_batch),
+                 capacity=Capacity(block_size=block_size, paged_kv=num_blocks, ring_kv=window_blocks,
+                                   state_slots=state_slots),
+                 features=Features(sampler=sampler, prompt_logprobs=prompt_logprobs, decode_steps=decode_steps))

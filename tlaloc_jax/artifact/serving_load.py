@@ -253,15 +253,15 @@ def _check_outputs(m: Manifest, e: Entry, what: str) -> tuple[set[Role], set[str
 def _check_groups_whole(m: Manifest, e: Entry, seen_roles: set[Role], what: str) -> None:
     """An entry has all of a group's roles or none: the decode_steps kind's, the sampler's (every entry of a
     manifest with a sampler), the scorer's (every prefill_scored entry)."""
-    multi = e.kind == EntryKind.DECODE_STEPS
+    stepped = e.kind == EntryKind.DECODE_STEPS
     steps_roles = set(DECODE_STEPS_INPUTS) | set(DECODE_STEPS_OUTPUTS)
-    if multi and not steps_roles <= seen_roles:
+    if stepped and not steps_roles <= seen_roles:
         raise ManifestError(f"{what} lacks the decode_steps roles {sorted(steps_roles - seen_roles)}")
-    if (e.steps > 1) != multi or (multi and e.tokens_per_seq != 1):
+    if (e.steps > 1) != stepped or (stepped and e.tokens_per_seq != 1):
         raise ManifestError(f"{what} is a {e.kind} entry of {e.steps} steps and {e.tokens_per_seq} tokens per "
                             "sequence (a decode_steps entry runs K > 1 steps of one token; the others one step)")
     # A decode_steps entry samples in its body but returns only the tokens: it takes the sampler's inputs.
-    sampler_roles = set(SAMPLER_INPUTS) | (set() if multi else set(SAMPLER_OUTPUTS))
+    sampler_roles = set(SAMPLER_INPUTS) | (set() if stepped else set(SAMPLER_OUTPUTS))
     if m.sampler is not None and not sampler_roles <= seen_roles:
         raise ManifestError(f"{what} lacks the sampler's roles {sorted(sampler_roles - seen_roles)} (the manifest "
                             "has a sampler)")

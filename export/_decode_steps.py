@@ -1,4 +1,4 @@
-"""Multi-step decode entries: K decode steps of a staged step function in one call (manifest EntryKind.DECODE_STEPS).
+"""decode_steps entries: K decode steps of a staged step function in one call (manifest EntryKind.DECODE_STEPS).
 
 The body runs the step function in a `lax.while_loop` of at most K iterations. Iteration i feeds each live row
 the token iteration i - 1 chose (the first: the row's TOKEN_IDS), at position POSITIONS + i, writing its key and
