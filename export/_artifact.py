@@ -60,8 +60,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       platform: str = "cpu", progress: bool = True, sampler: Sampler | None = None,
                       allow_longer_context: bool = False, prompt_logprobs: int | None = None,
                       decode_attention: str | None = None, weight_layout: str = "per-layer",
-                      weight_quant: str = "none", quant_group: int = 128,
-                      quant_axis: str = "output", decode_steps: int = 1) -> af.Manifest:
+                      weight_quant: str = "none", quant_group: int = 128, decode_steps: int = 1) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -84,8 +83,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     through Triton; the default on cuda, refused on cpu) or "xla" (plain ops; the default on cpu). Prefill
     entries use plain ops either way.
     weight_quant "int8", "fp8" or "int4" (groups of quant_group input channels) stores the projections as codes
-    and scales quantized from the checkpoint's f32 values (export/_quant.py; quant_axis "input" is the
-    wrong-axis control of the quality check); kv_dtype "float8_e4m3fn" stores the KV pools as e4m3fn codes.
+    and scales quantized from the checkpoint's f32 values (export/_quant.py); kv_dtype "float8_e4m3fn" stores the
+    KV pools as e4m3fn codes.
     The model's name then ends in ":q<scheme>" and ":kvfp8".
     decode_steps: K > 1 adds a K-step decode entry beside each decode entry (see `stage`).
     """
@@ -108,8 +107,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     if per_layer:
         weights = fuse_projections(weights)     # before quantizing: the fused projection gets its own scales
     if quantized:
-        weights = quantize_weights(weights, weight_quant, quant_group, compute=weight_dtype_name, axis=quant_axis)
-        name += f":q{scheme_label(weight_quant, quant_group)}" + ("-wrong-axis" if quant_axis == "input" else "")
+        weights = quantize_weights(weights, weight_quant, quant_group, compute=weight_dtype_name)
+        name += f":q{scheme_label(weight_quant, quant_group)}"
     if kv_dtype == "float8_e4m3fn":
         name += ":kvfp8"
     if per_layer:

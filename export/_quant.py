@@ -32,12 +32,8 @@ def scheme_label(scheme: str, group: int) -> str:
     return f"{scheme}g{group}" if scheme == af.QuantScheme.INT4 else scheme
 
 
-def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int, *, compute: str,
-                     axis: str = "output") -> dict[str, Any]:
-    """weights with every QUANTIZED_SLOTS slot replaced by its QuantizedWeight; the rest cast to `compute`.
-
-    axis "input" is the quantizer bug the quality check must catch (the seed's wrong-axis control): int8
-    codes rounded against per-input-channel scales, stored with the per-output-channel ones."""
+def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int, *, compute: str) -> dict[str, Any]:
+    """weights with every QUANTIZED_SLOTS slot replaced by its QuantizedWeight; the rest cast to `compute`."""
     if scheme not in WEIGHT_QUANT[1:]:
         raise ExportError(f"weight quantization {scheme!r} is not one of {', '.join(WEIGHT_QUANT)}")
     dtype = af.numpy_dtype(compute)
@@ -52,12 +48,6 @@ def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int,
                                compute=compute)
         except QuantError as e:
             raise ExportError(f"weight {name!r} {list(w.shape)}: {e}") from None
-        if axis == "input":
-            if scheme != af.QuantScheme.INT8:
-                raise ExportError(f"the wrong-axis control quantizes int8 only, not {scheme}")
-            wrong = quantize_array(np.swapaxes(np.asarray(w, np.float32), -1, -2), scheme, group, compute=compute)
-            q = QuantizedWeight(np.ascontiguousarray(np.swapaxes(wrong.codes, -1, -2)), q.scales, q.scheme,
-                                q.group, q.compute)
         out[name] = q
     return out
 

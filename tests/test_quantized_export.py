@@ -5,6 +5,7 @@ and (slow) the quality check on the demo model and a tiny Llama with its wrong-a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -19,6 +20,7 @@ import tlaloc_jax
 from hf_models import build_checkpoint, load_hf_torch, torch_greedy
 from margins import assert_within
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
+from quant_controls import wrong_axis_export, wrong_axis_weights
 from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint
 from tlaloc_jax.export import export_checkpoint
@@ -116,7 +118,7 @@ def test_served_int8_keeps_transformers_greedy_ids(llama, int8_artifact):
         got = engine.generate(PROMPTS, NEW)
         check_greedy_batch(PROMPTS, got, want, logit_bound=bound, next_token=engine_next_token(engine))
     cfg, weights = load_checkpoint(llama, "float32")
-    wrong = tlaloc_jax.Model(cfg, quantize_weights(weights, "int8", 0, compute="float32", axis="input"))
+    wrong = tlaloc_jax.Model(cfg, wrong_axis_weights(weights, "int8", 0, compute="float32"))
     with pytest.raises(GreedyMismatch):
         check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, max_new_tokens=NEW), want, logit_bound=bound,
                            next_token=engine_next_token(wrong))
@@ -161,9 +163,10 @@ def _quality(checkpoint, tmp_path, context, variants):
     from tlaloc_jax.quality import compare, held_out_text, text_ids_for
     from tlaloc_jax.serve.engine import Engine
 
-    def export(name, **kw):
-        export_checkpoint(checkpoint, tmp_path / name, batch_ladder=(1,), context_ladder=(context,),
-                          prefill_chunk=16, progress=False, **kw)
+    def export(name, wrong_axis=False, **kw):
+        with wrong_axis_export() if wrong_axis else contextlib.nullcontext():
+            export_checkpoint(checkpoint, tmp_path / name, batch_ladder=(1,), context_ladder=(context,),
+                              prefill_chunk=16, progress=False, **kw)
         return tmp_path / name
 
     ref = export("none")
@@ -191,7 +194,7 @@ def test_quality_int8_keeps_fixture_ids_and_the_wrong_axis_is_caught(model, tmp_
     checkpoint = DEMO_MODEL if model == "demo" else build_checkpoint(tmp_path / "ck", "llama", seed=0)
     context = 256 if model == "demo" else 512
     reports, ids = _quality(checkpoint, tmp_path, context, {
-        "int8": dict(weight_quant="int8"), "wrong": dict(weight_quant="int8", quant_axis="input")})
+        "int8": dict(weight_quant="int8"), "wrong": dict(weight_quant="int8", wrong_axis=True)})
     good, wrong = reports["int8"], reports["wrong"]
     # The CLI over the same artifacts reports the same measures (its own text and fixtures: a shorter run).
     from tlaloc_jax.quality import main as quality_main
@@ -250,7 +253,7 @@ def test_served_int8_experts_match_the_dequantized_checkpoint(tmp_path):
     with Engine.load(tmp_path / "art", progress=False) as engine:
         check_greedy_batch(PROMPTS, engine.generate(PROMPTS, NEW), want, logit_bound=bound,
                            next_token=engine_next_token(engine))
-    wrong = tlaloc_jax.Model(cfg, quantize_weights(weights, "int8", 0, compute="float32", axis="input"))
+    wrong = tlaloc_jax.Model(cfg, wrong_axis_weights(weights, "int8", 0, compute="float32"))
     with pytest.raises(GreedyMismatch):
         check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, max_new_tokens=NEW), want, logit_bound=bound,
                            next_token=engine_next_token(wrong))
