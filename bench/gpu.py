@@ -83,7 +83,7 @@ def export_model(name: str, out: Path, *, platform: str, decode_attention: str) 
 
     from tlaloc_jax.decoder import forward
     from tlaloc_jax.export import Capacity, Ladders, ModelInfo, stage
-    from tlaloc_jax.export._artifact import decoder_pools
+    from tlaloc_jax.decoder import decoder_pools
     from tlaloc_jax.families import config_from_hf
 
     spec = MODELS[name]

@@ -1,8 +1,8 @@
 """export_checkpoint: a Hugging Face checkpoint -> a serving artifact, through `stage` like any authored model.
 
-The family table reads the checkpoint into the built-in decoder's config and weight slots; this module
-declares the decoder's pools (full-history pages, the sliding layers' rings, the linear layers' state
-slots) and stages `decoder.forward` over them.
+The family table reads the checkpoint into the built-in decoder's config and weight slots; this module stages
+`decoder.forward` over the decoder's pools (decoder.decoder_pools: full-history pages, the sliding layers' rings,
+the linear layers' state slots).
 """
 
 from __future__ import annotations
@@ -15,40 +15,16 @@ from typing import Sequence
 
 from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
-from tlaloc_jax.config import SLIDING, DecoderConfig
-from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, final_hidden, forward, logits_from_hidden
+from tlaloc_jax.config import SLIDING
+from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, decoder_pools, final_hidden, forward, logits_from_hidden
 from tlaloc_jax.kernels import paged_attention_gpu
 from tlaloc_jax.layout import LAYOUTS, fuse_projections, out_major, unstack_layers
-from tlaloc_jax.plan import layer_plan
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import ExportError
-from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
-from ._quant import quantize_weights, scheme_label
 from ._options import Capacity, Features, Ladders, ModelInfo, Sampler, SplitStep
+from ._quant import quantize_weights, scheme_label
 from ._stage import sorted_ladder, stage
-
-
-def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pages: int) -> dict[str, PoolSpec]:
-    """The built-in decoder's pools, as its layer plan orders them: "kv" (full-history pages), "window_kv" (the
-    sliding layers' rings, when windowed), "conv" and "recurrent" (the linear layers' states, f32)."""
-    plan = layer_plan(cfg, windowed)
-    K, D = cfg.num_kv_heads, cfg.head_dim
-    specs: dict[str, PoolSpec] = {}
-    for name in plan.pool_names():
-        ids = plan.pool_layers(name)
-        if name == "kv":
-            specs[name] = PagedKV(len(ids), K, D, kv_dtype, layer_ids=ids)
-        elif name == "window_kv":
-            specs[name] = RingKV(len(ids), K, D, cfg.sliding_window, kv_dtype, ring_pages=ring_pages, layer_ids=ids)
-        elif name == "conv":
-            specs[name] = StateSlots((cfg.conv_channels, cfg.linear_conv_kernel - 1), "float32", len(ids), ids)
-        elif name == "recurrent":
-            specs[name] = StateSlots((cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim), "float32",
-                                     len(ids), ids)
-        else:
-            raise ExportError(f"the decoder's layer plan names pool {name!r}, which export_checkpoint cannot declare")
-    return specs
 
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -65,7 +41,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
     prefill_max_batch, tokens per call by prefill_chunk), each a jax.export body with the pools donated;
-    weights as raw little-endian files ([in, out] for linears); the tokenizer files copied in.
+    weights as raw little-endian files (projections [out, in] in the per-layer layout, [in, out] when stacked or
+    quantized); the tokenizer files copied in.
 
     A model with sliding-window layers keeps them in a ring pool unless windowed_kv is False: each sequence
     keeps a ring of ceil((window - 1 + N) / block_size) pages for those layers (N the longest call: the

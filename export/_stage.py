@@ -30,12 +30,12 @@ from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import sampling as sampling_kernel
 from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.paging import ring_pages_for
+from tlaloc_jax.pools import PagedKV, PoolSpec, RingKV, StateSlots
 
 from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entries
 from ._files import copy_tokenizer, write_body, write_file, write_weights
 from ._decode_steps import decode_steps_fn, decode_steps_signature
 from ._options import Capacity, Features, Ladders, ModelInfo, Options, SplitStep, resolve_options
-from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
 from ._quant import quant_records
 from ._weights import flatten_weights
 
@@ -105,7 +105,7 @@ def _resolve_pools(specs: Mapping[str, PoolSpec], capacity: Capacity, *, context
     return _ResolvedPools(tuple(pools), ring)
 
 
-def entry_signature(spec: EntrySpec, layout: _ResolvedPools, block_size: int, vocab: int,
+def entry_signature(spec: EntrySpec, resolved: _ResolvedPools, block_size: int, vocab: int,
                     weights: Mapping[str, np.ndarray], sampler: af.SamplerShape | None = None,
                     scorer: af.ScorerShape | None = None
                     ) -> tuple[list[af.TensorSig], list[af.TensorSig], tuple[tuple[int, int], ...]]:
@@ -116,7 +116,7 @@ def entry_signature(spec: EntrySpec, layout: _ResolvedPools, block_size: int, vo
               Role.SLOT_MAPPING: (B, T), Role.WINDOW_BLOCK_TABLES: (B, M), Role.WINDOW_SLOT_MAPPING: (B, T),
               Role.STATE_SLOTS: (B,)}
     roles = set(af.BASE_STEP_INPUTS)
-    for kind in layout.kinds:
+    for kind in resolved.kinds:
         roles.update(af.POOL_KIND_INPUTS[kind])
     inputs = [af.TensorSig(role, "int32", shapes[role]) for role in af.STEP_FIELDS if role in roles]
     outputs = [af.TensorSig(Role.LOGITS, "float32", (B, vocab)), af.TensorSig(Role.NEXT_TOKEN, "int32", (B,))]
@@ -129,7 +129,7 @@ def entry_signature(spec: EntrySpec, layout: _ResolvedPools, block_size: int, vo
         inputs += [af.TensorSig(r, "int32", shapes[r]) for r in af.SCORER_INPUTS]
         outputs += [af.TensorSig(r, af.SCORER_DTYPES.get(r, "int32"), shapes[r]) for r in af.SCORER_OUTPUTS]
     donations = []
-    for p in layout.pools:
+    for p in resolved.pools:
         donations.append((len(outputs), len(inputs)))
         inputs.append(af.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name))
         outputs.append(af.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name))
@@ -199,11 +199,11 @@ def _avals(sigs: Sequence[af.TensorSig]):
     return [jax.ShapeDtypeStruct(s.shape, jnp.dtype(af.numpy_dtype(s.dtype))) for s in sigs]
 
 
-def _vocab(step: Callable, treedef, spec: EntrySpec, layout: _ResolvedPools, block_size: int,
+def _vocab(step: Callable, treedef, spec: EntrySpec, resolved: _ResolvedPools, block_size: int,
            weights: Mapping[str, np.ndarray]) -> int:
     """The vocabulary: the last axis of the step's logits, read off an abstract evaluation of one entry."""
-    inputs, outputs, _ = entry_signature(spec, layout, block_size, 1, weights)
-    shape = jax.eval_shape(_entry_fn(step, treedef, inputs, outputs, layout.ring_pages), *_avals(inputs))[0].shape
+    inputs, outputs, _ = entry_signature(spec, resolved, block_size, 1, weights)
+    shape = jax.eval_shape(_entry_fn(step, treedef, inputs, outputs, resolved.ring_pages), *_avals(inputs))[0].shape
     if len(shape) != 2 or shape[0] != spec.batch:
         raise ExportError(f"the step function returned logits of shape {list(shape)}; expected [B, V] with "
                           f"B = {spec.batch}")

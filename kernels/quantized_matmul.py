@@ -122,7 +122,7 @@ def quantize_parts(w: jax.Array, scheme: str, group: int = 0, *, rounding=jnp.ro
 
 
 def pack_int4(codes: jax.Array, group: int) -> jax.Array:
-    """int4 codes (integers in [-7, 7], any dtype) [..., I, O] -> int8 [..., I / 2, O], the layout above."""
+    """int4 codes (integers in [-7, 7], any dtype) [..., I, O] -> int8 [..., I / 2, O], packed as above."""
     I, O = codes.shape[-2:]
     c = codes.astype(jnp.int8).reshape(*codes.shape[:-2], I // group, 2, group // 2, O)
     low, high = c[..., 0, :, :], c[..., 1, :, :]

@@ -9,10 +9,10 @@ The in-process API and the staging API are loaded on first use:
     tlaloc_jax.stage_bounded(fn, params, {"ids": ids}, "artifact/", bounds={"tokens": tlaloc_jax.Bound(...)})
 """
 
-_STAGING = ("stage", "Ladders", "Capacity", "Features", "ModelInfo", "Sampler", "SplitStep", "PromptScorer", "PagedKV",
-            "RingKV", "StateSlots", "stage_bounded")
-__all__ = ["load_hf", "Model", "DecoderConfig", *_STAGING, "StepInputs", "Bound", "Valid", "exact_valid",
-           "EmbeddingTask"]
+_STAGING = ("stage", "Ladders", "Capacity", "Features", "ModelInfo", "Sampler", "SplitStep", "PromptScorer",
+            "stage_bounded")
+__all__ = ["load_hf", "Model", "DecoderConfig", *_STAGING, "PagedKV", "RingKV", "StateSlots", "StepInputs", "Bound",
+           "Valid", "exact_valid", "EmbeddingTask"]
 
 
 def __getattr__(name):
@@ -25,6 +25,9 @@ def __getattr__(name):
     if name in _STAGING:
         from . import export
         return getattr(export, name)
+    if name in ("PagedKV", "RingKV", "StateSlots"):
+        from . import pools
+        return getattr(pools, name)
     if name in ("Bound", "Valid", "exact_valid"):
         from . import bounded
         return getattr(bounded, name)

@@ -1,8 +1,9 @@
-"""Pool declarations for tlaloc_jax.stage: what an authored model keeps on the device between calls.
+"""Pool declarations: what a model keeps on the device between calls (tlaloc_jax.stage takes them; the built-in
+decoder declares its own with them, tlaloc_jax.decoder.decoder_pools).
 
 Each declaration says the pool's kind and its per-layer geometry; `stage` sizes it (pages or slots) from
 the ladders and writes it to the manifest as a `Pool` of that kind. The runtime knows pools by kind only
-(tlaloc_jax.artifact.PoolKind), never by name or model.
+(tlaloc_jax.artifact.PoolKind), never by name or model. JAX-free.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class PagedKV:
 
 @dataclass(frozen=True)
 class RingKV:
-    """A sliding window's keys and values: the same page layout as PagedKV, but each sequence holds a ring of
+    """A sliding window's keys and values: the same pages as PagedKV, but each sequence holds a ring of
     ring_pages pages (block b on ring page b % ring_pages), so its memory stops growing past the window. The
     step reads WINDOW_BLOCK_TABLES ([B, R]: the ring) and writes through WINDOW_SLOT_MAPPING; attend with
     `paged_attention(..., window=window, ring=True)`. ring_pages None: the pages a window plus the longest
