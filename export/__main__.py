@@ -8,6 +8,7 @@ import time
 
 from tlaloc_jax.artifact import QUANT_GROUPS
 
+from ._options import DEFAULT_PREFILL_CHUNK
 from ._quant import WEIGHT_QUANT
 
 
@@ -34,9 +35,9 @@ def main(argv=None) -> int:
                     help="context buckets in positions, multiples of the block size (default 64,256,1024)")
     ap.add_argument("--prefill-max-batch", type=int, default=None,
                     help="largest batch of the prefill entries (default: the largest batch bucket; 1 = batch-1 only)")
-    ap.add_argument("--prefill-chunk", type=int, default=None,
-                    help="tokens per sequence of a prefill call (default: the entry's whole context); a runtime "
-                         "prefills longer prompts in several calls")
+    ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                    help=f"tokens per sequence of a prefill call (default {DEFAULT_PREFILL_CHUNK}; 0: the entry's whole "
+                         "context); a runtime prefills longer prompts in several calls")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV page (default 16)")
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="pages in the KV pool (default: room for the largest batch at the largest context)")

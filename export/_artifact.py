@@ -22,14 +22,14 @@ from tlaloc_jax.layout import LAYOUTS, fuse_projections, out_major, unstack_laye
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import ExportError
-from ._options import Capacity, Features, Ladders, ModelInfo, Sampler, SplitStep
+from ._options import DEFAULT_PREFILL_CHUNK, Capacity, Features, Ladders, ModelInfo, Sampler, SplitStep
 from ._quant import quantize_weights, scheme_label
 from ._stage import sorted_ladder, stage
 
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                       batch_ladder: Sequence[int] = (1, 2, 4), context_ladder: Sequence[int] = (64, 256, 1024),
-                      prefill_max_batch: int | None = None, prefill_chunk: int | None = None,
+                      prefill_max_batch: int | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
                       block_size: int = 16, num_blocks: int | None = None, weight_dtype_name: str = "float32",
                       kv_dtype: str = "float32", attention_block: int = DEFAULT_KEY_BLOCK,
                       windowed_kv: bool = True, window_blocks: int | None = None, state_slots: int | None = None,

@@ -15,17 +15,23 @@ from tlaloc_jax import artifact as af
 from ._entries import ExportError
 
 
+# Tokens per sequence of a prefill call by default: a prompt computes at most 63 padded positions, and a call of
+# 64 rows is already bound by arithmetic on CPU (its cost per token is that of a 256-token call).
+DEFAULT_PREFILL_CHUNK = 64
+
+
 @dataclass(frozen=True)
 class Ladders:
     """The entries' buckets: one decode and one prefill entry per (batch, context) point.
 
     batch, context: the batch sizes and the context buckets (positions, multiples of the block size).
-    prefill_chunk: tokens per sequence of a prefill call (None: the entry's whole context).
+    prefill_chunk: tokens per sequence of a prefill call, at most the entry's context (0 or None: the whole
+    context); a runtime reads longer prompts in several calls.
     prefill_max_batch: the largest batch of the prefill entries (None: the largest batch)."""
 
     batch: Sequence[int] = (1, 2, 4)
     context: Sequence[int] = (64, 256, 1024)
-    prefill_chunk: int | None = None
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
     prefill_max_batch: int | None = None
 
 
