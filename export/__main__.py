@@ -8,7 +8,7 @@ import time
 
 from tlaloc_jax.artifact import QUANT_GROUPS
 
-from ._options import DEFAULT_PREFILL_CHUNK
+from ._options import DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK
 from ._quant import WEIGHT_QUANT
 
 
@@ -30,11 +30,13 @@ def main(argv=None) -> int:
                          "directory to write (must be empty or absent); with --demo, OUT_DIR alone")
     ap.add_argument("--demo", action="store_true",
                     help="export the embedded model (tlaloc_jax/demo_model, trained by python -m tlaloc_jax.train)")
-    ap.add_argument("--batch-ladder", type=_ints, default=[1, 2, 4], help="decode batch buckets (default 1,2,4)")
+    ap.add_argument("--batch-ladder", type=_ints, default=list(DEFAULT_BATCH_LADDER),
+                    help=f"decode batch buckets (default {','.join(map(str, DEFAULT_BATCH_LADDER))})")
     ap.add_argument("--context-ladder", type=_ints, default=[64, 256, 1024],
                     help="context buckets in positions, multiples of the block size (default 64,256,1024)")
     ap.add_argument("--prefill-max-batch", type=int, default=None,
-                    help="largest batch of the prefill entries (default: the largest batch bucket; 1 = batch-1 only)")
+                    help="largest batch of the prefill entries (default: the largest batch bucket, at most 4; 1 = "
+                         "batch-1 only)")
     ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                     help=f"tokens per sequence of a prefill call (default {DEFAULT_PREFILL_CHUNK}; 0: the entry's whole "
                          "context); a runtime prefills longer prompts in several calls")

@@ -22,13 +22,14 @@ from tlaloc_jax.layout import LAYOUTS, fuse_projections, out_major, unstack_laye
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import ExportError
-from ._options import DEFAULT_PREFILL_CHUNK, Capacity, Features, Ladders, ModelInfo, Sampler, SplitStep
+from ._options import DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, Capacity, Features, Ladders, ModelInfo, Sampler, SplitStep
 from ._quant import quantize_weights, scheme_label
 from ._stage import sorted_ladder, stage
 
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                      batch_ladder: Sequence[int] = (1, 2, 4), context_ladder: Sequence[int] = (64, 256, 1024),
+                      batch_ladder: Sequence[int] = DEFAULT_BATCH_LADDER,
+                      context_ladder: Sequence[int] = (64, 256, 1024),
                       prefill_max_batch: int | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
                       block_size: int = 16, num_blocks: int | None = None, weight_dtype_name: str = "float32",
                       kv_dtype: str = "float32", attention_block: int = DEFAULT_KEY_BLOCK,
@@ -49,7 +50,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     prefill chunk, else the largest context), capped at a whole context's pages; the ring pool holds
     window_blocks pages (default: a ring for each sequence the full pool holds at the largest context).
     A model with linear-attention layers keeps their states in state_slots slots (default: as many sequences
-    as the full pool holds at the largest context, plus the largest batch as spares for state snapshots).
+    as the full pool holds at the largest context, plus up to 4 spares for state snapshots).
     weight_layout: "per-layer" (one array per layer, q|k|v and gate|up fused, layers unrolled) or "stacked"
     (scanned stacks): see tlaloc_jax/layout.py.
     sampler: `Sampler()` stages the sampler in every entry (see `stage`). A context ladder past the

@@ -18,6 +18,13 @@ from ._entries import ExportError
 # Tokens per sequence of a prefill call by default: a prompt computes at most 63 padded positions, and a call of
 # 64 rows is already bound by arithmetic on CPU (its cost per token is that of a 256-token call).
 DEFAULT_PREFILL_CHUNK = 64
+# Decode batches up to the sequences a server runs at once (a step of 8 sequences is one call, not two of 4);
+# prefill batches stop at 4, where a call of 4 chunks is long enough (the running sequences wait for it).
+DEFAULT_BATCH_LADDER = (1, 2, 4, 8, 16, 32)
+DEFAULT_PREFILL_MAX_BATCH = 4
+# The paged pools hold, by default, this many sequences of the largest context at most (more run, with
+# preemption, when they are shorter).
+DEFAULT_POOL_SEQUENCES = 16
 
 
 @dataclass(frozen=True)
@@ -27,9 +34,10 @@ class Ladders:
     batch, context: the batch sizes and the context buckets (positions, multiples of the block size).
     prefill_chunk: tokens per sequence of a prefill call, at most the entry's context (0 or None: the whole
     context); a runtime reads longer prompts in several calls.
-    prefill_max_batch: the largest batch of the prefill entries (None: the largest batch)."""
+    prefill_max_batch: the largest batch of the prefill entries (None: the largest batch, at most
+    DEFAULT_PREFILL_MAX_BATCH)."""
 
-    batch: Sequence[int] = (1, 2, 4)
+    batch: Sequence[int] = DEFAULT_BATCH_LADDER
     context: Sequence[int] = (64, 256, 1024)
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
     prefill_max_batch: int | None = None
@@ -39,11 +47,12 @@ class Ladders:
 class Capacity:
     """The pools' size: block_size positions per page, and the capacity of each pool kind (None: the default).
 
-    paged_kv: pages of the paged pools (default: the largest batch at the largest context).
+    paged_kv: pages of the paged pools (default: the largest batch at the largest context, at most
+        DEFAULT_POOL_SEQUENCES of them).
     ring_kv: pages of the ring pools (default: a ring for each sequence the paged pools hold).
     state_slots: slots of the state pools (default: as many sequences as the paged pools hold at the largest
-        context, at least the largest batch, plus the largest batch again: spare slots for the state snapshots
-        prefix caching keeps)."""
+        context, at least the largest batch, plus up to 4 spare slots for the state snapshots prefix caching
+        keeps)."""
 
     block_size: int = 16
     paged_kv: int | None = None

@@ -36,7 +36,8 @@ from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entrie
 from ._files import copy_tokenizer, write_body, write_file, write_weights
 from ._copy_slots import copy_slots_fn, copy_slots_signature
 from ._decode_steps import decode_steps_fn, decode_steps_signature
-from ._options import Capacity, Features, Ladders, ModelInfo, Options, SplitStep, resolve_options
+from ._options import (DEFAULT_POOL_SEQUENCES, DEFAULT_PREFILL_MAX_BATCH, Capacity, Features, Ladders, ModelInfo,
+                       Options, SplitStep, resolve_options)
 from ._quant import quant_records
 from ._weights import flatten_weights
 
@@ -70,7 +71,7 @@ def _resolve_pools(specs: Mapping[str, PoolSpec], capacity: Capacity, *, context
         raise ExportError("declare at least one pool (PagedKV, RingKV or StateSlots)")
     block_size = capacity.block_size
     pages_per_seq = contexts[-1] // block_size
-    full_pages = int(capacity.paged_kv or max_batch * pages_per_seq)
+    full_pages = int(capacity.paged_kv or min(max_batch, DEFAULT_POOL_SEQUENCES) * pages_per_seq)
     if full_pages < pages_per_seq:
         raise ExportError(f"capacity.paged_kv {full_pages} cannot hold one sequence of the largest context "
                           f"({pages_per_seq} pages)")
@@ -87,8 +88,8 @@ def _resolve_pools(specs: Mapping[str, PoolSpec], capacity: Capacity, *, context
         ring_blocks = int(capacity.ring_kv or min(full_pages, sequences * ring))
         if ring_blocks < ring:
             raise ExportError(f"capacity.ring_kv {ring_blocks} cannot hold one ring of {ring} pages")
-    # Beside a slot for each sequence, as many spare ones for the runtime's state snapshots (prefix caching).
-    slots = int(capacity.state_slots or sequences + max_batch)
+    # Beside a slot for each sequence, spare ones for the runtime's state snapshots (prefix caching).
+    slots = int(capacity.state_slots or sequences + min(max_batch, 4))
     if slots < 1:
         raise ExportError(f"capacity.state_slots must be positive, got {slots}")
     pools = []
@@ -353,7 +354,8 @@ def _plan_entries(opts: Options, step: Callable) -> tuple[af.Buckets, list[Entry
     for c in contexts:
         if c % block_size:
             raise ExportError(f"context {c} is not a multiple of the block size {block_size}")
-    prefill_max_batch = batches[-1] if opts.ladders.prefill_max_batch is None else int(opts.ladders.prefill_max_batch)
+    prefill_max_batch = (min(batches[-1], max(batches[0], DEFAULT_PREFILL_MAX_BATCH))
+                         if opts.ladders.prefill_max_batch is None else int(opts.ladders.prefill_max_batch))
     if prefill_max_batch < batches[0]:
         raise ExportError(f"prefill_max_batch {prefill_max_batch} is below the smallest batch {batches[0]}: "
                           "no prefill entry would be written")
