@@ -29,14 +29,17 @@ from ._stage import PromptScorer, Sampler, _ladder, stage
 
 
 def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pages: int) -> dict[str, PoolSpec]:
-    """The built-in decoder's pools, as its layer plan orders them: "kv" (full-history pages), "window_kv" (the
-    sliding layers' rings, when windowed), "conv" and "recurrent" (the linear layers' states, f32)."""
+    """The built-in decoder's pools, as its layer plan orders them: "kv" (full-history pages; a latent-attention
+    model's latents), "window_kv" (the sliding layers' rings, when windowed), "conv" and "recurrent" (the linear
+    layers' states, f32)."""
     plan = layer_plan(cfg, windowed)
     K, D = cfg.num_kv_heads, cfg.head_dim
     specs: dict[str, PoolSpec] = {}
     for name in plan.pool_names():
         ids = plan.pool_layers(name)
-        if name == "kv":
+        if name == "kv" and cfg.latent:     # latent attention: the latent and the rotated key per position
+            specs[name] = PagedKV.latent(len(ids), cfg.latent_width, kv_dtype, layer_ids=ids)
+        elif name == "kv":
             specs[name] = PagedKV(len(ids), K, D, kv_dtype, layer_ids=ids)
         elif name == "window_kv":
             specs[name] = RingKV(len(ids), K, D, cfg.sliding_window, kv_dtype, ring_pages=ring_pages, layer_ids=ids)
@@ -102,6 +105,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     kv_np = mf.numpy_dtype(kv_dtype) if kv_dtype == "float8_e4m3fn" else weight_dtype(kv_dtype)
     quantized = weight_quant != "none"
     cfg, weights = load_checkpoint(checkpoint_dir, "float32" if quantized else weight_dtype_name)
+    cfg = cfg.with_context(contexts[-1])
     name = cfg.name or Path(checkpoint_dir).name
     per_layer = weight_layout == "per-layer"
     if per_layer:
@@ -127,6 +131,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         chunk = int(prefill_chunk or 0)
         ring = ring_pages_for(cfg.sliding_window, chunk or contexts[-1], block_size, contexts[-1] // block_size)
     pools = decoder_pools(cfg, windowed=windowed, kv_dtype=kv_np.name, ring_pages=ring)
+    if decode_attention == "pallas" and cfg.latent:
+        raise ExportError(f"the Pallas GPU decode-attention kernel has no latent-attention form ({cfg.model_type}); "
+                          "export with decode_attention='xla' (--decode-attention xla)")
     if decode_attention == "pallas":
         why = paged_attention_gpu.refusal(1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, kv_np)
         if why:
@@ -139,7 +146,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         scorer = PromptScorer(hidden=functools.partial(final_hidden, cfg, key_block=attention_block, ring_pages=ring,
                                                        all_positions=True),
                               head=functools.partial(logits_from_hidden, cfg), top_logprobs=prompt_logprobs)
-    describe = dict(layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+    kv_heads, head_dim = (1, cfg.latent_width) if cfg.latent else (cfg.num_kv_heads, cfg.head_dim)
+    describe = dict(layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=kv_heads, head_dim=head_dim,
                     hidden=cfg.hidden_size, weight_dtype=weight_dtype_name, kv_dtype=kv_np.name)
     return stage(step, weights, pools, out_dir, batch_ladder=batch_ladder, context_ladder=contexts,
                  prefill_chunk=prefill_chunk, prefill_max_batch=prefill_max_batch, block_size=block_size,

@@ -15,12 +15,13 @@ from jax import lax
 from tlaloc_jax.kernels import (MoeSpec, causal_conv1d, causal_conv1d_update, gated_delta_rule_chunked,
                                 gated_delta_rule_recurrent, kv_cache_write, moe, paged_attention)
 
-from .config import FULL, LINEAR, SLIDING, DecoderConfig
+from .config import DENSE, FULL, LINEAR, SLIDING, DecoderConfig
 from .inputs import StepInputs
+from .latent import latent_attention
 from .layers import ACTIVATIONS, apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
 from .layout import is_per_layer
 # layer_period and pool_of are the decoder's public names too (the exporter reads pool_of).
-from .plan import STATE_POOLS, layer_period, layer_plan, pool_of  # noqa: F401
+from .plan import MLP_SLOTS, STATE_POOLS, layer_period, layer_plan, pool_of  # noqa: F401
 
 Weights = dict[str, jax.Array]
 Pools = dict[str, jax.Array]
@@ -51,13 +52,15 @@ def pool_shapes(cfg: DecoderConfig, num_blocks: int, block_size: int,
     """One buffer per pool class, its layers stacked.
 
     KV pools [L', 2, P, S, K, D] (0 = keys, 1 = values): "kv" (full-history pages) and, when
-    window_blocks > 0, "window_kv" (the sliding layers' rings). With linear-attention layers, the state
+    window_blocks > 0, "window_kv" (the sliding layers' rings); with latent attention "kv" is
+    [L', 1, P, S, 1, C + R], each position's latent and rotated key (kernels/mla.py). With linear-attention layers, the state
     pools of state_slots sequences: "conv" [L', slots, C, W - 1] (each sequence's last W - 1 conv inputs)
     and "recurrent" [L', slots, Hv, Dk, Dv] (the gated delta rule's state per value head), both f32.
     """
     plan = layer_plan(cfg, windowed=window_blocks > 0)
     kv_pages = {"kv": num_blocks, "window_kv": window_blocks}
-    out = {name: (len(plan.pool_layers(name)), 2, kv_pages[name], block_size, cfg.num_kv_heads, cfg.head_dim)
+    parts, heads, width = (1, 1, cfg.latent_width) if cfg.latent else (2, cfg.num_kv_heads, cfg.head_dim)
+    out = {name: (len(plan.pool_layers(name)), parts, kv_pages[name], block_size, heads, width)
            for name in plan.pool_names() if name in kv_pages}
     linear_layers = len(plan.group_layers("linear"))
     if linear_layers:
@@ -77,8 +80,8 @@ def init_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, dtype=jnp.f
             for name, shape in pool_shapes(cfg, num_blocks, block_size, window_blocks, state_slots).items()}
 
 
-def _layer_slice(weights: Weights, group: str, index) -> Weights:
-    """One layer's slots of a group ("layers", "attn", "linear").
+def _layer_slice(weights: Weights, group: str, index, keep=lambda name: True) -> Weights:
+    """One layer's slots of a group ("layers", "attn", "linear"), those whose name `keep` accepts.
 
     Stacked weights ([L', ...] each) are indexed with a dynamic index (the scan's counter). (Indexing a slice
     that the scan already cut, w[i][j], makes XLA copy the layer's weights first: 2 GB/s against 10 on CPU.)
@@ -86,7 +89,17 @@ def _layer_slice(weights: Weights, group: str, index) -> Weights:
     prefix = group + "."
     return {name[len(prefix):]: (w[index] if isinstance(w, (tuple, list)) else
                                  jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), w))
-            for name, w in weights.items() if name.startswith(prefix)}
+            for name, w in weights.items() if name.startswith(prefix) and keep(name[len(prefix):])}
+
+
+_MLP_NAMES = frozenset(n for names in MLP_SLOTS.values() for n in names)
+
+
+def _layer_weights(weights: Weights, lp, i) -> Weights:
+    """The "layers" slots of plan layer lp at scan step i: its norms (stacked over every layer) and its MLP's
+    slots (stacked over the layers of its MLP kind)."""
+    return {**_layer_slice(weights, "layers", lp.layer.index(i), lambda n: n not in _MLP_NAMES),
+            **_layer_slice(weights, "layers", lp.mlp_weights.index(i), lambda n: n in MLP_SLOTS[lp.mlp])}
 
 
 def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Array, jax.Array]):
@@ -103,12 +116,15 @@ def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Ar
         q, k, v = linear(x, w["q_proj"]), linear(x, w["k_proj"]), linear(x, w["v_proj"])
         if cfg.attention_bias:
             q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    if cfg.qk_norm and cfg.qk_norm_whole:       # OLMo 2: over the whole projection
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
-    if cfg.qk_norm:
+    if cfg.qk_norm and not cfg.qk_norm_whole:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     cos, sin = rope
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return apply_rope(q, cos, sin, cfg.rope.interleaved), apply_rope(k, cos, sin, cfg.rope.interleaved), v
 
 
 def attention_output(cfg: DecoderConfig, w: Weights, x: jax.Array, o: jax.Array) -> jax.Array:
@@ -118,7 +134,7 @@ def attention_output(cfg: DecoderConfig, w: Weights, x: jax.Array, o: jax.Array)
     if cfg.attn_output_gate:
         o = o * jax.nn.sigmoid(linear(x, w["gate_proj"]))
     o = linear(o, w["o_proj"])
-    return o + w["o_bias"] if cfg.attention_bias else o
+    return o + w["o_bias"] if cfg.output_bias else o
 
 
 # A mixture-of-experts layer's expert slots ("layers.expert_<name>"), as kernels.moe names them.
@@ -128,25 +144,28 @@ EXPERT_SLOTS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 def moe_spec(cfg: DecoderConfig) -> MoeSpec:
     return MoeSpec(experts=cfg.num_experts, top_k=cfg.experts_per_token, scoring=cfg.router_scoring,
                    normalize=cfg.router_normalize, activation=cfg.expert_activation, alpha=cfg.swiglu_alpha,
-                   limit=cfg.swiglu_limit)
+                   limit=cfg.swiglu_limit, groups=cfg.router_groups, top_groups=cfg.router_top_groups,
+                   scale=cfg.routed_scaling)
 
 
 def stacked_experts(weights: Weights) -> dict[str, jax.Array]:
-    """The experts' slots stacked over layers, [L, X, ...], by kernels.moe's names ({} for a dense model, and for
-    per-layer weights, whose layers carry their own experts)."""
+    """The experts' slots stacked over the sparse layers, [L', X, ...], by kernels.moe's names ({} for a dense
+    model, and for per-layer weights, whose layers carry their own experts)."""
     return {name: weights[f"layers.expert_{name}"] for name in EXPERT_SLOTS
             if f"layers.expert_{name}" in weights and not isinstance(weights[f"layers.expert_{name}"], (tuple, list))}
 
 
-def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, valid: jax.Array | None = None,
-                 experts: dict | None = None, layer=None) -> jax.Array:
-    """A layer's MLP on its normed input x [B, T, E] -> [B, T, E]: the gated MLP, or the mixture of experts
-    (kernels.moe; padding tokens, valid False, run no expert).
+def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, kind: str | None = None,
+                 valid: jax.Array | None = None, experts: dict | None = None, layer=None) -> jax.Array:
+    """A layer's MLP on its normed input x [B, T, E] -> [B, T, E]: the gated MLP (kind DENSE), or the mixture of
+    experts (SPARSE: kernels.moe; padding tokens, valid False, run no expert). kind None: the config's one kind.
 
-    experts, layer: the experts stacked over layers (stacked_experts) and this layer's index in them, so that
-    each expert is read in place; None: the layer's own slots in lw.
+    experts, layer: the experts stacked over the sparse layers (stacked_experts) and this layer's index in them,
+    so that each expert is read in place; None: the layer's own slots in lw.
     """
-    if cfg.dense_mlp:
+    if kind is None:
+        (kind,) = set(cfg.mlp_types)
+    if kind == DENSE:
         if "gate_up_proj" in lw:    # fused at export (tlaloc_jax.layout)
             gate, up = jnp.split(linear(x, lw["gate_up_proj"]), 2, axis=-1)
             return linear(ACTIVATIONS[cfg.hidden_act](gate) * up, lw["down_proj"])
@@ -155,24 +174,36 @@ def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, valid: jax.Ar
         experts, layer = {name: lw[f"expert_{name}"] for name in EXPERT_SLOTS if f"expert_{name}" in lw}, None
     shared = None
     if cfg.shared_expert:
-        shared = {"gate": lw["shared_gate"], "up": lw["shared_up"], "down": lw["shared_down"],
-                  "gate_proj": lw["shared_expert_gate"]}
-    return moe(moe_spec(cfg), x, lw["router"], experts, router_bias=lw.get("router_bias"), shared=shared,
-               valid=valid, layer=layer)
+        shared = {"gate": lw["shared_gate"], "up": lw["shared_up"], "down": lw["shared_down"]}
+        if cfg.shared_expert_gate:
+            shared["gate_proj"] = lw["shared_expert_gate"]
+    return moe(moe_spec(cfg), x, lw["router"], experts, router_bias=lw.get("router_bias"),
+               correction=lw.get("router_correction"), shared=shared, valid=valid, layer=layer)
 
 
-def residual_mlp(cfg: DecoderConfig, lw: Weights, h: jax.Array, a: jax.Array, *, valid: jax.Array | None = None,
-                 experts: dict | None = None, layer=None) -> jax.Array:
+def _residual(cfg: DecoderConfig, h: jax.Array, y: jax.Array) -> jax.Array:
+    """h + y, y scaled by the residual multiplier (Granite's; 1 elsewhere)."""
+    return h + (y * jnp.float32(cfg.residual_multiplier) if cfg.residual_multiplier != 1.0 else y)
+
+
+def attention_input(cfg: DecoderConfig, lw: Weights, h: jax.Array) -> jax.Array:
+    """What a layer's attention reads of the residual stream h: h normed (h itself without input norms: OLMo 2)."""
+    return rms_norm(h, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset) if cfg.input_norms else h
+
+
+def residual_mlp(cfg: DecoderConfig, lw: Weights, h: jax.Array, a: jax.Array, *, kind: str | None = None,
+                 valid: jax.Array | None = None, experts: dict | None = None, layer=None) -> jax.Array:
     """The rest of a layer after its attention a: h + a (a normed first with sandwich norms), then the
     MLP's residual (feed_forward, whose arguments the keywords are). h, a: [B, T, E] -> [B, T, E]."""
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     if cfg.sandwich_norms:
         a = rms_norm(a, lw["post_attn_norm"], eps, off)
-    h = h + a
-    m = feed_forward(cfg, lw, rms_norm(h, lw["mlp_norm"], eps, off), valid=valid, experts=experts, layer=layer)
+    h = _residual(cfg, h, a)
+    x = rms_norm(h, lw["mlp_norm"], eps, off) if cfg.input_norms else h
+    m = feed_forward(cfg, lw, x, kind=kind, valid=valid, experts=experts, layer=layer)
     if cfg.sandwich_norms:
         m = rms_norm(m, lw["post_mlp_norm"], eps, off)
-    return h + m
+    return _residual(cfg, h, m)
 
 
 def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, layer: jax.Array, inputs: StepInputs,
@@ -263,10 +294,15 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     """
     if decode_attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention {decode_attention!r} is not one of {', '.join(DECODE_ATTENTION)}")
+    if cfg.latent and decode_attention != "xla":
+        raise ValueError(f"{cfg.model_type} has latent attention, which decode_attention {decode_attention!r} has no "
+                         "kernel for: use 'xla'")
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     h = embed(weights["embed"], inputs.token_ids)
     if cfg.embed_scale:
         h = h * jnp.float32(cfg.hidden_size ** 0.5)
+    if cfg.embedding_multiplier != 1.0:
+        h = h * jnp.float32(cfg.embedding_multiplier)
     tables = {FULL: rope_tables(cfg.rope, cfg.head_dim, inputs.positions)}
     tables[SLIDING] = (rope_tables(cfg.rope_sliding, cfg.head_dim, inputs.positions)
                        if cfg.rope_sliding is not None else tables[FULL])
@@ -279,17 +315,22 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     def period(carry, i):
         h, pools = carry
         for lp in plan.layers:      # one period: 1 layer for Llama, 2 for Gemma 2, 4 for Qwen3.5
-            lw = _layer_slice(weights, "layers", lp.layer.index(i))
-            a = rms_norm(h, lw["attn_norm"], eps, off)
+            lw = _layer_weights(weights, lp, i)
+            a = attention_input(cfg, lw, h)
             aw = _layer_slice(weights, lp.group, lp.weights.index(i))
             if lp.kind == LINEAR:
                 a, pools = _linear_attention(cfg, aw, a, pools, lp.pool.index(i), inputs)
+            elif cfg.latent:
+                kb = decode_key_block(key_block, pools["kv"].shape[3]) if a.shape[1] == 1 else key_block
+                a, kv = latent_attention(cfg, aw, a, pools["kv"], lp.pool.index(i), inputs, tables[FULL], kb)
+                pools = {**pools, "kv": kv}
             else:
                 (name,) = lp.pools
                 a, kv = _attention(cfg, aw, a, pools[name], lp.pool.index(i), inputs, tables[lp.kind], lp.window,
                                    key_block, ring_pages if name == "window_kv" else 0, decode_attention)
                 pools = {**pools, name: kv}
-            h = residual_mlp(cfg, lw, h, a, valid=valid, experts=experts, layer=lp.layer.index(i))
+            h = residual_mlp(cfg, lw, h, a, kind=lp.mlp, valid=valid, experts=experts,
+                             layer=lp.mlp_weights.index(i))
         return (h, pools), None
 
     if is_per_layer(weights):
@@ -309,6 +350,8 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
 def logits_from_hidden(cfg: DecoderConfig, weights: Weights, x: jax.Array) -> jax.Array:
     """x: [B, E] -> logits [B, V] f32."""
     logits = tied_head(x, weights["embed"]) if cfg.tie_word_embeddings else linear(x, weights["head"])
+    if cfg.logits_scaling != 1.0:      # Granite divides its logits by logits_scaling
+        logits = logits / jnp.float32(cfg.logits_scaling)
     return soft_cap(logits, cfg.final_softcap)
 
 
