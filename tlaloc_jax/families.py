@@ -277,12 +277,17 @@ def parse_qwen2(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
 def parse_phi3(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
     """Phi-3 / Phi-4-mini: Llama's layers with fused qkv_proj and gate_up_proj in the checkpoint (split by the
     table), a window on every layer when sliding_window is set, partial rotary, and LongRoPE (rope type
-    "longrope"; older files say "su" or "yarn", which transformers reads as longrope for this family)."""
+    "longrope"; older files say "su" or "yarn", which transformers reads as longrope for this family), whose
+    original context is the top-level original_max_position_embeddings."""
     hf = dict(hf)
     for key in ("rope_parameters", "rope_scaling"):
         params = hf.get(key)
-        if isinstance(params, dict) and params.get("rope_type", params.get("type")) in ("su", "yarn"):
-            hf[key] = {**{k: v for k, v in params.items() if k != "type"}, "rope_type": "longrope"}
+        if isinstance(params, dict) and params.get("rope_type", params.get("type")) in ("su", "yarn", "longrope"):
+            # transformers' Phi3Config: the top-level original_max_position_embeddings (its default 4096) wins over
+            # the one in the rope parameters.
+            orig = hf.get("original_max_position_embeddings", 4096)
+            hf[key] = {**{k: v for k, v in params.items() if k != "type"}, "rope_type": "longrope",
+                       "original_max_position_embeddings": orig}
     cfg = parse_dense(family, hf)
     rope, rotated = cfg.rope, int(cfg.head_dim * cfg.rope.partial_rotary_factor)
     if rope.rope_type == "longrope" and {len(rope.short_factor), len(rope.long_factor)} != {rotated // 2}:
