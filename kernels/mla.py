@@ -32,7 +32,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from . import attention as _causal
 from ._softmax import HIGHEST, block_scores, finish, fold_block, init_state, visible_keys

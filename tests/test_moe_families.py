@@ -282,11 +282,13 @@ def test_moe_decoder_trains_through_the_dense_forward(monkeypatch):
     batch = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 18)), jnp.int32)
     margins = []
 
-    def dense_moe(spec, x, router, experts, *, router_bias=None, shared=None, valid=None, layer=None):
+    def dense_moe(spec, x, router, experts, *, router_bias=None, correction=None, shared=None, valid=None,
+                  layer=None):
         logits = router_logits(x, router, router_bias)
-        jax.debug.callback(lambda m, s: margins.append(float(np.min(m)) / float(s)), router_margins(spec, logits),
-                           jnp.max(jnp.abs(logits)))
-        return moe_reference(spec, x, router, experts, router_bias=router_bias, shared=shared, valid=valid)
+        jax.debug.callback(lambda m, s: margins.append(float(np.min(m)) / float(s)),
+                           router_margins(spec, logits, correction), jnp.max(jnp.abs(logits)))
+        return moe_reference(spec, x, router, experts, router_bias=router_bias, correction=correction, shared=shared,
+                             valid=valid)
 
     def grads():
         loss = lambda w: next_token_loss(cfg, w, batch, attention=training_attention(key_block=8))  # noqa: E731

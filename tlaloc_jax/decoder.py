@@ -181,6 +181,17 @@ def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, kind: str | N
                correction=lw.get("router_correction"), shared=shared, valid=valid, layer=layer)
 
 
+def embed_tokens(cfg: DecoderConfig, weights: Weights, token_ids: jax.Array) -> jax.Array:
+    """token_ids: [B, T] -> the residual stream's start [B, T, E] f32: embeddings, times sqrt(E) (Gemma) or the
+    embedding multiplier (Granite)."""
+    h = embed(weights["embed"], token_ids)
+    if cfg.embed_scale:
+        h = h * jnp.float32(cfg.hidden_size ** 0.5)
+    if cfg.embedding_multiplier != 1.0:
+        h = h * jnp.float32(cfg.embedding_multiplier)
+    return h
+
+
 def _residual(cfg: DecoderConfig, h: jax.Array, y: jax.Array) -> jax.Array:
     """h + y, y scaled by the residual multiplier (Granite's; 1 elsewhere)."""
     return h + (y * jnp.float32(cfg.residual_multiplier) if cfg.residual_multiplier != 1.0 else y)
@@ -298,11 +309,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
         raise ValueError(f"{cfg.model_type} has latent attention, which decode_attention {decode_attention!r} has no "
                          "kernel for: use 'xla'")
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
-    h = embed(weights["embed"], inputs.token_ids)
-    if cfg.embed_scale:
-        h = h * jnp.float32(cfg.hidden_size ** 0.5)
-    if cfg.embedding_multiplier != 1.0:
-        h = h * jnp.float32(cfg.embedding_multiplier)
+    h = embed_tokens(cfg, weights, inputs.token_ids)
     tables = {FULL: rope_tables(cfg.rope, cfg.head_dim, inputs.positions)}
     tables[SLIDING] = (rope_tables(cfg.rope_sliding, cfg.head_dim, inputs.positions)
                        if cfg.rope_sliding is not None else tables[FULL])

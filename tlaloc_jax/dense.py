@@ -18,8 +18,9 @@ from jax import lax
 from tlaloc_jax.kernels import causal_attention
 
 from .config import FULL, SLIDING, ConfigError, DecoderConfig
-from .decoder import Weights, attention_input, attention_output, logits_from_hidden, project_qkv, residual_mlp
-from .layers import embed, rms_norm, rope_tables
+from .decoder import (Weights, attention_input, attention_output, embed_tokens, logits_from_hidden, project_qkv,
+                      residual_mlp)
+from .layers import rms_norm, rope_tables
 
 # attention(q [B, T, H, D], k, v [B, T, K, D], *, scale, window, soft_cap) -> [B, T, H, D] f32
 Attention = Callable[..., jax.Array]
@@ -55,11 +56,7 @@ def dense_hidden(cfg: DecoderConfig, weights: Weights, token_ids: jax.Array, *,
     B, T = token_ids.shape
     D = cfg.head_dim
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
-    h = embed(weights["embed"], token_ids)
-    if cfg.embed_scale:
-        h = h * jnp.float32(cfg.hidden_size ** 0.5)
-    if cfg.embedding_multiplier != 1.0:
-        h = h * jnp.float32(cfg.embedding_multiplier)
+    h = embed_tokens(cfg, weights, token_ids)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     full_rope = rope_tables(cfg.rope, D, positions)
     sliding_rope = rope_tables(cfg.rope_sliding, D, positions) if cfg.rope_sliding is not None else None
