@@ -35,7 +35,8 @@ from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
 from tlaloc_jax.checkpoint import load_checkpoint, random_weights, save_checkpoint
 from tlaloc_jax.config import DENSE, FULL, SLIDING, SPARSE, ConfigError
 from tlaloc_jax.decoder import StepInputs, moe_spec
-from tlaloc_jax.families import config_from_hf, read_rope
+from tlaloc_jax.families import config_from_hf
+from tlaloc_jax.hf_config import read_rope
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.moe import router_margins
 from tlaloc_jax.kernels.tolerances import relative_error
