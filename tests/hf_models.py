@@ -146,6 +146,22 @@ def _rewrite_rope_legacy(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2))
 
 
+def assert_saved_back(path: Path, out_dir: Path) -> None:
+    """A checkpoint loaded through its family table and saved back (tlaloc_jax.checkpoint.save_checkpoint) has every
+    tensor of the original, bit for bit (split and fused tensors rebuilt from their slots)."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from tlaloc_jax.checkpoint import load_checkpoint, save_checkpoint
+    hf_config = json.loads((path / "config.json").read_text())
+    out = load_file(save_checkpoint(out_dir, hf_config, load_checkpoint(path)[1]) / "model.safetensors")
+    original = load_file(path / "model.safetensors")
+    assert out.keys() == original.keys()
+    for k, arr in out.items():
+        np.testing.assert_array_equal(arr, original[k], err_msg=k)
+
+
 def load_hf_torch(path: Path, dtype=torch.float32):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model

@@ -14,18 +14,16 @@ max_model_len). Each regime is checked on the prompts whose whole run stays in i
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
 
 import tlaloc_jax
-from hf_models import build_checkpoint, load_hf_torch, torch_greedy
+from hf_models import assert_saved_back, build_checkpoint, load_hf_torch, torch_greedy
 from margins import assert_within
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token, kv_one_slot_off
-from tlaloc_jax.checkpoint import load_checkpoint, save_checkpoint
+from tlaloc_jax.checkpoint import load_checkpoint
 from tlaloc_jax.config import FULL, SLIDING, ConfigError
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.kernels import tolerances as tol
@@ -150,13 +148,7 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
 def test_save_checkpoint_writes_back_every_tensor(name, store, tmp_path_factory, tmp_path):
     """Load a transformers checkpoint and save it back: every tensor bit for bit (phi3's qkv_proj and gate_up_proj
     rebuilt from their slots)."""
-    path = checkpoint(store, tmp_path_factory, name)
-    hf_config = json.loads((path / "config.json").read_text())
-    out = load_file(save_checkpoint(tmp_path / "c", hf_config, load_checkpoint(path)[1]) / "model.safetensors")
-    original = load_file(path / "model.safetensors")
-    assert out.keys() == original.keys()
-    for k, arr in out.items():
-        np.testing.assert_array_equal(arr, original[k], err_msg=k)
+    assert_saved_back(checkpoint(store, tmp_path_factory, name), tmp_path / "c")
 
 
 BASE = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=2,

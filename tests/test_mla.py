@@ -7,13 +7,13 @@ such a slot that reaches an output shows up as a NaN.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import test_paged_attention as tpa
 from margins import assert_within
 from tlaloc_jax.kernels import mla_cache_write, mla_causal, mla_causal_reference, paged_mla, paged_mla_reference
 from tlaloc_jax.kernels import tolerances as tol
@@ -22,38 +22,29 @@ from tlaloc_jax.kernels.tolerances import relative_error
 
 pytestmark = pytest.mark.numeric
 
-S = 4                       # page size
-M = 12                      # block-table width: context 48
-H, C, R, Dn, Dv = 3, 12, 4, 6, 5   # heads, latent, rotated key, a head's expanded key part, its value
+S, M = tpa.S, tpa.M         # page size 4, block-table width 12: context 48
+H, C, R, Dn, Dv = 3, 12, 4, 6, 5   # heads, latent, rotated key (C + R: a paged-attention key and value), key part, value
 KEY_BLOCK = 16              # 4 pages a key block: 3 blocks per context
 ONE_PASS = M * S
 SCALE = (Dn + R) ** -0.5
 BOUND = tol.bound(tol.latent_attention_roundings(latent=C, rope=R, nope=Dn, keys=M * S))
 
 
-def make_call(seed, lengths, new_tokens, *, T=8, layers=2, layer=1):
-    """Rows whose sequences hold lengths[b] positions, the last new_tokens[b] of them this call's tokens (rows
-    right-aligned). Each row's pages are distinct, drawn from P = B * M + 8; table entries past a row's pages
-    point at random pages, free ones (NaN) included."""
-    rng = np.random.default_rng(seed)
-    B, P = len(lengths), len(lengths) * M + 8
-    pool = np.full((layers, 1, P, S, 1, C + R), np.nan, np.float32)
-    tables = rng.integers(0, P, (B, M), dtype=np.int32)
-    own_pages = iter(rng.permutation(P))
-    positions = np.full((B, T), -1, np.int32)
-    for b, (length, new) in enumerate(zip(lengths, new_tokens)):
-        for m in range(math.ceil(length / S)):
-            tables[b, m] = next(own_pages)
-        for j in range(length):
-            pool[:, 0, tables[b, j // S], j % S, 0] = rng.standard_normal((layers, C + R))
-        positions[b, T - new:] = np.arange(length - new, length)
-    q_nope = rng.standard_normal((B, T, H, Dn)).astype(np.float32)
-    q_rope = rng.standard_normal((B, T, H, R)).astype(np.float32)
-    w_k = (rng.standard_normal((C, H, Dn)) / np.sqrt(C)).astype(np.float32)
-    w_v = (rng.standard_normal((C, H, Dv)) / np.sqrt(C)).astype(np.float32)
-    return dict(q_nope=jnp.asarray(q_nope), q_rope=jnp.asarray(q_rope), pool=jnp.asarray(pool), layer=layer,
-                block_tables=jnp.asarray(tables), positions=jnp.asarray(positions),
-                seq_lens=jnp.asarray(lengths, jnp.int32), w_k=jnp.asarray(w_k), w_v=jnp.asarray(w_v))
+def make_call(seed, lengths, new_tokens, *, T=8):
+    """Rows whose sequences hold lengths[b] positions, the last new_tokens[b] of them this call's tokens: the pages,
+    tables and positions of tests/test_paged_attention.py's calls (distinct pages per row, table entries past a
+    row's pages at random pages, NaN wherever nothing was written), each position's keys and values side by side
+    as its latent and rotated key [C + R], in layer 1 of 2."""
+    call = tpa.make_call(seed, lengths, new_tokens, T=T, H=1, K=1)
+    kv = np.asarray(call.kv_pool)                                               # [2, 2, P, S, 1, 8]
+    pool = np.concatenate([kv[:, :1], kv[:, 1:]], axis=-1)                     # [2, 1, P, S, 1, C + R]
+    rng = np.random.default_rng(seed + 1)
+    B = len(lengths)
+    return dict(q_nope=jnp.asarray(rng.standard_normal((B, T, H, Dn)), jnp.float32),
+                q_rope=jnp.asarray(rng.standard_normal((B, T, H, R)), jnp.float32), pool=jnp.asarray(pool),
+                layer=call.layer, block_tables=call.block_tables, positions=call.positions, seq_lens=call.seq_lens,
+                w_k=jnp.asarray(rng.standard_normal((C, H, Dn)) / np.sqrt(C), jnp.float32),
+                w_v=jnp.asarray(rng.standard_normal((C, H, Dv)) / np.sqrt(C), jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("key_block", "form"))

@@ -17,7 +17,6 @@ record). A seed that did not would fail with its own message, never as a mismatc
 
 from __future__ import annotations
 
-import json
 import re
 
 import jax
@@ -26,10 +25,9 @@ from jax import lax
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
 
 import tlaloc_jax
-from hf_models import QWEN3_NEXT_MOE, build_checkpoint, load_hf_torch, torch_greedy
+from hf_models import assert_saved_back, QWEN3_NEXT_MOE, build_checkpoint, load_hf_torch, torch_greedy
 from margins import assert_within
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
 from tlaloc_jax.checkpoint import load_checkpoint, random_weights, save_checkpoint
@@ -357,13 +355,7 @@ def test_weights_read_as_transformers_holds_them(name, store, tmp_path_factory):
 def test_save_checkpoint_writes_back_every_tensor(name, store, tmp_path_factory, tmp_path):
     """Load a transformers checkpoint and save it back: every tensor bit for bit (the per-expert tensors, and
     GPT-OSS's gate_up rebuilt from its two alternating halves)."""
-    path = checkpoint(store, tmp_path_factory, name)
-    hf_config = json.loads((path / "config.json").read_text())
-    out = load_file(save_checkpoint(tmp_path / "c", hf_config, load_checkpoint(path)[1]) / "model.safetensors")
-    original = load_file(path / "model.safetensors")
-    assert out.keys() == original.keys()
-    for k, arr in out.items():
-        np.testing.assert_array_equal(arr, original[k], err_msg=k)
+    assert_saved_back(checkpoint(store, tmp_path_factory, name), tmp_path / "c")
 
 
 MOE_BASE = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
