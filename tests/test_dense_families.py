@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import tlaloc_jax
 from hf_models import assert_saved_back, build_checkpoint, load_hf_torch, torch_greedy
@@ -41,14 +40,6 @@ CASES = {"qwen2": 71, "phi3": 72, "olmo2": 73, "granite": 74}
 # from its first step.
 PHI3_REGIMES = {64: SHORT, 128: LONG}
 PHI3_LONG4 = LONG + [[(i * 13 + 7) % 251 for i in range(90)], [(i * 29 + 3) % 256 for i in range(66)]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
