@@ -66,13 +66,26 @@ def test_refusals_name_their_keys():
         config_from_hf(dict(base, n_group=3))
 
 
+def test_what_has_no_latent_form_refuses_it(checkpoint, tmp_path):
+    """The Pallas GPU decode kernel and the dense training forward have no latent attention: each refuses by name."""
+    from tlaloc_jax.dense import dense_hidden, training_attention
+    from tlaloc_jax.export import ExportError, export_checkpoint
+    with pytest.raises(ExportError, match=r"Pallas GPU decode-attention kernel has no latent-attention form "
+                                          r"\(deepseek_v3\)"):
+        export_checkpoint(checkpoint, tmp_path / "art", batch_ladder=(1,), context_ladder=(64,), platform="cuda",
+                          progress=False)
+    cfg, w = load_checkpoint(checkpoint)
+    with pytest.raises(ConfigError, match=r"the dense forward has no latent attention \(deepseek_v3 config"):
+        dense_hidden(cfg, w, jnp.zeros((1, 4), jnp.int32), attention=training_attention())
+
+
 @torch.no_grad()
 def test_moe_block_matches_transformers(checkpoint):
     """Layer 1's mixture of experts (sigmoid scores, the correction bias for the choice only, 2 of 4 groups, top-2,
     renormalised, times routed_scaling_factor 2.5, plus the shared expert) against transformers' DeepseekV3MoE on 48
     tokens: the same experts chosen (no choice within rounding of a tie: checked first), outputs within the
     tolerance model's bound, for kernels.moe's fast form and its dense reference. Controls: the correction bias
-    dropped, the groups ignored, the scaling factor left out each break the match."""
+    dropped or the groups ignored choose other experts; the scaling factor left out breaks the outputs' match."""
     cfg, w = load_checkpoint(checkpoint)
     block = load_hf_torch(checkpoint).model.layers[1].mlp
     x = torch.randn(2, 24, cfg.hidden_size, generator=torch.Generator().manual_seed(3)) * 2.0
@@ -100,10 +113,14 @@ def test_moe_block_matches_transformers(checkpoint):
 
     assert_within(relative_error(run(moe), want), bound, "deepseek MoE block vs transformers")
     assert_within(relative_error(run(moe_reference), want), bound, "deepseek MoE reference vs transformers")
-    for what, broken in (("no correction", dict(correction=None)),
-                         ("no groups", dict(spec=dataclasses.replace(spec, groups=1, top_groups=1))),
-                         ("no scaling", dict(spec=dataclasses.replace(spec, scale=1.0)))):
-        assert relative_error(run(moe, **broken), want) > 100 * bound, f"control ({what}) matched"
+    # Controls: without the correction bias, or the groups, other experts are chosen; without the scaling factor
+    # the output is off.
+    for what, spec_, corr in (("no correction", spec, None),
+                              ("no groups", dataclasses.replace(spec, groups=1, top_groups=1), correction)):
+        chosen = np.sort(np.asarray(route(spec_, logits, corr)[0]).reshape(-1, spec.top_k), axis=-1)
+        assert np.any(chosen != np.sort(want_idx.numpy(), axis=-1)), f"control ({what}) chose alike"
+    unscaled = run(moe_reference, spec=dataclasses.replace(spec, scale=1.0))
+    assert relative_error(unscaled, want) > 100 * bound, "control (no scaling) matched"
 
 
 def test_interleaved_rotation_matches_transformers():
@@ -126,13 +143,17 @@ def test_interleaved_rotation_matches_transformers():
 # The artifact: the latent pool, int8.
 
 
+def export_int8(checkpoint, out, **ladders):
+    from tlaloc_jax.export import export_checkpoint
+    export_checkpoint(checkpoint, out, block_size=8, prefill_chunk=32, weight_quant="int8", progress=False, **ladders)
+    return out
+
+
 @pytest.fixture(scope="module")
 def int8_artifact(checkpoint, tmp_path_factory):
-    from tlaloc_jax.export import export_checkpoint
-    out = tmp_path_factory.mktemp("deepseek-int8") / "art"
-    export_checkpoint(checkpoint, out, batch_ladder=(1, 4), context_ladder=(64, 128), block_size=8, prefill_chunk=32,
-                      weight_quant="int8", progress=False)
-    return out
+    """The smallest ladders: what the manifest records does not depend on them."""
+    return export_int8(checkpoint, tmp_path_factory.mktemp("deepseek-int8") / "art", batch_ladder=(1,),
+                       context_ladder=(64,))
 
 
 def kv_bytes_per_token(m: mf.Manifest) -> int:
@@ -173,7 +194,7 @@ def test_int8_quantizes_the_new_projections(int8_artifact):
 
 
 @pytest.mark.slow
-def test_served_int8_matches_the_dequantized_checkpoint(checkpoint, int8_artifact, tmp_path):
+def test_served_int8_matches_the_dequantized_checkpoint(checkpoint, tmp_path):
     """The int8 artifact served by the JAX-free runtime: its greedy ids, prompts alone and 4 at once, against
     transformers running the weights the codes stand for (the dequantized checkpoint), near-tie rule at the f32
     bound. Control: the wrong-axis codes, in process."""
@@ -190,7 +211,8 @@ def test_served_int8_matches_the_dequantized_checkpoint(checkpoint, int8_artifac
     oracle = load_hf_torch(tmp_path / "deq")
     want = [torch_greedy(oracle, p, NEW) for p in PROMPTS]
     bound = tol.bound(tol.decoder_roundings_of(cfg, max(map(len, PROMPTS)) + NEW))
-    with Engine.load(int8_artifact, progress=False) as eng:
+    art = export_int8(checkpoint, tmp_path / "art", batch_ladder=(1, 4), context_ladder=(64, 128))
+    with Engine.load(art, progress=False) as eng:
         next_token = engine_next_token(eng)
         check_greedy_batch(PROMPTS, [eng.generate([p], NEW)[0] for p in PROMPTS], want, logit_bound=bound,
                            next_token=next_token)

@@ -36,9 +36,8 @@ SHORT = [[42], [5, 17, 99, 3, 249, 8, 61]]
 PROMPTS = LONG + SHORT
 NEW = 16
 CASES = {"qwen2": 71, "phi3": 72, "olmo2": 73, "granite": 74}
-# phi3's prompts by the context the model serves: every position of these runs is within 64, or each run is past 64
-# from its first step.
-PHI3_REGIMES = {64: SHORT, 128: LONG}
+# phi3's runs of SHORT stay within 64 positions, those of LONG are past 64 from their first step; the served check
+# takes four of the latter.
 PHI3_LONG4 = LONG + [[(i * 13 + 7) % 251 for i in range(90)], [(i * 29 + 3) % 256 for i in range(66)]]
 
 
@@ -65,9 +64,6 @@ def logit_bound(cfg) -> float:
     return tol.bound(tol.decoder_roundings_of(cfg, context=max(map(len, PROMPTS)) + NEW))
 
 
-def regimes(name):
-    """(context the model serves, the prompts checked there)."""
-    return tuple(PHI3_REGIMES.items()) if name == "phi3" else ((None, PROMPTS),)
 
 
 def without_quirk(name, model):
@@ -84,22 +80,29 @@ def without_quirk(name, model):
     return tlaloc_jax.Model(cfg, w, block_size=model.block_size)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_in_process_gives_transformers_ids_and_first_logits(name, store, tmp_path_factory):
+# (family, the context the model serves, the prompts checked there). make test runs phi3 at 128 positions (the
+# fused checkpoint tensors, LongRoPE's long factors); the others run in make test-slow, where every family is also
+# served against transformers.
+IN_PROCESS = [pytest.param("phi3", 128, LONG, id="phi3-long"),
+              pytest.param("phi3", 64, SHORT, id="phi3-short", marks=pytest.mark.slow),
+              *(pytest.param(n, None, PROMPTS, id=n, marks=pytest.mark.slow) for n in CASES if n != "phi3")]
+
+
+@pytest.mark.parametrize("name, context, prompts", IN_PROCESS)
+def test_in_process_gives_transformers_ids_and_first_logits(name, context, prompts, store, tmp_path_factory):
     """Prompts prefilled and decoded together in process give transformers' greedy ids (near-tie rule) and first
-    logits within the tolerance model's bound. Control: the family's quirk left out moves the first logits far past
-    it."""
+    logits within the tolerance model's bound. Control: the family's quirk left out (phi3: the other factor set)
+    moves the first logits far past it."""
     path = checkpoint(store, tmp_path_factory, name)
-    for context, prompts in regimes(name):
-        want = oracle(store, tmp_path_factory, name, prompts)
-        model = tlaloc_jax.load_hf(path, block_size=8, context=context)
-        bound = logit_bound(model.config)
-        check_greedy_batch(prompts, model.generate(prompts, NEW), want, logit_bound=bound,
-                           next_token=engine_next_token(model))
-        for prompt, first, run in zip(prompts, model.first_logits(prompts), want):
-            assert_within(relative_error(first, run.logits[0]), bound, f"{name}, prompt of {len(prompt)}: first logits")
-        broken = without_quirk(name, model).first_logits(prompts)
-        assert max(relative_error(b, run.logits[0]) for b, run in zip(broken, want)) > 100 * bound
+    want = oracle(store, tmp_path_factory, name, prompts)
+    model = tlaloc_jax.load_hf(path, block_size=8, context=context)
+    bound = logit_bound(model.config)
+    check_greedy_batch(prompts, model.generate(prompts, NEW), want, logit_bound=bound,
+                       next_token=engine_next_token(model))
+    for prompt, first, run in zip(prompts, model.first_logits(prompts), want):
+        assert_within(relative_error(first, run.logits[0]), bound, f"{name}, prompt of {len(prompt)}: first logits")
+    broken = without_quirk(name, model).first_logits(prompts)
+    assert max(relative_error(b, run.logits[0]) for b, run in zip(broken, want)) > 100 * bound
 
 
 @pytest.mark.slow
@@ -164,6 +167,9 @@ def test_config_keys_and_refusals():
                             rope_scaling=dict(longrope, type="su")))[1]
     assert p.rope.rope_type == "longrope" and p.rope.attention_factor == pytest.approx(np.sqrt(1 + np.log(4) / np.log(64)))
     assert not p.rope.long_factors and p.with_context(65).rope.long_factors and not p.with_context(64).rope.long_factors
+    with pytest.raises(ConfigError, match=r"longrope short_mscale=1.2 \(config key rope_parameters/rope_scaling\)"):
+        config_from_hf(dict(BASE, model_type="phi3", max_position_embeddings=256,
+                            rope_scaling=dict(longrope, short_mscale=1.2)))
     with pytest.raises(ConfigError, match=r"phi3 longrope short_factor and long_factor need 4 entries each"):
         config_from_hf(dict(BASE, model_type="phi3", original_max_position_embeddings=64, max_position_embeddings=256,
                             rope_scaling=dict(longrope, short_factor=[1.0] * 3)))

@@ -92,13 +92,15 @@ def test_reference_hand_worked():
                 block_tables=jnp.asarray([[0, 1]], jnp.int32), positions=jnp.asarray([[1]], jnp.int32),
                 seq_lens=jnp.asarray([2], jnp.int32), w_k=w, w_v=w)
     rtol = tol.bound(tol.latent_attention_roundings(latent=2, rope=1, nope=1, keys=2))
-    for f in (paged_mla_reference, functools.partial(paged_mla, form=ABSORBED, key_block=2),
-              functools.partial(paged_mla, form=EXPANDED)):
-        np.testing.assert_allclose(np.asarray(f(**call, scale=1.0))[0, 0, 0], [0.75 * np.log(3.0)], rtol=rtol)
+    forms = [jax.jit(functools.partial(f, scale=1.0), static_argnames="layer")
+             for f in (paged_mla_reference, functools.partial(paged_mla, form=ABSORBED, key_block=2),
+                       functools.partial(paged_mla, form=EXPANDED))]
+    for f in forms:
+        np.testing.assert_allclose(np.asarray(f(**call))[0, 0, 0], [0.75 * np.log(3.0)], rtol=rtol)
     pool[0, 0, 0, 1, 0, 2] = np.log(2.0)
     call = dict(call, q_rope=jnp.ones((1, 1, 1, 1)), pool=jnp.asarray(pool))
-    np.testing.assert_allclose(np.asarray(paged_mla_reference(**call, scale=1.0))[0, 0, 0], [6 / 7 * np.log(3.0)],
-                               rtol=rtol)
+    for f in forms:
+        np.testing.assert_allclose(np.asarray(f(**call))[0, 0, 0], [6 / 7 * np.log(3.0)], rtol=rtol)
 
 
 def test_control_value_heads_shifted_fails():
@@ -182,7 +184,10 @@ def training_inputs(seed, T, B=2):
     return out, jnp.asarray(rng.standard_normal((B, T, H, Dv)), jnp.float32)
 
 
-@pytest.mark.parametrize("T, key_block", [(1, 8), (7, 8), (T_TRAIN, 8), (T_TRAIN, 64)])
+# make test runs 33 tokens in key blocks of 8 (five blocks, the last one partial); the others run in make test-slow.
+@pytest.mark.parametrize("T, key_block", [pytest.param(1, 8, marks=pytest.mark.slow),
+                                          pytest.param(7, 8, marks=pytest.mark.slow), (T_TRAIN, 8),
+                                          pytest.param(T_TRAIN, 64, marks=pytest.mark.slow)])
 def test_causal_form_and_gradients_match_reference(T, key_block):
     """mla_causal (blockwise, custom_vjp) against the dense reference and jax.grad of it, every argument's gradient
     of sum(w * out)."""

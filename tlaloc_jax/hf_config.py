@@ -52,6 +52,10 @@ def read_rope(hf: dict[str, Any], params: dict[str, Any] | None = None) -> RopeC
     if rope_type == "yarn":
         kw.update(_yarn(hf, params, kw["original_max_position_embeddings"]))
     if rope_type == "longrope":
+        for key in ("short_mscale", "long_mscale"):     # a scale per factor set, which transformers does not read
+            if params.get(key) is not None:
+                raise ConfigError(f"longrope {key}={params[key]!r} (config key rope_parameters/rope_scaling) is not "
+                                  "supported")
         kw["attention_factor"] = _longrope_attention_factor(hf, params, kw["original_max_position_embeddings"])
     prf = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
     return RopeConfig(partial_rotary_factor=prf, **kw)
