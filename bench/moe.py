@@ -93,10 +93,12 @@ def chosen_experts(cfg, weights, pools, inputs) -> tuple[int, int]:
     seen = []
     real = decoder.moe
 
-    def reporting_moe(spec, x, router, experts, *, router_bias=None, shared=None, valid=None, layer=None):
-        idx, _ = route(spec, router_logits(x, router, router_bias))
+    def reporting_moe(spec, x, router, experts, *, router_bias=None, correction=None, shared=None, valid=None,
+                      layer=None):
+        idx, _ = route(spec, router_logits(x, router, router_bias), correction)
         jax.debug.callback(lambda i, v, l: seen.append((int(l), np.asarray(i)[np.asarray(v)])), idx, valid, layer)
-        return real(spec, x, router, experts, router_bias=router_bias, shared=shared, valid=valid, layer=layer)
+        return real(spec, x, router, experts, router_bias=router_bias, correction=correction, shared=shared,
+                    valid=valid, layer=layer)
 
     with mock.patch.object(decoder, "moe", reporting_moe):
         jax.block_until_ready(jax.jit(functools.partial(forward, cfg))(weights, pools, inputs))
