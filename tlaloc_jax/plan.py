@@ -1,6 +1,7 @@
 """The layer plan: which stacked weights and which pool each layer of the decoder reads and writes.
 
-The decoder runs its layers in a lax.scan over layer periods (the shortest run of layer types that repeats):
+The decoder runs its layers in a lax.scan over layer periods (the shortest run of layer types, with each layer's
+MLP kind, that repeats):
 scan step i runs the period's layers in order, and each reads its stacked weights and pools at the dynamic
 index i * per_period + rank. The plan fixes, once per config, the rank and per-period count of every layer
 of a period in each stack it uses; the scan, the pool shapes and the checkpoint's stacking order all read
