@@ -51,11 +51,12 @@ def hf_config(args) -> dict:
                 num_experts_per_tok=args.top_k, moe_intermediate_size=args.expert_hidden, norm_topk_prob=True)
 
 
-def dense_moe(spec, x, router, experts, *, router_bias=None, shared=None, valid=None, layer=None):
+def dense_moe(spec, x, router, experts, *, router_bias=None, correction=None, shared=None, valid=None, layer=None):
     """kernels.moe.moe's signature over the dense reference: every expert on every token."""
     if layer is not None:
         experts = {k: v[layer] for k, v in experts.items()}
-    return moe_reference(spec, x, router, experts, router_bias=router_bias, shared=shared, valid=valid)
+    return moe_reference(spec, x, router, experts, router_bias=router_bias, correction=correction, shared=shared,
+                         valid=valid)
 
 
 def compiled_step(cfg, weights, pools, inputs, dense: bool):
@@ -92,10 +93,12 @@ def chosen_experts(cfg, weights, pools, inputs) -> tuple[int, int]:
     seen = []
     real = decoder.moe
 
-    def reporting_moe(spec, x, router, experts, *, router_bias=None, shared=None, valid=None, layer=None):
-        idx, _ = route(spec, router_logits(x, router, router_bias))
+    def reporting_moe(spec, x, router, experts, *, router_bias=None, correction=None, shared=None, valid=None,
+                      layer=None):
+        idx, _ = route(spec, router_logits(x, router, router_bias), correction)
         jax.debug.callback(lambda i, v, l: seen.append((int(l), np.asarray(i)[np.asarray(v)])), idx, valid, layer)
-        return real(spec, x, router, experts, router_bias=router_bias, shared=shared, valid=valid, layer=layer)
+        return real(spec, x, router, experts, router_bias=router_bias, correction=correction, shared=shared,
+                    valid=valid, layer=layer)
 
     with mock.patch.object(decoder, "moe", reporting_moe):
         jax.block_until_ready(jax.jit(functools.partial(forward, cfg))(weights, pools, inputs))

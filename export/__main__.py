@@ -86,6 +86,10 @@ def main(argv=None) -> int:
                     help="add a scoring prefill entry beside each prefill entry: echo + logprobs and prompt_logprobs "
                          "(up to N top logprobs per prompt token) then read a prompt in chunks, scored in the body; "
                          "without it such a prompt is read a token a call (default: none)")
+    ap.add_argument("--no-mixed", action="store_true",
+                    help="no mixed entries (by default, for models of attention layers only, one entry per context and "
+                         "decode batch of 4 or more runs the running sequences' decode tokens and one prompt chunk in "
+                         "one call)")
     ap.add_argument("--decode-steps", type=int, default=1, metavar="K",
                     help="K > 1 adds, beside each decode entry, one that runs up to K decode steps in one call (each "
                          "token fed to the next, stopping a row on its stop ids or length); the server uses it while "
@@ -123,7 +127,7 @@ def main(argv=None) -> int:
                               prompt_logprobs=args.prompt_logprobs,
                               decode_attention=args.decode_attention,
                               weight_quant=args.weight_quant, quant_group=args.quant_group,
-                              decode_steps=args.decode_steps)
+                              decode_steps=args.decode_steps, mixed=False if args.no_mixed else None)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,8 @@ from typing import Sequence
 from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
 from tlaloc_jax.config import SLIDING
-from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, decoder_pools, final_hidden, forward, logits_from_hidden
+from tlaloc_jax.decoder import (DEFAULT_KEY_BLOCK, decoder_pools, final_hidden, forward, logits_from_hidden,
+                                supports_mixed_calls)
 from tlaloc_jax.kernels import paged_attention_gpu
 from tlaloc_jax.layout import LAYOUTS, fuse_projections, out_major, unstack_layers
 from tlaloc_jax.paging import ring_pages_for
@@ -37,7 +38,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       platform: str = "cpu", progress: bool = True, sampler: Sampler | None = None,
                       allow_longer_context: bool = False, prompt_logprobs: int | None = None,
                       decode_attention: str | None = None, weight_layout: str = "per-layer",
-                      weight_quant: str = "none", quant_group: int = 128, decode_steps: int = 1) -> af.Manifest:
+                      weight_quant: str = "none", quant_group: int = 128, decode_steps: int = 1,
+                      mixed: bool | None = None) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -65,6 +67,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     KV pools as e4m3fn codes.
     The model's name then ends in ":q<scheme>" and ":kvfp8".
     decode_steps: K > 1 adds a K-step decode entry beside each decode entry (see `stage`).
+    mixed: adds mixed entries, the running sequences' decode rows and one prompt chunk in one call (see
+    `Features`); None: where the decoder runs them (decoder.supports_mixed_calls), False: none.
     """
     decode_attention = decode_attention or ("pallas" if platform == "cuda" else "xla")
     if decode_attention not in ("pallas", "xla"):
@@ -80,6 +84,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     kv_np = af.numpy_dtype(kv_dtype) if kv_dtype == "float8_e4m3fn" else weight_dtype(kv_dtype)
     quantized = weight_quant != "none"
     cfg, weights = load_checkpoint(checkpoint_dir, "float32" if quantized else weight_dtype_name)
+    cfg = cfg.with_context(contexts[-1])
     name = cfg.name or Path(checkpoint_dir).name
     per_layer = weight_layout == "per-layer"
     if per_layer:
@@ -105,6 +110,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         chunk = int(prefill_chunk or 0)
         ring = ring_pages_for(cfg.sliding_window, chunk or contexts[-1], block_size, contexts[-1] // block_size)
     pools = decoder_pools(cfg, windowed=windowed, kv_dtype=kv_np.name, ring_pages=ring)
+    if decode_attention == "pallas" and cfg.latent:
+        raise ExportError(f"the Pallas GPU decode-attention kernel has no latent-attention form ({cfg.model_type}); "
+                          "export with decode_attention='xla' (--decode-attention xla)")
     if decode_attention == "pallas":
         why = paged_attention_gpu.refusal(1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, kv_np)
         if why:
@@ -116,13 +124,15 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                      head=functools.partial(logits_from_hidden, cfg),
                      last=functools.partial(forward, cfg, key_block=attention_block, ring_pages=ring,
                                             decode_attention=decode_attention))
+    kv_heads, head_dim = (1, cfg.latent_width) if cfg.latent else (cfg.num_kv_heads, cfg.head_dim)
     model = ModelInfo(name=name, model_type=cfg.model_type, tokenizer_dir=checkpoint_dir, embedding_slot="embed",
                       eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, layers=cfg.num_layers,
-                      heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden=cfg.hidden_size,
+                      heads=cfg.num_heads, kv_heads=kv_heads, head_dim=head_dim, hidden=cfg.hidden_size,
                       weight_dtype=weight_dtype_name, kv_dtype=kv_np.name, attention_block=attention_block)
     return stage(step, weights, pools, out_dir, platform=platform, progress=progress, model=model,
                  ladders=Ladders(batch=batch_ladder, context=contexts, prefill_chunk=prefill_chunk,
                                  prefill_max_batch=prefill_max_batch),
                  capacity=Capacity(block_size=block_size, paged_kv=num_blocks, ring_kv=window_blocks,
                                    state_slots=state_slots),
-                 features=Features(sampler=sampler, prompt_logprobs=prompt_logprobs, decode_steps=decode_steps))
+                 features=Features(sampler=sampler, prompt_logprobs=prompt_logprobs, decode_steps=decode_steps,
+                                   mixed=supports_mixed_calls(cfg) if mixed is None else mixed))

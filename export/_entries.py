@@ -28,19 +28,37 @@ class EntrySpec:
 
     @property
     def name(self) -> str:
+        if self.kind == af.EntryKind.MIXED:
+            return f"{self.kind}_b{self.batch}_t{self.tokens_per_seq}_c{self.context}"
         return f"{self.kind}_b{self.batch}_c{self.context}"
 
+    @property
+    def rows(self) -> int:
+        """The rows of its logits and sampler: a mixed entry's decode rows and its chunk's."""
+        return self.batch + 1 if self.kind == af.EntryKind.MIXED else self.batch
 
-def plan_entries(batch_ladder, context_ladder, prefill_max_batch: int, prefill_chunk: int) -> list[EntrySpec]:
-    """One decode and one prefill entry per ladder point; prefill batches capped, tokens per call capped."""
+
+def plan_entries(batch_ladder, context_ladder, prefill_max_batch: int, prefill_chunk: int,
+                 mixed: bool = False) -> list[EntrySpec]:
+    """One decode and one prefill entry per ladder point; prefill batches capped, tokens per call capped. mixed:
+    a mixed entry (decode rows and one chunk) per context and decode batch of at least MIXED_MIN_BATCH rows."""
     specs = []
     for c in context_ladder:
+        chunk = min(c, prefill_chunk) if prefill_chunk else c
         for b in batch_ladder:
             specs.append(EntrySpec(af.EntryKind.DECODE, b, c, 1))
         for b in batch_ladder:
             if b <= prefill_max_batch:
-                specs.append(EntrySpec(af.EntryKind.PREFILL, b, c, min(c, prefill_chunk) if prefill_chunk else c))
+                specs.append(EntrySpec(af.EntryKind.PREFILL, b, c, chunk))
+        if mixed:
+            specs += [EntrySpec(af.EntryKind.MIXED, b, c, chunk) for b in batch_ladder
+                      if b >= min(MIXED_MIN_BATCH, batch_ladder[-1])]
     return specs
+
+
+# A mixed entry's fewest decode rows: fewer ride in the smallest one (padding a decode row costs next to nothing
+# beside a chunk), so small batches add no entries to compile.
+MIXED_MIN_BATCH = 4
 
 
 # Custom-call targets a standalone PJRT plugin compiles. Anything else (jaxlib's LAPACK handlers such

@@ -90,11 +90,15 @@ class Features:
         the call the next token's logprob and rank and the N largest logprobs (echo, prompt_logprobs); the step
         must be a `SplitStep`. None: such a prompt is read a token a call and scored on the host.
     decode_steps: K > 1 adds a decode_steps entry beside each decode entry: up to K decode steps in one call
-        (export/_decode_steps.py); the runtime uses it while every sequence is decoding."""
+        (export/_decode_steps.py); the runtime uses it while every sequence is decoding.
+    mixed: adds mixed entries, one call of the running sequences' decode rows and one prompt chunk (EntryKind.MIXED):
+        the step is then also called with a tuple of two StepInputs (the decode rows', the chunk's) and returns
+        the logits of both groups' rows in order; tlaloc_jax.decoder.forward does."""
 
     sampler: Sampler | None = None
     prompt_logprobs: int | None = None
     decode_steps: int = 1
+    mixed: bool = False
 
 
 @dataclass(frozen=True)

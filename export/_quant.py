@@ -1,8 +1,10 @@
 """Weight quantization at export: which slots are quantized, and what the manifest records of each.
 
-The projections (attention q, k, v, o and output gate, the MLP's gate, up and down, and routed experts' gate,
-up and down per expert and output channel) are quantized from the checkpoint's values in f32; the embedding,
-the norms, biases, the router and the head keep the model's weight dtype (kernels/quantized_matmul.py).
+The projections (attention q, k, v, o and output gate, latent attention's q_a, q_b and kv_a, the MLP's gate,
+up and down, and routed experts' gate, up and down per expert and output channel) are quantized from the
+checkpoint's values in f32; the embedding, the norms, biases, the router and its correction bias, latent
+attention's k_b and v_b (kernels/mla.py contracts them along either axis, absorbed or expanded) and the head
+keep the model's weight dtype (kernels/quantized_matmul.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ._weights import path_name
 
 # The weight slots a scheme quantizes (tlaloc_jax/families.py's names).
 QUANTIZED_SLOTS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "attn.gate_proj",
+                   "attn.q_a_proj", "attn.q_b_proj", "attn.kv_a_proj",                  # latent attention
                    "layers.gate_proj", "layers.up_proj", "layers.down_proj",
                    "attn.qkv_proj", "layers.gate_up_proj",                              # fused (tlaloc_jax.layout)
                    "layers.expert_gate", "layers.expert_up", "layers.expert_down",      # [L, X, in, out]

@@ -112,16 +112,24 @@ def entry_signature(spec: EntrySpec, resolved: _ResolvedPools, block_size: int, 
                     weights: Mapping[str, np.ndarray], sampler: af.SamplerShape | None = None,
                     scorer: af.ScorerShape | None = None
                     ) -> tuple[list[af.TensorSig], list[af.TensorSig], tuple[tuple[int, int], ...]]:
-    """(inputs, outputs, donations) of an entry: the step inputs its pools need, the sampler's inputs, (a scoring
-    prefill) the scorer's, the pools, the weights."""
-    B, T, M = spec.batch, spec.tokens_per_seq, spec.context // block_size
-    shapes = {Role.TOKEN_IDS: (B, T), Role.POSITIONS: (B, T), Role.SEQ_LENS: (B,), Role.BLOCK_TABLES: (B, M),
-              Role.SLOT_MAPPING: (B, T), Role.WINDOW_BLOCK_TABLES: (B, M), Role.WINDOW_SLOT_MAPPING: (B, T),
-              Role.STATE_SLOTS: (B,)}
+    """(inputs, outputs, donations) of an entry: the step inputs its pools need (a mixed entry: its decode rows',
+    then its chunk's), the sampler's inputs, (a scoring prefill) the scorer's, the pools, the weights."""
+    M = spec.context // block_size
     roles = set(af.BASE_STEP_INPUTS)
     for kind in resolved.kinds:
         roles.update(af.POOL_KIND_INPUTS[kind])
-    inputs = [af.TensorSig(role, "int32", shapes[role]) for role in af.STEP_FIELDS if role in roles]
+
+    def step_inputs(B: int, T: int, group: str = "") -> list[af.TensorSig]:
+        shapes = {Role.TOKEN_IDS: (B, T), Role.POSITIONS: (B, T), Role.SEQ_LENS: (B,), Role.BLOCK_TABLES: (B, M),
+                  Role.SLOT_MAPPING: (B, T), Role.WINDOW_BLOCK_TABLES: (B, M), Role.WINDOW_SLOT_MAPPING: (B, T),
+                  Role.STATE_SLOTS: (B,)}
+        return [af.TensorSig(role, "int32", shapes[role], group) for role in af.STEP_FIELDS if role in roles]
+
+    B, T = spec.rows, spec.tokens_per_seq
+    if spec.kind == af.EntryKind.MIXED:
+        inputs = step_inputs(spec.batch, 1) + step_inputs(1, T, af.CHUNK_GROUP)
+    else:
+        inputs = step_inputs(B, T)
     outputs = [af.TensorSig(Role.LOGITS, "float32", (B, vocab)), af.TensorSig(Role.NEXT_TOKEN, "int32", (B,))]
     if sampler is not None:
         shapes = sampler.shapes(B, spec.context)
@@ -144,10 +152,10 @@ def _entry_fn(step: Callable, treedef, inputs: list[af.TensorSig], outputs: list
     """The entry's function over its positional arguments, in signature order (a scoring prefill, one that takes
     SCORE_TARGETS, runs the SplitStep's hidden states and head itself)."""
     def entry(*args):
-        fields, pools, leaves, sampler, targets = {}, {}, [], {}, None
+        groups, pools, leaves, sampler, targets = {}, {}, [], {}, None
         for sig, a in zip(inputs, args):
             if sig.role in af.STEP_FIELDS:
-                fields[af.STEP_FIELDS[sig.role]] = a
+                groups.setdefault(sig.slot, {})[af.STEP_FIELDS[sig.role]] = a
             elif sig.role in af.SAMPLER_INPUTS:
                 sampler[sig.role] = a
             elif sig.role == Role.SCORE_TARGETS:
@@ -158,16 +166,22 @@ def _entry_fn(step: Callable, treedef, inputs: list[af.TensorSig], outputs: list
                 leaves.append(a)
         if ring_pages:
             # The step sees a sequence's ring, not the bucket-wide table the runtime fills.
-            fields["window_block_tables"] = fields["window_block_tables"][:, :ring_pages]
+            for fields in groups.values():
+                fields["window_block_tables"] = fields["window_block_tables"][:, :ring_pages]
         weights = jax.tree_util.tree_unflatten(treedef, leaves)
+        fields = groups[""]
+        step_inputs = StepInputs(**fields)
+        if af.CHUNK_GROUP in groups:        # a mixed entry: the decode rows' inputs, then the chunk's
+            step_inputs = (step_inputs, StepInputs(**groups[af.CHUNK_GROUP]))
+            fields = {"seq_lens": jnp.concatenate([fields["seq_lens"], groups[af.CHUNK_GROUP]["seq_lens"]])}
         if targets is not None:
-            result = step.hidden(weights, pools, StepInputs(**fields))
+            result = step.hidden(weights, pools, step_inputs)
             if not (isinstance(result, tuple) and len(result) == 2) or getattr(result[0], "ndim", 0) != 3:
                 raise ExportError("a SplitStep's hidden function must return (hidden [B, T, E], pools)")
             hidden = result[0]
             result = (step.head(weights, hidden[:, -1]), result[1])
         else:
-            result = step(weights, pools, StepInputs(**fields))
+            result = step(weights, pools, step_inputs)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise ExportError("the step function must return (logits, pools)")
         logits, new_pools = result
@@ -362,7 +376,7 @@ def _plan_entries(opts: Options, step: Callable) -> tuple[af.Buckets, list[Entry
     chunk = int(opts.ladders.prefill_chunk or 0)
     if chunk < 0:
         raise ExportError(f"prefill chunk must be positive, got {chunk}")
-    specs = plan_entries(batches, contexts, prefill_max_batch, chunk)
+    specs = plan_entries(batches, contexts, prefill_max_batch, chunk, mixed=features.mixed)
     steps = features.decode_steps
     if not isinstance(steps, int) or steps < 1:
         raise ExportError(f"decode_steps must be a positive integer, got {steps!r}")

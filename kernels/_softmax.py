@@ -5,7 +5,8 @@ Shapes (docs/glossary.md; G = H // K query heads share one KV head):
   one block of keys and values k, v: [B, N, K, D]
   scores                       s: [B, K, G, T, N]
   visibility mask              mask: [B, T, N] (B may be 1 and broadcast)
-  running state, per query row m, l: [B, K, G, T] (max, sum), acc: [B, K, G, T, D] (unnormalised P.V)
+  running state, per query row m, l: [B, K, G, T] (max, sum), acc: [B, K, G, T, Dv] (unnormalised P.V; the
+                               values' size Dv is D unless init_state is told otherwise)
 """
 
 from __future__ import annotations
@@ -62,15 +63,16 @@ def block_scores(q: jax.Array, k: jax.Array, *, scale: float, soft_cap: float | 
     return s
 
 
-def init_state(q: jax.Array, sinks: jax.Array | None = None) -> SoftmaxState:
+def init_state(q: jax.Array, sinks: jax.Array | None = None, value_dim: int | None = None) -> SoftmaxState:
     """q: [B, T, K, G, D] -> the state before any key block: m = -inf, l = 0, acc = 0.
 
     sinks: [H] or None. An attention sink (GPT-OSS) is a learned logit per query head that joins the softmax's
     denominator and has no value: the state starts as if one key with that score and a zero value had been
-    seen (m = sink, l = 1, acc = 0).
+    seen (m = sink, l = 1, acc = 0). value_dim: the values' size when it is not the queries' D (latent
+    attention, kernels/mla.py).
     """
     B, T, K, G, D = q.shape
-    acc = jnp.zeros((B, K, G, T, D), jnp.float32)
+    acc = jnp.zeros((B, K, G, T, value_dim or D), jnp.float32)
     if sinks is None:
         return SoftmaxState(m=jnp.full((B, K, G, T), -jnp.inf, jnp.float32), l=jnp.zeros((B, K, G, T), jnp.float32),
                             acc=acc)
@@ -81,7 +83,7 @@ def init_state(q: jax.Array, sinks: jax.Array | None = None) -> SoftmaxState:
 def fold_block(state: SoftmaxState, s: jax.Array, mask: jax.Array, v: jax.Array) -> SoftmaxState:
     """Fold one key block into the running softmax.
 
-    s: [B, K, G, T, N] scores; mask: [B, T, N]; v: [B, N, K, D] f32. Scores and values the mask hides
+    s: [B, K, G, T, N] scores; mask: [B, T, N]; v: [B, N, K, Dv] f32. Scores and values the mask hides
     may be NaN (free pages, never-written slots): they are replaced, never multiplied by zero.
     """
     # Select, not multiply: a NaN score times a zero weight is still NaN.

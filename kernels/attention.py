@@ -19,7 +19,8 @@ from ._softmax import (HIGHEST, block_scores, finish, fold_block, group_heads, i
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, key_block: int = 512,
                      window=None, soft_cap: float | None = None) -> jax.Array:
-    """q: [B, T, H, D], k, v: [B, T, K, D] -> [B, T, H, D] f32.
+    """q: [B, T, H, D], k: [B, T, K, D], v: [B, T, K, Dv] -> [B, T, H, Dv] f32 (Dv is D but for latent
+    attention's expanded heads, kernels/mla.py).
 
     Token t sees keys 0..t, and only t - W + 1..t with a window W (None, int or int32 scalar; <= 0 = none).
     soft_cap: scores -> cap * tanh(scores / cap). Differentiable in q, k, v (jax.custom_vjp).
@@ -45,7 +46,7 @@ def _masks(T: int, window: jax.Array):
 
 
 def _forward(scale, soft_cap, key_block, q, k, v, window):
-    """-> (out [B, T, H, D] f32, logsumexp [B, K, G, T] f32)."""
+    """-> (out [B, T, H, Dv] f32, logsumexp [B, K, G, T] f32)."""
     T, K = q.shape[1], k.shape[2]
     qg = group_heads(q.astype(jnp.float32), K)
     kp, vp = _padded_blocks(k, key_block), _padded_blocks(v, key_block)
@@ -57,7 +58,7 @@ def _forward(scale, soft_cap, key_block, q, k, v, window):
         key_pos = i * key_block + jnp.arange(key_block, dtype=jnp.int32)
         return fold_block(state, block_scores(qg, kb, scale=scale, soft_cap=soft_cap), mask(key_pos), vb)
 
-    out, lse = finish(lax.fori_loop(0, kp.shape[1] // key_block, body, init_state(qg)))
+    out, lse = finish(lax.fori_loop(0, kp.shape[1] // key_block, body, init_state(qg, value_dim=v.shape[-1])))
     return ungroup_heads(out), lse
 
 

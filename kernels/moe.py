@@ -10,11 +10,15 @@ Routing. The router scores each token's experts, logits = x Wr (+ br), keeps the
     "softmax"       softmax over all X logits, the J chosen kept; renormalised to sum 1 with `normalize`
                     (Qwen3-MoE and Qwen3-Next with norm_topk_prob; Mixtral always)
     "topk_softmax"  softmax over the J chosen logits only (GPT-OSS): "softmax" renormalised, another way round
-    "sigmoid"       sigmoid of each chosen logit; renormalised with `normalize` (DeepSeek-V3's scoring,
-                    without its group-limited selection or its selection bias)
+    "sigmoid"       sigmoid of each chosen logit; renormalised with `normalize` (DeepSeek-V3, whose
+                    denominator adds 1e-20)
 
 Every scoring is monotone in the logit, so the choice is the J largest logits (lax.top_k) whatever the
-scoring: a rounding in the scores cannot reorder two experts that the logits order.
+scoring: a rounding in the scores cannot reorder two experts that the logits order. DeepSeek-V3 chooses
+otherwise (`grouped_choice`): a correction bias [X] is added to the sigmoid scores for the choice only, the X
+experts form `groups` groups of which the `top_groups` with the largest sums of their two best biased scores
+are kept, and the J best biased scores of the kept groups are chosen; the weights are the chosen experts'
+unbiased scores. Every scoring's weights are then multiplied by `scale` (routed_scaling_factor; 1 elsewhere).
 
 Experts. Expert i maps a token x [E] to
 
@@ -78,6 +82,9 @@ class MoeSpec:
     activation: str = "silu"          # ACTIVATIONS
     alpha: float = 1.702              # "swiglu_clamped": the sigmoid's gain
     limit: float = 7.0                # "swiglu_clamped": the clamp
+    groups: int = 1                   # DeepSeek's n_group: the experts in `groups` groups of X / groups
+    top_groups: int = 1               # DeepSeek's topk_group: the groups whose experts may be chosen
+    scale: float = 1.0                # routed_scaling_factor: the weights' factor
 
     def __post_init__(self):
         if self.scoring not in SCORINGS:
@@ -86,6 +93,13 @@ class MoeSpec:
             raise ValueError(f"expert activation {self.activation!r} is not one of {ACTIVATIONS}")
         if not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k {self.top_k} must be between 1 and the {self.experts} experts")
+        if self.experts % self.groups or not 1 <= self.top_groups <= self.groups:
+            raise ValueError(f"{self.groups} groups must divide the {self.experts} experts and keep 1 to "
+                             f"{self.groups} of them, not {self.top_groups}")
+        if self.groups > 1 and (self.experts // self.groups < 2 or self.top_groups * self.experts // self.groups
+                                < self.top_k):
+            raise ValueError(f"{self.groups} groups of {self.experts // self.groups} experts (a group is scored by "
+                             f"its two best) keeping {self.top_groups} cannot offer top_k {self.top_k}")
 
 
 def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -120,9 +134,26 @@ def router_logits(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None
     return logits if bias is None else logits + _f32(bias)
 
 
-def route(spec: MoeSpec, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """logits: [..., X] -> (idx [..., J] int32, the J largest logits' experts in descending order; weights
-    [..., J] f32). Differentiable in the logits (through the chosen ones)."""
+def grouped_choice(spec: MoeSpec, scores: jax.Array, correction: jax.Array | None) -> jax.Array:
+    """DeepSeek-V3's choice quantity: scores [..., X] (sigmoid) plus the correction bias [X], -inf outside the
+    top_groups groups whose two best biased scores sum highest. -> [..., X] f32."""
+    choice = scores if correction is None else scores + _f32(correction)
+    if spec.groups == 1:
+        return choice
+    grouped = choice.reshape(*choice.shape[:-1], spec.groups, spec.experts // spec.groups)
+    group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)                              # [..., groups]
+    kept = jnp.sum(jax.nn.one_hot(lax.top_k(group_scores, spec.top_groups)[1], spec.groups), axis=-2) > 0
+    return jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
+
+
+def route(spec: MoeSpec, logits: jax.Array, correction: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """logits: [..., X], correction: [X] or None (DeepSeek's bias for the choice, with "sigmoid") -> (idx
+    [..., J] int32, the chosen experts, in descending order of the choice; weights [..., J] f32).
+    Differentiable in the logits (through the chosen ones)."""
+    if spec.scoring == "sigmoid" and (correction is not None or spec.groups > 1):
+        scores = jax.nn.sigmoid(logits)
+        idx = lax.top_k(grouped_choice(spec, scores, correction), spec.top_k)[1]
+        return idx.astype(jnp.int32), _normalized(spec, jnp.take_along_axis(scores, idx, axis=-1))
     top, idx = lax.top_k(logits, spec.top_k)
     if spec.scoring == "topk_softmax":
         return idx.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
@@ -132,18 +163,34 @@ def route(spec: MoeSpec, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         w = jnp.exp(top - lse)
     else:
         w = jax.nn.sigmoid(top)
+    return idx.astype(jnp.int32), _normalized(spec, w)
+
+
+def _normalized(spec: MoeSpec, w: jax.Array) -> jax.Array:
+    """The chosen weights [..., J] renormalised with `normalize` (sigmoid: over their sum + 1e-20, DeepSeek's
+    guard), times `scale`."""
     if spec.normalize:
-        w = w / jnp.sum(w, axis=-1, keepdims=True)
-    return idx.astype(jnp.int32), w
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
+    return w * spec.scale if spec.scale != 1.0 else w
 
 
-def router_margins(spec: MoeSpec, logits: jax.Array) -> jax.Array:
-    """logits: [..., X] -> [...]: how far the J-th largest logit is above the (J + 1)-th, the gap a rounding
-    would have to close to change the choice (inf with J = X)."""
+def router_margins(spec: MoeSpec, logits: jax.Array, correction: jax.Array | None = None) -> jax.Array:
+    """logits: [..., X] -> [...]: the gap a rounding would have to close to change the choice (inf with J = X):
+    how far the J-th largest logit is above the (J + 1)-th; with DeepSeek's grouped choice, the least of that gap
+    in the choice quantity (grouped_choice) and of how far the last kept group's score is above the next one's."""
+    grouped = spec.scoring == "sigmoid" and (correction is not None or spec.groups > 1)
+    values = grouped_choice(spec, jax.nn.sigmoid(logits), correction) if grouped else logits
     if spec.top_k == spec.experts:
-        return jnp.full(logits.shape[:-1], jnp.inf, jnp.float32)
-    top, _ = lax.top_k(logits, spec.top_k + 1)
-    return top[..., -2] - top[..., -1]
+        gap = jnp.full(logits.shape[:-1], jnp.inf, jnp.float32)
+    else:
+        top, _ = lax.top_k(values, spec.top_k + 1)
+        gap = top[..., -2] - top[..., -1]
+    if grouped and spec.top_groups < spec.groups:
+        choice = jax.nn.sigmoid(logits) + (0.0 if correction is None else _f32(correction))
+        parts = choice.reshape(*choice.shape[:-1], spec.groups, spec.experts // spec.groups)
+        group_top, _ = lax.top_k(jnp.sum(lax.top_k(parts, 2)[0], axis=-1), spec.top_groups + 1)
+        gap = jnp.minimum(gap, group_top[..., -2] - group_top[..., -1])
+    return gap
 
 
 # --- the grouped form ---------------------------------------------------------------------------------
@@ -363,20 +410,23 @@ _routed.defvjp(_routed_fwd, _routed_bwd)
 
 
 def shared_expert(x: jax.Array, shared: dict) -> jax.Array:
-    """Qwen3-Next's shared expert: sigmoid(x Ws) * down(silu(x Wg) * (x Wu)). x: [..., E]; shared: "gate",
-    "up" [E, Fs], "down" [Fs, E], "gate_proj" [E, 1] -> [..., E]."""
+    """A shared expert: down(silu(x Wg) * (x Wu)), times sigmoid(x Ws) where it has a gate (Qwen3-Next; DeepSeek's
+    has none). x: [..., E]; shared: "gate", "up" [E, Fs], "down" [Fs, E], and "gate_proj" [E, 1] or not -> [..., E]."""
     h = jax.nn.silu(_dot("...e,ef->...f", x, shared["gate"])) * _dot("...e,ef->...f", x, shared["up"])
-    return jax.nn.sigmoid(_dot("...e,eo->...o", x, shared["gate_proj"])) * _dot("...f,fe->...e", h, shared["down"])
+    out = _dot("...f,fe->...e", h, shared["down"])
+    return jax.nn.sigmoid(_dot("...e,eo->...o", x, shared["gate_proj"])) * out if "gate_proj" in shared else out
 
 
 def moe(spec: MoeSpec, x: jax.Array, router: jax.Array, experts: dict, *, router_bias: jax.Array | None = None,
-        shared: dict | None = None, valid: jax.Array | None = None, layer=None) -> jax.Array:
+        correction: jax.Array | None = None, shared: dict | None = None, valid: jax.Array | None = None,
+        layer=None) -> jax.Array:
     """A mixture-of-experts MLP: route, the routed sum, and the shared expert where there is one.
 
-    x: [B, T, E]; router: [E, X]; router_bias: [X] or None; experts (and layer) as routed_experts; shared as
-    shared_expert, or None; valid: [B, T] bool or None. -> [B, T, E] f32.
+    x: [B, T, E]; router: [E, X]; router_bias: [X] or None (added to the logits: GPT-OSS); correction: [X] or
+    None (DeepSeek's bias for the choice only); experts (and layer) as routed_experts; shared as shared_expert,
+    or None; valid: [B, T] bool or None. -> [B, T, E] f32.
     """
-    idx, w = route(spec, router_logits(x, router, router_bias))
+    idx, w = route(spec, router_logits(x, router, router_bias), correction)
     out = routed_experts(spec, x, idx, w, experts, valid, layer)
     if shared is not None:
         out = out + shared_expert(x, shared)
@@ -386,23 +436,40 @@ def moe(spec: MoeSpec, x: jax.Array, router: jax.Array, experts: dict, *, router
 # --- reference ----------------------------------------------------------------------------------------
 
 
+def _reference_choice(spec: MoeSpec, logits: jax.Array, correction: jax.Array | None) -> jax.Array:
+    """[B, T, X] -> [B, T, X] bool, the chosen experts, by sorting: the J largest logits; or DeepSeek's rule read
+    literally (biased sigmoid scores; each group scored by its two best; the experts of the best top_groups
+    groups ranked)."""
+    X, J = spec.experts, spec.top_k
+    rank = lambda v: jnp.argsort(jnp.argsort(-v, axis=-1, stable=True), axis=-1, stable=True)  # noqa: E731 (0 = best)
+    if not (spec.scoring == "sigmoid" and (correction is not None or spec.groups > 1)):
+        return rank(logits) < J
+    choice = jax.nn.sigmoid(logits) + (0.0 if correction is None else _f32(correction))
+    per_group = choice.reshape(*choice.shape[:-1], spec.groups, X // spec.groups)
+    best_two = jnp.sort(per_group, axis=-1)[..., -2:].sum(axis=-1)                          # [B, T, groups]
+    kept = jnp.repeat(rank(best_two) < spec.top_groups, X // spec.groups, axis=-1)         # [B, T, X]
+    return rank(jnp.where(kept, choice, -jnp.inf)) < J
+
+
 def moe_reference(spec: MoeSpec, x: jax.Array, router: jax.Array, experts: dict, *,
-                  router_bias: jax.Array | None = None, shared: dict | None = None,
-                  valid: jax.Array | None = None) -> jax.Array:
+                  router_bias: jax.Array | None = None, correction: jax.Array | None = None,
+                  shared: dict | None = None, valid: jax.Array | None = None) -> jax.Array:
     """Dense, for tests and the bench's baseline: every expert runs on every token, and a [B, T, X] weight that
     is zero off each token's J chosen experts sums them. Same arguments and result as moe."""
     logits = jnp.einsum("bte,ex->btx", x, _f32(router), precision=HIGHEST)
     if router_bias is not None:
         logits = logits + _f32(router_bias)
     X = spec.experts
-    chosen = jnp.sum(jax.nn.one_hot(lax.top_k(logits, spec.top_k)[1], X), axis=-2) > 0     # [B, T, X]
+    chosen = _reference_choice(spec, logits, correction)                                   # [B, T, X]
     if spec.scoring == "sigmoid":
         dense = jnp.where(chosen, jax.nn.sigmoid(logits), 0.0)
     else:
         scores = jnp.where(chosen | (spec.scoring == "softmax"), logits, -jnp.inf)
         dense = jnp.where(chosen, jax.nn.softmax(scores, axis=-1), 0.0)
     if spec.normalize and spec.scoring != "topk_softmax":
-        dense = dense / jnp.sum(dense, axis=-1, keepdims=True)
+        guard = 1e-20 if spec.scoring == "sigmoid" else 0.0
+        dense = dense / (jnp.sum(dense, axis=-1, keepdims=True) + guard)
+    dense = dense * spec.scale
     f = {k: _f32(v) for k, v in experts.items()}
     # Every expert on every token: tokens broadcast along X, so each product is a batch of X plain matmuls
     # (contracting "bte,xef" directly makes XLA transpose all the experts' weights first on CPU).
@@ -419,8 +486,10 @@ def moe_reference(spec: MoeSpec, x: jax.Array, router: jax.Array, experts: dict,
         s = {k: _f32(v) for k, v in shared.items()}
         h = jax.nn.silu(jnp.einsum("bte,ef->btf", x, s["gate"], precision=HIGHEST)) * jnp.einsum(
             "bte,ef->btf", x, s["up"], precision=HIGHEST)
-        gate = jax.nn.sigmoid(jnp.einsum("bte,eo->bto", x, s["gate_proj"], precision=HIGHEST))
-        out = out + gate * jnp.einsum("btf,fe->bte", h, s["down"], precision=HIGHEST)
+        y = jnp.einsum("btf,fe->bte", h, s["down"], precision=HIGHEST)
+        if "gate_proj" in s:
+            y = jax.nn.sigmoid(jnp.einsum("bte,eo->bto", x, s["gate_proj"], precision=HIGHEST)) * y
+        out = out + y
     if valid is not None:
         out = jnp.where(valid[..., None], out, 0.0)
     return out

@@ -84,6 +84,22 @@ def attention_grad_roundings(head_dim: int, keys: int) -> int:
     return attention_roundings(head_dim, keys) + 2 * head_dim + 2 + keys
 
 
+def latent_attention_roundings(*, latent: int, rope: int, nope: int, keys: int) -> int:
+    """One output of multi-head latent attention (kernels/mla.py), either form: the query absorbed into the latent
+    (a nope-term dot) or each key expanded from it (a latent-term dot), attention over keys of latent + rope (the
+    absorbed form's score, the longer), and the value's latent-term expansion (or the output's)."""
+    return max(latent, nope) + attention_roundings(latent + rope, keys) + latent
+
+
+def latent_attention_grad_roundings(*, latent: int, rope: int, nope: int, value: int, keys: int, heads: int,
+                                    tokens: int) -> int:
+    """A gradient of latent attention: the attention's backward over the expanded heads, then the expansion's:
+    a latent's gradient sums every head's key and value gradients (heads * (nope + value) terms), a weight's sums
+    the batch's tokens."""
+    expanded = attention_grad_roundings(max(nope + rope, value), keys) + latent
+    return expanded + heads * (nope + value) + tokens
+
+
 def gated_delta_roundings(tokens: int, key_dim: int, chunk: int = 64) -> int:
     """A gated delta rule output or state after `tokens` tokens: each token adds to the state's chain the
     l2 norm of its key (a key_dim sum, rsqrt), its decay (exp), k^T S (a key_dim dot), v - k^T S, beta times
@@ -137,24 +153,36 @@ def decoder_roundings_of(cfg, context: int) -> int:
     """decoder_roundings for a DecoderConfig (or anything with its field names) whose calls reach `context`
     positions: a full attention layer reads them all, a sliding one at most its window, a linear-attention
     layer runs its conv and carries its state over all of them. Attention sinks add a term to each softmax's
-    sum; projection biases and YaRN's scaled rotation add a rounding each; mixture-of-experts MLPs count
-    moe_roundings instead of the gated MLP's."""
+    sum; projection biases and YaRN's scaled rotation add a rounding each, Granite's multipliers a few; latent
+    attention counts latent_attention_roundings and its projections; mixture-of-experts MLPs count
+    moe_roundings instead of the gated MLP's (the longer of the two where dense layers mix with them)."""
     mixers = []
     sinks = 1 if getattr(cfg, "attn_sinks", False) else 0
-    extra = 2 * int(getattr(cfg, "attention_bias", False)) + int(getattr(cfg.rope, "attention_factor", 1.0) != 1.0)
+    extra = (2 * int(getattr(cfg, "attention_bias", False)) + int(getattr(cfg.rope, "attention_factor", 1.0) != 1.0)
+             + 3 * int(getattr(cfg, "residual_multiplier", 1.0) != 1.0 or getattr(cfg, "embedding_multiplier", 1.0) != 1.0))
     for layer_type in cfg.layer_types:
         if layer_type == "linear_attention":
             conv = cfg.linear_conv_kernel + 1 + TRANSCENDENTAL_ULPS + 2
             mixers.append(conv + gated_delta_roundings(context, cfg.linear_key_dim)
                           + rms_norm_roundings(cfg.linear_value_dim) + TRANSCENDENTAL_ULPS + 2)
+        elif getattr(cfg, "kv_lora_rank", 0):
+            # Latent attention: the query's bottleneck (a dot and a norm), the latent's norm, the op, and the
+            # output projection's heads * v_head_dim inputs.
+            q = cfg.q_lora_rank + rms_norm_roundings(cfg.q_lora_rank) if cfg.q_lora_rank else 0
+            mixers.append(q + rms_norm_roundings(cfg.kv_lora_rank) + cfg.num_heads * cfg.v_head_dim + extra
+                          + latent_attention_roundings(latent=cfg.kv_lora_rank, rope=cfg.head_dim,
+                                                       nope=cfg.qk_nope_head_dim, keys=context))
         else:
             keys = min(context, cfg.sliding_window) if layer_type == "sliding_attention" else context
             mixers.append(attention_roundings(cfg.head_dim, keys + sinks) + extra)
     mlp = None
     if getattr(cfg, "num_experts", 0):
+        # Sigmoid scoring (and DeepSeek's routed_scaling_factor) rounds less than the softmax counted here.
         mlp = moe_roundings(hidden=cfg.hidden_size, expert_hidden=cfg.moe_intermediate_size,
                             experts=cfg.num_experts, top_k=cfg.experts_per_token,
                             shared_hidden=cfg.shared_expert_intermediate_size)
+        if "dense" in getattr(cfg, "mlp_types", ()):     # dense layers among them: the longer of the two paths
+            mlp = max(mlp, 2 * cfg.hidden_size + TRANSCENDENTAL_ULPS + 1 + cfg.intermediate_size)
     return decoder_roundings(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, heads=cfg.num_heads,
                              head_dim=cfg.head_dim, mixers=mixers, mlp=mlp)
 

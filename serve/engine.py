@@ -111,7 +111,8 @@ class Engine:
         self._order = itertools.count()
         self._stats = dict(steps=0, prefill_calls=0, decode_calls=0, tokens_generated=0,
                            prompt_tokens=0, requests_finished=0, requests_failed=0, requests_refused=0,
-                           decode_steps_calls=0, logits_pulled=0, sampled_in_body=0, slot_copies=0, batch_sizes={})
+                           decode_steps_calls=0, mixed_calls=0, logits_pulled=0, sampled_in_body=0, slot_copies=0,
+                           batch_sizes={})
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s: %d entries (%s), weights %.1f MiB, pools %.1f MiB (%s; pages of %d), %.1f s",
                  self.artifact_dir, len(self.runner.executables),
@@ -296,8 +297,10 @@ class Engine:
             self._stats["sampled_in_body"] += 1
         return out
 
-    def _count_call(self, prefill: bool, n: int) -> None:
-        self._stats["prefill_calls" if prefill else "decode_calls"] += 1
+    def _count_call(self, kind: mf.EntryKind, n: int) -> None:
+        key = {mf.EntryKind.MIXED: "mixed_calls", mf.EntryKind.DECODE: "decode_calls",
+               mf.EntryKind.DECODE_STEPS: "decode_calls"}.get(kind, "prefill_calls")
+        self._stats[key] += 1
         bs = self._stats["batch_sizes"]
         bs[n] = bs.get(n, 0) + 1
 
@@ -323,7 +326,7 @@ class Engine:
         producing = [end == s.length for s, end in zip(call.seqs, ends)]
         scoring = e.kind == mf.EntryKind.PREFILL_SCORED
         try:
-            inputs = call_inputs.step_inputs(call, e.tokens_per_seq, self.manifest, self.ring_pages)
+            inputs = call_inputs.step_inputs(call, self.manifest, self.ring_pages)
             allowed = [outputs.allowed_mask(s, self.vocab) if p else None for s, p in zip(call.seqs, producing)]
             if self.sampler is not None:
                 inputs.update(call_inputs.sampler_inputs(self.runner, call, producing, allowed))
@@ -333,10 +336,10 @@ class Engine:
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
             log.error("call of %s failed: %s", e.name, err)
             return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]
-        self._count_call(e.kind != mf.EntryKind.DECODE, len(call.seqs))
+        self._count_call(e.kind, len(call.seqs))
         now = time.perf_counter()
         events = []
-        for b, (s, row, end) in enumerate(zip(call.seqs, call.rows, ends)):
+        for i, (b, s, row, end) in enumerate(zip(call.out_rows, call.seqs, call.rows, ends)):
             lsm = None
             if scoring:
                 s.prompt_logprobs.extend(outputs.prompt_scores(out, b, s, row.start, len(row.token_ids),
@@ -351,10 +354,10 @@ class Engine:
             if row.start < len(s.prompt):
                 self._stats["prompt_tokens"] += min(end, len(s.prompt)) - row.start
             self.scheduler.written(s, end)
-            if not producing[b]:
+            if not producing[i]:
                 continue      # more of the sequence to read; this call's logits are not a token yet
             try:
-                tok, logprob, top = outputs.row_token(out, b, s, allowed[b], lsm, self.sampler, self.vocab)
+                tok, logprob, top = outputs.row_token(out, b, s, allowed[i], lsm, self.sampler, self.vocab)
                 if s.constraint is not None and not s.constraint.accept(tok):
                     raise ValueError(f"token {tok} is outside the request's grammar")
             except Exception as err:   # noqa: BLE001 - this sequence fails; the call's others keep their tokens
@@ -372,7 +375,7 @@ class Engine:
         e = call.entry
         n = len(call.seqs)
         try:
-            inputs = call_inputs.step_inputs(call, 1, self.manifest, self.ring_pages)
+            inputs = call_inputs.step_inputs(call, self.manifest, self.ring_pages)
             inputs.update(call_inputs.decode_steps_inputs(call, [self.scheduler.stop_ids(s) for s in call.seqs]))
             if self.sampler is not None:
                 inputs.update(call_inputs.sampler_inputs(self.runner, call, [True] * n, [None] * n))
@@ -380,7 +383,7 @@ class Engine:
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
             log.error("call of %s failed: %s", e.name, err)
             return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]
-        self._count_call(False, n)
+        self._count_call(e.kind, n)
         self._stats["decode_steps_calls"] += 1
         now = time.perf_counter()
         events = []

@@ -29,6 +29,18 @@ MOE_DIMS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 64, "rope_theta": 10000.0}
 
+# LongRoPE with its original context inside the tests' prompts (64 < 100 + 16), a factor set per half rotated dim.
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                 "long_factor": [2.0 + 0.5 * i for i in range(8)]}
+# DeepSeek-V3's latent attention with Dv != Dn (a swapped axis shows), 8 experts in 4 groups of which 2 are kept,
+# a dense first layer, and YaRN with mscale (the scores' scale gets mscale(factor, mscale_all_dim)^2).
+DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+DEEPSEEK_DIMS = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                     num_key_value_heads=4, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                     moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                     rope_parameters=DEEPSEEK_YARN)
+
 # Small windows so that prompts and generations span several windows.
 FAMILY_DEFAULTS = {
     "mistral": dict(sliding_window=8),
@@ -51,7 +63,12 @@ FAMILY_DEFAULTS = {
     # 4 layers: sliding, full, sliding, full (two periods); the clamp at 0.6 bites on the tiny activations.
     "gpt_oss": dict(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
                     sliding_window=8, swiglu_limit=0.6, rope_parameters=GPT_OSS_YARN, max_position_embeddings=256),
+    "phi3": dict(original_max_position_embeddings=64, rope_parameters=PHI3_LONGROPE),
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0),
+    "deepseek_v3": DEEPSEEK_DIMS,
 }
+# The families whose configs derive head_dim themselves (DeepSeek-V3's is qk_rope_head_dim).
+NO_HEAD_DIM = ("deepseek_v3",)
 # Qwen3-Next with a mixture of experts and a shared expert in every layer (norm_topk_prob defaults to true).
 QWEN3_NEXT_MOE = dict(MOE_DIMS, shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[])
 
@@ -74,6 +91,11 @@ CLASSES = {
     "qwen3_moe": lambda: (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": lambda: (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "gpt_oss": lambda: (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+    "qwen2": lambda: (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "phi3": lambda: (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "olmo2": lambda: (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    "granite": lambda: (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+    "deepseek_v3": lambda: (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
 }
 
 
@@ -82,6 +104,8 @@ def build_checkpoint(out_dir: Path, model_type: str = "llama", *, seed: int = 0,
                      **overrides) -> Path:
     """Write a seeded random checkpoint of `model_type` to out_dir (config.json + safetensors)."""
     kw = {**TINY, **FAMILY_DEFAULTS.get(model_type, {}), "tie_word_embeddings": tied, **overrides}
+    if model_type in NO_HEAD_DIM:
+        del kw["head_dim"]
     if rope is not None:
         kw["rope_parameters"] = rope
     cls_cfg, cls_model = CLASSES[model_type]()
@@ -97,6 +121,10 @@ def build_checkpoint(out_dir: Path, model_type: str = "llama", *, seed: int = 0,
                 p.add_(0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.08)
+        # DeepSeek's router correction bias is a buffer (zero at init): spread it so that it changes the choice.
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
     out_dir.mkdir(parents=True, exist_ok=True)
     if max_shard_size:
         model.save_pretrained(out_dir, max_shard_size=max_shard_size)
@@ -116,6 +144,22 @@ def _rewrite_rope_legacy(path: Path) -> None:
     if params.get("rope_type", "default") != "default":
         cfg["rope_scaling"] = params
     path.write_text(json.dumps(cfg, indent=2))
+
+
+def assert_saved_back(path: Path, out_dir: Path) -> None:
+    """A checkpoint loaded through its family table and saved back (tlaloc_jax.checkpoint.save_checkpoint) has every
+    tensor of the original, bit for bit (split and fused tensors rebuilt from their slots)."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from tlaloc_jax.checkpoint import load_checkpoint, save_checkpoint
+    hf_config = json.loads((path / "config.json").read_text())
+    out = load_file(save_checkpoint(out_dir, hf_config, load_checkpoint(path)[1]) / "model.safetensors")
+    original = load_file(path / "model.safetensors")
+    assert out.keys() == original.keys()
+    for k, arr in out.items():
+        np.testing.assert_array_equal(arr, original[k], err_msg=k)
 
 
 def load_hf_torch(path: Path, dtype=torch.float32):

@@ -68,7 +68,9 @@ def test_unsupported_config_flags_are_refused_by_name():
                 num_attention_heads=2)
     with pytest.raises(ConfigError, match="attention_bias"):
         config_from_hf(dict(base, attention_bias=True))
-    with pytest.raises(ConfigError, match="rope type 'longrope'"):
+    with pytest.raises(ConfigError, match="rope type 'dynamic'"):
+        config_from_hf(dict(base, rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
+    with pytest.raises(ConfigError, match="longrope rope scaling needs 'short_factor'"):
         config_from_hf(dict(base, rope_parameters={"rope_type": "longrope", "factor": 2.0}))
     with pytest.raises(ConfigError, match="yarn rope scaling needs 'original_max_position_embeddings'"):
         config_from_hf(dict(base, rope_parameters={"rope_type": "yarn", "factor": 2.0}))

@@ -1,13 +1,15 @@
-"""Mixture-of-experts families (qwen3_moe, mixtral, gpt_oss, qwen3_next with its sparse layers) against
-transformers: their family tables, greedy ids and first logits in process and served, and what a decode step
-reads.
+"""Mixture-of-experts families (qwen3_moe, with dense layers among the sparse ones too, mixtral, gpt_oss, qwen3_next
+with its sparse layers, deepseek_v3) against transformers: their family tables, greedy ids and first logits in
+process and served, and what a decode step reads.
 
 Routing near-ties. A token's experts are the router's J largest logits, a discontinuous choice: where two logits
 are within rounding of each other, this decoder and transformers may choose differently, and then the token's
 output (and every later token that attends to it) differs by far more than rounding. The near-tie rule on the
 greedy ids tolerates close *final* logits only, so each oracle run here first checks its own routing: over every
-token of every prompt and its 16 generated ids, in every layer, transformers' router margin (J-th minus
-(J + 1)-th logit) must exceed twice the tolerance model's bound times that layer's largest |router logit|. Where
+token of every prompt and its 16 generated ids, in every sparse layer, transformers' router margin (J-th minus
+(J + 1)-th logit; for DeepSeek-V3's grouped choice the least gap of its choice quantity and of its group scores,
+kernels.moe.router_margins, whose sigmoid shrinks a logit's error by 4 at least) must exceed twice the tolerance
+model's bound times that layer's largest |router logit|. Where
 that holds, both sides choose the same experts everywhere and the tolerance model's bound applies to the logits;
 the seeds below pass it with room (the smallest margin is printed with TLALOC_TOLERANCE_REPORT=1 as a margin
 record). A seed that did not would fail with its own message, never as a mismatch.
@@ -15,7 +17,6 @@ record). A seed that did not would fail with its own message, never as a mismatc
 
 from __future__ import annotations
 
-import json
 import re
 
 import jax
@@ -24,18 +25,18 @@ from jax import lax
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
 
 import tlaloc_jax
-from hf_models import QWEN3_NEXT_MOE, build_checkpoint, load_hf_torch, torch_greedy
+from hf_models import assert_saved_back, QWEN3_NEXT_MOE, build_checkpoint, load_hf_torch, torch_greedy
 from margins import assert_within
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
 from tlaloc_jax.checkpoint import load_checkpoint, random_weights, save_checkpoint
-from tlaloc_jax.config import FULL, SLIDING, ConfigError
-from tlaloc_jax.decoder import StepInputs
+from tlaloc_jax.config import DENSE, FULL, SLIDING, SPARSE, ConfigError
+from tlaloc_jax.decoder import StepInputs, moe_spec
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.hf_config import read_rope
 from tlaloc_jax.kernels import tolerances as tol
+from tlaloc_jax.kernels.moe import router_margins
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.layers import rope_inv_freq
 from tlaloc_jax.artifact import Role
@@ -57,6 +58,10 @@ CASES = {
     # seed 65: the tiny random GPT-OSS seeds 63 and 64 repeat one token from the first step on.
     "gpt_oss": dict(model_type="gpt_oss", seed=65),
     "qwen3_next": dict(model_type="qwen3_next", seed=64, **QWEN3_NEXT_MOE),
+    # Dense MLPs among the sparse ones: layer 1 (mlp_only_layers) of sparse, dense, sparse.
+    "qwen3_moe_mixed": dict(model_type="qwen3_moe", seed=68, mlp_only_layers=[1]),
+    # Latent attention, a dense first layer, grouped routing with a correction bias, a shared expert.
+    "deepseek_v3": dict(model_type="deepseek_v3", seed=69),
 }
 # make test runs these in process; every family runs in process and served under make test-slow.
 QUICK = ("qwen3_moe",)
@@ -98,13 +103,17 @@ def oracle(store, tmp_path_factory, name):
     ref = load_hf_torch(path)
     cfg = load_checkpoint(path)[0]
     runs = [torch_greedy(ref, p, NEW) for p in PROMPTS]
-    bound, J = logit_bound(cfg), cfg.experts_per_token
+    bound, spec = logit_bound(cfg), moe_spec(cfg)
+    correction = load_checkpoint(path)[1].get("layers.router_correction")
+    sparse = [i for i, t in enumerate(cfg.mlp_types) if t == SPARSE]
     worst = np.inf
     for prompt, run in zip(PROMPTS, runs):
         out = ref(torch.tensor([prompt + run.ids]), output_router_logits=True)
-        for layer, logits in enumerate(out.router_logits):
-            top = torch.topk(logits.float(), J + 1, dim=-1).values.numpy()
-            ratio = float(np.min(top[:, J - 1] - top[:, J])) / (2 * bound * float(np.abs(top).max()))
+        assert len(out.router_logits) == len(sparse)
+        for k, (layer, logits) in enumerate(zip(sparse, out.router_logits)):
+            logits = logits.float().numpy()
+            margins = router_margins(spec, jnp.asarray(logits), None if correction is None else correction[k])
+            ratio = float(np.min(margins)) / (2 * bound * float(np.abs(logits).max()))
             assert ratio > 1, (f"{name}: a token of the {len(prompt)}-token prompt has router logits in layer {layer} "
                                "within rounding of a tie; choose another seed")
             worst = min(worst, ratio)
@@ -191,7 +200,7 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
                           progress=False)
     cfg = load_checkpoint(path)[0]
     weights = {w.slot: w for w in m.weights}
-    X, E, FX, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_layers
+    X, E, FX, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.mlp_types.count(SPARSE)
     for i in range(L):
         assert weights[f"layers.expert_gate.{i}"].shape == (X, E, FX)
         assert weights[f"layers.expert_down.{i}"].shape == (X, FX, E)
@@ -273,11 +282,13 @@ def test_moe_decoder_trains_through_the_dense_forward(monkeypatch):
     batch = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 18)), jnp.int32)
     margins = []
 
-    def dense_moe(spec, x, router, experts, *, router_bias=None, shared=None, valid=None, layer=None):
+    def dense_moe(spec, x, router, experts, *, router_bias=None, correction=None, shared=None, valid=None,
+                  layer=None):
         logits = router_logits(x, router, router_bias)
-        jax.debug.callback(lambda m, s: margins.append(float(np.min(m)) / float(s)), router_margins(spec, logits),
-                           jnp.max(jnp.abs(logits)))
-        return moe_reference(spec, x, router, experts, router_bias=router_bias, shared=shared, valid=valid)
+        jax.debug.callback(lambda m, s: margins.append(float(np.min(m)) / float(s)),
+                           router_margins(spec, logits, correction), jnp.max(jnp.abs(logits)))
+        return moe_reference(spec, x, router, experts, router_bias=router_bias, correction=correction, shared=shared,
+                             valid=valid)
 
     def grads():
         loss = lambda w: next_token_loss(cfg, w, batch, attention=training_attention(key_block=8))  # noqa: E731
@@ -319,33 +330,33 @@ def test_weights_read_as_transformers_holds_them(name, store, tmp_path_factory):
     tensor per expert, or GPT-OSS's fused gate_up with gate and up alternating)."""
     path = checkpoint(store, tmp_path_factory, name)
     cfg, w = load_checkpoint(path)
-    mlp = load_hf_torch(path).model.layers[1].mlp
+    layer = 1 if cfg.mlp_types[1] == SPARSE else cfg.mlp_types.index(SPARSE)   # and its place in the expert stacks:
+    k = cfg.mlp_types[:layer].count(SPARSE)
+    mlp = load_hf_torch(path).model.layers[layer].mlp
     experts = mlp.experts
     if name == "gpt_oss":
         gate_up = experts.gate_up_proj.detach().numpy()                      # [X, E, 2 FX], [in, out]
-        np.testing.assert_array_equal(w["layers.expert_gate"][1], gate_up[..., 0::2])
-        np.testing.assert_array_equal(w["layers.expert_up"][1], gate_up[..., 1::2])
-        np.testing.assert_array_equal(w["layers.expert_up_bias"][1], experts.gate_up_proj_bias.detach().numpy()[:, 1::2])
-        np.testing.assert_array_equal(w["layers.router_bias"][1], mlp.router.bias.detach().numpy())
+        np.testing.assert_array_equal(w["layers.expert_gate"][k], gate_up[..., 0::2])
+        np.testing.assert_array_equal(w["layers.expert_up"][k], gate_up[..., 1::2])
+        np.testing.assert_array_equal(w["layers.expert_up_bias"][k], experts.gate_up_proj_bias.detach().numpy()[:, 1::2])
+        np.testing.assert_array_equal(w["layers.router_bias"][k], mlp.router.bias.detach().numpy())
     else:
         gate_up = experts.gate_up_proj.detach().numpy()                      # [X, 2 FX, E], [out, in]
         FX = cfg.moe_intermediate_size
-        np.testing.assert_array_equal(w["layers.expert_gate"][1], gate_up[:, :FX].swapaxes(1, 2))
-        np.testing.assert_array_equal(w["layers.expert_up"][1], gate_up[:, FX:].swapaxes(1, 2))
-        np.testing.assert_array_equal(w["layers.expert_down"][1], experts.down_proj.detach().numpy().swapaxes(1, 2))
+        np.testing.assert_array_equal(w["layers.expert_gate"][k], gate_up[:, :FX].swapaxes(1, 2))
+        np.testing.assert_array_equal(w["layers.expert_up"][k], gate_up[:, FX:].swapaxes(1, 2))
+        np.testing.assert_array_equal(w["layers.expert_down"][k], experts.down_proj.detach().numpy().swapaxes(1, 2))
+    if DENSE in cfg.mlp_types:      # the dense layers' MLPs stack apart, in layer order
+        dense = cfg.mlp_types.index(DENSE)
+        np.testing.assert_array_equal(w["layers.gate_proj"][0], load_hf_torch(path).model.layers[dense].mlp.gate_proj
+                                      .weight.detach().numpy().T)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_save_checkpoint_writes_back_every_tensor(name, store, tmp_path_factory, tmp_path):
     """Load a transformers checkpoint and save it back: every tensor bit for bit (the per-expert tensors, and
     GPT-OSS's gate_up rebuilt from its two alternating halves)."""
-    path = checkpoint(store, tmp_path_factory, name)
-    hf_config = json.loads((path / "config.json").read_text())
-    out = load_file(save_checkpoint(tmp_path / "c", hf_config, load_checkpoint(path)[1]) / "model.safetensors")
-    original = load_file(path / "model.safetensors")
-    assert out.keys() == original.keys()
-    for k, arr in out.items():
-        np.testing.assert_array_equal(arr, original[k], err_msg=k)
+    assert_saved_back(checkpoint(store, tmp_path_factory, name), tmp_path / "c")
 
 
 MOE_BASE = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
@@ -355,9 +366,9 @@ MOE_BASE = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_
 def test_refusals_name_their_keys():
     q = dict(MOE_BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
     config_from_hf(q)
-    with pytest.raises(ConfigError, match=r"qwen3_moe layers \[0\] have dense MLPs among mixture-of-experts layers "
-                                          r"\(config keys num_experts=4, decoder_sparse_step=2"):
-        config_from_hf(dict(q, decoder_sparse_step=2))
+    # Dense layers among the sparse ones, by Qwen's two keys.
+    assert config_from_hf(dict(q, decoder_sparse_step=2))[1].mlp_types == (DENSE, SPARSE)
+    assert config_from_hf(dict(q, mlp_only_layers=[1]))[1].mlp_types == (SPARSE, DENSE)
     with pytest.raises(ConfigError, match=r"qwen3_moe config has no experts"):
         config_from_hf(dict(q, num_experts=0))
     with pytest.raises(ConfigError, match="num_experts_per_tok=5 must be between 1 and num_experts=4"):

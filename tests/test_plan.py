@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from tlaloc_jax.config import FULL, LINEAR, SLIDING, DecoderConfig, RopeConfig
+from tlaloc_jax.config import DENSE, FULL, LINEAR, SLIDING, SPARSE, DecoderConfig, RopeConfig
 from tlaloc_jax.decoder import pool_shapes
 from tlaloc_jax.families import stack_layers
 from tlaloc_jax.plan import Stacked, layer_plan
@@ -16,11 +16,12 @@ F, S, X = FULL, SLIDING, LINEAR
 MIXES = [(F,) * 3, (S,) * 3, (S, F) * 2, (S, F, S, S), (X, X, X, F) * 2, (S, F, X, S) * 2, (X, S, F), (F, S, S) * 2]
 
 
-def config(types: tuple[str, ...]) -> DecoderConfig:
+def config(types: tuple[str, ...], mlps: tuple[str, ...] = ()) -> DecoderConfig:
+    moe = dict(num_experts=4, experts_per_token=2, moe_intermediate_size=4) if SPARSE in mlps else {}
     return DecoderConfig(model_type="test", vocab_size=16, hidden_size=8, intermediate_size=8, num_layers=len(types),
                          num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, rope=RopeConfig(),
                          layer_types=types, sliding_window=4, linear_key_heads=1, linear_key_dim=4,
-                         linear_value_heads=2, linear_value_dim=4, linear_conv_kernel=4)
+                         linear_value_heads=2, linear_value_dim=4, linear_conv_kernel=4, mlp_types=mlps, **moe)
 
 
 def by_hand(types: tuple[str, ...], windowed: bool) -> dict[str, list[int]]:
@@ -70,3 +71,42 @@ def test_control_a_stride_of_the_whole_period_misplaces_layers():
         dataclasses.replace(lp, weights=Stacked(lp.weights.rank, len(plan.layers))) if lp.kind == X else lp
         for lp in plan.layers))
     assert misplaced(wrong, types, windowed=False) == ["layer 4 in linear", "layer 5 in linear", "layer 6 in linear"]
+
+
+D_, P_ = DENSE, SPARSE
+MLP_MIXES = [((F,) * 3, (D_, P_, P_)), ((F,) * 4, (P_, D_) * 2), ((S, F) * 2, (D_, P_, P_, P_)),
+             ((X, X, X, F) * 2, (P_, D_, P_, P_) * 2), ((F,) * 4, (D_, D_, P_, P_))]
+
+
+def mlp_misplaced(plan, mlps) -> list[str]:
+    """Every layer whose MLP slots' scan-step index names another layer's entry in its kind's stack."""
+    stacks = {kind: [i for i, t in enumerate(mlps) if t == kind] for kind in (D_, P_)}
+    p, bad = len(plan.layers), []
+    for i in range(plan.periods):
+        for j, lp in enumerate(plan.layers):
+            at = lp.mlp_weights.index(i)
+            if lp.mlp != mlps[i * p + j] or stacks[lp.mlp][at:at + 1] != [i * p + j]:
+                bad.append(f"layer {i * p + j} in {lp.mlp}")
+    return bad
+
+
+@pytest.mark.parametrize("types, mlps", MLP_MIXES)
+def test_each_mlp_reads_its_own_kind_stack_entry(types, mlps):
+    """Dense and sparse MLP layers mixed: the norms stack every layer, each MLP slot only the layers of its kind
+    (tlaloc_jax.plan.MLP_SLOTS), and each layer of each scan step reads its own entry of its kind's stack."""
+    cfg = config(types, mlps)
+    plan = layer_plan(cfg, windowed=False)
+    assert mlp_misplaced(plan, mlps) == []
+    assert list(stack_layers("layers.gate_proj", cfg)) == [i for i, t in enumerate(mlps) if t == D_]
+    assert list(stack_layers("layers.expert_down", cfg)) == list(stack_layers("layers.router", cfg)) == [
+        i for i, t in enumerate(mlps) if t == P_]
+    assert list(stack_layers("layers.mlp_norm", cfg)) == list(range(len(types)))
+    assert cfg.moe and cfg.dense_mlp
+
+
+def test_control_mlp_slots_indexed_as_the_norms_misplace():
+    """MLP slots indexed with the norms' place (every layer's stride) read another layer's MLP: the check sees it."""
+    types, mlps = (X, X, X, F) * 2, (P_, D_, P_, P_) * 2
+    plan = layer_plan(config(types, mlps), windowed=False)
+    wrong = dataclasses.replace(plan, layers=tuple(dataclasses.replace(lp, mlp_weights=lp.layer) for lp in plan.layers))
+    assert mlp_misplaced(wrong, mlps) != []

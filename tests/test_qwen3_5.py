@@ -162,12 +162,9 @@ def test_mixture_of_experts_config_keys_and_refusals():
     assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size) == (8, 2, 12)
     assert cfg.router_normalize and cfg.shared_expert and cfg.shared_expert_intermediate_size == 20
     assert not config_from_hf(dict(base, **moe, norm_topk_prob=False))[1].router_normalize
-    # Sparse layers among dense ones are refused, naming the keys that make the mix.
-    with pytest.raises(ConfigError, match=r"qwen3_next layers \[0, 2\] have dense MLPs among mixture-of-experts "
-                                          r"layers .*decoder_sparse_step=2"):
-        config_from_hf(dict(base, **moe, decoder_sparse_step=2))
-    with pytest.raises(ConfigError, match=r"layers \[1\] have dense MLPs .*mlp_only_layers=\[1\]"):
-        config_from_hf(dict(base, **moe, mlp_only_layers=[1]))
+    # Dense layers among the sparse ones, as transformers builds them.
+    assert config_from_hf(dict(base, **moe, decoder_sparse_step=2))[1].mlp_types == ("dense", "sparse") * 2
+    assert config_from_hf(dict(base, **moe, mlp_only_layers=[1]))[1].mlp_types == ("sparse", "dense", "sparse", "sparse")
     # Qwen3.5's table has no experts.
     with pytest.raises(ConfigError, match=r"qwen3_5_text layers \[0, 1, 2, 3\] have sparse mixture-of-experts"):
         config_from_hf(dict(base, **moe, model_type="qwen3_5_text"))

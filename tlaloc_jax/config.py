@@ -15,9 +15,13 @@ class RopeConfig:
     """Rotary position embedding settings.
 
     rope_type: "default" (plain RoPE), "linear" (positions divided by factor), "llama3" (Llama 3.1
-    frequency scaling) or "yarn" (YaRN: frequencies blended between interpolated and original by a ramp
-    from beta_fast to beta_slow rotations, cos and sin scaled by attention_factor; GPT-OSS).
+    frequency scaling), "yarn" (YaRN: frequencies blended between interpolated and original by a ramp
+    from beta_fast to beta_slow rotations, cos and sin scaled by attention_factor; GPT-OSS) or "longrope"
+    (LongRoPE, Phi-3: each frequency divided by its own factor, short_factor or long_factor as long_factors
+    says, cos and sin scaled by attention_factor).
     partial_rotary_factor: the fraction of the head that is rotated (1.0 for Llama and Qwen3).
+    interleaved: the rotated dims pair up as (0, 1), (2, 3), ... (DeepSeek's rope_interleave) rather than
+    (i, i + R / 2) (rotate-half).
     """
 
     theta: float = 10000.0
@@ -31,6 +35,12 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    # LongRoPE's choice of factor set, made once for every position (with_context): transformers picks it per
+    # forward call from the sequence's length, which a KV cache written earlier cannot follow.
+    long_factors: bool = False
+    interleaved: bool = False
 
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
@@ -38,6 +48,9 @@ LAYER_TYPES = (FULL, SLIDING, LINEAR)
 # A mixture-of-experts MLP's router scorings and expert activations (tlaloc_jax.kernels.moe).
 ROUTER_SCORINGS = ("softmax", "topk_softmax", "sigmoid")
 EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
+# A layer's MLP: the gated MLP ("dense") or a mixture of experts ("sparse").
+DENSE, SPARSE = "dense", "sparse"
+MLP_TYPES = (DENSE, SPARSE)
 
 
 @dataclass(frozen=True)
@@ -85,12 +98,34 @@ class DecoderConfig:
     linear_value_heads: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
-    attention_bias: bool = False               # q, k, v and o projections add biases (GPT-OSS)
+    attention_bias: bool = False               # q, k and v projections add biases (GPT-OSS, Qwen2)
+    output_bias: bool = False                  # the o projection adds a bias (GPT-OSS)
     attn_sinks: bool = False                   # a learned sink logit per query head joins each softmax (GPT-OSS)
-    # Mixture-of-experts MLPs, in every layer when num_experts > 0: num_experts experts (X) of
-    # moe_intermediate_size, the router's experts_per_token (J) best kept and weighed by router_scoring
-    # (renormalised with router_normalize), experts computing expert_activation; a router bias and expert
-    # biases where the family has them, and a shared expert of shared_expert_intermediate_size (0: none).
+    input_norms: bool = True                   # norms before attention and the MLP; False: OLMo 2 norms only
+                                               # their outputs (sandwich_norms)
+    qk_norm_whole: bool = False                # q/k norms over the whole projection [H * D] (OLMo 2), not each head
+    # Scalars of the residual stream (Granite): the embeddings times embedding_multiplier, each attention and MLP
+    # output times residual_multiplier before its residual add, the logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float = 0.0          # the scores' scale itself (Granite, DeepSeek); 0: query_scale's rule
+    # Multi-head latent attention (DeepSeek-V3) when kv_lora_rank > 0: each position keeps one latent of
+    # kv_lora_rank (C) and a rotated key of qk_rope_head_dim (R, which head_dim then equals) shared by every head;
+    # a head's key is its qk_nope_head_dim (Dn) part expanded from the latent beside the rotated one, its value
+    # v_head_dim (Dv) expanded from the latent. Queries go through a q_lora_rank bottleneck (0: one projection).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    # Mixture-of-experts MLPs, in the layers mlp_types names SPARSE (every layer when it is empty and num_experts
+    # > 0): num_experts experts (X) of moe_intermediate_size, the router's experts_per_token (J) best kept and
+    # weighed by router_scoring (renormalised with router_normalize, then times routed_scaling), experts computing
+    # expert_activation; a router bias and expert biases where the family has them, and a shared expert of
+    # shared_expert_intermediate_size (0: none), gated by sigmoid(x Ws) with shared_expert_gated. DeepSeek-V3's
+    # choice: a correction bias added to the sigmoid scores (router_correction), and only the experts of the
+    # router_top_groups best of router_groups groups (a group scored by its two best experts).
+    mlp_types: tuple[str, ...] = ()
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
@@ -102,6 +137,11 @@ class DecoderConfig:
     swiglu_alpha: float = 1.702                # "swiglu_clamped": g * sigmoid(alpha g)
     swiglu_limit: float = 7.0                  # "swiglu_clamped": the clamp of g and u
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = False
+    router_correction: bool = False
+    router_groups: int = 1
+    router_top_groups: int = 1
+    routed_scaling: float = 1.0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -126,7 +166,20 @@ class DecoderConfig:
             if self.linear_value_heads % self.linear_key_heads:
                 raise ConfigError(f"linear value heads ({self.linear_value_heads}) are not a multiple of linear key "
                                   f"heads ({self.linear_key_heads})")
+        mlp = self.mlp_types or ((SPARSE if self.num_experts else DENSE),) * self.num_layers
+        if len(mlp) != self.num_layers or any(t not in MLP_TYPES for t in mlp):
+            raise ConfigError(f"mlp_types {list(mlp)} is not one of {MLP_TYPES} for each of {self.num_layers} layers")
+        if SPARSE in mlp and not self.num_experts:
+            raise ConfigError("sparse MLP layers need num_experts > 0")
+        object.__setattr__(self, "mlp_types", tuple(mlp))
+        if self.kv_lora_rank:
+            for name in ("qk_nope_head_dim", "v_head_dim", "head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ConfigError(f"latent attention needs a positive {name}, got {getattr(self, name)}")
         if self.num_experts:
+            if self.num_experts % self.router_groups or not 1 <= self.router_top_groups <= self.router_groups:
+                raise ConfigError(f"n_group={self.router_groups} must divide num_experts={self.num_experts}, and "
+                                  f"topk_group={self.router_top_groups} be between 1 and n_group")
             if not 1 <= self.experts_per_token <= self.num_experts:
                 raise ConfigError(f"num_experts_per_tok={self.experts_per_token} must be between 1 and "
                                   f"num_experts={self.num_experts}")
@@ -141,7 +194,34 @@ class DecoderConfig:
 
     @property
     def query_scale(self) -> float:
+        if self.attention_multiplier:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def latent(self) -> bool:
+        """Whether the attention is multi-head latent attention (kv_lora_rank > 0)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_width(self) -> int:
+        """What a latent-attention layer keeps per position: the latent and the rotated key (C + R)."""
+        return self.kv_lora_rank + self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A latent-attention head's query and key size: the part expanded from the latent and the rotated one."""
+        return self.qk_nope_head_dim + self.head_dim
+
+    @property
+    def q_lora(self) -> bool:
+        """Latent attention's queries go through the q_lora_rank bottleneck (q_a_proj, its norm, q_b_proj)."""
+        return self.latent and self.q_lora_rank > 0
+
+    @property
+    def q_direct(self) -> bool:
+        """Latent attention's queries come from one projection (q_lora_rank null)."""
+        return self.latent and not self.q_lora_rank
 
     @property
     def linear_group(self) -> int:
@@ -155,16 +235,30 @@ class DecoderConfig:
 
     @property
     def moe(self) -> bool:
-        """Whether the layers' MLPs are mixtures of experts (every layer's: a mix is refused by the families)."""
-        return self.num_experts > 0
+        """Whether some layer's MLP is a mixture of experts."""
+        return SPARSE in self.mlp_types
 
     @property
     def dense_mlp(self) -> bool:
-        return not self.moe
+        """Whether some layer's MLP is the gated MLP."""
+        return DENSE in self.mlp_types
 
     @property
     def shared_expert(self) -> bool:
         return self.moe and self.shared_expert_intermediate_size > 0
+
+    @property
+    def shared_expert_gate(self) -> bool:
+        return self.shared_expert and self.shared_expert_gated
+
+    def with_context(self, context: int) -> "DecoderConfig":
+        """The config for calls that reach `context` positions: LongRoPE rotates every position with its long
+        factors when the context passes original_max_position_embeddings (as vLLM does for max_model_len), with
+        its short ones otherwise. Other configs are returned as they are."""
+        if self.rope.rope_type != "longrope":
+            return self
+        long = context > self.rope.original_max_position_embeddings
+        return dataclasses.replace(self, rope=dataclasses.replace(self.rope, long_factors=long))
 
     def layer_window(self, layer: int) -> int:
         """The window of a layer's attention (0: full history)."""

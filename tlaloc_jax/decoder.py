@@ -16,11 +16,12 @@ from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels import (MoeSpec, causal_conv1d, causal_conv1d_update, gated_delta_rule_chunked,
                                 gated_delta_rule_recurrent, kv_cache_write, moe, paged_attention)
 
-from .config import FULL, LINEAR, SLIDING, DecoderConfig
+from .config import DENSE, FULL, LINEAR, SLIDING, DecoderConfig
 from .inputs import StepInputs
+from .latent import latent_attention
 from .layers import ACTIVATIONS, apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
 from .layout import is_per_layer
-from .plan import layer_plan
+from .plan import MLP_SLOTS, layer_plan
 from .pools import PagedKV, PoolSpec, RingKV, StateSlots
 
 Weights = dict[str, jax.Array]
@@ -46,7 +47,8 @@ DELTA_CHUNK = 64
 
 
 def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pages: int) -> dict[str, PoolSpec]:
-    """The decoder's pools, as its layer plan orders them, each stacking its layers: "kv" (full-history pages),
+    """The decoder's pools, as its layer plan orders them, each stacking its layers: "kv" (full-history pages; a
+    latent-attention model's latent and rotated key per position, no heads, kernels/mla.py),
     "window_kv" (the sliding layers' rings, when windowed), "conv" and "recurrent" (the linear layers' states,
     f32: each sequence's last W - 1 conv inputs [C, W - 1], the gated delta rule's state per value head
     [Hv, Dk, Dv])."""
@@ -55,7 +57,9 @@ def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pag
     specs: dict[str, PoolSpec] = {}
     for name in plan.pool_names():
         ids = plan.pool_layers(name)
-        if name == "kv":
+        if name == "kv" and cfg.latent:     # latent attention: the latent and the rotated key per position
+            specs[name] = PagedKV.latent(len(ids), cfg.latent_width, kv_dtype, layer_ids=ids)
+        elif name == "kv":
             specs[name] = PagedKV(len(ids), K, D, kv_dtype, layer_ids=ids)
         elif name == "window_kv":
             specs[name] = RingKV(len(ids), K, D, cfg.sliding_window, kv_dtype, ring_pages=ring_pages, layer_ids=ids)
@@ -83,7 +87,8 @@ def _pool_records(cfg: DecoderConfig, num_blocks: int, block_size: int, window_b
 
 def pool_shapes(cfg: DecoderConfig, num_blocks: int, block_size: int,
                 window_blocks: int = 0, state_slots: int = 0) -> dict[str, tuple[int, ...]]:
-    """Each of decoder_pools' shapes: KV pools [L', 2, P, S, K, D] (0 = keys, 1 = values) of num_blocks pages,
+    """Each of decoder_pools' shapes: KV pools [L', 2, P, S, K, D] (0 = keys, 1 = values; latent attention
+    [L', 1, P, S, 1, C + R]) of num_blocks pages,
     window_kv (when window_blocks > 0) of window_blocks; state pools [L', slots, ...] of state_slots slots."""
     return {p.name: p.shape for p in _pool_records(cfg, num_blocks, block_size, window_blocks, state_slots, "float32")}
 
@@ -95,8 +100,8 @@ def init_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, dtype=jnp.f
             _pool_records(cfg, num_blocks, block_size, window_blocks, state_slots, jnp.dtype(dtype).name)}
 
 
-def _layer_slice(weights: Weights, group: str, index) -> Weights:
-    """One layer's slots of a group ("layers", "attn", "linear").
+def _layer_slice(weights: Weights, group: str, index, keep=lambda name: True) -> Weights:
+    """One layer's slots of a group ("layers", "attn", "linear"), those whose name `keep` accepts.
 
     Stacked weights ([L', ...] each) are indexed with a dynamic index (the scan's counter). (Indexing a slice
     that the scan already cut, w[i][j], makes XLA copy the layer's weights first.)
@@ -104,7 +109,17 @@ def _layer_slice(weights: Weights, group: str, index) -> Weights:
     prefix = group + "."
     return {name[len(prefix):]: (w[index] if isinstance(w, (tuple, list)) else
                                  jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), w))
-            for name, w in weights.items() if name.startswith(prefix)}
+            for name, w in weights.items() if name.startswith(prefix) and keep(name[len(prefix):])}
+
+
+_MLP_NAMES = frozenset(n for names in MLP_SLOTS.values() for n in names)
+
+
+def _layer_weights(weights: Weights, lp, i) -> Weights:
+    """The "layers" slots of plan layer lp at scan step i: its norms (stacked over every layer) and its MLP's
+    slots (stacked over the layers of its MLP kind)."""
+    return {**_layer_slice(weights, "layers", lp.layer.index(i), lambda n: n not in _MLP_NAMES),
+            **_layer_slice(weights, "layers", lp.mlp_weights.index(i), lambda n: n in MLP_SLOTS[lp.mlp])}
 
 
 def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Array, jax.Array]):
@@ -121,12 +136,15 @@ def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Ar
         q, k, v = linear(x, w["q_proj"]), linear(x, w["k_proj"]), linear(x, w["v_proj"])
         if cfg.attention_bias:
             q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    if cfg.qk_norm and cfg.qk_norm_whole:       # OLMo 2: over the whole projection
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
-    if cfg.qk_norm:
+    if cfg.qk_norm and not cfg.qk_norm_whole:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     cos, sin = rope
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return apply_rope(q, cos, sin, cfg.rope.interleaved), apply_rope(k, cos, sin, cfg.rope.interleaved), v
 
 
 def attention_output(cfg: DecoderConfig, w: Weights, x: jax.Array, o: jax.Array) -> jax.Array:
@@ -136,7 +154,7 @@ def attention_output(cfg: DecoderConfig, w: Weights, x: jax.Array, o: jax.Array)
     if cfg.attn_output_gate:
         o = o * jax.nn.sigmoid(linear(x, w["gate_proj"]))
     o = linear(o, w["o_proj"])
-    return o + w["o_bias"] if cfg.attention_bias else o
+    return o + w["o_bias"] if cfg.output_bias else o
 
 
 # A mixture-of-experts layer's expert slots ("layers.expert_<name>"), as kernels.moe names them.
@@ -146,25 +164,28 @@ EXPERT_SLOTS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 def moe_spec(cfg: DecoderConfig) -> MoeSpec:
     return MoeSpec(experts=cfg.num_experts, top_k=cfg.experts_per_token, scoring=cfg.router_scoring,
                    normalize=cfg.router_normalize, activation=cfg.expert_activation, alpha=cfg.swiglu_alpha,
-                   limit=cfg.swiglu_limit)
+                   limit=cfg.swiglu_limit, groups=cfg.router_groups, top_groups=cfg.router_top_groups,
+                   scale=cfg.routed_scaling)
 
 
 def stacked_experts(weights: Weights) -> dict[str, jax.Array]:
-    """The experts' slots stacked over layers, [L, X, ...], by kernels.moe's names ({} for a dense model, and for
-    per-layer weights, whose layers carry their own experts)."""
+    """The experts' slots stacked over the sparse layers, [L', X, ...], by kernels.moe's names ({} for a dense
+    model, and for per-layer weights, whose layers carry their own experts)."""
     return {name: weights[f"layers.expert_{name}"] for name in EXPERT_SLOTS
             if f"layers.expert_{name}" in weights and not isinstance(weights[f"layers.expert_{name}"], (tuple, list))}
 
 
-def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, valid: jax.Array | None = None,
-                 experts: dict | None = None, layer=None) -> jax.Array:
-    """A layer's MLP on its normed input x [B, T, E] -> [B, T, E]: the gated MLP, or the mixture of experts
-    (kernels.moe; padding tokens, valid False, run no expert).
+def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, kind: str | None = None,
+                 valid: jax.Array | None = None, experts: dict | None = None, layer=None) -> jax.Array:
+    """A layer's MLP on its normed input x [B, T, E] -> [B, T, E]: the gated MLP (kind DENSE), or the mixture of
+    experts (SPARSE: kernels.moe; padding tokens, valid False, run no expert). kind None: the config's one kind.
 
-    experts, layer: the experts stacked over layers (stacked_experts) and this layer's index in them, so that
-    each expert is read in place; None: the layer's own slots in lw.
+    experts, layer: the experts stacked over the sparse layers (stacked_experts) and this layer's index in them,
+    so that each expert is read in place; None: the layer's own slots in lw.
     """
-    if cfg.dense_mlp:
+    if kind is None:
+        (kind,) = set(cfg.mlp_types)
+    if kind == DENSE:
         if "gate_up_proj" in lw:    # fused at export (tlaloc_jax.layout)
             gate, up = jnp.split(linear(x, lw["gate_up_proj"]), 2, axis=-1)
             return linear(ACTIVATIONS[cfg.hidden_act](gate) * up, lw["down_proj"])
@@ -173,52 +194,103 @@ def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, valid: jax.Ar
         experts, layer = {name: lw[f"expert_{name}"] for name in EXPERT_SLOTS if f"expert_{name}" in lw}, None
     shared = None
     if cfg.shared_expert:
-        shared = {"gate": lw["shared_gate"], "up": lw["shared_up"], "down": lw["shared_down"],
-                  "gate_proj": lw["shared_expert_gate"]}
-    return moe(moe_spec(cfg), x, lw["router"], experts, router_bias=lw.get("router_bias"), shared=shared,
-               valid=valid, layer=layer)
+        shared = {"gate": lw["shared_gate"], "up": lw["shared_up"], "down": lw["shared_down"]}
+        if cfg.shared_expert_gate:
+            shared["gate_proj"] = lw["shared_expert_gate"]
+    return moe(moe_spec(cfg), x, lw["router"], experts, router_bias=lw.get("router_bias"),
+               correction=lw.get("router_correction"), shared=shared, valid=valid, layer=layer)
 
 
-def residual_mlp(cfg: DecoderConfig, lw: Weights, h: jax.Array, a: jax.Array, *, valid: jax.Array | None = None,
-                 experts: dict | None = None, layer=None) -> jax.Array:
+def embed_tokens(cfg: DecoderConfig, weights: Weights, token_ids: jax.Array) -> jax.Array:
+    """token_ids: [B, T] -> the residual stream's start [B, T, E] f32: embeddings, times sqrt(E) (Gemma) or the
+    embedding multiplier (Granite)."""
+    h = embed(weights["embed"], token_ids)
+    if cfg.embed_scale:
+        h = h * jnp.float32(cfg.hidden_size ** 0.5)
+    if cfg.embedding_multiplier != 1.0:
+        h = h * jnp.float32(cfg.embedding_multiplier)
+    return h
+
+
+def _residual(cfg: DecoderConfig, h: jax.Array, y: jax.Array) -> jax.Array:
+    """h + y, y scaled by the residual multiplier (Granite's; 1 elsewhere)."""
+    return h + (y * jnp.float32(cfg.residual_multiplier) if cfg.residual_multiplier != 1.0 else y)
+
+
+def attention_input(cfg: DecoderConfig, lw: Weights, h: jax.Array) -> jax.Array:
+    """What a layer's attention reads of the residual stream h: h normed (h itself without input norms: OLMo 2)."""
+    return rms_norm(h, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset) if cfg.input_norms else h
+
+
+def residual_mlp(cfg: DecoderConfig, lw: Weights, h: jax.Array, a: jax.Array, *, kind: str | None = None,
+                 valid: jax.Array | None = None, experts: dict | None = None, layer=None) -> jax.Array:
     """The rest of a layer after its attention a: h + a (a normed first with sandwich norms), then the
     MLP's residual (feed_forward, whose arguments the keywords are). h, a: [B, T, E] -> [B, T, E]."""
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     if cfg.sandwich_norms:
         a = rms_norm(a, lw["post_attn_norm"], eps, off)
-    h = h + a
-    m = feed_forward(cfg, lw, rms_norm(h, lw["mlp_norm"], eps, off), valid=valid, experts=experts, layer=layer)
+    h = _residual(cfg, h, a)
+    x = rms_norm(h, lw["mlp_norm"], eps, off) if cfg.input_norms else h
+    m = feed_forward(cfg, lw, x, kind=kind, valid=valid, experts=experts, layer=layer)
     if cfg.sandwich_norms:
         m = rms_norm(m, lw["post_mlp_norm"], eps, off)
-    return h + m
+    return _residual(cfg, h, m)
 
 
 def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, layer: jax.Array, inputs: StepInputs,
                rope: tuple[jax.Array, jax.Array], window: int, key_block: int,
-               ring_pages: int = 0, decode_attention: str = "xla") -> tuple[jax.Array, jax.Array]:
+               ring_pages: int = 0, decode_attention: str = "xla",
+               groups: tuple[tuple[int, StepInputs], ...] = ()) -> tuple[jax.Array, jax.Array]:
     """x: [B, T, E] (normed) -> (attention output [B, T, E], kv pool with this layer's keys and values written).
 
     ring_pages > 0: the layer's pool is the windowed pool; it writes through the window slot mapping and
     scores only the first ring_pages entries of the window block table (the ring), whatever the bucket.
     decode_attention: which attention a decode call (T = 1) uses (DECODE_ATTENTION); other calls use plain ops.
+    groups: (offset, inputs) of each group of a call whose rows have several shapes (mixed_inputs): x and
+    `inputs` hold their tokens side by side in one row [1, N]; the keys and values are written at once, then
+    each group attends as a call of its own shape would.
     """
     q, k, v = project_qkv(cfg, w, x, rope)
-    if ring_pages:
-        slots, tables = inputs.window_slot_mapping, inputs.window_block_tables[:, :ring_pages]
-    else:
-        slots, tables = inputs.slot_mapping, inputs.block_tables
-    kv = kv_cache_write(kv, k, v, slots, layer)
+    kv = kv_cache_write(kv, k, v, inputs.window_slot_mapping if ring_pages else inputs.slot_mapping, layer)
     common = dict(scale=cfg.query_scale, window=window or None, soft_cap=cfg.attn_softcap or None,
                   ring=bool(ring_pages), sinks=w["sinks"] if cfg.attn_sinks else None)
-    if decode_attention != "xla" and q.shape[1] == 1:
-        from tlaloc_jax.kernels.paged_attention_gpu import paged_decode_attention   # imports Pallas: only when used
-        o = paged_decode_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens, **common,
-                                   interpret=decode_attention == "pallas-interpret")
+
+    def attend(q, g: StepInputs):
+        tables = g.window_block_tables[:, :ring_pages] if ring_pages else g.block_tables
+        if decode_attention != "xla" and q.shape[1] == 1:
+            from tlaloc_jax.kernels.paged_attention_gpu import paged_decode_attention   # imports Pallas when used
+            return paged_decode_attention(q, kv, layer, tables, g.positions, g.seq_lens, **common,
+                                          interpret=decode_attention == "pallas-interpret")
+        kb = decode_key_block(key_block, kv.shape[3]) if q.shape[1] == 1 else key_block
+        return paged_attention(q, kv, layer, tables, g.positions, g.seq_lens, key_block=kb, **common)
+
+    if not groups:
+        o = attend(q, inputs)
     else:
-        if q.shape[1] == 1:
-            key_block = decode_key_block(key_block, kv.shape[3])
-        o = paged_attention(q, kv, layer, tables, inputs.positions, inputs.seq_lens, key_block=key_block, **common)
+        parts = []
+        for offset, g in groups:
+            B, T = g.token_ids.shape
+            parts.append(attend(q[0, offset:offset + B * T].reshape(B, T, *q.shape[2:]), g).reshape(B * T, -1))
+        o = jnp.concatenate(parts).reshape(1, x.shape[1], *q.shape[2:])
     return attention_output(cfg, w, x, o), kv
+
+
+def mixed_inputs(groups: tuple[StepInputs, ...]) -> tuple[StepInputs, tuple[tuple[int, StepInputs], ...]]:
+    """The step inputs of a call whose rows have several shapes (a decode group of one token a row and a prompt
+    chunk), as one row [1, N] of all their tokens for the token-wise work, with each group's offset in it."""
+    spans, at = [], 0
+    for g in groups:
+        spans.append((at, g))
+        at += g.token_ids.size
+    flat = {name: jnp.concatenate([getattr(g, name).reshape(1, -1) for g in groups], axis=1)
+            for name in ("token_ids", "positions", "slot_mapping", "window_slot_mapping")
+            if getattr(groups[0], name) is not None}
+    return StepInputs(**flat), tuple(spans)
+
+
+def supports_mixed_calls(cfg: DecoderConfig) -> bool:
+    """Whether the decoder runs calls of several row shapes (mixed_inputs): every layer a paged attention."""
+    return LINEAR not in cfg.layer_types and not cfg.latent
 
 
 def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools, layer: jax.Array,
@@ -269,7 +341,7 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
     return linear(o.reshape(B, T, Hv * Dv), w["out_proj"]), pools
 
 
-def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs, *,
+def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs | tuple[StepInputs, ...], *,
                  key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
                  all_positions: bool = False, decode_attention: str = "xla") -> tuple[jax.Array, Pools]:
     """Run every layer over the call's tokens: -> (final-normed hidden state of each row's last token [B, E], pools);
@@ -277,14 +349,24 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
 
     ring_pages > 0 puts the sliding layers in the windowed pool ("window_kv"), each sequence's ring of
     ring_pages pages; 0 keeps every attention layer in the full-history pool ("kv"). decode_attention: one of
-    DECODE_ATTENTION, the attention of a decode call.
+    DECODE_ATTENTION, the attention of a decode call. inputs a tuple of StepInputs: one call of several groups of
+    rows, each group's rows of one shape (supports_mixed_calls); the last tokens' hidden states of the groups'
+    rows in order.
     """
+    groups = ()
+    if isinstance(inputs, tuple) and not isinstance(inputs, StepInputs):
+        if not supports_mixed_calls(cfg) or all_positions:
+            raise ValueError(f"{cfg.model_type}: a call of several row shapes runs paged attention layers only, "
+                             "and returns last tokens")
+        shapes = [g.token_ids.shape for g in inputs]
+        inputs, groups = mixed_inputs(inputs)
     if decode_attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention {decode_attention!r} is not one of {', '.join(DECODE_ATTENTION)}")
+    if cfg.latent and decode_attention != "xla":
+        raise ValueError(f"{cfg.model_type} has latent attention, which decode_attention {decode_attention!r} has no "
+                         "kernel for: use 'xla'")
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
-    h = embed(weights["embed"], inputs.token_ids)
-    if cfg.embed_scale:
-        h = h * jnp.float32(cfg.hidden_size ** 0.5)
+    h = embed_tokens(cfg, weights, inputs.token_ids)
     tables = {FULL: rope_tables(cfg.rope, cfg.head_dim, inputs.positions)}
     tables[SLIDING] = (rope_tables(cfg.rope_sliding, cfg.head_dim, inputs.positions)
                        if cfg.rope_sliding is not None else tables[FULL])
@@ -297,17 +379,22 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     def period(carry, i):
         h, pools = carry
         for lp in plan.layers:      # one period: 1 layer for Llama, 2 for Gemma 2, 4 for Qwen3.5
-            lw = _layer_slice(weights, "layers", lp.layer.index(i))
-            a = rms_norm(h, lw["attn_norm"], eps, off)
+            lw = _layer_weights(weights, lp, i)
+            a = attention_input(cfg, lw, h)
             aw = _layer_slice(weights, lp.group, lp.weights.index(i))
             if lp.kind == LINEAR:
                 a, pools = _linear_attention(cfg, aw, a, pools, lp.pool.index(i), inputs)
+            elif cfg.latent:
+                kb = decode_key_block(key_block, pools["kv"].shape[3]) if a.shape[1] == 1 else key_block
+                a, kv = latent_attention(cfg, aw, a, pools["kv"], lp.pool.index(i), inputs, tables[FULL], kb)
+                pools = {**pools, "kv": kv}
             else:
                 (name,) = lp.pools
                 a, kv = _attention(cfg, aw, a, pools[name], lp.pool.index(i), inputs, tables[lp.kind], lp.window,
-                                   key_block, ring_pages if name == "window_kv" else 0, decode_attention)
+                                   key_block, ring_pages if name == "window_kv" else 0, decode_attention, groups)
                 pools = {**pools, name: kv}
-            h = residual_mlp(cfg, lw, h, a, valid=valid, experts=experts, layer=lp.layer.index(i))
+            h = residual_mlp(cfg, lw, h, a, kind=lp.mlp, valid=valid, experts=experts,
+                             layer=lp.mlp_weights.index(i))
         return (h, pools), None
 
     if is_per_layer(weights):
@@ -320,6 +407,10 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
         # A scan over periods keeps one copy of the period's layers in the graph (compile time, body size);
         # the pools ride in the carry so each layer's scatter writes the donated buffers in place.
         (h, pools), _ = lax.scan(period, (h, pools), jnp.arange(plan.periods))
+    if groups:
+        # Each group's rows end at their last column: the row's last token (rows are right-aligned).
+        last = [offset + b * T + T - 1 for (offset, _), (B, T) in zip(groups, shapes) for b in range(B)]
+        return rms_norm(h[0, jnp.array(last)], weights["final_norm"], eps, off), pools
     # Rows are right-aligned, so every row's last token is at T - 1.
     return rms_norm(h if all_positions else h[:, -1], weights["final_norm"], eps, off), pools
 
@@ -327,13 +418,16 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
 def logits_from_hidden(cfg: DecoderConfig, weights: Weights, x: jax.Array) -> jax.Array:
     """x: [B, E] -> logits [B, V] f32."""
     logits = tied_head(x, weights["embed"]) if cfg.tie_word_embeddings else linear(x, weights["head"])
+    if cfg.logits_scaling != 1.0:      # Granite divides its logits by logits_scaling
+        logits = logits / jnp.float32(cfg.logits_scaling)
     return soft_cap(logits, cfg.final_softcap)
 
 
-def forward(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs, *,
+def forward(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs | tuple[StepInputs, ...], *,
             key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
             decode_attention: str = "xla") -> tuple[jax.Array, Pools]:
-    """One call: -> (logits of each row's last token [B, V] f32, updated pools)."""
+    """One call: -> (logits of each row's last token [B, V] f32, updated pools). A tuple of StepInputs: one call of
+    several groups of rows (final_hidden), logits of every group's rows in order."""
     x, pools = final_hidden(cfg, weights, pools, inputs, key_block=key_block, ring_pages=ring_pages,
                             decode_attention=decode_attention)
     return logits_from_hidden(cfg, weights, x), pools

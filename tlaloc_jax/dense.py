@@ -18,8 +18,9 @@ from jax import lax
 from tlaloc_jax.kernels import causal_attention
 
 from .config import FULL, SLIDING, ConfigError, DecoderConfig
-from .decoder import Weights, attention_output, logits_from_hidden, project_qkv, residual_mlp
-from .layers import embed, rms_norm, rope_tables
+from .decoder import (Weights, attention_input, attention_output, embed_tokens, logits_from_hidden, project_qkv,
+                      residual_mlp)
+from .layers import rms_norm, rope_tables
 
 # attention(q [B, T, H, D], k, v [B, T, K, D], *, scale, window, soft_cap) -> [B, T, H, D] f32
 Attention = Callable[..., jax.Array]
@@ -40,6 +41,12 @@ def _per_layer(cfg: DecoderConfig, weights: Weights) -> Weights:
     if cfg.attn_sinks:
         raise ConfigError(f"the dense forward has no attention sinks ({cfg.model_type} config); its training "
                           "attention (kernels.causal_attention) would drop them")
+    if cfg.latent:
+        raise ConfigError(f"the dense forward has no latent attention ({cfg.model_type} config; kernels.mla_causal "
+                          "is its training form)")
+    if len(set(cfg.mlp_types)) > 1:
+        raise ConfigError(f"the dense forward scans every layer alike; {cfg.model_type} mixes MLP kinds "
+                          f"{list(cfg.mlp_types)}")
     return {name.split(".", 1)[1]: w for name, w in weights.items() if "." in name}
 
 
@@ -49,9 +56,7 @@ def dense_hidden(cfg: DecoderConfig, weights: Weights, token_ids: jax.Array, *,
     B, T = token_ids.shape
     D = cfg.head_dim
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
-    h = embed(weights["embed"], token_ids)
-    if cfg.embed_scale:
-        h = h * jnp.float32(cfg.hidden_size ** 0.5)
+    h = embed_tokens(cfg, weights, token_ids)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     full_rope = rope_tables(cfg.rope, D, positions)
     sliding_rope = rope_tables(cfg.rope_sliding, D, positions) if cfg.rope_sliding is not None else None
@@ -64,7 +69,7 @@ def dense_hidden(cfg: DecoderConfig, weights: Weights, token_ids: jax.Array, *,
         cos, sin = full_rope
         if sliding_rope is not None:
             cos, sin = (jnp.where(window > 0, s, f) for s, f in zip(sliding_rope, (cos, sin)))
-        x = rms_norm(h, w["attn_norm"], eps, off)
+        x = attention_input(cfg, w, h)
         q, k, v = project_qkv(cfg, w, x, (cos, sin))
         o = attention(q, k, v, scale=cfg.query_scale, window=window, soft_cap=soft_cap)
         return residual_mlp(cfg, w, h, attention_output(cfg, w, x, o)), None

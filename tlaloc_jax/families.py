@@ -2,7 +2,7 @@
 
 A family is data, not code: the HF tensor name and the shape behind each weight slot, whether the tensor
 is a linear stored [out, in] that the slot holds [in, out], which optional steps of the decoder are on, and
-which parser (tlaloc_jax.hf_config) reads its config keys. The decoder never branches on a family's name.
+how to read the config keys (tlaloc_jax/hf_config.py). The decoder never branches on a family's name.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .config import ConfigError, DecoderConfig
-from .hf_config import Experts, parse_dense, parse_gemma, parse_gpt_oss, parse_hybrid, parse_moe
+from .hf_config import (Experts, parse_deepseek, parse_dense, parse_gemma, parse_gpt_oss, parse_granite, parse_hybrid,
+                        parse_moe, parse_olmo2, parse_phi3, parse_qwen2, text_keys)
 from .plan import layer_plan
 
 
@@ -123,7 +124,7 @@ def stack_layers(slot: str, cfg: DecoderConfig) -> tuple[int, ...]:
     if "." not in slot:
         return ()
     # Where the keys and values live (windowed or not) does not move any weight.
-    return layer_plan(cfg, windowed=False).group_layers(slot.split(".", 1)[0])
+    return layer_plan(cfg, windowed=False).slot_layers(slot)
 
 
 # Slot names: "embed", "final_norm", "head" are whole tensors; "layers.*" are stacked over every layer,
@@ -210,15 +211,17 @@ _QWEN_EXPERTS = (   # Qwen3-MoE, Qwen3-Next: one tensor per expert
     Tensor("layers.expert_down", "{p}layers.{i}.mlp.experts.{e}.down_proj.weight", (X, FX, E), transpose=True,
            when="moe"),
 )
-_SHARED_EXPERT = (  # Qwen3-Next: a SwiGLU every token runs, scaled by sigmoid(x Ws)
-    Tensor("layers.shared_gate", "{p}layers.{i}.mlp.shared_expert.gate_proj.weight", (E, FS), transpose=True,
-           when="shared_expert"),
-    Tensor("layers.shared_up", "{p}layers.{i}.mlp.shared_expert.up_proj.weight", (E, FS), transpose=True,
-           when="shared_expert"),
-    Tensor("layers.shared_down", "{p}layers.{i}.mlp.shared_expert.down_proj.weight", (FS, E), transpose=True,
-           when="shared_expert"),
+def _shared_expert(module: str) -> tuple[Tensor, ...]:
+    """A shared expert's SwiGLU, every token runs it: Qwen3-Next's mlp.shared_expert, DeepSeek's mlp.shared_experts."""
+    return tuple(Tensor(f"layers.shared_{part}", f"{{p}}layers.{{i}}.mlp.{module}.{part}_proj.weight", shape,
+                        transpose=True, when="shared_expert")
+                 for part, shape in (("gate", (E, FS)), ("up", (E, FS)), ("down", (FS, E))))
+
+
+_SHARED_EXPERT = (  # Qwen3-Next: scaled by sigmoid(x Ws)
+    *_shared_expert("shared_expert"),
     Tensor("layers.shared_expert_gate", "{p}layers.{i}.mlp.shared_expert_gate.weight", (E, "1"), transpose=True,
-           when="shared_expert"),
+           when="shared_expert_gate"),
 )
 _MIXTRAL_EXPERTS = (  # w1 gate, w3 up, w2 down
     Tensor("layers.router", "{p}layers.{i}.block_sparse_moe.gate.weight", (E, X), transpose=True),
@@ -242,28 +245,80 @@ _GPT_OSS_EXPERTS = (
            when="expert_bias"),
     Tensor("layers.expert_down_bias", "{p}layers.{i}.mlp.experts.down_proj_bias", (X, E), when="expert_bias"),
 )
-_ATTN_BIASES_SINKS = (
+# Biases on q, k and v (Qwen2, GPT-OSS; OLMo 2 and Granite with attention_bias), on o (GPT-OSS, OLMo 2, Granite).
+_QKV_BIASES = (
     Tensor("attn.q_bias", "{p}layers.{i}.self_attn.q_proj.bias", (HD,), when="attention_bias"),
     Tensor("attn.k_bias", "{p}layers.{i}.self_attn.k_proj.bias", (KD,), when="attention_bias"),
     Tensor("attn.v_bias", "{p}layers.{i}.self_attn.v_proj.bias", (KD,), when="attention_bias"),
-    Tensor("attn.o_bias", "{p}layers.{i}.self_attn.o_proj.bias", (E,), when="attention_bias"),
+)
+_O_BIAS = Tensor("attn.o_bias", "{p}layers.{i}.self_attn.o_proj.bias", (E,), when="output_bias")
+_ATTN_BIASES_SINKS = (
+    *_QKV_BIASES, _O_BIAS,
     Tensor("attn.sinks", "{p}layers.{i}.self_attn.sinks", ("num_heads",), when="attn_sinks"),
 )
 _NORMS = (
     Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight", (E,)),
     Tensor("layers.mlp_norm", "{p}layers.{i}.post_attention_layernorm.weight", (E,)),
 )
-_QWEN3_MOE_LAYER = (*_NORMS, *_ATTN, *_QWEN_EXPERTS)
+_DENSE_MLP = tuple(dataclasses.replace(t, when="dense_mlp") for t in _MLP)   # the dense layers of a mixed model
+_QWEN3_MOE_LAYER = (*_NORMS, *_ATTN, *_DENSE_MLP, *_QWEN_EXPERTS)
 _MIXTRAL_LAYER = (*_NORMS, *_ATTN, *_MIXTRAL_EXPERTS)
 _GPT_OSS_LAYER = (*_NORMS, *_ATTN, *_ATTN_BIASES_SINKS, *_GPT_OSS_EXPERTS)
 _NORMS_MLP = (
     Tensor("layers.mlp_norm", "{p}layers.{i}.post_attention_layernorm.weight", (E,)),
-    *(dataclasses.replace(t, when="dense_mlp") for t in _MLP),
+    *_DENSE_MLP,
 )
 _QWEN3_5_LAYER = (Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight", (E,)), *_GATED_ATTN,
                   *_DELTANET, *_NORMS_MLP)
 _QWEN3_NEXT_LAYER = (Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight", (E,)), *_GATED_ATTN,
                      *_DELTANET_INTERLEAVED, *_NORMS_MLP, *_QWEN_EXPERTS, *_SHARED_EXPERT)
+_BIASED_LAYER = (*_DENSE_LAYER, *_QKV_BIASES, _O_BIAS)
+# Phi-3 fuses q | k | v and gate | up in the checkpoint (one group each, parts in order).
+_QKV_HF, _GATE_UP_HF = "{p}layers.{i}.self_attn.qkv_proj.weight", "{p}layers.{i}.mlp.gate_up_proj.weight"
+_QKV_PARTS, _GATE_UP_PARTS = ("1", (HD, KD, KD)), ("1", (F, F))
+_PHI3_LAYER = (
+    Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight", (E,)),
+    *(Tensor(f"attn.{name}_proj", _QKV_HF, (E, size), transpose=True, split=Split(*_QKV_PARTS, (part,)))
+      for part, (name, size) in enumerate((("q", HD), ("k", KD), ("v", KD)))),
+    _ATTN[-1],
+    Tensor("layers.mlp_norm", "{p}layers.{i}.post_attention_layernorm.weight", (E,)),
+    *(Tensor(f"layers.{name}_proj", _GATE_UP_HF, (E, F), transpose=True, split=Split(*_GATE_UP_PARTS, (part,)))
+      for part, name in enumerate(("gate", "up"))),
+    _MLP[-1],
+)
+# OLMo 2: norms after attention and the MLP only; q/k norms over the whole projection.
+_OLMO2_LAYER = (
+    *_ATTN[:3],
+    Tensor("attn.q_norm", "{p}layers.{i}.self_attn.q_norm.weight", (HD,)),
+    Tensor("attn.k_norm", "{p}layers.{i}.self_attn.k_norm.weight", (KD,)),
+    _ATTN[-1], *_QKV_BIASES, _O_BIAS,
+    Tensor("layers.post_attn_norm", "{p}layers.{i}.post_attention_layernorm.weight", (E,)),
+    *_MLP,
+    Tensor("layers.post_mlp_norm", "{p}layers.{i}.post_feedforward_layernorm.weight", (E,)),
+)
+# DeepSeek-V3's latent attention: CL = the latent and the rotated key (kv_a_proj_with_mqa's outputs); kv_b_proj
+# holds per head the key's part expanded from the latent (Dn) and then the value (Dv), split into two slots.
+QL, CL, C = "q_lora_rank", "latent_width", "kv_lora_rank"
+HQ, HDn, HDv = "num_heads*qk_head_dim", "num_heads*qk_nope_head_dim", "num_heads*v_head_dim"
+_KV_B_HF = "{p}layers.{i}.self_attn.kv_b_proj.weight"
+_KV_B_PARTS = ("num_heads", ("qk_nope_head_dim", "v_head_dim"))
+_LATENT_ATTN = (
+    Tensor("attn.q_proj", "{p}layers.{i}.self_attn.q_proj.weight", (E, HQ), transpose=True, when="q_direct"),
+    Tensor("attn.q_a_proj", "{p}layers.{i}.self_attn.q_a_proj.weight", (E, QL), transpose=True, when="q_lora"),
+    Tensor("attn.q_a_norm", "{p}layers.{i}.self_attn.q_a_layernorm.weight", (QL,), when="q_lora"),
+    Tensor("attn.q_b_proj", "{p}layers.{i}.self_attn.q_b_proj.weight", (QL, HQ), transpose=True, when="q_lora"),
+    Tensor("attn.kv_a_proj", "{p}layers.{i}.self_attn.kv_a_proj_with_mqa.weight", (E, CL), transpose=True),
+    Tensor("attn.kv_a_norm", "{p}layers.{i}.self_attn.kv_a_layernorm.weight", (C,)),
+    Tensor("attn.k_b_proj", _KV_B_HF, (C, HDn), transpose=True, split=Split(*_KV_B_PARTS, (0,))),
+    Tensor("attn.v_b_proj", _KV_B_HF, (C, HDv), transpose=True, split=Split(*_KV_B_PARTS, (1,))),
+    Tensor("attn.o_proj", "{p}layers.{i}.self_attn.o_proj.weight", (HDv, E), transpose=True),
+)
+_DEEPSEEK_LAYER = (
+    *_NORMS, *_LATENT_ATTN, *_DENSE_MLP, *_QWEN_EXPERTS,
+    Tensor("layers.router_correction", "{p}layers.{i}.mlp.gate.e_score_correction_bias", (X,),
+           when="router_correction"),
+    *_shared_expert("shared_experts"),
+)
 _TOP = (
     Tensor("embed", "{p}embed_tokens.weight", (V, E)),
     Tensor("final_norm", "{p}norm.weight", (E,)),
@@ -281,14 +336,25 @@ FAMILIES: tuple[Family, ...] = (
            tied_default=True),
     Family("qwen3_next", ("qwen3_next",), "model.", _TOP + _QWEN3_NEXT_LAYER, qk_norm=True, parse=parse_hybrid,
            experts=Experts("softmax", "moe_intermediate_size", "norm_topk_prob", True,
-                           shared_key="shared_expert_intermediate_size")),
+                           shared_key="shared_expert_intermediate_size", shared_gated=True)),
     Family("qwen3_moe", ("qwen3_moe",), "model.", _TOP + _QWEN3_MOE_LAYER, qk_norm=True, parse=parse_moe,
            experts=Experts("softmax", "moe_intermediate_size", "norm_topk_prob", False)),
     # Mixtral renormalises the chosen experts' softmax weights always.
     Family("mixtral", ("mixtral",), "model.", _TOP + _MIXTRAL_LAYER, qk_norm=False, parse=parse_moe, sliding=True,
-           experts=Experts("softmax", "intermediate_size", normalize_default=True)),
+           experts=Experts("softmax", "intermediate_size", normalize_default=True, sparse="all")),
     Family("gpt_oss", ("gpt_oss",), "model.", _TOP + _GPT_OSS_LAYER, qk_norm=False, parse=parse_gpt_oss,
-           experts=Experts("topk_softmax", "intermediate_size", activation="swiglu_clamped", biases=True)),
+           experts=Experts("topk_softmax", "intermediate_size", activation="swiglu_clamped", biases=True,
+                           sparse="all")),
+    Family("qwen2", ("qwen2",), "model.", _TOP + _BIASED_LAYER, qk_norm=False, parse=parse_qwen2),
+    Family("phi3", ("phi3",), "model.", _TOP + _PHI3_LAYER, qk_norm=False, parse=parse_phi3, sliding=True),
+    Family("olmo2", ("olmo2",), "model.", _TOP + _OLMO2_LAYER, qk_norm=True, parse=parse_olmo2),
+    Family("granite", ("granite",), "model.", _TOP + _BIASED_LAYER, qk_norm=False, parse=parse_granite),
+    # Sigmoid scores; the choice adds the correction bias and keeps topk_group of n_group groups; the weights
+    # (the chosen unbiased scores) renormalised with norm_topk_prob (default true), times routed_scaling_factor.
+    Family("deepseek_v3", ("deepseek_v3",), "model.", _TOP + _DEEPSEEK_LAYER, qk_norm=False, parse=parse_deepseek,
+           experts=Experts("sigmoid", "moe_intermediate_size", "norm_topk_prob", True,
+                           shared_key="n_shared_experts*moe_intermediate_size", sparse="after_dense",
+                           grouped=True)),
     Family("qwen3_5_text", ("qwen3_5_text",), "model.", _TOP + _QWEN3_5_LAYER, qk_norm=True, parse=parse_hybrid),
     # The text decoder of a Qwen3.5 checkpoint (vision tower and MTP head not read).
     Family("qwen3_5", ("qwen3_5",), "model.language_model.", _TOP + _QWEN3_5_LAYER, qk_norm=True,
@@ -302,15 +368,6 @@ def family_for(model_type: str | None) -> Family:
             return fam
     known = sorted(t for fam in FAMILIES for t in fam.model_types)
     raise ConfigError(f"unknown model_type {model_type!r} in config.json (known: {', '.join(known)})")
-
-
-def text_keys(hf: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal config's decoder keys: `text_config`, under the keys of the top level (model_type,
-    tie_word_embeddings, the placeholder token ids) except the other towers' configs."""
-    if not isinstance(hf.get("text_config"), dict):
-        raise ConfigError(f"{hf.get('model_type')} config.json has no text_config")
-    top = {k: v for k, v in hf.items() if not k.endswith("_config")}
-    return {**hf["text_config"], **top}
 
 
 def config_from_hf(hf: dict[str, Any]) -> tuple[Family, DecoderConfig]:

@@ -1,5 +1,6 @@
-"""Reading a Hugging Face config.json into a DecoderConfig: the keys every family shares, RoPE, mixture-of-experts
-MLPs, and one parser per kind of family (tlaloc_jax.families' table names each family's parser)."""
+"""Reading a Hugging Face config.json into a DecoderConfig: each family's `parse` (tlaloc_jax/families.py names
+it in the family's row) and the keys the families share (RoPE, the mixture-of-experts keys, refusals by name).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .config import FULL, LINEAR, SLIDING, ConfigError, DecoderConfig, RopeConfig
+from .config import DENSE, FULL, LINEAR, SLIDING, SPARSE, ConfigError, DecoderConfig, RopeConfig
 
 if TYPE_CHECKING:
     from .families import Family
@@ -31,20 +32,47 @@ def read_rope(hf: dict[str, Any], params: dict[str, Any] | None = None) -> RopeC
             if "rope_theta" in hf:
                 params.setdefault("rope_theta", hf["rope_theta"])
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "linear", "llama3", "yarn"):
+    if rope_type not in ROPE_TYPES:
         raise ConfigError(f"rope type {rope_type!r} (config key rope_parameters/rope_scaling) is not supported; "
-                          "supported: 'default', 'linear', 'llama3', 'yarn'")
+                          f"supported: {', '.join(map(repr, ROPE_TYPES))}")
     kw: dict[str, Any] = dict(theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_type=rope_type)
+    if rope_type == "longrope" and "original_max_position_embeddings" not in params:
+        # Phi-3's files keep it beside max_position_embeddings, at the top level.
+        params = {**params, "original_max_position_embeddings": hf.get("original_max_position_embeddings")}
     needed = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-              "linear": ("factor",), "yarn": ("original_max_position_embeddings",)}.get(rope_type, ())
+              "linear": ("factor",), "yarn": ("original_max_position_embeddings",),
+              "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}.get(rope_type, ())
     for key in needed:
-        if key not in params:
+        if params.get(key) is None:
             raise ConfigError(f"{rope_type} rope scaling needs {key!r} in rope_parameters/rope_scaling")
-        kw[key] = (int if key == "original_max_position_embeddings" else float)(params[key])
+        if key.endswith("_factor") and rope_type == "longrope":
+            kw[key] = tuple(float(f) for f in params[key])
+        else:
+            kw[key] = (int if key == "original_max_position_embeddings" else float)(params[key])
     if rope_type == "yarn":
         kw.update(_yarn(hf, params, kw["original_max_position_embeddings"]))
-    prf = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    return RopeConfig(partial_rotary_factor=float(prf), **kw)
+    if rope_type == "longrope":
+        for key in ("short_mscale", "long_mscale"):     # a scale per factor set, which transformers does not read
+            if params.get(key) is not None:
+                raise ConfigError(f"longrope {key}={params[key]!r} (config key rope_parameters/rope_scaling) is not "
+                                  "supported")
+        kw["attention_factor"] = _longrope_attention_factor(hf, params, kw["original_max_position_embeddings"])
+    prf = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    return RopeConfig(partial_rotary_factor=prf, **kw)
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+def _longrope_attention_factor(hf: dict[str, Any], params: dict[str, Any], original: int) -> float:
+    """LongRoPE's cos/sin scale, as transformers computes it for every call whichever factors it uses: the
+    config's attention_factor, else sqrt(1 + ln(factor) / ln(original)) with factor (else max_position_embeddings
+    / original) above 1, else 1."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else float(hf["max_position_embeddings"]) / original
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
 
 
 def _yarn(hf: dict[str, Any], params: dict[str, Any], original: int) -> dict[str, Any]:
@@ -127,6 +155,66 @@ def parse_dense(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
     return DecoderConfig(rope=read_rope(hf), hidden_act=_activation(hf, family.name, "hidden_act"), **kw)
 
 
+def parse_qwen2(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """Qwen2 / Qwen2.5: Llama's layers with biases on q, k and v; with use_sliding_window, the layers from
+    max_window_layers on (or as `layer_types` says) slide."""
+    kw = _common(family, hf)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    types = hf.get("layer_types") or [SLIDING if window and i >= int(hf.get("max_window_layers", 0)) else FULL
+                                      for i in range(kw["num_layers"])]
+    # A sliding layer without a window (use_sliding_window false) attends to everything, as in transformers.
+    types = tuple(t if window else FULL for t in types)
+    return DecoderConfig(rope=read_rope(hf), hidden_act=_activation(hf, family.name, "hidden_act"), layer_types=types,
+                         sliding_window=int(window or 0), attention_bias=True, **kw)
+
+
+def parse_phi3(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """Phi-3 / Phi-4-mini: Llama's layers with fused qkv_proj and gate_up_proj in the checkpoint (split by the
+    table), a window on every layer when sliding_window is set, partial rotary, and LongRoPE (rope type
+    "longrope"; older files say "su" or "yarn", which transformers reads as longrope for this family), whose
+    original context is the top-level original_max_position_embeddings."""
+    hf = dict(hf)
+    for key in ("rope_parameters", "rope_scaling"):
+        params = hf.get(key)
+        if isinstance(params, dict) and params.get("rope_type", params.get("type")) in ("su", "yarn", "longrope"):
+            # transformers' Phi3Config: the top-level original_max_position_embeddings (its default 4096) wins over
+            # the one in the rope parameters.
+            orig = hf.get("original_max_position_embeddings", 4096)
+            hf[key] = {**{k: v for k, v in params.items() if k != "type"}, "rope_type": "longrope",
+                       "original_max_position_embeddings": orig}
+    cfg = parse_dense(family, hf)
+    rope, rotated = cfg.rope, int(cfg.head_dim * cfg.rope.partial_rotary_factor)
+    if rope.rope_type == "longrope" and {len(rope.short_factor), len(rope.long_factor)} != {rotated // 2}:
+        raise ConfigError(f"{family.name} longrope short_factor and long_factor need {rotated // 2} entries each (half "
+                          f"the {rotated} rotated dims), got {len(rope.short_factor)} and {len(rope.long_factor)}")
+    return cfg
+
+
+def parse_olmo2(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """OLMo 2: no norms before attention and the MLP, a norm after each (before its residual add), and q/k norms
+    over the whole q and k projections; attention_bias puts biases on q, k, v and o."""
+    kw = _common(family, hf)
+    bias = bool(hf.get("attention_bias"))
+    return DecoderConfig(rope=read_rope(hf), hidden_act=_activation(hf, family.name, "hidden_act"),
+                         input_norms=False, sandwich_norms=True, qk_norm_whole=True, attention_bias=bias,
+                         output_bias=bias, **kw)
+
+
+def parse_granite(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """Granite: Llama's layers with scalars on the residual stream (embedding_multiplier, residual_multiplier,
+    logits_scaling) and the scores' scale given (attention_multiplier); attention_bias puts biases on q, k, v
+    and o."""
+    _refuse_flag(hf, "mlp_bias", family.name)
+    kw = _common(family, hf)
+    bias = bool(hf.get("attention_bias"))
+    return DecoderConfig(rope=read_rope(hf), hidden_act=_activation(hf, family.name, "hidden_act"),
+                         attention_bias=bias, output_bias=bias,
+                         embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+                         residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+                         logits_scaling=float(hf.get("logits_scaling", 1.0)),
+                         attention_multiplier=float(hf.get("attention_multiplier", 1.0)), **kw)
+
+
 def parse_gemma(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
     """Gemma 2 and Gemma 3 text decoders: (1 + w) norms around attention and MLP, GELU-tanh, scaled
     embeddings, query_pre_attn_scalar, soft-caps, sliding and full layers from `layer_types`."""
@@ -162,7 +250,14 @@ class Experts:
     scoring: the router's scoring; normalize: the config key that renormalises the chosen weights
     (norm_topk_prob) and its default, or None with the family's fixed choice in normalize_default;
     hidden_key: the key of an expert's hidden size; biases: router and expert biases (GPT-OSS);
-    shared_key: the key of a shared expert's hidden size (Qwen3-Next), or None.
+    shared_key: the key of a shared expert's hidden size (Qwen3-Next), or a product "a*b" of keys (DeepSeek's
+    n_shared_experts*moe_intermediate_size: its shared experts run as one), or None; shared_gated: the shared
+    expert's output is scaled by sigmoid(x Ws) (Qwen3-Next).
+    sparse: which layers are sparse, SPARSE_RULES: "step" (every decoder_sparse_step-th layer not in
+    mlp_only_layers: Qwen3-MoE, Qwen3-Next), "all" (Mixtral, GPT-OSS), "after_dense" (the layers from
+    first_k_dense_replace on: DeepSeek-V3). The dense layers run the gated MLP of intermediate_size.
+    grouped: DeepSeek-V3's choice (a correction bias, n_group groups of which topk_group are kept) and
+    routed_scaling_factor.
     """
 
     scoring: str
@@ -172,20 +267,30 @@ class Experts:
     activation: str = "silu"
     biases: bool = False
     shared_key: str | None = None
+    shared_gated: bool = False
+    sparse: str = "step"
+    grouped: bool = False
+
+
+SPARSE_RULES = ("step", "all", "after_dense")
 
 
 def _num_experts(hf: dict[str, Any]) -> int:
     # transformers writes Qwen3-MoE's num_experts as num_local_experts (an attribute_map); the Hub's files say
-    # num_experts.
-    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    # num_experts; DeepSeek's n_routed_experts.
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
 
 
-def _sparse_layers(hf: dict[str, Any], layers: int) -> list[int]:
-    """The layers whose MLP is a sparse mixture of experts: Qwen3-MoE's and Qwen3-Next's rule (every
-    decoder_sparse_step-th layer not in mlp_only_layers), which is every layer for Mixtral and GPT-OSS;
-    none without experts."""
+def _sparse_layers(spec: Experts | None, hf: dict[str, Any], layers: int) -> list[int]:
+    """The layers whose MLP is a sparse mixture of experts, by the family's rule (Experts.sparse); none without
+    experts. A family without experts reads Qwen's keys, to refuse a config that asks for some."""
     if _num_experts(hf) <= 0:
         return []
+    rule = spec.sparse if spec else "step"
+    if rule == "all":
+        return list(range(layers))
+    if rule == "after_dense":
+        return list(range(int(hf.get("first_k_dense_replace") or 0), layers))
     step = int(hf.get("decoder_sparse_step") or 1)
     dense = set(hf.get("mlp_only_layers") or ())
     return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
@@ -193,19 +298,15 @@ def _sparse_layers(hf: dict[str, Any], layers: int) -> list[int]:
 
 def _moe_keys(family: "Family", hf: dict[str, Any], layers: int) -> dict[str, Any]:
     """The DecoderConfig keys of a family's mixture-of-experts MLPs ({} when every MLP is dense)."""
-    sparse = _sparse_layers(hf, layers)
+    spec = family.experts
+    sparse = _sparse_layers(spec, hf, layers)
     if not sparse:
         return {}
-    keys = (f"num_experts={_num_experts(hf)}, decoder_sparse_step={hf.get('decoder_sparse_step', 1)}, "
-            f"mlp_only_layers={hf.get('mlp_only_layers') or []}")
-    spec = family.experts
     if spec is None:
+        keys = (f"num_experts={_num_experts(hf)}, decoder_sparse_step={hf.get('decoder_sparse_step', 1)}, "
+                f"mlp_only_layers={hf.get('mlp_only_layers') or []}")
         raise ConfigError(f"{family.name} layers {sparse} have sparse mixture-of-experts MLPs (config keys {keys}); "
                           "only dense MLPs are supported")
-    if len(sparse) != layers:
-        dense = sorted(set(range(layers)) - set(sparse))
-        raise ConfigError(f"{family.name} layers {dense} have dense MLPs among mixture-of-experts layers (config "
-                          f"keys {keys}): a mix of dense and sparse MLP layers is not supported")
     act = _activation(hf, family.name, "hidden_act")
     if spec.activation == "silu" and act != "silu":
         raise ConfigError(f"{family.name} config key hidden_act={hf['hidden_act']!r} is not supported for experts "
@@ -214,11 +315,17 @@ def _moe_keys(family: "Family", hf: dict[str, Any], layers: int) -> dict[str, An
     kw = dict(num_experts=_num_experts(hf), experts_per_token=int(hf["num_experts_per_tok"]),
               moe_intermediate_size=int(hf[spec.hidden_key]), router_scoring=spec.scoring,
               router_normalize=normalize, router_bias=spec.biases, expert_bias=spec.biases,
-              expert_activation=spec.activation)
+              expert_activation=spec.activation,
+              mlp_types=tuple(SPARSE if i in sparse else DENSE for i in range(layers)))
     if spec.activation == "swiglu_clamped":
         kw.update(swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
     if spec.shared_key:
-        kw["shared_expert_intermediate_size"] = int(hf.get(spec.shared_key) or 0)
+        kw["shared_expert_intermediate_size"] = math.prod(int(hf.get(k) or 0) for k in spec.shared_key.split("*"))
+        kw["shared_expert_gated"] = spec.shared_gated
+    if spec.grouped:
+        kw.update(router_correction=True, router_groups=int(hf.get("n_group") or 1),
+                  router_top_groups=int(hf.get("topk_group") or 1),
+                  routed_scaling=float(hf.get("routed_scaling_factor", 1.0)))
     return kw
 
 
@@ -252,7 +359,37 @@ def parse_gpt_oss(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
         raise ConfigError(f"{family.name} config has no experts (config key num_local_experts)")
     # transformers' default window (128) where the config leaves it out.
     return DecoderConfig(rope=read_rope(hf), layer_types=tuple(types), sliding_window=int(hf.get("sliding_window") or 128),
-                         attention_bias=bool(hf.get("attention_bias", True)), attn_sinks=True, **moe, **kw)
+                         attention_bias=bool(hf.get("attention_bias", True)),
+                         output_bias=bool(hf.get("attention_bias", True)), attn_sinks=True, **moe, **kw)
+
+
+def parse_deepseek(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """DeepSeek-V3: multi-head latent attention in every layer (one latent of kv_lora_rank and a rotated key of
+    qk_rope_head_dim cached per position; queries through a q_lora_rank bottleneck, or one q_proj when it is
+    null), YaRN or plain RoPE on the rotated part (pairs interleaved with rope_interleave), the scores scaled by
+    qk_head_dim^-1/2 and YaRN's mscale(factor, mscale_all_dim)^2; dense MLPs in the first first_k_dense_replace
+    layers and a mixture of experts after them (sigmoid scores, a correction bias for the choice, group-limited
+    top-k, routed_scaling_factor, shared experts)."""
+    _refuse_flag(hf, "attention_bias", family.name)
+    for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if hf.get(key, allowed) != allowed:
+            raise ConfigError(f"{family.name} config key {key}={hf[key]!r} is not supported (transformers' DeepSeek-V3 "
+                              f"runs {key}={allowed!r})")
+    kw = _common(family, hf)
+    rope_dim = int(hf["qk_rope_head_dim"])
+    # The rotated key is shared by every head: head_dim is its size (transformers sets config.head_dim so too).
+    kw.update(head_dim=rope_dim, num_kv_heads=kw["num_heads"])
+    moe = _moe_keys(family, hf, kw["num_layers"])
+    rope = dataclasses.replace(read_rope(hf), interleaved=bool(hf.get("rope_interleave", True)))
+    scale = (int(hf["qk_nope_head_dim"]) + rope_dim) ** -0.5
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.rope_type != "default" and params.get("mscale_all_dim"):
+        m = 0.1 * float(params["mscale_all_dim"]) * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+        scale *= m * m
+    return DecoderConfig(rope=rope, hidden_act=_activation(hf, family.name, "hidden_act"),
+                         kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=int(hf.get("q_lora_rank") or 0),
+                         qk_nope_head_dim=int(hf["qk_nope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
+                         attention_multiplier=scale, **moe, **kw)
 
 
 def parse_hybrid(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
@@ -282,3 +419,12 @@ def parse_hybrid(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
         linear_key_heads=int(hf["linear_num_key_heads"]), linear_key_dim=int(hf["linear_key_head_dim"]),
         linear_value_heads=int(hf["linear_num_value_heads"]), linear_value_dim=int(hf["linear_value_head_dim"]),
         linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), **moe, **kw)
+
+
+def text_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's decoder keys: `text_config`, under the keys of the top level (model_type,
+    tie_word_embeddings, the placeholder token ids) except the other towers' configs."""
+    if not isinstance(hf.get("text_config"), dict):
+        raise ConfigError(f"{hf.get('model_type')} config.json has no text_config")
+    top = {k: v for k, v in hf.items() if not k.endswith("_config")}
+    return {**hf["text_config"], **top}

@@ -139,6 +139,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
     if rope.rope_type == "yarn":
         inv = _yarn_inv_freq(rope, rot)
+    if rope.rope_type == "longrope":
+        # LongRoPE: each frequency divided by its own factor, from the set the config chose (RopeConfig.long_factors).
+        ext = np.asarray(rope.long_factor if rope.long_factors else rope.short_factor, np.float32)
+        shape = np.arange(0, rot, 2, dtype=np.int64).astype(np.float32) / np.float32(rot)
+        inv = (np.float32(1.0) / (ext * np.float32(rope.theta) ** shape)).astype(np.float32)
     return inv
 
 
@@ -175,11 +180,18 @@ def rope_tables(rope: RopeConfig, head_dim: int, positions: jax.Array) -> tuple[
     return jnp.cos(freqs), jnp.sin(freqs)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [B, T, H, D], cos/sin: [B, T, R] -> x with its first R dims rotated (rotate-half convention)."""
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool = False) -> jax.Array:
+    """x: [B, T, H, D], cos/sin: [B, T, R] -> x with its first R dims rotated (rotate-half convention: dims i and
+    i + R / 2 pair up).
+
+    interleaved: dims 2i and 2i + 1 pair up (DeepSeek's rope_interleave); the rotated pairs come out as
+    transformers writes them, first elements then second ones, which a query and a key both get, so their dot
+    products are the interleaved rotation's."""
     rot = cos.shape[-1]
     xr, xp = x[..., :rot], x[..., rot:]
     half = rot // 2
+    if interleaved:
+        xr = jnp.concatenate([xr[..., 0::2], xr[..., 1::2]], axis=-1)
     rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
     xr = xr * cos[:, :, None, :] + rotated * sin[:, :, None, :]
     return jnp.concatenate([xr, xp], axis=-1) if xp.shape[-1] else xr

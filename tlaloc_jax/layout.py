@@ -40,6 +40,7 @@ FUSED = {
 # The slots `layers.linear` reads (stacked names, fused ones included): the per-layer layout stores them [O, I].
 # Not the router and the experts, which kernels.moe reads itself.
 LINEAR_SLOTS = ("attn.qkv_proj", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.gate_proj", "attn.o_proj",
+                "attn.q_a_proj", "attn.q_b_proj", "attn.kv_a_proj",
                 "layers.gate_up_proj", "layers.gate_proj", "layers.up_proj", "layers.down_proj",
                 "linear.in_qkv", "linear.in_z", "linear.in_b", "linear.in_a", "linear.out_proj", "head")
 

@@ -114,10 +114,14 @@ def _greedy(step, weights, pools, inputs):
 
 
 def load_hf(checkpoint_dir: str | os.PathLike, dtype: str = "float32", *, block_size: int = 16,
-            key_block: int = DEFAULT_KEY_BLOCK, weight_layout: str = "stacked") -> Model:
+            key_block: int = DEFAULT_KEY_BLOCK, weight_layout: str = "stacked", context: int | None = None) -> Model:
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as a Model.
 
     weight_layout: "stacked" (one [L, ...] array per slot, the layers scanned: what training uses) or
-    "per-layer" (what the exporter writes by default: tlaloc_jax.layout)."""
+    "per-layer" (what the exporter writes by default: tlaloc_jax.layout). context: the longest sequence the
+    model will run, for what depends on it (LongRoPE's factor set: DecoderConfig.with_context); None: the
+    checkpoint's original context."""
     cfg, weights = load_checkpoint(checkpoint_dir, dtype)
+    if context is not None:
+        cfg = cfg.with_context(context)
     return Model(cfg, in_layout(weights, weight_layout), block_size=block_size, key_block=key_block)

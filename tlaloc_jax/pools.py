@@ -18,19 +18,28 @@ class PagedKV:
     """Full-history keys and values in pages of block_size positions: [layers, 2, pages, S, kv_heads, head_dim]
     (index 0 of axis 1 holds keys, 1 values). Each sequence holds one page per block of its length; the step
     reads them through BLOCK_TABLES and writes through SLOT_MAPPING (tlaloc_jax.kernels: kv_cache_write,
-    paged_attention)."""
+    paged_attention).
+
+    parts 1 is one entry per position that is both (`PagedKV.latent`): multi-head latent attention's cache
+    [layers, 1, pages, S, 1, width], each position's latent and rotated key (kernels/mla.py), paged as above."""
 
     layers: int
     kv_heads: int
     head_dim: int
     dtype: str = "float32"
     layer_ids: tuple[int, ...] = ()       # which model layers it holds (informative, in the manifest)
+    parts: int = 2
 
     kind = af.PoolKind.PAGED_KV
 
+    @classmethod
+    def latent(cls, layers: int, width: int, dtype: str = "float32", layer_ids: tuple[int, ...] = ()) -> "PagedKV":
+        """Latent attention's pages: `width` (the latent and the rotated key) per position, no heads."""
+        return cls(layers, 1, width, dtype, layer_ids, parts=1)
+
     def to_pool(self, name: str, capacity: int, block_size: int) -> af.Pool:
         return af.Pool(name=name, kind=self.kind, dtype=self.dtype, capacity=capacity, slot_axis=2,
-                       shape=(self.layers, 2, capacity, block_size, self.kv_heads, self.head_dim),
+                       shape=(self.layers, self.parts, capacity, block_size, self.kv_heads, self.head_dim),
                        layers=tuple(self.layer_ids))
 
 

@@ -13,26 +13,34 @@ from ..sampling import seed_words
 from .scheduler import ScheduledCall
 
 
-def step_inputs(call: ScheduledCall, tokens: int, m: mf.Manifest, ring_pages: int) -> dict[str, np.ndarray]:
-    """The rows' token ids, positions, block tables, slots (and ring tables, state slots) for `call`'s entry."""
+def step_inputs(call: ScheduledCall, m: mf.Manifest, ring_pages: int) -> dict[str, np.ndarray]:
+    """The rows' token ids, positions, block tables, slots (and ring tables, state slots) for `call`'s entry; a
+    mixed entry's decode rows under their field names and its prompt chunk's under "chunk.<field>"."""
     e = call.entry
-    return build_step_inputs(call.rows, batch=e.batch, tokens=tokens, width=e.context // m.block_size,
-                             block_size=m.block_size, ring_pages=ring_pages,
-                             state_slots=mf.PoolKind.STATE_SLOTS in m.pool_kinds)
+    kw = dict(width=e.context // m.block_size, block_size=m.block_size, ring_pages=ring_pages,
+              state_slots=mf.PoolKind.STATE_SLOTS in m.pool_kinds)
+    if e.kind == mf.EntryKind.MIXED:
+        out = build_step_inputs(call.rows[:-1], batch=e.batch, tokens=1, **kw)
+        chunk = build_step_inputs(call.rows[-1:], batch=1, tokens=e.tokens_per_seq, **kw)
+        out.update({f"{mf.CHUNK_GROUP}.{k}": v for k, v in chunk.items()})
+        return out
+    tokens = 1 if e.kind == mf.EntryKind.DECODE_STEPS else e.tokens_per_seq
+    return build_step_inputs(call.rows, batch=e.batch, tokens=tokens, **kw)
 
 
 def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], allowed: list) -> dict:
     """The sampler's inputs of a call, by role: a host array, or a device buffer of neutral rows kept for the
     entry when no row of the call needs that input (nothing is uploaded for it)."""
     sp, e = runner.manifest.sampler, call.entry
-    B, C = e.batch, e.context
+    B, C = e.rows, e.context
     seqs = call.seqs
+    at = call.out_rows
     out: dict = {}
     neutral = np.array([mf.SAMPLING_NEUTRAL[c] for c in sp.columns], np.float32)
     params = np.array([neutral] * B, np.float32)
     seeds = np.zeros((B, 2), np.int32)
     steps = np.zeros(B, np.int32)
-    for b, (s, p) in enumerate(zip(seqs, producing)):
+    for b, s, p in zip(at, seqs, producing):
         if p:
             params[b] = s.sampling.row(sp.columns)
             seeds[b] = seed_words(s.seed)
@@ -47,14 +55,14 @@ def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], a
             del out[mf.Role.RNG_STEP], out[mf.Role.SAMPLING]
     if any(a is not None for a in allowed):
         mask = np.full((B, sp.mask_words), -1, np.int32)
-        for b, a in enumerate(allowed):
+        for b, a in zip(at, allowed):
             if a is not None:
                 mask[b] = a
         out[mf.Role.TOKEN_MASK] = mask
     if any(p and s.sampling.logit_bias for s, p in zip(seqs, producing)):
         ids = np.full((B, sp.logit_bias), -1, np.int32)
         vals = np.zeros((B, sp.logit_bias), np.float32)
-        for b, (s, p) in enumerate(zip(seqs, producing)):
+        for b, s, p in zip(at, seqs, producing):
             if p and s.sampling.logit_bias:
                 pairs = s.sampling.logit_bias
                 ids[b, :len(pairs)] = [t for t, _ in pairs]
@@ -62,7 +70,7 @@ def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], a
         out[mf.Role.LOGIT_BIAS_IDS], out[mf.Role.LOGIT_BIAS] = ids, vals
     if any(p and s.sampling.penalized for s, p in zip(seqs, producing)):
         history = np.full((B, C), -1, np.int32)
-        for b, (s, row, p) in enumerate(zip(seqs, call.rows, producing)):
+        for b, s, row, p in zip(at, seqs, call.rows, producing):
             if p:
                 tokens = (s.prompt + s.generated)[:row.start + len(row.token_ids)]
                 history[b, :len(tokens)] = tokens

@@ -45,6 +45,14 @@ class ScheduledCall:
     rows: tuple[RowCall, ...]
     limits: tuple[int, ...] = ()         # decode_steps: the most tokens each row may produce in the call
 
+    @property
+    def out_rows(self) -> tuple[int, ...]:
+        """Each sequence's row of the outputs (and the sampler): in order, but a mixed call's chunk, which follows
+        the entry's `batch` decode rows."""
+        if self.entry.kind == mf.EntryKind.MIXED:
+            return tuple(range(len(self.seqs) - 1)) + (self.entry.batch,)
+        return tuple(range(len(self.seqs)))
+
 
 @dataclass(frozen=True)
 class Step:
@@ -70,6 +78,7 @@ class Scheduler:
         self.manifest = m
         self.max_context = max_context
         self.use_decode_steps = use_decode_steps
+        self.use_mixed = True               # run decode rows and a prompt chunk in one call where an entry holds them
         self.scorer = m.scorer             # None: a prompt whose logprobs are asked is read a token a call
         self.block_size = m.block_size
         self.rules = {kind: pool_rule(m.pools_of(kind)[0], m.block_size) for kind in m.pool_kinds}
@@ -326,11 +335,34 @@ class Scheduler:
             return [steps]
         scored = [w for w in work if self.scored(w.seq)]
         single = [w for w in work if w not in scored and w.n == 1]
-        chunks = sorted((w for w in work if w not in scored and w.n > 1), key=lambda w: w.start + w.n)
-        calls = self._group(chunks, mf.EntryKind.PREFILL) + self._group(scored, mf.EntryKind.PREFILL_SCORED)
+        chunks = [w for w in work if w not in scored and w.n > 1]
+        calls = []
+        mixed = self._mixed_call(single, chunks)
+        if mixed is not None:
+            calls.append(mixed)
+            chunks = chunks[1:]
+            single = single[mixed.entry.batch:]
+        chunks.sort(key=lambda w: w.start + w.n)
+        calls += self._group(chunks, mf.EntryKind.PREFILL) + self._group(scored, mf.EntryKind.PREFILL_SCORED)
         for i in range(0, len(single), self.max_decode_batch):
             calls += self._group(single[i:i + self.max_decode_batch], mf.EntryKind.DECODE)
         return calls
+
+    def _mixed_call(self, single: list[_Work], chunks: list[_Work]) -> ScheduledCall | None:
+        """The decode rows (as many as the largest mixed entry holds) and the first prompt chunk in one mixed call,
+        when the artifact has one that holds them (bench/mixed_step.py: the decode rows then cost next to
+        nothing beside the chunk)."""
+        mixed = self.entries(mf.EntryKind.MIXED)
+        if not (mixed and self.use_mixed and single and chunks):
+            return None
+        rows = single[:max(e.batch for e in mixed)]
+        chunk = chunks[0]
+        entry = self.pick(mf.EntryKind.MIXED, len(rows), max(w.start + w.n for w in rows + [chunk]), chunk.n)
+        if entry is None:
+            return None
+        work = rows + [chunk]
+        return ScheduledCall(entry, tuple(w.seq for w in work),
+                             tuple(row_call(w.seq.tokens[w.start:w.start + w.n], w.start, w.seq.held) for w in work))
 
     def _group(self, work: list[_Work], kind: mf.EntryKind) -> list[ScheduledCall]:
         """The calls of entries of `kind` that run `work`: rows in order, as many a call as an entry holds."""

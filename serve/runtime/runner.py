@@ -51,7 +51,7 @@ class Runner:
         self._neutral: dict[tuple[str, mf.Role], Buffer] = {}
         # The last host value of each (entry, input role) and its device buffer: an input equal to the previous
         # call's (block tables, seeds, stop ids, ...) is not uploaded again.
-        self._kept_inputs: dict[tuple[str, mf.Role], tuple[bytes, Buffer]] = {}
+        self._kept_inputs: dict[tuple[str, str], tuple[bytes, Buffer]] = {}
         self._arg_plans: dict[str, list[tuple[_ArgSource, object, mf.Role]]] = {}
         self._entries_checked: set[str] = set()
         self.stats = dict(executions=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={})
@@ -124,18 +124,18 @@ class Runner:
 
     # -- inputs --------------------------------------------------------------------------------------
 
-    def _input_buffer(self, e: mf.Entry, role: mf.Role, value: np.ndarray) -> Buffer:
+    def _input_buffer(self, e: mf.Entry, key: str, value: np.ndarray) -> Buffer:
         """The device buffer of an input's host value: the one kept from the entry's previous call when the value is
         the same (never donated, so it outlives the call), else a new upload that replaces it."""
-        key = (e.name, role)
+        kept_key = (e.name, key)            # key: the input's in `inputs` (a role may appear once per row group)
         data = value.tobytes()            # the entry fixes the role's shape and dtype: the bytes say the value
-        kept = self._kept_inputs.get(key)
+        kept = self._kept_inputs.get(kept_key)
         if kept is not None and kept[0] == data:
             return kept[1]
         buf = self.device.upload(value)
         if kept is not None:
             kept[1].close()
-        self._kept_inputs[key] = (data, buf)
+        self._kept_inputs[kept_key] = (data, buf)
         return buf
 
     def neutral_buffer(self, e: mf.Entry, role: mf.Role) -> Buffer:
@@ -158,7 +158,10 @@ class Runner:
             for sig in e.inputs:
                 if (sig.role in mf.STEP_FIELDS or sig.role in mf.SAMPLER_INPUTS or sig.role in mf.SCORER_INPUTS
                         or sig.role in mf.DECODE_STEPS_INPUTS or sig.role in mf.COPY_INPUTS):
-                    plan.append((_ArgSource.STEP, mf.STEP_FIELDS.get(sig.role, sig.role), sig.role))
+                    key = mf.STEP_FIELDS.get(sig.role, sig.role)
+                    if sig.slot:            # a mixed entry's prompt chunk: its step inputs under "chunk.<field>"
+                        key = f"{sig.slot}.{key}"
+                    plan.append((_ArgSource.STEP, key, sig.role))
                 elif sig.role == mf.Role.POOL_IN:
                     plan.append((_ArgSource.POOL, sig.slot, sig.role))
                 else:
@@ -181,7 +184,7 @@ class Runner:
         for i, (source, key, role) in enumerate(self._arg_plan(e)):
             if source is _ArgSource.STEP:
                 value = inputs[key]
-                buf = self._input_buffer(e, role, value) if isinstance(value, np.ndarray) else value
+                buf = self._input_buffer(e, key, value) if isinstance(value, np.ndarray) else value
             elif source is _ArgSource.POOL:
                 buf = self.pools[key]
                 pool_args[i] = key

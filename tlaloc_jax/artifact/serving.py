@@ -78,6 +78,11 @@ class Entry:
     exported_sha256: str = ""
     steps: int = 1                 # decode steps per call: K for a decode_steps entry, else 1
 
+    @property
+    def rows(self) -> int:
+        """The rows of its logits and sampler: a mixed entry's decode rows and its chunk's, else its batch."""
+        return self.batch + 1 if self.kind == EntryKind.MIXED else self.batch
+
     def input_index(self, role: Role, slot: str = "") -> int:
         for i, sig in enumerate(self.inputs):
             if sig.role == role and (not slot or sig.slot == slot):

@@ -10,7 +10,7 @@ from .errors import ManifestError
 from .files import checked_file, read_manifest_file, verify_body, verify_listed_files
 from .records import TensorSig, WeightFile, check_platform, check_tokenizer_hashes, check_weight_table
 from .serving import MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, Entry, Manifest, Pool
-from .vocabulary import (BASE_STEP_INPUTS, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, INPUT_ROLES, OUTPUT_ROLES,
+from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, INPUT_ROLES, OUTPUT_ROLES,
                          POOL_KIND_INPUTS, SAMPLER_DTYPES, SAMPLER_INPUTS, SAMPLER_OUTPUTS, SAMPLING_COLUMNS,
                          SCORER_DTYPES, SCORER_INPUTS, SCORER_OUTPUTS, STEP_FIELDS, EntryKind, PoolKind, Role,
                          dtype_info, mask_words)
@@ -161,7 +161,7 @@ def _check_sampler_scorer(m: Manifest) -> None:
 def _check_sampler_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
     if m.sampler is None:
         raise ManifestError(f"{what} has {sig.role}, but the manifest has no sampler")
-    want = (SAMPLER_DTYPES.get(sig.role, "int32"), m.sampler.shapes(e.batch, e.context)[sig.role])
+    want = (SAMPLER_DTYPES.get(sig.role, "int32"), m.sampler.shapes(e.rows, e.context)[sig.role])
     if (sig.dtype, tuple(sig.shape)) != want:
         raise ManifestError(f"{what} {sig.role} is {sig.dtype}{list(sig.shape)}, the sampler's is "
                             f"{want[0]}{list(want[1])}")
@@ -204,10 +204,16 @@ def _check_entry(m: Manifest, e: Entry, pools: dict[str, Pool], slots: dict[str,
         raise ManifestError(f"{what} (batch {e.batch}, context {e.context}) is not on the ladders")
     if e.context % m.block_size:
         raise ManifestError(f"{what} context {e.context} is not a multiple of the block size {m.block_size}")
-    seen_roles, pools_in = _check_inputs(m, e, pools, slots, step_roles, what)
-    missing = step_roles - seen_roles
-    if missing:
-        raise ManifestError(f"{what} lacks the step inputs {sorted(missing)} its pools need")
+    seen_roles, pools_in, step_groups = _check_inputs(m, e, pools, slots, step_roles, what)
+    groups = ("", CHUNK_GROUP) if e.kind == EntryKind.MIXED else ("",)
+    if set(step_groups) - set(groups):
+        raise ManifestError(f"{what} has step inputs of groups {sorted(step_groups)}; a {e.kind} entry's are "
+                            f"{list(groups)}")
+    for group in groups:
+        missing = step_roles - step_groups.get(group, set())
+        if missing:
+            raise ManifestError(f"{what} lacks the step inputs {sorted(missing)} its pools need"
+                                + (f" (group {group!r})" if group else ""))
     roles_out, pools_out = _check_outputs(m, e, what)
     _check_groups_whole(m, e, seen_roles | roles_out, what)
     if pools_in != set(pools) or pools_out != set(pools):
@@ -215,9 +221,9 @@ def _check_entry(m: Manifest, e: Entry, pools: dict[str, Pool], slots: dict[str,
                             f"the manifest has {sorted(pools)}")
     if e.kind != EntryKind.DECODE_STEPS:
         logits = e.outputs[e.output_index(Role.LOGITS)]
-        if tuple(logits.shape) != (e.batch, m.model.vocab):
+        if tuple(logits.shape) != (e.rows, m.model.vocab):
             raise ManifestError(f"{what} returns logits of shape {list(logits.shape)}, the model's vocabulary is "
-                                f"{m.model.vocab} (batch {e.batch})")
+                                f"{m.model.vocab} ({e.rows} rows)")
     _check_donations(e, pools, what)
 
 
@@ -231,9 +237,9 @@ def _check_group_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> bool:
 
 
 def _check_inputs(m: Manifest, e: Entry, pools: dict[str, Pool], slots: dict[str, WeightFile],
-                  step_roles: set[Role], what: str) -> tuple[set[Role], set[str]]:
-    """-> (the roles of its groups it takes, the pools it takes)."""
-    seen_roles, seen_pools = set(), set()
+                  step_roles: set[Role], what: str) -> tuple[set[Role], set[str], dict[str, set[Role]]]:
+    """-> (the roles of its groups it takes, the pools it takes, the step roles it takes by row group)."""
+    seen_roles, seen_pools, step_groups = set(), set(), {}
     for sig in e.inputs:
         if sig.role not in INPUT_ROLES:
             raise ManifestError(f"{what} input has role {sig.role}, which is not an input role")
@@ -241,7 +247,7 @@ def _check_inputs(m: Manifest, e: Entry, pools: dict[str, Pool], slots: dict[str
         if sig.role in STEP_FIELDS:
             if sig.role not in step_roles:
                 raise ManifestError(f"{what} takes {sig.role}, which none of the artifact's pools needs")
-            seen_roles.add(sig.role)
+            step_groups.setdefault(sig.slot, set()).add(sig.role)
         elif _check_group_sig(m, e, sig, what):
             seen_roles.add(sig.role)
         elif sig.role == Role.WEIGHT:
@@ -257,7 +263,7 @@ def _check_inputs(m: Manifest, e: Entry, pools: dict[str, Pool], slots: dict[str
                 raise ManifestError(f"{what} input {sig.label} {sig.dtype}{list(sig.shape)} differs from the "
                                     f"manifest's pool {p.name if p else None!r}")
             seen_pools.add(sig.slot)
-    return seen_roles, seen_pools
+    return seen_roles, seen_pools, step_groups
 
 
 def _check_outputs(m: Manifest, e: Entry, what: str) -> tuple[set[Role], set[str]]:

@@ -113,6 +113,11 @@ class EntryKind(enum.StrEnum):
     # Copies state slots within every state pool (export/_copy_slots.py): the runtime's state snapshots for prefix
     # caching. Its batch is the copies one call makes; it takes no step inputs and no weights.
     COPY_SLOTS = "copy_slots"
+    # One call of `batch` decode rows (one token each) and one prompt chunk of `tokens_per_seq` tokens: the token-wise
+    # work of both on their rows together, so the running sequences' tokens ride along a prompt's chunk. The decode
+    # rows' step inputs have the usual roles; the chunk's the same roles with slot CHUNK_GROUP; the sampler's and
+    # the outputs' rows are the decode rows, then the chunk's.
+    MIXED = "mixed"
 
 
 class BoundKind(enum.StrEnum):
@@ -151,6 +156,8 @@ SCORER_DTYPES = {Role.PROMPT_LOGPROB: "float32", Role.PROMPT_TOP_LOGPROBS: "floa
 # A decode_steps entry's inputs beyond a decode entry's (after the sampler's, before the pools), and its outputs.
 DECODE_STEPS_INPUTS = (Role.STEP_LIMIT, Role.STOP_IDS)
 DECODE_STEPS_OUTPUTS = (Role.STEP_TOKENS,)
+# The slot naming the prompt chunk's step inputs in a mixed entry.
+CHUNK_GROUP = "chunk"
 # A copy_slots entry's inputs, before its state pools.
 COPY_INPUTS = (Role.COPY_SRC, Role.COPY_DST)
 # What a decoder entry may take and return.
