@@ -335,6 +335,10 @@ class Engine:
             out = self._execute(e, inputs, outputs.wanted(call, producing, allowed, self.sampler))
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
             log.error("call of %s failed: %s", e.name, err)
+            if e.kind == mf.EntryKind.MIXED:
+                # A mixed call stands for a decode call and a prefill call: run them apart, so that a failure fails
+                # only the sequences of the call it belongs to, as it would have without mixing.
+                return [ev for part in self.scheduler.unmix(call) for ev in self._run_call(part)]
             return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]
         self._count_call(e.kind, len(call.seqs))
         now = time.perf_counter()

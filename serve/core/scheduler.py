@@ -364,6 +364,11 @@ class Scheduler:
         return ScheduledCall(entry, tuple(w.seq for w in work),
                              tuple(row_call(w.seq.tokens[w.start:w.start + w.n], w.start, w.seq.held) for w in work))
 
+    def unmix(self, call: ScheduledCall) -> list[ScheduledCall]:
+        """A mixed call as the decode call and the prefill call it stands for."""
+        work = [_Work(s, row.start, len(row.token_ids)) for s, row in zip(call.seqs, call.rows)]
+        return self._group(work[:-1], mf.EntryKind.DECODE) + self._group(work[-1:], mf.EntryKind.PREFILL)
+
     def _group(self, work: list[_Work], kind: mf.EntryKind) -> list[ScheduledCall]:
         """The calls of entries of `kind` that run `work`: rows in order, as many a call as an entry holds."""
         calls: list[ScheduledCall] = []
