@@ -59,6 +59,7 @@ import numpy as np
 from tlaloc_jax import manifest as mf
 from tlaloc_jax.paging import PageAllocator, PoolExhausted, RowCall, build_step_inputs, pool_rule, row_call
 
+from .native_log import native_stderr_to_log
 from .pjrt import Buffer, Device, Executable
 from .sampling import GREEDY, NEUTRAL_ROW, Sampling, log_softmax, sample, seed_words, top_logprobs, unpack_mask
 
@@ -83,9 +84,10 @@ class RequestRefused(ValueError):
     other sequences end).
     """
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, pool: str | None = None):
         super().__init__(message)
         self.kind = kind
+        self.pool = pool            # exceeds_pool: the kind of pool (mf.PoolKind) the sequences would not fit
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class StepEvent:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     prompt_logprobs: tuple | None = None
+    request_error: bool = False         # the failure is the request's own (its grammar, its min_tokens)
 
 
 class Constraint:
@@ -112,13 +115,21 @@ class Constraint:
 
     fill(words): clear, in `words` (the packed mask: [ceil(V / 32)] int32, bit t % 32 of word t // 32, all ones
     on entry), the tokens the constraint forbids now. accept(token): advance past the chosen token; False if
-    the constraint refuses it."""
+    the constraint refuses it. ready(): whether fill can answer now (a constraint that works out its next mask
+    on another thread is not ready until it has: its sequence sits out the steps until then). failure(): why
+    the constraint cannot go on (its sequence ends with that error), or None."""
 
     def fill(self, words: np.ndarray) -> None:
         raise NotImplementedError
 
     def accept(self, token: int) -> bool:
         raise NotImplementedError
+
+    def ready(self) -> bool:
+        return True
+
+    def failure(self) -> str | None:
+        return None
 
 
 @dataclass
@@ -143,6 +154,7 @@ class _Seq:
     error: str | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    stop_mask: np.ndarray | None = None      # packed: every token but the stop ids (min_tokens), made once
 
     @property
     def finished(self) -> bool:
@@ -191,7 +203,10 @@ class Engine:
         elif any(not w.sha256 for w in m.weights):
             log.warning("%s (%s) carries no hashes of its weight and tokenizer files: they are not verified",
                         self.artifact_dir, m.schema)
-        self.device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir)
+        if isinstance(cache_dir, str) and cache_dir.lower() == "none":
+            cache_dir = None            # the CLI's spelling of no cache
+        with native_stderr_to_log():    # the plugin's start-up lines go to the log, not into a notebook
+            self.device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir)
         want = {"cpu": "cpu", "cuda": "cuda"}[m.versions.platform]
         if self.device.platform_name.lower() not in (want, "gpu" if want == "cuda" else want):
             self.device.close()
@@ -235,6 +250,7 @@ class Engine:
         self.allocators = {kind: PageAllocator(m.capacity(kind), *_KIND_NAMES.get(kind, (str(kind), "units")))
                            for kind in m.pool_kinds}
         self._seqs: dict[str, _Seq] = {}
+        self.last_step_calls = 0            # the calls the last step() ran (0: every sequence waited on its constraint)
         self._ids = itertools.count()
         self._runs = 0
         self._entries_checked: set[str] = set()
@@ -254,6 +270,12 @@ class Engine:
 
     @classmethod
     def load(cls, artifact_dir: str | Path, plugin: str | None = None, **kwargs) -> "Engine":
+        """Load an artifact (`python -m tlaloc_jax.export`'s or `tlaloc_jax.stage`'s) and make it ready to serve.
+
+        plugin: the PJRT plugin library (default: the CPU plugin of lammps-jax-pjrt-cpu). Keywords:
+        cache_dir (the compiled-executable cache, default ~/.cache/tlaloc-jax/executables; None or "none": no
+        cache), progress (a compile bar), trust_weights, max_model_len, memory_fraction, use_decode_steps: see
+        `Engine.__init__`. Close it (or use `with`) to free the device."""
         return cls(artifact_dir, plugin, **kwargs)
 
     # -- loading ---------------------------------------------------------------------------------
@@ -365,9 +387,10 @@ class Engine:
             need = sum(self.rules[kind].units(p + m - 1) for p, m in sizes)
             if need > alloc.num_pages:
                 seqs = f"{len(sizes)} sequence needs" if len(sizes) == 1 else f"{len(sizes)} sequences need"
-                raise RequestRefused("exceeds_pool", f"{seqs} {need} {alloc.name} {alloc.unit} together (each its "
-                                                     f"prompt plus max_new_tokens), and the pool holds "
-                                                     f"{alloc.num_pages} {alloc.unit}: they could never run at once")
+                each = "" if kind == mf.PoolKind.STATE_SLOTS else " (each its prompt plus its new tokens)"
+                raise RequestRefused("exceeds_pool", f"{seqs} {need} {alloc.name} {alloc.unit} together{each}, and "
+                                                     f"the pool holds {alloc.num_pages} {alloc.unit}: they could "
+                                                     "never run at once", pool=str(kind))
 
     def _reserve(self, length: int) -> dict[mf.PoolKind, int]:
         """Promise a sequence of `length` positions what it will hold of each kind of pool; all or nothing."""
@@ -516,9 +539,11 @@ class Engine:
         calls += self._prefill_calls([s for s in prefilling if self._scored(s)], mf.EntryKind.PREFILL_SCORED)
         decoding = [s for s in self._seqs.values() if s.decoding]
         if decoding and not prefilling:
-            call = self._steps_call(decoding)
+            call = self._steps_call(decoding)       # never with a constrained sequence among them
             if call is not None:
                 return [call]
+        # A sequence whose constraint is still working out its next mask sits this step out.
+        decoding = [s for s in decoding if s.constraint is None or s.constraint.ready()]
         max_batch = max(e.batch for e in self._entries(mf.EntryKind.DECODE))
         for i in range(0, len(decoding), max_batch):
             part = decoding[i:i + max_batch]
@@ -560,8 +585,12 @@ class Engine:
 
     def step(self) -> list[StepEvent]:
         """Run one scheduling step; returns the tokens produced (and the requests that failed)."""
-        events: list[StepEvent] = []
-        for call in self._plan():
+        events: list[StepEvent] = [
+            self._fail(s, why, request=True) for s in list(self._seqs.values())
+            if s.constraint is not None and not s.finished and (why := s.constraint.failure()) is not None]
+        calls = self._plan()
+        self.last_step_calls = len(calls)
+        for call in calls:
             now = time.perf_counter()
             for s in call.seqs:
                 if s.first_scheduled is None:
@@ -571,9 +600,9 @@ class Engine:
             self._stats["steps"] += 1
         return events
 
-    def _fail(self, s: _Seq, error: str) -> StepEvent:
+    def _fail(self, s: _Seq, error: str, request: bool = False) -> StepEvent:
         self._finish(s, "error", error)
-        return StepEvent(s.rid, None, True, "error", error)
+        return StepEvent(s.rid, None, True, "error", error, request_error=request)
 
     def _run_call(self, call: _Call) -> list[StepEvent]:
         e = call.entry
@@ -627,6 +656,11 @@ class Engine:
                 self._stats["prompt_tokens"] += len(row.token_ids)
                 if not producing[b]:
                     continue      # more of the prompt to read; this call's logits are not a token yet
+            if allowed[b] is not None and not allowed[b].any():
+                why = "its grammar and min_tokens leave" if s.constraint is not None else "its stop ids and min_tokens leave"
+                events.append(self._fail(s, f"no token is allowed after {len(s.generated)} tokens: {why} none "
+                                            f"(min_tokens {s.sampling.min_tokens})", request=True))
+                continue
             try:
                 tok, logprob, top = self._token(out, b, s, allowed[b], lsm)
                 if s.constraint is not None and not s.constraint.accept(tok):
@@ -704,11 +738,12 @@ class Engine:
             words = np.full((self.vocab + 31) // 32, -1, np.int32)
             s.constraint.fill(words)
         if len(s.generated) < s.sampling.min_tokens and s.stop:
-            words = np.full((self.vocab + 31) // 32, -1, np.int32) if words is None else words
-            bits = words.view(np.uint32)
-            for t in s.stop:
-                if 0 <= t < self.vocab:
-                    bits[t // 32] &= ~np.uint32(1 << (t % 32))
+            if s.stop_mask is None:
+                bits = np.zeros((self.vocab + 31) // 32 * 32, bool)     # no bit past the vocabulary
+                bits[:self.vocab] = True
+                bits[np.array(self._stop_ids(s), np.int64)] = False
+                s.stop_mask = np.packbits(bits, bitorder="little").view(np.int32)
+            words = s.stop_mask.copy() if words is None else words & s.stop_mask
         return words
 
     def _wanted(self, call: _Call, producing: list[bool], allowed: list) -> set[mf.Role]:

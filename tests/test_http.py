@@ -391,7 +391,7 @@ BAD = {
     "text-prompt-too-long": ({"prompt": "ab" * 40, "max_tokens": 1}, {}, 400, "context_length_exceeded",
                              r"prompt of \d+ tokens is longer than the largest context 64"),
     "max-tokens-past-context": ({"prompt": [1, 2, 3], "max_tokens": 63}, {}, 400, "context_length_exceeded",
-                                r"prompt of 3 tokens plus max_new_tokens 63 exceeds the largest context 64"),
+                                r"prompt of 3 tokens plus max_tokens 63 exceeds the largest context 64"),
     "placeholder-id": ({"prompt": [1, IMAGE, 2]}, {}, 400, "placeholder_token",
                        rf"refused token {IMAGE} \(multimodal placeholder, config key image_token_id\)"),
     "placeholder-text": ({"prompt": "look: <image>"}, {}, 400, "placeholder_token", rf"refused token {IMAGE} "),
