@@ -120,6 +120,7 @@ class EngineLoop:
         self.step_work = step_work or StepWork()
         self.step_work.on_done = self._wake
         self._step_seconds = 0.0            # a running mean of the steps that ran calls
+        self.steps = 0                      # the steps that ran calls (read by tests to count delays in steps)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[_Admission] = deque()
         self._running: dict[str, _Running] = {}
@@ -189,6 +190,7 @@ class EngineLoop:
                     t0 = time.perf_counter()
                     self._step()
                     if self.engine.last_step_calls:
+                        self.steps += 1
                         self._step_seconds += 0.1 * (time.perf_counter() - t0 - self._step_seconds)
                     else:
                         stalled = True

@@ -13,18 +13,11 @@ import time
 import jsonschema
 import pytest
 
-from http_util import GOOD, STOP, InProcess, serving
+from http_util import GOOD, STOP, TOOLS_TEMPLATE, InProcess, serving
 from tlaloc_jax.serve import Engine
 from tokenizers_util import EOS, VOCAB, write_tokenizer
 
 CONTEXT = 128
-# Hermes tool calls: the template writes an assistant's calls as the demo model's does (a dict through tojson).
-TOOLS_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-    "{% for call in m['tool_calls'] or [] %}<tool_call>\n"
-    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}\n</tool_call>"
-    "{% endfor %}<|im_end|>\n{% endfor %}{% if tools %}{% endif %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 HI = [{"role": "user", "content": "hi"}]
 IDLE = {"running": 0, "waiting": 0, "kv_in_use": 0, "kv_reserved": 0}
 
