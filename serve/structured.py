@@ -17,7 +17,8 @@ of its first tokens, or cannot give min_tokens tokens before a stop id.
 
 Running: after each token a sequence's matcher advances and computes its next mask on StepWork's thread
 (serve/loop.py) while the engine steps the others; a slow grammar delays its own sequence. A matcher that fails
-there (a limit reached deep into the text) ends its own sequence with that error (Constraint.failure).
+there (a limit reached deep into the text, or more CPU time for one token than the budget allows) ends its own
+sequence with that error (Constraint.failure).
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ _NO_TEXT = ("NoExtension", "NoExtensionBias")
 @dataclass(frozen=True)
 class GrammarBudget:
     """What one request's grammar may cost. compile_seconds: compiling and checking it at admission;
-    max_grammar_size and max_items_in_row: llguidance's limits (symbols in the grammar's productions; items of a
-    parser row, a bound on a step's work); probe_tokens: first tokens each tried on a copy of the matcher;
-    probe_nodes and probe_seconds: the search for min_tokens tokens before a stop id. llguidance's other limits
-    (the lexer's fuel, items per step) keep their defaults: a few to ~15 ms of work a step."""
+    token_seconds: the CPU time of advancing one sequence past one token (its next mask); max_grammar_size and
+    max_items_in_row: llguidance's limits (symbols in the grammar's productions; items of a parser row, a bound on
+    a step's work); probe_tokens: first tokens each tried on a copy of the matcher; probe_nodes and probe_seconds:
+    the search for min_tokens tokens before a stop id. llguidance's other limits (the lexer's fuel, items per step)
+    keep their defaults."""
 
     compile_seconds: float = 10.0
+    token_seconds: float = 0.25
     max_grammar_size: int = 500_000
     max_items_in_row: int = 2000
     probe_tokens: int = 32
@@ -265,10 +268,16 @@ class GrammarConstraint(Constraint):
         return True
 
     def _advance(self, token: int) -> None:
-        """On StepWork's thread: consume the token, compute the next mask."""
+        """On StepWork's thread: consume the token, compute the next mask (its CPU time within the budget: llguidance
+        works in this thread, and the thread's own time does not count waits for a loaded machine's cores)."""
         m, g = self.matcher, self._grammars
+        t0 = time.thread_time()
         if m.consume_token(token) and not m.is_error():
             raw = g.raw_mask(m)
+            took = time.thread_time() - t0
+            if took > g.budget.token_seconds:
+                raise GrammarError(f"the grammar took {took:.2f} s of CPU time for its token {self.tokens + 1}, past "
+                                   f"the limit of {g.budget.token_seconds:g} s a token", "grammar_failed")
             if not m.is_error():
                 self.tokens += 1
                 self._words = g.words(raw)
