@@ -657,9 +657,9 @@ class Engine:
                 if not producing[b]:
                     continue      # more of the prompt to read; this call's logits are not a token yet
             if allowed[b] is not None and not allowed[b].any():
-                why = "its grammar and min_tokens leave" if s.constraint is not None else "its stop ids and min_tokens leave"
-                events.append(self._fail(s, f"no token is allowed after {len(s.generated)} tokens: {why} none "
-                                            f"(min_tokens {s.sampling.min_tokens})", request=True))
+                why = "its grammar and" if s.constraint is not None else "its stop ids and"
+                events.append(self._fail(s, f"no token is allowed after {len(s.generated)} tokens: {why} min_tokens "
+                                            f"leave none (min_tokens {s.sampling.min_tokens})", request=True))
                 continue
             try:
                 tok, logprob, top = self._token(out, b, s, allowed[b], lsm)

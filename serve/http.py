@@ -12,21 +12,25 @@ POST /v1/embeddings (serve/embeddings.py).
 
 A request is checked (serve/validation.py: body size, JSON depth, Unicode, fields; then prompts x n and
 the prompt's length in characters), tokenized on a worker thread (serve/prompts.py), checked against the
-pool's size (requests that could never fit are refused here), then handed to the engine loop thread
-(serve/loop.py), which admits all of a request's sequences or none between steps. Each step's tokens come
+context and the pool's size (requests that could never fit are refused here), its grammar compiled and checked on
+the grammar thread (serve/structured.py), then handed to the engine loop thread (serve/loop.py), which admits all
+of a request's sequences or none between steps. Each step's tokens come
 back to the request's asyncio queue. A client that disconnects, or a choice that meets a stop string,
 aborts its sequences and frees their pages at the next step boundary.
 
 Errors are OpenAI-style JSON, {"error": {"message", "type", "param", "code"}}:
   400  malformed JSON, JSON nested deeper than 64, a lone surrogate anywhere, an unknown field (only with
-       strict_fields; otherwise it is logged as ignored), a field of the wrong type or value, a grammar or
-       schema that does not compile, a placeholder or out-of-vocabulary token id, a prompt longer than the
-       largest context, max_tokens past it, sequences that together need more pages than the whole pool
+       strict_fields; otherwise it is logged as ignored), a field of the wrong type or value or a list past its
+       bound, a grammar or schema that does not compile, passes a limit, admits no text or cannot meet min_tokens,
+       a placeholder or out-of-vocabulary token id, a prompt longer than the largest context, max_tokens past it,
+       sequences that together need more pages (or state slots) than the whole pool
   401  a missing or wrong API key (when the server has one)
   404  an unknown model or route
   413  a body over the size limit
   421  a Host header outside the allow-list (when the app has one: DNS rebinding)
-  500  a bug: the answer holds an error id, the server log the cause
+  500  a bug: the answer holds an error id, the server log the cause. A choice that fails through its own
+       request (its grammar fails deep into the text, min_tokens leaves no token) is not one: it ends with
+       finish_reason "error" and an "error" object in a 200 answer, the other choices as they were
   503  the KV page pool is full now (code "kv_pool_exhausted", Retry-After: 1). Nothing was admitted;
        the same request succeeds once other sequences end. (503 rather than 429: the server is
        momentarily out of capacity, the client is not over a rate limit; the openai client retries
@@ -622,7 +626,8 @@ class _Server:
         token's place in the choice's text (a stop string may have cut it); `prompt`: the echoed prompt's entries
         (their offsets in the echo) first."""
         tokens, lps, tops, offsets = [], [], [], []
-        for t, lp, top, offset in (prompt or []) + [(t, lp, top, base + min(o, len(c.text))) for t, lp, top, o in entries]:
+        generated = [(t, lp, top, base + min(o, len(c.text))) for t, lp, top, o in entries]
+        for t, lp, top, offset in (prompt or []) + generated:
             tokens.append(self.token_text(t))
             lps.append(None if lp is None else _finite(lp))
             tops.append(None if top is None else {self.token_text(a): _finite(b) for a, b in top})

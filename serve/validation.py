@@ -416,8 +416,9 @@ def _tools(name, v):
             raise bad_type(f"{where}.function.parameters", "a JSON schema (an object)", params)
         if params and params.get("type", "object") != "object":
             # A function's arguments are a JSON object (OpenAI's function.arguments is the JSON text of one).
-            raise bad_value(f"{where}.function.parameters", "must be the schema of an object ({\"type\": "
-                                                            f"\"object\", ...}}), got type {json.dumps(params['type'])}.")
+            got = json.dumps(params["type"])
+            raise bad_value(f"{where}.function.parameters",
+                            f"must be the schema of an object ({{\"type\": \"object\", ...}}), got type {got}.")
         out.append({"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters", "strict")
                                                        if k in f}})
     return out

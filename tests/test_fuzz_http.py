@@ -62,9 +62,9 @@ def _weighted(*options):
 
 
 PART = st.fixed_dictionaries({"type": st.just("text"), "text": CLEAN_TEXT})
-CALL = st.fixed_dictionaries({"function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]),
-                                                                  "arguments": st.sampled_from(['{"a": 1}', "{}", "x"])})},
-                             optional={"id": CLEAN_TEXT, "type": st.just("function")})
+CALL = st.fixed_dictionaries({"function": st.fixed_dictionaries({
+    "name": st.sampled_from(["f", "g"]), "arguments": st.sampled_from(['{"a": 1}', "{}", "x"])})},
+    optional={"id": CLEAN_TEXT, "type": st.just("function")})
 WILD_CALL = st.fixed_dictionaries({}, optional={"function": ANY_JSON, "type": ANY_JSON, "id": ANY_JSON}) | ANY_JSON
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                                  "content": CLEAN_TEXT | st.lists(PART, min_size=1, max_size=2)},

@@ -375,7 +375,7 @@ def test_health_answers_503_once_the_engine_loop_stops(engine):
         assert srv.server.health_problem() == "engine loop not running"
 
 
-# -- issue 24, findings 7 and 8: bounded lists, the same limits on every route ------------------------------------------
+# -- issue 24, findings 7 and 8: bounded lists, the same limits on every route -----------------------------------
 
 def test_stop_token_ids_are_bounded_and_tokenize_checks_the_characters_whatever_add_special_tokens(engine, solo):
     with InProcess(engine) as srv:
@@ -421,7 +421,7 @@ def test_add_special_tokens_is_vllms(engine):
         assert srv.post("/tokenize", {"prompt": "the cat", "add_special_tokens": False}).json()["tokens"] == bare
 
 
-# -- finding 12: text_offset indexes the echoed text ---------------------------------------------------------------------
+# -- finding 12: text_offset indexes the echoed text ------------------------------------------------------------
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_text_offset_indexes_the_text(engine, stream):
@@ -449,7 +449,7 @@ def test_text_offset_indexes_the_text(engine, stream):
     assert "".join(text[a:b] for a, b in zip(offsets, ends)) == text
 
 
-# -- findings 14 and 16: what a new user meets ---------------------------------------------------------------------------
+# -- findings 14 and 16: what a new user meets ------------------------------------------------------------------
 
 def test_cache_dir_none_help_and_no_plugin_noise(http_artifacts, serve_cache_dir, monkeypatch):
     """cache_dir "none" is no cache, as --cache-dir none is (the Device gets None, not a directory named none)."""
@@ -474,7 +474,7 @@ def test_cache_dir_none_help_and_no_plugin_noise(http_artifacts, serve_cache_dir
     script = ("import logging, sys; from tlaloc_jax.serve import Engine\n"
               "logging.basicConfig(level=logging.DEBUG if sys.argv[1] == 'debug' else logging.WARNING)\n"
               f"Engine.load({str(http_artifacts[0])!r}, cache_dir={str(serve_cache_dir)!r}, progress=False).close()\n")
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}     # jax here sets it; a notebook has not
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}     # jax set it here, not in a notebook
     quiet, debug = (subprocess.run([sys.executable, "-c", script, level], capture_output=True, text=True, timeout=120,
                                    env=env) for level in ("warning", "debug"))
     assert quiet.returncode == 0 and debug.returncode == 0, quiet.stderr[-2000:]
