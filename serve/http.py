@@ -826,6 +826,9 @@ class _Server:
             self.prompt_tokenizer.close()
         if self.embeddings is not None:
             self.embeddings.close()
+        self.step_work.close()
+        if self._grammars is not None and self._grammars.done() and self._grammars.exception() is None:
+            self._grammars.result().close()
 
 
 def _text_offsets(tokenizer: TextTokenizer, ids: list[int], text: str) -> list[int]:

@@ -182,6 +182,15 @@ def _token_ids(name, v):
     return list(v)
 
 
+def _list(name, v, limit: int, what: str) -> list:
+    """`v`, an array of at most `limit` items (`what`: their name in an error)."""
+    if not isinstance(v, list):
+        raise bad_type(name, f"an array of {what}", v)
+    if len(v) > limit:
+        raise bad_value(name, f"at most {limit} {what}, got {len(v)}.")
+    return v
+
+
 def _at_most(limit: int, check):
     """A list field of at most `limit` items, then `check`ed."""
     def bounded(name, v):
@@ -252,12 +261,8 @@ def _one_of(*allowed):
 
 
 def _messages(name, v):
-    if not isinstance(v, list):
-        raise bad_type(name, "an array of messages", v)
-    if not v:
+    if not _list(name, v, MAX_MESSAGES, "messages"):
         raise bad_value(name, "must hold at least one message.")
-    if len(v) > MAX_MESSAGES:
-        raise bad_value(name, f"at most {MAX_MESSAGES} messages, got {len(v)}.")
     out = []
     for i, m in enumerate(v):
         where = f"{name}[{i}]"
@@ -294,11 +299,8 @@ def _tool_calls(name, v):
     """An assistant message's tool calls (OpenAI's shape: {"id", "type": "function", "function": {"name",
     "arguments"}}), each checked, the arguments handed to templates as an object where their JSON text is one
     (transformers' convention; OpenAI sends JSON text)."""
-    if not isinstance(v, list):
-        raise bad_type(name, "an array of tool calls", v)
-    if len(v) > MAX_TOOL_CALLS:
-        raise bad_value(name, f"at most {MAX_TOOL_CALLS} tool calls, got {len(v)}.")
     out = []
+    _list(name, v, MAX_TOOL_CALLS, "tool calls")
     for j, c in enumerate(v):
         where = f"{name}[{j}]"
         if not isinstance(c, dict):
@@ -399,11 +401,8 @@ def _structured_outputs(name, v):
 
 
 def _tools(name, v):
-    if not isinstance(v, list):
-        raise bad_type(name, "an array of tools", v)
-    if len(v) > MAX_TOOLS:
-        raise bad_value(name, f"at most {MAX_TOOLS} tools, got {len(v)}.")
     out = []
+    _list(name, v, MAX_TOOLS, "tools")
     for i, t in enumerate(v):
         where = f"{name}[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
