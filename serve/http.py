@@ -871,7 +871,7 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
                api_key: str | None = None, max_batch: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Iterable[str] | None = None,
                allowed_origins: Iterable[str] = (), embeddings: Embeddings | None = None,
-               strict_fields: bool = False) -> FastAPI:
+               strict_fields: bool = False, grammar_budget: GrammarBudget = GrammarBudget()) -> FastAPI:
     """The FastAPI app serving `engine`. The engine loop thread starts and stops with the app's lifespan.
 
     tokenizer: "auto" loads the artifact's (None when it has no tokenizer.json); max_batch: the most
@@ -881,7 +881,8 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     get 421 (default None: every Host; `python -m tlaloc_jax.serve` passes LOOPBACK_HOSTS when bound to
     loopback); allowed_origins: browser origins CORS lets read the answers ("*": any; default none); embeddings:
     an embedding program to serve on /v1/embeddings beside the decoder (serve/embeddings.py); strict_fields:
-    refuse (400) request fields the server does not know, instead of logging them as ignored (vLLM's way).
+    refuse (400) request fields the server does not know, instead of logging them as ignored (vLLM's way);
+    grammar_budget: what one request's structured output may cost (serve/structured.py).
     """
     if api_key is not None and (problem := api_key_problem(api_key)) is not None:
         raise ValueError(f"api_key {problem}")
@@ -893,7 +894,7 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     if max_batch < 1:
         raise ValueError(f"max_batch must be positive, got {max_batch}")
     server = _Server(engine, tokenizer, model_name or engine.manifest.model.name, api_key, int(max_batch),
-                     int(max_body_bytes), embeddings, strict_fields)
+                     int(max_body_bytes), embeddings, strict_fields, grammar_budget)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

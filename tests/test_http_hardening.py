@@ -377,14 +377,19 @@ def test_health_answers_503_once_the_engine_loop_stops(engine):
 
 # -- issue 24, findings 7 and 8: bounded lists, the same limits on every route -----------------------------------
 
-def test_stop_token_ids_are_bounded_and_tokenize_checks_the_characters_whatever_add_special_tokens(engine, solo):
+def test_stop_token_ids_are_bounded(engine, solo):
     with InProcess(engine) as srv:
         r = srv.post("/v1/completions", {"prompt": GOOD, "max_tokens": 2, "stop_token_ids": [10**6] * 1025})
         err = _error(r, 400, "invalid_value", r"Invalid value for 'stop_token_ids': at most 1024 entries, got 1025")
         assert err["param"] == "stop_token_ids"
         r = srv.post("/v1/completions", {"prompt": GOOD, "max_tokens": 2, "stop_token_ids": [10**6] * 1024})
         assert r.status_code == 200, r.text            # control: at the bound
-        for add in (True, False, None):
+        _good(srv, solo)
+
+
+def test_tokenize_checks_the_characters_whatever_add_special_tokens(engine, solo):
+    with InProcess(engine) as srv:
+        for add in (False, True, None):
             body = {"prompt": "z" * 100_000} if add is None else {"prompt": "z" * 100_000, "add_special_tokens": add}
             err = _error(srv.post("/tokenize", body), 400, "context_length_exceeded",
                          r"prompt of 100000 characters is longer than the largest context")
@@ -451,7 +456,7 @@ def test_text_offset_indexes_the_text(engine, stream):
 
 # -- findings 14 and 16: what a new user meets ------------------------------------------------------------------
 
-def test_cache_dir_none_help_and_no_plugin_noise(http_artifacts, serve_cache_dir, monkeypatch):
+def test_cache_dir_none_the_load_docstring_and_the_help(http_artifacts, monkeypatch):
     """cache_dir "none" is no cache, as --cache-dir none is (the Device gets None, not a directory named none)."""
     from tlaloc_jax.serve import engine as engine_module
 
@@ -470,7 +475,10 @@ def test_cache_dir_none_help_and_no_plugin_noise(http_artifacts, serve_cache_dir
     out = subprocess.run([sys.executable, "-m", "tlaloc_jax.serve", "--help"], capture_output=True, text=True,
                          timeout=60).stdout
     assert "tlaloc_jax.stage" in out and "tokenizer is optional" in " ".join(out.split())
-    # The plugin's start-up lines reach the log (at DEBUG), not the notebook's stderr.
+
+
+def test_the_plugins_start_up_lines_go_to_the_log(http_artifacts, serve_cache_dir):
+    """Not into a notebook's output: at DEBUG in the log (control: they are there, not lost)."""
     script = ("import logging, sys; from tlaloc_jax.serve import Engine\n"
               "logging.basicConfig(level=logging.DEBUG if sys.argv[1] == 'debug' else logging.WARNING)\n"
               f"Engine.load({str(http_artifacts[0])!r}, cache_dir={str(serve_cache_dir)!r}, progress=False).close()\n")

@@ -195,9 +195,7 @@ def test_refusals_and_the_start_up_log_name_the_state_pool(artifact, tmp_path):
     refusal names the state pool and asks for fewer sequences (no max_tokens advice, no KV), and the server's
     start-up line counts slots."""
     from http_util import InProcess
-    from tlaloc_jax.serve.__main__ import describe_pools
     with Engine.load(artifact[1], cache_dir=tmp_path, progress=False) as eng:
-        assert describe_pools(eng) == "state pool 4 slots"
         with InProcess(eng) as srv:
             r = srv.post("/v1/completions", {"prompt": [1, 2], "n": 5, "max_tokens": 4})
             err = r.json()["error"]
@@ -205,6 +203,8 @@ def test_refusals_and_the_start_up_log_name_the_state_pool(artifact, tmp_path):
             assert err["message"] == ("5 sequences need 5 state slots together, and the pool holds 4 slots: they "
                                       "could never run at once; send fewer choices (n) or prompts")
             assert srv.post("/v1/completions", {"prompt": [1, 2], "n": 4, "max_tokens": 4}).status_code == 200
+        from tlaloc_jax.serve.__main__ import describe_pools
+        assert describe_pools(eng) == "state pool 4 slots"
 
 
 def test_a_step_that_drops_a_pool_is_refused_by_name(weights, tmp_path):

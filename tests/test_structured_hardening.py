@@ -266,3 +266,31 @@ def test_errors_name_the_requests_own_fields(srv, solo, body, param, code, messa
 def test_max_completion_tokens_past_the_context_is_named(srv):
     r = srv.post("/v1/chat/completions", {"messages": HI, "max_completion_tokens": CONTEXT})
     _error(r, "context_length_exceeded", "max_completion_tokens", r"plus max_completion_tokens 128 exceeds")
+
+
+# -- the budget: each limit named in its refusal ------------------------------------------------------------------------
+
+def test_the_grammar_budget_names_each_limit(engine, solo):
+    """A server's GrammarBudget: the grammar's size and its compile time refused at admission (400 naming the
+    limit), the CPU time of one token's grammar work ending that sequence alone (finish_reason "error")."""
+    from tlaloc_jax.serve.structured import GrammarBudget
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(50)}}
+    for budget, message in ((GrammarBudget(max_grammar_size=100), r"grammar size \(number of symbols\) too big "
+                                                                   r"\(limit for this grammar: 100\)"),
+                            (GrammarBudget(compile_seconds=0.0), r"compiling and checking the grammar took [\d.]+ s, "
+                                                                  r"past the limit of 0 s a request")):
+        with InProcess(engine, grammar_budget=budget) as srv:
+            r = srv.post("/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_json": schema})
+            _error(r, "grammar_too_complex", "guided_json", message)
+    with InProcess(engine, grammar_budget=GrammarBudget(token_seconds=0.0)) as srv:
+        r = srv.post("/v1/completions", {"prompt": "x", "max_tokens": 4, "n": 2, "guided_json": schema})
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"]:
+            assert c["finish_reason"] == "error" and re.search(
+                r"the grammar took [\d.]+ s of CPU time for its token 1, past the limit of 0 s a token",
+                c["error"]["message"]), c
+        _good(srv, solo)
+    # Control: the default budget serves it.
+    with InProcess(engine) as srv:
+        r = srv.post("/v1/completions", {"prompt": "x", "max_tokens": 40, "guided_json": schema})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text
