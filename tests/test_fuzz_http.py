@@ -196,7 +196,7 @@ def _body(required: str):
 
 
 ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/tokenize": "tokenize"}
-PROBE = {"prompt": GOOD, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True, "user": "probe",
+PROBE = {"prompt": GOOD, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True, "user": "probe",
          "return_token_ids": True}
 PROBE_STEP_S = 0.01
 
