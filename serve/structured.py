@@ -146,6 +146,8 @@ class Grammars:
             raise GrammarError(f"the grammar is past a limit of the grammar library at its first token: {why}",
                                "grammar_too_complex")
         words = self.words(raw)
+        if not words.any():
+            raise GrammarError("no text satisfies the grammar: no token can start one", "empty_grammar")
         self._try_first_tokens(matcher, raw, t0)
         stops = frozenset(t for t in stop_ids if 0 <= t < self.vocab)
         if min_tokens and all(e in stops for e in self.eos) \
