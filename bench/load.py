@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -59,25 +60,61 @@ def _metrics(url: str) -> dict[str, float]:
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
 
 
-async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int, mode: str,
-               seed: int) -> tuple[float, list[float], int]:
-    """-> (ttft, inter-token gaps, tokens) of one streaming request."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "return_token_ids": True}
-    if mode == "sampled":
-        body.update(SAMPLED, seed=seed)
+@contextlib.contextmanager
+def serving(artifact: Path, tmp: Path, extra: list[str] = ()):
+    """`python -m tlaloc_jax.serve ARTIFACT` on a free loopback port, once /health answers: its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "tlaloc_jax.serve", str(artifact), "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning", "--cache-dir", str(tmp / "cache"), *extra]
+    log = open(tmp / "server.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError((tmp / "server.log").read_text()[-3000:])
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+async def stream_times(http: httpx.AsyncClient, path: str, body: dict) -> tuple[float, list[float], int, dict]:
+    """-> (ttft, inter-token gaps, tokens, the last chunk's choice) of one streaming request (return_token_ids)."""
     t0 = time.perf_counter()
-    times, tokens = [], 0
-    async with http.stream("POST", "/v1/completions", json=body) as r:
+    times, tokens, last = [], 0, {}
+    async with http.stream("POST", path, json=dict(body, stream=True, return_token_ids=True)) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
-                n = len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+                choices = json.loads(line[6:])["choices"]
+                n = len(choices[0].get("token_ids") or []) if choices else 0
+                last = choices[0] if choices else last
                 if n:
                     times.append(time.perf_counter())
                     tokens += n
-    return times[0] - t0, list(np.diff(times)), tokens
+    return (times[0] - t0 if times else float("nan")), list(np.diff(times)), tokens, last
+
+
+async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int, mode: str,
+               seed: int) -> tuple[float, list[float], int]:
+    """-> (ttft, inter-token gaps, tokens) of one streaming request."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if mode == "sampled":
+        body.update(SAMPLED, seed=seed)
+    return (await stream_times(http, "/v1/completions", body))[:3]
 
 
 async def _level(url: str, clients: int, per_client: int, max_tokens: int, seed: int, mode: str = "greedy") -> dict:
@@ -114,30 +151,9 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         artifact = Path(args.artifact) if args.artifact else _tiny_artifact(Path(tmp))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "tlaloc_jax.serve", str(artifact), "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "warning", "--cache-dir", str(Path(tmp) / "cache")]
-        cmd += ["--max-batch", str(args.max_batch)] if args.max_batch else []
-        cmd += ["--plugin", args.plugin] if args.plugin else []
-        log = open(Path(tmp) / "server.log", "wb")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    print((Path(tmp) / "server.log").read_text()[-3000:], file=sys.stderr)
-                    return 1
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("server did not start")
-                time.sleep(0.2)
+        extra = ["--max-batch", str(args.max_batch)] if args.max_batch else []
+        extra += ["--plugin", args.plugin] if args.plugin else []
+        with serving(artifact, Path(tmp), extra) as url:
             asyncio.run(_level(url, 2, 2, args.max_tokens, seed=99))      # warm-up: first calls, allocations
             print(f"artifact {artifact}; streaming completions of {args.max_tokens} tokens, "
                   f"{args.requests_per_client} requests per client, loopback\n")
@@ -158,9 +174,6 @@ def main(argv=None) -> int:
                     print(f"| {mode} | {c} | {r['requests']} | {r['rps']:.1f} | {r['tps']:.0f} | "
                           f"{' / '.join(f'{x:.1f}' for x in r['ttft'])} | {' / '.join(f'{x:.2f}' for x in r['itl'])} | "
                           f"{rows / calls:.2f} | {ratio} |", flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(30)
     return 0
 
 

@@ -19,6 +19,18 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+DEFAULT_CONTEXTS = (64, 256, 1024)
+
+
+def default_context_ladder(checkpoint: str, block_size: int) -> list[int]:
+    """64, 256, 1024: those within the checkpoint's max_position_embeddings (the largest multiple of the block
+    size within it when none is)."""
+    from tlaloc_jax.checkpoint import read_config
+    from tlaloc_jax.families import config_from_hf
+    longest = config_from_hf(read_config(checkpoint))[1].max_position_embeddings
+    return [c for c in DEFAULT_CONTEXTS if c <= longest] or [max(block_size, longest // block_size * block_size)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m tlaloc_jax.export",
@@ -32,8 +44,9 @@ def main(argv=None) -> int:
                     help="export the embedded model (tlaloc_jax/demo_model, trained by python -m tlaloc_jax.train)")
     ap.add_argument("--batch-ladder", type=_ints, default=list(DEFAULT_BATCH_LADDER),
                     help=f"decode batch buckets (default {','.join(map(str, DEFAULT_BATCH_LADDER))})")
-    ap.add_argument("--context-ladder", type=_ints, default=[64, 256, 1024],
-                    help="context buckets in positions, multiples of the block size (default 64,256,1024)")
+    ap.add_argument("--context-ladder", type=_ints, default=None,
+                    help="context buckets in positions, multiples of the block size (default 64,256,1024, those "
+                         "within the checkpoint's max_position_embeddings: 64,256 for --demo)")
     ap.add_argument("--prefill-max-batch", type=int, default=None,
                     help="largest batch of the prefill entries (default: the largest batch bucket, at most 4; 1 = "
                          "batch-1 only)")
@@ -110,6 +123,13 @@ def main(argv=None) -> int:
     from . import ExportError, Sampler, export_checkpoint
     from tlaloc_jax.checkpoint import CheckpointError
     from tlaloc_jax.config import ConfigError
+
+    if args.context_ladder is None:
+        try:
+            args.context_ladder = default_context_ladder(args.checkpoint, args.block_size)
+        except (CheckpointError, ConfigError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     dtypes = {"f32": "float32", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
     t0 = time.perf_counter()

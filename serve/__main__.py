@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import os
@@ -44,12 +45,41 @@ def _allowed_hosts(bind: str, extra: list[str], loopback_names: tuple[str, ...])
     return [*loopback_names, own, *extra]
 
 
+def describe_pools(engine) -> str:
+    """The engine's pools for the start-up log, each by its kind: "KV pool 64 pages of 16 positions", "state
+    pool 4 slots"."""
+    parts = []
+    for alloc in engine.allocators.values():
+        size = f" of {engine.block_size} positions" if alloc.unit == "pages" else ""
+        parts.append(f"{alloc.name} pool {alloc.num_pages} {alloc.unit}{size}")
+    return ", ".join(parts)
+
+
+def _uvicorn_server(uvicorn, config):
+    """A uvicorn.Server that ends with status 0 after a clean shutdown on SIGTERM or SIGINT: uvicorn raises the
+    signal it caught again once it has shut down, which would end the process with -15."""
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()      # shut down cleanly: nothing left for the signal to do
+
+    return Server(config)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m tlaloc_jax.serve",
-        description="Serve an artifact written by `python -m tlaloc_jax.export` over an OpenAI-compatible HTTP API "
-                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics), without JAX.")
-    ap.add_argument("artifact", help="artifact directory (tlaloc-serving.json, bodies, weights, tokenizer files)")
+        description="Serve an artifact over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /tokenize, /health, /metrics), without JAX. The artifact is one written by "
+                    "`python -m tlaloc_jax.export` from a checkpoint or by `tlaloc_jax.stage` from a model you "
+                    "wrote. Its tokenizer is optional: with tokenizer.json the server takes and returns text (and "
+                    "serves chat through the checkpoint's chat template); without, prompts and answers are token "
+                    "ids.")
+    ap.add_argument("artifact", help="artifact directory (tlaloc-serving.json, bodies, weights; tokenizer files "
+                                     "when the model has them)")
     ap.add_argument("--host", default="127.0.0.1",
                     help="address to bind (default 127.0.0.1, loopback only; 0.0.0.0 listens on every interface)")
     ap.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -179,17 +209,17 @@ def main(argv=None) -> int:
         if not _is_loopback(args.host) and not api_key:
             log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                         args.host)
-        log.info("serving %r from %s on http://%s:%d (max batch %d, KV pool %d pages of %d, context %d, %s, %s)",
+        log.info("serving %r from %s on http://%s:%d (max batch %d, %s, context %d, %s, %s)",
                  server.model_name, args.artifact, args.host, args.port, server.loop.max_running,
-                 engine.stats()["num_pages"], engine.block_size, engine.max_context,
+                 describe_pools(engine), engine.max_context,
                  "tokenizer" if server.tokenizer else "no tokenizer: token ids only",
                  "sampling in the body" if engine.sampler else "sampling on the host (the artifact has no sampler)")
         if embeddings is not None:
             log.info("serving embedding model %r from %s on /v1/embeddings (%d dimensions, at most %d tokens, %s)",
                      embeddings.model_name, args.embedding_artifact, embeddings.dimensions, embeddings.max_tokens,
                      "tokenizer" if embeddings.prompt_tokenizer else "no tokenizer: token ids only")
-        srv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                            timeout_graceful_shutdown=5))
+        srv = _uvicorn_server(uvicorn, uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                                      timeout_graceful_shutdown=5))
         try:
             srv.run()
         except KeyboardInterrupt:   # uvicorn re-raises Ctrl-C after its graceful shutdown

@@ -33,6 +33,7 @@ from tlaloc_jax import artifact as mf
 from tlaloc_jax.artifact import bounded as bm
 
 from .engine import DEFAULT_CACHE_DIR
+from .runtime.native_log import native_stderr_to_log
 from .runtime import Buffer, Device, Executable
 
 log = logging.getLogger("tlaloc_jax.serve.bounded")
@@ -105,7 +106,10 @@ class BoundedProgram:
         if trust_weights:
             log.warning("--trust-weights: the weight files of %s are not hashed", self.artifact_dir)
         self._owns_device = device is None
-        self.device = device or Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir)
+        if device is None:
+            with native_stderr_to_log():
+                device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir)
+        self.device = device
         self.executables: dict[tuple[int, ...], Executable] = {}
         self.weights: list[Buffer] = []
         try:

@@ -42,6 +42,7 @@ from .core import outputs
 from .core.request import (Constraint, Request, RequestRefused, StepEvent, check_sampler_fits, check_sampling,
                            check_stop)
 from .core.scheduler import ScheduledCall, Scheduler
+from .runtime.native_log import native_stderr_to_log
 from .runtime.pjrt import Device
 from .runtime.runner import Runner
 from .sampling import Sampling, log_softmax
@@ -98,8 +99,11 @@ class Engine:
         self.scheduler = Scheduler(m, max_context, use_decode_steps=use_decode_steps, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    prefix_caching=enable_prefix_caching, identity=m.to_json())
-        self.runner = Runner(self.artifact_dir, m, Device(plugin, memory_fraction=memory_fraction,
-                                                          cache_dir=cache_dir), progress=progress, donate=donate)
+        if isinstance(cache_dir, str) and cache_dir.lower() == "none":
+            cache_dir = None            # the CLI's spelling of no cache
+        with native_stderr_to_log():    # the plugin's start-up lines go to the log, not into a notebook
+            device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir)
+        self.runner = Runner(self.artifact_dir, m, device, progress=progress, donate=donate)
         self.device = self.runner.device
         self.block_size = m.block_size
         self.ring_pages = m.ring.ring_pages if m.ring else 0
@@ -107,6 +111,7 @@ class Engine:
         self.max_context = max_context
         self.sampler = m.sampler           # None: the host samples from pulled logits
         self.refused = {r.token_id: r.config_key for r in m.refused_tokens}
+        self.last_step_calls = 0            # the calls the last step() ran (0: every sequence waited on its constraint)
         self._ids = itertools.count()
         self._order = itertools.count()
         self._stats = dict(steps=0, prefill_calls=0, decode_calls=0, tokens_generated=0,
@@ -122,6 +127,11 @@ class Engine:
 
     @classmethod
     def load(cls, artifact_dir: str | Path, plugin: str | None = None, **kwargs) -> "Engine":
+        """Load an artifact (`python -m tlaloc_jax.export`'s or `tlaloc_jax.stage`'s) and make it ready to serve.
+
+        plugin: the PJRT plugin library (default: the CPU plugin of lammps-jax-pjrt-cpu). Keywords: see
+        `Engine.__init__` (cache_dir: the compiled-executable cache, default ~/.cache/tlaloc-jax/executables;
+        None or "none": no cache). Close it (or use `with`) to free the device."""
         return cls(artifact_dir, plugin, **kwargs)
 
     @property
@@ -241,16 +251,20 @@ class Engine:
         self.scheduler.finish(s)
         self._stats["requests_failed" if reason == "error" else "requests_finished"] += 1
 
-    def _fail(self, s: Request, error: str) -> StepEvent:
+    def _fail(self, s: Request, error: str, request: bool = False) -> StepEvent:
+        """End a sequence with an error (request: through its own request's fault, its grammar or min_tokens)."""
         self._finish(s, "error", error)
-        return StepEvent(s.rid, None, True, "error", error)
+        return StepEvent(s.rid, None, True, "error", error, request_error=request)
 
     # -- steps ------------------------------------------------------------------------------------
 
     def step(self) -> list[StepEvent]:
         """Run one scheduling step; returns the tokens produced (and the requests that failed)."""
-        events: list[StepEvent] = []
+        events: list[StepEvent] = [
+            self._fail(s, why, request=True) for s in list(self.scheduler.requests.values())
+            if s.constraint is not None and not s.finished and (why := s.constraint.failure()) is not None]
         step = self.scheduler.schedule()
+        self.last_step_calls = len(step.calls)
         if step.restores and not self._copy_slots(step.restores):
             events += [self._fail(c.seq, "restoring its cached state failed") for c in step.restores]
         for call in step.calls:
@@ -360,6 +374,11 @@ class Engine:
             self.scheduler.written(s, end)
             if not producing[i]:
                 continue      # more of the sequence to read; this call's logits are not a token yet
+            if allowed[i] is not None and not allowed[i].any():
+                why = "its grammar and" if s.constraint is not None else "its stop ids and"
+                events.append(self._fail(s, f"no token is allowed after {len(s.generated)} tokens: {why} min_tokens "
+                                            f"leave none (min_tokens {s.sampling.min_tokens})", request=True))
+                continue
             try:
                 tok, logprob, top = outputs.row_token(out, b, s, allowed[i], lsm, self.sampler, self.vocab)
                 if s.constraint is not None and not s.constraint.accept(tok):

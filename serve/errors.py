@@ -26,22 +26,25 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def refusal(e: RequestRefused, prompt_param: str, longest_prompt: int, max_context: int, n: int) -> APIError:
+def refusal(e: RequestRefused, prompt_param: str, n: int) -> APIError:
     """The engine's refusal as an HTTP error; its message names the cause.
 
     queue_full is 503 + Retry-After (not now: the same request is queued once fewer wait);
-    exceeds_pool is 400 (never: a sequence would not fit the pool even if it were empty).
+    exceeds_pool is 400 (never: a sequence would not fit the pool even if it were empty), its advice and code
+    those of the pool's kind: a sequence holds KV pages for its length, a state slot whatever its length.
     """
     msg = str(e)
     if e.kind == "queue_full":
         return APIError(503, msg, type="service_unavailable_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if e.kind == "exceeds_pool":
+        if e.pool == "state_slots":
+            return APIError(400, f"{msg}; this artifact serves no sequence (its state pool is empty)",
+                            param=prompt_param, code="exceeds_state_pool")
         return APIError(400, f"{msg}; send a shorter prompt or a lower max_tokens", param=prompt_param,
                         code="exceeds_kv_pool")
     if e.kind == "too_long":
-        param = prompt_param if longest_prompt > max_context else "max_tokens"
-        return APIError(400, msg, param=param, code="context_length_exceeded")
+        return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
     code = {"placeholder_token": "placeholder_token", "out_of_vocabulary": "out_of_vocabulary",
             "empty_prompt": "empty_prompt"}.get(e.kind)
     return APIError(400, msg, param=prompt_param if code else None, code=code)

@@ -12,21 +12,25 @@ POST /v1/embeddings (serve/embeddings.py).
 
 A request is checked (serve/validation.py: body size, JSON depth, Unicode, fields; then prompts x n and
 the prompt's length in characters), tokenized on a worker thread (serve/prompts.py), checked against the
-pool's size (requests that could never fit are refused here), then handed to the engine loop thread
-(serve/loop.py), which admits all of a request's sequences or none between steps. Each step's tokens come
+context and the pool's size (requests that could never fit are refused here), its grammar compiled and checked on
+the grammar thread (serve/structured.py), then handed to the engine loop thread (serve/loop.py), which admits all
+of a request's sequences or none between steps. Each step's tokens come
 back to the request's asyncio queue. A client that disconnects, or a choice that meets a stop string,
 aborts its sequences and frees their pages at the next step boundary.
 
 Errors are OpenAI-style JSON, {"error": {"message", "type", "param", "code"}}:
   400  malformed JSON, JSON nested deeper than 64, a lone surrogate anywhere, an unknown field (only with
-       strict_fields; otherwise it is logged as ignored), a field of the wrong type or value, a grammar or
-       schema that does not compile, a placeholder or out-of-vocabulary token id, a prompt longer than the
-       largest context, max_tokens past it, a sequence that needs more pages than the whole pool
+       strict_fields; otherwise it is logged as ignored), a field of the wrong type or value or a list past its
+       bound, a grammar or schema that does not compile, passes a limit, admits no text or cannot meet min_tokens,
+       a placeholder or out-of-vocabulary token id, a prompt longer than the largest context, max_tokens past it,
+       a sequence that needs more pages (or state slots) than the whole pool
   401  a missing or wrong API key (when the server has one)
   404  an unknown model or route
   413  a body over the size limit
   421  a Host header outside the allow-list (when the app has one: DNS rebinding)
-  500  a bug: the answer holds an error id, the server log the cause
+  500  a bug: the answer holds an error id, the server log the cause. A choice that fails through its own
+       request (its grammar fails deep into the text, min_tokens leaves no token) is not one: it ends with
+       finish_reason "error" and an "error" object in a 200 answer, the other choices as they were
   503  the waiting queue is full (code "queue_full", Retry-After: 1), or the request waited past the
        server's --max-wait-seconds without starting (code "queue_timeout"). Requests that could run later
        otherwise wait their turn. (503 rather than 429: the server is momentarily out of capacity, the
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -57,14 +62,14 @@ from .engine import Constraint, Engine, RequestRefused
 from .errors import RETRY_AFTER_S, APIError, refusal
 from .guards import (LOOPBACK_HOSTS, HostAllowList, InternalErrors, allowed_host_names,  # noqa: F401
                      api_key_problem, host_name, new_error_id)
-from .loop import EngineLoop, Inbox, SeqSpec, Update
+from .loop import EngineLoop, Inbox, SeqSpec, StepWork, Update
 from .metrics import CountRequests, Metrics
 from .prompts import PromptTokenizer
 from .sampling import Sampling
-from .structured import (TOOL_OPEN, GrammarError, Grammars, parse_tool_calls, template_defines_tools,
-                         tool_call_grammar)
+from .structured import GrammarBudget, GrammarError, Grammars
 from .tokenizer import (ChatTemplateError, IncrementalDetokenizer, StopStrings, TextTokenizer, load_tokenizer,
                         read_listed, read_listed_json)
+from .tool_calls import TOOL_OPEN, parse_tool_calls, template_defines_tools, tool_call_grammar
 from .validation import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, EMBEDDING_FIELDS, IGNORED,
                          TOKENIZE_FIELDS, bad_value, check_sequence_count, parse_body, validate)
 
@@ -91,9 +96,10 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    request_error: bool = False     # the failure is the request's own (its grammar, its min_tokens): no 500
     reported: bool = False          # the finish chunk went out
     needs_abort: bool = False       # a stop string ended it while the engine still runs it
-    logprobs: list = field(default_factory=list)    # per token: (id, logprob, ((id, logprob), ...)), when asked
+    logprobs: list = field(default_factory=list)    # per token: (id, logprob, top pairs, its offset in text)
     prompt_logprobs: tuple | None = None
     sent_logprobs: int = 0
     hold: str | None = None         # text from which nothing streams (a tool call's start)
@@ -108,10 +114,12 @@ class _Choice:
         if u.token is None:
             self.finish_reason = "timeout" if u.reason == "timeout" else "error"
             self.error = u.error or "the sequence failed"
+            self.request_error = u.request_error
             return True
         self.ids.append(u.token)
         if u.logprob is not None:
-            self.logprobs.append((u.token, u.logprob, u.top_logprobs or ()))
+            # The token's text starts where the text ends now (a character it begins may come with a later token).
+            self.logprobs.append((u.token, u.logprob, u.top_logprobs or (), len(self.text)))
         if u.prompt_logprobs is not None:
             self.prompt_logprobs = u.prompt_logprobs
         stop_token = u.finished and u.reason == "stop"
@@ -164,32 +172,50 @@ class _Choice:
         self.sent_logprobs = len(self.logprobs)
         return out
 
+    def error_body(self) -> dict:
+        """A choice that ended through its request's fault: why, in the shape of an API error."""
+        return {"message": self.error, "type": "invalid_request_error", "param": None, "code": "sequence_failed"}
+
 
 class _Generation:
     """A request's sequences: admitted together, their updates applied as they arrive."""
 
     def __init__(self, server: "_Server", prompts: list[list[int]], n: int, max_tokens: list[int],
                  stop_ids: frozenset[int], stops: StopStrings | None, sampling: list[Sampling], arrival: float,
-                 constraints: list[Constraint | None] | None = None):
+                 length_param: str = "max_tokens"):
         self.server = server
         self.prompts = prompts
         self.n = n
+        self.stop_ids = stop_ids
+        self.length_param = length_param        # the request's name for the new tokens' limit
         tok = server.tokenizer
         self.choices = [_Choice(i * n + j, p, tok.detokenizer(p) if tok else None, stops, server.eos)
                         for i, p in enumerate(prompts) for j in range(n)]
-        constraints = constraints or [None] * len(self.choices)
-        self.specs = [SeqSpec(c.prompt, max_tokens[k], stop_ids, sampling[k], constraints[k], stops is not None)
+        self.specs = [SeqSpec(c.prompt, max_tokens[k], stop_ids, sampling[k], None, stops is not None)
                       for k, c in enumerate(self.choices)]
         self.tools = False              # the choices' text is parsed for tool calls
         self.arrival = arrival
         self.inbox: Inbox | None = None
         self._error: APIError | None = None
 
+    def constrain(self, constraints: list[Constraint]) -> None:
+        self.specs = [dataclasses.replace(s, constraint=c) for s, c in zip(self.specs, constraints)]
+
     def refused(self, e: RequestRefused, prompt_param: str) -> APIError:
-        return refusal(e, prompt_param, max(len(p) for p in self.prompts), self.server.engine.max_context, self.n)
+        return refusal(e, prompt_param, self.n)
 
     def check_could_fit(self, prompt_param: str) -> None:
-        """Refuse, before anything is reserved, sequences that together could not fit even an empty pool."""
+        """Refuse, before anything is reserved, a prompt or length past the context (naming the request's fields),
+        and sequences that together could not fit even an empty pool."""
+        context = self.server.engine.max_context
+        for s in self.specs:
+            if len(s.prompt) > context:
+                raise APIError(400, f"prompt of {len(s.prompt)} tokens is longer than the largest context {context}",
+                               param=prompt_param, code="context_length_exceeded")
+            if len(s.prompt) + s.max_new_tokens - 1 > context:
+                raise APIError(400, f"prompt of {len(s.prompt)} tokens plus {self.length_param} {s.max_new_tokens} "
+                                    f"exceeds the largest context {context}: at most {context - len(s.prompt) + 1} "
+                                    "new tokens fit", param=self.length_param, code="context_length_exceeded")
         try:
             self.server.engine.check_could_fit([(len(s.prompt), s.max_new_tokens) for s in self.specs])
         except RequestRefused as e:
@@ -240,7 +266,7 @@ class _Generation:
         if late and self._error is None:
             self._error = APIError(503, late[0].error, type="service_unavailable_error", code="queue_timeout",
                                    headers={"Retry-After": str(RETRY_AFTER_S)})
-        failed = [c for c in self.choices if c.finish_reason == "error"]
+        failed = [c for c in self.choices if c.finish_reason == "error" and not c.request_error]
         if failed and self._error is None:
             error_id = new_error_id()
             log.error("generation failed (id %s), choice %d: %s", error_id, failed[0].index, failed[0].error)
@@ -268,7 +294,8 @@ def _sse(obj: Any) -> str:
 class _Server:
     def __init__(self, engine: Engine, tokenizer: TextTokenizer | None, model_name: str, api_key: str | None,
                  max_batch: int, max_body_bytes: int, embeddings: Embeddings | None, strict_fields: bool = False,
-                 max_waiting: int = 1024, max_wait_seconds: float | None = None):
+                 max_waiting: int = 1024, max_wait_seconds: float | None = None,
+                 grammar_budget: GrammarBudget = GrammarBudget()):
         self.engine = engine
         self.embeddings = embeddings
         self.tokenizer = tokenizer
@@ -279,14 +306,16 @@ class _Server:
         self.strict_fields = strict_fields
         self.created = int(time.time())
         self.metrics = Metrics(model_name)
-        self.loop = EngineLoop(engine, max_batch, self.metrics, max_waiting, max_wait_seconds)
+        self.step_work = StepWork()
+        self.loop = EngineLoop(engine, max_batch, self.metrics, max_waiting, max_wait_seconds, self.step_work)
         eos = set(engine.manifest.model.eos_token_ids)
         if tokenizer is not None:
             eos |= tokenizer.eos_token_ids
         self.eos = frozenset(eos)
         self.defaults = _generation_defaults(engine)
         self.tools = tokenizer is not None and template_defines_tools(tokenizer.chat_template)
-        self._grammars: Grammars | None = None
+        self.grammar_budget = grammar_budget
+        self._grammars: asyncio.Future | None = None    # the Grammars, made on first use off the event loop
         self._token_texts: dict[int, str] = {}
 
     # request plumbing
@@ -337,14 +366,17 @@ class _Server:
                 self._token_texts[token_id] = text
         return text
 
-    def grammars(self) -> Grammars:
+    async def grammars(self) -> Grammars:
+        """The Grammars over the artifact's tokenizer, made once, on a worker thread (reading a large vocabulary
+        takes a while)."""
+        if self.tokenizer is None:
+            raise APIError(400, "structured output needs the artifact's tokenizer, and it has none",
+                           code="invalid_value")
         if self._grammars is None:
-            if self.tokenizer is None:
-                raise APIError(400, "structured output needs the artifact's tokenizer, and it has none",
-                               code="invalid_value")
             text = read_listed(self.engine.artifact_dir, self.engine.manifest, "tokenizer.json")
-            self._grammars = Grammars(text, self.engine.vocab, self.eos)
-        return self._grammars
+            self._grammars = asyncio.ensure_future(self.prompt_tokenizer.run(
+                Grammars, text, self.engine.vocab, self.eos, self.step_work, self.grammar_budget))
+        return await asyncio.shield(self._grammars)
 
     def structured_spec(self, req: dict, chat: bool) -> tuple[str, Any, str] | None:
         """(grammar kind, spec, the field that asked) of a request's structured output, or None."""
@@ -368,21 +400,23 @@ class _Server:
                            param=asked[1][2], code="invalid_value")
         return asked[0] if asked else None
 
-    async def constraints(self, req: dict, chat: bool, count: int) -> list[Constraint | None] | None:
+    async def constrain(self, req: dict, gen: _Generation, chat: bool) -> None:
+        """Compile and check the request's grammar (off the event loop; a 400 naming the cause if refused) and give
+        each of its sequences a matcher."""
         spec = self.structured_spec(req, chat)
         if spec is None:
-            return None
+            return
         kind, value, param = spec
-        grammars = self.grammars()
+        grammars = await self.grammars()
         try:
-            grammar = await self.prompt_tokenizer.run(grammars.grammar, kind, value)
+            constraints = await grammars.constraints(kind, value, len(gen.specs), gen.stop_ids,
+                                                     req["min_tokens"] or 0)
         except GrammarError as e:
-            raise APIError(400, f"{param}: the grammar does not compile: {e}", param=param,
-                           code="invalid_value") from None
-        return [grammars.constraint(grammar) for _ in range(count)]
+            raise APIError(400, f"{param}: {e}", param=e.param or param, code=e.code) from None
+        gen.constrain(constraints)
 
     def plan(self, req: dict, prompts: list[list[int]], default_max_tokens: int | None,
-             arrival: float, *, chat: bool, constraints: list | None = None) -> _Generation:
+             arrival: float, *, chat: bool) -> _Generation:
         """Sampling, stops and lengths of a validated request -> its _Generation (not yet admitted).
 
         default_max_tokens None: what the context leaves after the prompt (vLLM's default for chat).
@@ -412,6 +446,11 @@ class _Server:
             if req["echo"] and logprobs is not None:
                 # The echoed prompt's tokens carry their logprobs too.
                 prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+        self.check_sampler_fits(req, chat, logprobs, prompt_logprobs)
+        vocab = self.engine.vocab
+        if req["min_tokens"] and sum(1 for t in stop_ids if 0 <= t < vocab) == vocab:
+            raise bad_value("min_tokens", f"{req['min_tokens']} tokens before a stop, and the stop ids (with "
+                                          "stop_token_ids) hold every token of the vocabulary.")
         seed = req["seed"]
         common = dict(temperature=temperature, top_p=top_p, top_k=max(0, top_k),
                       min_p=req["min_p"] if req["min_p"] is not None else 0.0,
@@ -433,8 +472,28 @@ class _Server:
         else:
             lengths = [max(1, self.engine.max_context - len(p)) for p in prompts]
         lengths = [m for m in lengths for _ in range(n)]
+        length_param = "max_completion_tokens" if chat and req["max_completion_tokens"] is not None else "max_tokens"
         return _Generation(self, prompts, n, lengths, frozenset(stop_ids),
-                           StopStrings(stop_strings) if stop_strings else None, sampling, arrival, constraints)
+                           StopStrings(stop_strings) if stop_strings else None, sampling, arrival, length_param)
+
+    def check_sampler_fits(self, req: dict, chat: bool, logprobs: int | None, prompt_logprobs: int | None) -> None:
+        """What the artifact's sampler cannot carry, refused by the request's field names (the host fallback of an
+        artifact without a sampler carries any)."""
+        bias = req["logit_bias"] or ()
+        for t, _ in bias:
+            if not 0 <= t < self.engine.vocab:
+                raise APIError(400, f"Invalid value for 'logit_bias': token id {t} is outside the vocabulary (size "
+                                    f"{self.engine.vocab}).", param="logit_bias", code="out_of_vocabulary")
+        sampler = self.engine.sampler
+        if sampler is None:
+            return
+        if len(bias) > sampler.logit_bias:
+            raise bad_value("logit_bias", f"{len(bias)} entries; this artifact's sampler takes at most "
+                                          f"{sampler.logit_bias} (export --logit-bias-slots).")
+        if logprobs is not None and logprobs > sampler.top_logprobs:
+            name = "top_logprobs" if chat else "logprobs"
+            raise bad_value(name, f"{logprobs} top logprobs; this artifact's sampler returns at most "
+                                  f"{sampler.top_logprobs} (export --top-logprobs).")
 
     # endpoints
 
@@ -451,9 +510,9 @@ class _Server:
             if self.prompt_tokenizer is None:
                 raise APIError(400, "this artifact has no tokenizer: send the prompt as token ids", param="prompt",
                                code="invalid_type")
-            prompts = await self.prompt_tokenizer.encode(prompts)
-        constraints = await self.constraints(req, False, len(prompts) * n)
-        gen = self.plan(req, prompts, 16, arrival, chat=False, constraints=constraints)   # OpenAI's default: 16
+            add = True if req["add_special_tokens"] is None else req["add_special_tokens"]
+            prompts = await self.prompt_tokenizer.encode(prompts, add_special_tokens=add)
+        gen = self.plan(req, prompts, 16, arrival, chat=False)   # OpenAI's default: 16
         gen.prompt_texts = texts
         return await self.run(request, req, gen, chat=False)
 
@@ -470,20 +529,25 @@ class _Server:
             raise APIError(400, "this model's chat template does not define tools (it renders no `tools` in the "
                                 f"{TOOL_OPEN} format), so tool calls cannot be served", param="tools",
                            code="invalid_value")
-        add_gen = True if req["add_generation_prompt"] is None else req["add_generation_prompt"]
-        try:
-            prompt = await self.prompt_tokenizer.encode_chat(req["messages"], add_gen, tools)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        prompt = await self.chat_ids(req, tools)
         if req["max_completion_tokens"] is not None:
             req["max_tokens"] = req["max_completion_tokens"]
-        constraints = await self.constraints(req, True, req["n"] or 1)
-        gen = self.plan(req, [prompt], None, arrival, chat=True, constraints=constraints)
+        gen = self.plan(req, [prompt], None, arrival, chat=True)
         gen.tools = tools is not None
         if gen.tools:
             for c in gen.choices:
                 c.hold = TOOL_OPEN      # a tool call's text is not streamed as content
         return await self.run(request, req, gen, chat=True)
+
+    async def chat_ids(self, req: dict, tools: list[dict] | None) -> list[int]:
+        """A chat request's messages (and tools) as the template renders them, tokenized (vLLM's add_special_tokens:
+        default false, the template writes them)."""
+        add_gen = True if req["add_generation_prompt"] is None else req["add_generation_prompt"]
+        try:
+            return await self.prompt_tokenizer.encode_chat(req["messages"], add_gen, tools,
+                                                           add_special_tokens=bool(req["add_special_tokens"]))
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from None
 
     async def embed(self, request: Request) -> dict:
         self.check_key(request)
@@ -502,14 +566,9 @@ class _Server:
             raise APIError(400, "send either 'prompt' or 'messages'", param="prompt", code="invalid_value")
         if req["prompt"] is not None:
             add = True if req["add_special_tokens"] is None else req["add_special_tokens"]
-            ids = (await self.prompt_tokenizer.encode([req["prompt"]]))[0] if add else \
-                await self.prompt_tokenizer.run(self.tokenizer.encode, req["prompt"], False)
+            ids = (await self.prompt_tokenizer.encode([req["prompt"]], add_special_tokens=add))[0]
         else:
-            add_gen = True if req["add_generation_prompt"] is None else req["add_generation_prompt"]
-            try:
-                ids = await self.prompt_tokenizer.encode_chat(req["messages"], add_gen)
-            except ChatTemplateError as e:
-                raise APIError(400, str(e), param="messages", code="invalid_value") from None
+            ids = await self.chat_ids(req, req["tools"])
         out = {"count": len(ids), "max_model_len": self.engine.max_context, "tokens": ids}
         if req["return_token_strs"]:
             out["token_strs"] = [self.token_text(t) for t in ids]
@@ -530,6 +589,7 @@ class _Server:
     async def run(self, request: Request, req: dict, gen: _Generation, chat: bool) -> Response:
         prompt_param = "messages" if chat else "prompt"
         gen.check_could_fit(prompt_param)
+        await self.constrain(req, gen, chat)
         await gen.admit(prompt_param)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if req["stream"]:
@@ -550,7 +610,7 @@ class _Server:
         collect.result()
         if (err := gen.error()) is not None:
             raise err
-        return JSONResponse(self.body(gen, req, rid, chat))
+        return JSONResponse(await self.body(gen, req, rid, chat))
 
     @staticmethod
     async def _collect(gen: _Generation) -> None:
@@ -560,32 +620,36 @@ class _Server:
     # logprobs in OpenAI's shapes
 
     def chat_logprobs(self, entries: list) -> dict:
-        """[(id, logprob, top pairs)] -> chat's {"content": [{token, logprob, bytes, top_logprobs}]}."""
+        """[(id, logprob, top pairs, offset)] -> chat's {"content": [{token, logprob, bytes, top_logprobs}]}."""
         def one(t, lp):
             text = self.token_text(t)
             return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
-        return {"content": [dict(one(t, lp), top_logprobs=[one(a, b) for a, b in top]) for t, lp, top in entries],
+        return {"content": [dict(one(t, lp), top_logprobs=[one(a, b) for a, b in top]) for t, lp, top, _ in entries],
                 "refusal": None}
 
-    def completion_logprobs(self, entries: list, offset: int, prompt: list | None = None) -> dict:
-        """[(id, logprob, top pairs)] -> completions' {tokens, token_logprobs, top_logprobs, text_offset};
-        `prompt`: the echoed prompt's (id, logprob or None, top pairs) entries first."""
+    def completion_logprobs(self, entries: list, c: _Choice, base: int, prompt: list | None = None) -> dict:
+        """[(id, logprob, top pairs, offset in c.text)] -> completions' {tokens, token_logprobs, top_logprobs,
+        text_offset}, each offset an index into the answer's text: `base` (the echoed prompt's length) plus the
+        token's place in the choice's text (a stop string may have cut it); `prompt`: the echoed prompt's entries
+        (their offsets in the echo) first."""
         tokens, lps, tops, offsets = [], [], [], []
-        for t, lp, top in (prompt or []) + entries:
-            text = self.token_text(t)
-            tokens.append(text)
+        generated = [(t, lp, top, base + min(o, len(c.text))) for t, lp, top, o in entries]
+        for t, lp, top, offset in (prompt or []) + generated:
+            tokens.append(self.token_text(t))
             lps.append(None if lp is None else _finite(lp))
             tops.append(None if top is None else {self.token_text(a): _finite(b) for a, b in top})
             offsets.append(offset)
-            offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def prompt_entries(self, c: _Choice, n: int) -> list:
-        """The echoed prompt's logprob entries: (id, logprob, top pairs); the first token has none."""
+    async def prompt_entries(self, gen: _Generation, c: _Choice, n: int) -> list:
+        """The echoed prompt's logprob entries: (id, logprob, top pairs, where its text starts in the echo); the
+        first token has none. Worked out on a worker thread (a decode a token)."""
+        offsets = await self.prompt_tokenizer.run(_text_offsets, self.tokenizer, c.prompt, self.echo_text(gen, c)) \
+            if self.prompt_tokenizer is not None else [0] * len(c.prompt)
         out = []
         for k, t in enumerate(c.prompt):
             p = c.prompt_logprobs[k] if c.prompt_logprobs and k < len(c.prompt_logprobs) else None
-            out.append((t, None, None) if p is None else (t, p[0], tuple(p[2][:n])))
+            out.append((t, None, None, offsets[k]) if p is None else (t, p[0], tuple(p[2][:n]), offsets[k]))
         return out
 
     def vllm_prompt_logprobs(self, c: _Choice) -> list | None:
@@ -620,7 +684,7 @@ class _Server:
                         "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
         return {"role": "assistant", "content": c.text}, c.finish_reason
 
-    def body(self, gen: _Generation, req: dict, rid: str, chat: bool) -> dict:
+    async def body(self, gen: _Generation, req: dict, rid: str, chat: bool) -> dict:
         ids = bool(req["return_token_ids"]) or self.tokenizer is None
         echo = not chat and bool(req["echo"])
         choices = []
@@ -634,8 +698,8 @@ class _Server:
                 prefix = self.echo_text(gen, c) if echo else ""
                 logprobs = None
                 if req["logprobs"] is not None:
-                    prompt = self.prompt_entries(c, req["logprobs"]) if echo else None
-                    logprobs = self.completion_logprobs(c.logprobs, 0, prompt)
+                    prompt = await self.prompt_entries(gen, c, req["logprobs"]) if echo else None
+                    logprobs = self.completion_logprobs(c.logprobs, c, len(prefix), prompt)
                 ch = {"index": c.index, "text": prefix + c.text, "logprobs": logprobs,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if ids:
@@ -644,6 +708,8 @@ class _Server:
                 ch["prompt_logprobs"] = self.vllm_prompt_logprobs(c)
             if ids:
                 ch["token_ids"] = c.ids
+            if c.request_error:
+                ch["error"] = c.error_body()
             choices.append(ch)
         out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                "model": self.model_name, "choices": choices, "usage": gen.usage()}
@@ -662,7 +728,7 @@ class _Server:
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": self.model_name}
         first = {c.index: True for c in gen.choices}
-        offsets = {c.index: 0 for c in gen.choices}
+        echoed = {c.index: 0 for c in gen.choices}     # the echoed prompt's length: generated offsets start there
         try:
             if chat:        # OpenAI's first chunk of each choice names the role
                 for c in gen.choices:
@@ -674,7 +740,7 @@ class _Server:
                     yield _sse(chunk)
             async for changed in gen.updates():
                 for c in changed:
-                    if c.finish_reason in ("error", "timeout"):
+                    if c.finish_reason == "timeout" or (c.finish_reason == "error" and not c.request_error):
                         yield _sse(gen.error().body())
                         yield "data: [DONE]\n\n"
                         return
@@ -703,10 +769,10 @@ class _Server:
                         prompt = None
                         if echo and first[c.index]:
                             prefix = self.echo_text(gen, c)
-                            prompt = self.prompt_entries(c, req["logprobs"] or 0) if want_logprobs else None
+                            echoed[c.index] = len(prefix)
+                            prompt = await self.prompt_entries(gen, c, req["logprobs"] or 0) if want_logprobs else None
                         if want_logprobs:
-                            logprobs = self.completion_logprobs(new_lps, offsets[c.index], prompt)
-                        offsets[c.index] += len(prefix) + len(text)
+                            logprobs = self.completion_logprobs(new_lps, c, echoed[c.index], prompt)
                         ch = {"index": c.index, "text": prefix + text, "logprobs": logprobs, "finish_reason": finish}
                         if ids and first[c.index]:
                             ch["prompt_token_ids"] = c.prompt
@@ -714,6 +780,8 @@ class _Server:
                         ch["prompt_logprobs"] = self.vllm_prompt_logprobs(c)
                     if finish is not None:
                         ch["stop_reason"] = c.stop_reason
+                    if finish == "error":
+                        ch["error"] = c.error_body()
                     if ids:
                         ch["token_ids"] = new_ids
                     first[c.index] = False
@@ -765,6 +833,19 @@ class _Server:
             self.prompt_tokenizer.close()
         if self.embeddings is not None:
             self.embeddings.close()
+        self.step_work.close()
+        if self._grammars is not None and self._grammars.done() and self._grammars.exception() is None:
+            self._grammars.result().close()
+
+
+def _text_offsets(tokenizer: TextTokenizer, ids: list[int], text: str) -> list[int]:
+    """Where each token's text starts in `text`, the decode of `ids` (a special token, which has no text, and a
+    token ending inside a character start where the next character does)."""
+    detok, at, out = tokenizer.detokenizer([]), 0, []
+    for t in ids:
+        out.append(min(at, len(text)))
+        at += len(detok.add(t))
+    return out
 
 
 def _finite(x: float) -> float:
@@ -798,7 +879,7 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Iterable[str] | None = None,
                allowed_origins: Iterable[str] = (), embeddings: Embeddings | None = None,
                strict_fields: bool = False, max_waiting: int = DEFAULT_MAX_WAITING,
-               max_wait_seconds: float | None = None) -> FastAPI:
+               max_wait_seconds: float | None = None, grammar_budget: GrammarBudget = GrammarBudget()) -> FastAPI:
     """The FastAPI app serving `engine`. The engine loop thread starts and stops with the app's lifespan.
 
     tokenizer: "auto" loads the artifact's (None when it has no tokenizer.json); max_batch: the most
@@ -810,7 +891,8 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     an embedding program to serve on /v1/embeddings beside the decoder (serve/embeddings.py); strict_fields:
     refuse (400) request fields the server does not know, instead of logging them as ignored (vLLM's way);
     max_waiting: the most sequences waiting to run before new requests get 503; max_wait_seconds: a sequence
-    that waited this long without starting fails with 503 (None: no limit).
+    that waited this long without starting fails with 503 (None: no limit); grammar_budget: what one request's
+    structured output may cost (serve/structured.py).
     """
     if api_key is not None and (problem := api_key_problem(api_key)) is not None:
         raise ValueError(f"api_key {problem}")
@@ -824,7 +906,8 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     if max_waiting < 0:
         raise ValueError(f"max_waiting must not be negative, got {max_waiting}")
     server = _Server(engine, tokenizer, model_name or engine.manifest.model.name, api_key, int(max_batch),
-                     int(max_body_bytes), embeddings, strict_fields, int(max_waiting), max_wait_seconds)
+                     int(max_body_bytes), embeddings, strict_fields, int(max_waiting), max_wait_seconds,
+                     grammar_budget)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -5,6 +5,11 @@ later aborts, through a queue. Between steps the loop hands new requests to the 
 up to `max_running` sequences at once (the others wait their turn there), then runs `engine.step()`. Each
 step's tokens go back to their requests' sinks in one call per request. A request is refused (503) only when
 `max_waiting` sequences already wait, or fails when it waited longer than `max_wait_seconds` to start.
+
+Work a sequence needs between its steps that can take long (a grammar advancing past the sampled token and
+computing the next mask) runs on StepWork's thread, not on the loop's: before a step the loop waits for it at
+most half a step's time, and a sequence whose work is not done yet sits that step out (Constraint.ready) while
+the others run. A slow grammar slows its own sequence, never the others by more than half a step.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ class SeqSpec:
 
 @dataclass(frozen=True)
 class Update:
-    """A token of one of a request's sequences (token None: the sequence failed), with its logprobs when asked
-    (engine.StepEvent)."""
+    """A token of one of a request's sequences (token None: the sequence failed; request_error: through its own
+    request's fault, its grammar or min_tokens), with its logprobs when asked (engine.StepEvent)."""
 
     seq: int
     token: int | None
@@ -50,9 +55,44 @@ class Update:
     logprob: float | None = None
     top_logprobs: tuple | None = None
     prompt_logprobs: tuple | None = None
+    request_error: bool = False
 
 
 Sink = Callable[[list[Update]], None]
+
+
+class StepWork:
+    """A thread for work due before a sequence's next step (serve/structured.py submits each grammar step here).
+    `wait(timeout)` returns once no job is pending or at the timeout; `on_done` runs when a job ends (the loop
+    uses it to wake up when only sequences waiting on their work are running)."""
+
+    def __init__(self, workers: int = 1):
+        self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="tlaloc-step-work")
+        self._pending: set[cf.Future] = set()
+        self._lock = threading.Lock()
+        self.on_done: Callable[[], None] | None = None
+
+    def submit(self, fn: Callable, *args) -> cf.Future:
+        fut = self._pool.submit(fn, *args)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, fut: cf.Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+        if self.on_done is not None:
+            self.on_done()
+
+    def wait(self, timeout: float) -> None:
+        with self._lock:
+            pending = list(self._pending)
+        if pending:
+            cf.wait(pending, timeout)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
@@ -74,13 +114,17 @@ class EngineLoop:
     """The one thread that drives the Engine. Everything else talks to it through `submit`, `abort`, `call`."""
 
     def __init__(self, engine: Engine, max_running: int, metrics: Metrics, max_waiting: int = 1024,
-                 max_wait_seconds: float | None = None):
+                 max_wait_seconds: float | None = None, step_work: StepWork | None = None):
         self.engine = engine
         self.max_running = max_running
         engine.scheduler.configure(max_num_seqs=max_running)
         self.max_waiting = max_waiting
         self.max_wait_seconds = max_wait_seconds
         self.metrics = metrics
+        self.step_work = step_work or StepWork()
+        self.step_work.on_done = self._wake
+        self._step_seconds = 0.0            # a running mean of the steps that ran calls
+        self.steps = 0                      # the steps that ran calls (read by tests to count delays in steps)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[_Admission] = deque()
         self._running: dict[str, _Running] = {}
@@ -112,6 +156,9 @@ class EngineLoop:
         if rids:
             self._cmds.put(("abort", tuple(rids), reason))
 
+    def _wake(self) -> None:
+        self._cmds.put(("wake",))
+
     def call(self, fn: Callable[["EngineLoop"], Any]) -> cf.Future:
         """Run fn(loop) on the loop thread, between steps (for reading the engine's state)."""
         fut: cf.Future = cf.Future()
@@ -121,12 +168,15 @@ class EngineLoop:
     # the loop thread
 
     def _run(self) -> None:
+        stalled = False     # the last step ran nothing: every running sequence waits on its step work
         try:
             while True:
                 idle = not self._running and not self._waiting
                 cmds = []
                 try:
-                    cmds.append(self._cmds.get(block=idle))
+                    # Stalled, the loop sleeps until a job ends (a "wake") or a command comes; the timeout is a
+                    # safety net only.
+                    cmds.append(self._cmds.get(block=idle or stalled, timeout=None if idle else 0.05))
                     while True:
                         cmds.append(self._cmds.get_nowait())
                 except queue.Empty:
@@ -138,8 +188,17 @@ class EngineLoop:
                     self._handle(cmd)
                 self._admit()
                 self._expire()
+                stalled = False
                 if self._running:
+                    # Work due before this step (a grammar's next mask) gets at most half a step to finish.
+                    self.step_work.wait(max(0.0002, 0.5 * self._step_seconds))
+                    t0 = time.perf_counter()
                     self._step()
+                    if self.engine.last_step_calls:
+                        self.steps += 1
+                        self._step_seconds += 0.1 * (time.perf_counter() - t0 - self._step_seconds)
+                    else:
+                        stalled = True
         except BaseException as e:  # noqa: BLE001 - a bug in the loop: fail what is pending, /health says so
             log.exception("engine loop failed")
             self.failure = e
@@ -217,7 +276,7 @@ class EngineLoop:
                 self._end(ev.request_id, ev.finish_reason or "stop")
             out.setdefault(id(run.sink), (run.sink, []))[1].append(
                 Update(run.seq, ev.token, ev.finished, ev.finish_reason, ev.error, ev.logprob, ev.top_logprobs,
-                       ev.prompt_logprobs))
+                       ev.prompt_logprobs, ev.request_error))
         for sink, updates in out.values():
             _deliver(sink, updates)
 

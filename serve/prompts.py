@@ -84,24 +84,27 @@ class PromptTokenizer:
     def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
-    def _chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+    def _chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
+              add_special_tokens: bool) -> list[int]:
         text = self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         self._check_length(text, "messages", "the chat as its template renders it, {} characters,")
-        return self._encode([text], False)[0]     # the template wrote the special tokens
+        return self._encode([text], add_special_tokens)[0]
 
-    async def encode(self, texts: list[str], param: str = "prompt") -> list[list[int]]:
-        """Completions' text prompts (or /v1/embeddings' inputs: `param`) -> ids (special tokens added, as the
-        tokenizer's post-processor says)."""
+    async def encode(self, texts: list[str], param: str = "prompt", add_special_tokens: bool = True
+                     ) -> list[list[int]]:
+        """Completions' text prompts (or /v1/embeddings' inputs: `param`) -> ids; add_special_tokens: those the
+        tokenizer's post-processor adds (a BOS), vLLM's field of that name (default true for a prompt)."""
         for text in texts:
             self._check_length(text, param, param + " of {} characters")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, texts, True)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, texts, add_special_tokens)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
-                          tools: list[dict] | None = None) -> list[int]:
+                          tools: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:
         """Chat messages (and tools) -> the ids of the chat template's text (ChatTemplateError where it refuses
-        them)."""
+        them); add_special_tokens adds the post-processor's on top of those the template wrote (vLLM's default:
+        false)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._chat, messages,
-                                                                add_generation_prompt, tools)
+                                                                add_generation_prompt, tools, add_special_tokens)
 
     async def run(self, fn, *args):
         """fn(*args) on a worker thread (a grammar's compilation, a long decode)."""

@@ -131,6 +131,9 @@ class TextTokenizer:
                                          tools=tools or None, **self.special_tokens)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
+            # A template that reads a field the messages lack (a sandboxed template cannot do worse).
+            raise ChatTemplateError(f"the chat template failed on the messages: {type(e).__name__}: {e}") from None
 
 
 def _compile(source: str):
@@ -157,8 +160,14 @@ def _compile(source: str):
     def raise_exception(message):
         raise jinja2.TemplateError(message)
 
+    def undefined(x):
+        if isinstance(x, jinja2.Undefined):
+            raise jinja2.TemplateError("tojson got a value the messages do not have")
+        raise TypeError(f"tojson cannot write a {type(x).__name__}")
+
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys,
+                          default=undefined)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[Generation, jinja2.ext.loopcontrols])

@@ -1,5 +1,6 @@
 """Request schema checks: the JSON body (UTF-8, nesting depth, no lone surrogates) and the fields of
 /v1/completions, /v1/chat/completions and /v1/embeddings. Every refusal is an APIError 400 that names the field.
+Every list a request can carry is bounded (MAX_*), the same on every route that reads it.
 
 `parse_body(bytes) -> dict` then `validate(body, COMPLETION_FIELDS, CHAT_FIELDS or EMBEDDING_FIELDS, required)`
 -> one value per known field (None where absent). A field the endpoint does not know is ignored (its name is
@@ -24,6 +25,14 @@ MAX_JSON_DEPTH = 64
 MAX_TOP_LOGPROBS = 20              # vLLM's default max_logprobs; OpenAI's top_logprobs allows 20 too
 IGNORED = "_ignored"               # validate(): the unknown fields it ignored
 MAX_SEED = 2**63 - 1               # OpenAI's int64; seed + j (choice j < 64) stays inside Sampling's [0, 2**64)
+MAX_STOPS = 64                     # stop strings and ids in `stop`
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300               # OpenAI's limit on logit_bias entries
+MAX_TOOLS = 128                    # OpenAI's limit on tools
+MAX_MESSAGES = 4096
+MAX_PARTS = 256                    # text parts of one message's content
+MAX_TOOL_CALLS = 128               # tool calls of one assistant message
+MAX_CHOICES = 16384                # guided_choice's strings
 
 # A JSON string, escapes included (the unrolled form: no backtracking on long strings).
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
@@ -173,6 +182,24 @@ def _token_ids(name, v):
     return list(v)
 
 
+def _list(name, v, limit: int, what: str) -> list:
+    """`v`, an array of at most `limit` items (`what`: their name in an error)."""
+    if not isinstance(v, list):
+        raise bad_type(name, f"an array of {what}", v)
+    if len(v) > limit:
+        raise bad_value(name, f"at most {limit} {what}, got {len(v)}.")
+    return v
+
+
+def _at_most(limit: int, check):
+    """A list field of at most `limit` items, then `check`ed."""
+    def bounded(name, v):
+        if isinstance(v, (list, dict)) and len(v) > limit:
+            raise bad_value(name, f"at most {limit} entries, got {len(v)}.")
+        return check(name, v)
+    return bounded
+
+
 def _stop(name, v):
     """`stop`: a string or an array of strings and (an extension) integer token ids."""
     items = [v] if isinstance(v, str) else v
@@ -180,8 +207,8 @@ def _stop(name, v):
         raise bad_type(name, "a string or an array of strings and token ids", v)
     if any(s == "" for s in items):
         raise bad_value(name, "stop strings must not be empty.")
-    if len(items) > 64:
-        raise bad_value(name, f"at most 64 stop sequences, got {len(items)}.")
+    if len(items) > MAX_STOPS:
+        raise bad_value(name, f"at most {MAX_STOPS} stop sequences, got {len(items)}.")
     return items
 
 
@@ -234,9 +261,7 @@ def _one_of(*allowed):
 
 
 def _messages(name, v):
-    if not isinstance(v, list):
-        raise bad_type(name, "an array of messages", v)
-    if not v:
+    if not _list(name, v, MAX_MESSAGES, "messages"):
         raise bad_value(name, "must hold at least one message.")
     out = []
     for i, m in enumerate(v):
@@ -247,6 +272,8 @@ def _messages(name, v):
         if not isinstance(role, str):
             raise bad_type(f"{where}.role", "a string", role)
         if isinstance(content, list):
+            if len(content) > MAX_PARTS:
+                raise bad_value(f"{where}.content", f"at most {MAX_PARTS} parts, got {len(content)}.")
             parts = []
             for j, p in enumerate(content):
                 if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
@@ -261,27 +288,43 @@ def _messages(name, v):
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
         if m.get("tool_calls") is not None:
-            calls = m["tool_calls"]
-            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                                      for c in calls):
-                raise bad_type(f"{where}.tool_calls", "an array of tool calls", calls)
-            # Templates read the arguments as an object (transformers' convention); OpenAI sends JSON text.
-            msg["tool_calls"] = [dict(c, function=dict(c["function"], arguments=_arguments(c["function"])))
-                                 for c in calls]
+            msg["tool_calls"] = _tool_calls(f"{where}.tool_calls", m["tool_calls"])
         if isinstance(m.get("tool_call_id"), str):
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
 
 
-def _arguments(function: dict):
-    args = function.get("arguments")
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except ValueError:
-            return args
-    return args
+def _tool_calls(name, v):
+    """An assistant message's tool calls (OpenAI's shape: {"id", "type": "function", "function": {"name",
+    "arguments"}}), each checked, the arguments handed to templates as an object where their JSON text is one
+    (transformers' convention; OpenAI sends JSON text)."""
+    out = []
+    _list(name, v, MAX_TOOL_CALLS, "tool calls")
+    for j, c in enumerate(v):
+        where = f"{name}[{j}]"
+        if not isinstance(c, dict):
+            raise bad_type(where, "an object", c)
+        if c.get("type", "function") != "function":
+            raise bad_value(f"{where}.type", f"must be \"function\", got {json.dumps(c.get('type'))}.")
+        if c.get("id") is not None and not isinstance(c["id"], str):
+            raise bad_type(f"{where}.id", "a string", c["id"])
+        f = c.get("function")
+        if not isinstance(f, dict):
+            raise bad_type(f"{where}.function", "an object", f)
+        if not isinstance(f.get("name"), str) or not f["name"]:
+            raise bad_type(f"{where}.function.name", "a non-empty string", f.get("name"))
+        args = f.get("arguments")
+        if not isinstance(args, (str, dict)):
+            raise bad_type(f"{where}.function.arguments", "a JSON text of an object", args)
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            args = parsed if isinstance(parsed, dict) else args
+        out.append(dict(c, function=dict(f, arguments=args)))
+    return out
 
 
 def _opt(check):
@@ -317,6 +360,8 @@ def _json_schema_arg(name, v):
 def _choices(name, v):
     if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
         raise bad_type(name, "a non-empty array of non-empty strings", v)
+    if len(v) > MAX_CHOICES:
+        raise bad_value(name, f"at most {MAX_CHOICES} choices, got {len(v)}.")
     return list(v)
 
 
@@ -356,9 +401,8 @@ def _structured_outputs(name, v):
 
 
 def _tools(name, v):
-    if not isinstance(v, list):
-        raise bad_type(name, "an array of tools", v)
     out = []
+    _list(name, v, MAX_TOOLS, "tools")
     for i, t in enumerate(v):
         where = f"{name}[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
@@ -369,6 +413,11 @@ def _tools(name, v):
         params = f.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise bad_type(f"{where}.function.parameters", "a JSON schema (an object)", params)
+        if params and params.get("type", "object") != "object":
+            # A function's arguments are a JSON object (OpenAI's function.arguments is the JSON text of one).
+            got = json.dumps(params["type"])
+            raise bad_value(f"{where}.function.parameters",
+                            f"must be the schema of an object ({{\"type\": \"object\", ...}}), got type {got}.")
         out.append({"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters", "strict")
                                                        if k in f}})
     return out
@@ -398,7 +447,7 @@ _COMMON = {
     "top_k": _opt(_int(lo=-1)),
     "seed": _opt(_int(lo=0, hi=MAX_SEED)),
     "stop": _opt(_stop),
-    "stop_token_ids": _opt(_token_ids),
+    "stop_token_ids": _opt(_at_most(MAX_STOP_TOKEN_IDS, _token_ids)),
     "n": _opt(_int(lo=1, hi=MAX_SEQS_PER_REQUEST)),
     "stream": _opt(_bool),
     "stream_options": _opt(_stream_options),
@@ -410,7 +459,8 @@ _COMMON = {
     "repetition_penalty": _opt(_number(0.0, 100.0, lo_open=True)),
     "min_p": _opt(_number(0.0, 1.0)),
     "min_tokens": _opt(_int(lo=0)),
-    "logit_bias": _opt(_logit_bias),
+    "logit_bias": _opt(_at_most(MAX_LOGIT_BIAS, _logit_bias)),
+    "add_special_tokens": _opt(_bool),
     "prompt_logprobs": _opt(_int(lo=0, hi=MAX_TOP_LOGPROBS)),
     "response_format": _opt(_response_format),
     "structured_outputs": _opt(_structured_outputs),
@@ -435,7 +485,7 @@ CHAT_FIELDS = {**_COMMON, "messages": _messages, "max_completion_tokens": _opt(_
 
 EMBEDDING_FIELDS = {"input": _embedding_input, "model": _opt(_str), "encoding_format": _opt(_one_of("float", "base64")),
                     "dimensions": _opt(_int(lo=1)), "user": _opt(_str)}
-TOKENIZE_FIELDS = {"model": _opt(_str), "prompt": _opt(_str), "messages": _opt(_messages),
+TOKENIZE_FIELDS = {"model": _opt(_str), "prompt": _opt(_str), "messages": _opt(_messages), "tools": _opt(_tools),
                    "add_special_tokens": _opt(_bool), "add_generation_prompt": _opt(_bool),
                    "return_token_strs": _opt(_bool)}
 DETOKENIZE_FIELDS = {"model": _opt(_str), "tokens": _token_ids}

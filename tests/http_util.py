@@ -25,6 +25,14 @@ CONTEXT = 64
 NUM_PAGES = 64
 STOP = [EOS]            # the checkpoint's eos: the server stops on it, so an oracle run does too
 GOOD = [5, 17, 99, 3, 250, 8, 61]
+# A compact chat template that defines tools in the Hermes format (an assistant's calls written as the demo model's
+# template writes them: a dict through tojson).
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for call in m['tool_calls'] or [] %}<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if tools %}{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def export_http_artifacts(root: Path) -> tuple[Path, Path]:

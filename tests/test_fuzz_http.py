@@ -1,24 +1,39 @@
-"""Property-based fuzzing of the request path (hypothesis): any body sent to /v1/completions or
-/v1/chat/completions is answered 2xx or 4xx, never 5xx; the answer names no path on disk; afterwards no
-sequence runs, no page is held or promised, and a fixed prompt still gives its solo ids.
+"""Property-based fuzzing of the request path (hypothesis): any body sent to /v1/completions,
+/v1/chat/completions or /tokenize is answered 2xx or 4xx, never 5xx; the answer names no path on disk; a probe
+streaming beside it is never delayed by more than one step; afterwards no sequence runs, no page is held or
+promised, and a fixed prompt still gives its solo ids.
 
 Bodies: mostly JSON objects holding the real field names, each with a value that passes the schema (so
 that many examples generate tokens) or a wild one (wrong types, huge, negative and float numbers, NaN,
-text with lone surrogates, nested values); unknown fields; any JSON value at the top; raw bytes (deep
-nesting, broken UTF-8, truncated JSON). `make test` runs a bounded
-number of examples; `make test-slow` runs many more.
+text with lone surrogates, nested values); structured output (schemas, regexes, choices and Lark grammars:
+good ones, ones that do not compile, ones past llguidance's limits, ones with no text, min_tokens they cannot
+meet) and tools (good, not object schemas, forced, named, assistant calls in the history, malformed); unknown
+fields; any JSON value at the top; raw bytes (deep nesting, broken UTF-8, truncated JSON). The server's template
+defines tools. `make test` runs a bounded number of examples; `make test-slow` runs many more.
+
+The probe: a streamed completion started before the fuzzed request, whose tokens the server records as it sends
+them, with the engine loop's step count. While the fuzzed request is in flight, each probe token must go out
+within one step of the step that made it (the probe runs in every step, so token k of the probe is made k steps
+after its first): a request whose work stalls the event loop (a grammar compiled on it, a long tokenizing) holds
+back tokens the engine keeps making. While the probe runs, each step lasts at least PROBE_STEP_S (as a larger
+model's would): the tiny model's steps are about as short as the event loop's work for one chunk, and a step
+count would measure that, not a stall.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from http_util import GOOD, STOP, InProcess
+from http_util import GOOD, STOP, TOOLS_TEMPLATE, InProcess
+from tlaloc_jax import manifest as mf
 from tlaloc_jax.serve import Engine
+from tlaloc_jax.serve.tokenizer import load_tokenizer
 from tokenizers_util import VOCAB
 
 IDLE = {"running": 0, "waiting": 0, "kv_in_use": 0}
@@ -47,9 +62,31 @@ def _weighted(*options):
 
 
 PART = st.fixed_dictionaries({"type": st.just("text"), "text": CLEAN_TEXT})
+CALL = st.fixed_dictionaries({"function": st.fixed_dictionaries({
+    "name": st.sampled_from(["f", "g"]), "arguments": st.sampled_from(['{"a": 1}', "{}", "x"])})},
+    optional={"id": CLEAN_TEXT, "type": st.just("function")})
+WILD_CALL = st.fixed_dictionaries({}, optional={"function": ANY_JSON, "type": ANY_JSON, "id": ANY_JSON}) | ANY_JSON
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                                  "content": CLEAN_TEXT | st.lists(PART, min_size=1, max_size=2)},
-                                optional={"name": CLEAN_TEXT})
+                                optional={"name": CLEAN_TEXT, "tool_calls": st.lists(CALL | WILD_CALL, max_size=2)})
+
+# Structured output: good specs, ones that do not compile, ones past llguidance's limits (a parser row of more than
+# 2,000 items at the first token, items that explode), ones no text satisfies.
+PATTERNED = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]+$"}
+                                              for i in range(1000)}}
+SCHEMAS = st.sampled_from([{"type": "object"}, {"type": "string", "maxLength": 5}, {"enum": ["a", "b", 3]},
+                           {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+                           {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, PATTERNED,
+                           {"type": "array", "items": {"type": "boolean"}, "minItems": 2}, {"type": "nope"}])
+REGEXES = st.sampled_from(["[0-9]{3}", "(a|b)*c", "([", "x{2,3}", ".*", "", "[ab]*a[ab]{12}"]) | CLEAN_TEXT
+LARK = st.sampled_from(['start: "x" | "y"', 'start: "a" start', 'start: a\na: a "x"', 'start: foo',
+                        'start: ("p" | "q") ("r" | "s") a\na: "a" a', 'start: /[a-z]+/ "!"']) | CLEAN_TEXT
+CHOICES = st.lists(CLEAN_TEXT.filter(bool), min_size=1, max_size=4) | st.just([f"opt{i}" for i in range(2500)])
+TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g"])},
+    optional={"parameters": st.sampled_from([{"type": "object", "properties": {"a": {"type": "integer"}}},
+                                             {}, {"type": "string"}, {"properties": {"b": {"const": "</tool_call>"}}}]),
+              "description": CLEAN_TEXT})})
 STOP_ITEM = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=3) | st.integers(0, 300)
 
 # The fields either endpoint reads (OpenAI's and vLLM's names): values that pass the schema (the engine may
@@ -84,10 +121,22 @@ VALID = {
     "best_of": st.just(1),
     "top_logprobs": st.just(0),
     "add_generation_prompt": st.booleans(),
-    "tools": st.just([]),
-    "tool_choice": st.just("none"),
+    "tools": st.lists(TOOL, max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}},
+                                    {"type": "function", "function": {"name": "h"}}]),
     "parallel_tool_calls": st.booleans(),
-    "response_format": st.just({"type": "text"}),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | SCHEMAS.map(
+        lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}),
+    "guided_json": SCHEMAS,
+    "guided_regex": REGEXES,
+    "guided_choice": CHOICES,
+    "guided_grammar": LARK,
+    "structured_outputs": st.one_of(SCHEMAS.map(lambda s: {"json": s}), REGEXES.map(lambda r: {"regex": r}),
+                                    CHOICES.map(lambda c: {"choice": c}), LARK.map(lambda g: {"grammar": g}),
+                                    st.just({"json_object": True})),
+    "min_tokens": st.integers(0, 12),
+    "add_special_tokens": st.booleans(),
+    "return_token_strs": st.booleans(),
 }
 WILD_PROMPT = TEXT | TOKEN_IDS | st.lists(TEXT, max_size=3) | st.lists(TOKEN_IDS, max_size=3)
 WILD_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["robot", "user"]) | TEXT},
@@ -100,10 +149,13 @@ WILD.update(prompt=WILD_PROMPT | ANY_JSON, messages=st.lists(WILD_MESSAGE, max_s
 
 COMMON = ["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
           "stream_options", "return_token_ids", "ignore_eos", "user", "presence_penalty", "frequency_penalty",
-          "logit_bias", "logprobs"]
+          "logit_bias", "logprobs", "response_format", "guided_json", "guided_regex", "guided_choice",
+          "guided_grammar", "structured_outputs", "min_tokens", "add_special_tokens"]
 OWN_FIELDS = {"prompt": COMMON + ["echo", "suffix", "best_of"],
               "messages": COMMON + ["max_completion_tokens", "top_logprobs", "add_generation_prompt", "tools",
-                                    "tool_choice", "parallel_tool_calls", "response_format"]}
+                                    "tool_choice", "parallel_tool_calls"],
+              "tokenize": ["model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                           "return_token_strs", "tools"]}
 
 
 @st.composite
@@ -111,10 +163,14 @@ def _request(draw, required: str) -> dict:
     """The endpoint's required field (mostly) and a few of its others, each valid or (one time in six) wild;
     now and then a field it does not know (another endpoint's, or any name)."""
     # The rare branches sit at the top of their ranges: hypothesis draws small integers more often than others.
-    body = {} if draw(st.integers(0, 19)) == 19 else {required: draw(_weighted((5, VALID[required]),
-                                                                              (1, WILD[required])))}
+    body = {}
+    if required != "tokenize" and draw(st.integers(0, 19)) != 19:
+        body[required] = draw(_weighted((5, VALID[required]), (1, WILD[required])))
     for name in draw(st.lists(st.sampled_from(OWN_FIELDS[required]), max_size=4, unique=True)):
-        body[name] = draw(_weighted((5, VALID[name]), (1, WILD[name])))
+        value = draw(_weighted((5, VALID[name]), (1, WILD[name])))
+        if name == "prompt" and required == "tokenize" and isinstance(value, list):
+            value = draw(CLEAN_TEXT)        # /tokenize's prompt is text
+        body[name] = value
     if draw(st.integers(0, 9)) == 9:
         others = sorted(set(VALID) - set(OWN_FIELDS[required]) - {required})
         body.update(draw(st.dictionaries(st.sampled_from(others) | TEXT, ANY_JSON, min_size=1, max_size=2)))
@@ -139,22 +195,84 @@ def _body(required: str):
                      (1, RAW))
 
 
-ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
+ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/tokenize": "tokenize"}
+PROBE = {"prompt": GOOD, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True, "user": "probe",
+         "return_token_ids": True}
+PROBE_STEP_S = 0.01
+
+
+class Probe:
+    """Records, as the server sends them, the probe's chunks that carry tokens: (the engine loop's step count then,
+    the tokens). While it streams, each engine step lasts at least PROBE_STEP_S."""
+
+    def __init__(self, server):
+        self.server, self.sent, self.first, self.running = server, [], threading.Event(), False
+        original, step = server.stream, server.engine.step
+
+        async def stream(gen, req, rid, chat):
+            probe = req["user"] == "probe"
+            self.running |= probe
+            try:
+                async for chunk in original(gen, req, rid, chat):
+                    if probe and chunk.startswith("data: {"):
+                        tokens = sum(len(c.get("token_ids") or ()) for c in json.loads(chunk[6:])["choices"])
+                        if tokens:
+                            self.sent.append((server.loop.steps, tokens))
+                            self.first.set()
+                    yield chunk
+            finally:
+                self.running &= not probe
+
+        def slow_step():
+            t0 = time.perf_counter()
+            events = step()
+            if self.running:
+                time.sleep(max(0.0, PROBE_STEP_S - (time.perf_counter() - t0)))
+            return events
+        server.stream, server.engine.step = stream, slow_step
+
+    def delays(self, since: int, until: int) -> list[int]:
+        """Per probe token sent between the chunks `since` and `until`: how many steps after the one that made it it
+        went out (token k of the probe is made k steps after the first)."""
+        first_step = self.sent[0][0]
+        out, k = [], 0
+        for i, (step, tokens) in enumerate(self.sent):
+            if since <= i < until:
+                out.append(step - (first_step + k))
+            k += tokens
+        return out
 
 
 @pytest.fixture(scope="module")
 def served(http_artifacts, serve_cache_dir):
-    """(in-process server, the fixed prompt's solo ids, the artifact's folder)."""
+    """(in-process server, the fixed prompt's solo ids, the artifact's folder, the probe). The tokenizer's template
+    defines tools."""
+    tokenizer = load_tokenizer(http_artifacts[0], mf.load_manifest(http_artifacts[0]))
+    tokenizer.chat_template = TOOLS_TEMPLATE
     with Engine.load(http_artifacts[0], cache_dir=serve_cache_dir, progress=False) as engine:
         want = engine.generate([GOOD], 8, stop_token_ids=STOP)[0]
-        with InProcess(engine) as srv:
-            yield srv, want, str(http_artifacts[0].parent)
+        with InProcess(engine, tokenizer=tokenizer) as srv:
+            yield srv, want, str(http_artifacts[0].parent), Probe(srv.server)
+            del engine.step            # the Engine's own step again
 
 
 def _check(served, path: str, body: bytes) -> None:
-    srv, want, root = served
+    srv, want, root, probe = served
+    probe.sent.clear()
+    probe.first.clear()
+    answers = []
+    beside = threading.Thread(target=lambda: answers.append(srv.post("/v1/completions", PROBE)))
+    beside.start()
+    assert probe.first.wait(60), "the probe never streamed"
+    since = len(probe.sent)
     r = srv.post(path, body, headers={"Content-Type": "application/json"})
+    until = len(probe.sent)
+    beside.join(60)
     assert 200 <= r.status_code < 500, (r.status_code, r.text[:2000])
+    assert answers and answers[0].text.endswith("data: [DONE]\n\n") and "error" not in answers[0].text
+    delays = probe.delays(since, until)
+    event(f"probe delayed by at most {max(delays, default=0)} steps")
+    assert max(delays, default=0) <= 1, f"probe tokens went out {delays} steps late beside this request"
     assert root not in r.text
     err = r.json()["error"] if r.status_code >= 400 else None
     # --hypothesis-show-statistics shows how many examples got how far: generated, or refused by which check.
@@ -175,7 +293,7 @@ BODIES = {path: _body(required) for path, required in ENDPOINTS.items()}
 
 
 @pytest.mark.parametrize("path", list(ENDPOINTS))
-@settings(max_examples=100, **FUZZ)
+@settings(max_examples=60, **FUZZ)
 @given(data=st.data())
 def test_any_body_is_answered_2xx_or_4xx_and_leaves_the_pool_empty(served, path, data):
     _check(served, path, data.draw(BODIES[path], label="body"))

@@ -1,9 +1,10 @@
-"""Issue 12, the request path: what a hostile-but-realistic client found, driven through create_app in this
+"""Issues 12 and 24, the request path: what a hostile-but-realistic client found, driven through create_app in this
 process (tests/http_util.py). The oracle for generated ids is Engine.generate of the prompt alone."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -371,3 +372,119 @@ def test_health_answers_503_once_the_engine_loop_stops(engine):
         r = srv.client.get("/health")
         assert r.status_code == 503 and r.json()["error"]["message"] == "engine loop not running"
         assert srv.server.health_problem() == "engine loop not running"
+
+
+# -- issue 24, findings 7 and 8: bounded lists, the same limits on every route -----------------------------------
+
+def test_stop_token_ids_are_bounded(engine, solo):
+    with InProcess(engine) as srv:
+        r = srv.post("/v1/completions", {"prompt": GOOD, "max_tokens": 2, "stop_token_ids": [10**6] * 1025})
+        err = _error(r, 400, "invalid_value", r"Invalid value for 'stop_token_ids': at most 1024 entries, got 1025")
+        assert err["param"] == "stop_token_ids"
+        r = srv.post("/v1/completions", {"prompt": GOOD, "max_tokens": 2, "stop_token_ids": [10**6] * 1024})
+        assert r.status_code == 200, r.text            # control: at the bound
+        _good(srv, solo)
+
+
+def test_tokenize_checks_the_characters_whatever_add_special_tokens(engine, solo):
+    with InProcess(engine) as srv:
+        for add in (False, True, None):
+            body = {"prompt": "z" * 100_000} if add is None else {"prompt": "z" * 100_000, "add_special_tokens": add}
+            err = _error(srv.post("/tokenize", body), 400, "context_length_exceeded",
+                         r"prompt of 100000 characters is longer than the largest context")
+            assert err["param"] == "prompt"
+            r = srv.post("/tokenize", {**body, "prompt": "z" * 10})
+            assert r.status_code == 200 and r.json()["count"] == 10 + (add is not False), r.text
+        _good(srv, solo)
+
+
+# -- finding 11: add_special_tokens as vLLM defines it ----------------------------------------------------------------
+
+def test_add_special_tokens_is_vllms(engine):
+    """Completions and /tokenize's prompt add the tokenizer's special tokens (a BOS) unless told not to; chat and
+    /tokenize's messages add none beyond what the template writes unless told to."""
+    bos = TOK.token_to_id("<s>")
+    bare = TOK.encode("the cat", add_special_tokens=False).ids
+    with InProcess(engine) as srv:
+        def completion(**kw):
+            r = srv.post("/v1/completions", {"prompt": "the cat", "max_tokens": 1, "return_token_ids": True, **kw})
+            return r.json()["choices"][0]["prompt_token_ids"]
+
+        def chat(**kw):
+            r = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                  "return_token_ids": True, **kw})
+            return r.json()["prompt_token_ids"]
+
+        assert completion() == completion(add_special_tokens=True) == [bos] + bare
+        assert completion(add_special_tokens=False) == bare
+        templated = chat()
+        assert templated[0] == bos and templated[1] != bos           # the template's own BOS, once
+        assert chat(add_special_tokens=False) == templated and chat(add_special_tokens=True) == [bos] + templated
+        tokenized = srv.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        assert tokenized == templated[:len(tokenized)]
+        assert srv.post("/tokenize", {"prompt": "the cat", "add_special_tokens": False}).json()["tokens"] == bare
+
+
+# -- finding 12: text_offset indexes the echoed text ------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offset_indexes_the_text(engine, stream):
+    """Echo with logprobs: each token's offset is where its text starts in the choice's text; the prompt's BOS (a
+    special token, no text in the echo) takes no characters."""
+    prompt = "the café in the park"
+    with InProcess(engine) as srv:
+        r = srv.post("/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 6,
+                                         "temperature": 0, "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(e[6:])["choices"][0] for e in r.text.split("\n\n") if e.startswith("data: {")]
+            text = "".join(c["text"] for c in chunks)
+            tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+        else:
+            ch = r.json()["choices"][0]
+            text, tokens, offsets = ch["text"], ch["logprobs"]["tokens"], ch["logprobs"]["text_offset"]
+    n = len(TOK.encode(prompt).ids)
+    assert text.startswith(prompt) and tokens[0] == "<s>" and len(tokens) == n + 6
+    assert offsets == sorted(offsets) and 0 <= offsets[0] and offsets[-1] <= len(text)
+    ends = offsets[1:] + [len(text)]
+    assert text[offsets[0]:ends[0]] == ""
+    assert [text[a:b] for a, b in zip(offsets[1:n], ends[1:n])] == tokens[1:n]
+    assert "".join(text[a:b] for a, b in zip(offsets, ends)) == text
+
+
+# -- findings 14 and 16: what a new user meets ------------------------------------------------------------------
+
+def test_cache_dir_none_the_load_docstring_and_the_help(http_artifacts, monkeypatch):
+    """cache_dir "none" is no cache, as --cache-dir none is (the Device gets None, not a directory named none)."""
+    from tlaloc_jax.serve import engine as engine_module
+
+    class Opened(Exception):
+        pass
+
+    def device(plugin, **kw):
+        raise Opened(kw["cache_dir"])
+    monkeypatch.setattr(engine_module, "Device", device)
+    for given, want in (("none", None), ("None", None), (None, None), ("elsewhere", "elsewhere")):
+        with pytest.raises(Opened) as opened:
+            Engine.load(http_artifacts[0], cache_dir=given, progress=False)
+        assert opened.value.args[0] == want, given
+    monkeypatch.undo()
+    assert "cache_dir" in Engine.load.__doc__ and '"none"' in Engine.load.__doc__
+    out = subprocess.run([sys.executable, "-m", "tlaloc_jax.serve", "--help"], capture_output=True, text=True,
+                         timeout=60).stdout
+    assert "tlaloc_jax.stage" in out and "tokenizer is optional" in " ".join(out.split())
+
+
+def test_the_plugins_start_up_lines_go_to_the_log(http_artifacts, serve_cache_dir):
+    """Not into a notebook's output: at DEBUG in the log (control: they are there, not lost)."""
+    script = ("import logging, sys; from tlaloc_jax.serve import Engine\n"
+              "logging.basicConfig(level=logging.DEBUG if sys.argv[1] == 'debug' else logging.WARNING)\n"
+              f"Engine.load({str(http_artifacts[0])!r}, cache_dir={str(serve_cache_dir)!r}, progress=False).close()\n")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}     # jax set it here, not in a notebook
+    quiet, debug = (subprocess.run([sys.executable, "-c", script, level], capture_output=True, text=True, timeout=120,
+                                   env=env) for level in ("warning", "debug"))
+    assert quiet.returncode == 0 and debug.returncode == 0, quiet.stderr[-2000:]
+    assert "absl::InitializeLog" not in quiet.stderr and "cpu_device_count" not in quiet.stderr, quiet.stderr
+    assert re.search(r"DEBUG:tlaloc_jax\.serve\.native:.*cpu_device_count set via create_options", debug.stderr), \
+        debug.stderr[-3000:]

@@ -535,11 +535,13 @@ def test_the_serving_path_with_grammars_stays_jax_free(artifacts, tmp_path):
     script = guarded(f"""
 import numpy as np
 from tlaloc_jax import artifact as af
+from tlaloc_jax.serve.loop import StepWork
 from tlaloc_jax.serve.structured import Grammars
 from tlaloc_jax.serve.tokenizer import read_listed
 m = af.load_manifest({str(artifacts[0])!r})
-g = Grammars(read_listed(__import__("pathlib").Path({str(artifacts[0])!r}), m, "tokenizer.json"), m.model.vocab, [283])
-c = g.constraint(g.grammar("json", {{"type": "object"}}))
+g = Grammars(read_listed(__import__("pathlib").Path({str(artifacts[0])!r}), m, "tokenizer.json"), m.model.vocab, [283],
+             StepWork())
+c, = g.prepare("json", {{"type": "object"}}, 1)
 words = np.full(af.mask_words(m.model.vocab), -1, np.int32)
 c.fill(words)
 assert (words.view(np.uint32)[123 // 32] >> (123 % 32)) & 1 and not (words.view(np.uint32)[0] & 1)

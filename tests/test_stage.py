@@ -201,6 +201,23 @@ def test_padding_rows_leave_every_slot_unchanged(weights, padding_writes):
     assert same != padding_writes
 
 
+def test_refusals_and_the_start_up_log_name_the_state_pool(artifact, tmp_path):
+    """A model with state slots only: five sequences at once do not fit four slots, whatever their length, so the
+    refusal names the state pool and asks for fewer sequences (no max_tokens advice, no KV), and the server's
+    start-up line counts slots."""
+    from http_util import InProcess
+    with Engine.load(artifact[1], cache_dir=tmp_path, progress=False) as eng:
+        with InProcess(eng) as srv:
+            r = srv.post("/v1/completions", {"prompt": [1, 2], "n": 5, "max_tokens": 4})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "exceeds_state_pool" and err["param"] == "n", r.text
+            assert err["message"] == ("5 sequences need 5 state slots together, and the pool holds 4 slots: they "
+                                      "could never run at once; send fewer choices (n) or prompts")
+            assert srv.post("/v1/completions", {"prompt": [1, 2], "n": 4, "max_tokens": 4}).status_code == 200
+        from tlaloc_jax.serve.__main__ import describe_pools
+        assert describe_pools(eng) == "state pool 4 slots"
+
+
 def test_a_step_that_drops_a_pool_is_refused_by_name(weights, tmp_path):
     def forgets(w, pools, inputs):
         return toy_step(w, pools, inputs)[0], {}

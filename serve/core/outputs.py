@@ -20,11 +20,12 @@ def allowed_mask(s: Request, vocab: int) -> np.ndarray | None:
         words = np.full(mf.mask_words(vocab), -1, np.int32)
         s.constraint.fill(words)
     if len(s.generated) < s.sampling.min_tokens and s.stop:
-        words = np.full(mf.mask_words(vocab), -1, np.int32) if words is None else words
-        bits = words.view(np.uint32)
-        for t in s.stop:
-            if 0 <= t < vocab:
-                bits[t // 32] &= ~np.uint32(1 << (t % 32))
+        if s.stop_mask is None:     # made once per sequence: a request may carry many stop ids
+            bits = np.zeros(mf.mask_words(vocab) * 32, bool)      # no bit past the vocabulary
+            bits[:vocab] = True
+            bits[np.array([t for t in s.stop if 0 <= t < vocab], np.int64)] = False
+            s.stop_mask = np.packbits(bits, bitorder="little").view(np.int32)
+        words = s.stop_mask.copy() if words is None else words & s.stop_mask
     return words
 
 

@@ -21,9 +21,10 @@ class RequestRefused(ValueError):
     other sequences end).
     """
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, pool: str | None = None):
         super().__init__(message)
         self.kind = kind
+        self.pool = pool            # exceeds_pool: the kind of pool (mf.PoolKind) the sequences would not fit
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class StepEvent:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     prompt_logprobs: tuple | None = None
+    request_error: bool = False         # the failure is the request's own (its grammar, its min_tokens)
 
 
 class Constraint:
@@ -50,13 +52,21 @@ class Constraint:
 
     fill(words): clear, in `words` (the packed mask: [ceil(V / 32)] int32, bit t % 32 of word t // 32, all ones
     on entry), the tokens the constraint forbids now. accept(token): advance past the chosen token; False if
-    the constraint refuses it."""
+    the constraint refuses it. ready(): whether fill can answer now (a constraint that works out its next mask
+    on another thread is not ready until it has: its sequence sits out the steps until then). failure(): why
+    the constraint cannot go on (its sequence ends with that error), or None."""
 
     def fill(self, words: np.ndarray) -> None:
         raise NotImplementedError
 
     def accept(self, token: int) -> bool:
         raise NotImplementedError
+
+    def ready(self) -> bool:
+        return True
+
+    def failure(self) -> str | None:
+        return None
 
 
 @dataclass
@@ -92,6 +102,7 @@ class Request:
     error: str | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    stop_mask: np.ndarray | None = None      # packed: every token but the stop ids (min_tokens), made once
 
     @property
     def finished(self) -> bool:

@@ -151,10 +151,11 @@ class Scheduler:
             for kind, pool in self.pools.items():
                 need = self.rules[kind].units(prompt_len + max_new_tokens - 1)
                 if need > pool.num_units:
-                    raise RequestRefused("exceeds_pool", f"a sequence of {prompt_len} prompt tokens plus "
-                                                         f"max_new_tokens {max_new_tokens} needs {need} {pool.name} "
-                                                         f"{pool.unit}, and the pool holds {pool.num_units}: it "
-                                                         f"could never run")
+                    size = "" if kind == mf.PoolKind.STATE_SLOTS else \
+                        f" of {prompt_len} prompt tokens plus max_new_tokens {max_new_tokens}"
+                    raise RequestRefused("exceeds_pool", f"a sequence{size} needs {need} {pool.name} {pool.unit}, and "
+                                                         f"the pool holds {pool.num_units}: it could never run",
+                                         pool=str(kind))
 
     def add(self, s: Request) -> None:
         self.requests[s.rid] = s
@@ -280,6 +281,8 @@ class Scheduler:
         for s in list(self.running):
             if not s.running:
                 continue                  # preempted earlier in this loop
+            if s.decoding and s.constraint is not None and not s.constraint.ready():
+                continue                  # its grammar is still working out its next mask: it sits this step out
             n = self._chunk(s, budget)
             if n == 0:
                 continue
