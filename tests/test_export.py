@@ -53,6 +53,8 @@ def test_bodies_match_the_in_process_decoder(name, checkpoints, artifacts):
     rng = np.random.default_rng(0)
     kv = m.pool("kv")
     for entry in m.entries:
+        if entry.kind == "mixed":
+            continue        # two row groups: tests/test_mixed.py compares them against the two calls they replace
         alloc = PageAllocator(kv.capacity)
         rows = []
         for b in range(entry.batch):
