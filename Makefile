@@ -103,5 +103,11 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm-env: $(VLLM_STAMP)
 
+# `make test-vllm`: vLLM (LLM.generate and its OpenAI server) serving artifacts through the plugin
+# (tests/test_vllm.py, tests/test_vllm_runtime.py). Each vLLM start-up takes 15-50 s here; the whole run is
+# boxed at 15 minutes so that a hung server cannot hold CI.
+test-vllm: setup $(VLLM_STAMP)
+	TLALOC_VLLM_PYTHON=$(VLLM_PY) timeout 900 $(PYTEST) -q -m "slow or not slow" tests/test_vllm.py tests/test_vllm_runtime.py
+
 clean:
 	rm -rf $(VENV) $(TRITON_VENV) $(VLLM_VENV)

@@ -76,6 +76,10 @@ class ArtifactWorker(WorkerBase):
         # Plugin options ride in vLLM's --additional-config '{"tlaloc": {...}}': the PJRT plugin and the
         # compiled-executable cache ("none" disables it).
         self.options = dict((vllm_config.additional_config or {}).get("tlaloc", {}))
+        # What the steps did (tlaloc_stats): calls per entry kind, rows per call, requests resumed after a
+        # preemption, prompt tokens vLLM's prefix cache spared, tokens chosen in the body or by vLLM's sampler.
+        self.stats = dict(steps=0, calls={}, rows_per_call={}, resumed=0, prefix_hit_tokens=0, split_requests=0,
+                          body_sampled=0, host_sampled=0)
 
     # -- start-up --------------------------------------------------------------------------------
 
@@ -145,6 +149,10 @@ class ArtifactWorker(WorkerBase):
     def list_loras(self) -> set[int]:
         return set()
 
+    def tlaloc_stats(self) -> dict:
+        """The worker's counters (vLLM's `collective_rpc("tlaloc_stats")` reads them)."""
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in self.stats.items()}
+
     def take_draft_token_ids(self):
         return None
 
@@ -178,6 +186,7 @@ class ArtifactWorker(WorkerBase):
             generator = None
             if sp.seed is not None:
                 generator = torch.Generator().manual_seed(sp.seed)
+            self.stats["prefix_hit_tokens"] += new.num_computed_tokens
             self.requests[new.req_id] = _Request(
                 new.req_id, list(new.prompt_token_ids), sp, list(new.block_ids[0]), new.num_computed_tokens,
                 body_sampling(sp, self.runtime.sampler), request_seed(sp), generator)
@@ -189,6 +198,7 @@ class ArtifactWorker(WorkerBase):
             blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 r.pages = list(blocks[0])                    # preempted and resumed: all its pages are new
+                self.stats["resumed"] += 1
             elif blocks is not None:
                 r.pages.extend(blocks[0])
 
@@ -199,8 +209,11 @@ class ArtifactWorker(WorkerBase):
             grammar = dict(zip(grammar_output.structured_output_request_ids, grammar_output.grammar_bitmask))
         order = list(so.num_scheduled_tokens)
         rounds: list[list[_Piece]] = []
+        self.stats["steps"] += 1
         for rid in order:
-            for k, piece in enumerate(self._pieces(self.requests[rid], so.num_scheduled_tokens[rid])):
+            pieces = self._pieces(self.requests[rid], so.num_scheduled_tokens[rid])
+            self.stats["split_requests"] += len(pieces) > 1
+            for k, piece in enumerate(pieces):
                 if k == len(rounds):
                     rounds.append([])
                 rounds[k].append(piece)
@@ -275,6 +288,11 @@ class ArtifactWorker(WorkerBase):
                             history=history, mask=masks.get(b) if body is not None else None))
         want_logits = bool(host) or any(p.produces and p.req.params.logprobs is not None for p in pieces)
         out = rt.run(entry, rows, logits=want_logits)
+        calls, sizes = self.stats["calls"], self.stats["rows_per_call"]
+        calls[str(entry.kind)] = calls.get(str(entry.kind), 0) + 1
+        sizes[len(rows)] = sizes.get(len(rows), 0) + 1
+        self.stats["host_sampled"] += len(host)
+        self.stats["body_sampled"] += sum(r.sampling is not None for r in rows)
         if host:
             hrows = [HostRow(pieces[b].req.params, pieces[b].req.prompt, pieces[b].req.output,
                              pieces[b].req.generator, masks[b]) for b in host]
