@@ -40,6 +40,7 @@ pytestmark = pytest.mark.slow        # each vLLM start-up takes 15-50 s here; `m
 # (32) of the ladder.
 PROMPTS = [[5, 17, 99, 3, 250, 8, 61], list(range(40, 60)), [7, 7, 8], [(11 * i) % 250 + 1 for i in range(33)]]
 NEW = 12
+ALLOWED = [5, 9, 13, 101]
 
 
 def _export_qwen3(root: Path) -> Path:
@@ -161,7 +162,9 @@ def test_in_body_sampler_gives_engine_ids_through_vllm(qwen3, serve_cache_dir, t
                     "additional_config": {"tlaloc": {"cache_dir": str(serve_cache_dir)}}},
             "runs": [{"name": "alone", "requests": _requests([PROMPTS[3]])},
                      {"name": "together", "requests": _requests(PROMPTS)},
-                     {"name": "seeded", "requests": _requests(PROMPTS[:2], **seeded)}]}
+                     {"name": "seeded", "requests": _requests(PROMPTS[:2], **seeded)},
+                     {"name": "allowed", "requests": _requests(PROMPTS[:1], allowed_token_ids=ALLOWED)},
+                     {"name": "logprobs", "requests": _requests(PROMPTS[:1], logprobs=3)}]}
     out = _drive(spec, tmp_path)
     want = _solo(qwen3, serve_cache_dir, PROMPTS)
     runs = out["runs"]
@@ -171,6 +174,16 @@ def test_in_body_sampler_gives_engine_ids_through_vllm(qwen3, serve_cache_dir, t
     want_seeded = _solo(qwen3, serve_cache_dir, PROMPTS[:2], sampling=Sampling(**seeded))
     assert runs["seeded"]["ids"] == want_seeded
     assert runs["seeded"]["stats"]["host_sampled"] == 0 and runs["seeded"]["stats"]["body_sampled"] > 0
+    # allowed_token_ids ride in the body's token mask: every id is one of them (unmasked greedy is not).
+    [allowed] = runs["allowed"]["ids"]
+    assert set(allowed) <= set(ALLOWED) and not set(want[0]) <= set(ALLOWED)
+    assert runs["allowed"]["stats"]["host_sampled"] == 0
+    # Logprobs of the greedy ids: each step's chosen id is there, the largest of the three asked for and at most 0.
+    [ids], [steps] = runs["logprobs"]["ids"], runs["logprobs"]["logprobs"]
+    assert ids == want[0] and len(steps) == NEW
+    for tok, step in zip(ids, steps):
+        assert str(tok) in step and len(step) == 3, step
+        assert step[str(tok)] == max(step.values()) <= 0, step
 
 
 def test_windowed_family_is_refused_by_name(tmp_path):
@@ -253,9 +266,23 @@ def test_openai_server_gives_engine_ids_and_streams(server, llama, serve_cache_d
     assert "vllm:kv_cache_usage_perc" in metrics
 
 
-def test_openai_server_refuses_a_prompt_past_the_context(server):
+def test_openai_server_structured_choice_goes_through_the_mask(server):
+    """vLLM's grammar bitmask reaches the artifact's row (here through vLLM's sampler: the llama artifact has no
+    in-body sampler): a random model answers one of the choices, whole."""
+    from openai import OpenAI
+    client = OpenAI(base_url=server + "/v1", api_key="unused")
+    for seed in range(3):
+        r = client.completions.create(model="ck", prompt="pick one:", max_tokens=12, temperature=1.0, seed=seed,
+                                      extra_body={"structured_outputs": {"choice": ["alpha", "beta gamma"]}})
+        assert r.choices[0].text in ("alpha", "beta gamma"), r.choices[0].text
+
+
+def test_openai_server_refuses_by_name(server):
     from openai import BadRequestError, OpenAI
     client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(BadRequestError) as e:
         client.completions.create(model="ck", prompt=list(range(1, 70)), max_tokens=4)
     assert "64" in str(e.value)
+    with pytest.raises(BadRequestError) as e:
+        client.completions.create(model="ck", prompt=[5, 6, 7], max_tokens=4, extra_body={"prompt_logprobs": 1})
+    assert "prompt_logprobs" in str(e.value)

@@ -13,6 +13,7 @@ cache group ids from one block pool of one page size, while an artifact sizes it
 from __future__ import annotations
 
 import torch
+from vllm.exceptions import VLLMValidationError
 from vllm.platforms.cpu import CpuPlatform
 
 from tlaloc_jax import manifest as mf
@@ -44,6 +45,14 @@ class TlalocPlatform(CpuPlatform):
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         raise ArtifactRefused("a tlaloc artifact's attention is in its entries: vLLM's attention backends are unused")
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        """Per request: what the worker cannot give is refused by name (vLLM answers 400)."""
+        if getattr(params, "prompt_logprobs", None) is not None:
+            raise VLLMValidationError("prompt_logprobs: the tlaloc plugin's entries return the logits of each row's "
+                                      "last token only (python -m tlaloc_jax.serve scores prompts with the "
+                                      "artifact's scoring entries)", parameter="prompt_logprobs")
 
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
