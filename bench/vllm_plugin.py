@@ -37,6 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import add_model_args, llama_config  # noqa: E402
 from load import _one  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from process_util import wait_ready  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 SHARED, UNIQUE, NEW, CONTEXT = 96, 24, 64, 256
@@ -87,19 +90,13 @@ def commands(name: str, ck: Path, art: Path, port: int, cache: Path, clients: in
 def start(argv, env, cwd, log: Path, port: int) -> subprocess.Popen:
     with open(log, "wb") as f:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{argv[:3]} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{argv[:3]} did not start:\n{log.read_text()[-4000:]}")
-        time.sleep(0.5)
+    try:
+        wait_ready(proc, lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200, log,
+                   " ".join(argv[:3]), timeout=600, errors=(httpx.HTTPError,))
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
 
 
 async def run_load(url: str, model: str, prompts: list[list[int]], clients: int) -> dict:

@@ -16,12 +16,12 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from hf_models import build_checkpoint
+from process_util import wait_ready
 from tlaloc_jax.export import Sampler, export_checkpoint
 from tlaloc_jax.serve import Engine, Sampling
 
@@ -220,18 +220,8 @@ def server(llama, serve_cache_dir, tmp_path_factory):
     import httpx
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited with {proc.returncode}:\n{log.read_text()[-5000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM's server did not start:\n{log.read_text()[-5000:]}")
-            time.sleep(0.5)
+        wait_ready(proc, lambda: httpx.get(url + "/health", timeout=2).status_code == 200, log, "vLLM's server",
+                   errors=(httpx.HTTPError,))
         yield url
     finally:
         proc.send_signal(signal.SIGINT)
