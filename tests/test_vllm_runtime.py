@@ -29,8 +29,8 @@ def _generate(rt: ArtifactRuntime, pages: list[int], sampling: Sampling | None =
             kind, ids, start, produces = mf.EntryKind.DECODE, tokens[-1:], len(tokens) - 1, True
             pages = decode_pages or pages
         entry = rt.pick(kind, 1, start + len(ids), len(ids))
-        row = Row(ids, start, pages, sampling=sampling if produces else None, seed=seed, step=len(out),
-                  history=tokens)
+        row = Row(ids, start, pages, sampling=sampling if produces else None, seed=seed, prompt=PROMPT,
+                  generated=out)
         tok = int(rt.run(entry, [row]).tokens[0])
         if produces:
             out.append(tok)

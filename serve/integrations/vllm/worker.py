@@ -91,8 +91,7 @@ class ArtifactWorker(WorkerBase):
             raise ArtifactRefused("--load-format dummy: an artifact's weights are its own")
         cache = self.options.get("cache_dir", str(DEFAULT_CACHE_DIR))
         self.runtime = ArtifactRuntime(self.model_config.hf_config.artifact_dir, plugin=self.options.get("plugin"),
-                                       cache_dir=None if cache == "none" else Path(cache).expanduser(),
-                                       max_model_len=self.model_config.max_model_len)
+                                       cache_dir=None if cache == "none" else Path(cache).expanduser())
         self._host_sampler = HostSampler(self.vllm_config)
         log.info("tlaloc artifact %s loaded in %.1f s (%s sampler)", self.model_config.hf_config.artifact_dir,
                  self.runtime.load_seconds, "in-body" if self.runtime.sampler else "no in-body")
@@ -283,9 +282,8 @@ class ArtifactWorker(WorkerBase):
                 if r.body is None or (masks[b] is not None and rt.sampler is None):
                     host.append(b)
                     body = None
-            history = r.tokens[:p.start + len(p.token_ids)]
-            rows.append(Row(p.token_ids, p.start, r.pages, sampling=body, seed=r.seed, step=len(r.output),
-                            history=history, mask=masks.get(b) if body is not None else None))
+            rows.append(Row(p.token_ids, p.start, r.pages, sampling=body, seed=r.seed, prompt=r.prompt,
+                            generated=r.output, mask=masks.get(b) if body is not None else None))
         want_logits = bool(host) or any(p.produces and p.req.params.logprobs is not None for p in pieces)
         out = rt.run(entry, rows, logits=want_logits)
         calls, sizes = self.stats["calls"], self.stats["rows_per_call"]
