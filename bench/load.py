@@ -60,10 +60,10 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
 
 
 async def _one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int, mode: str,
-               seed: int, model: str | None = None) -> tuple[float, list[float], int]:
-    """-> (ttft, inter-token gaps, tokens) of one streaming request (to `model`, where the server needs its name)."""
+               seed: int) -> tuple[float, list[float], int]:
+    """-> (ttft, inter-token gaps, tokens) of one streaming request."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "return_token_ids": True, **({"model": model} if model else {})}
+            "return_token_ids": True}
     if mode == "sampled":
         body.update(SAMPLED, seed=seed)
     t0 = time.perf_counter()
