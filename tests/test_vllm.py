@@ -186,13 +186,37 @@ def test_in_body_sampler_gives_engine_ids_through_vllm(qwen3, serve_cache_dir, t
         assert step[str(tok)] == max(step.values()) <= 0, step
 
 
-def test_windowed_family_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5_text"])
+def test_ring_and_state_families_give_engine_ids(family, serve_cache_dir, tmp_path):
+    """A sliding window's ring (gemma3: sliding and full layers) and recurrent state slots (qwen3.5: linear and
+    full layers) beside the paged pool: the worker keeps them per request (side_pools.py). 24 pages for 4
+    sequences that decode to 64 positions (8 pages each): vLLM preempts, and the resumed request's ring or state
+    is computed again. One batch and one context (two entries to compile: these families' bodies are large)."""
+    ck = build_checkpoint(tmp_path / "ck", family, seed=5)
+    export_checkpoint(ck, tmp_path / "art", batch_ladder=(4,), context_ladder=(64,), block_size=8,
+                      prefill_chunk=16, prefill_max_batch=4, num_blocks=24, window_blocks=12, state_slots=4,
+                      progress=False)
+    crowd = [[(5 * i + j) % 250 + 1 for j in range(8)] for i in range(4)]
+    spec = {"artifact": str(tmp_path / "art"),
+            "llm": {"max_num_seqs": 4, "max_num_batched_tokens": 24,
+                    "additional_config": {"tlaloc": {"cache_dir": str(serve_cache_dir)}}},
+            "runs": [{"name": "together", "requests": _requests(PROMPTS)},
+                     {"name": "crowd", "requests": _requests(crowd, 56)}]}
+    out = _drive(spec, tmp_path)
+    runs = out["runs"]
+    assert runs["together"]["ids"] == _solo(tmp_path / "art", serve_cache_dir, PROMPTS)
+    assert runs["crowd"]["stats"]["resumed"] >= 1, runs["crowd"]["stats"]
+    assert runs["crowd"]["ids"] == _solo(tmp_path / "art", serve_cache_dir, crowd, 56)
+
+
+def test_all_windowed_family_is_refused_by_name(tmp_path):
+    """mistral's every layer is windowed: no paged pool for vLLM's block manager."""
     ck = build_checkpoint(tmp_path / "ck", "mistral", seed=5)
     export_checkpoint(ck, tmp_path / "art", batch_ladder=(1,), context_ladder=(32,), block_size=8, prefill_chunk=16,
                       progress=False)
     out = _drive({"artifact": str(tmp_path / "art"), "refusals": [{}]}, tmp_path)
     [msg] = out["refusals"]
-    assert msg is not None and "window_kv (ring_kv)" in msg, msg
+    assert msg is not None and "no paged KV pool" in msg and "window_kv (ring_kv)" in msg, msg
 
 
 # -- the OpenAI server --------------------------------------------------------------------------------------------

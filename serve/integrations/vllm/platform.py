@@ -4,13 +4,15 @@ vLLM at the plugin's worker.
 What the artifact fixes is checked here and refused by name before anything is loaded: the block size (vLLM's block
 ids are the artifact's page ids), the longest sequence (`--max-model-len` must be a context of the artifact's
 ladder), the dtypes, one device (no tensor, pipeline or data parallelism), and the features an artifact does not
-have (LoRA, speculative decoding, multimodal inputs, prompt embeddings, pooling, vLLM quantization). Pools other
-than paged KV (a sliding window's ring, recurrent state slots) are refused too: vLLM's hybrid KV manager hands every
-cache group ids from one block pool of one page size, while an artifact sizes its ring and state pools apart
-(`ring_pages` per sequence, one slot per sequence), so vLLM's block ids cannot index them.
+have (LoRA, speculative decoding, multimodal inputs, prompt embeddings, pooling, vLLM quantization). vLLM's block
+manager keeps the paged KV pool, so an artifact without one (every layer windowed) is refused; a ring or state pool
+beside it is the worker's (side_pools.py), which turns vLLM's prefix caching off and caps max_num_seqs at what
+those pools hold.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from vllm.exceptions import VLLMValidationError
@@ -19,6 +21,9 @@ from vllm.platforms.cpu import CpuPlatform
 from tlaloc_jax import manifest as mf
 
 from .config import CONFIG_FORMAT, TORCH_DTYPES, TlalocArtifactConfig
+from .side_pools import max_sequences
+
+log = logging.getLogger("tlaloc_jax.serve.vllm")
 
 WORKER = "tlaloc_jax.serve.integrations.vllm.worker.ArtifactWorker"
 # vLLM's --kv-cache-dtype names that mean an artifact's pool dtype ("auto": the artifact's own).
@@ -75,6 +80,16 @@ class TlalocPlatform(CpuPlatform):
         cache.block_size = m.block_size
         # vLLM's block manager allocates exactly the pages of the artifact's paged pool.
         cache.num_gpu_blocks_override = m.capacity(mf.PoolKind.PAGED_KV)
+        fit = max_sequences(m)
+        if fit is not None:                  # ring and state pools: the worker's own (side_pools.py)
+            side = ", ".join(f"{p.name} ({p.kind})" for p in m.pools if p.kind != mf.PoolKind.PAGED_KV)
+            if cache.enable_prefix_caching:
+                log.warning("prefix caching off: a cached prefix would skip the positions that fill %s", side)
+                cache.enable_prefix_caching = False
+            scheduler = vllm_config.scheduler_config
+            if scheduler.max_num_seqs > fit:
+                log.warning("max_num_seqs %d -> %d: %s hold %d sequences", scheduler.max_num_seqs, fit, side, fit)
+                scheduler.max_num_seqs = fit
         parallel = vllm_config.parallel_config
         parallel.worker_cls = WORKER
         parallel.distributed_executor_backend = "uni"
@@ -96,12 +111,10 @@ def check_artifact_config(vllm_config) -> mf.Manifest:
                               f"{model_config.model!r} was read as {type(hf).__name__}; pass an artifact directory "
                               f"with --config-format {CONFIG_FORMAT}")
     m = mf.load_manifest(hf.artifact_dir, verify_files=False)
-    other = [f"{p.name} ({p.kind})" for p in m.pools if p.kind != mf.PoolKind.PAGED_KV]
-    if other:
-        raise ArtifactRefused(f"artifact {hf.artifact_dir} has pools vLLM's block manager cannot index: "
-                              f"{', '.join(other)}; serve it with python -m tlaloc_jax.serve")
     if not m.pools_of(mf.PoolKind.PAGED_KV):
-        raise ArtifactRefused(f"artifact {hf.artifact_dir} has no paged KV pool for vLLM's block manager")
+        others = ", ".join(f"{p.name} ({p.kind})" for p in m.pools)
+        raise ArtifactRefused(f"artifact {hf.artifact_dir} has no paged KV pool for vLLM's block manager (its pools: "
+                              f"{others}); serve it with python -m tlaloc_jax.serve")
     if cache.user_specified_block_size and cache.block_size != m.block_size:
         raise ArtifactRefused(f"--block-size {cache.block_size}: the artifact's pages hold {m.block_size} "
                               f"positions, and vLLM's blocks are its pages (use --block-size {m.block_size})")

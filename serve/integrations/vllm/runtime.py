@@ -32,7 +32,7 @@ class Row:
     sampler's inputs read of a sequence).
 
     token_ids start at position `start`; `pages` are the sequence's pages in position order (vLLM's block ids),
-    `state_slot` its slot in the state pools (-1: none). sampling: how to choose the token after the row's last
+    `state_slot` its slot in the state pools (-1: none), `ring` its ring of windowed pages. sampling: how to choose the token after the row's last
     one (None: no token is wanted from this row, e.g. a chunk before the end of a prompt). seed: the request's
     random stream; prompt and generated: its tokens so far (the draw's counter is len(generated); penalties read
     both). mask: the packed allowed-token words ([ceil(V / 32)] int32), or None for all tokens.
@@ -69,6 +69,7 @@ class ArtifactRuntime:
         self.block_size = self.manifest.block_size
         self.vocab = self.manifest.model.vocab
         self.sampler: mf.Sampler | None = self.manifest.sampler
+        self.ring_pages = self.manifest.ring.ring_pages if self.manifest.ring else 0
         self._by_kind = {kind: sorted((e for e in self.manifest.entries if e.kind == kind),
                                       key=lambda e: (e.context, e.batch)) for kind in mf.EntryKind}
         self.load_seconds = time.perf_counter() - t0
@@ -86,7 +87,7 @@ class ArtifactRuntime:
     def run(self, entry: mf.Entry, rows: Sequence[Row], *, logits: bool = False) -> RunResult:
         """Run `entry` once on `rows` (right-aligned, as the entry expects; unused rows empty)."""
         call = ScheduledCall(entry, tuple(rows), tuple(rows))
-        inputs = step_inputs(call, entry.tokens_per_seq, self.manifest, ring_pages=0)
+        inputs = step_inputs(call, entry.tokens_per_seq, self.manifest, self.ring_pages)
         want = {mf.Role.LOGITS} if logits else set()
         if self.sampler is not None:
             producing = [r.sampling is not None for r in rows]

@@ -33,6 +33,7 @@ from ...engine import DEFAULT_CACHE_DIR
 from .config import TORCH_DTYPES
 from .platform import ArtifactRefused
 from .runtime import ArtifactRuntime, Row
+from .side_pools import SidePools
 from .sampling import HostRow, HostSampler, allowed_words, body_sampling, logprobs_lists, request_seed
 
 log = logging.getLogger("tlaloc_jax.serve.vllm")
@@ -93,6 +94,7 @@ class ArtifactWorker(WorkerBase):
         self.runtime = ArtifactRuntime(self.model_config.hf_config.artifact_dir, plugin=self.options.get("plugin"),
                                        cache_dir=None if cache == "none" else Path(cache).expanduser())
         self._host_sampler = HostSampler(self.vllm_config)
+        self.side = SidePools(self.runtime.manifest)
         log.info("tlaloc artifact %s loaded in %.1f s (%s sampler)", self.model_config.hf_config.artifact_dir,
                  self.runtime.load_seconds, "in-body" if self.runtime.sampler else "no in-body")
 
@@ -177,6 +179,9 @@ class ArtifactWorker(WorkerBase):
     def _update_requests(self, so) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self.side.give_back(rid)
+        for rid in so.preempted_req_ids or ():
+            self.side.give_back(rid)                         # its ring and state are computed again on resumption
         for new in so.scheduled_new_reqs:
             sp = new.sampling_params
             if new.prompt_token_ids is None or sp is None:
@@ -197,6 +202,7 @@ class ArtifactWorker(WorkerBase):
             blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 r.pages = list(blocks[0])                    # preempted and resumed: all its pages are new
+                self.side.give_back(rid)
                 self.stats["resumed"] += 1
             elif blocks is not None:
                 r.pages.extend(blocks[0])
@@ -210,6 +216,7 @@ class ArtifactWorker(WorkerBase):
         rounds: list[list[_Piece]] = []
         self.stats["steps"] += 1
         for rid in order:
+            self.side.take(rid)
             pieces = self._pieces(self.requests[rid], so.num_scheduled_tokens[rid])
             self.stats["split_requests"] += len(pieces) > 1
             for k, piece in enumerate(pieces):
@@ -237,16 +244,18 @@ class ArtifactWorker(WorkerBase):
         return ModelRunnerOutput(req_ids=order, req_id_to_index=index, sampled_token_ids=sampled, logprobs=logprobs)
 
     def _pieces(self, r: _Request, n: int) -> list[_Piece]:
-        """A request's scheduled tokens as pieces the entries hold (at most the prefill chunk each)."""
+        """A request's scheduled tokens as pieces the entries hold (at most the prefill chunk each, and no more
+        than a ring lets one call write)."""
         tokens = r.tokens
         start, end = r.computed, r.computed + n
         if end > len(tokens):
             raise RuntimeError(f"request {r.req_id}: {n} tokens scheduled from {start}, but it has {len(tokens)}")
         cap = self.runtime.manifest.buckets.prefill_chunk or max(self.runtime.manifest.buckets.context_ladder)
-        out = []
-        for s in range(start, end, cap):
-            e = min(s + cap, end)
+        out, s = [], start
+        while s < end:
+            e = min(s + min(cap, self.side.call_limit(s) or cap), end)
             out.append(_Piece(r, s, tokens[s:e], e == end == len(tokens)))
+            s = e
         return out
 
     def _calls(self, pieces: list[_Piece], kind: mf.EntryKind):
@@ -282,7 +291,8 @@ class ArtifactWorker(WorkerBase):
                 if r.body is None or (masks[b] is not None and rt.sampler is None):
                     host.append(b)
                     body = None
-            rows.append(Row(p.token_ids, p.start, r.pages, sampling=body, seed=r.seed, prompt=r.prompt,
+            rows.append(Row(p.token_ids, p.start, r.pages, self.side.state_slot(r.req_id), self.side.ring(r.req_id),
+                            sampling=body, seed=r.seed, prompt=r.prompt,
                             generated=r.output, mask=masks.get(b) if body is not None else None))
         want_logits = bool(host) or any(p.produces and p.req.params.logprobs is not None for p in pieces)
         out = rt.run(entry, rows, logits=want_logits)
