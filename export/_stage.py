@@ -35,6 +35,7 @@ from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import PLATFORM_CUSTOM_CALLS, EntrySpec, ExportError, check_body, plan_entries
+from ._copy_slots import copy_slots_fn, copy_slots_signature
 from ._multistep import decode_steps_fn, decode_steps_signature
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
 from ._quant import quant_records
@@ -173,7 +174,8 @@ def _resolve_pools(specs: Mapping[str, PoolSpec], *, block_size: int, contexts: 
         ring_blocks = int(ring_blocks or min(full_pages, sequences * ring))
         if ring_blocks < ring:
             raise ExportError(f"ring_blocks {ring_blocks} cannot hold one ring of {ring} pages")
-    slots = int(state_slots or sequences)
+    # Beside a slot for each sequence, as many spare ones for the runtime's state snapshots (prefix caching).
+    slots = int(state_slots or sequences + max_batch)
     if slots < 1:
         raise ExportError(f"state_slots must be positive, got {slots}")
     pools = []
@@ -397,6 +399,23 @@ def copy_tokenizer(out: Path, tokenizer_dir) -> tuple[mf.TokenizerFile, ...]:
     return tuple(files)
 
 
+def _copy_slots_entry(out: Path, layout: _Layout, batch: int, platform: str) -> mf.Entry:
+    """The entry that copies state slots (the runtime's state snapshots for prefix caching), `batch` pairs a call."""
+    name = f"copy_slots_n{batch}"
+    inputs, outputs, donations = copy_slots_signature(layout.pools, batch)
+    exp = export_fn(copy_slots_fn(layout.pools), _avals(inputs), platform=platform,
+                    donate=tuple(i for _, i in donations))
+    check_body(name, exp, inputs, outputs, donations, platform)
+    entry = mf.Entry(name=name, kind=mf.EntryKind.COPY_SLOTS, batch=batch, context=0, tokens_per_seq=0,
+                     **dataclasses.asdict(write_body(out, exp)), program=f"programs/{name}.json",
+                     inputs=tuple(inputs), outputs=tuple(outputs), donations=donations,
+                     kept_inputs=tuple(exp.module_kept_var_idx))
+    _write(out / entry.program, (json.dumps({"entry": name, "inputs": [dataclasses.asdict(s) for s in inputs],
+                                             "outputs": [dataclasses.asdict(s) for s in outputs]},
+                                            indent=1, sort_keys=True) + "\n").encode())
+    return entry
+
+
 def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, *,
           batch_ladder: Sequence[int] = (1, 2, 4), context_ladder: Sequence[int] = (64, 256, 1024),
           prefill_chunk: int | None = None, prefill_max_batch: int | None = None, block_size: int = 16,
@@ -416,7 +435,8 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         capped by prefill_max_batch, tokens per prefill call by prefill_chunk (None: the whole context).
     block_size: positions per page. num_blocks: pages of the paged pools (default: the largest batch at the
         largest context); ring_blocks: pages of the ring pools; state_slots: slots of the state pools (default:
-        as many sequences as the paged pools hold at the largest context, at least the largest batch).
+        as many sequences as the paged pools hold at the largest context, at least the largest batch, plus the
+        largest batch again: spare slots for the state snapshots prefix caching keeps).
     tokenizer_dir: a directory whose tokenizer files (tokenizer.json, tokenizer_config.json, chat template,
         generation_config.json) are copied into the artifact. embedding_slot: the weight whose rows are the
         vocabulary, checked against it at load. describe: informative model sizes for the manifest (layers,
@@ -503,6 +523,8 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         entries.append(entry)
         bar.update()
 
+    if any(p.kind == mf.PoolKind.STATE_SLOTS for p in layout.pools):
+        entries.append(_copy_slots_entry(out, layout, batches[-1], platform))
     files = write_weights(out, flat, bar, quant_records(weights))
     bar.close()
     tokenizer = copy_tokenizer(out, tokenizer_dir)
