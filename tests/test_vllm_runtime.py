@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.serve import Engine, Sampling
 from tlaloc_jax.serve.integrations.vllm.runtime import ArtifactRuntime, Row
 
@@ -23,10 +23,10 @@ def _generate(rt: ArtifactRuntime, pages: list[int], sampling: Sampling | None =
     while len(out) < NEW:
         if pieces:
             a, b = pieces.pop(0)
-            kind, ids, start = mf.EntryKind.PREFILL, tokens[a:b], a
+            kind, ids, start = af.EntryKind.PREFILL, tokens[a:b], a
             produces = b == len(PROMPT)
         else:
-            kind, ids, start, produces = mf.EntryKind.DECODE, tokens[-1:], len(tokens) - 1, True
+            kind, ids, start, produces = af.EntryKind.DECODE, tokens[-1:], len(tokens) - 1, True
             pages = decode_pages or pages
         entry = rt.pick(kind, 1, start + len(ids), len(ids))
         row = Row(ids, start, pages, sampling=sampling if produces else None, seed=seed, prompt=PROMPT,

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from vllm.transformers_utils.config import HFConfigParser
 from vllm.transformers_utils.config_parser_base import ConfigParserBase
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 
 CONFIG_FORMAT = "tlaloc"
 ARCHITECTURE = "TlalocArtifactForCausalLM"
@@ -38,8 +38,8 @@ class TlalocArtifactConfig(PretrainedConfig):
 
 def config_from_manifest(artifact_dir: str | Path) -> TlalocArtifactConfig:
     """The config of an artifact, from its manifest alone (the worker validates every file when it loads)."""
-    m = mf.load_manifest(artifact_dir, verify_files=False)
-    paged = m.pools_of(mf.PoolKind.PAGED_KV)
+    m = af.load_manifest(artifact_dir, verify_files=False)
+    paged = m.pools_of(af.PoolKind.PAGED_KV)
     # Authored artifacts (tlaloc_jax.stage) may leave the model's dimensions unset: the paged pool's shape
     # [L, 2, P, S, K, D] says the layers, KV heads and head size vLLM counts KV bytes with.
     layers, _, _, _, kv_heads, head_dim = paged[0].shape if paged else (m.model.layers, 2, 0, 0, 1, 1)
@@ -86,6 +86,6 @@ class ArtifactOrHFConfigParser(HFConfigParser):
     loader asks the "hf" parser for the model's config; without this it fails (and retries) on an artifact."""
 
     def parse(self, model, trust_remote_code: bool, revision=None, code_revision=None, **kwargs):
-        if (Path(model) / mf.MANIFEST_NAME).is_file():
+        if (Path(model) / af.MANIFEST_NAME).is_file():
             return TlalocConfigParser().parse(model, trust_remote_code, revision, code_revision, **kwargs)
         return super().parse(model, trust_remote_code, revision, code_revision, **kwargs)

@@ -18,7 +18,7 @@ import torch
 from vllm.exceptions import VLLMValidationError
 from vllm.platforms.cpu import CpuPlatform
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 
 from .config import CONFIG_FORMAT, TORCH_DTYPES, TlalocArtifactConfig
 from .side_pools import max_sequences
@@ -79,10 +79,10 @@ class TlalocPlatform(CpuPlatform):
         cache = vllm_config.cache_config
         cache.block_size = m.block_size
         # vLLM's block manager allocates exactly the pages of the artifact's paged pool.
-        cache.num_gpu_blocks_override = m.capacity(mf.PoolKind.PAGED_KV)
+        cache.num_gpu_blocks_override = m.capacity(af.PoolKind.PAGED_KV)
         fit = max_sequences(m)
         if fit is not None:                  # ring and state pools: the worker's own (side_pools.py)
-            side = ", ".join(f"{p.name} ({p.kind})" for p in m.pools if p.kind != mf.PoolKind.PAGED_KV)
+            side = ", ".join(f"{p.name} ({p.kind})" for p in m.pools if p.kind != af.PoolKind.PAGED_KV)
             if cache.enable_prefix_caching:
                 log.warning("prefix caching off: a cached prefix would skip the positions that fill %s", side)
                 cache.enable_prefix_caching = False
@@ -102,7 +102,7 @@ class TlalocPlatform(CpuPlatform):
             model_config.skip_tokenizer_init = True      # an ids-only artifact: prompts are token ids
 
 
-def check_artifact_config(vllm_config) -> mf.Manifest:
+def check_artifact_config(vllm_config) -> af.Manifest:
     """The artifact's manifest, or ArtifactRefused naming the first setting of vLLM's config it cannot serve."""
     model_config, cache = vllm_config.model_config, vllm_config.cache_config
     hf = model_config.hf_config
@@ -110,8 +110,8 @@ def check_artifact_config(vllm_config) -> mf.Manifest:
         raise ArtifactRefused(f"the tlaloc platform (VLLM_PLUGINS=tlaloc) serves tlaloc artifacts: "
                               f"{model_config.model!r} was read as {type(hf).__name__}; pass an artifact directory "
                               f"with --config-format {CONFIG_FORMAT}")
-    m = mf.load_manifest(hf.artifact_dir, verify_files=False)
-    if not m.pools_of(mf.PoolKind.PAGED_KV):
+    m = af.load_manifest(hf.artifact_dir, verify_files=False)
+    if not m.pools_of(af.PoolKind.PAGED_KV):
         others = ", ".join(f"{p.name} ({p.kind})" for p in m.pools)
         raise ArtifactRefused(f"artifact {hf.artifact_dir} has no paged KV pool for vLLM's block manager (its pools: "
                               f"{others}); serve it with python -m tlaloc_jax.serve")
@@ -126,13 +126,13 @@ def check_artifact_config(vllm_config) -> mf.Manifest:
     if model_config.dtype != want:
         raise ArtifactRefused(f"--dtype {str(model_config.dtype).removeprefix('torch.')}: the artifact's weights "
                               f"are {m.model.weight_dtype}")
-    pool_dtype = m.pools_of(mf.PoolKind.PAGED_KV)[0].dtype
+    pool_dtype = m.pools_of(af.PoolKind.PAGED_KV)[0].dtype
     if cache.cache_dtype != "auto" and KV_DTYPE_NAMES.get(cache.cache_dtype) != pool_dtype:
         raise ArtifactRefused(f"--kv-cache-dtype {cache.cache_dtype}: the artifact's KV pool is {pool_dtype}")
     override = cache.num_gpu_blocks_override
-    if override is not None and override != m.capacity(mf.PoolKind.PAGED_KV):
+    if override is not None and override != m.capacity(af.PoolKind.PAGED_KV):
         raise ArtifactRefused(f"--num-gpu-blocks-override {override}: the artifact's KV pool holds "
-                              f"{m.capacity(mf.PoolKind.PAGED_KV)} pages")
+                              f"{m.capacity(af.PoolKind.PAGED_KV)} pages")
     parallel = vllm_config.parallel_config
     for name, size in (("--tensor-parallel-size", parallel.tensor_parallel_size),
                        ("--pipeline-parallel-size", parallel.pipeline_parallel_size),

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 
 from ...core.inputs import sampler_inputs, step_inputs
 from ...core.scheduler import ScheduledCall
@@ -64,40 +64,40 @@ class ArtifactRuntime:
     def __init__(self, artifact_dir: str | Path, *, plugin: str | None = None,
                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR):
         t0 = time.perf_counter()
-        self.manifest: mf.Manifest = mf.load_manifest(artifact_dir)
+        self.manifest: af.Manifest = af.load_manifest(artifact_dir)
         self.runner = Runner(artifact_dir, self.manifest, Device(plugin, cache_dir=cache_dir), progress=False)
         self.block_size = self.manifest.block_size
         self.vocab = self.manifest.model.vocab
-        self.sampler: mf.Sampler | None = self.manifest.sampler
+        self.sampler: af.SamplerShape | None = self.manifest.sampler
         self.ring_pages = self.manifest.ring.ring_pages if self.manifest.ring else 0
         self._by_kind = {kind: sorted((e for e in self.manifest.entries if e.kind == kind),
-                                      key=lambda e: (e.context, e.batch)) for kind in mf.EntryKind}
+                                      key=lambda e: (e.context, e.batch)) for kind in af.EntryKind}
         self.load_seconds = time.perf_counter() - t0
 
-    def capacity(self, kind: mf.PoolKind) -> int:
+    def capacity(self, kind: af.PoolKind) -> int:
         return self.manifest.capacity(kind)
 
-    def pick(self, kind: mf.EntryKind, batch: int, context: int, tokens: int) -> mf.Entry | None:
+    def pick(self, kind: af.EntryKind, batch: int, context: int, tokens: int) -> af.Entry | None:
         """The smallest entry of `kind` that holds `batch` rows of up to `tokens` tokens reaching `context`."""
         for e in self._by_kind[kind]:
             if e.batch >= batch and e.context >= context and e.tokens_per_seq >= tokens:
                 return e
         return None
 
-    def run(self, entry: mf.Entry, rows: Sequence[Row], *, logits: bool = False) -> RunResult:
+    def run(self, entry: af.Entry, rows: Sequence[Row], *, logits: bool = False) -> RunResult:
         """Run `entry` once on `rows` (right-aligned, as the entry expects; unused rows empty)."""
         call = ScheduledCall(entry, tuple(rows), tuple(rows))
         inputs = step_inputs(call, entry.tokens_per_seq, self.manifest, self.ring_pages)
-        want = {mf.Role.LOGITS} if logits else set()
+        want = {af.Role.LOGITS} if logits else set()
         if self.sampler is not None:
             producing = [r.sampling is not None for r in rows]
             inputs.update(sampler_inputs(self.runner, call, producing,
                                          [r.mask if p else None for r, p in zip(rows, producing)]))
-            chosen = mf.Role.SAMPLED_TOKEN
+            chosen = af.Role.SAMPLED_TOKEN
         else:
-            chosen = mf.Role.NEXT_TOKEN
+            chosen = af.Role.NEXT_TOKEN
         out = self.runner.run(entry, inputs, want | {chosen})
-        return RunResult(np.asarray(out[chosen][:len(rows)]), out[mf.Role.LOGITS][:len(rows)] if logits else None)
+        return RunResult(np.asarray(out[chosen][:len(rows)]), out[af.Role.LOGITS][:len(rows)] if logits else None)
 
     def close(self) -> None:
         self.runner.close()

@@ -12,30 +12,30 @@ artifacts (a cached prefix would skip the positions that fill the ring and the s
 
 from __future__ import annotations
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.paging import PageAllocator, pool_rule
 
-SIDE_KINDS = (mf.PoolKind.RING_KV, mf.PoolKind.STATE_SLOTS)
+SIDE_KINDS = (af.PoolKind.RING_KV, af.PoolKind.STATE_SLOTS)
 
 
-def per_sequence(m: mf.Manifest, kind: mf.PoolKind) -> int:
+def per_sequence(m: af.Manifest, kind: af.PoolKind) -> int:
     """The units of a side pool one sequence holds: its whole ring, or one state slot."""
-    return m.ring.ring_pages if kind == mf.PoolKind.RING_KV else 1
+    return m.ring.ring_pages if kind == af.PoolKind.RING_KV else 1
 
 
-def max_sequences(m: mf.Manifest) -> int | None:
+def max_sequences(m: af.Manifest) -> int | None:
     """How many sequences the side pools hold at once (None: the artifact has none)."""
     caps = [m.capacity(kind) // per_sequence(m, kind) for kind in SIDE_KINDS if kind in m.pool_kinds]
     return min(caps) if caps else None
 
 
 class SidePools:
-    def __init__(self, m: mf.Manifest):
+    def __init__(self, m: af.Manifest):
         self.manifest = m
         kinds = [kind for kind in SIDE_KINDS if kind in m.pool_kinds]
         self.rules = {kind: pool_rule(m.pools_of(kind)[0], m.block_size) for kind in kinds}
         self.free_lists = {kind: PageAllocator(m.capacity(kind), str(kind)) for kind in kinds}
-        self.held: dict[str, dict[mf.PoolKind, list[int]]] = {}
+        self.held: dict[str, dict[af.PoolKind, list[int]]] = {}
 
     def take(self, req_id: str) -> None:
         """The request's ring and slot (kept if it holds them already)."""
@@ -48,10 +48,10 @@ class SidePools:
             self.free_lists[kind].free(units)
 
     def ring(self, req_id: str) -> list[int]:
-        return self.held.get(req_id, {}).get(mf.PoolKind.RING_KV, [])
+        return self.held.get(req_id, {}).get(af.PoolKind.RING_KV, [])
 
     def state_slot(self, req_id: str) -> int:
-        slots = self.held.get(req_id, {}).get(mf.PoolKind.STATE_SLOTS)
+        slots = self.held.get(req_id, {}).get(af.PoolKind.STATE_SLOTS)
         return slots[0] if slots else -1
 
     def call_limit(self, start: int) -> int | None:

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 
 from ...engine import DEFAULT_CACHE_DIR
 from .config import TORCH_DTYPES
@@ -98,8 +98,8 @@ class ArtifactWorker(WorkerBase):
         log.info("tlaloc artifact %s loaded in %.1f s (%s sampler)", self.model_config.hf_config.artifact_dir,
                  self.runtime.load_seconds, "in-body" if self.runtime.sampler else "no in-body")
 
-    def _pool(self) -> mf.Pool:
-        return self.runtime.manifest.pools_of(mf.PoolKind.PAGED_KV)[0]
+    def _pool(self) -> af.Pool:
+        return self.runtime.manifest.pools_of(af.PoolKind.PAGED_KV)[0]
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """One full-attention layer per layer of the paged pool ([L, 2, P, S, K, D]), pages of S positions."""
@@ -117,7 +117,7 @@ class ArtifactWorker(WorkerBase):
         return self._pool().nbytes
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        pages = self.runtime.capacity(mf.PoolKind.PAGED_KV)
+        pages = self.runtime.capacity(af.PoolKind.PAGED_KV)
         if kv_cache_config.num_blocks != pages:
             raise ArtifactRefused(f"vLLM planned {kv_cache_config.num_blocks} KV blocks; the artifact's pool holds "
                                   f"{pages} pages")
@@ -226,8 +226,8 @@ class ArtifactWorker(WorkerBase):
         chosen: dict[str, int] = {}
         logits_of: dict[str, np.ndarray] = {}
         for pieces in rounds:
-            for kind in (mf.EntryKind.DECODE, mf.EntryKind.PREFILL):
-                group = [p for p in pieces if (len(p.token_ids) == 1) == (kind == mf.EntryKind.DECODE)]
+            for kind in (af.EntryKind.DECODE, af.EntryKind.PREFILL):
+                group = [p for p in pieces if (len(p.token_ids) == 1) == (kind == af.EntryKind.DECODE)]
                 for entry, calls in self._calls(group, kind):
                     self._run(entry, calls, grammar, chosen, logits_of)
         index = {rid: i for i, rid in enumerate(order)}
@@ -258,7 +258,7 @@ class ArtifactWorker(WorkerBase):
             s = e
         return out
 
-    def _calls(self, pieces: list[_Piece], kind: mf.EntryKind):
+    def _calls(self, pieces: list[_Piece], kind: af.EntryKind):
         """(entry, pieces) per call: pieces in order, as many a call as the smallest entry of `kind` holds."""
         group: list[_Piece] = []
 
@@ -278,7 +278,7 @@ class ArtifactWorker(WorkerBase):
                                        f"from position {p.start}")
                 group = [p]
 
-    def _run(self, entry: mf.Entry, pieces: list[_Piece], grammar: dict, chosen: dict, logits_of: dict) -> None:
+    def _run(self, entry: af.Entry, pieces: list[_Piece], grammar: dict, chosen: dict, logits_of: dict) -> None:
         """One call; the producing rows' tokens go to `chosen`, their logits (when wanted) to `logits_of`."""
         rt = self.runtime
         words = (rt.vocab + 31) // 32
