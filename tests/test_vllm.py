@@ -22,6 +22,7 @@ import pytest
 
 from hf_models import build_checkpoint
 from process_util import wait_ready
+from tokenizers_util import IMAGE
 from tlaloc_jax.export import Sampler, export_checkpoint
 from tlaloc_jax.serve import Engine, Sampling
 
@@ -300,3 +301,6 @@ def test_openai_server_refuses_by_name(server):
     with pytest.raises(BadRequestError) as e:
         client.completions.create(model="ck", prompt=[5, 6, 7], max_tokens=4, extra_body={"prompt_logprobs": 1})
     assert "prompt_logprobs" in str(e.value)
+    with pytest.raises(BadRequestError) as e:          # the checkpoint's image_token_id (tests/http_util.py)
+        client.completions.create(model="ck", prompt=[5, IMAGE, 7], max_tokens=4)
+    assert f"refused token {IMAGE}" in str(e.value) and "image_token_id" in str(e.value)

@@ -51,9 +51,19 @@ class TlalocPlatform(CpuPlatform):
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         raise ArtifactRefused("a tlaloc artifact's attention is in its entries: vLLM's attention backends are unused")
 
+    # The artifact's refused tokens (a multimodal checkpoint's placeholders), read where vLLM's config is checked:
+    # the process that takes requests checks it too.
+    refused_tokens: dict[int, str] = {}
+
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
-        """Per request: what the worker cannot give is refused by name (vLLM answers 400)."""
+        """Per request: what the artifact refuses or the worker cannot give is refused by name (vLLM answers 400)."""
+        ids = processed_inputs.get("prompt_token_ids") if isinstance(processed_inputs, dict) else None
+        for t in ids or ():
+            if t in cls.refused_tokens:
+                raise VLLMValidationError(f"refused token {t} (multimodal placeholder, config key "
+                                          f"{cls.refused_tokens[t]}): this artifact is the text decoder only",
+                                          parameter="prompt")
         if getattr(params, "prompt_logprobs", None) is not None:
             raise VLLMValidationError("prompt_logprobs: the tlaloc plugin's entries return the logits of each row's "
                                       "last token only (python -m tlaloc_jax.serve scores prompts with the "
@@ -76,6 +86,7 @@ class TlalocPlatform(CpuPlatform):
         if model_config is None:
             return
         m = check_artifact_config(vllm_config)
+        cls.refused_tokens = {r.token_id: r.config_key for r in m.refused_tokens}
         cache = vllm_config.cache_config
         cache.block_size = m.block_size
         # vLLM's block manager allocates exactly the pages of the artifact's paged pool.
