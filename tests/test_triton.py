@@ -14,7 +14,6 @@ import queue
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="the `triton-client` extra is not installed "
                                                              "(pip install -e '.[triton-client]')")
 httpclient = pytest.importorskip("tritonclient.http", reason="the `triton-client` extra is not installed")
+from process_util import wait_ready
 from tlaloc_jax.serve import Engine, Sampling
 from tokenizers_util import EOS
 from tritonclient.utils import InferenceServerException
@@ -76,18 +76,8 @@ def triton(ids_artifact, tmp_path_factory):
     urls = (f"127.0.0.1:{http}", f"127.0.0.1:{grpc}")
     try:
         client = httpclient.InferenceServerClient(urls[0])
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"triton server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if client.is_model_ready(MODEL):
-                    break
-            except (InferenceServerException, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"triton server did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(0.5)
+        wait_ready(proc, lambda: client.is_model_ready(MODEL), log, "triton server", timeout=240,
+                   errors=(InferenceServerException, OSError))
         yield urls
     finally:
         proc.send_signal(signal.SIGTERM)       # the server stops Triton and its model process, then exits
