@@ -50,6 +50,11 @@ def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pag
     return specs
 
 
+# The decode attention of cuda exports when none is asked for. A default is what a GPU run has measured correct and
+# faster: plain ops until `bench/gpu.py run` records the Pallas kernel's verdict in docs/gpu.md (its test reads it).
+CUDA_DECODE_ATTENTION = "xla"
+
+
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                       batch_ladder: Sequence[int] = (1, 2, 4), context_ladder: Sequence[int] = (64, 256, 1024),
                       prefill_max_batch: int | None = None, prefill_chunk: int | None = None,
@@ -79,16 +84,16 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     checkpoint's max_position_embeddings is refused unless allow_longer_context, which warns instead.
     prompt_logprobs: N adds a scoring prefill entry beside each prefill entry, returning per prompt position the
     next token's logprob and rank and the N top logprobs (see `stage`, PromptScorer); None adds none.
-    decode_attention: how decode entries attend over their pages: "pallas" (the Pallas GPU kernel, lowered
-    through Triton; the default on cuda, refused on cpu) or "xla" (plain ops; the default on cpu). Prefill
-    entries use plain ops either way.
+    decode_attention: how decode entries attend over their pages: "xla" (plain ops; the default, CUDA_DECODE_ATTENTION
+    on cuda) or "pallas" (the Pallas GPU kernel, lowered through Triton; cuda only). Prefill entries use plain ops
+    either way.
     weight_quant "int8", "fp8" or "int4" (groups of quant_group input channels) stores the projections as codes
     and scales quantized from the checkpoint's f32 values (export/_quant.py; quant_axis "input" is the
     wrong-axis control of the quality check); kv_dtype "float8_e4m3fn" stores the KV pools as e4m3fn codes.
     The model's name then ends in ":q<scheme>" and ":kvfp8".
     decode_steps: K > 1 adds a K-step decode entry beside each decode entry (see `stage`).
     """
-    decode_attention = decode_attention or ("pallas" if platform == "cuda" else "xla")
+    decode_attention = decode_attention or (CUDA_DECODE_ATTENTION if platform == "cuda" else "xla")
     if decode_attention not in ("pallas", "xla"):
         raise ExportError(f"decode_attention {decode_attention!r} is not one of pallas, xla")
     if decode_attention == "pallas" and platform != "cuda":
