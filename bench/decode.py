@@ -116,6 +116,7 @@ def main(argv=None) -> None:
     import jax
 
     import tlaloc_jax
+    from tlaloc_jax import manifest as mf
     from tlaloc_jax.checkpoint import random_weights, save_checkpoint
     from tlaloc_jax.decoder import StepInputs
     from tlaloc_jax.export import export_checkpoint

@@ -72,5 +72,6 @@ def quant_records(weights: Any) -> dict[str, mf.WeightQuant]:
             continue
         name = ".".join(_key_name(k) for k in path)
         for part in mf.QuantPart:
-            out[f"{name}.{part}"] = mf.WeightQuant(mf.QuantScheme(leaf.scheme), part, name, leaf.group)
+            out[f"{name}.{part}"] = mf.WeightQuant(mf.QuantScheme(leaf.scheme), part, name, leaf.group,
+                                                   leaf.out_major)
     return out

@@ -30,7 +30,8 @@ Changelog:
     before (such a prompt is read a token a call and scored on the host); a runtime that predates them refuses
     the new kind by name.
     v4 + quantized weights (optional, still tlaloc-serving-v4): a weight file may carry `quant` (WeightQuant:
-    its QuantScheme, whether it holds the codes or the scales, the quantized weight's name, int4's group);
+    its QuantScheme, whether it holds the codes or the scales, the quantized weight's name, int4's group, and
+    `out_major` when the codes are stored [..., O, I] as the per-layer layout's are; absent: false);
     checked at load (codes in the scheme's dtype, f32 scales of the matching shape, both halves present).
     A manifest without it has none; a runtime feeds the files by slot as before.
     v4 + decode steps (optional, still tlaloc-serving-v4): entries of kind `decode_steps` with `steps` K (every
@@ -308,6 +309,7 @@ class WeightQuant:
     part: QuantPart
     weight: str
     group: int = 0                 # int4: input channels per scale; 0 otherwise
+    out_major: bool = False        # codes [..., O, I] (int4 [..., O, I / 2], scales [..., O, I / group])
 
 
 @dataclass(frozen=True)
@@ -733,9 +735,14 @@ def _validate_quant(weights: tuple[WeightFile, ...]) -> None:
             raise ManifestError(f"quantized weight {name!r} has no {missing} file")
         codes, scales, q = seen[QuantPart.CODES], seen[QuantPart.SCALES], seen[QuantPart.CODES].quant
         *lead, rows, cols = codes.shape
-        want = (*lead, rows * 2 // q.group, cols) if q.scheme == QuantScheme.INT4 else (*lead, cols)
-        if q.scheme == QuantScheme.INT4 and (rows * 2) % q.group:
-            raise ManifestError(f"quantized weight {name!r}: int4 groups of {q.group} do not tile {rows * 2} inputs")
+        if q.out_major:         # [..., O, I]: the per-layer layout's
+            want = (*lead, rows, cols * 2 // q.group) if q.scheme == QuantScheme.INT4 else (*lead, rows)
+            inputs = cols * 2
+        else:
+            want = (*lead, rows * 2 // q.group, cols) if q.scheme == QuantScheme.INT4 else (*lead, cols)
+            inputs = rows * 2
+        if q.scheme == QuantScheme.INT4 and inputs % q.group:
+            raise ManifestError(f"quantized weight {name!r}: int4 groups of {q.group} do not tile {inputs} inputs")
         if tuple(scales.shape) != tuple(want):
             raise ManifestError(f"quantized weight {name!r}: codes {list(codes.shape)} need scales {list(want)}, "
                                 f"got {list(scales.shape)}")
