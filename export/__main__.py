@@ -6,6 +6,10 @@ import argparse
 import sys
 import time
 
+from tlaloc_jax.artifact import QUANT_GROUPS
+
+from ._quant import WEIGHT_QUANT
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -39,12 +43,12 @@ def main(argv=None) -> int:
     ap.add_argument("--weight-dtype", choices=["f32", "bf16"], default="f32", help="weight dtype (default f32)")
     ap.add_argument("--kv-dtype", choices=["f32", "bf16", "fp8"], default="f32",
                     help="KV pool dtype (default f32); fp8 stores keys and values as e4m3fn, clamped to +-448, no scale")
-    ap.add_argument("--weight-quant", choices=["none", "int8", "fp8", "int4"], default="none",
+    ap.add_argument("--weight-quant", choices=WEIGHT_QUANT, default="none",
                     help="store the projections (q, k, v, o, output gate, gate, up, down, experts) as int8 or fp8 codes "
                          "with a scale per output channel, or int4 codes with a scale per --quant-group input channels, "
                          "quantized from the checkpoint's values; embedding, norms and head keep the weight dtype "
                          "(default none). It changes the model's numerics: python -m tlaloc_jax.quality measures it")
-    ap.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=128,
+    ap.add_argument("--quant-group", type=int, choices=QUANT_GROUPS, default=128,
                     help="input channels per int4 scale (default 128)")
     ap.add_argument("--attention-block", type=int, default=2048,
                     help="key block of the blockwise attention loop, in positions (default 2048)")
