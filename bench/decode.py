@@ -43,16 +43,23 @@ def _median_time(fn, steps: int, warmup: int = 2) -> float:
 
 def _median_times(fns, steps: int, warmup: int = 2) -> list[float]:
     """Median seconds of each function, the functions interleaved so that drift hits them alike."""
+    return [wall for wall, _ in _median_wall_cpu(fns, steps, warmup)]
+
+
+def _median_wall_cpu(fns, steps: int, warmup: int = 2) -> list[tuple[float, float]]:
+    """(median wall seconds, median CPU seconds of this process, every thread) of each function, interleaved. On a
+    loaded machine the CPU time is the steadier measure of the work a call does: waiting for a core adds none."""
     for fn in fns:
         for _ in range(warmup):
             fn()
-    times = [[] for _ in fns]
+    times = [([], []) for _ in fns]
     for _ in range(steps):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
+        for fn, (ts, cs) in zip(fns, times):
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
+            cs.append(time.process_time() - c0)
+    return [(statistics.median(ts), statistics.median(cs)) for ts, cs in times]
 
 
 def _step_fields(entry) -> list[str]:

@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import _median_times  # noqa: E402
+from decode import _median_times, _median_wall_cpu  # noqa: E402
 
 
 def step_bytes(manifest, vocab: int) -> int:
@@ -128,15 +128,16 @@ def main(argv=None) -> None:
                                    width=width, block_size=block)
         entry = f"decode_b1_c{args.context}"
         fns = [(lambda e=e, m=m: e.runner.run(m.entry(entry), inputs, {Role.NEXT_TOKEN})) for e, m in zip(engines, manifests)]
-        times = _median_times(fns, args.steps)
+        wall_cpu = _median_wall_cpu(fns, args.steps)
+        times, cpu = [w for w, _ in wall_cpu], [c for _, c in wall_cpu]
         base_b, base_t = step_bytes(manifests[1], args.vocab), times[1]
         print()
         print(f"{'weights':>22} | {'MiB a step':>10} | {'vs bf16':>7} | {'step ms':>8} | {'vs bf16':>7} | "
-              f"{'vs f32':>6}")
-        for (label, _, _), m, t in zip(variants, manifests, times):
+              f"{'vs f32':>6} | {'CPU ms':>7} | {'CPU vs f32':>10}")
+        for (label, _, _), m, t, c in zip(variants, manifests, times, cpu):
             b = step_bytes(m, args.vocab)
             print(f"{label:>22} | {b / 2**20:10.2f} | {b / base_b:6.2f}x | {t * 1e3:8.2f} | {t / base_t:6.2f}x | "
-                  f"{t / times[0]:5.2f}x")
+                  f"{t / times[0]:5.2f}x | {c * 1e3:7.2f} | {c / cpu[0]:9.2f}x")
         if args.prefill:
             pin = build_step_inputs([RowCall([7] * args.prefill, 0, list(range(width)))], batch=1,
                                     tokens=args.prefill, width=width, block_size=block)
