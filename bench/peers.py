@@ -31,7 +31,8 @@ without building it and point them at the library:
 
     CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install llama-cpp-python==0.3.36 gguf
     export LLAMA_CPP_LIB_PATH=/path/to/llama.cpp/build/bin      # the directory holding libllama.so
-    python bench/peers.py                  # ~100M parameters, 2 rounds
+    python bench/peers.py                  # ~100M parameters, f32, Q8_0/int8 and Q4_0/int4, 2 rounds
+    python bench/peers.py --variants f32,q8 --rounds 3
     python bench/peers.py --hidden 256 --layers 2 --intermediate 512 --vocab 4096 --rounds 1   # a quick look
 
 Only a quiet machine gives a fair table: the load average before and after each process is printed with it.
