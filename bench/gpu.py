@@ -360,7 +360,9 @@ def find_cuda_plugin() -> str:
 
 
 def run(kit: Path, plugin: str | None, steps: int, guard: bool = True, models_wanted=None,
-        stages=("runtime", "jax", "serving")) -> None:
+        stages=("runtime", "serving", "jax"), budget: float = 300.0) -> None:
+    """Every model's stages in turn, the whole run held to `budget` seconds: a stage gets at most what is left
+    (and its own STAGE_TIMEOUT), one with under 20 s left is skipped, and the table says so."""
     t_start = time.perf_counter()
     sys.path[:0] = [str(kit / "pkg"), str(kit / "site")]      # the table and verdict read the kit's packages
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(kit / "pkg"), str(kit / "site"),
@@ -385,13 +387,17 @@ def run(kit: Path, plugin: str | None, steps: int, guard: bool = True, models_wa
             cmd = [sys.executable, str(HERE), f"_{stage}", *map(str, arts), "--steps", str(steps)]
             if stage in ("runtime", "serving"):
                 cmd += ["--plugin", plugin or ""] + (["--guard"] if guard else [])
+            limit = min(STAGE_TIMEOUT[stage], budget - (time.perf_counter() - t_start))
+            if limit < 20:
+                print(f"== {model}: {stage} stage skipped ({budget:.0f} s budget spent)", flush=True)
+                continue
             t0 = time.perf_counter()
             try:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=STAGE_TIMEOUT[stage])
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
                 out, err, why = proc.stdout, proc.stderr, f"exit {proc.returncode}" if proc.returncode else ""
             except subprocess.TimeoutExpired as e:   # keep what it measured
                 out, err = (x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-                why = f"stopped after {STAGE_TIMEOUT[stage]} s"
+                why = f"stopped after {limit:.0f} s"
             got = [json.loads(l[7:]) for l in out.splitlines() if l.startswith("RESULT ")]
             lines += [dict(r, model=model) for r in got]
             print(f"== {model}: {stage} stage, {len(got)} results, {time.perf_counter() - t0:.0f} s", flush=True)
@@ -543,7 +549,9 @@ def main(argv=None) -> int:
     r.add_argument("--plugin", default=None, help="the CUDA PJRT plugin (default: jax_plugins/*/xla_cuda_plugin.so)")
     r.add_argument("--steps", type=int, default=20, help="timed calls per entry, variant and round (3 rounds)")
     r.add_argument("--models", default="", help="models of the kit to time (default: all)")
-    r.add_argument("--stages", default="runtime,jax,serving", help="stages to run (default runtime,jax,serving)")
+    r.add_argument("--stages", default="runtime,serving,jax", help="stages to run, in order (default "
+                   "runtime,serving,jax)")
+    r.add_argument("--budget", type=float, default=300.0, help="seconds the whole run may take (default 300)")
     d = sub.add_parser("dry-run", help="the whole flow on the tiny model for cpu, on this machine")
     d.add_argument("--kit", type=Path, default=ROOT / ".gpu-bench-dry")
     d.add_argument("--steps", type=int, default=3)
@@ -558,7 +566,7 @@ def main(argv=None) -> int:
         make_kit(a.kit, a.models.split(","), a.variants.split(","), "cuda")
     elif a.cmd == "run":
         run(a.kit, a.plugin or find_cuda_plugin(), a.steps, models_wanted=[m for m in a.models.split(",") if m],
-            stages=a.stages.split(","))
+            stages=a.stages.split(","), budget=a.budget)
     elif a.cmd == "dry-run":
         dry_run(a.kit, a.steps)
     elif a.cmd == "_runtime":
