@@ -5,8 +5,11 @@ Everything is measured in one run, so the ratios hold on a noisy machine even wh
 drift. Builds a Llama-shaped model (about 100M parameters by default, f32, random weights), exports it,
 and prints:
 
-  - decode tokens/s at batch 1, 2, 4 for the runtime, in-process JAX and the host-copy control;
-  - prefill tokens/s of one call for the runtime and in-process JAX;
+  - decode tokens/s at batch 1, 4, 8, 32 for the runtime, in-process JAX and the host-copy control, and each
+    runtime step as a multiple of its read floor (the weight bytes and the rows' KV bytes at the 2-thread read
+    rate measured here) and of the batch-1 step;
+  - prefill tokens/s of one call for the runtime and in-process JAX, and the runtime's FLOP rate as a fraction
+    of the best this CPU's XLA reaches on a large f32 matmul through the same plugin (and bf16's, for reference);
   - the weight bytes a decode step reads, the memory bandwidth measured here, and the runtime's decode
     step time as a multiple of that floor;
   - what returning the argmax next to the logits saves per step (greedy pulls 4 bytes a row, not V * 4);
@@ -40,16 +43,23 @@ def _median_time(fn, steps: int, warmup: int = 2) -> float:
 
 def _median_times(fns, steps: int, warmup: int = 2) -> list[float]:
     """Median seconds of each function, the functions interleaved so that drift hits them alike."""
+    return [wall for wall, _ in _median_wall_cpu(fns, steps, warmup)]
+
+
+def _median_wall_cpu(fns, steps: int, warmup: int = 2) -> list[tuple[float, float]]:
+    """(median wall seconds, median CPU seconds of this process, every thread) of each function, interleaved. On a
+    loaded machine the CPU time is the steadier measure of the work a call does: waiting for a core adds none."""
     for fn in fns:
         for _ in range(warmup):
             fn()
-    times = [[] for _ in fns]
+    times = [([], []) for _ in fns]
     for _ in range(steps):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
+        for fn, (ts, cs) in zip(fns, times):
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
+            cs.append(time.process_time() - c0)
+    return [(statistics.median(ts), statistics.median(cs)) for ts, cs in times]
 
 
 def _step_fields(entry) -> list[str]:
@@ -69,6 +79,47 @@ def _bandwidth(nbytes: int, threads: int, repeats: int = 7) -> float:
             list(pool.map(lambda x: x.sum(dtype=np.float32), parts))
         best = min(_median_time(read, 1, warmup=1) for _ in range(repeats))
     return a.nbytes / best
+
+
+def matmul_peak(device, dtype: str, rows: int = 512, inner: int = 2048, cols: int = 4096,
+                steps: int = 5) -> float:
+    """FLOP/s of a [rows, inner] x [inner, cols] matmul (operands in `dtype`, f32 accumulation, eight of them in one
+    body so that launch costs vanish), compiled and run by the runtime's PJRT device: the rate the plugin's XLA
+    reaches on this CPU with every thread, the ceiling a prefill of the same dtype can approach."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export as jax_export
+    from jax import lax
+    dt = jnp.dtype(dtype)
+
+    def body(x, ws):
+        return [lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float32) for w in ws]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, inner)).astype(dt)
+    ws = [rng.standard_normal((cols, inner)).astype(dt) for _ in range(8)]
+    exp = jax_export.export(jax.jit(body), platforms=["cpu"])(x, ws)
+    exe = device.compile(exp.mlir_module_serialized, name=f"matmul_peak_{dtype}")
+    bufs = [device.upload(a) for a in (x, *ws)]
+
+    def run():
+        for o in device.execute(exe, bufs, donate=()):
+            o.close()
+    t = _median_time(run, steps, warmup=1)
+    for b in bufs:
+        b.close()
+    return 2 * rows * inner * cols * len(ws) / t
+
+
+def prefill_flops(cfg, tokens: int) -> float:
+    """FLOPs of a prefill of `tokens` tokens from position 0: every layer projection once per token (2 per weight),
+    the head once (the last token's logits), and causal attention's scores and weighted sum (2 * 2 * D per head and
+    visible key)."""
+    proj = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    proj += cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    keys = tokens * (tokens + 1) / 2
+    return (2 * (tokens * proj * cfg.num_layers + cfg.hidden_size * cfg.vocab_size)
+            + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys)
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -96,6 +147,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill", type=int, default=128, help="tokens of the prefill call")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per measurement")
     ap.add_argument("--plugin", default=None)
+    ap.add_argument("--weight-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the artifact's weights (and in-process JAX's)")
     ap.add_argument("--weight-quant", default=None,
                     help="int8,fp8,int4: compare the decode step of each weight scheme with bf16 and f32 instead "
                          "(bench/decode_quant.py, which reads the arguments itself)")
@@ -126,7 +179,7 @@ def main(argv=None) -> None:
 
     hf = llama_config(args)
     fam, cfg = config_from_hf(hf)
-    batches = (1, 2, 4)
+    batches = (1, 4, 8, 32)
     block = 16
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -137,12 +190,12 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         m = export_checkpoint(tmp / "ck", tmp / "art", batch_ladder=batches, context_ladder=(args.context,),
                               prefill_max_batch=1, prefill_chunk=args.prefill, block_size=block, progress=False,
-                              weight_layout="per-layer")
+                              weight_layout="per-layer", weight_dtype_name=args.weight_dtype)
         export_s = time.perf_counter() - t0
         engine = Engine.load(tmp / "art", args.plugin, cache_dir=None, progress=False)
         # In-process JAX runs the layout the exporter wrote (tlaloc_jax.layout), so the ratio is the runtime's own.
-        model = tlaloc_jax.load_hf(tmp / "ck", block_size=block, weight_layout="per-layer")
-        print(f"model: llama, {n_params / 1e6:.1f}M parameters (f32), {args.layers} layers, hidden {args.hidden}, "
+        model = tlaloc_jax.load_hf(tmp / "ck", dtype=args.weight_dtype, block_size=block, weight_layout="per-layer")
+        print(f"model: llama, {n_params / 1e6:.1f}M parameters ({args.weight_dtype}), {args.layers} layers, hidden {args.hidden}, "
               f"vocab {args.vocab}; context {args.context}; export {export_s:.1f} s, load {engine.load_seconds:.1f} s")
         print(f"plugin: {engine.device.plugin_package or engine.device.plugin_path} ({engine.device.platform_name}); "
               f"jax {jax.__version__} on {jax.devices()[0].platform}")
@@ -193,12 +246,19 @@ def main(argv=None) -> None:
             if b == 1:
                 t_rt_logits, t_rt_next = t_logits, t_rt
 
+        embed = next(w for w in m.weights if w.slot == "embed")
+        step_bytes = sum(w.nbytes for w in m.weights) - embed.nbytes + embed.nbytes // args.vocab
+        kv_row = (pos + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4   # keys and values a row reads
+        cores = os.cpu_count() or 1
+        bw1 = _bandwidth(max(1 << 29, 2 * step_bytes), 1)
+        bw = max(bw1, _bandwidth(max(1 << 29, 2 * step_bytes), cores))
         print()
         print(f"{'decode':>8} | {'runtime tok/s':>13} | {'in-process JAX':>14} | {'host-copy ctrl':>14} | "
-              f"{'runtime/JAX':>11} | {'runtime/ctrl':>12}")
+              f"{'runtime/JAX':>11} | {'runtime/ctrl':>12} | {'x floor':>7} | {'x batch-1':>9}")
         for b, t_rt, t_jax, t_host in rows:
+            floor = (step_bytes + b * kv_row) / bw
             print(f"batch {b:>2} | {b / t_rt:13.1f} | {b / t_jax:14.1f} | {b / t_host:14.1f} | "
-                  f"{t_jax / t_rt:10.2f}x | {t_host / t_rt:11.2f}x")
+                  f"{t_jax / t_rt:10.2f}x | {t_host / t_rt:11.2f}x | {t_rt / floor:6.2f}x | {t_rt / rows[0][1]:8.2f}x")
 
         pentry = m.entry(f"prefill_b1_c{args.context}")
         pin = step_inputs(1, tokens=args.prefill, start=0)
@@ -211,12 +271,12 @@ def main(argv=None) -> None:
                                         max(3, args.steps // 4))
         print(f"prefill {args.prefill} tokens | runtime {args.prefill / t_rt_p:.0f} tok/s | in-process JAX "
               f"{args.prefill / t_jax_p:.0f} tok/s | runtime/JAX {t_jax_p / t_rt_p:.2f}x")
+        peak = {dt: matmul_peak(engine.device, dt) for dt in ("float32", "bfloat16")}
+        rate = prefill_flops(cfg, args.prefill) / t_rt_p
+        print(f"prefill FLOP rate {rate / 1e9:.1f} GFLOP/s = {rate / peak['float32']:.2f}x the f32 matmul peak measured "
+              f"through the plugin ({peak['float32'] / 1e9:.1f} GFLOP/s; bf16 operands {peak['bfloat16'] / 1e9:.1f} "
+              f"GFLOP/s, {peak['bfloat16'] / peak['float32']:.2f}x f32)")
 
-        embed = next(w for w in m.weights if w.slot == "embed")
-        step_bytes = sum(w.nbytes for w in m.weights) - embed.nbytes + embed.nbytes // args.vocab
-        cores = os.cpu_count() or 1
-        bw1 = _bandwidth(max(1 << 29, 2 * step_bytes), 1)
-        bw = max(bw1, _bandwidth(max(1 << 29, 2 * step_bytes), cores))
         floor = step_bytes / bw
         t1 = rows[0][1]
         print()

@@ -1,6 +1,6 @@
 """Decode with quantized weights: the bytes a decode step reads and its time for each weight scheme against
-bf16 and f32, all served by the JAX-free runtime in one run (steps interleaved), and what XLA's CPU backend does
-with a quantized projection (read from the optimized HLO of the decode step).
+bf16 and f32 (and a --prefill-token prefill's), all served by the JAX-free runtime in one run (calls interleaved),
+and what XLA's CPU backend does with a quantized projection (read from the optimized HLO of the decode step).
 
     python bench/decode.py --weight-quant int8,fp8,int4          # or: python bench/decode_quant.py ...
 
@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import _median_times  # noqa: E402
+from decode import _median_times, _median_wall_cpu  # noqa: E402
 
 
 def step_bytes(manifest, vocab: int) -> int:
@@ -36,9 +36,9 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* (\w+)\(.*?(?:c
 
 
 def widening_report(cfg, weights, block: int, context: int) -> str:
-    """Compile the in-process decode step (batch 1) over `weights` and say which weight-shaped float buffers
-    its optimized HLO produces: a convert fusion per projection means its codes (or bf16 values) are widened in
-    a pass of their own before the dot (a library call on CPU), not read by it."""
+    """Compile the in-process decode step (batch 1) over `weights` (in the layout the artifact holds) and say which
+    weight-shaped float buffers its optimized HLO produces: a convert fusion per projection means its codes (or bf16
+    values) are widened in a pass of their own before the dot (a library call on CPU), not read by it."""
 
     import tlaloc_jax
     from tlaloc_jax.decoder import StepInputs
@@ -50,7 +50,8 @@ def widening_report(cfg, weights, block: int, context: int) -> str:
                                             width=context // block, block_size=block))
     hlo = model._step.lower(model.weights, pools, inputs).compile().as_text()
     from tlaloc_jax.export._quant import QUANTIZED_SLOTS
-    shapes = {int(np.prod(w.shape[-2:])): name for name, w in weights.items() if name in QUANTIZED_SLOTS}
+    shapes = {int(np.prod((w[0] if isinstance(w, tuple) else w).shape[-2:])): name  # one layer's, per-layer
+              for name, w in weights.items() if name in QUANTIZED_SLOTS}
     body = {}
     for m in re.finditer(r"^%(\S+) .*?\{\n(.*?)\n\}", hlo, re.M | re.S):
         body[m.group(1)] = m.group(2)
@@ -66,7 +67,7 @@ def widening_report(cfg, weights, block: int, context: int) -> str:
             if "convert" in ops and not {"scatter", "gather"} & set(ops):     # a widened weight, not a pool
                 found.append(f"{shapes[n]}: {dtype}[{dims}] = {op}({', '.join(ops) or op})")
     if not found:
-        return "no weight-shaped float buffer: the dot reads the codes directly"
+        return "no weight-shaped float buffer: the projections read the codes and widen them in registers"
     return (f"{len(found)} weight-shaped float buffers in the step's loop body (instruction: its fused ops): "
             + "; ".join(sorted(set(found))))
 
@@ -84,7 +85,7 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per variant")
     ap.add_argument("--plugin", default=None)
-    ap.add_argument("--prefill", type=int, default=0, help="(bench/decode.py's; unused here)")
+    ap.add_argument("--prefill", type=int, default=128, help="tokens of the timed prefill call (0: none)")
     args = ap.parse_args(argv)
     schemes = [s for s in args.weight_quant.split(",") if s and s != "none"]
 
@@ -115,7 +116,7 @@ def main(argv=None) -> None:
         engines, manifests = [], []
         for i, (label, dtype, quant) in enumerate(variants):
             m = export_checkpoint(tmp / "ck", tmp / f"art{i}", batch_ladder=(1,), context_ladder=(args.context,),
-                                  prefill_max_batch=1, prefill_chunk=16, block_size=block, progress=False,
+                                  prefill_max_batch=1, prefill_chunk=args.prefill or 16, block_size=block, progress=False,
                                   weight_dtype_name=dtype, weight_quant=quant, quant_group=args.quant_group)
             manifests.append(m)
             engines.append(Engine.load(tmp / f"art{i}", args.plugin, cache_dir=None, progress=False))
@@ -127,26 +128,39 @@ def main(argv=None) -> None:
                                    width=width, block_size=block)
         entry = f"decode_b1_c{args.context}"
         fns = [(lambda e=e, m=m: e.runner.run(m.entry(entry), inputs, {Role.NEXT_TOKEN})) for e, m in zip(engines, manifests)]
-        times = _median_times(fns, args.steps)
+        wall_cpu = _median_wall_cpu(fns, args.steps)
+        times, cpu = [w for w, _ in wall_cpu], [c for _, c in wall_cpu]
         base_b, base_t = step_bytes(manifests[1], args.vocab), times[1]
         print()
         print(f"{'weights':>22} | {'MiB a step':>10} | {'vs bf16':>7} | {'step ms':>8} | {'vs bf16':>7} | "
-              f"{'vs f32':>6}")
-        for (label, _, _), m, t in zip(variants, manifests, times):
+              f"{'vs f32':>6} | {'CPU ms':>7} | {'CPU vs f32':>10}")
+        for (label, _, _), m, t, c in zip(variants, manifests, times, cpu):
             b = step_bytes(m, args.vocab)
             print(f"{label:>22} | {b / 2**20:10.2f} | {b / base_b:6.2f}x | {t * 1e3:8.2f} | {t / base_t:6.2f}x | "
-                  f"{t / times[0]:5.2f}x")
+                  f"{t / times[0]:5.2f}x | {c * 1e3:7.2f} | {c / cpu[0]:9.2f}x")
+        if args.prefill:
+            pin = build_step_inputs([RowCall([7] * args.prefill, 0, list(range(width)))], batch=1,
+                                    tokens=args.prefill, width=width, block_size=block)
+            pentry = f"prefill_b1_c{args.context}"
+            pt = _median_times([(lambda e=e, m=m: e.runner.run(m.entry(pentry), pin, {Role.NEXT_TOKEN}))
+                                for e, m in zip(engines, manifests)], max(3, args.steps // 3))
+            print()
+            print(f"prefill of {args.prefill} tokens: " + "; ".join(
+                f"{label} {args.prefill / t:.0f} tok/s ({pt[0] / t:.2f}x f32)" for (label, _, _), t in zip(variants, pt)))
         for e in engines:
             e.close()
         if schemes:
-            cfg32, w32 = load_checkpoint(tmp / "ck", "float32")
-            q = quantize_weights(w32, schemes[0], args.quant_group, compute="bfloat16")
-            print()
-            print(f"XLA CPU, optimized HLO of the {schemes[0]} decode step: "
-                  + widening_report(cfg32, q, block, args.context))
             import ml_dtypes
-            bf = {k: v.astype(ml_dtypes.bfloat16) for k, v in w32.items()}
-            print("XLA CPU, the bf16 decode step: " + widening_report(cfg32, bf, block, args.context))
+
+            from tlaloc_jax.layout import fuse_projections, out_major, unstack_layers
+            cfg32, w32 = load_checkpoint(tmp / "ck", "float32")
+            fused = fuse_projections(w32)           # as the exporter lays them out (per-layer)
+            q = out_major(unstack_layers(quantize_weights(fused, schemes[0], args.quant_group, compute="bfloat16")))
+            print()
+            print(f"XLA CPU (in-process jaxlib), optimized HLO of the {schemes[0]} decode step: "
+                  + widening_report(cfg32, q, block, args.context))
+            bf = out_major(unstack_layers({k: v.astype(ml_dtypes.bfloat16) for k, v in fused.items()}))
+            print("XLA CPU (in-process jaxlib), the bf16 decode step: " + widening_report(cfg32, bf, block, args.context))
 
 
 if __name__ == "__main__":

@@ -52,16 +52,19 @@ MODELS = {
                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                 max_position_embeddings=40960, tie_word_embeddings=True,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-        batches=(1, 8, 32, 64), context=1024, block_size=16, num_blocks=4096, prefill=256, dtype="bfloat16"),
+        batches=(1, 8, 32, 64), context=1024, block_size=16, num_blocks=4096, prefill=256, dtype="bfloat16",
+        serving=True),
     "tiny": dict(
         hf=dict(model_type="qwen3", vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                 num_attention_heads=8, num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-6,
                 max_position_embeddings=4096, tie_word_embeddings=True,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-        batches=(1, 8), context=1024, block_size=16, num_blocks=512, prefill=256, dtype="bfloat16"),
+        batches=(1, 8), context=1024, block_size=16, num_blocks=512, prefill=256, dtype="bfloat16", serving=False),
 }
 # Seconds each stage process may take on the device (compiles included), per model.
-STAGE_TIMEOUT = {"runtime": 150, "jax": 170}
+STAGE_TIMEOUT = {"runtime": 150, "jax": 170, "serving": 90}
+# The serving stage's load: clients (requests at once) per cell, prompt and output tokens of each request.
+SERVING = dict(clients=(8, 32), prompt=64, output=64)
 VARIANTS = ("pallas", "xla")
 PACKAGES = {"tlaloc_jax": "tlaloc_jax", "tlaloc_jax/kernels": "kernels", "tlaloc_jax/export": "export",
             "tlaloc_jax/serve": "serve"}
@@ -213,17 +216,62 @@ def stage_runtime(arts: list[Path], plugin: str | None, steps: int) -> None:
     first = next(iter(engines.values()))
     for entry, tokens, start in entry_plan(first.manifest):
         inp = step_inputs(first.manifest, entry.batch, tokens, start)
-        # One step with logits from each variant: the variants' agreement (same pools, same inputs).
+        # One step with logits from each variant: their agreement with plain ops' (same pools, same inputs).
         logits = {k: np.asarray(e.runner.run(_entry(e, entry.name), inp, {Role.LOGITS})[Role.LOGITS], np.float32)
                   for k, e in engines.items()}
-        ref = next(iter(logits.values()))
+        ref = next((v for k, v in logits.items() if k.endswith("-xla")), next(iter(logits.values())))
         scale = float(np.max(np.abs(ref))) or 1.0
+        ref_ids = ref.argmax(-1)
         fns = {k: (lambda e=e: e.runner.run(_entry(e, entry.name), inp, {Role.NEXT_TOKEN})) for k, e in engines.items()}
         ms = interleaved(fns, steps if entry.kind == "decode" else max(3, steps // 3))
         for k in engines:
+            ids = logits[k].argmax(-1)
+            # Where a row's greedy id differs from plain ops', plain ops' own gap between the two (a near-tie is
+            # one within twice the tolerance model's bound: judged by `verdict`).
+            gaps = [float(ref[r, ref_ids[r]] - ref[r, ids[r]]) / scale for r in range(len(ids)) if ids[r] != ref_ids[r]]
             result(stage="runtime", art=k, entry=entry.name, kind=str(entry.kind), batch=entry.batch, tokens=tokens,
                    position=start, ms=round(ms[k], 3),
-                   max_logit_diff=round(float(np.max(np.abs(logits[k] - ref))) / scale, 6))
+                   max_logit_diff=round(float(np.max(np.abs(logits[k] - ref))) / scale, 6), id_gaps=gaps)
+    for e in engines.values():
+        e.close()
+
+
+def stage_serving(arts: list[Path], plugin: str | None, clients: list[int], output: int, prompt: int) -> None:
+    """A serving load through the scheduler (Engine.add_request / step, JAX-free): `n` requests at once of a
+    `prompt`-token prompt (a shared half, then ids of their own) and `output` greedy tokens each, for each n in
+    `clients`; the variants alternate by cell. Per cell: output tokens/s, time to first token p50 and p99, and
+    inter-token time p50 as the requests see them."""
+    import numpy as np
+    from tlaloc_jax.serve import Engine
+    engines = {}
+    for art in arts:
+        try:
+            engines[art.name] = Engine.load(art, plugin, cache_dir=f"/tmp/tlaloc-gpu-bench-cache/{art.name}",
+                                            progress=False, trust_weights=True, memory_fraction=0.9 / len(arts))
+        except Exception as e:
+            result(stage="serving", what="error", art=art.name, error=f"{type(e).__name__}: {e}"[:3000])
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 1000, prompt // 2).tolist()
+    for n in clients:
+        prompts = [shared + rng.integers(3, 1000, prompt - len(shared)).tolist() for _ in range(n)]
+        for name, eng in engines.items():
+            t0 = time.perf_counter()
+            rids = {eng.add_request(p, output): i for i, p in enumerate(prompts)}
+            seen: dict[str, list[float]] = {r: [] for r in rids}
+            while eng.has_unfinished():
+                for ev in eng.step():
+                    if ev.token is not None:
+                        seen[ev.request_id].append(time.perf_counter())
+            wall = time.perf_counter() - t0
+            ttft = sorted(ts[0] - t0 for ts in seen.values() if ts)
+            gaps = sorted(b - a for ts in seen.values() for a, b in zip(ts, ts[1:]))
+            tokens = sum(len(ts) for ts in seen.values())
+            for r in rids:
+                eng.release(r)
+            result(stage="serving", art=name, clients=n, prompt=prompt, output=output, tokens=tokens,
+                   tok_s=round(tokens / wall, 1), ttft_p50_ms=round(1e3 * ttft[len(ttft) // 2], 1),
+                   ttft_p99_ms=round(1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 1),
+                   itl_p50_ms=round(1e3 * gaps[len(gaps) // 2], 2) if gaps else None)
     for e in engines.values():
         e.close()
 
@@ -312,8 +360,11 @@ def find_cuda_plugin() -> str:
 
 
 def run(kit: Path, plugin: str | None, steps: int, guard: bool = True, models_wanted=None,
-        stages=("runtime", "jax")) -> None:
+        stages=("runtime", "serving", "jax"), budget: float = 300.0) -> None:
+    """Every model's stages in turn, the whole run held to `budget` seconds: a stage gets at most what is left
+    (and its own STAGE_TIMEOUT), one with under 20 s left is skipped, and the table says so."""
     t_start = time.perf_counter()
+    sys.path[:0] = [str(kit / "pkg"), str(kit / "site")]      # the table and verdict read the kit's packages
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(kit / "pkg"), str(kit / "site"),
                                                          os.environ.get("PYTHONPATH", "")]),
                PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -331,16 +382,22 @@ def run(kit: Path, plugin: str | None, steps: int, guard: bool = True, models_wa
             link_weights(arts[0], art)
         print(f"== {model}: {nbytes / 2**20:.0f} MiB of random weights in {time.perf_counter() - t0:.0f} s", flush=True)
         for stage in stages:
+            if stage == "serving" and not MODELS.get(model, {}).get("serving"):
+                continue
             cmd = [sys.executable, str(HERE), f"_{stage}", *map(str, arts), "--steps", str(steps)]
-            if stage == "runtime":
+            if stage in ("runtime", "serving"):
                 cmd += ["--plugin", plugin or ""] + (["--guard"] if guard else [])
+            limit = min(STAGE_TIMEOUT[stage], budget - (time.perf_counter() - t_start))
+            if limit < 20:
+                print(f"== {model}: {stage} stage skipped ({budget:.0f} s budget spent)", flush=True)
+                continue
             t0 = time.perf_counter()
             try:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=STAGE_TIMEOUT[stage])
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
                 out, err, why = proc.stdout, proc.stderr, f"exit {proc.returncode}" if proc.returncode else ""
             except subprocess.TimeoutExpired as e:   # keep what it measured
                 out, err = (x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-                why = f"stopped after {STAGE_TIMEOUT[stage]} s"
+                why = f"stopped after {limit:.0f} s"
             got = [json.loads(l[7:]) for l in out.splitlines() if l.startswith("RESULT ")]
             lines += [dict(r, model=model) for r in got]
             print(f"== {model}: {stage} stage, {len(got)} results, {time.perf_counter() - t0:.0f} s", flush=True)
@@ -348,6 +405,7 @@ def run(kit: Path, plugin: str | None, steps: int, guard: bool = True, models_wa
                 print(f"{stage} stage failed ({why}):\n{out[-3000:]}\n{err[-6000:]}", flush=True)
     (kit / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     table(lines, kit)
+    print_verdict(lines)
     print(f"total {time.perf_counter() - t_start:.0f} s; RESULT lines in {kit / 'results.jsonl'}", flush=True)
 
 
@@ -392,6 +450,15 @@ def table(lines: list[dict], kit: Path) -> None:
               f"{fl if fl else float('nan'):8.3f} {(best / fl) if fl else float('nan'):7.1f} "
               f"{entry.batch * tokens / best * 1e3:9,.0f} {vs_xla:>10} "
               f"{r.get('max_logit_diff', float('nan')) if r else float('nan'):10.2g}")
+    serving = [r for r in lines if r.get("stage") == "serving" and "clients" in r]
+    if serving:
+        print(f"\nserving load (the scheduler, JAX-free): requests at once, {serving[0]['prompt']}-token prompts (half "
+              f"shared), {serving[0]['output']} greedy tokens each")
+        print(f"{'model':11} {'attention':9} {'requests':>8} {'tok/s':>9} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} "
+              f"{'ITL p50 ms':>10}")
+        for r in sorted(serving, key=lambda r: (r["model"], r["clients"], r["art"])):
+            print(f"{r['model']:11} {r['art'].rsplit('-', 1)[1]:9} {r['clients']:8d} {r['tok_s']:9,.1f} "
+                  f"{r['ttft_p50_ms']:11.1f} {r['ttft_p99_ms']:11.1f} {r['itl_p50_ms'] or float('nan'):10.2f}")
     for r in lines:
         if r.get("what") == "load":
             print(f"load {r['art']}: {r['seconds']} s ({r['platform']})")
@@ -399,11 +466,62 @@ def table(lines: list[dict], kit: Path) -> None:
             print(f"ERROR {r['stage']} {r['art']} {r.get('entry', '')}: {r['error']}")
 
 
+def logit_bound(model: str) -> float:
+    """The tolerance model's bound (relative to the largest |logit|) on two correct bf16 decode steps of `model` at
+    its context that attend in another order: f32 roundings on the path to a logit, and each projection input's
+    rounding to bf16 (kernels/tolerances.py)."""
+    from tlaloc_jax.families import config_from_hf
+    from tlaloc_jax.kernels import tolerances as tol
+    spec = MODELS[model]
+    _, cfg = config_from_hf(spec["hf"])
+    rounds = {"float32": tol.decoder_roundings_of(cfg, spec["context"])}
+    if spec["dtype"] == "bfloat16":
+        rounds["bfloat16"] = tol.bf16_rounding_points(cfg.num_layers, every_activation=False)
+    return tol.bound(rounds)
+
+
+def verdict(lines: list[dict]) -> tuple[str, list[str]]:
+    """The cuda decode-attention default this run supports, and why: "pallas" only when, for every model and decode
+    entry timed, the Pallas variant ran, its logits are within the tolerance model's bound of plain ops' (its greedy
+    ids equal theirs up to near-ties) and its runtime step is faster; "xla" otherwise."""
+    rt = {(r["model"], r["art"].rsplit("-", 1)[1], r["entry"]): r for r in lines
+          if r.get("stage") == "runtime" and r.get("kind") == "decode"}
+    why = [f"{r['art']} {r.get('entry', '')}: error" for r in lines if r.get("what") == "error"]
+    checked = 0
+    for (model, variant, name), x in sorted(rt.items()):
+        if variant != "xla":
+            continue
+        p = rt.get((model, "pallas", name))
+        if p is None:
+            why.append(f"{model} {name}: no Pallas result")
+            continue
+        checked += 1
+        b = logit_bound(model)
+        if p["max_logit_diff"] > b:
+            why.append(f"{model} {name}: logits {p['max_logit_diff']:.2g} from plain ops' (bound {b:.2g})")
+        ties = [g for g in p.get("id_gaps", []) if g > 2 * b]
+        if ties:
+            why.append(f"{model} {name}: {len(ties)} greedy ids differ beyond a near-tie")
+        if p["ms"] >= x["ms"]:
+            why.append(f"{model} {name}: Pallas step {p['ms']:.3f} ms >= plain ops' {x['ms']:.3f} ms")
+    if not checked:
+        why.append("no decode entry timed with both variants")
+    return ("xla" if why else "pallas"), why
+
+
+def print_verdict(lines: list[dict]) -> None:
+    choice, why = verdict(lines)
+    reasons = "; ".join(why[:4]) + (f"; and {len(why) - 4} more" if len(why) > 4 else "")
+    print(f"\nVERDICT cuda decode attention default `{choice}`: " + (
+        "the Pallas kernel matched plain ops' logits and ids and was faster at every decode entry" if choice == "pallas"
+        else f"plain ops stay the default ({reasons})"), flush=True)
+
+
 def dry_run(kit: Path, steps: int) -> None:
     """The whole flow on this CPU machine: the tiny model exported for cpu (plain-ops attention; the Pallas kernel
     lowers for cuda only, so its cpu 'variant' is the interpreter-free xla one twice), run with the CPU plugin."""
     global MODELS
-    MODELS = {"tiny": dict(MODELS["tiny"], batches=(1, 4), context=128, num_blocks=64, prefill=32)}
+    MODELS = {"tiny": dict(MODELS["tiny"], batches=(1, 4), context=128, num_blocks=64, prefill=32, serving=True)}
     shutil.rmtree(kit, ignore_errors=True)
     make_kit(kit, ["tiny"], ["xla"], "cpu")
     shutil.copytree(kit / "art" / "tiny-xla", kit / "art" / "tiny-xla2")
@@ -431,11 +549,13 @@ def main(argv=None) -> int:
     r.add_argument("--plugin", default=None, help="the CUDA PJRT plugin (default: jax_plugins/*/xla_cuda_plugin.so)")
     r.add_argument("--steps", type=int, default=20, help="timed calls per entry, variant and round (3 rounds)")
     r.add_argument("--models", default="", help="models of the kit to time (default: all)")
-    r.add_argument("--stages", default="runtime,jax", help="stages to run (default runtime,jax)")
+    r.add_argument("--stages", default="runtime,serving,jax", help="stages to run, in order (default "
+                   "runtime,serving,jax)")
+    r.add_argument("--budget", type=float, default=300.0, help="seconds the whole run may take (default 300)")
     d = sub.add_parser("dry-run", help="the whole flow on the tiny model for cpu, on this machine")
     d.add_argument("--kit", type=Path, default=ROOT / ".gpu-bench-dry")
     d.add_argument("--steps", type=int, default=3)
-    for stage in ("_runtime", "_jax"):
+    for stage in ("_runtime", "_jax", "_serving"):
         s = sub.add_parser(stage)
         s.add_argument("arts", nargs="+", type=Path)
         s.add_argument("--steps", type=int, default=20)
@@ -446,7 +566,7 @@ def main(argv=None) -> int:
         make_kit(a.kit, a.models.split(","), a.variants.split(","), "cuda")
     elif a.cmd == "run":
         run(a.kit, a.plugin or find_cuda_plugin(), a.steps, models_wanted=[m for m in a.models.split(",") if m],
-            stages=a.stages.split(","))
+            stages=a.stages.split(","), budget=a.budget)
     elif a.cmd == "dry-run":
         dry_run(a.kit, a.steps)
     elif a.cmd == "_runtime":
@@ -455,6 +575,10 @@ def main(argv=None) -> int:
         stage_runtime(a.arts, a.plugin or None, a.steps)
     elif a.cmd == "_jax":
         stage_jax(a.arts, a.steps)
+    elif a.cmd == "_serving":
+        if a.guard:
+            guard_jax_free()
+        stage_serving(a.arts, a.plugin or None, list(SERVING["clients"]), SERVING["output"], SERVING["prompt"])
     return 0
 
 

@@ -1,11 +1,16 @@
 """tlaloc-jax against llama.cpp on one checkpoint, in one run: greedy decode at batch 1 and 4 on CPU.
 
 Builds one random Llama (about 100M parameters by default: hidden 768, 12 layers, 12/4 heads, vocab 16000, f32),
-writes it three ways -- a Hugging Face checkpoint, an F32 GGUF for llama.cpp (written with the `gguf` package,
-with a stand-in vocabulary: the checkpoint has no tokenizer, both systems are fed token ids), and the tlaloc-jax
-serving artifact (default per-layer weight layout) -- then measures, each system in a process of its own (llama.cpp's
-threads spin at a barrier and collapse when another process takes a core), the processes interleaved and their
-order rotated every round:
+writes it three ways -- a Hugging Face checkpoint, GGUFs for llama.cpp (written with the `gguf` package, with a
+stand-in vocabulary: the checkpoint has no tokenizer, both systems are fed token ids), and tlaloc-jax serving
+artifacts (default per-layer weight layout) -- in each of the variants (--variants):
+
+  f32  an F32 GGUF                                  against the f32 artifact
+  q8   the layer projections as Q8_0 (blocks of 32)  against `--weight-quant int8` (per output channel), the rest f32
+  q4   the layer projections as Q4_0 (blocks of 32)  against `--weight-quant int4 --quant-group 32`, the rest f32
+
+then measures, each system and variant in a process of its own (llama.cpp's threads spin at a barrier and
+collapse when another process takes a core), the processes interleaved and their order rotated every round:
 
   - llama.cpp through llama-cpp-python's low-level API (llama_decode on one llama_batch holding every sequence:
     the prompts in one call, then one token per sequence per call; greedy = argmax of the returned logits);
@@ -15,8 +20,10 @@ order rotated every round:
 Each generation is a 32-token prompt per row and 64 greedy tokens, 2 threads per system (--threads). Printed per
 system and batch: tokens/s of the whole generation (B * 64 / wall time, prefill included), ms per decode step
 ((T(64 tokens) - T(1 token)) / 63, so prefill cancels), and each system's bare step; then the ratio
-tlaloc-jax / llama.cpp of tokens/s and the agreement of the greedy ids (a divergence counts as a near-tie when
-llama.cpp's own top-2 logit gap there is within twice the tolerance model's bound, kernels/tolerances.py).
+tlaloc-jax / llama.cpp of tokens/s per variant and the agreement of the greedy ids on f32 weights (a divergence
+counts as a near-tie when llama.cpp's own top-2 logit gap there is within twice the tolerance model's bound,
+kernels/tolerances.py); the two quantizations differ (llama.cpp also rounds each activation to Q8_0 in its
+quantized dots), so a quantized variant's ids are compared with the same system's f32 ids instead.
 
 Optional dependencies, not in `make test`: `pip install -e '.[peers]'` builds llama.cpp from the llama-cpp-python
 sdist (about 30 minutes on 2 cores). With llama.cpp already built as a shared library, install the bindings
@@ -24,7 +31,8 @@ without building it and point them at the library:
 
     CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install llama-cpp-python==0.3.36 gguf
     export LLAMA_CPP_LIB_PATH=/path/to/llama.cpp/build/bin      # the directory holding libllama.so
-    python bench/peers.py                  # ~100M parameters, 2 rounds
+    python bench/peers.py                  # ~100M parameters, f32, Q8_0/int8 and Q4_0/int4, 2 rounds
+    python bench/peers.py --variants f32,q8 --rounds 3
     python bench/peers.py --hidden 256 --layers 2 --intermediate 512 --vocab 4096 --rounds 1   # a quick look
 
 Only a quiet machine gives a fair table: the load average before and after each process is printed with it.
@@ -51,6 +59,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode import add_model_args, llama_config  # noqa: E402
 
 SYSTEMS = ("llama.cpp", "tlaloc-jax")
+# variant: (GGUF file type of the layer projections, tlaloc-jax weight_quant, quant_group)
+VARIANTS = {"f32": ("F32", "none", 128), "q8": ("Q8_0", "int8", 128), "q4": ("Q4_0", "int4", 32)}
 BATCHES = (1, 4)
 PROMPT_LEN, NEW_TOKENS, BLOCK = 32, 64, 16
 INSTALL = ("bench/peers.py needs llama-cpp-python and gguf (optional, not in `make test`): "
@@ -80,9 +90,11 @@ def _rope_interleave(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(ck: Path, hf: dict, out: Path) -> None:
-    """The checkpoint as an F32 GGUF of llama.cpp's `llama` architecture, with a stand-in SentencePiece vocabulary
-    (<unk>, <s>, </s>, 256 byte tokens, then placeholder pieces): ids are what the benchmark feeds and compares."""
+def write_gguf(ck: Path, hf: dict, out: Path, projections: str = "F32") -> None:
+    """The checkpoint as a GGUF of llama.cpp's `llama` architecture, with a stand-in SentencePiece vocabulary
+    (<unk>, <s>, </s>, 256 byte tokens, then placeholder pieces): ids are what the benchmark feeds and compares.
+    projections: "F32", or "Q8_0" / "Q4_0" for the layer projections (quantized by gguf's reference quantizer;
+    the embedding, norms and head stay F32, as a tlaloc-jax quantized artifact keeps them in its weight dtype)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -99,7 +111,15 @@ def write_gguf(ck: Path, hf: dict, out: Path) -> None:
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
     w.add_vocab_size(n)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[projections])
+    qtype = getattr(gguf.GGMLQuantizationType, projections)
+
+    def projection(name: str, a: np.ndarray) -> None:
+        if projections == "F32":
+            w.add_tensor(name, a)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
     T = gguf.TokenType
     toks = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
     types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256
@@ -117,15 +137,17 @@ def write_gguf(ck: Path, hf: dict, out: Path) -> None:
     w.add_tensor("token_embd.weight", f32("model.embed_tokens.weight"))
     w.add_tensor("output_norm.weight", f32("model.norm.weight"))
     w.add_tensor("output.weight", f32("lm_head.weight"))
-    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj"}
+    norms = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    names = {"attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w.add_tensor(f"blk.{i}.attn_q.weight", _rope_interleave(f32(p + "self_attn.q_proj.weight"), heads))
-        w.add_tensor(f"blk.{i}.attn_k.weight", _rope_interleave(f32(p + "self_attn.k_proj.weight"), kv))
-        for g, h in names.items():
+        projection(f"blk.{i}.attn_q.weight", _rope_interleave(f32(p + "self_attn.q_proj.weight"), heads))
+        projection(f"blk.{i}.attn_k.weight", _rope_interleave(f32(p + "self_attn.k_proj.weight"), kv))
+        for g, h in norms.items():
             w.add_tensor(f"blk.{i}.{g}.weight", f32(p + h + ".weight"))
+        for g, h in names.items():
+            projection(f"blk.{i}.{g}.weight", f32(p + h + ".weight"))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -133,7 +155,7 @@ def write_gguf(ck: Path, hf: dict, out: Path) -> None:
 
 
 def prepare(a, work: Path) -> None:
-    """Checkpoint and GGUF under `work`, made once (kept for the next run with the same shape), and the artifact,
+    """Checkpoint and GGUFs under `work`, made once (kept for the next run with the same shape), and the artifacts,
     exported on every run: a kept one would hold an older exporter's bodies."""
     from tlaloc_jax.checkpoint import random_weights, save_checkpoint
     from tlaloc_jax.export import export_checkpoint
@@ -147,16 +169,19 @@ def prepare(a, work: Path) -> None:
         print(f"checkpoint: {sum(x.size for x in weights.values()) / 1e6:.1f}M parameters (f32)", flush=True)
         save_checkpoint(ck, hf, weights)
         del weights
-    if not (work / "model-f32.gguf").exists():
-        write_gguf(ck, hf, work / "model-f32.gguf.tmp")
-        os.replace(work / "model-f32.gguf.tmp", work / "model-f32.gguf")
-    shutil.rmtree(work / "art", ignore_errors=True)
-    t0 = time.perf_counter()
-    export_checkpoint(ck, work / "art", batch_ladder=BATCHES, context_ladder=(a.context,),
-                      prefill_max_batch=max(BATCHES), prefill_chunk=PROMPT_LEN, block_size=BLOCK, progress=False,
-                      weight_layout=a.weight_layout)
-    print(f"exported the tlaloc-jax artifact ({a.weight_layout} layout) in {time.perf_counter() - t0:.1f} s",
-          flush=True)
+    for v in a.variants:
+        projections, quant, group = VARIANTS[v]
+        gguf_file = work / f"model-{v}.gguf"
+        if not gguf_file.exists():
+            write_gguf(ck, hf, gguf_file.with_suffix(".tmp"), projections)
+            os.replace(gguf_file.with_suffix(".tmp"), gguf_file)
+        shutil.rmtree(work / f"art-{v}", ignore_errors=True)
+        t0 = time.perf_counter()
+        export_checkpoint(ck, work / f"art-{v}", batch_ladder=BATCHES, context_ladder=(a.context,),
+                          prefill_max_batch=max(BATCHES), prefill_chunk=PROMPT_LEN, block_size=BLOCK, progress=False,
+                          weight_layout=a.weight_layout, weight_quant=quant, quant_group=group)
+        print(f"exported the tlaloc-jax artifact {v} ({a.weight_layout} layout, weight_quant {quant}) and wrote "
+              f"{gguf_file.name} ({projections} projections) in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 # -- the workers: one system each, in a process of its own -----------------------------------------------
@@ -255,7 +280,7 @@ class LlamaCppGreedy:
 
 def llama_worker(a, work: Path) -> None:
     import llama_cpp
-    gen = LlamaCppGreedy(work / "model-f32.gguf", a.threads, a.context)
+    gen = LlamaCppGreedy(work / f"model-{a.variant}.gguf", a.threads, a.context)
     decode_ms = {}
 
     def gen_record(ps, n, record=False):
@@ -264,7 +289,7 @@ def llama_worker(a, work: Path) -> None:
             decode_ms[len(ps)] = info["decode_ms"]
         return out, info
     gen_record.vocab = gen.vocab
-    measure("llama.cpp", gen_record, a.reps, extra=lambda b: dict(version=llama_cpp.__version__))
+    measure("llama.cpp", gen_record, a.reps, extra=lambda b: dict(version=llama_cpp.__version__, variant=a.variant))
 
 
 def tlaloc_worker(a, work: Path) -> None:
@@ -272,7 +297,7 @@ def tlaloc_worker(a, work: Path) -> None:
     from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine
 
-    eng = Engine.load(work / "art", cache_dir=work / "compile-cache", progress=False)
+    eng = Engine.load(work / f"art-{a.variant}", cache_dir=work / "compile-cache", progress=False)
 
     def gen(ps, n, record=False):
         return eng.generate(ps, n), {}
@@ -287,7 +312,7 @@ def tlaloc_worker(a, work: Path) -> None:
         for _ in range(3):
             eng.runner.run(entry, inputs, {Role.NEXT_TOKEN})
         ts = [_timed(lambda: eng.runner.run(entry, inputs, {Role.NEXT_TOKEN}))[0] for _ in range(20)]
-        return dict(decode_ms=statistics.median(ts) * 1e3)
+        return dict(decode_ms=statistics.median(ts) * 1e3, variant=a.variant)
     measure("tlaloc-jax", gen, a.reps, extra=step_ms)
     eng.close()
 
@@ -304,13 +329,13 @@ def run_rounds(a, work: Path) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), JAX_PLATFORMS="cpu")
     for r in range(a.rounds):
         order = SYSTEMS[r % 2:] + SYSTEMS[:r % 2]
-        for name in order:
+        for v, name in [(v, name) for v in a.variants for name in order]:
             l0 = os.getloadavg()
             t0 = time.perf_counter()
-            p = subprocess.run(base + ["--worker", name], env=env, capture_output=True, text=True)
+            p = subprocess.run(base + ["--worker", name, "--variants", v], env=env, capture_output=True, text=True)
             l1 = os.getloadavg()
             got = [json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
-            print(f"round {r} {name}: {time.perf_counter() - t0:.0f} s, load average (1 min) {l0[0]:.2f} -> "
+            print(f"round {r} {name} {v}: {time.perf_counter() - t0:.0f} s, load average (1 min) {l0[0]:.2f} -> "
                   f"{l1[0]:.2f}", flush=True)
             if p.returncode or len(got) != len(BATCHES):
                 raise SystemExit(f"{name} worker failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
@@ -343,28 +368,48 @@ def agreement(a, llama: dict, tlaloc: dict) -> str:
 
 def summarize(a, results: list[dict]) -> None:
     print()
-    print(f"{'system':>10} | batch | tokens/s median [min-max] | ms/step (T64-T1)/63 | bare decode step ms | runs")
+    print(f"{'system':>10} | variant | batch | tokens/s median [min-max] | ms/step (T64-T1)/63 | bare step ms | runs")
     tps, by = {}, {}
-    for name in SYSTEMS:
+    for v in a.variants:
+        for name in SYSTEMS:
+            for b in BATCHES:
+                rs = [r for r in results if r["system"] == name and r["batch"] == b and r["variant"] == v]
+                by[name, v, b] = rs[0]
+                tok = [b * NEW_TOKENS / t for r in rs for t in r["t64"]]
+                step = [(t64 - t1) / (NEW_TOKENS - 1) * 1e3 for r in rs for t64, t1 in zip(r["t64"], r["t1"])]
+                bare = [r["decode_ms"] for r in rs]
+                tps[name, v, b] = statistics.median(tok)
+                print(f"{name:>10} | {v:>7} | {b:5d} | {statistics.median(tok):7.1f} [{min(tok):.1f}-{max(tok):.1f}] | "
+                      f"{statistics.median(step):8.1f} [{min(step):.1f}-{max(step):.1f}] | "
+                      f"{statistics.median(bare):6.1f} | {len(tok)}")
+    print()
+    for v in a.variants:
         for b in BATCHES:
-            rs = [r for r in results if r["system"] == name and r["batch"] == b]
-            by[name, b] = rs[0]
-            tok = [b * NEW_TOKENS / t for r in rs for t in r["t64"]]
-            step = [(t64 - t1) / (NEW_TOKENS - 1) * 1e3 for r in rs for t64, t1 in zip(r["t64"], r["t1"])]
-            bare = [r["decode_ms"] for r in rs]
-            tps[name, b] = statistics.median(tok)
-            print(f"{name:>10} | {b:5d} | {statistics.median(tok):7.1f} [{min(tok):.1f}-{max(tok):.1f}] | "
-                  f"{statistics.median(step):8.1f} [{min(step):.1f}-{max(step):.1f}] | "
-                  f"{statistics.median(bare):6.1f} | {len(tok)}")
+            rounds = sorted({r["round"] for r in results})
+            per_round = [statistics.median(b * NEW_TOKENS / t for r in results if r["system"] == "tlaloc-jax"
+                                           and r["variant"] == v and r["batch"] == b and r["round"] == k for t in r["t64"])
+                         / statistics.median(b * NEW_TOKENS / t for r in results if r["system"] == "llama.cpp"
+                                             and r["variant"] == v and r["batch"] == b and r["round"] == k
+                                             for t in r["t64"]) for k in rounds]
+            print(f"{v} ({VARIANTS[v][0]} / {VARIANTS[v][1]}), batch {b}: tlaloc-jax / llama.cpp tokens/s = "
+                  f"{tps['tlaloc-jax', v, b] / tps['llama.cpp', v, b]:.2f}x (rounds: "
+                  f"{', '.join(f'{x:.2f}' for x in per_round)})")
+    for v in a.variants:
+        for name in SYSTEMS:
+            step = {b: statistics.median(r["decode_ms"] for r in results
+                                         if r["system"] == name and r["variant"] == v and r["batch"] == b)
+                    for b in BATCHES}
+            print(f"{name} {v}: batch-4 step / batch-1 step (bare) = {step[4] / step[1]:.2f}x")
     print()
-    for b in BATCHES:
-        print(f"batch {b}: tlaloc-jax / llama.cpp tokens/s = {tps['tlaloc-jax', b] / tps['llama.cpp', b]:.2f}x")
-    for name in SYSTEMS:
-        print(f"{name}: batch-4 step / batch-1 step (bare) = "
-              f"{statistics.median(r['decode_ms'] for r in results if r['system'] == name and r['batch'] == 4) / statistics.median(r['decode_ms'] for r in results if r['system'] == name and r['batch'] == 1):.2f}x")  # noqa: E501
-    print()
-    for b in BATCHES:
-        print(f"greedy ids, batch {b}: {agreement(a, by['llama.cpp', b], by['tlaloc-jax', b])}")
+    if "f32" in a.variants:
+        for b in BATCHES:
+            print(f"greedy ids, f32, batch {b}: {agreement(a, by['llama.cpp', 'f32', b], by['tlaloc-jax', 'f32', b])}")
+        for v in [v for v in a.variants if v != "f32"]:
+            for name in SYSTEMS:
+                same = [sum(x == y for x, y in zip(q, f)) for b in BATCHES
+                        for q, f in zip(by[name, v, b]["ids"], by[name, "f32", b]["ids"])]
+                print(f"greedy ids, {name} {v} against its own f32 (first divergence ends agreement later on): "
+                      f"{sum(same)}/{len(same) * NEW_TOKENS} equal positions")
 
 
 def main(argv=None) -> None:
@@ -376,8 +421,13 @@ def main(argv=None) -> None:
     ap.add_argument("--weight-layout", default="per-layer", choices=("per-layer", "stacked"))
     ap.add_argument("--work", default=None, help="where the checkpoint, GGUF and artifact are kept (default: a "
                     "directory under the system's temp dir named after the shape)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="weight variants, of " + ", ".join(VARIANTS))
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    a.variants = [v for v in a.variants.split(",") if v]
+    if any(v not in VARIANTS for v in a.variants):
+        ap.error(f"--variants: each of {', '.join(VARIANTS)}")
+    a.variant = a.variants[0]
 
     missing = [m for m in ("llama_cpp", "gguf") if importlib.util.find_spec(m) is None]
     if missing:

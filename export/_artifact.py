@@ -28,6 +28,11 @@ from ._quant import quantize_weights, scheme_label
 from ._stage import sorted_ladder, stage
 
 
+# The decode attention of cuda exports when none is asked for. A default is what a GPU run has measured correct and
+# faster: plain ops until `bench/gpu.py run` records the Pallas kernel's verdict in docs/gpu.md (its test reads it).
+CUDA_DECODE_ATTENTION = "xla"
+
+
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                       batch_ladder: Sequence[int] = DEFAULT_BATCH_LADDER,
                       context_ladder: Sequence[int] = (64, 256, 1024),
@@ -59,9 +64,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     checkpoint's max_position_embeddings is refused unless allow_longer_context, which warns instead.
     prompt_logprobs: N adds a scoring prefill entry beside each prefill entry, returning per prompt position the
     next token's logprob and rank and the N top logprobs (see `stage`, PromptScorer); None adds none.
-    decode_attention: how decode entries attend over their pages: "pallas" (the Pallas GPU kernel, lowered
-    through Triton; the default on cuda, refused on cpu) or "xla" (plain ops; the default on cpu). Prefill
-    entries use plain ops either way.
+    decode_attention: how decode entries attend over their pages: "xla" (plain ops; the default, CUDA_DECODE_ATTENTION
+    on cuda) or "pallas" (the Pallas GPU kernel, lowered through Triton; cuda only). Prefill entries use plain ops
+    either way.
     weight_quant "int8", "fp8" or "int4" (groups of quant_group input channels) stores the projections as codes
     and scales quantized from the checkpoint's f32 values (export/_quant.py); kv_dtype "float8_e4m3fn" stores the
     KV pools as e4m3fn codes.
@@ -70,7 +75,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     mixed: adds mixed entries, the running sequences' decode rows and one prompt chunk in one call (see
     `Features`); None: where the decoder runs them (decoder.supports_mixed_calls), False: none.
     """
-    decode_attention = decode_attention or ("pallas" if platform == "cuda" else "xla")
+    decode_attention = decode_attention or (CUDA_DECODE_ATTENTION if platform == "cuda" else "xla")
     if decode_attention not in ("pallas", "xla"):
         raise ExportError(f"decode_attention {decode_attention!r} is not one of pallas, xla")
     if decode_attention == "pallas" and platform != "cuda":

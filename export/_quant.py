@@ -65,5 +65,6 @@ def quant_records(weights: Any) -> dict[str, af.WeightQuant]:
             continue
         name = path_name(path)
         for part in af.QuantPart:
-            out[f"{name}.{part}"] = af.WeightQuant(af.QuantScheme(leaf.scheme), part, name, leaf.group)
+            out[f"{name}.{part}"] = af.WeightQuant(af.QuantScheme(leaf.scheme), part, name, leaf.group,
+                                                   leaf.out_major)
     return out

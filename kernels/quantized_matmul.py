@@ -16,13 +16,20 @@ contracts in f32 and multiplies the f32 output by the scales after the dot (per 
 groups, for int4). `quantized_matmul_reference` dequantizes the codes in float64 and multiplies: the op's
 definition, with its quantization error, as a naive reference.
 
+Out-major codes (`out_major=True`, what the per-layer layout stores, tlaloc_jax/layout.py): int8 and fp8 codes
+[..., O, I] with scales [..., O]; int4 codes [..., O, I / 2], packed along I as above, with scales [..., O, I / g].
+Each output's codes are then contiguous, and on XLA's CPU backend a call of a few rows (at most REDUCE_ROWS, one
+included) runs as a multiply-reduce that widens each code in registers as it streams the codes once
+(`out_major_product`), instead of a widening pass into a weight-sized f32 buffer and a dot.
+
 `qat_linear(x, w_float, scheme)` is the training form: the forward quantizes the float weight and runs
 `quantized_matmul`; its custom_vjp gives x its exact gradient (through the dequantized weight the forward
 used) and the float weight the straight-through one (x^T dy, as if rounding were the identity).
 
-On XLA's CPU backend the dot is a library call: the codes are widened by a separate pass into a
-weight-sized buffer before it (tests/test_quantized_matmul.py reads the optimized HLO and says so). XLA's GPU
-backend fuses the widening into the dot. The stored and loaded bytes are the codes' either way.
+On XLA's CPU backend the dot is a library call: in-major codes are widened by a separate pass into a
+weight-sized buffer before it; out-major ones at few rows are not (tests/test_quantized_matmul.py reads the
+optimized HLO and says so). XLA's GPU backend fuses the widening into the dot. The stored and loaded bytes are
+the codes' either way.
 """
 
 from __future__ import annotations
@@ -62,15 +69,16 @@ class QuantizedWeight:
     scheme: str = dataclasses.field(metadata=dict(static=True))
     group: int = dataclasses.field(default=0, metadata=dict(static=True))
     compute: str = dataclasses.field(default="float32", metadata=dict(static=True))
+    out_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def in_features(self) -> int:
-        return self.codes.shape[-2] * (2 if self.scheme == QuantScheme.INT4 else 1)
+        return self.codes.shape[-1 if self.out_major else -2] * (2 if self.scheme == QuantScheme.INT4 else 1)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The float weight's shape [..., I, O]."""
-        return (*self.codes.shape[:-2], self.in_features, self.codes.shape[-1])
+        return (*self.codes.shape[:-2], self.in_features, self.codes.shape[-2 if self.out_major else -1])
 
     @property
     def nbytes(self) -> int:
@@ -161,8 +169,41 @@ def quantize_array(w, scheme: str, group: int = 0, *, compute: str = "float32") 
     return QuantizedWeight(np.asarray(q.codes), np.asarray(q.scales), q.scheme, q.group, q.compute)
 
 
+def to_out_major(q: QuantizedWeight) -> QuantizedWeight:
+    """The same codes and scales stored out-major (host arrays; an out-major weight is returned as it is)."""
+    if q.out_major:
+        return q
+    codes, scales = np.asarray(q.codes), np.asarray(q.scales)
+    if q.scheme == QuantScheme.INT4:
+        c = np.moveaxis(np.asarray(unpack_int4(jnp.asarray(codes), q.group)), -1, -4)   # [..., O, G, 2, g/2]
+        low, high = c[..., 0, :].view(np.uint8), c[..., 1, :].view(np.uint8)
+        codes = ((low & 0x0F) | (high << 4)).view(np.int8).reshape(*c.shape[:-3], -1)  # [..., O, I/2]
+        scales = np.swapaxes(scales, -1, -2)                                          # [..., O, G]
+    else:
+        codes = np.swapaxes(codes, -1, -2)
+    return QuantizedWeight(np.ascontiguousarray(codes), np.ascontiguousarray(scales), q.scheme, q.group,
+                           q.compute, out_major=True)
+
+
+def _unpack_int4_out_major(packed: jax.Array, group: int) -> jax.Array:
+    """int8 [..., O, I / 2] (out-major int4) -> int8 codes [..., O, I / group, group], inputs in order."""
+    *lead, O, half = packed.shape
+    p = packed.reshape(*lead, O, half * 2 // group, 1, group // 2)
+    low = jnp.right_shift(jnp.left_shift(p, jnp.int8(4)), jnp.int8(4))
+    codes = jnp.concatenate([low, jnp.right_shift(p, jnp.int8(4))], axis=-2)   # [..., O, G, 2, g/2]
+    return codes.reshape(*lead, O, half * 2 // group, group)
+
+
 def dequantize(q: QuantizedWeight, dtype=np.float64) -> np.ndarray:
     """The float weight the codes stand for, [..., I, O], in numpy `dtype` (float64: exact)."""
+    if q.out_major:
+        codes, scales = np.asarray(q.codes), np.asarray(q.scales, dtype)
+        if q.scheme == QuantScheme.INT4:
+            c = np.asarray(_unpack_int4_out_major(jnp.asarray(codes), q.group), dtype)   # [..., O, G, g]
+            w = (c * scales[..., None]).reshape(*c.shape[:-2], -1)                      # [..., O, I]
+        else:
+            w = np.asarray(codes.astype(np.float32), dtype) * scales[..., None]
+        return np.swapaxes(w, -1, -2)
     codes = np.asarray(q.codes)
     scales = np.asarray(q.scales, dtype)
     if q.scheme == QuantScheme.INT4:
@@ -175,16 +216,69 @@ def dequantize(q: QuantizedWeight, dtype=np.float64) -> np.ndarray:
 # --- the matmul ----------------------------------------------------------------------------------------
 
 
+# The most rows (tokens of a call, over its batch) an out-major projection computes as a multiply-reduce on CPU;
+# more rows are compute-bound and go to the dot (bench/dot_forms.py --batches measures both).
+REDUCE_ROWS = 16
+
+
+def out_major_product(flat: jax.Array, w: jax.Array, *, reduce_one_row: bool) -> jax.Array:
+    """flat: [M, I], w: [O, I] (any float or integer dtype) -> [M, O] f32: sum_i flat[m, i] w[o, i], w widened
+    exactly, the products and their sum in f32 (a dot's arithmetic).
+
+    The form XLA runs fastest on the platform: on CPU, for 2 to REDUCE_ROWS rows (and at 1 row when
+    reduce_one_row), a multiply-reduce that streams w once, each row of it reused for every input row from cache
+    and widened in registers (a narrower w is never copied to f32); otherwise a dot that contracts both operands'
+    last axes, which reads [O, I] in place. At 1 row an f32 weight's dot is XLA's own matrix-vector product, at
+    full read speed; a bf16 or int8 weight's dot would first widen it into a weight-sized f32 buffer (6.5x the f32
+    step on the runtime's XLA, bench/decode_quant.py), hence reduce_one_row for those."""
+    rows = flat.shape[0]
+
+    def dot(flat, w):
+        return lax.dot_general(flat, w.astype(flat.dtype), (((1,), (1,)), ((), ())), precision=HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+    def multiply_reduce(flat, w):
+        return jnp.sum(w.astype(jnp.float32)[None] * flat.astype(jnp.float32)[:, None, :], axis=-1)
+
+    if (2 <= rows or reduce_one_row) and rows <= REDUCE_ROWS:
+        return lax.platform_dependent(flat, w, cpu=multiply_reduce, default=dot)
+    return dot(flat, w)
+
+
+def _out_major_matmul(xc: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """xc: [M, I] in the compute dtype, w out-major -> [M, O] f32 (see quantized_matmul)."""
+    if w.scheme != QuantScheme.INT4:
+        return out_major_product(xc, w.codes, reduce_one_row=True) * w.scales
+    codes = _unpack_int4_out_major(w.codes, w.group)                            # [O, G, g]
+    O, G, g = codes.shape
+    xg = xc.reshape(-1, G, g)
+
+    def multiply_reduce(xg, codes):     # each group's partial sum [M, O, G], its scale, then the G-term sum
+        part = jnp.sum(codes.astype(jnp.float32)[None] * xg.astype(jnp.float32)[:, None], axis=-1)
+        return jnp.sum(part * w.scales[None], axis=-1)
+
+    def dot(xg, codes):
+        part = lax.dot_general(xg, codes.astype(xg.dtype), (((2,), (2,)), ((1,), (1,))), precision=HIGHEST,
+                               preferred_element_type=jnp.float32)               # [G, M, O]
+        return jnp.sum(part * w.scales.T[:, None, :], axis=0)
+
+    if xc.shape[0] > REDUCE_ROWS:
+        return dot(xg, codes)
+    return lax.platform_dependent(xg, codes, cpu=multiply_reduce, default=dot)
+
+
 def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x: [..., I] -> [..., O] f32: x times the weight the codes stand for.
 
     x is rounded to the compute dtype (as a bf16 linear rounds its input), the codes are widened to it
-    (exact), the dot accumulates in f32 and the scales multiply its f32 output (int4: each group's partial
-    dot, then the groups are summed)."""
+    (exact), the products accumulate in f32 and the scales multiply the f32 sums (int4: each group's partial
+    sum, then the groups are summed). Out-major codes take the platform's fastest form (out_major_product)."""
     cd = jnp.dtype(w.compute)
     lead = x.shape[:-1]
     xc = x.reshape(-1, x.shape[-1]).astype(cd)
-    if w.scheme == QuantScheme.INT4:
+    if w.out_major:
+        y = _out_major_matmul(xc, w)
+    elif w.scheme == QuantScheme.INT4:
         G = w.scales.shape[-2]
         c = unpack_int4(w.codes, w.group).astype(cd)                           # [G, 2, g/2, O]
         xg = xc.reshape(-1, G, 2, w.group // 2)                                 # [M, G, 2, g/2]

@@ -1,13 +1,16 @@
-"""Decode entries for cuda use the Pallas GPU kernel (kernels/paged_attention_gpu.py).
+"""Decode entries for cuda: plain ops by default, the Pallas GPU kernel (kernels/paged_attention_gpu.py) on request.
 
-The decoder's decode step with that kernel (in Pallas' interpreter, on CPU) against the plain-ops step; an
-export for cuda on this CPU machine holds the GPU plugin's Triton custom call in its decode bodies and nowhere
-else, an export for cpu holds none; and the custom-call check allows that target on cuda only.
+The default is the verdict docs/gpu.md records from `bench/gpu.py run`; the decoder's decode step with the kernel
+(in Pallas' interpreter, on CPU) against the plain-ops step; an export for cuda with the kernel on this CPU machine
+holds the GPU plugin's Triton custom call in its decode bodies and nowhere else, an export for cpu holds none; and
+the custom-call check allows that target on cuda only.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,7 @@ from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import random_weights, save_checkpoint
 from tlaloc_jax.decoder import forward, init_pools
 from tlaloc_jax.export import ExportError, check_custom_calls, custom_call_targets, export_checkpoint
+from tlaloc_jax.export._artifact import CUDA_DECODE_ATTENTION
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import tolerances as tol
@@ -74,12 +78,34 @@ def _targets(art, m: af.Manifest) -> dict[str, set[str]]:
     return {e.name: custom_call_targets((art / e.body).read_text()) for e in m.entries}
 
 
+GPU_DOC = Path(__file__).resolve().parents[1] / "docs" / "gpu.md"
+
+
+def recorded_verdict() -> str:
+    """The decode attention docs/gpu.md records as the cuda default (the line bench/gpu.py's verdict fills in)."""
+    found = re.findall(r"^Recorded verdict: cuda decode attention default `(\w+)`", GPU_DOC.read_text(), re.M)
+    assert len(found) == 1, f"{GPU_DOC} must hold one 'Recorded verdict' line, found {found}"
+    return found[0]
+
+
+def test_cuda_default_is_the_recorded_verdict(checkpoint, tmp_path):
+    """The exporter's cuda default is the decode attention the recorded GPU run chose (plain ops until a run shows
+    the Pallas kernel correct and faster), and an export for cuda that names none holds no Triton call."""
+    assert CUDA_DECODE_ATTENTION == recorded_verdict()
+    cuda = export_checkpoint(checkpoint, tmp_path / "cuda", platform="cuda", batch_ladder=(1,), context_ladder=(32,),
+                             block_size=S, progress=False)
+    want = {TRITON_CUSTOM_CALL} if CUDA_DECODE_ATTENTION == "pallas" else set()
+    targets = _targets(tmp_path / "cuda", cuda)
+    for e in cuda.entries:
+        assert targets[e.name] == (want if e.kind == af.EntryKind.DECODE else set()), e.name
+
+
 def test_cuda_export_puts_the_triton_kernel_in_decode_bodies_only(checkpoint, tmp_path):
-    """Lowered for cuda on this CPU machine (no GPU, no CUDA plugin): each decode body holds the Triton custom
-    call (once, inside the layer scan, for the ring layer and the full one alike), prefill bodies none; the same
-    checkpoint exported for cpu holds no custom call at all."""
+    """Lowered for cuda with the Pallas kernel on this CPU machine (no GPU, no CUDA plugin): each decode body holds
+    the Triton custom call (once, inside the layer scan, for the ring layer and the full one alike), prefill bodies
+    none; the same checkpoint exported for cpu holds no custom call at all."""
     ladder = dict(batch_ladder=(1,), context_ladder=(32,), block_size=S, progress=False)
-    cuda = export_checkpoint(checkpoint, tmp_path / "cuda", platform="cuda", **ladder)
+    cuda = export_checkpoint(checkpoint, tmp_path / "cuda", platform="cuda", decode_attention="pallas", **ladder)
     assert cuda.versions.platform == "cuda"
     targets = _targets(tmp_path / "cuda", cuda)
     for e in cuda.entries:
@@ -94,7 +120,8 @@ def test_decode_attention_choices_are_checked(checkpoint, tmp_path):
     with pytest.raises(ExportError, match="decode_attention 'triton' is not one of pallas, xla"):
         export_checkpoint(checkpoint, tmp_path / "b", platform="cuda", decode_attention="triton", progress=False)
     with pytest.raises(ExportError, match=r"Pallas GPU decode-attention kernel cannot serve this model: page size 6"):
-        export_checkpoint(checkpoint, tmp_path / "c", platform="cuda", block_size=6, context_ladder=(36,),
+        export_checkpoint(checkpoint, tmp_path / "c", platform="cuda", decode_attention="pallas", block_size=6,
+                          context_ladder=(36,),
                           attention_block=36, progress=False)
 
 

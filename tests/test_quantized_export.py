@@ -66,8 +66,9 @@ def test_manifest_records_each_quantized_weight(int8_artifact):
             name = f"{slot}.{i}"
             codes, scales = by_slot[f"{name}.codes"], by_slot[f"{name}.scales"]
             assert (codes.dtype, scales.dtype) == ("int8", "float32")
-            assert codes.quant == af.WeightQuant(af.QuantScheme.INT8, af.QuantPart.CODES, name, 0)
-            assert scales.shape == codes.shape[1:]
+            # Codes stored [out, in] (out-major, as the layout's float projections are): scales per output channel.
+            assert codes.quant == af.WeightQuant(af.QuantScheme.INT8, af.QuantPart.CODES, name, 0, out_major=True)
+            assert scales.shape == codes.shape[:1]
     # The output head stays float, stored [out, in] like the per-layer layout's other float projections.
     for slot in ("embed", "head.out_in", "final_norm", "layers.attn_norm.0", "layers.mlp_norm.0"):
         assert by_slot[slot].quant is None and by_slot[slot].dtype == "float32"

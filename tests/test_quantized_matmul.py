@@ -16,9 +16,10 @@ import pytest
 from margins import assert_within
 from quant_controls import wrong_axis
 from tlaloc_jax.kernels import tolerances as tol
-from tlaloc_jax.kernels.quantized_matmul import (QuantError, QuantizedWeight, dequantize, pack_int4, qat_linear,
-                                                 qat_linear_reference, quantize, quantize_parts, quantized_matmul,
-                                                 quantized_matmul_reference, unpack_int4)
+from tlaloc_jax.kernels.quantized_matmul import (REDUCE_ROWS, QuantError, QuantizedWeight, dequantize, pack_int4,
+                                                 qat_linear, qat_linear_reference, quantize, quantize_parts,
+                                                 quantized_matmul, quantized_matmul_reference, to_out_major,
+                                                 unpack_int4)
 from tlaloc_jax.kernels.tolerances import relative_error
 
 I, O, M = 256, 48, 3
@@ -105,6 +106,28 @@ def test_op_matches_its_reference_on_the_same_codes(scheme, group, compute):
     # Control: the scales one output channel off break it far beyond the bound.
     shifted = QuantizedWeight(q.codes, jnp.roll(q.scales, 1, axis=-1), q.scheme, q.group, q.compute)
     assert relative_error(quantized_matmul_reference(x, shifted), want) > 100 * bound
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("rows", [1, 3, REDUCE_ROWS + 1])
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+def test_out_major_codes_compute_what_in_major_ones_do(scheme, group, rows):
+    """The per-layer layout's out-major codes (a multiply-reduce on CPU up to REDUCE_ROWS rows, one included; a dot
+    past it) against the float64 reference on the same codes, with bf16 compute; they stand for the same weight as
+    the in-major codes. Control: the out-major codes read as if in-major (the wrong axis) break it."""
+    x, w = _data(rows)
+    x = np.resize(x, (rows, I))
+    q = quantize(jnp.asarray(w), scheme, group, compute="bfloat16")
+    qo = to_out_major(QuantizedWeight(np.asarray(q.codes), np.asarray(q.scales), scheme, q.group, q.compute))
+    assert qo.out_major and qo.shape == q.shape and qo.codes.shape[-2] == O
+    np.testing.assert_array_equal(dequantize(qo), dequantize(q))
+    got = np.asarray(jax.jit(quantized_matmul)(jnp.asarray(x), qo))
+    want = quantized_matmul_reference(x, q)
+    bound = tol.bound(_op_roundings(scheme, group))
+    assert_within(relative_error(got, want), bound, f"out-major quantized_matmul {scheme} g{group}, {rows} rows")
+    wrong = QuantizedWeight(jnp.asarray(qo.codes).reshape(q.codes.shape), jnp.asarray(qo.scales).reshape(
+        q.scales.shape), scheme, q.group, q.compute)
+    assert relative_error(np.asarray(jax.jit(quantized_matmul)(jnp.asarray(x), wrong)), want) > 100 * bound
 
 
 @pytest.mark.numeric
@@ -213,3 +236,26 @@ def test_cpu_hlo_widens_the_codes_and_scales_after_the_dot():
     deq = jax.jit(lambda x, c, s: x @ (c.astype(jnp.float32) * s)).lower(x, q.codes, q.scales).compile().as_text()
     assert any("multiply(" in b and f"f32[{I},{O}]" in b for b in _fused_bodies(deq).values())
     assert not any("multiply(" in b and f"f32[{I},{O}]" in b for b in bodies.values())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "bf16"])
+def test_cpu_hlo_of_out_major_weights_widens_nothing_weight_sized(scheme):
+    """The decode-shaped op (1 row) over out-major int8 codes, and linear over an out-major bf16 weight: XLA's CPU
+    backend widens the values inside the reduce that reads them, with no weight-sized float buffer in the entry
+    computation (and no dot). Control: the in-major int8 codes and an [I, O] bf16 weight through a dot get one."""
+    from tlaloc_jax.layers import OutMajor, linear
+    _, w = _data()
+    x = jnp.zeros((1, I), jnp.float32)
+    if scheme == "int8":
+        q = quantize(jnp.asarray(w), "int8", compute="bfloat16")
+        fast = to_out_major(QuantizedWeight(np.asarray(q.codes), np.asarray(q.scales), "int8", 0, "bfloat16"))
+        slow = q
+    else:
+        wb = jnp.asarray(w, jnp.bfloat16)
+        fast, slow = OutMajor(jnp.asarray(wb.T)), wb
+    def widened(hlo):
+        return [b for b in weight_sized_buffers(hlo, I * O) if b[1] == "f32"]
+    hlo = jax.jit(linear).lower(x, fast).compile().as_text()
+    assert widened(hlo) == [] and " dot(" not in hlo, widened(hlo)
+    control = jax.jit(linear).lower(x, slow).compile().as_text()
+    assert len(widened(control)) == 1, widened(control)

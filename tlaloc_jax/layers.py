@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tlaloc_jax.kernels.quantized_matmul import QuantizedWeight, quantized_matmul
+# REDUCE_ROWS: the most rows a projection of an out-major weight computes as a multiply-reduce on CPU.
+from tlaloc_jax.kernels.quantized_matmul import REDUCE_ROWS, QuantizedWeight, out_major_product, quantized_matmul  # noqa: F401
 
 from .config import RopeConfig
 
@@ -26,8 +27,9 @@ class OutMajor:
     Why: on XLA's CPU backend a projection of 2 to REDUCE_ROWS rows written as a multiply-reduce over an [O, I]
     weight streams the weight once, each row of it reused for every input row from cache, at about the speed of
     the batch-1 matrix-vector product; the dot of an [I, O] weight (a YNNPACK fusion walking 64-column strips)
-    takes 1.6-1.9x that (bench/dot_forms.py). At 1 row and past REDUCE_ROWS, and off CPU, it is a dot that
-    contracts both operands' last axes, which reads [O, I] in place."""
+    takes 1.6-1.9x that (bench/dot_forms.py). A bf16 weight is widened in registers by that form at 1 row too.
+    Otherwise it is a dot that contracts both operands' last axes, which reads [O, I] in place
+    (kernels.quantized_matmul.out_major_product)."""
 
     out_in: jax.Array
 
@@ -41,28 +43,10 @@ class OutMajor:
         return (*self.out_in.shape[:-2], self.out_in.shape[-1], self.out_in.shape[-2])
 
 
-# The most rows (tokens of a call, over its batch) a projection of an OutMajor weight computes as a multiply-reduce
-# on CPU; more rows are compute-bound and go to the dot (bench/dot_forms.py --batches measures both).
-REDUCE_ROWS = 16
-
-
 def _out_major_linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x: [..., I] (in w's dtype), w: [O, I] -> [..., O] f32, by the form XLA runs fastest on the platform."""
-    rows = math.prod(x.shape[:-1])
-    flat = x.reshape(rows, x.shape[-1])
-
-    def dot(flat, w):
-        return lax.dot_general(flat, w, (((1,), (1,)), ((), ())), precision=HIGHEST,
-                               preferred_element_type=jnp.float32)
-
-    def multiply_reduce(flat, w):
-        # Exact products of the (rounded) input and the weight in f32, summed along I: a dot's arithmetic.
-        return jnp.sum(w.astype(jnp.float32)[None] * flat.astype(jnp.float32)[:, None, :], axis=-1)
-
-    if 2 <= rows <= REDUCE_ROWS:
-        out = lax.platform_dependent(flat, w, cpu=multiply_reduce, default=dot)
-    else:
-        out = dot(flat, w)
+    flat = x.reshape(-1, x.shape[-1])
+    out = out_major_product(flat, w, reduce_one_row=w.dtype != jnp.float32)
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 

@@ -12,8 +12,9 @@ The decoder reads either form (`decoder.final_hidden`):
   (bench/decode.py --weight-layout measures both). The per-layer form also fuses q | k | v into one
   [E, (H + 2K) * D] projection and gate | up into one [E, 2F] (split in the body): one matrix-vector kernel
   where there were three, or two. And it stores the projections that `layers.linear` reads (LINEAR_SLOTS,
-  the output head too) [O, I], as torch does (layers.OutMajor): on XLA's CPU backend a projection of a few rows
-  then runs as a multiply-reduce that streams the weight once (bench/dot_forms.py).
+  the output head too) [O, I], as torch does (layers.OutMajor; quantized codes likewise): on XLA's CPU backend a
+  projection of a few rows then runs as a multiply-reduce that streams the weight once (bench/dot_forms.py), and
+  a bf16 or quantized one widens its values in registers instead of into a weight-sized f32 copy.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Mapping
 
 import jax
 import numpy as np
+
+from tlaloc_jax.kernels.quantized_matmul import QuantizedWeight, to_out_major
 
 from .layers import OutMajor
 
@@ -71,13 +74,16 @@ def unstack_layers(weights: Mapping[str, object]) -> dict[str, object]:
 
 
 def out_major(weights: Mapping[str, object]) -> dict[str, object]:
-    """The LINEAR_SLOTS' float arrays (each layer's, in the per-layer form) stored [O, I] as layers.OutMajor;
-    quantized weights and every other slot as they were."""
+    """The LINEAR_SLOTS' weights (each layer's, in the per-layer form) stored [O, I]: float arrays as
+    layers.OutMajor, quantized ones with out-major codes (kernels.quantized_matmul.to_out_major); every other slot
+    as it was."""
     def flip(w):
         if isinstance(w, (tuple, list)):
             return tuple(flip(a) for a in w)
         if isinstance(w, (np.ndarray, jax.Array)):
             return OutMajor(np.ascontiguousarray(np.swapaxes(np.asarray(w), -1, -2)))
+        if isinstance(w, QuantizedWeight):
+            return to_out_major(w)
         return w
     return {name: flip(w) if name in LINEAR_SLOTS else w for name, w in weights.items()}
 

@@ -33,6 +33,7 @@ class WeightQuant:
     part: QuantPart
     weight: str
     group: int = 0                 # int4: input channels per scale; 0 otherwise
+    out_major: bool = False        # codes [..., O, I] (int4 [..., O, I / 2], scales [..., O, I / group])
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,14 @@ def _check_quant(weights: tuple[WeightFile, ...]) -> None:
             raise ManifestError(f"quantized weight {name!r} has no {missing} file")
         codes, scales, q = seen[QuantPart.CODES], seen[QuantPart.SCALES], seen[QuantPart.CODES].quant
         *lead, rows, cols = codes.shape
-        want = (*lead, rows * 2 // q.group, cols) if q.scheme == QuantScheme.INT4 else (*lead, cols)
-        if q.scheme == QuantScheme.INT4 and (rows * 2) % q.group:
-            raise ManifestError(f"quantized weight {name!r}: int4 groups of {q.group} do not tile {rows * 2} inputs")
+        if q.out_major:         # [..., O, I]: the per-layer layout's
+            want = (*lead, rows, cols * 2 // q.group) if q.scheme == QuantScheme.INT4 else (*lead, rows)
+            inputs = cols * 2
+        else:
+            want = (*lead, rows * 2 // q.group, cols) if q.scheme == QuantScheme.INT4 else (*lead, cols)
+            inputs = rows * 2
+        if q.scheme == QuantScheme.INT4 and inputs % q.group:
+            raise ManifestError(f"quantized weight {name!r}: int4 groups of {q.group} do not tile {inputs} inputs")
         if tuple(scales.shape) != tuple(want):
             raise ManifestError(f"quantized weight {name!r}: codes {list(codes.shape)} need scales {list(want)}, "
                                 f"got {list(scales.shape)}")

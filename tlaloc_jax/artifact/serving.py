@@ -28,7 +28,8 @@ Changelog:
     before (such a prompt is read a token a call and scored on the host); a runtime that predates them refuses
     the new kind by name.
     v4 + quantized weights (optional, still tlaloc-serving-v4): a weight file may carry `quant` (WeightQuant:
-    its QuantScheme, whether it holds the codes or the scales, the quantized weight's name, int4's group);
+    its QuantScheme, whether it holds the codes or the scales, the quantized weight's name, int4's group, and
+    `out_major` when the codes are stored [..., O, I] as the per-layer layout's are; absent: false);
     checked at load (codes in the scheme's dtype, f32 scales of the matching shape, both halves present).
     A manifest without it has none; a runtime feeds the files by slot as before.
     v4 + decode steps (optional, still tlaloc-serving-v4): entries of kind `decode_steps` with `steps` K (every
