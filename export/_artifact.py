@@ -20,12 +20,14 @@ from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, final_hidden, forward, logits_
 from tlaloc_jax.kernels import paged_attention_gpu
 from tlaloc_jax.layout import LAYOUTS, fuse_projections, out_major, unstack_layers
 from tlaloc_jax.plan import layer_plan
+from tlaloc_jax.sharding import ShardingError, local_config, shard_decoder_weights
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import ExportError
+from ._mesh import weight_split_axes
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
 from ._quant import quantize_weights, scheme_label
-from ._stage import PromptScorer, Sampler, _ladder, stage
+from ._stage import PromptScorer, Sampler, _ladder, flatten_weights, stage
 
 
 def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pages: int) -> dict[str, PoolSpec]:
@@ -41,10 +43,11 @@ def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pag
         elif name == "window_kv":
             specs[name] = RingKV(len(ids), K, D, cfg.sliding_window, kv_dtype, ring_pages=ring_pages, layer_ids=ids)
         elif name == "conv":
-            specs[name] = StateSlots((cfg.conv_channels, cfg.linear_conv_kernel - 1), "float32", len(ids), ids)
+            specs[name] = StateSlots((cfg.conv_channels, cfg.linear_conv_kernel - 1), "float32", len(ids), ids,
+                                     shard_axis=0)
         elif name == "recurrent":
             specs[name] = StateSlots((cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim), "float32",
-                                     len(ids), ids)
+                                     len(ids), ids, shard_axis=0)
         else:
             raise ExportError(f"the decoder's layer plan names pool {name!r}, which export_checkpoint cannot declare")
     return specs
@@ -60,7 +63,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       allow_longer_context: bool = False, prompt_logprobs: int | None = None,
                       decode_attention: str | None = None, weight_layout: str = "per-layer",
                       weight_quant: str = "none", quant_group: int = 128,
-                      quant_axis: str = "output", decode_steps: int = 1) -> mf.Manifest:
+                      quant_axis: str = "output", decode_steps: int = 1, tensor_parallel: int = 1) -> mf.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -87,6 +90,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     wrong-axis control of the quality check); kv_dtype "float8_e4m3fn" stores the KV pools as e4m3fn codes.
     The model's name then ends in ":q<scheme>" and ":kvfp8".
     decode_steps: K > 1 adds a K-step decode entry beside each decode entry (see `stage`).
+    tensor_parallel: N > 1 stages every entry for N devices, each holding 1/N of the heads, KV heads, MLP width
+    and experts (tlaloc_jax.sharding; docs/multi-device.md); a model whose counts do not divide is refused.
     """
     decode_attention = decode_attention or ("pallas" if platform == "cuda" else "xla")
     if decode_attention not in ("pallas", "xla"):
@@ -113,6 +118,17 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         name += ":kvfp8"
     if per_layer:
         weights = out_major(unstack_layers(weights))
+    split_axes, shard_cfg = None, cfg
+    if tensor_parallel > 1:
+        if quantized:
+            raise ExportError(f"weight_quant {weight_quant!r} with tensor_parallel {tensor_parallel}: quantized "
+                              "weights are not split over devices yet; stage them on one device")
+        try:
+            weights = shard_decoder_weights(cfg, weights, tensor_parallel)
+            shard_cfg = local_config(cfg, tensor_parallel)
+        except ShardingError as e:
+            raise ExportError(str(e)) from None
+        split_axes = weight_split_axes(weights, flatten_weights)
     if contexts[-1] > cfg.max_position_embeddings:
         why = (f"the context ladder reaches {contexts[-1]} positions, past the checkpoint's max_position_embeddings "
                f"({cfg.max_position_embeddings}): the model was not trained for positions that far and its output "
@@ -128,17 +144,18 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         ring = ring_pages_for(cfg.sliding_window, chunk or contexts[-1], block_size, contexts[-1] // block_size)
     pools = decoder_pools(cfg, windowed=windowed, kv_dtype=kv_np.name, ring_pages=ring)
     if decode_attention == "pallas":
-        why = paged_attention_gpu.refusal(1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, kv_np)
+        why = paged_attention_gpu.refusal(1, shard_cfg.num_heads, shard_cfg.num_kv_heads, cfg.head_dim, block_size,
+                                          kv_np)
         if why:
             raise ExportError(f"the Pallas GPU decode-attention kernel cannot serve this model: {why}; export with "
                               "decode_attention='xla' (--decode-attention xla)")
-    step = functools.partial(forward, cfg, key_block=attention_block, ring_pages=ring,
+    step = functools.partial(forward, shard_cfg, key_block=attention_block, ring_pages=ring,
                              decode_attention=decode_attention)
     scorer = None
     if prompt_logprobs is not None:
-        scorer = PromptScorer(hidden=functools.partial(final_hidden, cfg, key_block=attention_block, ring_pages=ring,
-                                                       all_positions=True),
-                              head=functools.partial(logits_from_hidden, cfg), top_logprobs=prompt_logprobs)
+        scorer = PromptScorer(hidden=functools.partial(final_hidden, shard_cfg, key_block=attention_block,
+                                                       ring_pages=ring, all_positions=True),
+                              head=functools.partial(logits_from_hidden, shard_cfg), top_logprobs=prompt_logprobs)
     describe = dict(layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                     hidden=cfg.hidden_size, weight_dtype=weight_dtype_name, kv_dtype=kv_np.name)
     return stage(step, weights, pools, out_dir, batch_ladder=batch_ladder, context_ladder=contexts,
@@ -147,4 +164,5 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                  name=name, model_type=cfg.model_type,
                  eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, tokenizer_dir=checkpoint_dir,
                  embedding_slot="embed", describe=describe, attention_block=attention_block, progress=progress,
-                 sampler=sampler, prompt_logprobs=scorer, decode_steps=decode_steps)
+                 sampler=sampler, prompt_logprobs=scorer, decode_steps=decode_steps,
+                 mesh=tensor_parallel if tensor_parallel > 1 else None, weight_split_axes=split_axes)

@@ -35,6 +35,7 @@ from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import PLATFORM_CUSTOM_CALLS, EntrySpec, ExportError, check_body, plan_entries
+from ._mesh import abstract_mesh, entry_axes, pool_split_axis, sharded
 from ._multistep import decode_steps_fn, decode_steps_signature
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
 from ._quant import quant_records
@@ -288,10 +289,14 @@ def _avals(sigs: Sequence[mf.TensorSig]):
 
 
 def _vocab(step: Callable, treedef, spec: EntrySpec, layout: _Layout, block_size: int,
-           weights: Mapping[str, np.ndarray]) -> int:
-    """The vocabulary: the last axis of the step's logits, read off an abstract evaluation of one entry."""
+           weights: Mapping[str, np.ndarray], mesh=None, split=None) -> int:
+    """The vocabulary: the last axis of the step's logits, read off an abstract evaluation of one entry (on the
+    mesh, with split = (pool split axes, weight split axes), when there is one)."""
     inputs, outputs, _ = entry_signature(spec, layout, block_size, 1, weights)
-    shape = jax.eval_shape(_entry_fn(step, treedef, inputs, outputs, layout.ring_pages), *_avals(inputs))[0].shape
+    fn, avals = _entry_fn(step, treedef, inputs, outputs, layout.ring_pages), _avals(inputs)
+    if mesh is not None:
+        fn, avals, _ = sharded(fn, inputs, outputs, *entry_axes(inputs, outputs, *split), mesh)
+    shape = jax.eval_shape(fn, *avals)[0].shape
     if len(shape) != 2 or shape[0] != spec.batch:
         raise ExportError(f"the step function returned logits of shape {list(shape)}; expected [B, V] with "
                           f"B = {spec.batch}")
@@ -299,8 +304,10 @@ def _vocab(step: Callable, treedef, spec: EntrySpec, layout: _Layout, block_size
 
 
 def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, donations, *, ring_pages: int,
-                 platform: str, scorer: PromptScorer | None = None, block_size: int = 0) -> jax_export.Exported:
-    """jax.export one entry with its pools donated; checks the body against its signature.
+                 platform: str, scorer: PromptScorer | None = None, block_size: int = 0, mesh=None,
+                 split=None) -> jax_export.Exported:
+    """jax.export one entry with its pools donated; checks the body against its signature. mesh: an AbstractMesh
+    the entry runs on (shard_map), split = (pool split axes, weight split axes) (export/_mesh.py); None: one device.
 
     jax.export drops arguments the function never reads. A weight or pool dropped that way is a mistake and
     is refused (check_body); a step input the model has no use for (a recurrent model needs no SEQ_LENS)
@@ -311,9 +318,13 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
     else:
         fn = _entry_fn(step, treedef, inputs, outputs, ring_pages, scorer)
 
+    avals, out_shardings = _avals(inputs), None
+    if mesh is not None:
+        fn, avals, out_shardings = sharded(fn, inputs, outputs, *entry_axes(inputs, outputs, *split), mesh)
+
     def export(keep_unused: bool) -> jax_export.Exported:
-        return export_fn(fn, _avals(inputs), platform=platform,
-                         donate=tuple(i for _, i in donations), keep_unused=keep_unused)
+        return export_fn(fn, avals, platform=platform, donate=tuple(i for _, i in donations),
+                         keep_unused=keep_unused, out_shardings=out_shardings)
 
     exp = export(keep_unused=False)
     dropped = set(range(len(inputs))) - set(exp.module_kept_var_idx)
@@ -324,14 +335,16 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
 
 
 def export_fn(fn: Callable, avals, *, platform: str, donate: tuple[int, ...] = (),
-              keep_unused: bool = False) -> jax_export.Exported:
+              keep_unused: bool = False, out_shardings=None) -> jax_export.Exported:
     """jax.export `fn` jitted (arguments `donate` donated) at `avals`, for one platform.
 
     jax.export refuses custom calls it gives no compatibility guarantee for; the platform's own ones
     (PLATFORM_CUSTOM_CALLS: a Triton kernel on cuda) are let through here, and check_custom_calls refuses
     the rest by name. The Triton IR such a kernel carries is outside StableHLO's compatibility guarantees: a
     plugin of another jax release than the exporting one (versions.jax in the manifest) may not read it."""
-    jitted = jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused)
+    # A mesh's results carry their shardings (out_shardings): jax then writes each donated pool's alias.
+    jitted = jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused,
+                     **({"out_shardings": out_shardings} if out_shardings is not None else {}))
     disabled = [jax_export.DisabledSafetyCheck.custom_call(t) for t in sorted(PLATFORM_CUSTOM_CALLS.get(platform, ()))]
     # Source locations would put this checkout's file paths into the body; an artifact must not depend on them.
     limit = jax.config.jax_traceback_in_locations_limit
@@ -405,7 +418,8 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
           eos_token_ids: Sequence[int] = (), refused_tokens: Sequence[tuple[int, str]] = (),
           tokenizer_dir=None, embedding_slot: str = "", describe: Mapping[str, int] | None = None,
           attention_block: int = 0, progress: bool = True, sampler: Sampler | None = None,
-          prompt_logprobs: PromptScorer | None = None, decode_steps: int = 1) -> mf.Manifest:
+          prompt_logprobs: PromptScorer | None = None, decode_steps: int = 1, mesh=None,
+          weight_split_axes: Mapping[str, int | None] | None = None) -> mf.Manifest:
     """Write the serving artifact of `step` to `out_dir` (empty or absent) and return its manifest.
 
     step(weights, pools, inputs) -> (logits [B, V], pools): one call, traced once per entry; it must return
@@ -432,6 +446,11 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     decode_steps: K > 1 adds a decode_steps entry beside each decode entry: up to K decode steps in one call,
         each step's token (argmax, or the sampler's) fed to the next, a row stopping on its stop ids or a
         step limit (export/_multistep.py); the runtime uses it while every sequence is decoding.
+    mesh: N (or a 1-D jax Mesh / AbstractMesh) stages every entry for N devices (tensor parallelism,
+        docs/multi-device.md): `step` runs under jax.shard_map on each device's shards and all-reduces where its
+        shards meet (lax.psum over the mesh axis). weight_split_axes: {slot: the axis of that weight split over
+        the devices, or None}; unlisted weights are whole on every device. KV pools split over their KV heads,
+        state pools over their `shard_axis`. None: one device.
     The export needs no accelerator and loads no PJRT plugin; the same inputs give the same bytes.
     """
     batches = _ladder(batch_ladder, "batch ladder")
@@ -453,6 +472,13 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     if sys.byteorder != "little":
         raise ExportError("weight files are raw little-endian; exporting from a big-endian host is not supported")
     flat, treedef = flatten_weights(weights)
+    mesh = abstract_mesh(mesh)
+    split = None
+    if mesh is not None:
+        unknown = sorted(set(weight_split_axes or {}) - set(flat))
+        if unknown:
+            raise ExportError(f"weight_split_axes names {', '.join(unknown)}, which are not weights")
+        split = ({name: pool_split_axis(p) for name, p in pools.items()}, dict(weight_split_axes or {}))
     if embedding_slot and embedding_slot not in flat:
         raise ExportError(f"embedding_slot {embedding_slot!r} is not a weight (weights: {', '.join(flat)})")
     layout = _resolve_pools(pools, block_size=block_size, contexts=contexts, max_batch=batches[-1], chunk=chunk,
@@ -466,7 +492,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     if prompt_logprobs is not None:
         specs += [dataclasses.replace(s, kind=mf.EntryKind.PREFILL_SCORED) for s in specs
                   if s.kind == mf.EntryKind.PREFILL]
-    vocab = _vocab(step, treedef, specs[0], layout, block_size, flat)
+    vocab = _vocab(step, treedef, specs[0], layout, block_size, flat, mesh, split)
     sampler_spec = sampler.manifest(vocab) if sampler is not None else None
     scorer_spec = prompt_logprobs.manifest(vocab) if prompt_logprobs is not None else None
     if embedding_slot and flat[embedding_slot].shape[:1] != (vocab,):
@@ -491,7 +517,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         if spec.kind == mf.EntryKind.DECODE_STEPS:
             inputs, outputs, donations = decode_steps_signature(inputs, outputs, batch=spec.batch, steps=spec.steps)
         exp = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=layout.ring_pages,
-                           platform=platform, scorer=prompt_logprobs, block_size=block_size)
+                           platform=platform, scorer=prompt_logprobs, block_size=block_size, mesh=mesh, split=split)
         calling_convention = int(exp.calling_convention_version)
         entry = mf.Entry(name=spec.name, kind=mf.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
                          tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp)),

@@ -102,6 +102,9 @@ class DecoderConfig:
     swiglu_alpha: float = 1.702                # "swiglu_clamped": g * sigmoid(alpha g)
     swiglu_limit: float = 7.0                  # "swiglu_clamped": the clamp of g and u
     shared_expert_intermediate_size: int = 0
+    # One tensor-parallel shard's config (tlaloc_jax.sharding.local_config): the mesh axis its row-parallel
+    # projections all-reduce over. "": the whole model on one device.
+    shard_axis: str = ""
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -595,7 +595,8 @@ def _field_types(cls) -> dict[str, Any]:
 # -- the bodies' @main, read from textual StableHLO ------------------------------------------------
 
 _MAIN = re.compile(r"func\.func public @main\((.*?)\)\s*->\s*\((.*?)\)\s*\{", re.S)
-_ARG = re.compile(r"%arg\d+: tensor<([^>]*)>(\s*\{[^}]*\})?")
+# An argument's attributes may hold braces one level deep (a mesh body's sdy.sharding: [{}, {"tp"}]).
+_ARG = re.compile(r"%arg\d+: tensor<([^>]*)>(\s*\{(?:[^{}]|\{[^{}]*\})*\})?")
 _ALIAS = re.compile(r"tf\.aliasing_output = (\d+)")
 
 
