@@ -9,6 +9,7 @@ and an axis name): exporting for N devices needs neither N devices nor an accele
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -112,3 +113,14 @@ def entry_axes(inputs: Sequence[mf.TensorSig], outputs: Sequence[mf.TensorSig], 
             return weight_axes.get(sig.slot)
         return None
     return [axis(s) for s in inputs], [axis(s) for s in outputs]
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "reduce_scatter", "collective_permute",
+               "collective_broadcast")
+_COLLECTIVE = re.compile(r"stablehlo\.(" + "|".join(COLLECTIVES) + r")\b")
+
+
+def collective_counts(mlir_text: str) -> dict[str, int]:
+    """How many of each cross-device op (COLLECTIVES) a body's StableHLO text holds."""
+    found = _COLLECTIVE.findall(mlir_text)
+    return {op: found.count(op) for op in COLLECTIVES}
