@@ -68,7 +68,7 @@ def check_custom_calls(name: str, mlir_text: str, platform: str = "cpu") -> None
 
 
 def check_body(name: str, exp: jax_export.Exported, inputs: list[mf.TensorSig], outputs: list[mf.TensorSig],
-               donations: tuple[tuple[int, int], ...] = (), platform: str = "cpu") -> None:
+               donations: tuple[tuple[int, int], ...] = (), platform: str = "cpu", devices: int = 1) -> None:
     """The body's @main against the entry's signature: kept args, custom calls, shapes, dtypes, the pool
     aliases; the same reading of @main the runtime does at load (manifest.signature_mismatch)."""
     if tuple(exp.module_kept_var_idx) != tuple(range(len(inputs))):
@@ -79,7 +79,7 @@ def check_body(name: str, exp: jax_export.Exported, inputs: list[mf.TensorSig], 
     check_custom_calls(name, text, platform)
     try:
         why = mf.signature_mismatch(tuple(inputs), tuple(outputs), tuple(donations),
-                                    mf.main_signature(text, f"entry {name!r} body"))
+                                    mf.main_signature(text, f"entry {name!r} body"), devices)
     except mf.ManifestError as e:
         raise ExportError(str(e)) from None
     if why:

@@ -66,53 +66,40 @@ def weight_split_axes(weights: Mapping[str, object], flatten: Callable) -> dict[
     return out
 
 
-def partition_spec(ndim: int, axis: int | None, mesh: AbstractMesh) -> PartitionSpec:
-    if axis is None:
-        return PartitionSpec()
-    dims = [None] * ndim
+def partition_of(ndim: int, axis: int | None, mesh: AbstractMesh | None) -> mf.Partition:
+    """The manifest partition of an array of ndim dimensions split along `axis` (None: whole, ())."""
+    if axis is None or mesh is None:
+        return ()
+    if not -ndim <= axis < ndim:
+        raise ExportError(f"split axis {axis} of a {ndim}-d array")
+    dims: list[str | None] = [None] * ndim
     dims[axis % ndim] = mesh.axis_names[0]
-    return PartitionSpec(*dims)
+    return tuple(dims)
 
 
-def check_splits(sigs: Sequence[mf.TensorSig], axes: Sequence[int | None], mesh: AbstractMesh) -> None:
-    """Refuse, by name, an argument whose split axis does not divide into the mesh's devices."""
+def check_splits(sigs: Sequence[mf.TensorSig], mesh: AbstractMesh) -> None:
+    """Refuse, by name, an argument whose split dimension does not divide into the mesh's devices."""
     n = mesh_size(mesh)
-    for sig, axis in zip(sigs, axes):
-        if axis is None:
-            continue
-        if not -len(sig.shape) <= axis < len(sig.shape):
-            raise ExportError(f"{sig.slot or sig.role}: split axis {axis} of a {len(sig.shape)}-d array")
-        if sig.shape[axis] % n:
-            raise ExportError(f"{sig.slot or sig.role}: axis {axis % len(sig.shape)} of {list(sig.shape)} does not "
-                              f"split into {n} equal shards")
+    for sig in sigs:
+        for d, name in zip(sig.shape, sig.partition):
+            if name and d % n:
+                raise ExportError(f"{sig.slot or sig.role}: dimension {d} of {list(sig.shape)} does not split into "
+                                  f"{n} equal shards")
 
 
-def sharded(fn: Callable, inputs: Sequence[mf.TensorSig], outputs: Sequence[mf.TensorSig],
-            in_axes: Sequence[int | None], out_axes: Sequence[int | None], mesh: AbstractMesh):
-    """(fn run by shard_map over the mesh, the arguments' avals carrying their shardings, the results' shardings)."""
-    check_splits(inputs, in_axes, mesh)
-    check_splits(outputs, out_axes, mesh)
-    in_specs = tuple(partition_spec(len(s.shape), a, mesh) for s, a in zip(inputs, in_axes))
-    out_specs = tuple(partition_spec(len(s.shape), a, mesh) for s, a in zip(outputs, out_axes))
+def sharded(fn: Callable, inputs: Sequence[mf.TensorSig], outputs: Sequence[mf.TensorSig], mesh: AbstractMesh):
+    """(fn run by shard_map over the mesh, the arguments' avals carrying their shardings, the results' shardings),
+    each argument and result split as its partition says."""
+    check_splits(inputs, mesh)
+    check_splits(outputs, mesh)
+    in_specs = tuple(PartitionSpec(*s.partition) for s in inputs)
+    out_specs = tuple(PartitionSpec(*s.partition) for s in outputs)
     # check_vma=False: jax's replication typing would make every loop whose carry starts whole and turns per-device
     # (the experts' and the gated delta rule's) cast its carry; the step's own psums say where devices meet.
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     avals = [jax.ShapeDtypeStruct(s.shape, mf.numpy_dtype(s.dtype), sharding=NamedSharding(mesh, p))
              for s, p in zip(inputs, in_specs)]
     return mapped, avals, tuple(NamedSharding(mesh, p) for p in out_specs)
-
-
-def entry_axes(inputs: Sequence[mf.TensorSig], outputs: Sequence[mf.TensorSig], pool_axes: Mapping[str, int | None],
-               weight_axes: Mapping[str, int | None]) -> tuple[list[int | None], list[int | None]]:
-    """The split axis of each argument and result of an entry, by role: pools their pool's, weights their slot's
-    (unlisted: whole), every step input, sampler input and result whole (each device reads and computes all)."""
-    def axis(sig: mf.TensorSig) -> int | None:
-        if sig.role in (mf.Role.POOL_IN, mf.Role.POOL_OUT):
-            return pool_axes.get(sig.slot)
-        if sig.role == mf.Role.WEIGHT:
-            return weight_axes.get(sig.slot)
-        return None
-    return [axis(s) for s in inputs], [axis(s) for s in outputs]
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "reduce_scatter", "collective_permute",

@@ -35,7 +35,7 @@ from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import PLATFORM_CUSTOM_CALLS, EntrySpec, ExportError, check_body, plan_entries
-from ._mesh import abstract_mesh, entry_axes, pool_split_axis, sharded
+from ._mesh import abstract_mesh, mesh_size, partition_of, pool_split_axis, sharded
 from ._multistep import decode_steps_fn, decode_steps_signature
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
 from ._quant import quant_records
@@ -195,10 +195,11 @@ def _resolve_pools(specs: Mapping[str, PoolSpec], *, block_size: int, contexts: 
 
 def entry_signature(spec: EntrySpec, layout: _Layout, block_size: int, vocab: int,
                     weights: Mapping[str, np.ndarray], sampler: mf.Sampler | None = None,
-                    scorer: mf.Scorer | None = None
+                    scorer: mf.Scorer | None = None, weight_parts: Mapping[str, mf.Partition] | None = None
                     ) -> tuple[list[mf.TensorSig], list[mf.TensorSig], tuple[tuple[int, int], ...]]:
     """(inputs, outputs, donations) of an entry: the step inputs its pools need, the sampler's inputs, (a scoring
-    prefill) the scorer's, the pools, the weights."""
+    prefill) the scorer's, the pools, the weights (on a mesh, each weight split as weight_parts says, each pool as
+    its own partition; everything else whole)."""
     B, T, M = spec.batch, spec.tokens_per_seq, spec.context // block_size
     shapes = {Role.TOKEN_IDS: (B, T), Role.POSITIONS: (B, T), Role.SEQ_LENS: (B,), Role.BLOCK_TABLES: (B, M),
               Role.SLOT_MAPPING: (B, T), Role.WINDOW_BLOCK_TABLES: (B, M), Role.WINDOW_SLOT_MAPPING: (B, T),
@@ -219,9 +220,11 @@ def entry_signature(spec: EntrySpec, layout: _Layout, block_size: int, vocab: in
     donations = []
     for p in layout.pools:
         donations.append((len(outputs), len(inputs)))
-        inputs.append(mf.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name))
-        outputs.append(mf.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name))
-    inputs += [mf.TensorSig(Role.WEIGHT, w.dtype.name, tuple(w.shape), slot) for slot, w in weights.items()]
+        inputs.append(mf.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name, p.partition))
+        outputs.append(mf.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name, p.partition))
+    parts = weight_parts or {}
+    inputs += [mf.TensorSig(Role.WEIGHT, w.dtype.name, tuple(w.shape), slot, parts.get(slot, ()))
+               for slot, w in weights.items()]
     return inputs, outputs, tuple(donations)
 
 
@@ -289,13 +292,13 @@ def _avals(sigs: Sequence[mf.TensorSig]):
 
 
 def _vocab(step: Callable, treedef, spec: EntrySpec, layout: _Layout, block_size: int,
-           weights: Mapping[str, np.ndarray], mesh=None, split=None) -> int:
+           weights: Mapping[str, np.ndarray], mesh=None, weight_parts=None) -> int:
     """The vocabulary: the last axis of the step's logits, read off an abstract evaluation of one entry (on the
-    mesh, with split = (pool split axes, weight split axes), when there is one)."""
-    inputs, outputs, _ = entry_signature(spec, layout, block_size, 1, weights)
+    mesh, when there is one)."""
+    inputs, outputs, _ = entry_signature(spec, layout, block_size, 1, weights, weight_parts=weight_parts)
     fn, avals = _entry_fn(step, treedef, inputs, outputs, layout.ring_pages), _avals(inputs)
     if mesh is not None:
-        fn, avals, _ = sharded(fn, inputs, outputs, *entry_axes(inputs, outputs, *split), mesh)
+        fn, avals, _ = sharded(fn, inputs, outputs, mesh)
     shape = jax.eval_shape(fn, *avals)[0].shape
     if len(shape) != 2 or shape[0] != spec.batch:
         raise ExportError(f"the step function returned logits of shape {list(shape)}; expected [B, V] with "
@@ -304,10 +307,10 @@ def _vocab(step: Callable, treedef, spec: EntrySpec, layout: _Layout, block_size
 
 
 def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, donations, *, ring_pages: int,
-                 platform: str, scorer: PromptScorer | None = None, block_size: int = 0, mesh=None,
-                 split=None) -> jax_export.Exported:
-    """jax.export one entry with its pools donated; checks the body against its signature. mesh: an AbstractMesh
-    the entry runs on (shard_map), split = (pool split axes, weight split axes) (export/_mesh.py); None: one device.
+                 platform: str, scorer: PromptScorer | None = None, block_size: int = 0,
+                 mesh=None) -> jax_export.Exported:
+    """jax.export one entry with its pools donated; checks the body against its signature. mesh: the AbstractMesh
+    the entry runs on (under shard_map, each argument split as its signature's partition says); None: one device.
 
     jax.export drops arguments the function never reads. A weight or pool dropped that way is a mistake and
     is refused (check_body); a step input the model has no use for (a recurrent model needs no SEQ_LENS)
@@ -320,7 +323,7 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
 
     avals, out_shardings = _avals(inputs), None
     if mesh is not None:
-        fn, avals, out_shardings = sharded(fn, inputs, outputs, *entry_axes(inputs, outputs, *split), mesh)
+        fn, avals, out_shardings = sharded(fn, inputs, outputs, mesh)
 
     def export(keep_unused: bool) -> jax_export.Exported:
         return export_fn(fn, avals, platform=platform, donate=tuple(i for _, i in donations),
@@ -330,7 +333,7 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
     dropped = set(range(len(inputs))) - set(exp.module_kept_var_idx)
     if dropped and all(inputs[i].role in mf.STEP_FIELDS for i in dropped):
         exp = export(keep_unused=True)
-    check_body(spec.name, exp, inputs, outputs, donations, platform)
+    check_body(spec.name, exp, inputs, outputs, donations, platform, mesh_size(mesh))
     return exp
 
 
@@ -382,17 +385,29 @@ def write_body(out: Path, exp: jax_export.Exported) -> BodyFiles:
 
 
 def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar,
-                  quant: Mapping[str, mf.WeightQuant] | None = None) -> tuple[mf.WeightFile, ...]:
+                  quant: Mapping[str, mf.WeightQuant] | None = None,
+                  parts: Mapping[str, mf.Partition] | None = None, devices: int = 1) -> tuple[mf.WeightFile, ...]:
     """One raw file per weight (host order, checked little-endian by the caller), hashed; `bar` ticks per file.
-    quant: the slots that are halves of quantized weights (export/_quant.py's quant_records)."""
-    quant = quant or {}
+    quant: the slots that are halves of quantized weights (export/_quant.py's quant_records). parts: a weight split
+    over the devices (its partition names a dimension) is written as one file per device, its block along that
+    dimension, so that each device reads its shard alone."""
+    quant, parts = quant or {}, parts or {}
     files = []
     for i, (slot, w) in enumerate(flat.items()):
         bar.set_postfix_str(slot)
-        rel = f"weights/{i:04d}_{slot}.bin"
-        data = np.ascontiguousarray(w).tobytes()
-        files.append(mf.WeightFile(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=len(data), file=rel,
-                                   sha256=_write(out / rel, data), quant=quant.get(slot)))
+        partition = parts.get(slot, ())
+        common = dict(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=w.nbytes, quant=quant.get(slot))
+        if any(partition):
+            axis = next(d for d, name in enumerate(partition) if name)
+            shards = []
+            for d, block in enumerate(np.split(np.asarray(w), devices, axis=axis)):
+                rel = f"weights/{i:04d}_{slot}.shard{d}of{devices}.bin"
+                data = np.ascontiguousarray(block).tobytes()
+                shards.append(mf.WeightShard(file=rel, nbytes=len(data), sha256=_write(out / rel, data)))
+            files.append(mf.WeightFile(**common, partition=partition, shards=tuple(shards)))
+        else:
+            rel = f"weights/{i:04d}_{slot}.bin"
+            files.append(mf.WeightFile(**common, file=rel, sha256=_write(out / rel, np.ascontiguousarray(w).tobytes())))
         bar.update()
     return tuple(files)
 
@@ -473,16 +488,18 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         raise ExportError("weight files are raw little-endian; exporting from a big-endian host is not supported")
     flat, treedef = flatten_weights(weights)
     mesh = abstract_mesh(mesh)
-    split = None
-    if mesh is not None:
-        unknown = sorted(set(weight_split_axes or {}) - set(flat))
-        if unknown:
-            raise ExportError(f"weight_split_axes names {', '.join(unknown)}, which are not weights")
-        split = ({name: pool_split_axis(p) for name, p in pools.items()}, dict(weight_split_axes or {}))
+    unknown = sorted(set(weight_split_axes or {}) - set(flat))
+    if unknown:
+        raise ExportError(f"weight_split_axes names {', '.join(unknown)}, which are not weights")
+    weight_parts = {slot: partition_of(w.ndim, (weight_split_axes or {}).get(slot), mesh) for slot, w in flat.items()}
     if embedding_slot and embedding_slot not in flat:
         raise ExportError(f"embedding_slot {embedding_slot!r} is not a weight (weights: {', '.join(flat)})")
     layout = _resolve_pools(pools, block_size=block_size, contexts=contexts, max_batch=batches[-1], chunk=chunk,
                             num_blocks=num_blocks, ring_blocks=ring_blocks, state_slots=state_slots)
+    if mesh is not None:
+        layout = dataclasses.replace(layout, pools=tuple(
+            dataclasses.replace(p, partition=partition_of(len(p.shape), pool_split_axis(pools[p.name]), mesh))
+            for p in layout.pools))
     specs = plan_entries(batches, contexts, prefill_max_batch, chunk)
     if not isinstance(decode_steps, int) or decode_steps < 1:
         raise ExportError(f"decode_steps must be a positive integer, got {decode_steps!r}")
@@ -492,7 +509,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     if prompt_logprobs is not None:
         specs += [dataclasses.replace(s, kind=mf.EntryKind.PREFILL_SCORED) for s in specs
                   if s.kind == mf.EntryKind.PREFILL]
-    vocab = _vocab(step, treedef, specs[0], layout, block_size, flat, mesh, split)
+    vocab = _vocab(step, treedef, specs[0], layout, block_size, flat, mesh, weight_parts)
     sampler_spec = sampler.manifest(vocab) if sampler is not None else None
     scorer_spec = prompt_logprobs.manifest(vocab) if prompt_logprobs is not None else None
     if embedding_slot and flat[embedding_slot].shape[:1] != (vocab,):
@@ -513,23 +530,23 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     for spec in specs:
         bar.set_postfix_str(spec.name)
         inputs, outputs, donations = entry_signature(spec, layout, block_size, vocab, flat, sampler_spec,
-                                                     scorer_spec)
+                                                     scorer_spec, weight_parts)
         if spec.kind == mf.EntryKind.DECODE_STEPS:
             inputs, outputs, donations = decode_steps_signature(inputs, outputs, batch=spec.batch, steps=spec.steps)
         exp = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=layout.ring_pages,
-                           platform=platform, scorer=prompt_logprobs, block_size=block_size, mesh=mesh, split=split)
+                           platform=platform, scorer=prompt_logprobs, block_size=block_size, mesh=mesh)
         calling_convention = int(exp.calling_convention_version)
         entry = mf.Entry(name=spec.name, kind=mf.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
                          tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp)),
                          program=f"programs/{spec.name}.json", inputs=tuple(inputs), outputs=tuple(outputs),
                          donations=donations, kept_inputs=tuple(exp.module_kept_var_idx), steps=spec.steps)
-        _write(out / entry.program, (json.dumps({"entry": spec.name, "inputs": [dataclasses.asdict(s) for s in inputs],
-                                                 "outputs": [dataclasses.asdict(s) for s in outputs]},
+        _write(out / entry.program, (json.dumps({"entry": spec.name, "inputs": [mf.record_json(s) for s in inputs],
+                                                 "outputs": [mf.record_json(s) for s in outputs]},
                                                 indent=1, sort_keys=True) + "\n").encode())
         entries.append(entry)
         bar.update()
 
-    files = write_weights(out, flat, bar, quant_records(weights))
+    files = write_weights(out, flat, bar, quant_records(weights), weight_parts, mesh_size(mesh))
     bar.close()
     tokenizer = copy_tokenizer(out, tokenizer_dir)
 
@@ -549,6 +566,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
                              platform=platform, attention_block=attention_block),
         refused_tokens=tuple(mf.RefusedToken(int(t), k) for t, k in refused_tokens),
         tokenizer_files=tokenizer, sampler=sampler_spec, scorer=scorer_spec,
+        mesh=mf.Mesh((mf.MeshAxis(mesh.axis_names[0], mesh_size(mesh)),)) if mesh is not None else None,
     )
     (out / mf.MANIFEST_NAME).write_text(m.to_json())
     return mf.load_manifest(out)

@@ -59,7 +59,8 @@ import numpy as np
 from tlaloc_jax import manifest as mf
 from tlaloc_jax.paging import PageAllocator, PoolExhausted, RowCall, build_step_inputs, pool_rule, row_call
 
-from .pjrt import Buffer, Device, Executable
+from . import sharded
+from .pjrt import Buffer, Device, Executable, TooFewDevicesError
 from .sampling import GREEDY, NEUTRAL_ROW, Sampling, log_softmax, sample, seed_words, top_logprobs, unpack_mask
 
 log = logging.getLogger("tlaloc_jax.serve")
@@ -162,7 +163,8 @@ class _Call:
 
 
 class Engine:
-    """Serve one artifact on one PJRT device. Not thread-safe: one caller drives `step()`."""
+    """Serve one artifact on one PJRT device, or on the N devices of its mesh (a tensor-parallel artifact: one
+    execution per step runs on all of them). Not thread-safe: one caller drives `step()`."""
 
     def __init__(self, artifact_dir: str | Path, plugin: str | None = None, *,
                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR, memory_fraction: float = 0.75,
@@ -188,10 +190,15 @@ class Engine:
         self.manifest = m = manifest or mf.load_manifest(self.artifact_dir, verify_weights=not trust_weights)
         if trust_weights:
             log.warning("--trust-weights: the weight files of %s are not hashed", self.artifact_dir)
-        elif any(not w.sha256 for w in m.weights):
+        elif any(not w.sha256 and not w.shards for w in m.weights):
             log.warning("%s (%s) carries no hashes of its weight and tokenizer files: they are not verified",
                         self.artifact_dir, m.schema)
-        self.device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir)
+        try:
+            self.device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir, devices=m.devices)
+        except TooFewDevicesError as e:
+            mesh = ", ".join(f"{a.name}={a.size}" for a in m.mesh.axes)
+            raise mf.ManifestError(f"{self.artifact_dir} runs on {e.asked} devices (mesh {mesh}); the plugin has "
+                                   f"{e.available}: nothing was allocated") from None
         want = {"cpu": "cpu", "cuda": "cuda"}[m.versions.platform]
         if self.device.platform_name.lower() not in (want, "gpu" if want == "cuda" else want):
             self.device.close()
@@ -216,19 +223,21 @@ class Engine:
             self.max_context = max_model_len
         self.sampler = m.sampler           # None: the host samples from pulled logits
         self.scorer = m.scorer             # None: a prompt whose logprobs are asked is read a token a call
-        self._neutral: dict[tuple[str, mf.Role], Buffer] = {}
+        # Device buffers: a Buffer each, or on a mesh a tuple of one per device (serve/sharded.py).
+        self._neutral: dict[tuple[str, mf.Role], sharded.Placed] = {}
         # The last host value of each (entry, input role) and its device buffer: an input equal to the previous
         # call's (block tables, seeds, stop ids, ...) is not uploaded again.
-        self._kept_inputs: dict[tuple[str, mf.Role], tuple[bytes, Buffer]] = {}
+        self._kept_inputs: dict[tuple[str, mf.Role], tuple[bytes, sharded.Placed]] = {}
         self.refused = {r.token_id: r.config_key for r in m.refused_tokens}
         self._by_kind = {kind: sorted((e for e in m.entries if e.kind == kind), key=lambda e: (e.context, e.batch))
                          for kind in mf.EntryKind}
         self.executables: dict[str, Executable] = {}
         try:
             self._compile_all(progress)
-            self.weights = {w.slot: self._upload_weight(w) for w in m.weights}
-            self.pools: dict[str, Buffer] = {p.name: self.device.upload(np.zeros(p.shape, mf.numpy_dtype(p.dtype)))
-                                             for p in m.pools}
+            self.weights = {w.slot: sharded.upload_weight(self.device, self.artifact_dir, w, m.mesh)
+                            for w in m.weights}
+            self.pools: dict[str, sharded.Placed] = {p.name: sharded.zeros(self.device, p.dtype, p.shape, p.partition,
+                                                                           m.mesh) for p in m.pools}
         except BaseException:
             self.device.close()
             raise
@@ -280,18 +289,20 @@ class Engine:
 
     def _check_memory(self) -> None:
         """Refuse an artifact whose weights and pools cannot fit the device's free memory, before any of it is
-        allocated."""
-        need = self.weight_bytes + self.pool_bytes
-        free = self.device.memory_available()
-        if free is not None and need > free:
-            pools = ", ".join(f"{p.name} {p.nbytes / 2**20:.1f} MiB" for p in self.manifest.pools)
-            raise mf.ManifestError(f"the artifact needs {need / 2**20:.1f} MiB on the device (weights "
-                                   f"{self.weight_bytes / 2**20:.1f} MiB; pools {pools}), and "
-                                   f"{self.device.platform_name} has {free / 2**20:.1f} MiB free")
-
-    def _upload_weight(self, w: mf.WeightFile) -> Buffer:
-        data = np.fromfile(self.artifact_dir / w.file, dtype=mf.numpy_dtype(w.dtype).newbyteorder("<"))
-        return self.device.upload(data.reshape(w.shape))
+        allocated (on a mesh, each device's share against each device's memory; the CPU plugin's devices share
+        the host's, which must hold them all)."""
+        weights, pools = sharded.bytes_per_device(self.manifest)
+        shared = self.device.platform_name.lower() == "cpu"
+        copies = self.device.devices if shared else 1
+        need = (weights + pools) * copies
+        for d in range(1 if shared else self.device.devices):
+            free = self.device.memory_available(d)
+            if free is not None and need > free:
+                names = ", ".join(f"{p.name} {p.nbytes / 2**20:.1f} MiB" for p in self.manifest.pools)
+                where = f"device {d}" if self.device.devices > 1 and not shared else "the device"
+                raise mf.ManifestError(f"the artifact needs {need / 2**20:.1f} MiB on {where} (weights "
+                                       f"{weights * copies / 2**20:.1f} MiB; pools {names}), and "
+                                       f"{self.device.platform_name} has {free / 2**20:.1f} MiB free")
 
     def compile_report(self) -> dict[str, int]:
         """How the entries were obtained: {"hit": n, "miss": n, ...} (hit = from the disk cache)."""
@@ -819,9 +830,9 @@ class Engine:
         kept = self._kept_inputs.get(key)
         if kept is not None and kept[0] == data:
             return kept[1]
-        buf = self.device.upload(value)
+        buf = sharded.upload_whole(self.device, value)
         if kept is not None:
-            kept[1].close()
+            sharded.close(kept[1])
         self._kept_inputs[key] = (data, buf)
         return buf
 
@@ -832,7 +843,8 @@ class Engine:
             fill = {mf.Role.TOKEN_MASK: -1, mf.Role.LOGIT_BIAS_IDS: -1, mf.Role.TOKEN_HISTORY: -1}.get(role, 0)
             if role == mf.Role.SAMPLING:
                 fill = np.array([NEUTRAL_ROW[c] for c in self.sampler.columns], np.float32)
-            self._neutral[key] = self.device.upload(np.broadcast_to(fill, sig.shape).astype(mf.numpy_dtype(sig.dtype)))
+            self._neutral[key] = sharded.upload_whole(
+                self.device, np.broadcast_to(fill, sig.shape).astype(mf.numpy_dtype(sig.dtype)))
         return self._neutral[key]
 
     def _arg_plan(self, e: mf.Entry) -> list[tuple[_ArgSource, object, mf.Role]]:
@@ -861,7 +873,7 @@ class Engine:
             return out[mf.Role.NEXT_TOKEN], out.get(mf.Role.LOGITS)
         exe = self._executable(e)
         check = self._runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
-        args: list[Buffer] = []
+        args: list[sharded.Placed] = []
         pool_args: dict[int, str] = {}
         for i, (source, key, role) in enumerate(self._arg_plan(e)):
             if source is _ArgSource.STEP:
@@ -876,14 +888,14 @@ class Engine:
             else:
                 buf = self.weights[key]
             args.append(buf)
-        before = {name: self.device.device_address(self.pools[name]) for name in pool_args.values()} if check else {}
+        before = {name: sharded.address(self.device, self.pools[name]) for name in pool_args.values()} if check else {}
         donated_outs = {o for o, _ in e.donations}
         keep = donated_outs | {i for i, sig in enumerate(e.outputs) if sig.role in want}
-        outs = self.device.execute(exe, args, donate=set(pool_args) if self.donate else (), keep=keep)
+        outs = sharded.execute(self.device, exe, args, set(pool_args) if self.donate else set(), keep)
         for out_i, in_i in e.donations:
             name = pool_args[in_i]
             if not self.donate:
-                self.pools[name].close()      # the control path: the updated pool is a new buffer
+                sharded.close(self.pools[name])      # the control path: the updated pool is a new buffer
             self.pools[name] = outs[out_i]
         self._runs += 1
         self._stats["executions"] += 1
@@ -891,13 +903,13 @@ class Engine:
         by[e.name] = by.get(e.name, 0) + 1
         if check:
             self._entries_checked.add(e.name)
-            moved = {n: (a, self.device.device_address(self.pools[n])) for n, a in before.items()}
+            moved = {n: (a, sharded.address(self.device, self.pools[n])) for n, a in before.items()}
             moved = {n: ab for n, ab in moved.items() if ab[0] != ab[1]}
             self._stats["pool_address_checks"] += 1
             self._stats["pool_in_place"] += int(not moved)
             if moved:
                 log.warning("run %d (%s): pools moved (copied, not donated): %s", self._runs, e.name,
-                            ", ".join(f"{n} {a:#x} -> {b:#x}" for n, (a, b) in moved.items()))
+                            ", ".join(f"{n} {a} -> {b}" for n, (a, b) in moved.items()))
             else:
                 log.debug("run %d (%s): pools updated in place", self._runs, e.name)
         pulled = {}
@@ -905,8 +917,8 @@ class Engine:
             if i in donated_outs or outs[i] is None:
                 continue
             if sig.role in want:
-                pulled[sig.role] = self.device.to_host(outs[i])
-            outs[i].close()
+                pulled[sig.role] = self.device.to_host(sharded.first(outs[i]))
+            sharded.close(outs[i])
         if mf.Role.LOGITS in want:
             self._stats["logits_pulled"] += 1
         if mf.Role.SAMPLED_TOKEN in want:
@@ -947,7 +959,8 @@ class Engine:
         st.update(pages_in_use=first.pages_in_use, pages_free=first.free_pages, num_pages=first.num_pages,
                   pools=pools,
                   active_requests=len(self.active_requests()),
-                  weight_bytes=self.weight_bytes, pool_bytes=self.pool_bytes, entries=len(self.executables),
+                  weight_bytes=self.weight_bytes, pool_bytes=self.pool_bytes, devices=self.device.devices,
+                  bytes_per_device=sum(sharded.bytes_per_device(self.manifest)), entries=len(self.executables),
                   compile=self.compile_report(), load_seconds=self.load_seconds, donate=self.donate)
         return st
 

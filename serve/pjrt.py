@@ -51,7 +51,7 @@ from pypjrt.client import Event as _PjrtEvent
 from pypjrt.client import State as _HandleState
 
 __all__ = [
-    "ENV_PLUGIN", "PluginNotFoundError", "CompileError", "DonationError",
+    "ENV_PLUGIN", "PluginNotFoundError", "CompileError", "DonationError", "TooFewDevicesError",
     "find_plugin", "bytecode_stablehlo_version", "Device", "Executable", "Buffer",
 ]
 
@@ -199,6 +199,14 @@ class CompileError(RuntimeError):
         self.target = target
 
 
+class TooFewDevicesError(RuntimeError):
+    """The plugin's client has fewer devices than were asked for; nothing was allocated."""
+
+    def __init__(self, message: str, *, asked: int, available: int):
+        super().__init__(message)
+        self.asked, self.available = asked, available
+
+
 class DonationError(RuntimeError):
     """An input listed for donation was not consumed by the execution (it was copied instead).
 
@@ -258,6 +266,27 @@ def find_plugin(explicit: str | os.PathLike[str] | None = None) -> str:
     raise PluginNotFoundError(
         f"no PJRT plugin: none of {looked} is installed, no path was passed and "
         f"${ENV_PLUGIN} is unset")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def device_assignment_proto(device_ids: Sequence[int]) -> bytes:
+    """A serialized xla.DeviceAssignmentProto of one replica and len(device_ids) partitions, partition i on device
+    device_ids[i]: replica_count (1) = 1, computation_count (2) = N, computation_devices (3) = [{replica_device_ids
+    (1, packed) = [id]}], as XLA writes it (pypjrt encodes CompileOptions but not this message)."""
+    out = b"\x08" + _varint(1) + b"\x10" + _varint(len(device_ids))
+    for i in device_ids:
+        ids = _varint(i)
+        inner = b"\x0a" + _varint(len(ids)) + ids
+        out += b"\x1a" + _varint(len(inner)) + inner
+    return out
 
 
 def bytecode_stablehlo_version(body: bytes) -> tuple[int, int, int] | None:
@@ -369,25 +398,27 @@ def _host_bytes(arr: np.ndarray) -> np.ndarray:
 
 
 class _ExecuteCall:
-    """PJRT_LoadedExecutable_Execute's argument struct for one executable, argument count and donation, and the
-    arrays it points at, made once and refilled by every call (Device.execute): the argument row, the output
-    row, the completion event, and the options naming the arguments that are not donated."""
+    """PJRT_LoadedExecutable_Execute's argument struct for one executable, argument count, donation and device
+    count, and the arrays it points at, made once and refilled by every call (Device.execute): an argument row and
+    an output row per device, a completion event per device, and the options naming the arguments that are not
+    donated."""
 
-    def __init__(self, plugin: pypjrt.Plugin, handle: int, n: int, num_out: int, donated: frozenset[int]):
+    def __init__(self, plugin: pypjrt.Plugin, handle: int, n: int, num_out: int, donated: frozenset[int],
+                 devices: int = 1):
         keep = [i for i in range(n) if i not in donated]
         self.nd = (ctypes.c_int64 * max(len(keep), 1))(*keep)
         self.opts = plugin.args("PJRT_ExecuteOptions", launch_id=0)
         self.opts.non_donatable_input_indices = ctypes.cast(self.nd, _VOIDP)
         self.opts.num_non_donatable_input_indices = len(keep)
-        self.row = (_VOIDP * max(n, 1))()
-        self.out_row = (_VOIDP * max(num_out, 1))()
-        self.arg_lists = (_VOIDP * 1)(ctypes.cast(self.row, _VOIDP))
-        self.out_lists = (_VOIDP * 1)(ctypes.cast(self.out_row, _VOIDP))
-        self.events = (_VOIDP * 1)()
+        self.rows = [(_VOIDP * max(n, 1))() for _ in range(devices)]
+        self.out_rows = [(_VOIDP * max(num_out, 1))() for _ in range(devices)]
+        self.arg_lists = (_VOIDP * devices)(*(ctypes.cast(r, _VOIDP) for r in self.rows))
+        self.out_lists = (_VOIDP * devices)(*(ctypes.cast(r, _VOIDP) for r in self.out_rows))
+        self.events = (_VOIDP * devices)()
         self.lock = threading.Lock()
         self.args = plugin.args(
             "PJRT_LoadedExecutable_Execute_Args", executable=handle, options=ctypes.addressof(self.opts),
-            argument_lists=ctypes.cast(self.arg_lists, _VOIDP), num_devices=1, num_args=n,
+            argument_lists=ctypes.cast(self.arg_lists, _VOIDP), num_devices=devices, num_args=n,
             output_lists=ctypes.cast(self.out_lists, _VOIDP), device_complete_events=ctypes.cast(self.events, _VOIDP))
 
 
@@ -417,11 +448,12 @@ class Executable:
         self._calls: dict[tuple[int, frozenset[int]], _ExecuteCall] = {}
         self._out_meta: list[tuple[tuple[int, ...], np.dtype, bool]] | None = None   # Device.execute fills it
 
-    def _call(self, plugin: pypjrt.Plugin, n: int, donated: frozenset[int]) -> _ExecuteCall:
+    def _call(self, plugin: pypjrt.Plugin, n: int, donated: frozenset[int], devices: int = 1) -> _ExecuteCall:
         """The Execute argument struct of calls with n arguments and these donated ones, made on first use."""
         key = (n, donated)
         if (call := self._calls.get(key)) is None:
-            call = self._calls[key] = _ExecuteCall(plugin, self.handle._check(), n, self.num_outputs, donated)
+            call = self._calls[key] = _ExecuteCall(plugin, self.handle._check(), n, self.num_outputs, donated,
+                                                   devices)
         return call
 
     @property
@@ -456,7 +488,8 @@ class Executable:
 
 
 class Device:
-    """One PJRT client on one device (device 0 of the plugin), and what runs on it.
+    """One PJRT client on one device (device 0 of the plugin), or on the first `devices` devices for SPMD bodies
+    (a tensor-parallel artifact's: docs/multi-device.md), and what runs on them.
 
     Args:
         plugin: path of the plugin .so; see `find_plugin` for what is used when None.
@@ -465,6 +498,11 @@ class Device:
             (the CPU plugin) reject them; they are dropped and listed in `ignored_options`.
         cache_dir: directory of the compile cache (serialized executables keyed by body sha256,
             compile options and plugin identity). None: no cache.
+        devices: how many devices bodies run on. The CPU plugin is asked for that many (its create option
+            `cpu_device_count`; 1 by default, so one-device serving never splits the host), a GPU plugin's
+            visible GPUs are used in order; fewer than asked raises TooFewDevicesError before anything is
+            allocated. With N > 1, `compile` builds SPMD executables of N partitions, `upload` takes the
+            device, and `execute_sharded` runs one argument list per device.
 
     Use as a context manager, or call `close()`: it releases buffers and executables before the
     client, which a plugin requires.
@@ -472,7 +510,7 @@ class Device:
 
     def __init__(self, plugin: str | os.PathLike[str] | None = None, *,
                  memory_fraction: float = 0.75,
-                 cache_dir: str | os.PathLike[str] | None = None):
+                 cache_dir: str | os.PathLike[str] | None = None, devices: int = 1):
         self.plugin_path = find_plugin(plugin)
         self._plugin = pypjrt.Plugin(self.plugin_path)
         # Without these the CUDA plugin reserves 75% of device memory up front (on a
@@ -480,13 +518,23 @@ class Device:
         # by name; `_create_client` drops those and `ignored_options` lists them.
         requested: dict[str, Any] = {"preallocate": False,
                                      "memory_fraction": float(memory_fraction)}
+        if devices < 1:
+            raise ValueError(f"devices must be at least 1, got {devices}")
         if self._plugin.platform_hint == "cpu":
-            # One device: the runtime drives device 0 only; the CPU plugin's default is several.
-            requested["cpu_device_count"] = 1
+            # As many host devices as bodies are partitioned for (the CPU plugin's default is several).
+            requested["cpu_device_count"] = devices
         self._client, self.create_options, self.ignored_options = _create_client(
             self._plugin, requested)
-        self._device_scope = self._client.device(0)
-        self._device = self._device_scope.__enter__()
+        available = self._client.device_count
+        if available < devices:
+            self._client.close()
+            raise TooFewDevicesError(f"{Path(self.plugin_path).name} has {available} device(s); {devices} were asked "
+                                     "for", asked=devices, available=available)
+        self.devices = devices
+        self._device_scope = self._client.devices()
+        self._devices = self._device_scope.__enter__()[:devices]
+        self._device = self._devices[0]
+        self.device_ids = [d.id for d in self._devices]
         self._buffer_codes = {dt: getattr(self._plugin.abi, f"PJRT_Buffer_Type_{name}")
                               for name, dt in _DTYPES
                               if hasattr(self._plugin.abi, f"PJRT_Buffer_Type_{name}")}
@@ -545,11 +593,12 @@ class Device:
         }
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
-    def memory_available(self) -> int | None:
-        """Bytes this device can still allocate, or None when unknown: the plugin's limit less what is in use
-        (CUDA), else, on the CPU, the host's available memory (/proc/meminfo MemAvailable)."""
+    def memory_available(self, device: int = 0) -> int | None:
+        """Bytes device `device` can still allocate, or None when unknown: the plugin's limit less what is in use
+        (CUDA), else, on the CPU, the host's available memory (/proc/meminfo MemAvailable), which the CPU
+        plugin's devices share."""
         try:
-            stats = self._device.memory_stats()
+            stats = self._devices[device].memory_stats()
         except pjrt_errors.PjrtError:
             stats = {}
         if "bytes_limit" in stats:
@@ -582,6 +631,11 @@ class Device:
         label = f"{name} ({digest[:12]})" if name else f"body {digest[:12]}"
         self._check_stablehlo_version(code, label, digest)
         options = pypjrt.CompileOptions(use_shardy_partitioner=b"sdy." in code)
+        if self.devices > 1:
+            # One replica of N partitions, partition i on this client's device i (the SPMD body's device i).
+            options = pypjrt.CompileOptions(num_partitions=self.devices, use_spmd_partitioning=True,
+                                            use_shardy_partitioner=b"sdy." in code,
+                                            device_assignment=device_assignment_proto(self.device_ids))
         options_bytes = options.encode(self._plugin.abi)
         key = hashlib.sha256(b"\0".join(
             (_CACHE_FORMAT, digest.encode(), options_bytes, self.identity.encode()))).hexdigest()
@@ -663,8 +717,8 @@ class Device:
 
     # -- buffers -------------------------------------------------------------------------------
 
-    def upload(self, array: Any) -> Buffer:
-        """Copy a host array to the device (any dtype in `_DTYPES`, bf16 via ml_dtypes).
+    def upload(self, array: Any, device: int = 0) -> Buffer:
+        """Copy a host array to device `device` (any dtype in `_DTYPES`, bf16 via ml_dtypes).
 
         Read-only arrays (np.memmap of weight files, arrays jax hands out) upload without a host
         copy: the plugin reads the memory during the call (kImmutableOnlyDuringCall). pypjrt's
@@ -684,7 +738,7 @@ class Device:
             data=arr.ctypes.data if arr.size else ctypes.addressof(_EMPTY),
             type=code, dims=ctypes.cast(dims, _VOIDP), num_dims=arr.ndim,
             host_buffer_semantics=p.abi.PJRT_HostBufferSemantics_kImmutableOnlyDuringCall,
-            device=self._device.address)
+            device=self._devices[device].address)
         with self._client.diagnose_allocation():
             p.call("PJRT_Client_BufferFromHostBuffer", a)
         if a.done_with_host_buffer:
@@ -781,81 +835,119 @@ class Device:
             DonationError: a donated input was not consumed (the body has no alias for it, or
                 the plugin copied); the run's outputs are on the exception.
         """
-        n = len(args)
+        return self._run(executable, (args,), donate, keep)[0]
+
+    def execute_sharded(self, executable: Executable, args: Sequence[Sequence[Buffer]],
+                        donate: Iterable[int] = (), keep: Iterable[int] | None = None) -> list[list[Buffer | None]]:
+        """Run an SPMD executable once on all `devices` devices: args[d] is device d's argument list (each
+        argument's shard on it, or its whole copy) -> outputs[d], device d's results. Donation, `keep` and the
+        errors as `execute`, on every device: a DonationError's outputs are the per-device lists."""
+        if len(args) != self.devices:
+            raise ValueError(f"{executable.label}: {len(args)} argument lists for {self.devices} devices")
+        return self._run(executable, args, donate, keep)
+
+    def _run(self, executable: Executable, rows: Sequence[Sequence[Buffer]], donate: Iterable[int],
+             keep: Iterable[int] | None) -> list[list[Buffer | None]]:
+        """execute / execute_sharded: rows[d] are device d's arguments (one row on one device)."""
+        n = len(rows[0])
         donated = frozenset(donate)
         if donated and not (min(donated) >= 0 and max(donated) < n):
             raise ValueError(f"{executable.label}: donate indices {sorted(donated)} out of "
                              f"range for {n} arguments")
-        ptrs = []
-        for i, b in enumerate(args):
-            h = b._h
-            if h._state is not _HandleState.LIVE:
-                raise ValueError(f"{executable.label}: argument {i} is {h._state.value} "
-                                 f"(an earlier execution consumed it, or it was closed)")
-            ptrs.append(h._ptr)
-        if donated:
-            handles = [id(b._h) for b in args]
-            for i in donated:
-                if handles.count(handles[i]) > 1:
-                    raise ValueError(f"{executable.label}: argument {i} is donated and also passed "
-                                     f"at another index")
+        ptr_rows = []
+        for d, args in enumerate(rows):
+            if len(args) != n:
+                raise ValueError(f"{executable.label}: device {d} has {len(args)} arguments, device 0 {n}")
+            ptrs = []
+            for i, b in enumerate(args):
+                h = b._h
+                if h._state is not _HandleState.LIVE:
+                    where = f" on device {d}" if len(rows) > 1 else ""
+                    raise ValueError(f"{executable.label}: argument {i}{where} is {h._state.value} "
+                                     f"(an earlier execution consumed it, or it was closed)")
+                ptrs.append(h._ptr)
+            ptr_rows.append(ptrs)
+            if donated:
+                handles = [id(b._h) for b in args]
+                for i in donated:
+                    if handles.count(handles[i]) > 1:
+                        raise ValueError(f"{executable.label}: argument {i} is donated and also passed "
+                                         f"at another index")
 
         plugin, hot = self._plugin, self._hot
-        call = executable._call(plugin, n, donated)
+        devices = len(rows)
+        call = executable._call(plugin, n, donated, devices)
         with call.lock:     # one struct per executable: a second thread waits while this one fills and reads it
-            call.row[:n] = ptrs
-            call.events[0] = None
+            for row, ptrs in zip(call.rows, ptr_rows):
+                row[:n] = ptrs
+            for d in range(devices):
+                call.events[d] = None
             try:
                 hot.execute(call.args)      # reentrant: XLA may call FFI handlers synchronously inside Execute
             except pjrt_errors.PjrtError as e:
                 error = type(e)(f"{executable.label}: {e.message}", e.code)
                 with self._client.diagnose_allocation():     # an allocation failure gets the allocator's state
                     raise error from e
-            event, out_ptrs = call.events[0], list(call.out_row)
-        if event:
-            # Wait before looking at the inputs: a donated input is still being read until then.
-            try:
-                hot.await_event(event)
-            except pjrt_errors.PjrtError:
-                for ptr in out_ptrs:        # the failed run's results are released, not leaked
+            events = list(call.events)
+            out_ptr_rows = [list(r) for r in call.out_rows]
+        # Wait before looking at the inputs: a donated input is still being read until then.
+        failure = None
+        for event in events:
+            if event:
+                try:
+                    hot.await_event(event)
+                except pjrt_errors.PjrtError as e:
+                    failure = failure or e
+        if failure is not None:
+            for out_ptrs in out_ptr_rows:        # the failed run's results are released, not leaked
+                for ptr in out_ptrs:
                     hot.destroy_buffer(ptr)
-                raise
+            raise failure
         # Once the run is complete its outputs are defined: to_host need not ask for their ready events.
         meta = executable._out_meta
         first = meta is None
         keep = None if keep is None else frozenset(keep)
-        outputs: list[Buffer | None] = []
-        for j, ptr in enumerate(out_ptrs):
-            if not first and keep is not None and j not in keep:
-                hot.destroy_buffer(ptr)
-                outputs.append(None)
-                continue
-            shape, dtype, dense = (None, None, None) if first else meta[j]
-            buf = Buffer(_PjrtBuffer(plugin, ptr), shape, dtype, ready=bool(event))
-            buf._dense = dense
-            outputs.append(self._own(buf))
+        ready = all(events)
+        out_rows: list[list[Buffer | None]] = []
+        for out_ptrs in out_ptr_rows:
+            outputs: list[Buffer | None] = []
+            for j, ptr in enumerate(out_ptrs):
+                if not first and keep is not None and j not in keep:
+                    hot.destroy_buffer(ptr)
+                    outputs.append(None)
+                    continue
+                shape, dtype, dense = (None, None, None) if first else meta[j]
+                buf = Buffer(_PjrtBuffer(plugin, ptr), shape, dtype, ready=ready)
+                buf._dense = dense
+                outputs.append(self._own(buf))
+            out_rows.append(outputs)
         if first:
             # An executable's results keep their shapes, dtypes and layouts from call to call: read them once.
-            executable._out_meta = meta = [(b.shape, b.dtype, self._dense(b)) for b in outputs]
-            for j, b in enumerate(outputs):
-                b._dense = meta[j][2]
-                if keep is not None and j not in keep:
-                    b.close()
-                    outputs[j] = None
+            executable._out_meta = meta = [(b.shape, b.dtype, self._dense(b)) for b in out_rows[0]]
+            for outputs in out_rows:
+                for j, b in enumerate(outputs):
+                    b._dense = meta[j][2]
+                    if keep is not None and j not in keep:
+                        b.close()
+                        outputs[j] = None
 
         missing = []
-        for i in sorted(donated):
-            h = args[i]._h
-            if hot.is_deleted(h._ptr):
-                h._mark_donated()
-            else:
-                missing.append(i)
+        for d, args in enumerate(rows):
+            for i in sorted(donated):
+                h = args[i]._h
+                if hot.is_deleted(h._ptr):
+                    h._mark_donated()
+                else:
+                    missing.append((d, i))
         if missing:
+            where = (f"{sorted({i for _, i in missing})}" if devices == 1 else
+                     ", ".join(f"{i} on device {d}" for d, i in missing))
             raise DonationError(
-                f"{executable.label}: donated argument(s) {missing} were not consumed: the body "
+                f"{executable.label}: donated argument(s) {where} were not consumed: the body "
                 f"has no tf.aliasing_output for them or the plugin copied; outputs were written "
-                f"elsewhere", indices=missing, outputs=outputs)
-        return outputs
+                f"elsewhere", indices=sorted({i for _, i in missing}),
+                outputs=out_rows[0] if devices == 1 else out_rows)
+        return out_rows
 
     # -- lifetime ------------------------------------------------------------------------------
 

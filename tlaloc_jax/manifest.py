@@ -33,6 +33,12 @@ Changelog:
     its QuantScheme, whether it holds the codes or the scales, the quantized weight's name, int4's group);
     checked at load (codes in the scheme's dtype, f32 scales of the matching shape, both halves present).
     A manifest without it has none; a runtime feeds the files by slot as before.
+    v4 + mesh (optional, still tlaloc-serving-v4): top-level `mesh` (its axes' names and sizes) for an artifact
+    whose bodies run on several devices (one SPMD body per entry, `mhlo.num_partitions` = the mesh's devices);
+    each entry input and output, pool and weight may carry a `partition` (per dimension, the mesh axis it is
+    split along, or null; absent or all null: whole on every device). A split weight is written as `shards`
+    (one file per device, its shard, hashed) instead of `file`. A manifest without a mesh has none of these
+    fields (its JSON is as before); a runtime that predates them refuses a split weight (it has no `file`).
     v4 + decode steps (optional, still tlaloc-serving-v4): entries of kind `decode_steps` with `steps` K (every
     entry now records `steps`, 1 when absent): K decode steps in one call, inputs STEP_LIMIT and STOP_IDS beside
     a decode entry's (the sampler's inputs included, RNG_STEP the first step's counter), output STEP_TOKENS
@@ -221,14 +227,20 @@ def nbytes(dtype: str, shape: tuple[int, ...], what: str = "tensor") -> int:
     return n
 
 
+# A partition: per dimension of an array, the mesh axis it is split along, or None (docs/multi-device.md).
+Partition = tuple[str | None, ...]
+
+
 @dataclass(frozen=True)
 class TensorSig:
-    """One input or output of an entry. `slot` names the weight for role WEIGHT, the pool for pool roles."""
+    """One input or output of an entry. `slot` names the weight for role WEIGHT, the pool for pool roles.
+    `partition` (with a mesh): how the body takes it split over the devices; () whole on each."""
 
     role: Role
     dtype: str
     shape: tuple[int, ...]
     slot: str = ""
+    partition: Partition = ()
 
     @property
     def label(self) -> str:
@@ -302,14 +314,25 @@ class WeightQuant:
 
 
 @dataclass(frozen=True)
+class WeightShard:
+    """One device's part of a split weight: device d's d-th block along the split axis, raw like a weight file."""
+
+    file: str
+    nbytes: int
+    sha256: str = ""
+
+
+@dataclass(frozen=True)
 class WeightFile:
     slot: str
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]         # the whole weight's
     nbytes: int
-    file: str                      # weights/NNNN_<slot>.bin, raw little-endian, no header
+    file: str = ""                 # weights/NNNN_<slot>.bin, raw little-endian, no header ("" for a split weight)
     sha256: str = ""               # v4; "" in v2/v3 artifacts
     quant: WeightQuant | None = None   # v4, optional: part of a quantized weight (None: a plain one)
+    partition: Partition = ()      # v4 + mesh: split over the devices, in `shards`, one per device, in order
+    shards: tuple[WeightShard, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -330,6 +353,7 @@ class Pool:
     slot_axis: int = 2             # the axis of shape that capacity indexes
     window: int = 0                # ring_kv: the sliding window, in positions
     ring_pages: int = 0            # ring_kv: pages of a sequence's ring
+    partition: Partition = ()      # v4 + mesh: split over the devices (KV pools over their KV heads)
 
     @property
     def nbytes(self) -> int:
@@ -425,6 +449,40 @@ class Versions:
 
 
 @dataclass(frozen=True)
+class MeshAxis:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The devices a multi-device artifact runs on (v4 + mesh): one SPMD body per entry, every array either whole
+    on each device or split along the mesh axes its partition names, device d holding block d."""
+
+    axes: tuple[MeshAxis, ...]
+
+    @property
+    def devices(self) -> int:
+        n = 1
+        for a in self.axes:
+            n *= a.size
+        return n
+
+    def shards(self, partition: Partition) -> int:
+        """How many blocks an array of this partition is cut into (1: whole on every device)."""
+        sizes = {a.name: a.size for a in self.axes}
+        n = 1
+        for name in partition:
+            n *= sizes[name] if name else 1
+        return n
+
+    def shard_shape(self, shape: tuple[int, ...], partition: Partition) -> tuple[int, ...]:
+        """One device's block of an array of `shape` split as `partition` says."""
+        sizes = {a.name: a.size for a in self.axes}
+        return tuple(d // sizes[name] if name else d for d, name in zip(shape, partition or (None,) * len(shape)))
+
+
+@dataclass(frozen=True)
 class Manifest:
     schema: str
     model: ModelShape
@@ -438,6 +496,12 @@ class Manifest:
     tokenizer_files: tuple[TokenizerFile, ...] = ()
     sampler: Sampler | None = None     # v4 + sampler: every entry samples in its body
     scorer: Scorer | None = None       # v4 + scorer: prefill_scored entries score each prompt position
+    mesh: Mesh | None = None           # v4 + mesh: the entries run on mesh.devices devices
+
+    @property
+    def devices(self) -> int:
+        """The devices the artifact runs on (1 without a mesh)."""
+        return self.mesh.devices if self.mesh else 1
 
     def pool(self, name: str) -> Pool | None:
         return next((p for p in self.pools if p.name == name), None)
@@ -466,7 +530,7 @@ class Manifest:
         raise ManifestError(f"no entry named {name!r}")
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True) + "\n"
+        return json.dumps(_drop_unset(dataclasses.asdict(self)), indent=1, sort_keys=True) + "\n"
 
     @staticmethod
     def from_json(text: str | bytes) -> "Manifest":
@@ -491,6 +555,23 @@ class Manifest:
         if schema in (SCHEMA_V2, SCHEMA_V3):
             raw = _upgrade_v2_v3(raw)
         return _build(Manifest, raw, "manifest")
+
+
+# Fields a one-device manifest leaves out of its JSON when unset, so that it reads as it did before meshes.
+_MESH_FIELDS = ("mesh", "partition", "shards")
+
+
+def record_json(record: Any) -> Any:
+    """A manifest record (a dataclass) as JSON-ready values, leaving out the mesh fields it does not set."""
+    return _drop_unset(dataclasses.asdict(record))
+
+
+def _drop_unset(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _drop_unset(v) for k, v in node.items() if not (k in _MESH_FIELDS and not v)}
+    if isinstance(node, (list, tuple)):
+        return [_drop_unset(v) for v in node]
+    return node
 
 
 def _check_depth(node: Any, limit: int) -> None:
@@ -598,14 +679,32 @@ _MAIN = re.compile(r"func\.func public @main\((.*?)\)\s*->\s*\((.*?)\)\s*\{", re
 # An argument's attributes may hold braces one level deep (a mesh body's sdy.sharding: [{}, {"tp"}]).
 _ARG = re.compile(r"%arg\d+: tensor<([^>]*)>(\s*\{(?:[^{}]|\{[^{}]*\})*\})?")
 _ALIAS = re.compile(r"tf\.aliasing_output = (\d+)")
+_RESULT = re.compile(r"tensor<([^>]*)>(\s*\{(?:[^{}]|\{[^{}]*\})*\})?")
+# A Shardy sharding (what jax.export writes for a mesh body): per dimension {} or {"axis"}.
+_SDY = re.compile(r"sdy\.sharding = #sdy\.sharding<@\w+, \[((?:[^\[\]])*)\]")
+_PARTITIONS = re.compile(r"mhlo\.num_partitions = (\d+)")
 
 
 @dataclass(frozen=True)
 class MainSignature:
-    """@main of a body: each argument's (dtype, shape, aliased output or None), each result's (dtype, shape)."""
+    """@main of a body: each argument's (dtype, shape, aliased output or None), each result's (dtype, shape); the
+    devices it is partitioned for and each argument's and result's partition (() when whole on each)."""
 
     args: tuple[tuple[str, tuple[int, ...], int | None], ...]
     results: tuple[tuple[str, tuple[int, ...]], ...]
+    partitions: int = 1
+    arg_partitions: tuple[Partition, ...] = ()
+    result_partitions: tuple[Partition, ...] = ()
+
+
+def _partition(attrs: str) -> Partition:
+    """The partition of an argument or result from its attributes (a dimension split along several axes reads as
+    the names joined by ",", which no manifest names)."""
+    m = _SDY.search(attrs or "")
+    if not m:
+        return ()
+    dims = tuple(",".join(re.findall(r'"([^"]+)"', d)) or None for d in re.findall(r"\{([^{}]*)\}", m.group(1)))
+    return dims if any(dims) else ()
 
 
 def _parse_tensor(t: str) -> tuple[str, tuple[int, ...]]:
@@ -621,20 +720,26 @@ def main_signature(mlir_text: str, what: str = "body") -> MainSignature:
     m = _MAIN.search(mlir_text)
     if not m:
         raise ManifestError(f"{what} has no public @main")
-    args = []
+    args, arg_parts = [], []
     for tensor, attrs in _ARG.findall(m.group(1)):
         alias = _ALIAS.search(attrs or "")
         args.append((*_parse_tensor(tensor), int(alias.group(1)) if alias else None))
-    results = tuple(_parse_tensor(r) for r in re.findall(r"tensor<([^>]*)>", m.group(2)))
-    return MainSignature(tuple(args), results)
+        arg_parts.append(_partition(attrs))
+    found = _RESULT.findall(m.group(2))
+    partitions = _PARTITIONS.search(mlir_text[:m.start()])
+    return MainSignature(tuple(args), tuple(_parse_tensor(r) for r, _ in found),
+                         int(partitions.group(1)) if partitions else 1, tuple(arg_parts),
+                         tuple(_partition(a) for _, a in found))
 
 
 def signature_mismatch(inputs: tuple[TensorSig, ...], outputs: tuple[TensorSig, ...],
-                       donations: tuple[tuple[int, int], ...], sig: MainSignature) -> str | None:
+                       donations: tuple[tuple[int, int], ...], sig: MainSignature, devices: int = 1) -> str | None:
     """Why a body's @main does not take and return `inputs` and `outputs` with the pools aliased as `donations`
-    say (None when it does)."""
+    say, partitioned for `devices` devices and each split as its partition says (None when it does)."""
     if len(sig.args) != len(inputs):
         return f"its @main takes {len(sig.args)} arguments, the manifest lists {len(inputs)} inputs"
+    if sig.partitions != devices:
+        return f"it is partitioned for {sig.partitions} devices, the manifest's mesh has {devices}"
     aliases = {i: o for o, i in donations}
     for i, ((dtype, shape, alias), want) in enumerate(zip(sig.args, inputs)):
         if (dtype, shape) != (want.dtype, tuple(want.shape)):
@@ -643,13 +748,24 @@ def signature_mismatch(inputs: tuple[TensorSig, ...], outputs: tuple[TensorSig, 
         if alias != aliases.get(i):
             return f"argument {i} ({want.label}) is aliased to output {alias} in the body, the manifest says " \
                    f"{aliases.get(i)}"
+        if devices > 1 and _split(sig.arg_partitions[i]) != _split(want.partition):
+            return (f"argument {i} ({want.label}) is split {list(sig.arg_partitions[i])} in the body, the manifest "
+                    f"says {list(want.partition)}")
     if len(sig.results) != len(outputs):
         return f"its @main returns {len(sig.results)} results, the manifest lists {len(outputs)} outputs"
     for i, ((dtype, shape), want) in enumerate(zip(sig.results, outputs)):
         if (dtype, shape) != (want.dtype, tuple(want.shape)):
             return (f"result {i} ({want.label}) is {dtype}{list(shape)} in the body, the manifest says "
                     f"{want.dtype}{list(want.shape)}")
+        if devices > 1 and _split(sig.result_partitions[i]) != _split(want.partition):
+            return (f"result {i} ({want.label}) is split {list(sig.result_partitions[i])} in the body, the manifest "
+                    f"says {list(want.partition)}")
     return None
+
+
+def _split(partition: Partition) -> Partition:
+    """A partition with whole arrays read alike: () and all None are both ()."""
+    return tuple(partition) if any(partition) else ()
 
 
 # -- files ---------------------------------------------------------------------------------------------
@@ -765,16 +881,17 @@ def load_manifest(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
             _checked_file(root, e.program, None, f"entry {e.name!r} program")
             why = signature_mismatch(e.inputs, e.outputs, e.donations,
                                      main_signature(body.read_text(encoding="utf-8", errors="replace"),
-                                                    f"entry {e.name!r} body"))
+                                                    f"entry {e.name!r} body"), m.devices)
             if why:
                 raise ManifestError(f"entry {e.name!r} body {e.body!r} does not match the manifest: {why}")
         for w in m.weights:
-            p = _checked_file(root, w.file, None, f"weight {w.slot!r} file")
-            size = p.stat().st_size
-            if size != w.nbytes:
-                raise ManifestError(f"weight {w.slot!r} file {w.file!r} has {size} bytes, the manifest says {w.nbytes}")
-            if verify_weights and w.sha256:
-                _checked_file(root, w.file, w.sha256, f"weight {w.slot!r} file")
+            for file, size, digest in ([(s.file, s.nbytes, s.sha256) for s in w.shards] or
+                                       [(w.file, w.nbytes, w.sha256)]):
+                got = _checked_file(root, file, None, f"weight {w.slot!r} file").stat().st_size
+                if got != size:
+                    raise ManifestError(f"weight {w.slot!r} file {file!r} has {got} bytes, the manifest says {size}")
+                if verify_weights and digest:
+                    _checked_file(root, file, digest, f"weight {w.slot!r} file")
         for t in m.tokenizer_files:
             _checked_file(root, t.file, t.sha256 or None, "tokenizer file")
     return m
@@ -808,6 +925,68 @@ def _check_steps_sig(e: Entry, sig: TensorSig, what: str) -> None:
     if not ok:
         raise ManifestError(f"{what} {sig.role} is {sig.dtype}{list(sig.shape)}; a decode_steps entry of batch "
                             f"{e.batch} and {e.steps} steps takes int32{list(want) if want else [e.batch, 'NS']}")
+
+
+def _check_partition(m: Manifest, partition: Partition, shape: tuple[int, ...], what: str) -> None:
+    if not any(partition):
+        return
+    if m.mesh is None:
+        raise ManifestError(f"{what} is split {list(partition)}, but the manifest has no mesh")
+    sizes = {a.name: a.size for a in m.mesh.axes}
+    if len(partition) != len(shape):
+        raise ManifestError(f"{what}: partition {list(partition)} does not give each of its {len(shape)} dimensions")
+    named = [n for n in partition if n]
+    for d, name in zip(shape, partition):
+        if name is None:
+            continue
+        if name not in sizes:
+            raise ManifestError(f"{what} is split along {name!r}, which is not a mesh axis ({', '.join(sizes)})")
+        if d % sizes[name]:
+            raise ManifestError(f"{what}: dimension {d} does not split into {sizes[name]} blocks along {name!r}")
+    if len(set(named)) != len(named):
+        raise ManifestError(f"{what} is split twice along one mesh axis: {list(partition)}")
+
+
+def _check_mesh(m: Manifest, slots: dict[str, WeightFile], pools: dict[str, Pool]) -> None:
+    """The mesh (one axis: what this runtime serves) and every partition against it: each split dimension names
+    a mesh axis and divides evenly; weights and pools are taken by every entry as the manifest splits them; step
+    inputs and results other than pools are whole on every device; a split weight has one shard file per block,
+    a whole one its file."""
+    if m.mesh is not None:
+        axes = [a.name for a in m.mesh.axes]
+        if len(axes) != 1:
+            raise ManifestError(f"mesh has axes {axes}: this runtime serves a mesh of one axis (tensor parallelism)")
+        _positive(m.mesh.axes[0].size, f"mesh axis {axes[0]!r} size")
+    for p in m.pools:
+        _check_partition(m, p.partition, p.shape, f"pool {p.name!r}")
+    for w in m.weights:
+        what = f"weight {w.slot!r}"
+        _check_partition(m, w.partition, w.shape, what)
+        if any(w.partition):
+            blocks = m.mesh.shards(w.partition)
+            if w.file or len(w.shards) != blocks:
+                raise ManifestError(f"{what} is split into {blocks} blocks: it needs {blocks} shard files and no "
+                                    f"whole file (it has {len(w.shards)}{' and ' + repr(w.file) if w.file else ''})")
+            for s in w.shards:
+                if s.nbytes * blocks != w.nbytes:
+                    raise ManifestError(f"{what} shard {s.file!r} has {s.nbytes} bytes, 1/{blocks} of {w.nbytes}")
+                if m.schema == SCHEMA_V4 and not s.sha256:
+                    raise ManifestError(f"{what} shard {s.file!r} has no sha256 ({SCHEMA_V4} hashes every file)")
+        elif w.shards or not w.file:
+            raise ManifestError(f"{what} is whole on every device: it needs one file and no shards")
+    for e in m.entries:
+        for sig in (*e.inputs, *e.outputs):
+            what = f"entry {e.name!r} {sig.label}"
+            _check_partition(m, sig.partition, sig.shape, what)
+            if sig.role == Role.WEIGHT:
+                want = slots[sig.slot].partition
+            elif sig.role in (Role.POOL_IN, Role.POOL_OUT):
+                want = pools[sig.slot].partition
+            else:
+                want = ()
+            if _split(sig.partition) != _split(want):
+                raise ManifestError(f"{what} is split {list(sig.partition)}; the manifest keeps it "
+                                    f"{list(want) if any(want) else 'whole'}")
 
 
 def _positive(value: int, what: str) -> None:
@@ -860,7 +1039,7 @@ def _check_consistency(m: Manifest) -> None:
         if w.nbytes != nbytes(w.dtype, w.shape, f"weight {w.slot!r}"):
             raise ManifestError(f"weight {w.slot!r}: nbytes {w.nbytes} does not match dtype {w.dtype} "
                                 f"and shape {list(w.shape)}")
-        if v4 and not w.sha256:
+        if v4 and not w.sha256 and not w.shards:
             raise ManifestError(f"weight {w.slot!r} has no sha256 ({SCHEMA_V4} hashes every file)")
         slots[w.slot] = w
     _validate_quant(m.weights)
@@ -986,3 +1165,4 @@ def _check_consistency(m: Manifest) -> None:
             raise ManifestError(f"{what} donates pools {sorted(donated)}, not all of {sorted(pools)}")
         if tuple(e.kept_inputs) != tuple(range(len(e.inputs))):
             raise ManifestError(f"{what}: its body dropped inputs (kept {list(e.kept_inputs)})")
+    _check_mesh(m, slots, pools)
