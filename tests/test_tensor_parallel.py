@@ -1,0 +1,141 @@
+"""Tensor-parallel artifacts served by the JAX-free runtime on 2 and 4 CPU devices (one PJRT client, the CPU
+plugin's `cpu_device_count`): transformers' greedy ids (near-tie rule), each prompt alone and all batched, with
+every pool updated in place on every device; over HTTP (`python -m tlaloc_jax.serve` under the import guard);
+a refusal on too few devices before anything is allocated; and a control that must fail (row-parallel
+projections without their all-reduce). Llama and Qwen3.5 (state pools) at 2 devices run in `make test`; the
+other families (Qwen3 GQA, Gemma 3's ring pool, Qwen3-MoE) and 4 devices in `make test-slow`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hf_models import build_checkpoint, load_hf_torch, torch_greedy
+from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
+from tlaloc_jax import manifest as mf
+from tlaloc_jax.checkpoint import load_checkpoint
+from tlaloc_jax.export import export_checkpoint
+from tlaloc_jax.kernels import tolerances as tol
+from tlaloc_jax.serve import Engine
+
+pytestmark = pytest.mark.numeric
+
+PROMPTS = [[5, 17, 99, 3, 249, 8, 61, 200, 14, 33, 71, 2, 90], [42], [7, 7, 1, 2, 3, 20, 10, 11, 128]]
+NEW = 8
+LADDER = dict(batch_ladder=(1, 4), context_ladder=(32,), block_size=8, prefill_chunk=8, prefill_max_batch=1,
+              progress=False)
+# Head counts that divide over 2 and 4 devices (the tiny defaults have 2 KV heads and 2 linear key heads).
+FAMILIES = {
+    "llama": dict(model_type="llama", num_key_value_heads=4),
+    "qwen3": dict(model_type="qwen3", num_attention_heads=8, num_key_value_heads=4),        # GQA, 2 heads a group
+    "gemma3_text": dict(model_type="gemma3_text", num_key_value_heads=4),                   # ring pool, window 8
+    "qwen3_5": dict(model_type="qwen3_5", num_key_value_heads=4, linear_num_key_heads=4,
+                    linear_num_value_heads=8),                                               # conv, recurrent states
+    "qwen3_moe": dict(model_type="qwen3_moe", num_key_value_heads=4),                       # 8 experts
+}
+DEFAULT = {("llama", 2), ("qwen3_5", 2)}
+CASES = [pytest.param(name, n, id=f"{name}-{n}", marks=() if (name, n) in DEFAULT else pytest.mark.slow)
+         for name in FAMILIES for n in (2, 4)]
+
+
+@pytest.fixture(scope="module")
+def store():
+    return {}
+
+
+def checkpoint(store, tmp_path_factory, name):
+    if ("ck", name) not in store:
+        store[("ck", name)] = build_checkpoint(tmp_path_factory.mktemp(name), **FAMILIES[name])
+    return store[("ck", name)]
+
+
+def artifact(store, tmp_path_factory, name, n):
+    if ("art", name, n) not in store:
+        out = tmp_path_factory.mktemp(f"{name}-tp{n}") / "art"
+        export_checkpoint(checkpoint(store, tmp_path_factory, name), out, tensor_parallel=n, **LADDER)
+        store[("art", name, n)] = out
+    return store[("art", name, n)]
+
+
+def oracle(store, tmp_path_factory, name):
+    if ("oracle", name) not in store:
+        model = load_hf_torch(checkpoint(store, tmp_path_factory, name))
+        store[("oracle", name)] = [torch_greedy(model, p, NEW) for p in PROMPTS]
+    return store[("oracle", name)]
+
+
+def logit_bound(store, tmp_path_factory, name) -> float:
+    cfg = load_checkpoint(checkpoint(store, tmp_path_factory, name))[0]
+    return tol.bound(tol.decoder_roundings_of(cfg, context=max(map(len, PROMPTS)) + NEW))
+
+
+def check_engine(eng, want, bound):
+    """Each prompt alone, then all three in one batch, against transformers (near-tie rule)."""
+    next_token = engine_next_token(eng)
+    check_greedy_batch(PROMPTS, [eng.generate([p], NEW)[0] for p in PROMPTS], want, logit_bound=bound,
+                       next_token=next_token)
+    check_greedy_batch(PROMPTS, eng.generate(PROMPTS, NEW), want, logit_bound=bound, next_token=next_token)
+
+
+@pytest.mark.parametrize("name,n", CASES)
+def test_served_on_n_devices_gives_transformers_ids(name, n, store, tmp_path_factory, serve_cache_dir):
+    art = artifact(store, tmp_path_factory, name, n)
+    m = mf.load_manifest(art)
+    assert m.devices == n and all(e.inputs for e in m.entries)
+    split = [w for w in m.weights if w.shards]
+    assert split and all(len(w.shards) == n for w in split)
+    with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
+        check_engine(eng, oracle(store, tmp_path_factory, name), logit_bound(store, tmp_path_factory, name))
+        st = eng.stats()
+        assert st["devices"] == n
+        # Every pool is n buffers, one a device, and each run left each of them at its address.
+        assert all(len(eng.pools[p.name]) == n for p in m.pools)
+        assert st["pool_address_checks"] > 0 and st["pool_in_place"] == st["pool_address_checks"]
+        assert st["bytes_per_device"] < st["weight_bytes"] + st["pool_bytes"]
+
+
+def test_too_few_devices_is_refused_before_anything_is_allocated(store, tmp_path_factory, monkeypatch):
+    """A plugin whose client has one device (the CPU plugin asked for one, whatever the artifact says) is refused
+    by name: nothing is uploaded or compiled."""
+    import tlaloc_jax.serve.pjrt as pjrt
+    art = artifact(store, tmp_path_factory, "llama", 2)
+    real = pjrt._create_client
+    monkeypatch.setattr(pjrt, "_create_client", lambda plugin, req: real(plugin, {**req, "cpu_device_count": 1}))
+    touched = []
+    monkeypatch.setattr(pjrt.Device, "upload", lambda *a, **k: touched.append("upload"))
+    monkeypatch.setattr(pjrt.Device, "compile", lambda *a, **k: touched.append("compile"))
+    with pytest.raises(mf.ManifestError, match=r"runs on 2 devices \(mesh tp=2\); the plugin has 1"):
+        Engine.load(art, cache_dir=None, progress=False)
+    assert touched == []
+
+
+def test_control_row_parallel_projections_without_their_all_reduce_fail(store, tmp_path_factory, tmp_path,
+                                                                        monkeypatch, serve_cache_dir):
+    """The same export with each attention's and MLP's all-reduce left out serves ids the check refuses."""
+    import tlaloc_jax.decoder as decoder
+    monkeypatch.setattr(decoder, "reduce_shards", lambda cfg, x: x)
+    export_checkpoint(checkpoint(store, tmp_path_factory, "llama"), tmp_path / "art", tensor_parallel=2, **LADDER)
+    with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False) as eng:
+        with pytest.raises(GreedyMismatch):
+            check_engine(eng, oracle(store, tmp_path_factory, "llama"), logit_bound(store, tmp_path_factory, "llama"))
+
+
+def test_http_serves_the_engines_ids_on_two_devices(store, tmp_path_factory, serve_cache_dir):
+    """`python -m tlaloc_jax.serve` (no JAX in it) on the 2-device artifact: completions of token-id prompts, alone
+    and batched in one request, give the in-process engine's ids."""
+    import openai
+    from test_http import Server
+    art = artifact(store, tmp_path_factory, "llama", 2)
+    with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
+        want = [eng.generate([p], NEW)[0] for p in PROMPTS]
+    srv = Server(art, serve_cache_dir, tmp_path_factory.mktemp("log") / "tp.log")
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = c.models.list().data[0].id
+        alone = [c.completions.create(model=model, prompt=p, max_tokens=NEW, temperature=0).choices[0]
+                 for p in PROMPTS]
+        assert [(ch.model_extra or {})["token_ids"] for ch in alone] == want
+        batched = c.completions.create(model=model, prompt=PROMPTS, max_tokens=NEW, temperature=0).choices
+        assert {ch.index: (ch.model_extra or {})["token_ids"] for ch in batched} == dict(enumerate(want))
+    finally:
+        srv.stop()
