@@ -53,6 +53,19 @@ def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pag
     return specs
 
 
+def tensor_parallel_decoder(cfg: DecoderConfig, weights: dict, n: int) -> tuple[dict, DecoderConfig, dict | None]:
+    """The built-in decoder's (weights, step config, weight split axes) for `stage(..., mesh=n)`: fused projections
+    stored shard-major, the config of one device's shard, each weight's split axis (tlaloc_jax.sharding). n = 1:
+    the weights and config as they are, no split axes. A model whose counts do not divide n is refused by name."""
+    if n == 1:
+        return weights, cfg, None
+    try:
+        weights = shard_decoder_weights(cfg, weights, n)
+        return weights, local_config(cfg, n), weight_split_axes(weights, flatten_weights)
+    except ShardingError as e:
+        raise ExportError(str(e)) from None
+
+
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                       batch_ladder: Sequence[int] = (1, 2, 4), context_ladder: Sequence[int] = (64, 256, 1024),
                       prefill_max_batch: int | None = None, prefill_chunk: int | None = None,
@@ -118,17 +131,10 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         name += ":kvfp8"
     if per_layer:
         weights = out_major(unstack_layers(weights))
-    split_axes, shard_cfg = None, cfg
-    if tensor_parallel > 1:
-        if quantized:
-            raise ExportError(f"weight_quant {weight_quant!r} with tensor_parallel {tensor_parallel}: quantized "
-                              "weights are not split over devices yet; stage them on one device")
-        try:
-            weights = shard_decoder_weights(cfg, weights, tensor_parallel)
-            shard_cfg = local_config(cfg, tensor_parallel)
-        except ShardingError as e:
-            raise ExportError(str(e)) from None
-        split_axes = weight_split_axes(weights, flatten_weights)
+    if tensor_parallel > 1 and quantized:
+        raise ExportError(f"weight_quant {weight_quant!r} with tensor_parallel {tensor_parallel}: quantized weights "
+                          "are not split over devices yet; stage them on one device")
+    weights, shard_cfg, split_axes = tensor_parallel_decoder(cfg, weights, tensor_parallel)
     if contexts[-1] > cfg.max_position_embeddings:
         why = (f"the context ladder reaches {contexts[-1]} positions, past the checkpoint's max_position_embeddings "
                f"({cfg.max_position_embeddings}): the model was not trained for positions that far and its output "
