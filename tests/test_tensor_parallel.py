@@ -139,3 +139,28 @@ def test_http_serves_the_engines_ids_on_two_devices(store, tmp_path_factory, ser
         assert {ch.index: (ch.model_extra or {})["token_ids"] for ch in batched} == dict(enumerate(want))
     finally:
         srv.stop()
+
+
+def test_an_authored_step_on_two_devices(tmp_path, serve_cache_dir):
+    """tests/test_stage.py's authored recurrence split over its channels: `mix`'s output columns, `decay` and the
+    state pool per device, the head's rows too, and the one thing the author adds, the all-reduce of the head's
+    partial logits. Served, it gives the in-process reference's ids, alone and batched."""
+    import jax
+
+    import tlaloc_jax
+    from test_stage import E, LADDER as TOY_LADDER, PROMPTS as TOY_PROMPTS, reference_greedy, toy_step, toy_weights
+    from tlaloc_jax.sharding import TP_AXIS
+
+    def step(w, pools, inputs):
+        logits, pools = toy_step(w, pools, inputs)          # on this device's channels
+        return jax.lax.psum(logits, TP_AXIS), pools
+
+    weights = toy_weights()
+    m = tlaloc_jax.stage(step, weights, {"state": tlaloc_jax.StateSlots((E,), shard_axis=0)}, tmp_path / "art",
+                         mesh=2, weight_split_axes={"mix": 1, "decay": 0, "head": 0}, embedding_slot="embed",
+                         progress=False, **TOY_LADDER)
+    assert m.pools[0].partition == (None, "tp") and m.devices == 2
+    want = [reference_greedy({k: jax.numpy.asarray(v) for k, v in weights.items()}, p, 12) for p in TOY_PROMPTS]
+    with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False) as eng:
+        assert [eng.generate([p], 12)[0] for p in TOY_PROMPTS] == want
+        assert eng.generate(TOY_PROMPTS, 12) == want
