@@ -295,11 +295,13 @@ class Engine:
         shared = self.device.platform_name.lower() == "cpu"
         copies = self.device.devices if shared else 1
         need = (weights + pools) * copies
-        for d in range(1 if shared else self.device.devices):
-            free = self.device.memory_available(d)
+        each = not shared and self.device.devices > 1
+        frees = [self.device.memory_available(d) for d in range(self.device.devices)] if each else \
+            [self.device.memory_available()]
+        for d, free in enumerate(frees):
             if free is not None and need > free:
                 names = ", ".join(f"{p.name} {p.nbytes / 2**20:.1f} MiB" for p in self.manifest.pools)
-                where = f"device {d}" if self.device.devices > 1 and not shared else "the device"
+                where = f"device {d}" if each else "the device"
                 raise mf.ManifestError(f"the artifact needs {need / 2**20:.1f} MiB on {where} (weights "
                                        f"{weights * copies / 2**20:.1f} MiB; pools {names}), and "
                                        f"{self.device.platform_name} has {free / 2**20:.1f} MiB free")

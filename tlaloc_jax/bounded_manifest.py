@@ -20,7 +20,6 @@ Changelog:
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import itertools
 import json
@@ -151,7 +150,7 @@ class BoundedManifest:
         return _named(self.outputs, name, "output")
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True) + "\n"
+        return json.dumps(mf.record_json(self), indent=1, sort_keys=True) + "\n"
 
     @staticmethod
     def from_json(text: str | bytes) -> "BoundedManifest":
