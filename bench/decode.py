@@ -161,8 +161,7 @@ def main(argv=None) -> None:
             inputs = step_inputs(b)
 
             def runtime_step():
-                next_ids, _ = engine._execute(entry, inputs, False)
-                return next_ids
+                return engine.runner.run(entry, inputs, {mf.Role.NEXT_TOKEN})[mf.Role.NEXT_TOKEN]
 
             def jax_step():
                 nonlocal jax_pools
@@ -176,7 +175,7 @@ def main(argv=None) -> None:
                 nonlocal host_pool
                 bufs = [engine.device.upload(inputs[k]) for k in _step_fields(entry)]
                 pool = engine.device.upload(host_pool)
-                outs = engine.device.execute(exe, bufs + [pool] + [engine.weights[w.slot] for w in m.weights],
+                outs = engine.device.execute(exe, bufs + [pool] + [engine.runner.weights[w.slot] for w in m.weights],
                                              donate=())
                 host_pool = engine.device.to_host(outs[2])
                 nxt = engine.device.to_host(outs[1])
@@ -185,7 +184,7 @@ def main(argv=None) -> None:
                 return nxt
 
             def runtime_step_logits():
-                return engine._execute(entry, inputs, True)
+                return engine.runner.run(entry, inputs, {mf.Role.NEXT_TOKEN, mf.Role.LOGITS})
 
             t_rt, t_jax, t_host, t_logits = _median_times(
                 [runtime_step, jax_step, host_copy_step, runtime_step_logits], args.steps)
@@ -207,7 +206,7 @@ def main(argv=None) -> None:
             nonlocal jax_pools
             nxt, _, jax_pools = model._greedy(model.weights, jax_pools, StepInputs(**pin))
             return np.asarray(nxt)
-        t_rt_p, t_jax_p = _median_times([lambda: engine._execute(pentry, pin, False), jax_prefill],
+        t_rt_p, t_jax_p = _median_times([lambda: engine.runner.run(pentry, pin, {mf.Role.NEXT_TOKEN}), jax_prefill],
                                         max(3, args.steps // 4))
         print(f"prefill {args.prefill} tokens | runtime {args.prefill / t_rt_p:.0f} tok/s | in-process JAX "
               f"{args.prefill / t_jax_p:.0f} tok/s | runtime/JAX {t_jax_p / t_rt_p:.2f}x")
@@ -229,7 +228,7 @@ def main(argv=None) -> None:
         inputs = step_inputs(1)
         bufs = [engine.device.upload(inputs[k]) for k in _step_fields(m.entry(f"decode_b1_c{args.context}"))]
         pool = engine.device.upload(np.zeros(m.pool("kv").shape, np.float32))
-        outs = engine.device.execute(exe, bufs + [pool] + [engine.weights[w.slot] for w in m.weights], donate=())
+        outs = engine.device.execute(exe, bufs + [pool] + [engine.runner.weights[w.slot] for w in m.weights], donate=())
         t_logits_copy, t_next_copy = _median_times([lambda: engine.device.to_host(outs[0]),
                                                     lambda: engine.device.to_host(outs[1])], 50)
         print(f"greedy argmax output (NEXT_TOKEN): copying the logits ({args.vocab * 4 / 1024:.0f} KiB) to the host "
@@ -306,7 +305,7 @@ def _entry_pair(engine, art: Path, entry, start: int):
     if engine.sampler is not None:
         # Greedy rows: the engine passes the sampler's neutral inputs, kept on the device; so does JAX here.
         for role in mf.SAMPLER_INPUTS:
-            inputs[role] = engine._neutral_buffer(entry, role)
+            inputs[role] = engine.runner.neutral_buffer(entry, role)
             kept[role] = jnp.asarray(engine.device.to_host(inputs[role]))
     multi = entry.kind == mf.EntryKind.DECODE_STEPS
     if multi:
@@ -315,7 +314,7 @@ def _entry_pair(engine, art: Path, entry, start: int):
     want = mf.Role.STEP_TOKENS if multi else (mf.Role.SAMPLED_TOKEN if engine.sampler else mf.Role.NEXT_TOKEN)
 
     def runtime_call():
-        return engine._execute(entry, inputs, {want})[want]
+        return engine.runner.run(entry, inputs, {want})[want]
 
     exp = jax_export.deserialize(bytearray((art / entry.exported).read_bytes()))
     fn = jax.jit(exp.call, donate_argnums=tuple(i for _, i in entry.donations))

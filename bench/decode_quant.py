@@ -95,6 +95,7 @@ def main(argv=None) -> None:
     from tlaloc_jax.export._quant import quantize_weights, scheme_label
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.manifest import Role
     from tlaloc_jax.serve import Engine
 
     hf = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -125,7 +126,7 @@ def main(argv=None) -> None:
         inputs = build_step_inputs([RowCall([7], args.context // 2, list(range(width)))], batch=1, tokens=1,
                                    width=width, block_size=block)
         entry = f"decode_b1_c{args.context}"
-        fns = [(lambda e=e, m=m: e._execute(m.entry(entry), inputs, False)) for e, m in zip(engines, manifests)]
+        fns = [(lambda e=e, m=m: e.runner.run(m.entry(entry), inputs, {Role.NEXT_TOKEN})) for e, m in zip(engines, manifests)]
         times = _median_times(fns, args.steps)
         base_b, base_t = step_bytes(manifests[1], args.vocab), times[1]
         print()

@@ -206,6 +206,7 @@ def interleaved(fns: dict, steps: int, rounds: int = 3) -> dict:
 def stage_runtime(arts: list[Path], plugin: str | None, steps: int) -> None:
     """The JAX-free runtime: every variant of a model loaded at once, each entry's variants alternated."""
     import numpy as np
+    from tlaloc_jax.manifest import Role
     from tlaloc_jax.serve import Engine
     engines = {}
     for art in arts:   # a variant the plugin refuses (say, Triton IR it cannot read) is reported, the rest timed
@@ -224,11 +225,11 @@ def stage_runtime(arts: list[Path], plugin: str | None, steps: int) -> None:
     for entry, tokens, start in entry_plan(first.manifest):
         inp = step_inputs(first.manifest, entry.batch, tokens, start)
         # One step with logits from each variant: the variants' agreement (same pools, same inputs).
-        logits = {k: np.asarray(e._execute(_entry(e, entry.name), inp, True)[1], np.float32)
+        logits = {k: np.asarray(e.runner.run(_entry(e, entry.name), inp, {Role.LOGITS})[Role.LOGITS], np.float32)
                   for k, e in engines.items()}
         ref = next(iter(logits.values()))
         scale = float(np.max(np.abs(ref))) or 1.0
-        fns = {k: (lambda e=e: e._execute(_entry(e, entry.name), inp, False)) for k, e in engines.items()}
+        fns = {k: (lambda e=e: e.runner.run(_entry(e, entry.name), inp, {Role.NEXT_TOKEN})) for k, e in engines.items()}
         ms = interleaved(fns, steps if entry.kind == "decode" else max(3, steps // 3))
         for k in engines:
             result(stage="runtime", art=k, entry=entry.name, kind=str(entry.kind), batch=entry.batch, tokens=tokens,

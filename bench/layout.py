@@ -46,6 +46,7 @@ def main(argv=None) -> None:
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.layout import weight_slice_copies
     from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.manifest import Role
     from tlaloc_jax.serve import Engine
 
     hf = llama_config(args)
@@ -90,7 +91,7 @@ def main(argv=None) -> None:
             fns = []
             for layout in LAYOUTS:
                 entry = manifests[layout].entry(f"decode_b{b}_c{args.context}")
-                fns.append(lambda e=engines[layout], entry=entry: e._execute(entry, inputs, False))
+                fns.append(lambda e=engines[layout], entry=entry: e.runner.run(entry, inputs, {Role.NEXT_TOKEN}))
             for layout, t in zip(LAYOUTS, _median_times(fns, args.steps)):
                 steps[layout, b] = t
 

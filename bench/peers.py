@@ -9,7 +9,7 @@ order rotated every round:
 
   - llama.cpp through llama-cpp-python's low-level API (llama_decode on one llama_batch holding every sequence:
     the prompts in one call, then one token per sequence per call; greedy = argmax of the returned logits);
-  - the tlaloc-jax runtime through `Engine.generate`, and its decode entry alone (`Engine._execute`, as
+  - the tlaloc-jax runtime through `Engine.generate`, and its decode entry alone (`Engine.runner.run`, as
     bench/decode.py times it).
 
 Each generation is a 32-token prompt per row and 64 greedy tokens, 2 threads per system (--threads). Printed per
@@ -269,6 +269,7 @@ def llama_worker(a, work: Path) -> None:
 
 def tlaloc_worker(a, work: Path) -> None:
     from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.manifest import Role
     from tlaloc_jax.serve import Engine
 
     eng = Engine.load(work / "art", cache_dir=work / "compile-cache", progress=False)
@@ -284,8 +285,8 @@ def tlaloc_worker(a, work: Path) -> None:
         rows = [RowCall([7], a.context // 2, list(range(i * width, (i + 1) * width))) for i in range(b)]
         inputs = build_step_inputs(rows, batch=b, tokens=1, width=width, block_size=BLOCK)
         for _ in range(3):
-            eng._execute(entry, inputs, False)
-        ts = [_timed(lambda: eng._execute(entry, inputs, False))[0] for _ in range(20)]
+            eng.runner.run(entry, inputs, {Role.NEXT_TOKEN})
+        ts = [_timed(lambda: eng.runner.run(entry, inputs, {Role.NEXT_TOKEN}))[0] for _ in range(20)]
         return dict(decode_ms=statistics.median(ts) * 1e3)
     measure("tlaloc-jax", gen, a.reps, extra=step_ms)
     eng.close()

@@ -48,19 +48,19 @@ def main(argv=None) -> int:
                           progress=False, sampler=Sampler(), prompt_logprobs=args.top)
         with Engine.load(art, cache_dir=Path(tmp) / "cache", progress=False) as engine:
             prompt = [(37 * k + 11) % (engine.vocab - 1) + 1 for k in range(args.tokens)]
-            scorer = engine.scorer
+            scorer = engine.scheduler.scorer
             asked = Sampling(prompt_logprobs=args.top)
 
             def scored():
-                engine.scorer = scorer
+                engine.scheduler.scorer = scorer
                 return run(engine, prompt, asked)
 
             def fallback():
-                engine.scorer = None          # as an artifact without scoring entries is served
+                engine.scheduler.scorer = None          # as an artifact without scoring entries is served
                 return run(engine, prompt, asked)
 
             def plain():
-                engine.scorer = scorer
+                engine.scheduler.scorer = scorer
                 return run(engine, prompt, Sampling())
 
             variants = {"scored in the body": scored, "token a call (fallback)": fallback, "plain prefill": plain}

@@ -73,7 +73,7 @@ def main(argv=None) -> None:
             rows = [RowCall([7] * 1, pos, list(range(i * width, (i + 1) * width))) for i in range(b)]
             inputs = build_step_inputs(rows, batch=b, tokens=1, width=width, block_size=block)
             entry = eng.manifest.entry(f"decode_b{b}_c{args.context}")
-            return lambda: eng._execute(entry, inputs, {mf.Role.NEXT_TOKEN})
+            return lambda: eng.runner.run(entry, inputs, {mf.Role.NEXT_TOKEN})
 
         ms = {}
         for b in batches:
@@ -96,7 +96,7 @@ def main(argv=None) -> None:
 
 
 def _per_device(m) -> tuple[int, int]:
-    from tlaloc_jax.serve.sharded import bytes_per_device
+    from tlaloc_jax.serve.runtime.sharded import bytes_per_device
     return bytes_per_device(m)
 
 

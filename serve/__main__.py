@@ -58,6 +58,16 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=_positive, default=None,
                     help="most sequences running at once; later requests wait for a slot (default: the largest "
                          "decode batch of the artifact); --max-num-seqs is vLLM's name")
+    ap.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+                    help="tokens one step computes at most: every running sequence's next token, then prompt chunks "
+                         "(default: the artifact's longest prefill chunk)")
+    ap.add_argument("--max-waiting", type=_positive, default=None,
+                    help="sequences that may wait to run; past it new requests get 503 (default 1024)")
+    ap.add_argument("--max-wait-seconds", type=float, default=None,
+                    help="a sequence that waited this long without starting fails with 503 (default: no limit)")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="reuse the KV pages of prompt prefixes computed before (default: on, unless a pool cannot "
+                         "be reused exactly, such as a sliding window's ring)")
     ap.add_argument("--max-model-len", type=_positive, default=None,
                     help="longest sequence served, prompt plus new tokens (default and at most: the artifact's "
                          "largest context)")
@@ -117,7 +127,7 @@ def main(argv=None) -> int:
     from .bounded import BoundedProgram
     from .embeddings import Embeddings, embedding_task, load_embedding_tokenizer
     from .engine import DEFAULT_CACHE_DIR, Engine
-    from .pjrt import CompileError, PluginNotFoundError
+    from .runtime import CompileError, PluginNotFoundError
     from .tokenizer import load_tokenizer
 
     cache_dir = DEFAULT_CACHE_DIR if args.cache_dir is None else None if args.cache_dir == "none" else args.cache_dir
@@ -140,7 +150,9 @@ def main(argv=None) -> int:
                              f"({largest}); export a longer context ladder to serve longer sequences")
         # The bar shows the compile of each entry (a cold cache on a large artifact takes minutes).
         engine = Engine.load(args.artifact, args.plugin, cache_dir=cache_dir, progress=not args.no_progress,
-                             trust_weights=args.trust_weights, manifest=manifest, max_model_len=args.max_model_len)
+                             trust_weights=args.trust_weights, manifest=manifest, max_model_len=args.max_model_len,
+                             max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                             enable_prefix_caching=args.enable_prefix_caching)
     except (ManifestError, OSError, CompileError, PluginNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -159,7 +171,9 @@ def main(argv=None) -> int:
                               max_batch=args.max_batch,
                               max_body_bytes=args.max_body_bytes or http.DEFAULT_MAX_BODY_BYTES,
                               allowed_hosts=allowed_hosts, allowed_origins=_names(args.allowed_origins),
-                              embeddings=embeddings, strict_fields=args.strict_fields)
+                              embeddings=embeddings, strict_fields=args.strict_fields,
+                              max_waiting=args.max_waiting or http.DEFAULT_MAX_WAITING,
+                              max_wait_seconds=args.max_wait_seconds)
         server = app.state.server
         if not _is_loopback(args.host) and not api_key:
             log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",

@@ -33,7 +33,7 @@ from tlaloc_jax import bounded_manifest as bm
 from tlaloc_jax import manifest as mf
 
 from .engine import DEFAULT_CACHE_DIR
-from .pjrt import Buffer, Device, Executable
+from .runtime import Buffer, Device, Executable
 
 log = logging.getLogger("tlaloc_jax.serve.bounded")
 

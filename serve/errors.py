@@ -29,16 +29,16 @@ class APIError(Exception):
 def refusal(e: RequestRefused, prompt_param: str, longest_prompt: int, max_context: int, n: int) -> APIError:
     """The engine's refusal as an HTTP error; its message names the cause.
 
-    pool_exhausted is 503 + Retry-After (not now: the same request runs once other sequences end);
-    exceeds_pool is 400 (never: the sequences would not fit the pool even if it were empty).
+    queue_full is 503 + Retry-After (not now: the same request is queued once fewer wait);
+    exceeds_pool is 400 (never: a sequence would not fit the pool even if it were empty).
     """
     msg = str(e)
-    if e.kind == "pool_exhausted":
-        return APIError(503, msg, type="service_unavailable_error", code="kv_pool_exhausted",
+    if e.kind == "queue_full":
+        return APIError(503, msg, type="service_unavailable_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if e.kind == "exceeds_pool":
-        return APIError(400, f"{msg}; send fewer choices (n) or prompts, or a lower max_tokens",
-                        param="n" if n > 1 else prompt_param, code="exceeds_kv_pool")
+        return APIError(400, f"{msg}; send a shorter prompt or a lower max_tokens", param=prompt_param,
+                        code="exceeds_kv_pool")
     if e.kind == "too_long":
         param = prompt_param if longest_prompt > max_context else "max_tokens"
         return APIError(400, msg, param=param, code="context_length_exceeded")

@@ -21,16 +21,16 @@ Errors are OpenAI-style JSON, {"error": {"message", "type", "param", "code"}}:
   400  malformed JSON, JSON nested deeper than 64, a lone surrogate anywhere, an unknown field (only with
        strict_fields; otherwise it is logged as ignored), a field of the wrong type or value, a grammar or
        schema that does not compile, a placeholder or out-of-vocabulary token id, a prompt longer than the
-       largest context, max_tokens past it, sequences that together need more pages than the whole pool
+       largest context, max_tokens past it, a sequence that needs more pages than the whole pool
   401  a missing or wrong API key (when the server has one)
   404  an unknown model or route
   413  a body over the size limit
   421  a Host header outside the allow-list (when the app has one: DNS rebinding)
   500  a bug: the answer holds an error id, the server log the cause
-  503  the KV page pool is full now (code "kv_pool_exhausted", Retry-After: 1). Nothing was admitted;
-       the same request succeeds once other sequences end. (503 rather than 429: the server is
-       momentarily out of capacity, the client is not over a rate limit; the openai client retries
-       both, honouring Retry-After.)
+  503  the waiting queue is full (code "queue_full", Retry-After: 1), or the request waited past the
+       server's --max-wait-seconds without starting (code "queue_timeout"). Requests that could run later
+       otherwise wait their turn. (503 rather than 429: the server is momentarily out of capacity, the
+       client is not over a rate limit; the openai client retries both, honouring Retry-After.)
 Answers never name paths on disk: /v1/models' `root` is the model's name, and a 500 carries an id only.
 """
 
@@ -54,7 +54,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from .embeddings import Embeddings
 from .engine import Constraint, Engine, RequestRefused
-from .errors import APIError, refusal
+from .errors import RETRY_AFTER_S, APIError, refusal
 from .guards import (LOOPBACK_HOSTS, HostAllowList, InternalErrors, allowed_host_names,  # noqa: F401
                      api_key_problem, host_name, new_error_id)
 from .loop import EngineLoop, Inbox, SeqSpec, Update
@@ -71,6 +71,7 @@ from .validation import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, EMBE
 log = logging.getLogger("tlaloc_jax.serve.http")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_WAITING = 1024    # sequences waiting to run before a new request gets 503
 # -- a request's sequences ---------------------------------------------------------------------------
 
 @dataclass
@@ -105,7 +106,8 @@ class _Choice:
         if self.done:
             return False                # tokens already in flight after a stop string
         if u.token is None:
-            self.finish_reason, self.error = "error", u.error or "the sequence failed"
+            self.finish_reason = "timeout" if u.reason == "timeout" else "error"
+            self.error = u.error or "the sequence failed"
             return True
         self.ids.append(u.token)
         if u.logprob is not None:
@@ -234,6 +236,10 @@ class _Generation:
 
     def error(self) -> APIError | None:
         """The answer to a request a choice of which failed (its cause goes to the log, once), or None."""
+        late = [c for c in self.choices if c.finish_reason == "timeout"]
+        if late and self._error is None:
+            self._error = APIError(503, late[0].error, type="service_unavailable_error", code="queue_timeout",
+                                   headers={"Retry-After": str(RETRY_AFTER_S)})
         failed = [c for c in self.choices if c.finish_reason == "error"]
         if failed and self._error is None:
             error_id = new_error_id()
@@ -261,7 +267,8 @@ def _sse(obj: Any) -> str:
 
 class _Server:
     def __init__(self, engine: Engine, tokenizer: TextTokenizer | None, model_name: str, api_key: str | None,
-                 max_batch: int, max_body_bytes: int, embeddings: Embeddings | None, strict_fields: bool = False):
+                 max_batch: int, max_body_bytes: int, embeddings: Embeddings | None, strict_fields: bool = False,
+                 max_waiting: int = 1024, max_wait_seconds: float | None = None):
         self.engine = engine
         self.embeddings = embeddings
         self.tokenizer = tokenizer
@@ -272,7 +279,7 @@ class _Server:
         self.strict_fields = strict_fields
         self.created = int(time.time())
         self.metrics = Metrics(model_name)
-        self.loop = EngineLoop(engine, max_batch, self.metrics)
+        self.loop = EngineLoop(engine, max_batch, self.metrics, max_waiting, max_wait_seconds)
         eos = set(engine.manifest.model.eos_token_ids)
         if tokenizer is not None:
             eos |= tokenizer.eos_token_ids
@@ -667,7 +674,7 @@ class _Server:
                     yield _sse(chunk)
             async for changed in gen.updates():
                 for c in changed:
-                    if c.finish_reason == "error":
+                    if c.finish_reason in ("error", "timeout"):
                         yield _sse(gen.error().body())
                         yield "data: [DONE]\n\n"
                         return
@@ -790,7 +797,8 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
                api_key: str | None = None, max_batch: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Iterable[str] | None = None,
                allowed_origins: Iterable[str] = (), embeddings: Embeddings | None = None,
-               strict_fields: bool = False) -> FastAPI:
+               strict_fields: bool = False, max_waiting: int = DEFAULT_MAX_WAITING,
+               max_wait_seconds: float | None = None) -> FastAPI:
     """The FastAPI app serving `engine`. The engine loop thread starts and stops with the app's lifespan.
 
     tokenizer: "auto" loads the artifact's (None when it has no tokenizer.json); max_batch: the most
@@ -800,7 +808,9 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     get 421 (default None: every Host; `python -m tlaloc_jax.serve` passes LOOPBACK_HOSTS when bound to
     loopback); allowed_origins: browser origins CORS lets read the answers ("*": any; default none); embeddings:
     an embedding program to serve on /v1/embeddings beside the decoder (serve/embeddings.py); strict_fields:
-    refuse (400) request fields the server does not know, instead of logging them as ignored (vLLM's way).
+    refuse (400) request fields the server does not know, instead of logging them as ignored (vLLM's way);
+    max_waiting: the most sequences waiting to run before new requests get 503; max_wait_seconds: a sequence
+    that waited this long without starting fails with 503 (None: no limit).
     """
     if api_key is not None and (problem := api_key_problem(api_key)) is not None:
         raise ValueError(f"api_key {problem}")
@@ -811,8 +821,10 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
         max_batch = max(e.batch for e in engine.manifest.entries if e.kind == "decode")
     if max_batch < 1:
         raise ValueError(f"max_batch must be positive, got {max_batch}")
+    if max_waiting < 0:
+        raise ValueError(f"max_waiting must not be negative, got {max_waiting}")
     server = _Server(engine, tokenizer, model_name or engine.manifest.model.name, api_key, int(max_batch),
-                     int(max_body_bytes), embeddings, strict_fields)
+                     int(max_body_bytes), embeddings, strict_fields, int(max_waiting), max_wait_seconds)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -1,10 +1,10 @@
 """EngineLoop: the one thread that owns the Engine (which is not thread-safe).
 
-Request handlers hand it an admission (all of a request's sequences, admitted together or not at all) and
-later aborts, through a queue. Between steps the loop admits waiting requests (up to `max_running`
-running sequences; more wait their turn), then runs `engine.step()`, which advances every running
-sequence: their decode tokens share calls. Each step's tokens go back to their requests' sinks in one
-call per request.
+Request handlers hand it an admission (all of a request's sequences, queued together or refused together) and
+later aborts, through a queue. Between steps the loop hands new requests to the engine, whose scheduler runs
+up to `max_running` sequences at once (the others wait their turn there), then runs `engine.step()`. Each
+step's tokens go back to their requests' sinks in one call per request. A request is refused (503) only when
+`max_waiting` sequences already wait, or fails when it waited longer than `max_wait_seconds` to start.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .engine import Constraint, Engine
+from .engine import Constraint, Engine, RequestRefused
 from .metrics import Metrics
 from .sampling import Sampling
 
@@ -72,9 +73,13 @@ class _Running:
 class EngineLoop:
     """The one thread that drives the Engine. Everything else talks to it through `submit`, `abort`, `call`."""
 
-    def __init__(self, engine: Engine, max_running: int, metrics: Metrics):
+    def __init__(self, engine: Engine, max_running: int, metrics: Metrics, max_waiting: int = 1024,
+                 max_wait_seconds: float | None = None):
         self.engine = engine
         self.max_running = max_running
+        engine.scheduler.configure(max_num_seqs=max_running)
+        self.max_waiting = max_waiting
+        self.max_wait_seconds = max_wait_seconds
         self.metrics = metrics
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[_Admission] = deque()
@@ -132,6 +137,7 @@ class EngineLoop:
                         return
                     self._handle(cmd)
                 self._admit()
+                self._expire()
                 if self._running:
                     self._step()
         except BaseException as e:  # noqa: BLE001 - a bug in the loop: fail what is pending, /health says so
@@ -155,12 +161,14 @@ class EngineLoop:
 
     def _admit(self) -> None:
         while self._waiting:
-            adm = self._waiting[0]
-            if self._running and len(self._running) + len(adm.specs) > self.max_running:
-                return
-            self._waiting.popleft()
+            adm = self._waiting.popleft()
             if not adm.future.set_running_or_notify_cancel():
                 continue                    # the client went away while it waited
+            waiting = len(self.engine.scheduler.waiting)
+            if waiting + len(adm.specs) > self.max_waiting:
+                adm.future.set_exception(RequestRefused(
+                    "queue_full", f"{waiting} sequences wait to run (the server's --max-waiting is {self.max_waiting})"))
+                continue
             rids: list[str] = []
             try:
                 for spec in adm.specs:
@@ -175,6 +183,23 @@ class EngineLoop:
             for i, rid in enumerate(rids):
                 self._running[rid] = _Running(adm.sink, i, adm.arrival)
             adm.future.set_result(rids)
+
+    def _expire(self) -> None:
+        """Fail the sequences that waited past max_wait_seconds without starting."""
+        if not self.max_wait_seconds:
+            return
+        now = time.perf_counter()
+        late: dict[int, tuple[Sink, list[Update]]] = {}
+        for s in list(self.engine.scheduler.waiting):
+            run = self._running.get(s.rid)
+            if run is None or s.first_scheduled is not None or now - run.arrival <= self.max_wait_seconds:
+                continue
+            self._end(s.rid, "timeout")
+            late.setdefault(id(run.sink), (run.sink, []))[1].append(Update(
+                run.seq, None, True, "timeout", f"waited {now - run.arrival:.1f} s without starting (the server's "
+                                                f"--max-wait-seconds is {self.max_wait_seconds:g})"))
+        for sink, updates in late.values():
+            _deliver(sink, updates)
 
     def _step(self) -> None:
         try:
@@ -221,8 +246,8 @@ class EngineLoop:
 
     def snapshot(self) -> dict:
         """The engine's counters plus the loop's queue (call on the loop thread)."""
-        return dict(self.engine.stats(), running=len(self._running),
-                    waiting=sum(len(a.specs) for a in self._waiting))
+        st = self.engine.stats()
+        return dict(st, waiting=st["waiting"] + sum(len(a.specs) for a in self._waiting))
 
 
 def _deliver(sink: Sink, updates: list[Update]) -> None:

@@ -108,8 +108,8 @@ class _EngineCollector:
             yield CounterMetricFamily(name, doc, value=s[key])
         for name, key, doc in (("tlaloc_kv_pages_in_use", "pages_in_use", "KV pages held by sequences"),
                                ("tlaloc_kv_pages_total", "num_pages", "KV pages in the pool"),
-                               ("tlaloc_requests_running", "running", "Sequences admitted to the engine"),
-                               ("tlaloc_requests_waiting", "waiting", "Sequences waiting for a batch slot")):
+                               ("tlaloc_requests_running", "running", "Sequences the scheduler runs"),
+                               ("tlaloc_requests_waiting", "waiting", "Sequences waiting to run")):
             yield GaugeMetricFamily(name, doc, value=s[key])
         for name, key, doc in (("tlaloc_pool_pages_in_use", "pages_in_use", "Pages held by sequences, per pool"),
                                ("tlaloc_pool_pages_total", "num_pages", "Pages per pool")):
@@ -127,18 +127,20 @@ class _EngineCollector:
         label = [self.model_name]
         for name, value, doc in (("vllm:num_requests_running", s["running"], "Requests running"),
                                  ("vllm:num_requests_waiting", s["waiting"], "Requests waiting"),
-                                 ("vllm:kv_cache_usage_perc", s["pages_in_use"] / max(1, s["num_pages"]),
-                                  "KV-cache usage (1 is full)"),
-                                 ("vllm:gpu_cache_usage_perc", s["pages_in_use"] / max(1, s["num_pages"]),
+                                 ("vllm:kv_cache_usage_perc", s["kv_cache_usage"], "KV-cache usage (1 is full)"),
+                                 ("vllm:gpu_cache_usage_perc", s["kv_cache_usage"],
                                   "KV-cache usage (vLLM's older name)")):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(label, value)
             yield g
         for name, key, doc in (("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens prefilled"),
                                ("vllm:generation_tokens", "tokens_generated", "Tokens generated"),
-                               ("vllm:num_preemptions", None, "Preemptions (never: pages are reserved at admission)")):
+                               ("vllm:num_preemptions", "preemptions", "Sequences preempted (pages given back, "
+                                                                       "recomputed when they run again)"),
+                               ("vllm:prefix_cache_queries", "prefix_queries", "Tokens looked up in the prefix cache"),
+                               ("vllm:prefix_cache_hits", "prefix_hits", "Tokens found in the prefix cache")):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(label, s[key] if key else 0)
+            c.add_metric(label, s[key])
             yield c
 
 

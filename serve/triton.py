@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     from tlaloc_jax.manifest import ManifestError, load_manifest
 
     from .engine import DEFAULT_CACHE_DIR
-    from .pjrt import CompileError, PluginNotFoundError
+    from .runtime import CompileError, PluginNotFoundError
 
     cache_dir = DEFAULT_CACHE_DIR if args.cache_dir is None else None if args.cache_dir == "none" else args.cache_dir
     try:

@@ -63,12 +63,11 @@ class InProcess:
         return self.client.post(path, json=body, headers=headers)
 
     def pool(self) -> dict:
-        """Pages held and promised per pool, and the loop's queues, read on the loop thread between steps."""
+        """Pages held per pool, and the sequences running and waiting, read on the loop thread between steps."""
         def read(loop):
-            pools = loop.engine.stats()["pools"]
-            return dict(running=len(loop._running), waiting=len(loop._waiting),
-                        **{f"{n}_in_use": p["pages_in_use"] for n, p in pools.items()},
-                        **{f"{n}_reserved": p["pages_reserved"] for n, p in pools.items()})
+            st = loop.engine.stats()
+            return dict(running=len(loop._running), waiting=len(loop._waiting) + st["waiting"],
+                        **{f"{n}_in_use": p["pages_in_use"] for n, p in st["pools"].items()})
         return self.server.loop.call(read).result(timeout=30)
 
     def wait_idle(self, timeout: float = 10.0) -> dict:

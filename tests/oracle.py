@@ -106,8 +106,8 @@ def transposed_weight(model, slot: str = "attn.o_proj"):
 def kv_one_slot_off(monkeypatch) -> None:
     """Make the serving engine write each token's keys and values one slot past where they belong (a
     slot-mapping bug), in the full-history and the windowed pools alike."""
-    import tlaloc_jax.serve.engine as engine_module
-    real = engine_module.build_step_inputs
+    import tlaloc_jax.serve.core.inputs as inputs_module
+    real = inputs_module.build_step_inputs
 
     def shifted(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -116,4 +116,4 @@ def kv_one_slot_off(monkeypatch) -> None:
                 out[name] = np.where(out[name] >= 0, out[name] + 1, out[name]).astype(np.int32)
         return out
 
-    monkeypatch.setattr(engine_module, "build_step_inputs", shifted)
+    monkeypatch.setattr(inputs_module, "build_step_inputs", shifted)

@@ -155,7 +155,7 @@ def test_no_file_outside_the_manifest_is_read(artifact, tmp_path):
 
 def test_pools_that_do_not_fit_the_device_are_refused_before_they_are_allocated(artifact, monkeypatch):
     """Finding 4: the pools' and weights' bytes are checked against the device's free memory first."""
-    from tlaloc_jax.serve import pjrt
+    from tlaloc_jax.serve.runtime import pjrt
     monkeypatch.setattr(pjrt.Device, "memory_available", lambda self: 1000)
 
     def no_compile(self, *a, **k):

@@ -28,6 +28,7 @@ SERVED = textwrap.dedent("""
     import hashlib, json, sys
     import numpy as np
     from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.manifest import Role
     from tlaloc_jax.serve import Engine, Sampling
     prompts = json.loads(sys.argv[2])
     with Engine.load(sys.argv[1], cache_dir=None, progress=False) as eng:
@@ -39,10 +40,10 @@ SERVED = textwrap.dedent("""
         for kind, rows in (("prefill", [RowCall(p, 0, list(range(4 * i, 4 * i + 4))) for i, p in enumerate(prompts)]),
                            ("decode", [RowCall([p[-1]], len(p) - 1, list(range(4 * i, 4 * i + 4)))
                                        for i, p in enumerate(prompts)])):
-            entry = eng._pick(kind, len(rows), 64, max(len(r.token_ids) for r in rows))
+            entry = eng.scheduler.pick(kind, len(rows), 64, max(len(r.token_ids) for r in rows))
             inputs = build_step_inputs(rows, batch=entry.batch, tokens=entry.tokens_per_seq,
                                        width=entry.context // eng.block_size, block_size=eng.block_size)
-            _, logits = eng._execute(entry, inputs, True)
+            logits = eng.runner.run(entry, inputs, {Role.LOGITS})[Role.LOGITS]
             digest.update(np.ascontiguousarray(logits).tobytes())
     print(json.dumps({"greedy": greedy, "sampled": sampled, "logits": digest.hexdigest()}))
 """)

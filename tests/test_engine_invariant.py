@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-import tlaloc_jax.serve.engine as engine_module
+import tlaloc_jax.serve.core.inputs as inputs_module
+import tlaloc_jax.serve.core.outputs as outputs_module
 from http_util import CONTEXT, GOOD, NUM_PAGES
 from tlaloc_jax.serve import Engine, RequestRefused, Sampling
 
@@ -34,8 +35,8 @@ def solo(engine):
 
 
 def _pool(engine) -> dict[str, tuple[int, int]]:
-    """(pages held, pages promised) per pool."""
-    return {name: (p["pages_in_use"], p["pages_reserved"]) for name, p in engine.stats()["pools"].items()}
+    """(pages held, pages free) per pool."""
+    return {name: (p["pages_in_use"], p["pages_free"]) for name, p in engine.stats()["pools"].items()}
 
 
 def _run_all(engine) -> list:
@@ -47,11 +48,11 @@ def _run_all(engine) -> list:
 
 @pytest.fixture
 def clean(engine):
-    """Each test starts and must end with an idle engine: no sequence, no page held or promised."""
-    assert _pool(engine) == {"kv": (0, 0)} and not engine.active_requests()
+    """Each test starts and must end with an idle engine: no sequence, no page held."""
+    assert _pool(engine) == {"kv": (0, NUM_PAGES)} and not engine.active_requests()
     yield
-    assert _pool(engine) == {"kv": (0, 0)}, "a request left pages behind"
-    assert not engine._seqs, f"requests left behind: {list(engine._seqs)}"
+    assert _pool(engine) == {"kv": (0, NUM_PAGES)}, "a request left pages behind"
+    assert not engine.scheduler.requests, f"requests left behind: {list(engine.scheduler.requests)}"
 
 
 def test_a_negative_seed_is_refused_at_admission_and_holds_no_pages(engine, solo, clean):
@@ -99,7 +100,7 @@ def test_a_tiny_temperature_samples_the_greedy_ids_beside_other_sequences(engine
 
 def test_a_failure_while_sampling_fails_only_its_sequence(engine, solo, clean, monkeypatch):
     """A sampler fault on the third token of one sequence, in a decode call it shares with two others."""
-    real = engine_module.sample
+    real = outputs_module.sample
     draws = {"n": 0}
     doomed = Sampling(temperature=0.8, seed=666)
 
@@ -111,7 +112,7 @@ def test_a_failure_while_sampling_fails_only_its_sequence(engine, solo, clean, m
         return real(logits, s, rng)
 
     want_doomed = solo(OTHER, 16, doomed)
-    monkeypatch.setattr(engine_module, "sample", faulty)
+    monkeypatch.setattr(outputs_module, "sample", faulty)
     greedy = engine.add_request(GOOD, 16)
     for _ in range(3):          # the greedy sequence is decoding when the others join
         engine.step()
@@ -142,7 +143,7 @@ def test_generate_names_a_failed_sequence_and_the_engine_stays_usable(engine, so
     def broken(logits, s, rng):
         raise FloatingPointError("injected sampler fault")
 
-    monkeypatch.setattr(engine_module, "sample", broken)
+    monkeypatch.setattr(outputs_module, "sample", broken)
     with pytest.raises(RuntimeError, match=r"request req-\d+ failed: sampling failed: injected sampler fault"):
         engine.generate([GOOD, OTHER], 8, sampling=Sampling(temperature=0.8, seed=3))
     monkeypatch.undo()
@@ -150,7 +151,7 @@ def test_generate_names_a_failed_sequence_and_the_engine_stays_usable(engine, so
 
 
 def test_an_exception_building_a_call_fails_that_call_and_the_others_go_on(engine, solo, clean, monkeypatch):
-    real = engine_module.build_step_inputs
+    real = inputs_module.build_step_inputs
     poisoned = [99, 98, 97]
 
     def faulty(rows, **kw):
@@ -160,7 +161,7 @@ def test_an_exception_building_a_call_fails_that_call_and_the_others_go_on(engin
 
     greedy = engine.add_request(GOOD, 16)
     engine.step()
-    monkeypatch.setattr(engine_module, "build_step_inputs", faulty)
+    monkeypatch.setattr(inputs_module, "build_step_inputs", faulty)
     bad = engine.add_request(poisoned, 16)          # prefill batch 1: its prefill call holds it alone
     events = _run_all(engine)
     failed = [e for e in events if e.request_id == bad]
@@ -179,23 +180,33 @@ def test_bad_stop_token_ids_are_refused_before_any_page_is_promised(engine, clea
     engine.release(running)
 
 
-def test_could_ever_fit_answers_for_an_empty_pool(engine, clean):
-    """Finding 7, the engine's half: sequences that together need more pages than the whole pool are refused
-    for good (kind "exceeds_pool"), not as "pool_exhausted" (which says: retry later)."""
+def test_what_could_run_later_is_queued_and_what_never_fits_is_refused(engine, solo, clean):
+    """Finding 7, the engine's half: sequences that together need more pages than the pool are queued, each
+    running when there is room (every one its solo ids); one past the largest context is refused for good."""
     longest = (4, CONTEXT - 4 + 1)                       # 64 positions: 8 pages of 8
-    engine.check_could_fit([longest] * (NUM_PAGES // 8))     # exactly the pool
-    with pytest.raises(RequestRefused, match=r"9 sequences need 72 KV pages together .* the pool holds 64 pages") as err:
-        engine.check_could_fit([longest] * 9)
-    assert err.value.kind == "exceeds_pool"
+    engine.check_could_fit([longest] * 9)                # 72 pages together: queued, not refused
     with pytest.raises(RequestRefused, match=r"prompt of 4 tokens plus max_new_tokens 62 exceeds the largest "
                                              r"context 64") as err:
         engine.check_could_fit([(4, 62)])
     assert err.value.kind == "too_long"
-    # It reads only the pool's size: a full pool does not change the answer.
-    held = [engine.add_request([1, 2, 3, 4], 61) for _ in range(8)]
-    engine.check_could_fit([longest] * 8)
-    with pytest.raises(RequestRefused) as err:
-        engine.add_request([1, 2, 3, 4], 61)
-    assert err.value.kind == "pool_exhausted"
-    for rid in held:
+    prompts = [[1, 2, 3, 4 + i] for i in range(9)]
+    rids = [engine.add_request(p, 61) for p in prompts]
+    _run_all(engine)
+    assert [engine.output(r) for r in rids] == [solo(p, 61) for p in prompts]
+    for rid in rids:
         engine.release(rid)
+
+
+def test_a_sequence_larger_than_the_pool_is_refused_by_name(engine):
+    """exceeds_pool: a sequence needing more pages than the whole pool holds could never run (the scheduler alone,
+    over the same artifact with a pool of 4 pages)."""
+    from dataclasses import replace
+    from tlaloc_jax.serve.core.scheduler import Scheduler
+    m = engine.manifest
+    small = replace(m, pools=tuple(replace(p, capacity=4) for p in m.pools))
+    sched = Scheduler(small, CONTEXT)
+    sched.check_could_fit([(4, 29)])                    # 32 positions: exactly the pool
+    with pytest.raises(RequestRefused, match=r"a sequence of 4 prompt tokens plus max_new_tokens 30 needs 5 KV "
+                                             r"pages, and the pool holds 4: it could never run") as err:
+        sched.check_could_fit([(4, 30)])
+    assert err.value.kind == "exceeds_pool"

@@ -21,7 +21,7 @@ from http_util import GOOD, STOP, InProcess
 from tlaloc_jax.serve import Engine
 from tokenizers_util import VOCAB
 
-IDLE = {"running": 0, "waiting": 0, "kv_in_use": 0, "kv_reserved": 0}
+IDLE = {"running": 0, "waiting": 0, "kv_in_use": 0}
 
 # Every character, lone surrogates included (hypothesis leaves category Cs out unless told).
 TEXT = st.text(st.characters(exclude_categories=()), max_size=12)

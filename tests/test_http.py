@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from http_util import CONTEXT, GOOD, STOP
+from http_util import CONTEXT, GOOD, STOP, serving
 from import_guard import guarded
 from tlaloc_jax.serve import Engine, Sampling
 from tokenizers_util import EOS, IMAGE, VOCAB, build_tokenizer
@@ -464,9 +464,9 @@ def test_an_artifact_without_tokenizer_serves_token_ids(ids_server, solo):
         assert r.status_code == 400 and re.search(message, r.json()["error"]["message"])
 
 
-def test_a_full_pool_answers_503_and_the_retry_succeeds(ids_server, solo):
-    """Eight sequences of 63 positions hold all 64 pages; a ninth is refused by name, nothing else changes,
-    and the same request succeeds once they end."""
+def test_a_full_pool_queues_the_request_and_it_runs_when_pages_free(ids_server, solo):
+    """Eight sequences of 63 positions hold all 64 pages; a ninth waits (no 503) and gets its solo ids once pages
+    free up, and the eight keep theirs."""
     holders = [[10 + i, 20, 30, 40] for i in range(8)]
     small = [5, 6, 7]
 
@@ -486,22 +486,46 @@ def test_a_full_pool_answers_503_and_the_retry_succeeds(ids_server, solo):
             events = [asyncio.Event() for _ in holders]
             tasks = [asyncio.create_task(hold(p, e)) for p, e in zip(holders, events)]
             await asyncio.gather(*(e.wait() for e in events))
-            refused = await http.post("/v1/completions", json={"prompt": small, "max_tokens": 4, "temperature": 0})
-            return refused, await asyncio.gather(*tasks)
+            queued = await http.post("/v1/completions", json={"prompt": small, "max_tokens": 4, "temperature": 0})
+            return queued, await asyncio.gather(*tasks)
 
-    for _ in range(3):
-        refused, held = asyncio.run(attempt())
-        assert held == [solo(p, 60) for p in holders]
-        if refused.status_code != 200:
-            break
-    assert refused.status_code == 503, refused.text
-    assert refused.headers["retry-after"] == "1"
-    err = refused.json()["error"]
-    assert err["code"] == "kv_pool_exhausted"
-    assert re.search(r"KV pool exhausted: 1 pages needed, 0 of 64 free; 8 sequences hold pages", err["message"])
+    queued, held = asyncio.run(attempt())
+    assert held == [solo(p, 60) for p in holders]
+    assert queued.status_code == 200, queued.text
+    assert queued.json()["choices"][0]["token_ids"] == solo(small, 4)
     assert ids_server.metrics()["tlaloc_kv_pages_in_use"] == 0
-    r = _post(ids_server, "/v1/completions", {"prompt": small, "max_tokens": 4, "temperature": 0}, key=None)
-    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == solo(small, 4)
+
+
+def test_a_full_waiting_queue_answers_503_and_nothing_else_changes(engine, solo):
+    """--max-waiting: with the queue full a new request is refused (503, queue_full, Retry-After) and the running
+    one keeps its ids; a request that waited past --max-wait-seconds fails with 503 (queue_timeout)."""
+    async def attempt(**kw):
+        """A 60-token stream runs alone (max_batch 1); a request for two sequences arrives after its first token."""
+        async with serving(engine, max_batch=1, **kw) as (http, _):
+            ids, second = [], None
+            async with http.stream("POST", "/v1/completions", json={
+                    "prompt": [10, 20, 30, 40], "max_tokens": 60, "temperature": 0, "stream": True,
+                    "return_token_ids": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        ids += json.loads(line[6:])["choices"][0]["token_ids"]
+                        if second is None:
+                            second = asyncio.create_task(http.post("/v1/completions", json={
+                                "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "n": 2,
+                                "return_token_ids": True}))
+            return ids, await second
+
+    ids, second = asyncio.run(attempt(max_waiting=1))
+    assert ids == solo([10, 20, 30, 40], 60)
+    assert second.status_code == 503 and second.headers["retry-after"] == "1", second.text
+    err = second.json()["error"]
+    assert err["code"] == "queue_full" and re.search(r"0 sequences wait to run .*--max-waiting is 1", err["message"])
+    ids, second = asyncio.run(attempt(max_wait_seconds=0.001))
+    assert ids == solo([10, 20, 30, 40], 60)
+    assert second.status_code == 503 and second.json()["error"]["code"] == "queue_timeout", second.text
+    # Control: with room to wait, the same second request runs to its solo ids once the first ends.
+    ids, second = asyncio.run(attempt())
+    assert second.status_code == 200 and [c["token_ids"] for c in second.json()["choices"]] == [solo([5, 6, 7], 4)] * 2
 
 
 def test_a_loopback_server_answers_only_its_hosts_and_origins(text_server):

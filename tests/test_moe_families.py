@@ -37,6 +37,7 @@ from tlaloc_jax.families import config_from_hf, read_rope
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.layers import rope_inv_freq
+from tlaloc_jax.manifest import Role
 from tlaloc_jax.paging import RowCall, build_step_inputs
 
 pytestmark = pytest.mark.numeric
@@ -157,15 +158,15 @@ def test_in_process_gives_transformers_ids_and_first_logits_slow(name, store, tm
 def served_first_logits(eng, prompt, monkeypatch) -> np.ndarray:
     """The logits the served engine computes after `prompt` alone (its last prefill chunk's row)."""
     seen = []
-    real = eng._execute
+    real = eng.runner.run
 
-    def keep_logits(entry, inputs, want_logits):
-        next_ids, logits = real(entry, inputs, True)
-        seen.append((logits, np.flatnonzero(np.asarray(inputs["seq_lens"]) > 0)))
-        return next_ids, logits
+    def keep_logits(entry, inputs, want):
+        out = real(entry, inputs, set(want) | {Role.LOGITS})
+        seen.append((out[Role.LOGITS], np.flatnonzero(np.asarray(inputs["seq_lens"]) > 0)))
+        return out
 
     with monkeypatch.context() as patch:
-        patch.setattr(eng, "_execute", keep_logits)
+        patch.setattr(eng.runner, "run", keep_logits)
         eng.generate([prompt], 1)
     logits, (row,) = seen[-1]
     return np.asarray(logits)[row]

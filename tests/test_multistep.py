@@ -15,7 +15,9 @@ from hf_models import build_checkpoint
 from tlaloc_jax import manifest as mf
 from tlaloc_jax.export import Sampler, export_checkpoint
 from tlaloc_jax.serve import Engine, Sampling
-from tlaloc_jax.serve import engine as engine_mod
+from tlaloc_jax.serve.core import inputs as inputs_mod
+from tlaloc_jax.serve.core import scheduler as sched_mod
+from tlaloc_jax.serve.core.scheduler import ScheduledCall, Scheduler
 
 K = 4
 # One batch bucket: three entries (decode, prefill, decode_steps) to compile; single steps and K-step calls of
@@ -81,7 +83,7 @@ def test_greedy_same_ids_finishing_at_different_steps(llama):
     assert multi[2] >= 3
     st = llama.stats()
     assert st["pool_in_place"] == st["pool_address_checks"] > 0          # the pools were donated, not copied
-    assert st["pools"]["kv"]["pages_in_use"] == 0 and st["pools"]["kv"]["pages_reserved"] == 0
+    assert st["pools"]["kv"]["pages_in_use"] == 0 and st["running"] == st["waiting"] == 0
 
 
 def test_seeded_sampled_same_ids(llama):
@@ -130,9 +132,11 @@ def test_arrival_during_k_call(llama):
         events = llama.step()             # one K-step call
         assert len(events) == K and llama.stats()["decode_steps_calls"] > 0
         b = llama.add_request(PROMPTS[1], 5)
-        calls = llama.stats()["prefill_calls"]
-        got = {ev.request_id for ev in llama.step()}
-        assert b in got and llama.stats()["prefill_calls"] == calls + 1
+        multi = llama.stats()["decode_steps_calls"]
+        got = [ev.request_id for ev in llama.step()]
+        # The next step reads the new prompt (one token: it shares the running sequence's decode call), on single
+        # steps: one token each.
+        assert sorted(got) == sorted([a, b]) and llama.stats()["decode_steps_calls"] == multi
     finally:
         for r in (a, b):
             if r is not None:
@@ -161,35 +165,35 @@ def test_control_fails(llama, monkeypatch):
     is one ahead (seeded), give other ids than single steps."""
     reqs = [(p, 12, (), None) for p in PROMPTS]
     single = _run(llama, reqs, multi=False)[0]
-    real = engine_mod.row_call
+    real = sched_mod.row_call
 
     def late(token_ids, start, held):
         return real(token_ids, start + 1, held)
-    monkeypatch.setattr(Engine, "_steps_call", _shifted(Engine._steps_call, late))
+    monkeypatch.setattr(Scheduler, "_steps_call", _shifted(Scheduler._steps_call, late))
     assert _run(llama, reqs, multi=True)[0] != single
     monkeypatch.undo()
 
     seeded = [(p, 12, (), SEEDED) for p in PROMPTS]
     single = _run(llama, seeded, multi=False)[0]
-    real_inputs = Engine._sampler_inputs
+    real_inputs = inputs_mod.sampler_inputs
 
-    def ahead(self, e, call, producing, allowed):
-        out = real_inputs(self, e, call, producing, allowed)
-        if e.kind == mf.EntryKind.DECODE_STEPS:
+    def ahead(runner, call, producing, allowed):
+        out = real_inputs(runner, call, producing, allowed)
+        if call.entry.kind == mf.EntryKind.DECODE_STEPS:
             out[mf.Role.RNG_STEP] = out[mf.Role.RNG_STEP] + 1
         return out
-    monkeypatch.setattr(Engine, "_sampler_inputs", ahead)
+    monkeypatch.setattr(inputs_mod, "sampler_inputs", ahead)
     assert _run(llama, seeded, multi=True)[0] != single
 
 
 def _shifted(steps_call, row_fn):
-    """Engine._steps_call whose rows come from row_fn (a broken host for the control)."""
+    """Scheduler._steps_call whose rows come from row_fn (a broken host for the control)."""
     def call(self, decoding):
         c = steps_call(self, decoding)
         if c is None:
             return None
         rows = tuple(row_fn(r.token_ids, r.start, s.held) for r, s in zip(c.rows, c.seqs))
-        return engine_mod._Call(c.entry, c.seqs, rows, c.limits)
+        return ScheduledCall(c.entry, c.seqs, rows, c.limits)
     return call
 
 
@@ -223,9 +227,9 @@ def test_ring_pool_without_sampler(tmp_path, serve_cache_dir, monkeypatch):
         single, multi = _both(eng, reqs)
         assert multi[0] == single[0] and multi[2] > 0
         # The control: the ring slots of a row one position late.
-        real = engine_mod.row_call
+        real = sched_mod.row_call
         with monkeypatch.context() as mp:
-            mp.setattr(Engine, "_steps_call", _shifted(Engine._steps_call,
+            mp.setattr(Scheduler, "_steps_call", _shifted(Scheduler._steps_call,
                                                        lambda t, start, held: real(t, start + 1, held)))
             assert _run(eng, reqs, multi=True)[0] != single[0]
         # Plain greedy only without a sampler: a sampled request keeps single steps.

@@ -1,4 +1,4 @@
-"""tlaloc_jax.serve.pjrt against jax: bodies exported by jax.export run through the PJRT plugin.
+"""tlaloc_jax.serve.runtime (the PJRT layer) against jax: bodies exported by jax.export run through the PJRT plugin.
 
 jax is used here only to write StableHLO and to compute the expected numbers; everything that
 runs a body goes through `Device`. Facts these tests pin are written up in docs/pjrt-notes.md.
@@ -21,9 +21,9 @@ from jax import export, lax
 from margins import assert_within
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
-from tlaloc_jax.serve.pjrt import (ENV_PLUGIN, CompileError, Device, DonationError,
+from tlaloc_jax.serve.runtime.pjrt import (ENV_PLUGIN, CompileError, Device, DonationError,
                                    PluginNotFoundError, bytecode_stablehlo_version, find_plugin)
-from tlaloc_jax.serve.pjrt import _HotCalls, _PypjrtCalls
+from tlaloc_jax.serve.runtime import pypjrt_compat
 
 # The same bodies on both sides, but the plugin's XLA is newer than jaxlib's and may fuse and sum in
 # other orders: each check's bound counts the roundings of its computation.
@@ -333,7 +333,7 @@ def test_compile_cache_hit_skips_compilation(tmp_path):
 def test_compile_cache_is_keyed_by_xla_flags_and_host_cpu(tmp_path, monkeypatch):
     """An executable compiled under other XLA flags (--xla_cpu_max_isa changes the code), or on another CPU,
     is not taken from the cache: the key holds both."""
-    from tlaloc_jax.serve import pjrt
+    from tlaloc_jax.serve.runtime import compile_cache
     body = _export(lambda x: jnp.tanh(x) * 2, S((4, 8), jnp.float32)).mlir_module_serialized
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     with Device(cache_dir=tmp_path) as d:
@@ -343,7 +343,7 @@ def test_compile_cache_is_keyed_by_xla_flags_and_host_cpu(tmp_path, monkeypatch)
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
     with Device(cache_dir=tmp_path) as d:
         assert d.compile(body).cache == "miss"
-    monkeypatch.setattr(pjrt, "_host_cpu", lambda: "another CPU")
+    monkeypatch.setattr(compile_cache, "host_cpu", lambda: "another CPU")
     with Device(cache_dir=tmp_path) as d:
         assert d.compile(body).cache == "miss"
 
@@ -384,7 +384,7 @@ def test_runs_with_jax_imports_forbidden(tmp_path):
                     raise ImportError("forbidden in the serving process: " + name)
         sys.meta_path.insert(0, Guard())
         import numpy as np
-        from tlaloc_jax.serve.pjrt import Device
+        from tlaloc_jax.serve.runtime import Device
         with Device() as dev:
             exe = dev.compile(open({str(tmp_path / 'body.mlirbc')!r}, "rb").read())
             pool = dev.upload(np.zeros(({P}, {D}), np.float32))
@@ -402,14 +402,21 @@ def test_runs_with_jax_imports_forbidden(tmp_path):
     assert r.stdout.split() == ["ok", str(10.0 * D)]
 
 
-@pytest.mark.parametrize("hot", [True, False], ids=["hot-calls", "pypjrt-calls"])
-def test_execute_keeps_the_results_asked_for_and_reuses_its_structs(dev, hot, monkeypatch):
+def test_an_unsupported_pypjrt_is_refused_by_name(monkeypatch):
+    """The runtime reaches into pypjrt's private handles and lock (serve/runtime/pypjrt_compat.py): a pypjrt it was
+    not written for is refused when a Device is made, naming both versions; the pinned one is taken."""
+    pypjrt_compat.check_version(pypjrt_compat.SUPPORTED_PYPJRT[-1])
+    with pytest.raises(RuntimeError, match=r"pypjrt 0\.2\.0 is installed; .* install pypjrt==0\.1\.1"):
+        pypjrt_compat.check_version("0.2.0")
+    monkeypatch.setattr(pypjrt_compat.metadata, "version", lambda name: "0.2.0")
+    with pytest.raises(RuntimeError, match=r"pypjrt 0\.2\.0 is installed"):
+        Device()
+
+
+def test_execute_keeps_the_results_asked_for_and_reuses_its_structs(dev):
     """keep: the other results come back as None (released at once); the kept ones read right on every call,
-    donated pools stay in place, whether the hot PJRT calls or pypjrt's own run them."""
-    if not hot:
-        monkeypatch.setattr(dev, "_hot", _PypjrtCalls(dev._plugin))
-    elif not isinstance(dev._hot, _HotCalls):
-        pytest.fail("the installed pypjrt exposes no PJRT lock: Device runs no hot calls")
+    and donated pools stay in place, through the hot PJRT calls."""
+    assert isinstance(dev._hot, pypjrt_compat.HotCalls)
 
     def f(pool, x):
         return pool + x[0], x * 2.0, jnp.sum(x), x.astype(jnp.int32)

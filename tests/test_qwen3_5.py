@@ -348,14 +348,14 @@ def test_served_gives_transformers_ids_with_state_pools(name, checkpoints, tmp_p
     with Engine.load(tmp_path / "art", cache_dir=tmp_path / "cache", progress=False) as eng:
         check(eng)
         assert eng.stats()["pools"]["recurrent"]["pages_in_use"] == 0
-        import tlaloc_jax.serve.engine as engine_module
-        real = engine_module.build_step_inputs
+        import tlaloc_jax.serve.core.inputs as inputs_module
+        real = inputs_module.build_step_inputs
 
         def one_slot_for_all(*args, **kwargs):
             out = real(*args, **kwargs)
             out["state_slots"] = np.where(out["state_slots"] >= 0, 0, -1).astype(np.int32)
             return out
 
-        monkeypatch.setattr(engine_module, "build_step_inputs", one_slot_for_all)
+        monkeypatch.setattr(inputs_module, "build_step_inputs", one_slot_for_all)
         with pytest.raises(GreedyMismatch):
             check(eng)

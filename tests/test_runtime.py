@@ -179,48 +179,44 @@ def test_refusals_name_the_cause_and_change_nothing(llama_engine, bad, kind, mes
     assert llama_engine.generate([fixed], 16) == [llama_engine.generate([fixed], 16)[0]]
 
 
-def test_full_pool_refuses_by_name_and_the_retry_succeeds(tmp_path, cache_dir):
-    # 16 pages of 8: four 2-page sequences hold half; a fifth asks for 6 pages while 8 are free... fill it up.
+def test_a_full_pool_queues_and_preempts_and_every_sequence_gets_its_solo_ids(tmp_path, cache_dir):
+    """8 pages of 8 (one sequence of the largest context, the smallest pool the exporter writes): a sequence of
+    18 + 15 positions needs 5 pages, so two never fit at once. All three are queued (nothing refused); the later
+    ones start while the first holds 3 pages, and as pages run out the youngest is preempted, computed again later,
+    and each gets its solo ids."""
     ck, art = _export(tmp_path, "small-pool", "llama", seed=25, num_blocks=8)
-    with Engine.load(art, cache_dir=cache_dir, progress=False) as eng:
-        solo = eng.generate([PROMPTS[2]], 16)[0]          # 18 + 15 positions: 5 pages
-        a = eng.add_request(PROMPTS[2], 16)
-        eng.step()
-        with pytest.raises(RequestRefused, match=r"KV pool exhausted: 5 pages needed, 3 of 8 free") as err:
-            eng.add_request(PROMPTS[2], 16)
-        assert err.value.kind == "pool_exhausted"
-        while eng.has_unfinished():
-            eng.step()
-        assert eng.output(a) == solo
-        eng.release(a)
-        assert eng.generate([PROMPTS[2]], 16) == [solo]     # retried after the other sequence ended
+    with Engine.load(art, cache_dir=cache_dir, progress=False, enable_prefix_caching=False) as eng:
+        solo = eng.generate([PROMPTS[2]], 16)[0]
+        other = eng.generate([PROMPTS[0]], 16)[0]
+        assert eng.generate([PROMPTS[2], PROMPTS[0], PROMPTS[2]], 16) == [solo, other, solo]
+        assert eng.stats()["preemptions"] > 0 and eng.stats()["pages_in_use"] == 0
 
 
 def test_an_engine_error_fails_its_requests_and_the_others_go_on(llama_engine, monkeypatch):
-    solo = [llama_engine.generate([p], 16)[0] for p in PROMPTS[:2]]
+    solo = [llama_engine.generate([p], 16)[0] for p in (PROMPTS[0], PROMPTS[2])]
     a = llama_engine.add_request(PROMPTS[0], 16)
     llama_engine.step()
     llama_engine.step()
-    real = llama_engine._execute
+    real = llama_engine.runner.run
 
-    def failing(entry, inputs, want_logits):
+    def failing(entry, inputs, want):
         if entry.kind == "prefill":
             raise RuntimeError("injected device fault")
-        return real(entry, inputs, want_logits)
+        return real(entry, inputs, want)
 
-    monkeypatch.setattr(llama_engine, "_execute", failing)
-    b = llama_engine.add_request(PROMPTS[1], 16)
+    monkeypatch.setattr(llama_engine.runner, "run", failing)
+    b = llama_engine.add_request(PROMPTS[2], 16)       # 18 tokens: read by a prefill call of its own
     events = llama_engine.step()
     failed = [e for e in events if e.request_id == b]
     assert failed and failed[0].finish_reason == "error" and "injected device fault" in failed[0].error
-    monkeypatch.setattr(llama_engine, "_execute", real)
+    monkeypatch.setattr(llama_engine.runner, "run", real)
     while llama_engine.has_unfinished():
         llama_engine.step()
     assert llama_engine.output(a) == solo[0]
     llama_engine.release(a)
     llama_engine.release(b)
     assert llama_engine.stats()["pages_in_use"] == 0
-    assert llama_engine.generate([PROMPTS[1]], 16) == [solo[1]]
+    assert llama_engine.generate([PROMPTS[2]], 16) == [solo[1]]
 
 
 def test_sampling_is_seeded_and_greedy_pulls_no_logits(llama_engine):

@@ -16,7 +16,7 @@ from tlaloc_jax import manifest as mf
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.paging import RowCall, build_step_inputs
-from tlaloc_jax.serve import Engine, RequestRefused
+from tlaloc_jax.serve import Engine
 
 V, E = 48, 16
 LADDER = dict(batch_ladder=(1, 4), context_ladder=(32, 64), prefill_chunk=8, block_size=8)
@@ -121,16 +121,17 @@ def test_a_sequence_holds_one_slot_for_its_life_and_frees_it(artifact, tmp_path)
             eng.step()
             held.append(eng.stats()["pools"]["state"]["pages_in_use"])
         assert max(held) == 3 and held[-1] == 0
-        # Four slots: a fifth concurrent sequence is refused until one of the four ends.
+        # Four slots: a fifth concurrent sequence waits until one of the four ends, then runs.
         for r in rids:
             eng.release(r)
         four = [eng.add_request([1, 2], 30) for _ in range(4)]
-        with pytest.raises(RequestRefused, match=r"state pool exhausted: 1 slots needed, 0 of 4 free") as err:
-            eng.add_request([1, 2], 4)
-        assert err.value.kind == "pool_exhausted"
-        eng.release(four[0])
-        assert eng.generate([[1, 2]], 4) == [reference_greedy_ids([1, 2], 4)]
-        for r in four[1:]:
+        fifth = eng.add_request([1, 2], 4)
+        eng.step()
+        assert eng.stats()["waiting"] == 1 and eng.stats()["pools"]["state"]["pages_in_use"] == 4
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.output(fifth) == reference_greedy_ids([1, 2], 4)
+        for r in four + [fifth]:
             eng.release(r)
         assert eng.stats()["pools"]["state"]["pages_in_use"] == 0
 

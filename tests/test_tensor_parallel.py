@@ -89,23 +89,28 @@ def test_served_on_n_devices_gives_transformers_ids(name, n, store, tmp_path_fac
         st = eng.stats()
         assert st["devices"] == n
         # Every pool is n buffers, one a device, and each run left each of them at its address.
-        assert all(len(eng.pools[p.name]) == n for p in m.pools)
+        assert all(len(eng.runner.pools[p.name]) == n for p in m.pools)
         assert st["pool_address_checks"] > 0 and st["pool_in_place"] == st["pool_address_checks"]
         assert st["bytes_per_device"] < st["weight_bytes"] + st["pool_bytes"]
 
 
 def test_too_few_devices_is_refused_before_anything_is_allocated(store, tmp_path_factory, monkeypatch):
     """A plugin whose client has one device (the CPU plugin asked for one, whatever the artifact says) is refused
-    by name: nothing is uploaded or compiled."""
-    import tlaloc_jax.serve.pjrt as pjrt
+    by name, and so is a Runner handed a one-device client: nothing is uploaded or compiled."""
+    import tlaloc_jax.serve.runtime.pjrt as pjrt
+    from tlaloc_jax.serve.runtime import Runner
     art = artifact(store, tmp_path_factory, "llama", 2)
-    real = pjrt._create_client
-    monkeypatch.setattr(pjrt, "_create_client", lambda plugin, req: real(plugin, {**req, "cpu_device_count": 1}))
+    one_device = pjrt.Device(cache_dir=None)
+    real = pjrt.create_client
+    monkeypatch.setattr(pjrt, "create_client", lambda plugin, req: real(plugin, {**req, "cpu_device_count": 1}))
     touched = []
     monkeypatch.setattr(pjrt.Device, "upload", lambda *a, **k: touched.append("upload"))
     monkeypatch.setattr(pjrt.Device, "compile", lambda *a, **k: touched.append("compile"))
-    with pytest.raises(mf.ManifestError, match=r"runs on 2 devices \(mesh tp=2\); the plugin has 1"):
+    refusal = r"the artifact runs on 2 device\(s\) \(mesh tp=2\); the client has 1: nothing was compiled"
+    with pytest.raises(mf.ManifestError, match=refusal):
         Engine.load(art, cache_dir=None, progress=False)
+    with pytest.raises(mf.ManifestError, match=refusal):
+        Runner(art, mf.load_manifest(art), one_device, progress=False)
     assert touched == []
 
 

@@ -111,6 +111,10 @@ class Role(enum.StrEnum):
     # 0 for an empty row) and STOP_IDS [B, NS] i32 (ids that end the row once produced, -1: an empty slot).
     STEP_LIMIT = "STEP_LIMIT"
     STOP_IDS = "STOP_IDS"
+    # A copy_slots entry's inputs: COPY_SRC [N] and COPY_DST [N] i32, slot src[i] copied to dst[i] in every state
+    # pool (-1: no copy).
+    COPY_SRC = "COPY_SRC"
+    COPY_DST = "COPY_DST"
     # Outputs.
     LOGITS = "LOGITS"
     NEXT_TOKEN = "NEXT_TOKEN"
@@ -153,6 +157,9 @@ class EntryKind(enum.StrEnum):
     # Up to `steps` decode steps in one call: each step's token (argmax, or the in-body sampler's) is fed to the
     # next; a row stops on one of its STOP_IDS or after STEP_LIMIT tokens; returns STEP_TOKENS, not the logits.
     DECODE_STEPS = "decode_steps"
+    # Copies state slots within every state pool (export/_copy_slots.py): the runtime's state snapshots for prefix
+    # caching. Its batch is the copies one call makes; it takes no step inputs and no weights.
+    COPY_SLOTS = "copy_slots"
 
 
 # The integer inputs of a call, by role, and the field of tlaloc_jax.paging.build_step_inputs (and of the
@@ -183,8 +190,10 @@ SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty"
 # A decode_steps entry's inputs beyond a decode entry's (after the sampler's, before the pools), and its outputs.
 DECODE_STEPS_INPUTS = (Role.STEP_LIMIT, Role.STOP_IDS)
 DECODE_STEPS_OUTPUTS = (Role.STEP_TOKENS,)
+# A copy_slots entry's inputs, before its state pools.
+COPY_INPUTS = (Role.COPY_SRC, Role.COPY_DST)
 INPUT_ROLES = (frozenset(STEP_FIELDS) | {Role.POOL_IN, Role.WEIGHT} | frozenset(SAMPLER_INPUTS)
-               | frozenset(SCORER_INPUTS) | frozenset(DECODE_STEPS_INPUTS))
+               | frozenset(SCORER_INPUTS) | frozenset(DECODE_STEPS_INPUTS) | frozenset(COPY_INPUTS))
 OUTPUT_ROLES = (frozenset({Role.LOGITS, Role.NEXT_TOKEN, Role.POOL_OUT}) | frozenset(SAMPLER_OUTPUTS)
                 | frozenset(SCORER_OUTPUTS) | frozenset(DECODE_STEPS_OUTPUTS))
 

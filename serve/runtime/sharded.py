@@ -1,4 +1,4 @@
-"""An artifact's arrays on the devices of a mesh (docs/multi-device.md): what the engine holds per argument.
+"""An artifact's arrays on the devices of a mesh (docs/multi-device.md): what the runner holds per argument.
 
 On one device an argument is a `Buffer`, as always. On N devices (a manifest with a mesh) it is a tuple of N
 buffers, device d's at index d: its d-th block along the dimension its partition names, or, whole on every
@@ -15,9 +15,17 @@ import numpy as np
 
 from tlaloc_jax import manifest as mf
 
-from .pjrt import Buffer, Device, Executable
+from .handles import Buffer, Executable
+from .pjrt import Device
 
 Placed = Buffer | tuple[Buffer, ...]
+
+
+def device_count_mismatch(m: mf.Manifest, devices: int) -> str:
+    """Why an artifact cannot run on a client of `devices` devices (its mesh asks for another count)."""
+    mesh = ", ".join(f"{a.name}={a.size}" for a in m.mesh.axes) if m.mesh else "none"
+    return (f"the artifact runs on {m.devices} device(s) (mesh {mesh}); the client has {devices}: nothing was "
+            "compiled or allocated")
 
 
 def upload_whole(device: Device, array: np.ndarray) -> Placed:

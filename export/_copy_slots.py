@@ -1,0 +1,58 @@
+"""The copy_slots entry: copy state slots within every state pool, so the runtime never computes on a pool.
+
+The runtime keeps recurrent states for prefix caching by copying a sequence's slot into a spare one at a
+page-aligned prompt position (a snapshot), and a snapshot into a new sequence's slot (a restore). One call
+copies up to N pairs, src[i] -> dst[i] in every state pool alike; a pair with a negative index is skipped.
+Destinations are distinct and never a source of the same call (the runtime's snapshots and restores are).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from tlaloc_jax import manifest as mf
+
+Role = mf.Role
+
+
+def copy_slots_signature(pools: Sequence[mf.Pool], batch: int
+                         ) -> tuple[list[mf.TensorSig], list[mf.TensorSig], tuple[tuple[int, int], ...]]:
+    """(inputs, outputs, donations): COPY_SRC and COPY_DST [N], then each state pool in and out, donated."""
+    inputs = [mf.TensorSig(Role.COPY_SRC, "int32", (batch,)), mf.TensorSig(Role.COPY_DST, "int32", (batch,))]
+    outputs, donations = [], []
+    for p in pools:
+        if p.kind == mf.PoolKind.STATE_SLOTS:
+            donations.append((len(outputs), len(inputs)))
+            inputs.append(mf.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name))
+            outputs.append(mf.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name))
+    return inputs, outputs, tuple(donations)
+
+
+def copy_slots_fn(pools: Sequence[mf.Pool]):
+    """The entry over (src, dst, *state pools) -> the state pools with dst[i] holding what src[i] held."""
+    state = [p for p in pools if p.kind == mf.PoolKind.STATE_SLOTS]
+
+    def entry(src, dst, *bufs):
+        out = []
+        for p, buf in zip(state, bufs):
+            rows = jnp.take(buf, jnp.clip(src, 0, p.capacity - 1), axis=p.slot_axis)
+            # A skipped pair writes out of range, which the scatter drops.
+            where = jnp.where((src >= 0) & (dst >= 0), dst, p.capacity)
+            index = (slice(None),) * p.slot_axis + (where,)
+            out.append(buf.at[index].set(rows, mode="drop"))
+        return tuple(out)
+    return entry
+
+
+def copy_slots_reference(buf: np.ndarray, src: Sequence[int], dst: Sequence[int], slot_axis: int) -> np.ndarray:
+    """The same copy as a loop over the pairs (numpy)."""
+    out = np.array(buf)
+    moved = np.moveaxis(out, slot_axis, 0)
+    original = np.moveaxis(np.asarray(buf), slot_axis, 0)
+    for s, d in zip(src, dst):
+        if s >= 0 and d >= 0:
+            moved[d] = original[s]
+    return out

@@ -1,0 +1,95 @@
+"""A scheduled call's inputs by role: the rows' integer step inputs, the in-body sampler's rows, a scoring
+prefill's targets and a decode_steps call's limits and stop ids (numpy only)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tlaloc_jax import manifest as mf
+from tlaloc_jax.paging import build_step_inputs
+
+from ..runtime.runner import Runner
+from ..sampling import NEUTRAL_ROW, seed_words
+from .scheduler import ScheduledCall
+
+
+def step_inputs(call: ScheduledCall, tokens: int, m: mf.Manifest, ring_pages: int) -> dict[str, np.ndarray]:
+    """The rows' token ids, positions, block tables, slots (and ring tables, state slots) for `call`'s entry."""
+    e = call.entry
+    return build_step_inputs(call.rows, batch=e.batch, tokens=tokens, width=e.context // m.block_size,
+                             block_size=m.block_size, ring_pages=ring_pages,
+                             state_slots=mf.PoolKind.STATE_SLOTS in m.pool_kinds)
+
+
+def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], allowed: list) -> dict:
+    """The sampler's inputs of a call, by role: a host array, or a device buffer of neutral rows kept for the
+    entry when no row of the call needs that input (nothing is uploaded for it)."""
+    sp, e = runner.manifest.sampler, call.entry
+    B, C = e.batch, e.context
+    seqs = call.seqs
+    out: dict = {}
+    neutral = np.array([NEUTRAL_ROW[c] for c in sp.columns], np.float32)
+    params = np.array([neutral] * B, np.float32)
+    seeds = np.zeros((B, 2), np.int32)
+    steps = np.zeros(B, np.int32)
+    for b, (s, p) in enumerate(zip(seqs, producing)):
+        if p:
+            params[b] = s.sampling.row(sp.columns)
+            seeds[b] = seed_words(s.seed)
+            steps[b] = len(s.generated)
+    out[mf.Role.SAMPLING], out[mf.Role.RNG_SEED], out[mf.Role.RNG_STEP] = params, seeds, steps
+    if not params[:, sp.columns.index("temperature")].any():
+        # No row draws: no row reads its seed (a greedy row is argmax of the processed logits).
+        del out[mf.Role.RNG_SEED]
+        if (params == neutral).all():
+            # Nor its counter, which presence and frequency penalties also read (the generated tokens are the
+            # history's last `step`): only when no row is penalised.
+            del out[mf.Role.RNG_STEP], out[mf.Role.SAMPLING]
+    if any(a is not None for a in allowed):
+        mask = np.full((B, sp.mask_words), -1, np.int32)
+        for b, a in enumerate(allowed):
+            if a is not None:
+                mask[b] = a
+        out[mf.Role.TOKEN_MASK] = mask
+    if any(p and s.sampling.logit_bias for s, p in zip(seqs, producing)):
+        ids = np.full((B, sp.logit_bias), -1, np.int32)
+        vals = np.zeros((B, sp.logit_bias), np.float32)
+        for b, (s, p) in enumerate(zip(seqs, producing)):
+            if p and s.sampling.logit_bias:
+                pairs = s.sampling.logit_bias
+                ids[b, :len(pairs)] = [t for t, _ in pairs]
+                vals[b, :len(pairs)] = [v for _, v in pairs]
+        out[mf.Role.LOGIT_BIAS_IDS], out[mf.Role.LOGIT_BIAS] = ids, vals
+    if any(p and s.sampling.penalized for s, p in zip(seqs, producing)):
+        history = np.full((B, C), -1, np.int32)
+        for b, (s, row, p) in enumerate(zip(seqs, call.rows, producing)):
+            if p:
+                tokens = (s.prompt + s.generated)[:row.start + len(row.token_ids)]
+                history[b, :len(tokens)] = tokens
+        out[mf.Role.TOKEN_HISTORY] = history
+    for role in mf.SAMPLER_INPUTS:
+        if role not in out:
+            out[role] = runner.neutral_buffer(e, role)
+    return out
+
+
+def score_targets(call: ScheduledCall, batch: int, tokens: int) -> np.ndarray:
+    """SCORE_TARGETS [B, T] of a scoring prefill: each position's next prompt token, right-aligned as the rows'
+    tokens are (paging.build_step_inputs); -1 where there is none (padding, the prompt's last token)."""
+    targets = np.full((batch, tokens), -1, np.int32)
+    for b, (s, row) in enumerate(zip(call.seqs, call.rows)):
+        n = len(row.token_ids)
+        nxt = s.prompt[row.start + 1:row.start + n + 1]
+        targets[b, tokens - n:tokens - n + len(nxt)] = nxt
+    return targets
+
+
+def decode_steps_inputs(call: ScheduledCall, stop_ids: list[list[int]]) -> dict:
+    """STEP_LIMIT [B] (the most tokens each row may produce) and STOP_IDS [B, S] (-1 padded) of a decode_steps call."""
+    e = call.entry
+    limit = np.zeros(e.batch, np.int32)
+    limit[:len(call.limits)] = call.limits
+    stop = np.full(e.inputs[e.input_index(mf.Role.STOP_IDS)].shape, -1, np.int32)
+    for b, ids in enumerate(stop_ids):
+        stop[b, :len(ids)] = ids
+    return {mf.Role.STEP_LIMIT: limit, mf.Role.STOP_IDS: stop}

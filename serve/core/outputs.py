@@ -1,0 +1,105 @@
+"""From a call's outputs to each row's token: the token mask a row may choose from, the outputs to pull, the
+token (the body's sampler's choice, or one sampled here from pulled logits), its logprobs and prompt scores."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tlaloc_jax import manifest as mf
+
+from ..sampling import log_softmax, sample, top_logprobs, unpack_mask
+from .request import Request
+from .scheduler import ScheduledCall
+
+
+def allowed_mask(s: Request, vocab: int) -> np.ndarray | None:
+    """The packed mask of the tokens the sequence may choose now ([ceil(V / 32)] int32: its constraint, and no stop
+    token before min_tokens), or None when it may choose any."""
+    words = None
+    if s.constraint is not None:
+        words = np.full((vocab + 31) // 32, -1, np.int32)
+        s.constraint.fill(words)
+    if len(s.generated) < s.sampling.min_tokens and s.stop:
+        words = np.full((vocab + 31) // 32, -1, np.int32) if words is None else words
+        bits = words.view(np.uint32)
+        for t in s.stop:
+            if 0 <= t < vocab:
+                bits[t // 32] &= ~np.uint32(1 << (t % 32))
+    return words
+
+
+def wanted(call: ScheduledCall, producing: list[bool], allowed: list, sampler: mf.Sampler | None) -> set[mf.Role]:
+    """The outputs to pull to the host for this call."""
+    want = set()
+    if call.entry.kind == mf.EntryKind.PREFILL_SCORED:
+        want |= set(mf.SCORER_OUTPUTS) if any(s.sampling.prompt_logprobs for s in call.seqs) else \
+            {mf.Role.PROMPT_LOGPROB, mf.Role.PROMPT_RANK}
+    elif any(s.prompt_logprobs is not None and not s.generated for s in call.seqs):
+        want.add(mf.Role.LOGITS)
+    if sampler is not None:
+        want.add(mf.Role.SAMPLED_TOKEN)
+        if any(s.sampling.logprobs is not None for s in call.seqs):
+            want.add(mf.Role.TOKEN_LOGPROB)
+        if any(s.sampling.logprobs for s in call.seqs):
+            want |= {mf.Role.TOP_LOGPROBS, mf.Role.TOP_IDS}
+        return want
+    want.add(mf.Role.NEXT_TOKEN)
+    if any(p and (not s.sampling.plain or s.sampling.logprobs is not None or a is not None)
+           for s, p, a in zip(call.seqs, producing, allowed)):
+        want.add(mf.Role.LOGITS)
+    return want
+
+
+def row_token(out: dict, b: int, s: Request, allowed: np.ndarray | None, lsm: np.ndarray | None,
+              sampler: mf.Sampler | None, vocab: int):
+    """Row b's token, its logprob and top logprobs (None unless asked), from the body's sampler or, without one,
+    sampled here from the pulled logits."""
+    n = s.sampling.logprobs
+    if sampler is not None:
+        tok = int(out[mf.Role.SAMPLED_TOKEN][b])
+        if allowed is not None and not (int(allowed.view(np.uint32)[tok // 32]) >> (tok % 32)) & 1:
+            raise ValueError(f"the sampler chose token {tok}, which the mask forbids (no allowed token left?)")
+        if n is None:
+            return tok, None, None
+        top = tuple(zip(out[mf.Role.TOP_IDS][b][:n].tolist(), out[mf.Role.TOP_LOGPROBS][b][:n].tolist())) \
+            if n else ()
+        return tok, float(out[mf.Role.TOKEN_LOGPROB][b]), top
+    if mf.Role.LOGITS not in out:
+        return int(out[mf.Role.NEXT_TOKEN][b]), None, None
+    logits = out[mf.Role.LOGITS][b]
+    if s.sampling.plain and allowed is None:
+        tok = int(out[mf.Role.NEXT_TOKEN][b])
+    else:
+        extra = {}
+        if s.sampling.penalized:
+            extra.update(history=s.prompt + s.generated, generated=len(s.generated))
+        if allowed is not None:
+            extra["allowed"] = unpack_mask(allowed, vocab)
+        tok = sample(logits, s.sampling, s.rng, **extra)
+    if n is None:
+        return tok, None, None
+    lsm = log_softmax(logits) if lsm is None else lsm
+    return tok, float(lsm[tok]), tuple(top_logprobs(lsm, n))
+
+
+def prompt_scores(out: dict, b: int, s: Request, start: int, n: int, tokens: int) -> list[tuple]:
+    """Row b's prompt logprob entries from a scoring prefill's outputs (the row read n prompt tokens from `start`):
+    per position whose next token is a prompt token, (that token's logprob, its rank, the top (id, logprob) pairs
+    the request asked for)."""
+    scored = min(n, len(s.prompt) - 1 - start)
+    k = s.sampling.prompt_logprobs
+    cols = range(tokens - n, tokens - n + scored)
+    lp, rank = out[mf.Role.PROMPT_LOGPROB][b], out[mf.Role.PROMPT_RANK][b]
+    if not k:
+        return [(float(lp[c]), int(rank[c]), ()) for c in cols]
+    ids, vals = out[mf.Role.PROMPT_TOP_IDS][b], out[mf.Role.PROMPT_TOP_LOGPROBS][b]
+    return [(float(lp[c]), int(rank[c]), tuple(zip(ids[c, :k].tolist(), vals[c, :k].tolist()))) for c in cols]
+
+
+def next_prompt_score(lsm: np.ndarray, s: Request, end: int) -> tuple | None:
+    """From the distribution after prompt position end - 1 (pulled logits), the entry scoring prompt token `end`
+    (its logprob, its rank, the top pairs asked), or None past the prompt."""
+    if end >= len(s.prompt):
+        return None
+    t = s.prompt[end]
+    return float(lsm[t]), int(np.sum(lsm > lsm[t])) + 1, tuple(top_logprobs(lsm, s.sampling.prompt_logprobs))

@@ -1,0 +1,162 @@
+"""A request as the engine holds it, what a step reports of it, and the checks a request passes before admission."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+from tlaloc_jax import manifest as mf
+
+from ..sampling import GREEDY, Sampling
+
+
+class RequestRefused(ValueError):
+    """A request the engine will not run; nothing of any sequence changed.
+
+    kind: "empty_prompt", "placeholder_token", "out_of_vocabulary", "too_long", "bad_request",
+    "exceeds_pool" (more pages than the whole pool: never admitted), or "pool_exhausted" (retry after
+    other sequences end).
+    """
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """A token produced for a request in one step (token None: the request failed).
+
+    logprob and top_logprobs (when the request asked for logprobs): the token's logprob under the model
+    (log_softmax of the logits) and the `logprobs` largest as (id, logprob) pairs. prompt_logprobs (with a
+    request's first token, when it asked for them): per prompt token, None for the first, else
+    (its logprob, its rank, the top pairs)."""
+
+    request_id: str
+    token: int | None
+    finished: bool
+    finish_reason: str | None = None   # "stop" | "length" | "error" | "aborted"
+    error: str | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    prompt_logprobs: tuple | None = None
+
+
+class Constraint:
+    """What a structured-output request asks of each token (serve/structured.py implements it with a grammar).
+
+    fill(words): clear, in `words` (the packed mask: [ceil(V / 32)] int32, bit t % 32 of word t // 32, all ones
+    on entry), the tokens the constraint forbids now. accept(token): advance past the chosen token; False if
+    the constraint refuses it."""
+
+    def fill(self, words: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def accept(self, token: int) -> bool:
+        raise NotImplementedError
+
+
+@dataclass
+class Request:
+    """One sequence: its prompt and what it generated, its sampling, and what it holds of each kind of pool.
+
+    Positions below `computed` are written in the pools. A call that writes positions [start, end) produces the
+    next token when end is the length of prompt + generated; a preempted sequence computes them all again."""
+
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int
+    stop: frozenset[int]
+    sampling: Sampling
+    rng: np.random.Generator
+    held: dict[mf.PoolKind, list[int]]   # pages (or state slots) the sequence holds, per kind of pool
+    arrival: float
+    order: int = 0                       # arrival order: ties between equal priorities go to the earlier
+    priority: int = 0                    # lower runs first (vLLM's priority scheduling)
+    seed: int = 0                        # the body's 64-bit seed (the request's, else a random one)
+    constraint: Constraint | None = None
+    single_step: bool = False            # the caller checks each token (stop strings): no decode_steps calls
+    prompt_logprobs: list | None = None  # filled while the prompt is read, when the request asked
+    computed: int = 0
+    running: bool = False
+    hashes: list[bytes] = field(default_factory=list)   # block hashes of its full pages (kv_cache.extend_hashes)
+    cached_pages: int = 0                # leading held pages registered in the prefix cache
+    junction: int = 0                    # a position its first chunk stops at, to leave a state snapshot there
+    preemptions: int = 0
+    first_scheduled: float | None = None     # when the first call that reads this sequence started
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def reading_prompt(self) -> bool:
+        """Still computing its prompt for the first time (no token generated yet)."""
+        return not self.generated and not self.finished
+
+    @property
+    def decoding(self) -> bool:
+        """Its next call writes its last token and produces the next one."""
+        return self.running and not self.finished and self.generated and self.computed == self.length - 1
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Scheduling order: priority, then arrival."""
+        return self.priority, self.order
+
+
+def check_stop(stop_token_ids: Iterable[int]) -> frozenset[int]:
+    try:
+        items = list(stop_token_ids)
+    except TypeError:
+        raise RequestRefused("bad_request", f"stop_token_ids must be an iterable of token ids, got "
+                                            f"{type(stop_token_ids).__name__}") from None
+    for t in items:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise RequestRefused("bad_request", f"stop_token_ids must be integer token ids, got {t!r}")
+    return frozenset(int(t) for t in items)
+
+
+def check_sampling(sampling: Sampling | None) -> Sampling:
+    """The request's sampling, checked again here: a frozen dataclass can still be changed after it was built."""
+    if sampling is None:
+        return GREEDY
+    if not isinstance(sampling, Sampling):
+        raise RequestRefused("bad_request", f"sampling must be a Sampling, got {type(sampling).__name__}")
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise RequestRefused("bad_request", f"bad sampling parameters: {e}") from None
+    return sampling
+
+
+def check_sampler_fits(sampler: mf.Sampler | None, s: Sampling, vocab: int) -> None:
+    """What the artifact's sampler cannot carry is refused by name (the host fallback carries anything)."""
+    if sampler is None:
+        return
+    if len(s.logit_bias) > sampler.logit_bias:
+        raise RequestRefused("bad_request", f"logit_bias has {len(s.logit_bias)} entries; this artifact's sampler "
+                                            f"takes at most {sampler.logit_bias}")
+    if s.logprobs is not None and s.logprobs > sampler.top_logprobs:
+        raise RequestRefused("bad_request", f"{s.logprobs} top logprobs asked; this artifact's sampler returns at "
+                                            f"most {sampler.top_logprobs}")
+    for t, _ in s.logit_bias:
+        if not 0 <= t < vocab:
+            raise RequestRefused("out_of_vocabulary", f"logit_bias token id {t} is outside the vocabulary (size "
+                                                      f"{vocab})")

@@ -1,0 +1,528 @@
+"""The lowest layer of the JAX-free runtime: one PJRT device, through pypjrt.
+
+A `Device` loads a PJRT plugin (.so), creates a client on it, compiles StableHLO bodies written by
+`jax.export` (textual MLIR or the portable bytecode `Exported.mlir_module_serialized`), uploads
+host arrays, runs executables with chosen inputs donated, and copies results back::
+
+    with Device(cache_dir="~/.cache/tlaloc/pjrt") as dev:
+        exe = dev.compile(body_bytes)
+        pool, x = dev.upload(pool_np), dev.upload(x_np)
+        logits, pool2 = dev.execute(exe, [pool, x], donate={0})
+        assert pool.consumed and dev.device_address(pool2) == address_before  # in place
+        dev.to_host(logits)
+
+Donation is what keeps the KV pools on the device: a body whose pool parameter carries
+`tf.aliasing_output` (what `jax.jit(..., donate_argnums=...)` exports) writes its updated pool
+over the input when, and only when, that input is donated. `execute` donates exactly the indices
+it is given (PJRT's `non_donatable_input_indices` holds every other one) and raises
+`DonationError` if the plugin did not consume one of them, so a silent copy cannot pass for an
+update in place. Measurements and the plugin's behaviour: docs/pjrt-notes.md.
+
+This module imports only the standard library, numpy, ml_dtypes and pypjrt; it must never pull
+in jax, jaxlib, flax, torch or transformers. `execute` and `upload` call the PJRT C API themselves
+(`pypjrt.Executable.__call__` asks `IsDeleted` of every argument after every run, and
+`Client.buffer_from_host` refuses read-only arrays such as memory-mapped weights); what that needs of
+pypjrt's private state is in `pypjrt_compat`, the compile cache in `compile_cache`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pypjrt
+from pypjrt import errors as pjrt_errors
+
+from . import pypjrt_compat as compat
+from .compile_cache import CompileCache, plugin_identity
+from .handles import DTYPES, Buffer, Executable, host_bytes
+from .plugin import (ENV_PLUGIN, PluginNotFoundError, bytecode_stablehlo_version, create_client,
+                     device_assignment_proto, find_plugin, installed_plugins)
+from .pypjrt_compat import PjrtBuffer
+
+__all__ = [
+    "ENV_PLUGIN", "PluginNotFoundError", "CompileError", "DonationError", "TooFewDevicesError",
+    "find_plugin", "bytecode_stablehlo_version", "Device", "Executable", "Buffer",
+]
+
+_MISSING_FFI_HANDLER = re.compile(r"No FFI handler registered for (\S+)")
+_VOIDP = ctypes.c_void_p
+_EMPTY = ctypes.c_char()  # a valid host address for zero-size uploads
+
+
+class CompileError(RuntimeError):
+    """The plugin refused a body. `target` names the custom_call it has no handler for, if any."""
+
+    def __init__(self, message: str, *, body_sha256: str, target: str | None = None):
+        super().__init__(message)
+        self.body_sha256 = body_sha256
+        self.target = target
+
+
+class TooFewDevicesError(RuntimeError):
+    """The plugin's client has fewer devices than were asked for; nothing was allocated."""
+
+    def __init__(self, message: str, *, asked: int, available: int):
+        super().__init__(message)
+        self.asked, self.available = asked, available
+
+
+class DonationError(RuntimeError):
+    """An input listed for donation was not consumed by the execution (it was copied instead).
+
+    The execution did run: `outputs` holds its results, and the listed inputs still hold their
+    old contents, so the caller loses no state.
+    """
+
+    def __init__(self, message: str, *, indices: Sequence[int], outputs: list["Buffer"]):
+        super().__init__(message)
+        self.indices = tuple(indices)
+        self.outputs = outputs
+
+
+
+
+class Device:
+    """One PJRT client on one device (device 0 of the plugin), or on its first `devices` devices for SPMD bodies
+    (a tensor-parallel artifact's: docs/multi-device.md), and what runs on them.
+
+    Args:
+        plugin: path of the plugin .so; see `find_plugin` for what is used when None.
+        memory_fraction: the cap on device memory the CUDA plugin may use (with preallocation
+            off it allocates on demand up to this fraction). Plugins without allocator options
+            (the CPU plugin) reject them; they are dropped and listed in `ignored_options`.
+        cache_dir: directory of the compile cache (serialized executables keyed by body sha256,
+            compile options and plugin identity). None: no cache.
+        devices: how many devices bodies run on. The CPU plugin is asked for that many (its create option
+            `cpu_device_count`, 1 by default: one-device serving never splits the host); a GPU plugin's visible
+            GPUs are used in order. Fewer than asked raises TooFewDevicesError before anything is allocated.
+            With N > 1, `compile` builds SPMD executables of N partitions, `upload` takes the device, and
+            `execute_sharded` runs one argument list per device.
+
+    Use as a context manager, or call `close()`: it releases buffers and executables before the
+    client, which a plugin requires.
+    """
+
+    def __init__(self, plugin: str | os.PathLike[str] | None = None, *,
+                 memory_fraction: float = 0.75,
+                 cache_dir: str | os.PathLike[str] | None = None, devices: int = 1):
+        self.plugin_path = find_plugin(plugin)
+        compat.check_version()
+        self._plugin = pypjrt.Plugin(self.plugin_path)
+        # Without these the CUDA plugin reserves 75% of device memory up front (on a
+        # unified-memory machine, 75% of RAM). Plugins that do not know them (CPU) reject them
+        # by name; `_create_client` drops those and `ignored_options` lists them.
+        requested: dict[str, Any] = {"preallocate": False,
+                                     "memory_fraction": float(memory_fraction)}
+        if devices < 1:
+            raise ValueError(f"devices must be at least 1, got {devices}")
+        if self._plugin.platform_hint == "cpu":
+            # As many host devices as the bodies are partitioned for (the CPU plugin's default is several).
+            requested["cpu_device_count"] = devices
+        self._client, self.create_options, self.ignored_options = create_client(
+            self._plugin, requested)
+        available = self._client.device_count
+        if available < devices:
+            self._client.close()
+            raise TooFewDevicesError(f"{Path(self.plugin_path).name} has {available} device(s); {devices} were asked "
+                                     "for", asked=devices, available=available)
+        self.devices = devices
+        self._device_scope = self._client.devices()
+        self._devices = self._device_scope.__enter__()[:devices]
+        self.device_ids = [d.id for d in self._devices]
+        self._buffer_codes = {dt: getattr(self._plugin.abi, f"PJRT_Buffer_Type_{name}")
+                              for name, dt in DTYPES
+                              if hasattr(self._plugin.abi, f"PJRT_Buffer_Type_{name}")}
+        self._owned: weakref.WeakSet = weakref.WeakSet()
+        self._hot = compat.HotCalls(self._plugin)
+        self.platform_name = self._client.platform_name
+        self.platform_version = self._platform_version()
+        # On the CPU plugin a buffer's device memory is host memory: `to_host` reads it in place once the
+        # buffer is ready, as jaxlib does on CPU, instead of PJRT_Buffer_ToHostBuffer, which hands the copy
+        # to a worker thread and waits for it (about 150 us for 4 bytes on a loaded 2-core machine).
+        self._host_memory = self.platform_name.lower() == "cpu"
+        self.plugin_package = next(
+            (f"{d} {v}" for d, v, p in installed_plugins()
+             if p.resolve() == Path(self.plugin_path).resolve()), None)
+        self.identity = plugin_identity(self.plugin_path, self.plugin_package, self.api_version,
+                                        self._plugin.attributes, (self.platform_name, self.platform_version))
+        self._cache = CompileCache(cache_dir, self.identity) if cache_dir is not None else None
+
+    # -- facts about the plugin --------------------------------------------------------------
+
+    @property
+    def api_version(self) -> tuple[int, int]:
+        """The PJRT C API version the plugin implements."""
+        return self._plugin.api_version
+
+    @property
+    def attributes(self) -> dict[str, Any]:
+        """`PJRT_Plugin_Attributes` (xla_version, stablehlo versions, cuda_version ...)."""
+        return dict(self._plugin.attributes)
+
+    @property
+    def stablehlo_versions(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(minimum, current) StableHLO version of portable artifacts the plugin reads."""
+        return self._plugin.stablehlo_version_range
+
+    def _platform_version(self) -> str:
+        p = self._plugin
+        a = p.args("PJRT_Client_PlatformVersion_Args", client=self._client.address)
+        p.call("PJRT_Client_PlatformVersion", a)
+        return ctypes.string_at(a.platform_version, a.platform_version_size).decode()
+
+    def memory_available(self, device: int = 0) -> int | None:
+        """Bytes device `device` can still allocate, or None when unknown: the plugin's limit less what is in use
+        (CUDA), else, on the CPU, the host's available memory (/proc/meminfo MemAvailable), which the CPU
+        plugin's devices share."""
+        try:
+            stats = self._devices[device].memory_stats()
+        except pjrt_errors.PjrtError:
+            stats = {}
+        if "bytes_limit" in stats:
+            return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        if self.platform_name.lower() == "cpu":
+            try:
+                for line in Path("/proc/meminfo").read_text().splitlines():
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+            except (OSError, ValueError, IndexError):
+                return None
+        return None
+
+    # -- compile -------------------------------------------------------------------------------
+
+    def compile(self, mlir: str | bytes, *, name: str | None = None) -> Executable:
+        """Compile a StableHLO body: textual MLIR, or portable bytecode
+        (`Exported.mlir_module_serialized`, preferred: it is versioned and stable across XLA
+        versions within the plugin's `stablehlo_versions`).
+
+        With a cache dir, a body already compiled by this plugin is deserialized instead of
+        compiled (`Executable.cache == "hit"`).
+
+        Raises:
+            CompileError: the bytecode's StableHLO version is outside the plugin's range, or the
+                plugin refused the body (e.g. a custom_call it has no handler for: `.target`).
+        """
+        code = mlir.encode() if isinstance(mlir, str) else bytes(mlir)
+        digest = hashlib.sha256(code).hexdigest()
+        label = f"{name} ({digest[:12]})" if name else f"body {digest[:12]}"
+        self._check_stablehlo_version(code, label, digest)
+        options = pypjrt.CompileOptions(use_shardy_partitioner=b"sdy." in code)
+        if self.devices > 1:
+            # One replica of N partitions, partition i on this client's device i (the SPMD body's device i).
+            options = pypjrt.CompileOptions(num_partitions=self.devices, use_spmd_partitioning=True,
+                                            use_shardy_partitioner=b"sdy." in code,
+                                            device_assignment=device_assignment_proto(self.device_ids))
+        options_bytes = options.encode(self._plugin.abi)
+
+        status = "off"
+        if self._cache is not None:
+            key = self._cache.key(digest, options_bytes)
+            t0 = time.perf_counter()
+            handle, status = self._cache.load(self._client, key, digest)
+            if handle is not None:
+                return self._own(Executable(handle, sha256=digest, name=name, cache="hit",
+                                            seconds=time.perf_counter() - t0))
+
+        t0 = time.perf_counter()
+        try:
+            handle = self._client.compile(code, options=options)
+        except pjrt_errors.PjrtError as e:
+            m = _MISSING_FFI_HANDLER.search(e.message)
+            target = m.group(1) if m else None
+            hint = (f"; custom_call target {target} has no handler in {self._plugin.path.name}: "
+                    f"write that step in plain ops" if target else "")
+            raise CompileError(f"{self._plugin.path.name} refused {label}: {e.message}{hint}",
+                               body_sha256=digest, target=target) from e
+        seconds = time.perf_counter() - t0
+        if self._cache is not None:
+            self._cache.store(key, handle, digest, options_bytes, name)
+        return self._own(Executable(handle, sha256=digest, name=name,
+                                    cache=status, seconds=seconds))
+
+    def _check_stablehlo_version(self, code: bytes, label: str, digest: str) -> None:
+        version = bytecode_stablehlo_version(code)
+        accepted = self.stablehlo_versions
+        if version is None or accepted is None:
+            return
+        lo, hi = accepted
+        if not tuple(lo) <= version <= tuple(hi):
+            fmt = lambda v: ".".join(map(str, v))  # noqa: E731
+            raise CompileError(
+                f"{label} is StableHLO {fmt(version)} bytecode; {self._plugin.path.name} reads "
+                f"{fmt(lo)} to {fmt(hi)}", body_sha256=digest)
+
+    # -- buffers -------------------------------------------------------------------------------
+
+    def upload(self, array: Any, device: int = 0) -> Buffer:
+        """Copy a host array to device `device` (any dtype in `DTYPES`, bf16 via ml_dtypes).
+
+        Read-only arrays (np.memmap of weight files, arrays jax hands out) upload without a host
+        copy: the plugin reads the memory during the call (kImmutableOnlyDuringCall). pypjrt's
+        `buffer_from_host` would refuse them, as it asks for a writable buffer.
+        """
+        arr = np.asarray(array)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")
+        code = self._buffer_codes.get(arr.dtype)
+        if code is None:
+            raise TypeError(f"cannot upload dtype {arr.dtype}: no PJRT buffer type for it "
+                            f"(supported: {', '.join(d.name for _, d in DTYPES)})")
+        p = self._plugin
+        dims = (ctypes.c_int64 * max(arr.ndim, 1))(*arr.shape)
+        a = p.args(
+            "PJRT_Client_BufferFromHostBuffer_Args", client=self._client.address,
+            data=arr.ctypes.data if arr.size else ctypes.addressof(_EMPTY),
+            type=code, dims=ctypes.cast(dims, _VOIDP), num_dims=arr.ndim,
+            host_buffer_semantics=p.abi.PJRT_HostBufferSemantics_kImmutableOnlyDuringCall,
+            device=self._devices[device].address)
+        with self._client.diagnose_allocation():
+            p.call("PJRT_Client_BufferFromHostBuffer", a)
+        if a.done_with_host_buffer:
+            # kImmutableOnlyDuringCall: the plugin holds no reference to `data` once the call returned, so the
+            # event has nothing left to wait for; it is only destroyed (awaiting it cost ~20 us an upload).
+            compat.destroy_event(p, a.done_with_host_buffer)
+        return self._own(Buffer(PjrtBuffer(p, a.buffer), tuple(arr.shape), arr.dtype))
+
+    def to_host(self, buffer: Buffer) -> np.ndarray:
+        """Copy a device buffer into a new numpy array of its shape and dtype."""
+        # Only an execution consumes a buffer, and Device.execute marks what it consumed: the state says it.
+        if not compat.is_live(buffer._h):
+            raise ValueError(f"cannot read {buffer!r}: its device memory is gone")
+        out = np.empty(buffer.shape, buffer.dtype)
+        if not out.size:
+            return out
+        if self._host_memory:
+            p = self._plugin
+            if not buffer._ready:
+                a = p.args("PJRT_Buffer_ReadyEvent_Args", buffer=compat.checked_pointer(buffer._h))
+                p.call("PJRT_Buffer_ReadyEvent", a)
+                if a.event:
+                    compat.consume_event(p, a.event)      # raises if the computation that defines it failed
+                buffer._ready = True
+            if buffer._dense is None:
+                buffer._dense = self._dense(buffer)
+            if buffer._dense:
+                ctypes.memmove(out.ctypes.data, self.device_address(buffer), out.nbytes)
+                return out
+        buffer._h.to_host(host_bytes(out))
+        return out
+
+    def _dense(self, buffer: Buffer) -> bool:
+        """Whether `to_host` may copy the buffer's memory itself: host memory (the CPU plugin) with a
+        device address, holding the array densely in row-major order."""
+        if not self._host_memory or not self.device_address(buffer):
+            return False
+        ndim = len(buffer.shape)
+        return ndim < 2 or self._row_major(buffer, ndim)
+
+    def _row_major(self, buffer: Buffer, ndim: int) -> bool:
+        """Whether the buffer's memory holds its array densely in row-major order (no tiles)."""
+        p = self._plugin
+        a = p.args("PJRT_Buffer_GetMemoryLayout_Args", buffer=compat.checked_pointer(buffer._h))
+        try:
+            p.call("PJRT_Buffer_GetMemoryLayout", a)
+        except (pjrt_errors.Unimplemented, pjrt_errors.UnsupportedByPlugin):
+            return False
+        layout = a.layout
+        if layout.type != p.abi.PJRT_Buffer_MemoryLayout_Type_Tiled:
+            return False
+        tiled = layout.tiled
+        if tiled.num_tiles or tiled.minor_to_major_size != ndim:
+            return False
+        order = ctypes.cast(tiled.minor_to_major, ctypes.POINTER(ctypes.c_int64))
+        return [order[i] for i in range(ndim)] == list(range(ndim - 1, -1, -1))
+
+    def device_address(self, buffer: Buffer) -> int:
+        """The buffer's device memory address (`PJRT_Buffer_OpaqueDeviceMemoryDataPointer`,
+        else `PJRT_Buffer_UnsafePointer`). Equal addresses across an execution mean the output
+        was written over the donated input."""
+        if compat.is_live(buffer._h):
+            try:
+                address = self._hot.device_pointer(compat.raw_pointer(buffer._h))
+            except (pjrt_errors.Unimplemented, pjrt_errors.UnsupportedByPlugin):
+                address = None
+            if address is not None:
+                return address
+        try:
+            return buffer._h.device_pointer()
+        except (pjrt_errors.Unimplemented, pjrt_errors.UnsupportedByPlugin):
+            return buffer._h.unsafe_pointer()
+
+    @staticmethod
+    def is_consumed(buffer: Buffer) -> bool:
+        """Whether an execution took this buffer by donation (same as `buffer.consumed`)."""
+        return buffer.consumed
+
+    # -- execute -------------------------------------------------------------------------------
+
+    def execute(self, executable: Executable, args: Sequence[Buffer],
+                donate: Iterable[int] = (), keep: Iterable[int] | None = None) -> list[Buffer | None]:
+        """Run `executable` on `args` and wait for it; returns one Buffer per result.
+
+        `donate` lists the argument indices whose buffers the execution may consume; every other
+        argument is passed as non-donatable, so a body's `tf.aliasing_output` takes effect only
+        where the caller asked for it. A donated input is consumed (its `Buffer.consumed` turns
+        true) and the aliased output occupies its device memory. `keep` (None: all) lists the results
+        the caller wants: the others are released at once and come back as None.
+
+        Raises:
+            ValueError: an argument was already consumed or closed, a donate index is out of
+                range, or a donated buffer is also passed at another index.
+            DonationError: a donated input was not consumed (the body has no alias for it, or
+                the plugin copied); the run's outputs are on the exception.
+        """
+        return self._run(executable, (args,), donate, keep)[0]
+
+    def execute_sharded(self, executable: Executable, args: Sequence[Sequence[Buffer]],
+                        donate: Iterable[int] = (), keep: Iterable[int] | None = None) -> list[list[Buffer | None]]:
+        """Run an SPMD executable once on all `devices` devices: args[d] is device d's argument list (each
+        argument's shard on it, or its whole copy) -> outputs[d], device d's results. Donation, `keep` and the
+        errors as `execute`, on every device: a DonationError's outputs are the per-device lists."""
+        if len(args) != self.devices:
+            raise ValueError(f"{executable.label}: {len(args)} argument lists for {self.devices} devices")
+        return self._run(executable, args, donate, keep)
+
+    def _run(self, executable: Executable, rows: Sequence[Sequence[Buffer]], donate: Iterable[int],
+             keep: Iterable[int] | None) -> list[list[Buffer | None]]:
+        """execute / execute_sharded: rows[d] are device d's arguments (one row on one device)."""
+        n, devices = len(rows[0]), len(rows)
+        donated = frozenset(donate)
+        if donated and not (min(donated) >= 0 and max(donated) < n):
+            raise ValueError(f"{executable.label}: donate indices {sorted(donated)} out of "
+                             f"range for {n} arguments")
+        ptr_rows = []
+        for d, args in enumerate(rows):
+            if len(args) != n:
+                raise ValueError(f"{executable.label}: device {d} has {len(args)} arguments, device 0 {n}")
+            ptrs = []
+            for i, b in enumerate(args):
+                h = b._h
+                if not compat.is_live(h):
+                    where = f" on device {d}" if devices > 1 else ""
+                    raise ValueError(f"{executable.label}: argument {i}{where} is {compat.state_name(h)} "
+                                     f"(an earlier execution consumed it, or it was closed)")
+                ptrs.append(compat.raw_pointer(h))
+            ptr_rows.append(ptrs)
+            if donated:
+                handles = [id(b._h) for b in args]
+                for i in donated:
+                    if handles.count(handles[i]) > 1:
+                        raise ValueError(f"{executable.label}: argument {i} is donated and also passed "
+                                         f"at another index")
+
+        plugin, hot = self._plugin, self._hot
+        call = executable._call(plugin, n, donated, devices)
+        with call.lock:     # one struct per executable: a second thread waits while this one fills and reads it
+            for row, ptrs in zip(call.rows, ptr_rows):
+                row[:n] = ptrs
+            for d in range(devices):
+                call.events[d] = None
+            try:
+                hot.execute(call.args)      # reentrant: XLA may call FFI handlers synchronously inside Execute
+            except pjrt_errors.PjrtError as e:
+                error = type(e)(f"{executable.label}: {e.message}", e.code)
+                with self._client.diagnose_allocation():     # an allocation failure gets the allocator's state
+                    raise error from e
+            events, out_ptr_rows = list(call.events), [list(r) for r in call.out_rows]
+        # Wait before looking at the inputs: a donated input is still being read until then.
+        failure = None
+        for event in events:
+            if event:
+                try:
+                    hot.await_event(event)
+                except pjrt_errors.PjrtError as e:
+                    failure = failure or e
+        if failure is not None:
+            for ptr in (p for out_ptrs in out_ptr_rows for p in out_ptrs):   # the failed run's results are released
+                hot.destroy_buffer(ptr)
+            raise failure
+        # Once the run is complete its outputs are defined: to_host need not ask for their ready events.
+        meta = executable._out_meta
+        first = meta is None
+        keep = None if keep is None else frozenset(keep)
+        ready = all(events)
+        out_rows: list[list[Buffer | None]] = []
+        for out_ptrs in out_ptr_rows:
+            outputs: list[Buffer | None] = []
+            for j, ptr in enumerate(out_ptrs):
+                if not first and keep is not None and j not in keep:
+                    hot.destroy_buffer(ptr)
+                    outputs.append(None)
+                    continue
+                shape, dtype, dense = (None, None, None) if first else meta[j]
+                buf = Buffer(PjrtBuffer(plugin, ptr), shape, dtype, ready=ready)
+                buf._dense = dense
+                outputs.append(self._own(buf))
+            out_rows.append(outputs)
+        if first:
+            # An executable's results keep their shapes, dtypes and layouts from call to call: read them once.
+            executable._out_meta = meta = [(b.shape, b.dtype, self._dense(b)) for b in out_rows[0]]
+            for outputs in out_rows:
+                for j, b in enumerate(outputs):
+                    b._dense = meta[j][2]
+                    if keep is not None and j not in keep:
+                        b.close()
+                        outputs[j] = None
+
+        missing = []
+        for d, args in enumerate(rows):
+            for i in sorted(donated):
+                h = args[i]._h
+                if hot.is_deleted(compat.raw_pointer(h)):
+                    compat.mark_donated(h)
+                else:
+                    missing.append((d, i))
+        if missing:
+            where = (f"{[i for _, i in missing]}" if devices == 1 else
+                     ", ".join(f"{i} on device {d}" for d, i in missing))
+            raise DonationError(
+                f"{executable.label}: donated argument(s) {where} were not consumed: the body "
+                f"has no tf.aliasing_output for them or the plugin copied; outputs were written "
+                f"elsewhere", indices=sorted({i for _, i in missing}),
+                outputs=out_rows[0] if devices == 1 else out_rows)
+        return out_rows
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def _own(self, obj):
+        self._owned.add(obj)
+        return obj
+
+    def close(self) -> None:
+        """Release every buffer and executable of this device, then the client. Idempotent."""
+        for obj in list(self._owned):
+            try:
+                obj.close()
+            except pjrt_errors.PjrtError:
+                pass
+        self._owned.clear()
+        if getattr(self, "_device_scope", None) is not None:
+            self._device_scope.__exit__(None, None, None)
+            self._device_scope = None
+        self._client.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<Device {self.platform_name} {self.plugin_package or self.plugin_path} "
+                f"api={self.api_version[0]}.{self.api_version[1]}>")

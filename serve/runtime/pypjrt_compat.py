@@ -1,0 +1,145 @@
+"""Every use of pypjrt's private names, in one module, for the pypjrt version it was written for.
+
+The runtime calls the PJRT C API around pypjrt's own objects on its hot path (one Execute struct per
+executable, buffers released without a wrapper, read-only uploads), which needs a handle's raw pointer
+and state, the process-wide PJRT lock and the plugin's error conversion. Those are not pypjrt's public
+API, so `check_version` refuses any pypjrt but the one pinned in pyproject.toml, by name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from importlib import metadata
+from typing import Any
+
+import pypjrt
+from pypjrt import errors as pjrt_errors
+from pypjrt._lock import _PJRT, _in_dispatch
+from pypjrt.client import Buffer as PjrtBuffer
+from pypjrt.client import Event as PjrtEvent
+from pypjrt.client import State
+
+#: The pypjrt releases whose private layout this module was written against (pyproject.toml pins it).
+SUPPORTED_PYPJRT = ("0.1.1",)
+
+__all__ = ["SUPPORTED_PYPJRT", "check_version", "HotCalls", "PjrtBuffer", "PjrtEvent", "is_live", "is_closed",
+           "is_donated", "raw_pointer", "checked_pointer", "mark_donated", "handle_plugin", "destroy_event",
+           "consume_event", "state_name"]
+
+
+def check_version(installed: str | None = None) -> None:
+    """Refuse a pypjrt this module was not written for (its private names may differ)."""
+    installed = installed or metadata.version("pypjrt")
+    if installed not in SUPPORTED_PYPJRT:
+        raise RuntimeError(f"pypjrt {installed} is installed; tlaloc_jax.serve reaches into pypjrt's handles and "
+                           f"lock as pypjrt {' / '.join(SUPPORTED_PYPJRT)} lays them out (serve/runtime/"
+                           f"pypjrt_compat.py): install pypjrt=={SUPPORTED_PYPJRT[-1]}")
+
+
+# -- handle state ---------------------------------------------------------------------------------------
+
+def is_live(h) -> bool:
+    return h._state is State.LIVE
+
+
+def is_closed(h) -> bool:
+    return h._state is State.CLOSED
+
+
+def is_donated(h) -> bool:
+    return h._state is State.DONATED
+
+
+def state_name(h) -> str:
+    return h._state.value
+
+
+def raw_pointer(h) -> int:
+    """The PJRT pointer of a handle, whatever its state."""
+    return h._ptr
+
+
+def checked_pointer(h) -> int:
+    """The PJRT pointer of a live handle (pypjrt's HandleClosed otherwise)."""
+    return h._check()
+
+
+def mark_donated(h) -> None:
+    """Record that an execution consumed the buffer's memory (pypjrt then never reads it)."""
+    h._mark_donated()
+
+
+def handle_plugin(h) -> pypjrt.Plugin:
+    return h._plugin
+
+
+def destroy_event(plugin: pypjrt.Plugin, event: int) -> None:
+    PjrtEvent(plugin, event).close()
+
+
+def consume_event(plugin: pypjrt.Plugin, event: int) -> None:
+    """Wait for an event and destroy it; raises the error it carried."""
+    PjrtEvent(plugin, event).consume()
+
+
+# -- the calls of every step --------------------------------------------------------------------------------
+
+class HotCalls:
+    """The PJRT calls a step makes every time (Execute, Event_Await / Event_Destroy, Buffer_Destroy,
+    Buffer_IsDeleted, the device pointer) with each call's function pointer and argument struct made once.
+
+    Each call holds pypjrt's process-wide PJRT lock, as pypjrt's own calls do (a buffer finalizer on another
+    thread must not race an Execute); Execute is marked as a region XLA may re-enter; a ready event is awaited
+    without a separate PJRT_Event_Error (Await returns the event's error). Errors become pypjrt's exceptions."""
+
+    def __init__(self, plugin: pypjrt.Plugin):
+        self.plugin = plugin
+        self._structs = {}
+        for name in ("PJRT_LoadedExecutable_Execute", "PJRT_Event_Await", "PJRT_Event_Destroy",
+                     "PJRT_Buffer_Destroy", "PJRT_Buffer_IsDeleted", "PJRT_Buffer_OpaqueDeviceMemoryDataPointer"):
+            try:
+                fn = plugin.fn(name)
+            except (pjrt_errors.Unimplemented, pjrt_errors.UnsupportedByPlugin):
+                continue        # device_pointer: the caller falls back to pypjrt's buffer calls
+            args = plugin.args(f"{name}_Args")
+            self._structs[name] = (fn, args, ctypes.byref(args))
+
+    def _call(self, name: str, field: str, value) -> Any:
+        fn, args, ref = self._structs[name]
+        with _PJRT:
+            setattr(args, field, value)
+            err = fn(ref)
+            if err:
+                raise self.plugin._to_exception(err)
+            return args
+
+    def execute(self, args_struct) -> None:
+        fn = self._structs["PJRT_LoadedExecutable_Execute"][0]
+        with _PJRT:
+            prev = getattr(_in_dispatch, "flag", False)
+            _in_dispatch.flag = True
+            try:
+                err = fn(ctypes.byref(args_struct))
+            finally:
+                _in_dispatch.flag = prev
+        if err:
+            raise self.plugin._to_exception(err)
+
+    def await_event(self, event: int) -> None:
+        """Wait for a PJRT event, then destroy it (also when it carried an error, which is raised)."""
+        try:
+            self._call("PJRT_Event_Await", "event", event)
+        finally:
+            self._call("PJRT_Event_Destroy", "event", event)
+
+    def destroy_buffer(self, buffer: int) -> None:
+        self._call("PJRT_Buffer_Destroy", "buffer", buffer)
+
+    def is_deleted(self, buffer: int) -> bool:
+        return bool(self._call("PJRT_Buffer_IsDeleted", "buffer", buffer).is_deleted)
+
+    def device_pointer(self, buffer: int) -> int | None:
+        """The buffer's device address; None when the plugin lacks the call."""
+        if "PJRT_Buffer_OpaqueDeviceMemoryDataPointer" not in self._structs:
+            return None
+        return int(self._call("PJRT_Buffer_OpaqueDeviceMemoryDataPointer", "buffer", buffer).device_memory_ptr or 0)

@@ -1,0 +1,243 @@
+"""The artifact on the device: compiled entries, weights uploaded once, pools donated to every run.
+
+`Runner` knows entries by kind and inputs by role, never a model: `run(entry, inputs, want)` assembles the
+entry's arguments in signature order (step and sampler inputs from the caller, pools and weights it holds),
+runs it with the pools donated, checks that they were updated in place, and pulls the wanted outputs.
+Scheduling, sampling and requests are the engine's; the vLLM worker and the benches use this directly.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tlaloc_jax import manifest as mf
+
+from ..sampling import NEUTRAL_ROW
+from . import sharded
+from .handles import Executable
+from .pjrt import Device
+
+log = logging.getLogger("tlaloc_jax.serve")
+
+#: Every run of an entry until this many runs, and the first run of each entry after, has its pools'
+#: addresses checked (a pool that moved was copied, not donated).
+ADDRESS_CHECK_RUNS = 100
+
+
+class _ArgSource(enum.Enum):
+    """Where an entry's argument comes from."""
+    STEP = "step input"
+    POOL = "pool"
+    WEIGHT = "weight"
+
+
+class Runner:
+    """One artifact on one PJRT device, or on the N devices of its mesh (a tensor-parallel artifact: each argument
+    then a tuple of N buffers, serve/runtime/sharded.py, and one execution a call for all of them). Not
+    thread-safe: one caller runs entries."""
+
+    def __init__(self, artifact_dir: str | Path, manifest: mf.Manifest, device: Device, *, progress: bool = True,
+                 donate: bool = True):
+        """Check the device has room, compile every entry but the scoring prefills (compiled on first use),
+        upload the weights and allocate zeroed pools. Closes the device if any of it fails. A device of another
+        device count than the artifact's mesh is refused by name before anything is compiled or allocated.
+
+        donate: False runs the pools as plain inputs (a test control: each run then copies them)."""
+        self.artifact_dir = Path(artifact_dir)
+        self.manifest = m = manifest
+        self.device = device
+        self.donate = donate
+        self.executables: dict[str, Executable] = {}
+        self._neutral: dict[tuple[str, mf.Role], sharded.Placed] = {}
+        # The last host value of each (entry, input role) and its device buffer: an input equal to the previous
+        # call's (block tables, seeds, stop ids, ...) is not uploaded again.
+        self._kept_inputs: dict[tuple[str, mf.Role], tuple[bytes, sharded.Placed]] = {}
+        self._arg_plans: dict[str, list[tuple[_ArgSource, object, mf.Role]]] = {}
+        self._entries_checked: set[str] = set()
+        self.stats = dict(executions=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={})
+        try:
+            want = {"cpu": "cpu", "cuda": "cuda"}[m.versions.platform]
+            if device.platform_name.lower() not in (want, "gpu" if want == "cuda" else want):
+                raise mf.ManifestError(f"artifact was exported for {m.versions.platform}, the plugin "
+                                       f"{device.plugin_path} is {device.platform_name}")
+            if device.devices != m.devices:
+                raise mf.ManifestError(sharded.device_count_mismatch(m, device.devices))
+            self._check_memory()
+            self._compile_all(progress)
+            self.weights = {w.slot: sharded.upload_weight(device, self.artifact_dir, w, m.mesh) for w in m.weights}
+            self.pools: dict[str, sharded.Placed] = {p.name: sharded.zeros(device, p.dtype, p.shape, p.partition,
+                                                                           m.mesh) for p in m.pools}
+        except BaseException:
+            device.close()
+            raise
+
+    # -- loading -------------------------------------------------------------------------------------
+
+    def _compile_all(self, progress: bool) -> None:
+        """Compile every entry but the scoring prefills, which only requests for prompt logprobs run: they are
+        compiled on first use, so a server that never scores a prompt never compiles them."""
+        from tqdm.auto import tqdm
+        entries = [e for e in self.manifest.entries if e.kind != mf.EntryKind.PREFILL_SCORED]
+        bar = tqdm(entries, desc="compile", unit="entry", disable=not progress)
+        for e in bar:
+            bar.set_postfix_str(e.name)
+            self.executable(e)
+
+    def executable(self, e: mf.Entry) -> Executable:
+        """The entry's executable, compiled (or loaded from the compile cache) on first use."""
+        exe = self.executables.get(e.name)
+        if exe is None:
+            t0 = time.perf_counter()
+            exe = self.device.compile((self.artifact_dir / e.serialized).read_bytes(), name=e.name)
+            self.executables[e.name] = exe
+            if e.kind == mf.EntryKind.PREFILL_SCORED:
+                log.info("compiled %s on first use (%s), %.1f s", e.name, exe.cache, time.perf_counter() - t0)
+        return exe
+
+    def _check_memory(self) -> None:
+        """Refuse an artifact whose weights and pools cannot fit the device's free memory, before any of it is
+        allocated (on a mesh, each device's share against each device's memory; the CPU plugin's devices share
+        the host's, which must hold them all)."""
+        weights, pools = sharded.bytes_per_device(self.manifest)
+        shared = self.device.platform_name.lower() == "cpu"
+        copies = self.device.devices if shared else 1
+        need = (weights + pools) * copies
+        each = not shared and self.device.devices > 1
+        frees = [self.device.memory_available(d) for d in range(self.device.devices)] if each else \
+            [self.device.memory_available()]
+        for d, free in enumerate(frees):
+            if free is not None and need > free:
+                names = ", ".join(f"{p.name} {p.nbytes / 2**20:.1f} MiB" for p in self.manifest.pools)
+                raise mf.ManifestError(f"the artifact needs {need / 2**20:.1f} MiB on {f'device {d}' if each else 'the device'}"
+                                       f" (weights {weights * copies / 2**20:.1f} MiB; pools {names}), and "
+                                       f"{self.device.platform_name} has {free / 2**20:.1f} MiB free")
+
+    def compile_report(self) -> dict[str, int]:
+        """How the entries were obtained: {"hit": n, "miss": n, ...} (hit = from the disk cache)."""
+        out: dict[str, int] = {}
+        for exe in self.executables.values():
+            out[exe.cache] = out.get(exe.cache, 0) + 1
+        return out
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.nbytes for w in self.manifest.weights)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(p.nbytes for p in self.manifest.pools)
+
+    @property
+    def bytes_per_device(self) -> int:
+        """The weights' and pools' bytes one device holds (all of them on one device)."""
+        return sum(sharded.bytes_per_device(self.manifest))
+
+    # -- inputs --------------------------------------------------------------------------------------
+
+    def _input_buffer(self, e: mf.Entry, role: mf.Role, value: np.ndarray) -> sharded.Placed:
+        """The device buffer of an input's host value: the one kept from the entry's previous call when the value is
+        the same (never donated, so it outlives the call), else a new upload that replaces it."""
+        key = (e.name, role)
+        data = value.tobytes()            # the entry fixes the role's shape and dtype: the bytes say the value
+        kept = self._kept_inputs.get(key)
+        if kept is not None and kept[0] == data:
+            return kept[1]
+        buf = sharded.upload_whole(self.device, value)
+        if kept is not None:
+            sharded.close(kept[1])
+        self._kept_inputs[key] = (data, buf)
+        return buf
+
+    def neutral_buffer(self, e: mf.Entry, role: mf.Role) -> sharded.Placed:
+        """A device buffer, kept per (entry, role), holding the role's neutral value in every row (no mask, no bias,
+        no history, neutral sampling parameters): what a call passes when no row needs that input."""
+        key = (e.name, role)
+        if key not in self._neutral:
+            sig = e.inputs[e.input_index(role)]
+            fill = {mf.Role.TOKEN_MASK: -1, mf.Role.LOGIT_BIAS_IDS: -1, mf.Role.TOKEN_HISTORY: -1}.get(role, 0)
+            if role == mf.Role.SAMPLING:
+                fill = np.array([NEUTRAL_ROW[c] for c in self.manifest.sampler.columns], np.float32)
+            self._neutral[key] = sharded.upload_whole(
+                self.device, np.broadcast_to(fill, sig.shape).astype(mf.numpy_dtype(sig.dtype)))
+        return self._neutral[key]
+
+    def _arg_plan(self, e: mf.Entry) -> list[tuple[_ArgSource, object, mf.Role]]:
+        """Where each of the entry's arguments comes from, in signature order (made once per entry)."""
+        plan = self._arg_plans.get(e.name)
+        if plan is None:
+            plan = []
+            for sig in e.inputs:
+                if (sig.role in mf.STEP_FIELDS or sig.role in mf.SAMPLER_INPUTS or sig.role in mf.SCORER_INPUTS
+                        or sig.role in mf.DECODE_STEPS_INPUTS or sig.role in mf.COPY_INPUTS):
+                    plan.append((_ArgSource.STEP, mf.STEP_FIELDS.get(sig.role, sig.role), sig.role))
+                elif sig.role == mf.Role.POOL_IN:
+                    plan.append((_ArgSource.POOL, sig.slot, sig.role))
+                else:
+                    plan.append((_ArgSource.WEIGHT, sig.slot, sig.role))
+            self._arg_plans[e.name] = plan
+        return plan
+
+    # -- running -------------------------------------------------------------------------------------
+
+    def run(self, e: mf.Entry, inputs: dict, want: set[mf.Role]) -> dict[mf.Role, np.ndarray]:
+        """Run entry `e`; -> the outputs whose roles are in `want`, pulled to the host.
+
+        inputs: the step inputs by StepInputs field name (paging.build_step_inputs) and the sampler's, scorer's
+        and decode_steps' inputs by role; each a host array, or a device buffer (`neutral_buffer`)."""
+        exe = self.executable(e)
+        runs = self.stats["executions"]
+        check = runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
+        args: list[sharded.Placed] = []
+        pool_args: dict[int, str] = {}
+        for i, (source, key, role) in enumerate(self._arg_plan(e)):
+            if source is _ArgSource.STEP:
+                value = inputs[key]
+                buf = self._input_buffer(e, role, value) if isinstance(value, np.ndarray) else value
+            elif source is _ArgSource.POOL:
+                buf = self.pools[key]
+                pool_args[i] = key
+            else:
+                buf = self.weights[key]
+            args.append(buf)
+        before = {name: sharded.address(self.device, self.pools[name]) for name in pool_args.values()} if check else {}
+        donated_outs = {o for o, _ in e.donations}
+        keep = donated_outs | {i for i, sig in enumerate(e.outputs) if sig.role in want}
+        outs = sharded.execute(self.device, exe, args, set(pool_args) if self.donate else set(), keep)
+        for out_i, in_i in e.donations:
+            name = pool_args[in_i]
+            if not self.donate:
+                sharded.close(self.pools[name])      # the control path: the updated pool is a new buffer
+            self.pools[name] = outs[out_i]
+        self.stats["executions"] += 1
+        by = self.stats["executions_by_entry"]
+        by[e.name] = by.get(e.name, 0) + 1
+        if check:
+            self._check_in_place(e, before, runs + 1)
+        pulled = {}
+        for i, sig in enumerate(e.outputs):
+            if i in donated_outs or outs[i] is None:
+                continue
+            if sig.role in want:
+                pulled[sig.role] = self.device.to_host(sharded.first(outs[i]))
+            sharded.close(outs[i])
+        return pulled
+
+    def _check_in_place(self, e: mf.Entry, before: dict[str, int | tuple[int, ...]], run: int) -> None:
+        self._entries_checked.add(e.name)
+        moved = {n: (a, sharded.address(self.device, self.pools[n])) for n, a in before.items()}
+        moved = {n: ab for n, ab in moved.items() if ab[0] != ab[1]}
+        self.stats["pool_address_checks"] += 1
+        self.stats["pool_in_place"] += int(not moved)
+        if moved:
+            log.warning("run %d (%s): pools moved (copied, not donated): %s", run, e.name,
+                        ", ".join(f"{n} {a} -> {b}" for n, (a, b) in moved.items()))
+        else:
+            log.debug("run %d (%s): pools updated in place", run, e.name)
+
+    def close(self) -> None:
+        self.device.close()
