@@ -169,3 +169,53 @@ def test_an_authored_step_on_two_devices(tmp_path, serve_cache_dir):
     with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False) as eng:
         assert [eng.generate([p], 12)[0] for p in TOY_PROMPTS] == want
         assert eng.generate(TOY_PROMPTS, 12) == want
+
+
+def test_device_runs_an_spmd_body_with_one_argument_list_per_device():
+    """The runtime's own layer: a column- then row-parallel product with its all-reduce, exported for an abstract
+    mesh of 2, compiled and run by Device(devices=2): each device's result is the whole product (within the
+    tolerance model's bound of float64), its pool shard written in place; a donation the body has no alias for
+    is named per device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+
+    from margins import assert_within
+    from tlaloc_jax.kernels.tolerances import relative_error
+    from tlaloc_jax.serve.runtime import Device, DonationError
+
+    mesh = AbstractMesh((2,), ("tp",), axis_types=(AxisType.Explicit,))
+
+    def body(w1, w2, pool, x):
+        y = jax.lax.psum((x @ w1) @ w2, "tp")
+        return y, pool.at[0].set(y[0, :pool.shape[1]])
+
+    specs = (P(None, "tp"), P("tp", None), P(None, "tp"), P())
+    f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P(None, "tp")))
+    avals = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, p))
+             for s, p in zip([(8, 16), (16, 8), (4, 8), (2, 8)], specs)]
+    exp = jax.export.export(jax.jit(f, donate_argnums=(2,), out_shardings=(NamedSharding(mesh, P()),
+                                                                            NamedSharding(mesh, P(None, "tp")))),
+                            platforms=["cpu"])(*avals)
+    rng = np.random.default_rng(0)
+    w1, w2, pool, x = (rng.standard_normal(s).astype(np.float32) for s in [(8, 16), (16, 8), (4, 8), (2, 8)])
+    want = x.astype(np.float64) @ w1 @ w2
+    with Device(cache_dir=None, devices=2) as dev:
+        exe = dev.compile(exp.mlir_module_serialized)
+
+        def rows():
+            return [[dev.upload(np.ascontiguousarray(a), d) for a in (w1[:, 8 * d:8 * d + 8], w2[8 * d:8 * d + 8],
+                                                                        pool[:, 4 * d:4 * d + 4], x)] for d in (0, 1)]
+        args = rows()
+        before = [dev.device_address(r[2]) for r in args]
+        outs = dev.execute_sharded(exe, args, donate={2})
+        bound = tol.bound(8 + 16 + 1)
+        for d in (0, 1):
+            assert args[d][2].consumed and dev.device_address(outs[d][1]) == before[d]
+            y = dev.to_host(outs[d][0])
+            assert_within(relative_error(y, want), bound, f"SPMD product on device {d}")
+            np.testing.assert_array_equal(dev.to_host(outs[d][1])[0], y[0, :4])   # the body writes y[0, :4] into each block
+        with pytest.raises(DonationError, match="3 on device 0, 3 on device 1"):
+            dev.execute_sharded(exe, rows(), donate={3})
+        with pytest.raises(ValueError, match="1 argument lists for 2 devices"):
+            dev.execute_sharded(exe, rows()[:1])
