@@ -55,8 +55,9 @@ def main(argv=None) -> int:
                     help="pages in the windowed pool (default: a ring per sequence of the largest context that the "
                          "full pool holds)")
     ap.add_argument("--state-slots", type=int, default=None,
-                    help="slots of the linear-attention state pools, one per live sequence (default: as many sequences "
-                         "as the full pool holds at the largest context)")
+                    help="slots of the linear-attention state pools, one per live sequence and spares for the state "
+                         "snapshots of prefix caching (default: as many sequences as the full pool holds at the largest "
+                         "context, plus the largest batch)")
     ap.add_argument("--weight-layout", choices=["per-layer", "stacked"], default="per-layer",
                     help="per-layer (default): one array per layer and projection, q|k|v and gate|up fused, the layer "
                          "loop unrolled (XLA's CPU dots read them in place); stacked: one [L, ...] stack per slot, "

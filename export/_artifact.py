@@ -88,7 +88,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     prefill chunk, else the largest context), capped at a whole context's pages; the ring pool holds
     window_blocks pages (default: a ring for each sequence the full pool holds at the largest context).
     A model with linear-attention layers keeps their states in state_slots slots (default: as many sequences
-    as the full pool holds at the largest context).
+    as the full pool holds at the largest context, plus the largest batch as spares for state snapshots).
     weight_layout: "per-layer" (one array per layer, q|k|v and gate|up fused, layers unrolled) or "stacked"
     (scanned stacks): see tlaloc_jax/layout.py.
     sampler: `Sampler()` stages the sampler in every entry (see `stage`). A context ladder past the

@@ -26,8 +26,8 @@ def copy_slots_signature(pools: Sequence[mf.Pool], batch: int
     for p in pools:
         if p.kind == mf.PoolKind.STATE_SLOTS:
             donations.append((len(outputs), len(inputs)))
-            inputs.append(mf.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name))
-            outputs.append(mf.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name))
+            inputs.append(mf.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name, p.partition))
+            outputs.append(mf.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name, p.partition))
     return inputs, outputs, tuple(donations)
 
 

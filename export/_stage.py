@@ -35,6 +35,7 @@ from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.paging import ring_pages_for
 
 from ._entries import PLATFORM_CUSTOM_CALLS, EntrySpec, ExportError, check_body, plan_entries
+from ._copy_slots import copy_slots_fn, copy_slots_signature
 from ._mesh import abstract_mesh, mesh_size, partition_of, pool_split_axis, sharded
 from ._multistep import decode_steps_fn, decode_steps_signature
 from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
@@ -174,7 +175,8 @@ def _resolve_pools(specs: Mapping[str, PoolSpec], *, block_size: int, contexts: 
         ring_blocks = int(ring_blocks or min(full_pages, sequences * ring))
         if ring_blocks < ring:
             raise ExportError(f"ring_blocks {ring_blocks} cannot hold one ring of {ring} pages")
-    slots = int(state_slots or sequences)
+    # Beside a slot for each sequence, as many spare ones for the runtime's state snapshots (prefix caching).
+    slots = int(state_slots or sequences + max_batch)
     if slots < 1:
         raise ExportError(f"state_slots must be positive, got {slots}")
     pools = []
@@ -425,6 +427,31 @@ def copy_tokenizer(out: Path, tokenizer_dir) -> tuple[mf.TokenizerFile, ...]:
     return tuple(files)
 
 
+def _write_program(out: Path, entry: mf.Entry) -> None:
+    """programs/<entry>.json: the entry's inputs and outputs with their roles."""
+    _write(out / entry.program, (json.dumps({"entry": entry.name, "inputs": [mf.record_json(s) for s in entry.inputs],
+                                             "outputs": [mf.record_json(s) for s in entry.outputs]},
+                                            indent=1, sort_keys=True) + "\n").encode())
+
+
+def _copy_slots_entry(out: Path, layout: _Layout, batch: int, platform: str, mesh=None) -> mf.Entry:
+    """The entry that copies state slots (the runtime's state snapshots for prefix caching), `batch` pairs a call;
+    on a mesh, each device copies within its blocks of the state pools."""
+    name = f"copy_slots_n{batch}"
+    inputs, outputs, donations = copy_slots_signature(layout.pools, batch)
+    fn, avals, out_shardings = copy_slots_fn(layout.pools), _avals(inputs), None
+    if mesh is not None:
+        fn, avals, out_shardings = sharded(fn, inputs, outputs, mesh)
+    exp = export_fn(fn, avals, platform=platform, donate=tuple(i for _, i in donations), out_shardings=out_shardings)
+    check_body(name, exp, inputs, outputs, donations, platform, mesh_size(mesh))
+    entry = mf.Entry(name=name, kind=mf.EntryKind.COPY_SLOTS, batch=batch, context=0, tokens_per_seq=0,
+                     **dataclasses.asdict(write_body(out, exp)), program=f"programs/{name}.json",
+                     inputs=tuple(inputs), outputs=tuple(outputs), donations=donations,
+                     kept_inputs=tuple(exp.module_kept_var_idx))
+    _write_program(out, entry)
+    return entry
+
+
 def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, *,
           batch_ladder: Sequence[int] = (1, 2, 4), context_ladder: Sequence[int] = (64, 256, 1024),
           prefill_chunk: int | None = None, prefill_max_batch: int | None = None, block_size: int = 16,
@@ -445,7 +472,8 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         capped by prefill_max_batch, tokens per prefill call by prefill_chunk (None: the whole context).
     block_size: positions per page. num_blocks: pages of the paged pools (default: the largest batch at the
         largest context); ring_blocks: pages of the ring pools; state_slots: slots of the state pools (default:
-        as many sequences as the paged pools hold at the largest context, at least the largest batch).
+        as many sequences as the paged pools hold at the largest context, at least the largest batch, plus the
+        largest batch again: spare slots for the state snapshots prefix caching keeps).
     tokenizer_dir: a directory whose tokenizer files (tokenizer.json, tokenizer_config.json, chat template,
         generation_config.json) are copied into the artifact. embedding_slot: the weight whose rows are the
         vocabulary, checked against it at load. describe: informative model sizes for the manifest (layers,
@@ -540,12 +568,12 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
                          tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp)),
                          program=f"programs/{spec.name}.json", inputs=tuple(inputs), outputs=tuple(outputs),
                          donations=donations, kept_inputs=tuple(exp.module_kept_var_idx), steps=spec.steps)
-        _write(out / entry.program, (json.dumps({"entry": spec.name, "inputs": [mf.record_json(s) for s in inputs],
-                                                 "outputs": [mf.record_json(s) for s in outputs]},
-                                                indent=1, sort_keys=True) + "\n").encode())
+        _write_program(out, entry)
         entries.append(entry)
         bar.update()
 
+    if any(p.kind == mf.PoolKind.STATE_SLOTS for p in layout.pools):
+        entries.append(_copy_slots_entry(out, layout, batches[-1], platform, mesh))
     files = write_weights(out, flat, bar, quant_records(weights), weight_parts, mesh_size(mesh))
     bar.close()
     tokenizer = copy_tokenizer(out, tokenizer_dir)

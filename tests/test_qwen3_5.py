@@ -359,3 +359,48 @@ def test_served_gives_transformers_ids_with_state_pools(name, checkpoints, tmp_p
         monkeypatch.setattr(inputs_module, "build_step_inputs", one_slot_for_all)
         with pytest.raises(GreedyMismatch):
             check(eng)
+
+
+SHARED_PREFIX = [(i * 29 + 3) % 250 + 3 for i in range(48)]           # six pages of 8
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", pytest.param("qwen3_next", marks=pytest.mark.slow)])
+def test_state_snapshots_give_exact_prefix_hits_and_queued_prompts_their_solo_ids(name, checkpoints,
+                                                                                   tmp_path_factory, tmp_path,
+                                                                                   monkeypatch):
+    """Exported with the default state slots (a slot per sequence of the pool, 4, and 4 spares): ten prompts, five of
+    them sharing a 48-token prefix, decoded together with up to 16 running, more than the slots. Every row equals
+    its solo run without prefix caching; with caching, sequences start from a snapshot of the recurrent state
+    (copied into their slot by the copy_slots entry) and the shared pages, and the ids are the same. Control: a
+    restore that copies nothing (the sequence starts from its slot's stale state) gives other ids."""
+    from tlaloc_jax import manifest as mf
+    from tlaloc_jax.export import export_checkpoint
+    from tlaloc_jax.serve import Engine
+    path = _checkpoint(checkpoints, tmp_path_factory, name)
+    m = export_checkpoint(path, tmp_path / "art", batch_ladder=(4,), context_ladder=(128,), block_size=8,
+                          prefill_chunk=32, progress=False)
+    assert m.capacity(mf.PoolKind.STATE_SLOTS) == 8
+    assert [e.batch for e in m.entries if e.kind == mf.EntryKind.COPY_SLOTS] == [4]
+    prompts = [SHARED_PREFIX + [(j * 7 + 1) % 250 + 3 for j in range(k + 2)] for k in range(5)] + \
+        [[(i * 17 + k) % 250 + 3 for i in range(20 + 9 * k)] for k in range(5)]
+    with Engine.load(tmp_path / "art", cache_dir=tmp_path / "cache", progress=False,
+                     enable_prefix_caching=False) as eng:
+        solo = [eng.generate([p], 12)[0] for p in prompts]
+        assert eng.generate(prompts, 12) == solo
+    with Engine.load(tmp_path / "art", cache_dir=tmp_path / "cache", progress=False, max_num_seqs=16) as eng:
+        assert eng.scheduler.prefix_caching
+        assert eng.generate(prompts[:1], 12) == solo[:1]          # leaves snapshots at 32 and 40 behind
+        assert eng.generate(prompts, 12) == solo
+        st = eng.stats()
+        assert st["prefix_hits"] >= 4 * 40 and st["slot_copies"] > 0
+        assert st["pools"]["recurrent"]["pages_in_use"] == 0
+
+        real = Engine._copy_slots
+
+        def no_restore(self, copies):
+            if copies and copies[0].hash is None:           # restores: copy nothing, keep the slot's stale state
+                self.scheduler.commit_copies(copies, True)
+                return True
+            return real(self, copies)
+        monkeypatch.setattr(Engine, "_copy_slots", no_restore)
+        assert eng.generate(prompts[1:5], 12) != solo[1:5]

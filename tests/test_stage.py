@@ -95,10 +95,15 @@ def test_manifest_describes_the_state_pool_by_kind(artifact):
     m, _ = artifact
     assert m.schema == mf.SCHEMA_V4 and m.model.vocab == V and m.model.model_type == "authored"
     (pool,) = m.pools
-    assert (pool.name, pool.kind, pool.shape, pool.slot_axis) == ("state", mf.PoolKind.STATE_SLOTS, (4, E), 0)
+    # A slot for each sequence of the pool, and the largest batch again as spares for state snapshots.
+    assert (pool.name, pool.kind, pool.shape, pool.slot_axis) == ("state", mf.PoolKind.STATE_SLOTS, (8, E), 0)
     for e in m.entries:
         roles = [s.role for s in e.inputs if s.role in mf.STEP_FIELDS]
+        if e.kind == mf.EntryKind.COPY_SLOTS:     # copies slots: no step inputs, the state pool donated
+            assert [s.role for s in e.inputs] == [mf.Role.COPY_SRC, mf.Role.COPY_DST, mf.Role.POOL_IN], e.name
+            continue
         assert roles == [mf.Role.TOKEN_IDS, mf.Role.POSITIONS, mf.Role.SEQ_LENS, mf.Role.STATE_SLOTS], e.name
+    assert sum(e.kind == mf.EntryKind.COPY_SLOTS for e in m.entries) == 1
 
 
 def test_served_ids_equal_the_in_process_run_alone_and_together(artifact, weights, tmp_path):
@@ -109,29 +114,29 @@ def test_served_ids_equal_the_in_process_run_alone_and_together(artifact, weight
         assert [eng.generate([p], 12)[0] for p in PROMPTS] == want
         assert eng.generate(PROMPTS, 12) == want
         st = eng.stats()
-        assert st["pools"]["state"]["pages_in_use"] == 0 and st["pools"]["state"]["num_pages"] == 4
+        assert st["pools"]["state"]["pages_in_use"] == 0 and st["pools"]["state"]["num_pages"] == 8
         assert st["batch_sizes"].get(3, 0) > 0
 
 
 def test_a_sequence_holds_one_slot_for_its_life_and_frees_it(artifact, tmp_path):
-    with Engine.load(artifact[1], cache_dir=tmp_path, progress=False) as eng:
+    with Engine.load(artifact[1], cache_dir=tmp_path, progress=False, max_num_seqs=16) as eng:
         rids = [eng.add_request(p, 6) for p in PROMPTS]
         held = []
         while eng.has_unfinished():
             eng.step()
             held.append(eng.stats()["pools"]["state"]["pages_in_use"])
         assert max(held) == 3 and held[-1] == 0
-        # Four slots: a fifth concurrent sequence waits until one of the four ends, then runs.
+        # Eight slots: a ninth concurrent sequence waits until one of the eight ends, then runs.
         for r in rids:
             eng.release(r)
-        four = [eng.add_request([1, 2], 30) for _ in range(4)]
-        fifth = eng.add_request([1, 2], 4)
+        eight = [eng.add_request([1, 2], 30) for _ in range(8)]
+        ninth = eng.add_request([1, 2], 4)
         eng.step()
-        assert eng.stats()["waiting"] == 1 and eng.stats()["pools"]["state"]["pages_in_use"] == 4
+        assert eng.stats()["waiting"] == 1 and eng.stats()["pools"]["state"]["pages_in_use"] == 8
         while eng.has_unfinished():
             eng.step()
-        assert eng.output(fifth) == reference_greedy_ids([1, 2], 4)
-        for r in four + [fifth]:
+        assert eng.output(ninth) == reference_greedy_ids([1, 2], 4)
+        for r in eight + [ninth]:
             eng.release(r)
         assert eng.stats()["pools"]["state"]["pages_in_use"] == 0
 

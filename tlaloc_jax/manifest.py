@@ -998,6 +998,25 @@ def _check_mesh(m: Manifest, slots: dict[str, WeightFile], pools: dict[str, Pool
                                     f"{list(want) if any(want) else 'whole'}")
 
 
+def _check_copy_entry(m: Manifest, e: Entry, what: str) -> None:
+    """A copy_slots entry: COPY_SRC and COPY_DST [batch] int32, then every state pool in and out, donated."""
+    _positive(e.batch, f"{what} batch")
+    state = [p for p in m.pools if p.kind == PoolKind.STATE_SLOTS]
+    want_in = [TensorSig(Role.COPY_SRC, "int32", (e.batch,)), TensorSig(Role.COPY_DST, "int32", (e.batch,))]
+    want_in += [TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name, p.partition) for p in state]
+    want_out = [TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name, p.partition) for p in state]
+    donations = tuple((i, i + 2) for i in range(len(state)))
+    if not state:
+        raise ManifestError(f"{what} copies state slots, but the manifest has no state pool")
+    if (list(e.inputs), list(e.outputs), tuple(e.donations)) != (want_in, want_out, donations):
+        raise ManifestError(f"{what} is not a copy_slots entry of batch {e.batch}: it takes "
+                            f"{[s.label for s in e.inputs]} and returns {[s.label for s in e.outputs]} (donations "
+                            f"{list(e.donations)}); one takes COPY_SRC, COPY_DST and the state pools {[p.name for p in state]}, "
+                            "donated to its outputs")
+    if tuple(e.kept_inputs) != tuple(range(len(e.inputs))):
+        raise ManifestError(f"{what}: its body dropped inputs (kept {list(e.kept_inputs)})")
+
+
 def _positive(value: int, what: str) -> None:
     if value <= 0:
         raise ManifestError(f"{what} must be positive, got {value}")
@@ -1083,6 +1102,9 @@ def _check_consistency(m: Manifest) -> None:
         what = f"entry {e.name!r}"
         if v4 and not e.exported:
             raise ManifestError(f"{what} records no exported body ({SCHEMA_V4})")
+        if e.kind == EntryKind.COPY_SLOTS:
+            _check_copy_entry(m, e, what)
+            continue
         _positive(e.batch, f"{what} batch")
         _positive(e.tokens_per_seq, f"{what} tokens_per_seq")
         if e.context not in m.buckets.context_ladder or e.batch not in m.buckets.batch_ladder:

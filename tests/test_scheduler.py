@@ -1,0 +1,142 @@
+"""The scheduler (serve/core/scheduler.py): queueing instead of refusing, pages taken as positions are written,
+preemption of the youngest sequence when pages run out, and prefix caching of full pages.
+
+Each check compares ids against the same artifact served without the feature (prefix caching off, a pool large
+enough that nothing is preempted), with a control that must fail: a prefix hash that ignores a page's last token,
+and a preemption that forgets to compute its sequence again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from http_util import serving
+from tlaloc_jax.serve import Engine, Sampling
+from tlaloc_jax.serve.core import kv_cache
+from tlaloc_jax.serve.core import scheduler as scheduler_module
+
+SHARED = [(i * 13 + 7) % 250 + 3 for i in range(32)]          # four full pages of 8
+TAILS = [[11, 12, 13], [200, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [77]]   # prompts of 33 to 41: 20 more fit 64
+SEEDED = Sampling(temperature=0.9, top_k=40, seed=11)
+
+
+@pytest.fixture(scope="module")
+def engines(http_artifacts, serve_cache_dir):
+    """(cached, uncached): the ids artifact with prefix caching on, and off."""
+    with Engine.load(http_artifacts[1], cache_dir=serve_cache_dir, progress=False) as cached, \
+            Engine.load(http_artifacts[1], cache_dir=serve_cache_dir, progress=False,
+                        enable_prefix_caching=False) as uncached:
+        yield cached, uncached
+
+
+def _prompts(tails=TAILS):
+    return [SHARED + t for t in tails]
+
+
+def test_prefix_hits_give_the_ids_of_no_cache(engines):
+    """Requests sharing a 32-token prefix, one after another and then together: with prefix caching the later
+    ones compute only their tails (hits counted), and every id equals the uncached engine's; seeded samples too."""
+    cached, uncached = engines
+    prompts = _prompts()
+    want = [uncached.generate([p], 20)[0] for p in prompts]
+    before = cached.stats()
+    got = [cached.generate([p], 20)[0] for p in prompts]
+    assert got == want
+    assert cached.generate(prompts, 20) == uncached.generate(prompts, 20) == want
+    st = cached.stats()
+    # Three of the first four, then all four together, skip the 32 shared positions.
+    assert st["prefix_hits"] - before["prefix_hits"] >= 7 * 32
+    assert uncached.stats()["prefix_hits"] == 0 and not uncached.stats()["prefix_caching"]
+    assert cached.generate(prompts, 12, sampling=SEEDED) == uncached.generate(prompts, 12, sampling=SEEDED)
+    assert st["pages_in_use"] == 0 and st["pools"]["kv"]["pages_cached"] > 0
+
+
+def test_control_a_hash_that_ignores_a_pages_last_token_is_caught(engines, monkeypatch):
+    """Two prompts that differ only in the last token of their first page: a hash blind to that token hands the
+    second one the first one's page, and its ids part from the uncached engine's."""
+    cached, uncached = engines
+    first, second = [3, 4, 5, 6, 7, 8, 9, 10, 50, 51, 52], [3, 4, 5, 6, 7, 8, 9, 199, 50, 51, 52]
+    want = uncached.generate([second], 16)[0]
+    assert cached.generate([first], 16)[0] != want
+    real = kv_cache.block_hash
+    monkeypatch.setattr(kv_cache, "block_hash", lambda parent, tokens: real(parent, tokens[:-1]))
+    cached.generate([first], 16)          # its first page is now cached under the blind hash
+    assert cached.generate([second], 16)[0] != want
+    monkeypatch.undo()
+    assert cached.generate([second], 16)[0] == want
+
+
+def _crowd(n: int) -> list[list[int]]:
+    return [[(7 * i + j * 5) % 250 + 3 for j in range(5 + i % 7)] for i in range(n)]
+
+
+def test_forced_preemption_gives_every_sequence_its_solo_ids_and_samples(http_artifacts, serve_cache_dir, engines):
+    """Sixteen running sequences of up to 64 positions want up to 128 pages of a 64-page pool: the youngest are
+    preempted (pages given back), computed again later, and every sequence still gets its solo ids, greedy and
+    seeded, with caching on and off."""
+    _, uncached = engines
+    prompts = _crowd(16)
+    want = [uncached.generate([p], 52)[0] for p in prompts]
+    seeded = [uncached.generate([p], 40, sampling=SEEDED)[0] for p in prompts]
+    for caching in (False, True):
+        with Engine.load(http_artifacts[1], cache_dir=serve_cache_dir, progress=False, max_num_seqs=16,
+                         enable_prefix_caching=caching) as eng:
+            assert eng.generate(prompts, 52) == want
+            assert eng.stats()["preemptions"] > 0
+            assert eng.generate(prompts, 40, sampling=SEEDED) == seeded
+            assert eng.stats()["pages_in_use"] == 0
+
+
+def test_control_a_preemption_that_does_not_recompute_is_caught(http_artifacts, serve_cache_dir, engines,
+                                                                 monkeypatch):
+    """A preempted sequence that resumes where it was, its pages given back, reads pages it no longer holds:
+    the check above fails."""
+    _, uncached = engines
+    prompts = _crowd(16)
+    want = [uncached.generate([p], 52)[0] for p in prompts]
+    real = scheduler_module.Scheduler._preempt
+
+    def forgetful(self, s):
+        computed = s.computed
+        real(self, s)
+        s.computed = computed
+    monkeypatch.setattr(scheduler_module.Scheduler, "_preempt", forgetful)
+    with Engine.load(http_artifacts[1], cache_dir=serve_cache_dir, progress=False, max_num_seqs=16,
+                     enable_prefix_caching=False) as eng:
+        got = eng.generate(prompts, 52)
+        assert eng.stats()["preemptions"] > 0
+    assert got != want
+
+
+@pytest.mark.slow
+def test_sixty_four_chats_without_max_tokens_all_succeed_on_a_small_pool(tmp_path_factory, serve_cache_dir):
+    """64 concurrent chat requests without max_tokens (each may run to the end of the context), 8 running at once,
+    on a pool that holds only 4 full contexts: every one gets its answer, none a 503."""
+    import json
+
+    from hf_models import build_checkpoint
+    from tlaloc_jax.export import export_checkpoint
+    from tokenizers_util import EOS, VOCAB, write_tokenizer
+    root = tmp_path_factory.mktemp("small-pool")
+    ck = build_checkpoint(root / "ck", "llama", seed=31, vocab_size=VOCAB, eos_token_id=EOS)
+    write_tokenizer(ck)
+    export_checkpoint(ck, root / "art", batch_ladder=(1, 8), context_ladder=(32, 64), block_size=8,
+                      prefill_chunk=16, prefill_max_batch=1, num_blocks=32, progress=False)
+
+    async def main():
+        with Engine.load(root / "art", cache_dir=serve_cache_dir, progress=False) as eng:
+            async with serving(eng, max_batch=8) as (http, _):
+                async def chat(i):
+                    r = await http.post("/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": f"question {i}: " + "word " * (i % 5)}],
+                        "temperature": 0})
+                    return r
+                answers = await asyncio.gather(*(chat(i) for i in range(64)))
+                stats = eng.stats()
+        return answers, stats
+    answers, stats = asyncio.run(main())
+    codes = [r.status_code for r in answers]
+    assert codes == [200] * 64, [r.text for r in answers if r.status_code != 200][:2]
+    assert all(json.loads(r.text)["choices"][0]["finish_reason"] in ("stop", "length") for r in answers)
+    assert stats["pages_in_use"] == 0 and stats["requests_finished"] >= 64
