@@ -92,6 +92,9 @@ def test_served_on_n_devices_gives_transformers_ids(name, n, store, tmp_path_fac
         assert all(len(eng.runner.pools[p.name]) == n for p in m.pools)
         assert st["pool_address_checks"] > 0 and st["pool_in_place"] == st["pool_address_checks"]
         assert st["bytes_per_device"] < st["weight_bytes"] + st["pool_bytes"]
+        if any(e.kind == mf.EntryKind.COPY_SLOTS for e in m.entries):
+            # State snapshots were taken and restored (prefix caching) by the copy_slots entry on every device.
+            assert st["slot_copies"] > 0
 
 
 def test_too_few_devices_is_refused_before_anything_is_allocated(store, tmp_path_factory, monkeypatch):
