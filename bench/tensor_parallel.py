@@ -62,7 +62,8 @@ def main(argv=None) -> None:
             Engine.load(tmp / f"tp{n}", cache_dir=tmp / "cache", progress=False).close()    # compiles, fills the cache
             engines[n] = Engine.load(tmp / f"tp{n}", cache_dir=tmp / "cache", progress=False)
             loads[n] = engines[n].load_seconds
-            print(f"exported for {n} device(s) in {export_s:.1f} s; loaded (warm cache) in {loads[n]:.2f} s", flush=True)
+            print(f"exported for {n} device(s) in {export_s:.1f} s; loaded (warm cache) in {loads[n]:.2f} s",
+                  flush=True)
         print(f"model: llama, {params / 1e6:.1f}M parameters (f32), {args.layers} layers, hidden {args.hidden}, heads "
               f"{args.heads}/{args.kv_heads}, vocab {args.vocab}; context {args.context}; {os.cpu_count()} CPU cores")
 

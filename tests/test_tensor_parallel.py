@@ -217,7 +217,8 @@ def test_device_runs_an_spmd_body_with_one_argument_list_per_device():
             assert args[d][2].consumed and dev.device_address(outs[d][1]) == before[d]
             y = dev.to_host(outs[d][0])
             assert_within(relative_error(y, want), bound, f"SPMD product on device {d}")
-            np.testing.assert_array_equal(dev.to_host(outs[d][1])[0], y[0, :4])   # the body writes y[0, :4] into each block
+            # The body writes y[0, :4] into row 0 of each device's block of the pool.
+            np.testing.assert_array_equal(dev.to_host(outs[d][1])[0], y[0, :4])
         with pytest.raises(DonationError, match="3 on device 0, 3 on device 1"):
             dev.execute_sharded(exe, rows(), donate={3})
         with pytest.raises(ValueError, match="1 argument lists for 2 devices"):

@@ -113,8 +113,9 @@ class Runner:
         for d, free in enumerate(frees):
             if free is not None and need > free:
                 names = ", ".join(f"{p.name} {p.nbytes / 2**20:.1f} MiB" for p in self.manifest.pools)
-                raise mf.ManifestError(f"the artifact needs {need / 2**20:.1f} MiB on {f'device {d}' if each else 'the device'}"
-                                       f" (weights {weights * copies / 2**20:.1f} MiB; pools {names}), and "
+                where = f"device {d}" if each else "the device"
+                raise mf.ManifestError(f"the artifact needs {need / 2**20:.1f} MiB on {where} (weights "
+                                       f"{weights * copies / 2**20:.1f} MiB; pools {names}), and "
                                        f"{self.device.platform_name} has {free / 2**20:.1f} MiB free")
 
     def compile_report(self) -> dict[str, int]:
