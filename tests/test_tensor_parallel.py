@@ -15,6 +15,8 @@ from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
 from tlaloc_jax import manifest as mf
 from tlaloc_jax.checkpoint import load_checkpoint
 from tlaloc_jax.export import export_checkpoint
+from test_tp_staging import check_collectives
+from tlaloc_jax.export._mesh import collective_counts
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.serve import Engine
 
@@ -84,6 +86,12 @@ def test_served_on_n_devices_gives_transformers_ids(name, n, store, tmp_path_fac
     assert m.devices == n and all(e.inputs for e in m.entries)
     split = [w for w in m.weights if w.shards]
     assert split and all(len(w.shards) == n for w in split)
+    for e in m.entries:       # one all-reduce per attention and MLP, nothing else (tests/test_tp_staging.py)
+        text = (art / e.body).read_text()
+        if e.kind == mf.EntryKind.COPY_SLOTS:
+            assert not any(collective_counts(text).values()), e.name
+        else:
+            check_collectives(text, layers=m.model.layers)
     with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
         check_engine(eng, oracle(store, tmp_path_factory, name), logit_bound(store, tmp_path_factory, name))
         st = eng.stats()
@@ -128,12 +136,13 @@ def test_control_row_parallel_projections_without_their_all_reduce_fail(store, t
             check_engine(eng, oracle(store, tmp_path_factory, "llama"), logit_bound(store, tmp_path_factory, "llama"))
 
 
-def test_http_serves_the_engines_ids_on_two_devices(store, tmp_path_factory, serve_cache_dir):
-    """`python -m tlaloc_jax.serve` (no JAX in it) on the 2-device artifact: completions of token-id prompts, alone
-    and batched in one request, give the in-process engine's ids."""
+@pytest.mark.parametrize("name,n", CASES)
+def test_http_serves_the_engines_ids_on_n_devices(name, n, store, tmp_path_factory, serve_cache_dir):
+    """`python -m tlaloc_jax.serve` (no JAX in it) on the n-device artifact: completions of token-id prompts, alone
+    and batched in one request, give the in-process engine's ids (which the test above holds to transformers')."""
     import openai
     from test_http import Server
-    art = artifact(store, tmp_path_factory, "llama", 2)
+    art = artifact(store, tmp_path_factory, name, n)
     with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
         want = [eng.generate([p], NEW)[0] for p in PROMPTS]
     srv = Server(art, serve_cache_dir, tmp_path_factory.mktemp("log") / "tp.log")
