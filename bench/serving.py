@@ -51,7 +51,7 @@ def prepare(a) -> tuple[Path, Path]:
         from tlaloc_jax.checkpoint import random_weights, save_checkpoint
         from tlaloc_jax.families import config_from_hf
         hf = llama_config(a)
-        hf.update(max_position_embeddings=a.context, bos_token_id=1, eos_token_id=2)
+        hf.update(bos_token_id=1, eos_token_id=2)
         fam, cfg = config_from_hf(hf)
         weights = random_weights(cfg, fam, seed=0, std=0.02)
         print(f"checkpoint: {sum(x.size for x in weights.values()) / 1e6:.1f}M parameters (f32)", flush=True)
@@ -106,13 +106,14 @@ def _wait_up(name: str, proc: subprocess.Popen, url: str, log: Path, timeout: fl
     raise RuntimeError(f"{name} did not start in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def start_tlaloc(a, art: Path) -> Server:
+def start_tlaloc(a, art: Path, caching: bool = True) -> Server:
     port = _free_port()
-    log = Path(a.work) / "tlaloc.log"
+    name = "tlaloc-jax" if caching else "tlaloc-jax, no prefix cache"
+    log = Path(a.work) / ("tlaloc.log" if caching else "tlaloc-nocache.log")
     cmd = [sys.executable, "-m", "tlaloc_jax.serve", str(art), "--port", str(port), "--max-num-seqs",
-           str(a.max_num_seqs), "--no-progress", *a.serve_arg]
+           str(a.max_num_seqs), "--no-progress", *([] if caching else ["--no-enable-prefix-caching"]), *a.serve_arg]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
-    return _wait_up("tlaloc-jax", proc, f"http://127.0.0.1:{port}", log, 600)
+    return _wait_up(name, proc, f"http://127.0.0.1:{port}", log, 600)
 
 
 def start_vllm(a, ck: Path) -> Server:
@@ -278,17 +279,23 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep", default=None, help="client counts of the --plot sweep (no shared prefix)")
     ap.add_argument("--plot", default=None, help="PNG: throughput against TTFT p50/p99 over the sweep")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every cell")
+    ap.add_argument("--no-cache-control-off", action="store_true",
+                    help="skip the shared-prefix cells' third server (tlaloc-jax with prefix caching off)")
     a = ap.parse_args(argv)
-    a.context = max(a.context, max(int(x) for x in a.shared_prefix.split(",")) + a.unique + a.output)
+    need = max(int(x) for x in a.shared_prefix.split(",")) + a.unique + a.output
+    while a.context < need:             # the longest request fits: a power-of-two context
+        a.context *= 2
     a.context_ladder = a.context_ladder or [c for c in (64, 256, 1024) if c < a.context] + [a.context]
     clients = [int(x) for x in (a.sweep or a.clients).split(",")]
     a.max_num_seqs = a.max_num_seqs or max(clients)
 
     ck, art = prepare(a)
     servers = [start_tlaloc(a, art)]
+    shared_cells = not a.sweep and any(int(x) for x in a.shared_prefix.split(","))
     try:
         if a.peer == "vllm":
             servers.append(start_vllm(a, ck))
+        uncached = start_tlaloc(a, art, caching=False) if shared_cells and not a.no_cache_control_off else None
         models = {s.name: _model(s) for s in servers}
         cells = ([Cell(0, int(p), a.open_loop) for p in a.shared_prefix.split(",")] if a.open_loop else
                  [Cell(c, 0) for c in clients] if a.sweep else
@@ -297,17 +304,19 @@ def main(argv=None) -> None:
         for rnd in range(a.rounds):
             for i, cell in enumerate(cells):
                 order = servers if (rnd + i) % 2 == 0 else servers[::-1]
+                if uncached is not None and cell.shared:
+                    order = order + [uncached]
                 for s in order:
                     r = asyncio.run(run_cell(s, models[s.name], a, cell, seed=1000 * rnd + i))
                     results.setdefault((cell.label, s.name), []).append(r)
                     print(f"[{cell.label}] {s.name:10s} {fmt(r)}", flush=True)
-        report(cells, servers, results, a)
+        report(cells, servers, results, a, uncached)
     finally:
-        for s in servers:
+        for s in servers + ([uncached] if uncached is not None else []):
             s.stop()
 
 
-def report(cells, servers, results, a) -> None:
+def report(cells, servers, results, a, uncached=None) -> None:
     med = {k: {f: statistics.median(r[f] for r in rs) for f in ("tok_s", "ttft_p50", "ttft_p99", "itl_p50",
                                                                     "itl_p99", "preemptions", "prefix_hits",
                                                                     "prefix_queries", "errors")}
@@ -326,13 +335,12 @@ def report(cells, servers, results, a) -> None:
             print(f"| {cell.label} | **ratio** | **{t['tok_s'] / p['tok_s']:.2f}x** | **{t['ttft_p50'] / p['ttft_p50']:.2f}x** "
                   f"| {t['ttft_p99'] / p['ttft_p99']:.2f}x | {t['itl_p50'] / p['itl_p50']:.2f}x | "
                   f"{t['itl_p99'] / p['itl_p99']:.2f}x | | |")
-    shared = [c for c in cells if c.shared]
-    for c in shared:
-        base = next((x for x in cells if x.clients == c.clients and not x.shared), None)
-        if base is not None:
-            r0, r1 = med[(base.label, names[0])], med[(c.label, names[0])]
-            print(f"{names[0]} TTFT p50 without / with the shared prefix ({c.clients} clients): "
-                  f"{r0['ttft_p50'] / r1['ttft_p50']:.2f}x")
+    for c in cells:
+        if uncached is not None and c.shared:
+            r0, r1 = med[(c.label, uncached.name)], med[(c.label, names[0])]
+            print(f"[{c.label}] {uncached.name}: {fmt(r0)}")
+            print(f"[{c.label}] TTFT p50 with prefix caching off / on: {r0['ttft_p50'] / r1['ttft_p50']:.2f}x; "
+                  f"throughput on / off {r1['tok_s'] / r0['tok_s']:.2f}x")
     if a.plot:
         plot(cells, names, med, a.plot)
 

@@ -60,7 +60,8 @@ def main(argv=None) -> int:
                          "decode batch of the artifact); --max-num-seqs is vLLM's name")
     ap.add_argument("--max-num-batched-tokens", type=_positive, default=None,
                     help="tokens one step computes at most: every running sequence's next token, then prompt chunks "
-                         "(default: the artifact's longest prefill chunk)")
+                         "(default: the artifact's longest prefill chunk times its largest prefill batch, plus "
+                         "--max-num-seqs)")
     ap.add_argument("--max-waiting", type=_positive, default=None,
                     help="sequences that may wait to run; past it new requests get 503 (default 1024)")
     ap.add_argument("--max-wait-seconds", type=float, default=None,

@@ -77,7 +77,7 @@ class Engine:
         of that name may be changed between steps; False serves with single decode steps only).
         max_num_seqs: the most sequences running at once (default: the artifact's largest decode batch); more wait.
         max_num_batched_tokens: the tokens one step computes at most, decode tokens first, then prompt chunks
-        (default: the longest prefill chunk, at least max_num_seqs).
+        (default: the longest prefill chunk times the largest prefill batch, plus max_num_seqs).
         enable_prefix_caching: reuse the pages of a prefix computed before (default: on where every pool can be
         reused exactly; True where one cannot is refused by name).
         """

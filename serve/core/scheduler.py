@@ -80,7 +80,8 @@ class Scheduler:
         self.max_decode_batch = max(e.batch for e in self._by_kind[mf.EntryKind.DECODE])
         self.max_num_seqs = max_num_seqs or self.max_decode_batch
         self.chunk_cap = max(e.tokens_per_seq for e in self._by_kind[mf.EntryKind.PREFILL])
-        self.max_num_batched_tokens = max_num_batched_tokens or max(self.chunk_cap, self.max_num_seqs)
+        prefill_batch = max(e.batch for e in self._by_kind[mf.EntryKind.PREFILL])
+        self.max_num_batched_tokens = max_num_batched_tokens or self.chunk_cap * prefill_batch + self.max_num_seqs
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} must be at least max_num_seqs "
                              f"{self.max_num_seqs} (every running sequence decodes a token a step)")
