@@ -54,8 +54,8 @@ def _median_times(fns, steps: int, warmup: int = 2) -> list[float]:
 
 def _step_fields(entry) -> list[str]:
     """The step inputs of an entry, by StepInputs field, in its signature order (a body takes them first)."""
-    from tlaloc_jax import manifest as mf
-    return [mf.STEP_FIELDS[s.role] for s in entry.inputs if s.role in mf.STEP_FIELDS]
+    from tlaloc_jax import artifact as af
+    return [af.STEP_FIELDS[s.role] for s in entry.inputs if s.role in af.STEP_FIELDS]
 
 
 def _bandwidth(nbytes: int, threads: int, repeats: int = 7) -> float:
@@ -116,6 +116,7 @@ def main(argv=None) -> None:
     import jax
 
     import tlaloc_jax
+    from tlaloc_jax.artifact import Role
     from tlaloc_jax.checkpoint import random_weights, save_checkpoint
     from tlaloc_jax.decoder import StepInputs
     from tlaloc_jax.export import export_checkpoint
@@ -161,7 +162,7 @@ def main(argv=None) -> None:
             inputs = step_inputs(b)
 
             def runtime_step():
-                return engine.runner.run(entry, inputs, {mf.Role.NEXT_TOKEN})[mf.Role.NEXT_TOKEN]
+                return engine.runner.run(entry, inputs, {Role.NEXT_TOKEN})[Role.NEXT_TOKEN]
 
             def jax_step():
                 nonlocal jax_pools
@@ -184,7 +185,7 @@ def main(argv=None) -> None:
                 return nxt
 
             def runtime_step_logits():
-                return engine.runner.run(entry, inputs, {mf.Role.NEXT_TOKEN, mf.Role.LOGITS})
+                return engine.runner.run(entry, inputs, {Role.NEXT_TOKEN, Role.LOGITS})
 
             t_rt, t_jax, t_host, t_logits = _median_times(
                 [runtime_step, jax_step, host_copy_step, runtime_step_logits], args.steps)
@@ -206,7 +207,7 @@ def main(argv=None) -> None:
             nonlocal jax_pools
             nxt, _, jax_pools = model._greedy(model.weights, jax_pools, StepInputs(**pin))
             return np.asarray(nxt)
-        t_rt_p, t_jax_p = _median_times([lambda: engine.runner.run(pentry, pin, {mf.Role.NEXT_TOKEN}), jax_prefill],
+        t_rt_p, t_jax_p = _median_times([lambda: engine.runner.run(pentry, pin, {Role.NEXT_TOKEN}), jax_prefill],
                                         max(3, args.steps // 4))
         print(f"prefill {args.prefill} tokens | runtime {args.prefill / t_rt_p:.0f} tok/s | in-process JAX "
               f"{args.prefill / t_jax_p:.0f} tok/s | runtime/JAX {t_jax_p / t_rt_p:.2f}x")
@@ -295,7 +296,7 @@ def _entry_pair(engine, art: Path, entry, start: int):
     import jax
     import jax.numpy as jnp
     from jax import export as jax_export
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as af
     from tlaloc_jax.paging import RowCall, build_step_inputs
     m, B = engine.manifest, entry.batch
     width = entry.context // m.block_size
@@ -304,36 +305,36 @@ def _entry_pair(engine, art: Path, entry, start: int):
     kept = {}
     if engine.sampler is not None:
         # Greedy rows: the engine passes the sampler's neutral inputs, kept on the device; so does JAX here.
-        for role in mf.SAMPLER_INPUTS:
+        for role in af.SAMPLER_INPUTS:
             inputs[role] = engine.runner.neutral_buffer(entry, role)
             kept[role] = jnp.asarray(engine.device.to_host(inputs[role]))
-    multi = entry.kind == mf.EntryKind.DECODE_STEPS
+    multi = entry.kind == af.EntryKind.DECODE_STEPS
     if multi:
-        inputs[mf.Role.STEP_LIMIT] = np.full(B, entry.steps, np.int32)
-        inputs[mf.Role.STOP_IDS] = np.full(entry.inputs[entry.input_index(mf.Role.STOP_IDS)].shape, -1, np.int32)
-    want = mf.Role.STEP_TOKENS if multi else (mf.Role.SAMPLED_TOKEN if engine.sampler else mf.Role.NEXT_TOKEN)
+        inputs[af.Role.STEP_LIMIT] = np.full(B, entry.steps, np.int32)
+        inputs[af.Role.STOP_IDS] = np.full(entry.inputs[entry.input_index(af.Role.STOP_IDS)].shape, -1, np.int32)
+    want = af.Role.STEP_TOKENS if multi else (af.Role.SAMPLED_TOKEN if engine.sampler else af.Role.NEXT_TOKEN)
 
     def runtime_call():
         return engine.runner.run(entry, inputs, {want})[want]
 
     exp = jax_export.deserialize(bytearray((art / entry.exported).read_bytes()))
     fn = jax.jit(exp.call, donate_argnums=tuple(i for _, i in entry.donations))
-    weights = {w.slot: jnp.asarray(np.fromfile(art / w.file, mf.numpy_dtype(w.dtype)).reshape(w.shape))
+    weights = {w.slot: jnp.asarray(np.fromfile(art / w.file, af.numpy_dtype(w.dtype)).reshape(w.shape))
                for w in m.weights}
-    pools = {p.name: jnp.zeros(p.shape, mf.numpy_dtype(p.dtype)) for p in m.pools}
+    pools = {p.name: jnp.zeros(p.shape, af.numpy_dtype(p.dtype)) for p in m.pools}
     out_i = entry.output_index(want)
 
     def jax_call():
         args = []
         for sig in entry.inputs:
-            if sig.role == mf.Role.POOL_IN:
+            if sig.role == af.Role.POOL_IN:
                 args.append(pools[sig.slot])
-            elif sig.role == mf.Role.WEIGHT:
+            elif sig.role == af.Role.WEIGHT:
                 args.append(weights[sig.slot])
             elif sig.role in kept:
                 args.append(kept[sig.role])
             else:
-                args.append(inputs[mf.STEP_FIELDS.get(sig.role, sig.role)])
+                args.append(inputs[af.STEP_FIELDS.get(sig.role, sig.role)])
         outs = fn(*args)
         for o, i in entry.donations:
             pools[entry.inputs[i].slot] = outs[o]

@@ -95,7 +95,7 @@ def main(argv=None) -> None:
     from tlaloc_jax.export._quant import quantize_weights, scheme_label
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.paging import RowCall, build_step_inputs
-    from tlaloc_jax.manifest import Role
+    from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine
 
     hf = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,

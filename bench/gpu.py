@@ -86,9 +86,9 @@ def export_model(name: str, out: Path, *, platform: str, decode_attention: str, 
     import ml_dtypes
     import numpy as np
 
-    from tlaloc_jax.decoder import forward
-    from tlaloc_jax.export import stage
-    from tlaloc_jax.export._artifact import decoder_pools, tensor_parallel_decoder
+    from tlaloc_jax.decoder import decoder_pools, forward
+    from tlaloc_jax.export import Capacity, Ladders, ModelInfo, stage
+    from tlaloc_jax.export._artifact import tensor_parallel_decoder
     from tlaloc_jax.families import config_from_hf
 
     spec = MODELS[name]
@@ -101,13 +101,14 @@ def export_model(name: str, out: Path, *, platform: str, decode_attention: str, 
     tmp = out.with_name(out.name + ".full")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    stage(step, weights, pools, tmp, batch_ladder=spec["batches"], context_ladder=(spec["context"],),
-          prefill_max_batch=1, prefill_chunk=spec["prefill"], block_size=spec["block_size"],
-          num_blocks=spec["num_blocks"], platform=platform, name=name, model_type=cfg.model_type,
-          embedding_slot="embed", progress=False, mesh=tensor_parallel, weight_split_axes=split_axes,
-          describe=dict(layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-                        head_dim=cfg.head_dim, hidden=cfg.hidden_size, weight_dtype=spec["dtype"],
-                        kv_dtype=spec["dtype"]))
+    stage(step, weights, pools, tmp, platform=platform, progress=False, mesh=tensor_parallel,
+          weight_split_axes=split_axes,
+          ladders=Ladders(batch=spec["batches"], context=(spec["context"],), prefill_max_batch=1,
+                          prefill_chunk=spec["prefill"]),
+          capacity=Capacity(block_size=spec["block_size"], paged_kv=spec["num_blocks"]),
+          model=ModelInfo(name=name, model_type=cfg.model_type, embedding_slot="embed", layers=cfg.num_layers,
+                          heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                          hidden=cfg.hidden_size, weight_dtype=spec["dtype"], kv_dtype=spec["dtype"]))
     shutil.copytree(tmp, out, ignore=shutil.ignore_patterns("*.bin"))
     (out / "weights").mkdir(exist_ok=True)
     shutil.rmtree(tmp)
@@ -206,7 +207,7 @@ def interleaved(fns: dict, steps: int, rounds: int = 3) -> dict:
 def stage_runtime(arts: list[Path], plugin: str | None, steps: int) -> None:
     """The JAX-free runtime: every variant of a model loaded at once, each entry's variants alternated."""
     import numpy as np
-    from tlaloc_jax.manifest import Role
+    from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine
     engines = {}
     for art in arts:   # a variant the plugin refuses (say, Triton IR it cannot read) is reported, the rest timed
@@ -249,7 +250,7 @@ def stage_jax(arts: list[Path], steps: int) -> None:
     import jax.numpy as jnp
     import ml_dtypes
     import numpy as np
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as af
     dev = jax.devices()[0]
     n = (1 << 30) if dev.platform == "gpu" else (1 << 24)        # 4 GiB of uint32 on a GPU
     x = jnp.zeros((n,), jnp.uint32)
@@ -260,7 +261,7 @@ def stage_jax(arts: list[Path], steps: int) -> None:
     loaded = {}
     for art in arts:
         try:
-            m = mf.load_manifest(art, verify_weights=False)
+            m = af.load_manifest(art, verify_weights=False)
         except Exception as e:
             result(stage="jax", what="error", art=art.name, error=f"{type(e).__name__}: {e}"[:3000])
             continue
@@ -280,9 +281,9 @@ def stage_jax(arts: list[Path], steps: int) -> None:
             e = next(x for x in m.entries if x.name == entry.name)
             try:
                 exp = jax.export.deserialize(bytearray((art_of(arts, k) / e.exported).read_bytes()))
-                pool_idx = tuple(i for i, s in enumerate(e.inputs) if s.role == mf.Role.POOL_IN)
+                pool_idx = tuple(i for i, s in enumerate(e.inputs) if s.role == af.Role.POOL_IN)
                 f = jax.jit(exp.call, donate_argnums=pool_idx)
-                fns[k] = _jax_step(f, e, inp, weights, pools, e.output_index(mf.Role.NEXT_TOKEN), mf)
+                fns[k] = _jax_step(f, e, inp, weights, pools, e.output_index(af.Role.NEXT_TOKEN), af)
                 fns[k]()                       # compiles: a body this jax cannot run is reported, the rest timed
             except Exception as ex:
                 fns.pop(k, None)
@@ -297,14 +298,14 @@ def art_of(arts: list[Path], name: str) -> Path:
     return next(a for a in arts if a.name == name)
 
 
-def _jax_step(f, e, inp, weights, pools, nt, mf):
+def _jax_step(f, e, inp, weights, pools, nt, af):
     import jax.numpy as jnp
     import numpy as np
     fields = {k: jnp.asarray(v) for k, v in inp.items()}
 
     def step():
-        args = [fields[mf.STEP_FIELDS[s.role]] if s.role in mf.STEP_FIELDS else
-                pools[s.slot] if s.role == mf.Role.POOL_IN else weights[s.slot] for s in e.inputs]
+        args = [fields[af.STEP_FIELDS[s.role]] if s.role in af.STEP_FIELDS else
+                pools[s.slot] if s.role == af.Role.POOL_IN else weights[s.slot] for s in e.inputs]
         outs = f(*args)
         for o, i in e.donations:
             pools[e.inputs[i].slot] = outs[o]
@@ -380,7 +381,7 @@ def floor_ms(m, entry, tokens: int, start: int, gbps: float) -> float:
 
 
 def table(lines: list[dict], kit: Path) -> None:
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as af
     hbm = [r for r in lines if r.get("what") == "hbm"]
     gbps = statistics.median(r["GBps"] for r in hbm) if hbm else None
     if hbm:
@@ -395,7 +396,7 @@ def table(lines: list[dict], kit: Path) -> None:
         model, art, name = k
         r, j = rt.get(k), jx.get(k)
         if art not in manifests:
-            manifests[art] = mf.load_manifest(kit / "art" / art, verify_weights=False)
+            manifests[art] = af.load_manifest(kit / "art" / art, verify_weights=False)
         m = manifests[art]
         entry = next(e for e in m.entries if e.name == name)
         tokens, start = (r or j)["tokens"], (r or j)["position"]

@@ -46,7 +46,7 @@ def main(argv=None) -> None:
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.layout import weight_slice_copies
     from tlaloc_jax.paging import RowCall, build_step_inputs
-    from tlaloc_jax.manifest import Role
+    from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine
 
     hf = llama_config(args)

@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mb", type=int, default=400, help="weights of the second artifact, MB (f32)")
     args = ap.parse_args(argv)
 
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as af
     from tlaloc_jax.checkpoint import random_weights, save_checkpoint
     from tlaloc_jax.demo import export_demo
     from tlaloc_jax.export import export_checkpoint
@@ -54,10 +54,10 @@ def main(argv=None) -> None:
                           progress=False)
         print(f"{'artifact':>22} | {'weights':>9} | {'all checks':>10} | {'weights trusted':>15} | hashing adds")
         for name in ("demo", "big"):
-            m = mf.load_manifest(tmp / name)
+            m = af.load_manifest(tmp / name)
             mb = sum(w.nbytes for w in m.weights) / 1e6
-            full = _median(lambda: mf.load_manifest(tmp / name))
-            trusted = _median(lambda: mf.load_manifest(tmp / name, verify_weights=False))
+            full = _median(lambda: af.load_manifest(tmp / name))
+            trusted = _median(lambda: af.load_manifest(tmp / name, verify_weights=False))
             label = "demo (embedded model)" if name == "demo" else f"llama, {layers} layers"
             print(f"{label:>22} | {mb:7.1f} MB | {full * 1e3:7.0f} ms | {trusted * 1e3:12.0f} ms | "
                   f"{(full - trusted) * 1e3:.0f} ms ({mb / max(full - trusted, 1e-9):.0f} MB/s)")

@@ -269,7 +269,7 @@ def llama_worker(a, work: Path) -> None:
 
 def tlaloc_worker(a, work: Path) -> None:
     from tlaloc_jax.paging import RowCall, build_step_inputs
-    from tlaloc_jax.manifest import Role
+    from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine
 
     eng = Engine.load(work / "art", cache_dir=work / "compile-cache", progress=False)

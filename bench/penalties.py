@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels import sampling as S
 
 
@@ -41,7 +42,7 @@ def main(argv=None) -> int:
     B, V, C, P = args.batch, args.vocab, args.context, args.slots
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.standard_normal((B, V)).astype(np.float32))
-    params = np.tile(np.array([S.NEUTRAL[c] for c in S.SAMPLING_COLUMNS], np.float32), (B, 1))
+    params = np.tile(np.array([af.SAMPLING_NEUTRAL[c] for c in af.SAMPLING_COLUMNS], np.float32), (B, 1))
     params[:, 4:7] = [0.5, 0.3, 1.2]
     params = jnp.asarray(params)
     seq_lens = jnp.full((B,), C - 1, jnp.int32)

@@ -12,6 +12,7 @@ markdown table.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -27,10 +28,13 @@ def variants(groups: tuple[int, int]) -> list[tuple[str, str, int, str, str]]:
 
 
 def export(checkpoint: Path, out: Path, context: int, quant="none", group=128, kv="float32", axis="output") -> Path:
+    """The checkpoint's artifact; axis "input" quantizes with the wrong-axis control (tests/quant_controls.py)."""
+    from quant_controls import wrong_axis_export
     from tlaloc_jax.export import export_checkpoint
     if not (out / "tlaloc-serving.json").exists():
-        export_checkpoint(checkpoint, out, batch_ladder=(1,), context_ladder=(context,), prefill_chunk=16,
-                          kv_dtype=kv, weight_quant=quant, quant_group=group or 128, quant_axis=axis, progress=False)
+        with wrong_axis_export() if axis == "input" else contextlib.nullcontext():
+            export_checkpoint(checkpoint, out, batch_ladder=(1,), context_ladder=(context,), prefill_chunk=16,
+                              kv_dtype=kv, weight_quant=quant, quant_group=group or 128, progress=False)
     return out
 
 

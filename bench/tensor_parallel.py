@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     counts = [int(n) for n in args.devices.split(",")]
 
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as mf
     from tlaloc_jax.checkpoint import random_weights, save_checkpoint
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.families import config_from_hf

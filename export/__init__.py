@@ -2,12 +2,16 @@
 `python -m tlaloc_jax.export --help`) as a serving artifact, or a function that is not a decoder as a
 bounded-program artifact (`stage_bounded`)."""
 
-from ._artifact import decoder_pools, export_checkpoint
+from tlaloc_jax.decoder import decoder_pools
+from tlaloc_jax.pools import PagedKV, RingKV, StateSlots
+
+from ._artifact import export_checkpoint
 from ._bounded import stage_bounded
 from ._entries import ExportError, check_custom_calls, custom_call_targets, plan_entries
-from ._pools import PagedKV, RingKV, StateSlots
-from ._stage import PromptScorer, Sampler, flatten_weights, stage
+from ._options import Capacity, Features, Ladders, ModelInfo, PromptScorer, Sampler, SplitStep
+from ._stage import stage
+from ._weights import flatten_weights
 
-__all__ = ["stage", "Sampler", "PromptScorer", "stage_bounded", "PagedKV", "RingKV", "StateSlots", "export_checkpoint",
-           "decoder_pools",
+__all__ = ["stage", "Ladders", "Capacity", "Features", "ModelInfo", "Sampler", "SplitStep", "PromptScorer",
+           "stage_bounded", "PagedKV", "RingKV", "StateSlots", "export_checkpoint", "decoder_pools",
            "flatten_weights", "ExportError", "check_custom_calls", "custom_call_targets", "plan_entries"]

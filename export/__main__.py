@@ -6,6 +6,11 @@ import argparse
 import sys
 import time
 
+from tlaloc_jax.artifact import QUANT_GROUPS
+
+from ._options import DEFAULT_PREFILL_CHUNK
+from ._quant import WEIGHT_QUANT
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -30,21 +35,21 @@ def main(argv=None) -> int:
                     help="context buckets in positions, multiples of the block size (default 64,256,1024)")
     ap.add_argument("--prefill-max-batch", type=int, default=None,
                     help="largest batch of the prefill entries (default: the largest batch bucket; 1 = batch-1 only)")
-    ap.add_argument("--prefill-chunk", type=int, default=None,
-                    help="tokens per sequence of a prefill call (default: the entry's whole context); a runtime "
-                         "prefills longer prompts in several calls")
+    ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                    help=f"tokens per sequence of a prefill call (default {DEFAULT_PREFILL_CHUNK}; 0: the entry's whole "
+                         "context); a runtime prefills longer prompts in several calls")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV page (default 16)")
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="pages in the KV pool (default: room for the largest batch at the largest context)")
     ap.add_argument("--weight-dtype", choices=["f32", "bf16"], default="f32", help="weight dtype (default f32)")
     ap.add_argument("--kv-dtype", choices=["f32", "bf16", "fp8"], default="f32",
                     help="KV pool dtype (default f32); fp8 stores keys and values as e4m3fn, clamped to +-448, no scale")
-    ap.add_argument("--weight-quant", choices=["none", "int8", "fp8", "int4"], default="none",
+    ap.add_argument("--weight-quant", choices=WEIGHT_QUANT, default="none",
                     help="store the projections (q, k, v, o, output gate, gate, up, down, experts) as int8 or fp8 codes "
                          "with a scale per output channel, or int4 codes with a scale per --quant-group input channels, "
                          "quantized from the checkpoint's values; embedding, norms and head keep the weight dtype "
                          "(default none). It changes the model's numerics: python -m tlaloc_jax.quality measures it")
-    ap.add_argument("--quant-group", type=int, choices=[32, 64, 128], default=128,
+    ap.add_argument("--quant-group", type=int, choices=QUANT_GROUPS, default=128,
                     help="input channels per int4 scale (default 128)")
     ap.add_argument("--attention-block", type=int, default=2048,
                     help="key block of the blockwise attention loop, in positions (default 2048)")

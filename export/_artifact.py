@@ -1,8 +1,8 @@
 """export_checkpoint: a Hugging Face checkpoint -> a serving artifact, through `stage` like any authored model.
 
-The family table reads the checkpoint into the built-in decoder's config and weight slots; this module
-declares the decoder's pools (full-history pages, the sliding layers' rings, the linear layers' state
-slots) and stages `decoder.forward` over them.
+The family table reads the checkpoint into the built-in decoder's config and weight slots; this module stages
+`decoder.forward` over the decoder's pools (decoder.decoder_pools: full-history pages, the sliding layers' rings,
+the linear layers' state slots).
 """
 
 from __future__ import annotations
@@ -13,44 +13,21 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
 from tlaloc_jax.config import SLIDING, DecoderConfig
-from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, final_hidden, forward, logits_from_hidden
+from tlaloc_jax.decoder import DEFAULT_KEY_BLOCK, decoder_pools, final_hidden, forward, logits_from_hidden
 from tlaloc_jax.kernels import paged_attention_gpu
 from tlaloc_jax.layout import LAYOUTS, fuse_projections, out_major, unstack_layers
-from tlaloc_jax.plan import layer_plan
-from tlaloc_jax.sharding import ShardingError, local_config, shard_decoder_weights
 from tlaloc_jax.paging import ring_pages_for
+from tlaloc_jax.sharding import ShardingError, local_config, shard_decoder_weights
 
 from ._entries import ExportError
 from ._mesh import weight_split_axes
-from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
+from ._options import DEFAULT_PREFILL_CHUNK, Capacity, Features, Ladders, ModelInfo, Sampler, SplitStep
 from ._quant import quantize_weights, scheme_label
-from ._stage import PromptScorer, Sampler, _ladder, flatten_weights, stage
-
-
-def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pages: int) -> dict[str, PoolSpec]:
-    """The built-in decoder's pools, as its layer plan orders them: "kv" (full-history pages), "window_kv" (the
-    sliding layers' rings, when windowed), "conv" and "recurrent" (the linear layers' states, f32)."""
-    plan = layer_plan(cfg, windowed)
-    K, D = cfg.num_kv_heads, cfg.head_dim
-    specs: dict[str, PoolSpec] = {}
-    for name in plan.pool_names():
-        ids = plan.pool_layers(name)
-        if name == "kv":
-            specs[name] = PagedKV(len(ids), K, D, kv_dtype, layer_ids=ids)
-        elif name == "window_kv":
-            specs[name] = RingKV(len(ids), K, D, cfg.sliding_window, kv_dtype, ring_pages=ring_pages, layer_ids=ids)
-        elif name == "conv":
-            specs[name] = StateSlots((cfg.conv_channels, cfg.linear_conv_kernel - 1), "float32", len(ids), ids,
-                                     shard_axis=0)
-        elif name == "recurrent":
-            specs[name] = StateSlots((cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim), "float32",
-                                     len(ids), ids, shard_axis=0)
-        else:
-            raise ExportError(f"the decoder's layer plan names pool {name!r}, which export_checkpoint cannot declare")
-    return specs
+from ._stage import sorted_ladder, stage
+from ._weights import flatten_weights
 
 
 def tensor_parallel_decoder(cfg: DecoderConfig, weights: dict, n: int) -> tuple[dict, DecoderConfig, dict | None]:
@@ -68,20 +45,21 @@ def tensor_parallel_decoder(cfg: DecoderConfig, weights: dict, n: int) -> tuple[
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                       batch_ladder: Sequence[int] = (1, 2, 4), context_ladder: Sequence[int] = (64, 256, 1024),
-                      prefill_max_batch: int | None = None, prefill_chunk: int | None = None,
+                      prefill_max_batch: int | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
                       block_size: int = 16, num_blocks: int | None = None, weight_dtype_name: str = "float32",
                       kv_dtype: str = "float32", attention_block: int = DEFAULT_KEY_BLOCK,
                       windowed_kv: bool = True, window_blocks: int | None = None, state_slots: int | None = None,
                       platform: str = "cpu", progress: bool = True, sampler: Sampler | None = None,
                       allow_longer_context: bool = False, prompt_logprobs: int | None = None,
                       decode_attention: str | None = None, weight_layout: str = "per-layer",
-                      weight_quant: str = "none", quant_group: int = 128,
-                      quant_axis: str = "output", decode_steps: int = 1, tensor_parallel: int = 1) -> mf.Manifest:
+                      weight_quant: str = "none", quant_group: int = 128, decode_steps: int = 1,
+                      tensor_parallel: int = 1) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
     prefill_max_batch, tokens per call by prefill_chunk), each a jax.export body with the pools donated;
-    weights as raw little-endian files ([in, out] for linears); the tokenizer files copied in.
+    weights as raw little-endian files (projections [out, in] in the per-layer layout, [in, out] when stacked or
+    quantized); the tokenizer files copied in.
 
     A model with sliding-window layers keeps them in a ring pool unless windowed_kv is False: each sequence
     keeps a ring of ceil((window - 1 + N) / block_size) pages for those layers (N the longest call: the
@@ -99,8 +77,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     through Triton; the default on cuda, refused on cpu) or "xla" (plain ops; the default on cpu). Prefill
     entries use plain ops either way.
     weight_quant "int8", "fp8" or "int4" (groups of quant_group input channels) stores the projections as codes
-    and scales quantized from the checkpoint's f32 values (export/_quant.py; quant_axis "input" is the
-    wrong-axis control of the quality check); kv_dtype "float8_e4m3fn" stores the KV pools as e4m3fn codes.
+    and scales quantized from the checkpoint's f32 values (export/_quant.py); kv_dtype "float8_e4m3fn" stores the
+    KV pools as e4m3fn codes.
     The model's name then ends in ":q<scheme>" and ":kvfp8".
     decode_steps: K > 1 adds a K-step decode entry beside each decode entry (see `stage`).
     tensor_parallel: N > 1 stages every entry for N devices, each holding 1/N of the heads, KV heads, MLP width
@@ -112,12 +90,12 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     if decode_attention == "pallas" and platform != "cuda":
         raise ExportError(f"decode_attention 'pallas' lowers through Triton, which only the cuda plugin compiles; "
                           f"platform {platform!r} takes decode_attention 'xla'")
-    contexts = _ladder(context_ladder, "context ladder")
+    contexts = sorted_ladder(context_ladder, "context ladder")
     if block_size <= 0 or attention_block % block_size:
         raise ExportError(f"attention block {attention_block} is not a multiple of the block size {block_size}")
     if weight_layout not in LAYOUTS:
         raise ExportError(f"unknown weight layout {weight_layout!r}: one of {', '.join(LAYOUTS)}")
-    kv_np = mf.numpy_dtype(kv_dtype) if kv_dtype == "float8_e4m3fn" else weight_dtype(kv_dtype)
+    kv_np = af.numpy_dtype(kv_dtype) if kv_dtype == "float8_e4m3fn" else weight_dtype(kv_dtype)
     quantized = weight_quant != "none"
     cfg, weights = load_checkpoint(checkpoint_dir, "float32" if quantized else weight_dtype_name)
     name = cfg.name or Path(checkpoint_dir).name
@@ -125,8 +103,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     if per_layer:
         weights = fuse_projections(weights)     # before quantizing: the fused projection gets its own scales
     if quantized:
-        weights = quantize_weights(weights, weight_quant, quant_group, compute=weight_dtype_name, axis=quant_axis)
-        name += f":q{scheme_label(weight_quant, quant_group)}" + ("-wrong-axis" if quant_axis == "input" else "")
+        weights = quantize_weights(weights, weight_quant, quant_group, compute=weight_dtype_name)
+        name += f":q{scheme_label(weight_quant, quant_group)}"
     if kv_dtype == "float8_e4m3fn":
         name += ":kvfp8"
     if per_layer:
@@ -155,20 +133,21 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         if why:
             raise ExportError(f"the Pallas GPU decode-attention kernel cannot serve this model: {why}; export with "
                               "decode_attention='xla' (--decode-attention xla)")
-    step = functools.partial(forward, shard_cfg, key_block=attention_block, ring_pages=ring,
-                             decode_attention=decode_attention)
-    scorer = None
-    if prompt_logprobs is not None:
-        scorer = PromptScorer(hidden=functools.partial(final_hidden, shard_cfg, key_block=attention_block,
-                                                       ring_pages=ring, all_positions=True),
-                              head=functools.partial(logits_from_hidden, shard_cfg), top_logprobs=prompt_logprobs)
-    describe = dict(layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                    hidden=cfg.hidden_size, weight_dtype=weight_dtype_name, kv_dtype=kv_np.name)
-    return stage(step, weights, pools, out_dir, batch_ladder=batch_ladder, context_ladder=contexts,
-                 prefill_chunk=prefill_chunk, prefill_max_batch=prefill_max_batch, block_size=block_size,
-                 num_blocks=num_blocks, ring_blocks=window_blocks, state_slots=state_slots, platform=platform,
-                 name=name, model_type=cfg.model_type,
-                 eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, tokenizer_dir=checkpoint_dir,
-                 embedding_slot="embed", describe=describe, attention_block=attention_block, progress=progress,
-                 sampler=sampler, prompt_logprobs=scorer, decode_steps=decode_steps,
+    # The decoder's step norms only each row's last token; prompt scoring reads every position's hidden state.
+    # On a mesh each device runs the config of its shard (tlaloc_jax.sharding.local_config).
+    step = SplitStep(hidden=functools.partial(final_hidden, shard_cfg, key_block=attention_block, ring_pages=ring,
+                                              all_positions=True),
+                     head=functools.partial(logits_from_hidden, shard_cfg),
+                     last=functools.partial(forward, shard_cfg, key_block=attention_block, ring_pages=ring,
+                                            decode_attention=decode_attention))
+    model = ModelInfo(name=name, model_type=cfg.model_type, tokenizer_dir=checkpoint_dir, embedding_slot="embed",
+                      eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, layers=cfg.num_layers,
+                      heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden=cfg.hidden_size,
+                      weight_dtype=weight_dtype_name, kv_dtype=kv_np.name, attention_block=attention_block)
+    return stage(step, weights, pools, out_dir, platform=platform, progress=progress, model=model,
+                 ladders=Ladders(batch=batch_ladder, context=contexts, prefill_chunk=prefill_chunk,
+                                 prefill_max_batch=prefill_max_batch),
+                 capacity=Capacity(block_size=block_size, paged_kv=num_blocks, ring_kv=window_blocks,
+                                   state_slots=state_slots),
+                 features=Features(sampler=sampler, prompt_logprobs=prompt_logprobs, decode_steps=decode_steps),
                  mesh=tensor_parallel if tensor_parallel > 1 else None, weight_split_axes=split_axes)

@@ -28,16 +28,17 @@ import jaxlib
 import numpy as np
 from tqdm.auto import tqdm
 
-from tlaloc_jax import bounded_manifest as bm
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
+from tlaloc_jax.artifact import bounded as bm
 from tlaloc_jax.bounded import Bound, Valid
 
-from ._entries import ExportError, check_custom_calls
+from ._entries import ExportError, check_custom_calls, export_fn
+from ._files import copy_tokenizer, write_body, write_file, write_weights
 from ._padding import check_padding
 from ._roundings import output_roundings
-from ._stage import _key_name, _write, copy_tokenizer, export_fn, flatten_weights, write_body, write_weights
+from ._weights import flatten_weights, path_name
 
-Role = bm.Role
+Role = af.Role
 
 
 def _examples(example_args: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -45,14 +46,14 @@ def _examples(example_args: Mapping[str, Any]) -> dict[str, np.ndarray]:
         raise ExportError("example_args must be a dict {input name: array} of at least one input")
     out = {}
     for name, value in example_args.items():
-        if not isinstance(name, str) or not bm.NAME.match(name):
+        if not isinstance(name, str) or not af.NAME.match(name):
             raise ExportError(f"input {name!r}: a name keeps to letters, digits, '_', '.' and '-'")
         arr = np.asarray(value)
         # What the function sees in process too: jax's dtypes (int64 -> int32 without x64).
         arr = arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype))
-        if arr.dtype.name not in mf.DTYPES:
+        if arr.dtype.name not in af.DTYPES:
             raise ExportError(f"input {name!r} has dtype {arr.dtype.name}, which an artifact cannot hold (known: "
-                              f"{', '.join(mf.DTYPES)})")
+                              f"{', '.join(af.DTYPES)})")
         out[name] = arr
     return out
 
@@ -68,7 +69,7 @@ def _resolve_bounds(bounds: Mapping[str, Bound], examples: Mapping[str, np.ndarr
         what = f"bound {name!r}"
         if not isinstance(b, Bound):
             raise ExportError(f"{what} is a {type(b).__name__}; declare it as tlaloc_jax.Bound")
-        if not bm.NAME.match(name):
+        if not af.NAME.match(name):
             raise ExportError(f"{what}: a name keeps to letters, digits, '_', '.' and '-'")
         if b.max < 2:
             raise ExportError(f"{what} has max {b.max}: an axis of one size is fixed, not bounded")
@@ -91,9 +92,9 @@ def _resolve_bounds(bounds: Mapping[str, Bound], examples: Mapping[str, np.ndarr
                 raise ExportError(f"input {inp!r} axis {axis} is {shape[axis]} in example_args; give the example at "
                                   f"the max {b.max} of {what}")
             axes[inp][axis] = name
-        kind = bm.BoundKind.BATCH if b.batch else bm.BoundKind.LENGTH
+        kind = af.BoundKind.BATCH if b.batch else af.BoundKind.LENGTH
         specs.append(bm.BoundSpec(name, kind, b.max, ladder))
-    batch = [s.name for s in specs if s.kind == bm.BoundKind.BATCH]
+    batch = [s.name for s in specs if s.kind == af.BoundKind.BATCH]
     if len(batch) > 1:
         raise ExportError(f"bounds {batch} are all batch bounds; a program has at most one")
     inputs = tuple(bm.TensorSpec(n, arr.dtype.name, tuple(arr.shape), tuple(axes[n])) for n, arr in examples.items())
@@ -107,7 +108,7 @@ def _resolve_bounds(bounds: Mapping[str, Bound], examples: Mapping[str, np.ndarr
 def _flatten_outputs(result) -> list[tuple[str, Any]]:
     """The function's outputs as (name, array): a dict's paths joined with ".", a bare array named "output"."""
     leaves = jax.tree_util.tree_flatten_with_path(result)[0]
-    out = [(".".join(_key_name(k) for k in path) or "output", leaf) for path, leaf in leaves]
+    out = [(path_name(path) or "output", leaf) for path, leaf in leaves]
     if not out:
         raise ExportError("the function returned no arrays")
     return out
@@ -132,11 +133,11 @@ def _body(fn: Callable, treedef, bounds: tuple[bm.BoundSpec, ...], inputs: tuple
 
 
 def _avals(sigs) -> list[jax.ShapeDtypeStruct]:
-    return [jax.ShapeDtypeStruct(s.shape, jnp.dtype(mf.numpy_dtype(s.dtype))) for s in sigs]
+    return [jax.ShapeDtypeStruct(s.shape, jnp.dtype(af.numpy_dtype(s.dtype))) for s in sigs]
 
 
 def _output_specs(body, bounds: tuple[bm.BoundSpec, ...], inputs: tuple[bm.TensorSpec, ...],
-                  table: tuple[mf.WeightFile, ...]) -> tuple[bm.TensorSpec, ...]:
+                  table: tuple[af.WeightFile, ...]) -> tuple[bm.TensorSpec, ...]:
     """Each output's spec, in the body's (sorted) order: its shape with every bound at its max, and which bound each
     axis follows, read off abstract evaluations with one bound at a time at another size: its next bucket down
     (a size the function is traced at anyway), or max - 1 when it has one bucket."""
@@ -158,13 +159,13 @@ def _output_specs(body, bounds: tuple[bm.BoundSpec, ...], inputs: tuple[bm.Tenso
                     raise ExportError(f"output {n!r} axis {a} is {d} with bound {b.name!r} at {b.max} and {e} at "
                                       f"{other}; an output axis has one bound's size or a fixed one")
                 axes[n][a] = b.name
-    batch = next((b.name for b in bounds if b.kind == bm.BoundKind.BATCH), None)
+    batch = next((b.name for b in bounds if b.kind == af.BoundKind.BATCH), None)
     specs = []
     for n, o in base.items():
         dtype = np.dtype(o.dtype).name
-        if not bm.NAME.match(n):
+        if not af.NAME.match(n):
             raise ExportError(f"output {n!r}: a name keeps to letters, digits, '_', '.' and '-'")
-        if dtype not in mf.DTYPES:
+        if dtype not in af.DTYPES:
             raise ExportError(f"output {n!r} has dtype {dtype}, which an artifact cannot hold")
         if batch and batch not in axes[n]:
             raise ExportError(f"output {n!r} has no axis of batch bound {batch!r}: calls batched together could "
@@ -195,13 +196,13 @@ def stage_bounded(fn: Callable, params: Any, example_args: Mapping[str, Any], ou
     bound_specs, inputs = _resolve_bounds(bounds, examples)
     flat, treedef = flatten_weights(params)
     # The weights' part of each signature; the files they name are written after every check passed.
-    table = tuple(mf.WeightFile(slot, w.dtype.name, tuple(w.shape), w.nbytes, "") for slot, w in flat.items())
+    table = tuple(af.WeightFile(slot, w.dtype.name, tuple(w.shape), w.nbytes, "") for slot, w in flat.items())
     body = _body(fn, treedef, bound_specs, inputs)
     outputs = _output_specs(body, bound_specs, inputs, table)
     if embedding is not None:
         try:
             bm.check_embedding(bound_specs, inputs, outputs, embedding)
-        except mf.ManifestError as e:
+        except af.ManifestError as e:
             raise ExportError(str(e)) from None
 
     combos = list(itertools.product(*(b.buckets for b in bound_specs)))
@@ -231,16 +232,16 @@ def stage_bounded(fn: Callable, params: Any, example_args: Mapping[str, Any], ou
         calling_convention = int(exp.calling_convention_version)
         rel = f"programs/{pname}.json"
         text = json.dumps({"program": pname, "sizes": {b.name: s for b, s in zip(bound_specs, sizes)},
-                           "inputs": [dataclasses.asdict(a) for a in args],
-                           "outputs": [dataclasses.asdict(r) for r in results]}, indent=1, sort_keys=True) + "\n"
+                           "inputs": bm.signature_json(args), "outputs": bm.signature_json(results)},
+                          indent=1, sort_keys=True) + "\n"
         programs.append(bm.Program(name=pname, sizes=sizes, **dataclasses.asdict(write_body(out, exp)), program=rel,
-                                   program_sha256=_write(out / rel, text.encode()), inputs=args, outputs=results,
+                                   program_sha256=write_file(out / rel, text.encode()), inputs=args, outputs=results,
                                    kept_inputs=tuple(exp.module_kept_var_idx)))
     files = write_weights(out, flat, bar)
     bar.close()
     m = bm.BoundedManifest(
         schema=bm.SCHEMA_V1, name=name, bounds=bound_specs, inputs=inputs, outputs=outputs, programs=tuple(programs),
-        weights=files, versions=mf.Versions(jax=jax.__version__, jaxlib=jaxlib.__version__,
+        weights=files, versions=af.Versions(jax=jax.__version__, jaxlib=jaxlib.__version__,
                                             calling_convention=calling_convention, platform=platform),
         tokenizer_files=copy_tokenizer(out, tokenizer_dir), embedding=embedding)
     (out / bm.BOUNDED_NAME).write_text(m.to_json())
@@ -252,14 +253,14 @@ def _export(body, pname: str, args, results, platform: str):
     length is kept (every program takes what its signature says)."""
     exp = export_fn(body, _avals(args), platform=platform)
     dropped = sorted(set(range(len(args))) - set(exp.module_kept_var_idx))
-    weights = [args[i].name for i in dropped if args[i].role == Role.WEIGHT]
+    weights = [args[i].slot for i in dropped if args[i].role == Role.WEIGHT]
     if weights:
         raise ExportError(f"program {pname!r}: the function never reads weights {weights}; leave them out of params")
     if dropped:
         exp = export_fn(body, _avals(args), platform=platform, keep_unused=True)
     text = exp.mlir_module()
     check_custom_calls(pname, text, platform)
-    why = mf.signature_mismatch(args, results, (), mf.main_signature(text, f"program {pname!r} body"))
+    why = af.signature_mismatch(args, results, (), af.main_signature(text, f"program {pname!r} body"))
     if why:
         raise ExportError(f"program {pname!r}: {why}")
     return exp

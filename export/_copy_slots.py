@@ -13,27 +13,27 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 
-Role = mf.Role
+Role = af.Role
 
 
-def copy_slots_signature(pools: Sequence[mf.Pool], batch: int
-                         ) -> tuple[list[mf.TensorSig], list[mf.TensorSig], tuple[tuple[int, int], ...]]:
+def copy_slots_signature(pools: Sequence[af.Pool], batch: int
+                         ) -> tuple[list[af.TensorSig], list[af.TensorSig], tuple[tuple[int, int], ...]]:
     """(inputs, outputs, donations): COPY_SRC and COPY_DST [N], then each state pool in and out, donated."""
-    inputs = [mf.TensorSig(Role.COPY_SRC, "int32", (batch,)), mf.TensorSig(Role.COPY_DST, "int32", (batch,))]
+    inputs = [af.TensorSig(Role.COPY_SRC, "int32", (batch,)), af.TensorSig(Role.COPY_DST, "int32", (batch,))]
     outputs, donations = [], []
     for p in pools:
-        if p.kind == mf.PoolKind.STATE_SLOTS:
+        if p.kind == af.PoolKind.STATE_SLOTS:
             donations.append((len(outputs), len(inputs)))
-            inputs.append(mf.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name, p.partition))
-            outputs.append(mf.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name, p.partition))
+            inputs.append(af.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name, p.partition))
+            outputs.append(af.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name, p.partition))
     return inputs, outputs, tuple(donations)
 
 
-def copy_slots_fn(pools: Sequence[mf.Pool]):
+def copy_slots_fn(pools: Sequence[af.Pool]):
     """The entry over (src, dst, *state pools) -> the state pools with dst[i] holding what src[i] held."""
-    state = [p for p in pools if p.kind == mf.PoolKind.STATE_SLOTS]
+    state = [p for p in pools if p.kind == af.PoolKind.STATE_SLOTS]
 
     def entry(src, dst, *bufs):
         out = []

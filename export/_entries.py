@@ -1,13 +1,16 @@
-"""Entries: the (kind, batch, context) points of the ladders, and the checks every exported body passes."""
+"""Entries: the (kind, batch, context) points of the ladders, how a body is exported, and the checks every exported
+body passes."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
+import jax
 from jax import export as jax_export
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels.paged_attention_gpu import TRITON_CUSTOM_CALL
 
 
@@ -17,7 +20,7 @@ class ExportError(ValueError):
 
 @dataclass(frozen=True)
 class EntrySpec:
-    kind: mf.EntryKind
+    kind: af.EntryKind
     batch: int
     context: int
     tokens_per_seq: int
@@ -33,10 +36,10 @@ def plan_entries(batch_ladder, context_ladder, prefill_max_batch: int, prefill_c
     specs = []
     for c in context_ladder:
         for b in batch_ladder:
-            specs.append(EntrySpec(mf.EntryKind.DECODE, b, c, 1))
+            specs.append(EntrySpec(af.EntryKind.DECODE, b, c, 1))
         for b in batch_ladder:
             if b <= prefill_max_batch:
-                specs.append(EntrySpec(mf.EntryKind.PREFILL, b, c, min(c, prefill_chunk) if prefill_chunk else c))
+                specs.append(EntrySpec(af.EntryKind.PREFILL, b, c, min(c, prefill_chunk) if prefill_chunk else c))
     return specs
 
 
@@ -67,10 +70,10 @@ def check_custom_calls(name: str, mlir_text: str, platform: str = "cpu") -> None
                           "step in plain ops")
 
 
-def check_body(name: str, exp: jax_export.Exported, inputs: list[mf.TensorSig], outputs: list[mf.TensorSig],
+def check_body(name: str, exp: jax_export.Exported, inputs: list[af.TensorSig], outputs: list[af.TensorSig],
                donations: tuple[tuple[int, int], ...] = (), platform: str = "cpu", devices: int = 1) -> None:
     """The body's @main against the entry's signature: kept args, custom calls, shapes, dtypes, the pool
-    aliases; the same reading of @main the runtime does at load (manifest.signature_mismatch)."""
+    aliases; the same reading of @main the runtime does at load (tlaloc_jax.artifact.signature_mismatch)."""
     if tuple(exp.module_kept_var_idx) != tuple(range(len(inputs))):
         dropped = sorted(set(range(len(inputs))) - set(exp.module_kept_var_idx))
         raise ExportError(f"entry {name!r}: jax.export dropped unused inputs "
@@ -78,9 +81,30 @@ def check_body(name: str, exp: jax_export.Exported, inputs: list[mf.TensorSig], 
     text = exp.mlir_module()
     check_custom_calls(name, text, platform)
     try:
-        why = mf.signature_mismatch(tuple(inputs), tuple(outputs), tuple(donations),
-                                    mf.main_signature(text, f"entry {name!r} body"), devices)
-    except mf.ManifestError as e:
+        why = af.signature_mismatch(tuple(inputs), tuple(outputs), tuple(donations),
+                                    af.main_signature(text, f"entry {name!r} body"), devices)
+    except af.ManifestError as e:
         raise ExportError(str(e)) from None
     if why:
         raise ExportError(f"entry {name!r}: {why}")
+
+
+def export_fn(fn: Callable, avals, *, platform: str, donate: tuple[int, ...] = (),
+              keep_unused: bool = False, out_shardings=None) -> jax_export.Exported:
+    """jax.export `fn` jitted (arguments `donate` donated) at `avals`, for one platform.
+
+    jax.export refuses custom calls it gives no compatibility guarantee for; the platform's own ones
+    (PLATFORM_CUSTOM_CALLS: a Triton kernel on cuda) are let through here, and check_custom_calls refuses
+    the rest by name. The Triton IR such a kernel carries is outside StableHLO's compatibility guarantees: a
+    plugin of another jax release than the exporting one (versions.jax in the manifest) may not read it."""
+    # A mesh's results carry their shardings (out_shardings): jax then writes each donated pool's alias.
+    jitted = jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused,
+                     **({"out_shardings": out_shardings} if out_shardings is not None else {}))
+    disabled = [jax_export.DisabledSafetyCheck.custom_call(t) for t in sorted(PLATFORM_CUSTOM_CALLS.get(platform, ()))]
+    # Source locations would put this checkout's file paths into the body; an artifact must not depend on them.
+    limit = jax.config.jax_traceback_in_locations_limit
+    jax.config.update("jax_traceback_in_locations_limit", 0)
+    try:
+        return jax_export.export(jitted, platforms=[platform], disabled_checks=disabled)(*avals)
+    finally:
+        jax.config.update("jax_traceback_in_locations_limit", limit)

@@ -15,11 +15,11 @@ from typing import Callable, Mapping, Sequence
 import jax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
+from tlaloc_jax.pools import PagedKV, PoolSpec, RingKV, StateSlots
 from tlaloc_jax.sharding import TP_AXIS, split_axis
 
 from ._entries import ExportError
-from ._pools import PagedKV, PoolSpec, RingKV, StateSlots
 
 
 def abstract_mesh(mesh) -> AbstractMesh | None:
@@ -66,7 +66,7 @@ def weight_split_axes(weights: Mapping[str, object], flatten: Callable) -> dict[
     return out
 
 
-def partition_of(ndim: int, axis: int | None, mesh: AbstractMesh | None) -> mf.Partition:
+def partition_of(ndim: int, axis: int | None, mesh: AbstractMesh | None) -> af.Partition:
     """The manifest partition of an array of ndim dimensions split along `axis` (None: whole, ())."""
     if axis is None or mesh is None:
         return ()
@@ -77,7 +77,7 @@ def partition_of(ndim: int, axis: int | None, mesh: AbstractMesh | None) -> mf.P
     return tuple(dims)
 
 
-def check_splits(sigs: Sequence[mf.TensorSig], mesh: AbstractMesh) -> None:
+def check_splits(sigs: Sequence[af.TensorSig], mesh: AbstractMesh) -> None:
     """Refuse, by name, an argument whose split dimension does not divide into the mesh's devices."""
     n = mesh_size(mesh)
     for sig in sigs:
@@ -87,7 +87,7 @@ def check_splits(sigs: Sequence[mf.TensorSig], mesh: AbstractMesh) -> None:
                                   f"{n} equal shards")
 
 
-def sharded(fn: Callable, inputs: Sequence[mf.TensorSig], outputs: Sequence[mf.TensorSig], mesh: AbstractMesh):
+def sharded(fn: Callable, inputs: Sequence[af.TensorSig], outputs: Sequence[af.TensorSig], mesh: AbstractMesh):
     """(fn run by shard_map over the mesh, the arguments' avals carrying their shardings, the results' shardings),
     each argument and result split as its partition says."""
     check_splits(inputs, mesh)
@@ -97,7 +97,7 @@ def sharded(fn: Callable, inputs: Sequence[mf.TensorSig], outputs: Sequence[mf.T
     # check_vma=False: jax's replication typing would make every loop whose carry starts whole and turns per-device
     # (the experts' and the gated delta rule's) cast its carry; the step's own psums say where devices meet.
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    avals = [jax.ShapeDtypeStruct(s.shape, mf.numpy_dtype(s.dtype), sharding=NamedSharding(mesh, p))
+    avals = [jax.ShapeDtypeStruct(s.shape, af.numpy_dtype(s.dtype), sharding=NamedSharding(mesh, p))
              for s, p in zip(inputs, in_specs)]
     return mapped, avals, tuple(NamedSharding(mesh, p) for p in out_specs)
 

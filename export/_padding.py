@@ -22,8 +22,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tlaloc_jax import bounded_manifest as bm
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
+from tlaloc_jax.artifact import bounded as bm
 from tlaloc_jax.kernels import tolerances as tol
 
 from ._entries import ExportError
@@ -44,7 +44,7 @@ def _live_rows(bounds: tuple[bm.BoundSpec, ...], sizes: Mapping[str, int]) -> li
     """Each live row's size per bound (the batch bound's entry is the row's index)."""
     smallest = {b.name: (b.buckets[b.buckets.index(sizes[b.name]) - 1] + 1 if sizes[b.name] != b.buckets[0] else 1)
                 for b in bounds}
-    batch = next((b for b in bounds if b.kind == bm.BoundKind.BATCH), None)
+    batch = next((b for b in bounds if b.kind == af.BoundKind.BATCH), None)
     rows = smallest[batch.name] if batch else 1
     out = []
     for r in range(rows):
@@ -85,7 +85,7 @@ def check_padding(run: Callable, program: str, bounds: tuple[bm.BoundSpec, ...],
     """Refuse (ExportError naming the output and the bucket) a program whose padded result differs from its
     exact-size result. run(*inputs, *valid, *weights) -> {output name: array}: the program's body, jitted;
     roundings: each output's path length in the padded body."""
-    batch = next((b.name for b in bounds if b.kind == bm.BoundKind.BATCH), None)
+    batch = next((b.name for b in bounds if b.kind == af.BoundKind.BATCH), None)
     rows = _live_rows(bounds, sizes)
     padded = []
     for spec in inputs:
@@ -110,7 +110,7 @@ def check_padding(run: Callable, program: str, bounds: tuple[bm.BoundSpec, ...],
                                   "inputs; the padding check needs finite results: give example_args realistic "
                                   "values")
             g = np.asarray(got[spec.name])[_region(spec, row, batch)]
-            if mf.numpy_dtype(spec.dtype).kind in "biu":
+            if af.numpy_dtype(spec.dtype).kind in "biu":
                 if not np.array_equal(g, w):
                     raise ExportError(f"output {spec.name!r} reads padding: {where}, its padded result differs "
                                       "from its exact-size result (an integer output must be equal); "

@@ -12,10 +12,11 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels.quantized_matmul import QuantError, QuantizedWeight, check_scheme, quantize_array
 
 from ._entries import ExportError
+from ._weights import path_name
 
 # The weight slots a scheme quantizes (tlaloc_jax/families.py's names).
 QUANTIZED_SLOTS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "attn.gate_proj",
@@ -23,54 +24,43 @@ QUANTIZED_SLOTS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "
                    "attn.qkv_proj", "layers.gate_up_proj",                              # fused (tlaloc_jax.layout)
                    "layers.expert_gate", "layers.expert_up", "layers.expert_down",      # [L, X, in, out]
                    "layers.shared_gate", "layers.shared_up", "layers.shared_down")
-WEIGHT_QUANT = ("none", "int8", "fp8", "int4")
+WEIGHT_QUANT = ("none", *(s.value for s in af.QuantScheme))
 
 
 def scheme_label(scheme: str, group: int) -> str:
     """The scheme as the model's name carries it: "int8", "fp8", "int4g128"."""
-    return f"{scheme}g{group}" if scheme == "int4" else scheme
+    return f"{scheme}g{group}" if scheme == af.QuantScheme.INT4 else scheme
 
 
-def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int, *, compute: str,
-                     axis: str = "output") -> dict[str, Any]:
-    """weights with every QUANTIZED_SLOTS slot replaced by its QuantizedWeight; the rest cast to `compute`.
-
-    axis "input" is the quantizer bug the quality check must catch (the seed's wrong-axis control): int8
-    codes rounded against per-input-channel scales, stored with the per-output-channel ones."""
+def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int, *, compute: str) -> dict[str, Any]:
+    """weights with every QUANTIZED_SLOTS slot replaced by its QuantizedWeight; the rest cast to `compute`."""
     if scheme not in WEIGHT_QUANT[1:]:
         raise ExportError(f"weight quantization {scheme!r} is not one of {', '.join(WEIGHT_QUANT)}")
-    dtype = mf.numpy_dtype(compute)
+    dtype = af.numpy_dtype(compute)
     out: dict[str, Any] = {}
     for name, w in weights.items():
         if name not in QUANTIZED_SLOTS:
             out[name] = np.asarray(w).astype(dtype)
             continue
         try:
-            check_scheme(scheme, group if scheme == "int4" else 0, w.shape[-2])
-            q = quantize_array(np.asarray(w, np.float32), scheme, group if scheme == "int4" else 0, compute=compute)
+            check_scheme(scheme, group if scheme == af.QuantScheme.INT4 else 0, w.shape[-2])
+            q = quantize_array(np.asarray(w, np.float32), scheme, group if scheme == af.QuantScheme.INT4 else 0,
+                               compute=compute)
         except QuantError as e:
             raise ExportError(f"weight {name!r} {list(w.shape)}: {e}") from None
-        if axis == "input":
-            if scheme != "int8":
-                raise ExportError(f"the wrong-axis control quantizes int8 only, not {scheme}")
-            wrong = quantize_array(np.swapaxes(np.asarray(w, np.float32), -1, -2), scheme, group, compute=compute)
-            q = QuantizedWeight(np.ascontiguousarray(np.swapaxes(wrong.codes, -1, -2)), q.scales, q.scheme,
-                                q.group, q.compute)
         out[name] = q
     return out
 
 
-def quant_records(weights: Any) -> dict[str, mf.WeightQuant]:
+def quant_records(weights: Any) -> dict[str, af.WeightQuant]:
     """{slot of a codes or scales file: what the manifest records of it}, for every QuantizedWeight in the
     weights pytree (slot names as stage's flatten_weights joins them)."""
-    from ._stage import _key_name
-
     is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(weights, is_leaf=is_q)[0]:
         if not is_q(leaf):
             continue
-        name = ".".join(_key_name(k) for k in path)
-        for part in mf.QuantPart:
-            out[f"{name}.{part}"] = mf.WeightQuant(mf.QuantScheme(leaf.scheme), part, name, leaf.group)
+        name = path_name(path)
+        for part in af.QuantPart:
+            out[f"{name}.{part}"] = af.WeightQuant(af.QuantScheme(leaf.scheme), part, name, leaf.group)
     return out

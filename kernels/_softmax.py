@@ -1,6 +1,6 @@
 """Blockwise online softmax, shared by paged attention (serving) and causal attention (training).
 
-Layout (docs/glossary.md; G = H // K query heads share one KV head):
+Shapes (docs/glossary.md; G = H // K query heads share one KV head):
   queries grouped by KV head   q: [B, T, K, G, D]
   one block of keys and values k, v: [B, N, K, D]
   scores                       s: [B, K, G, T, N]

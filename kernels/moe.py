@@ -2,7 +2,7 @@
 and a grouped form for many, a custom_vjp, and a dense reference.
 
 Dimensions (docs/glossary.md): B, T, E as everywhere; X experts, J experts chosen per token (the router's
-top-k), F an expert's hidden size; in the grouped layout, R rows in tiles of Tr rows. Einsum letters: n (a
+top-k), F an expert's hidden size; in the grouped form, R rows in tiles of Tr rows. Einsum letters: n (a
 token of the flattened B * T), j, x, e, f, r.
 
 Routing. The router scores each token's experts, logits = x Wr (+ br), keeps the J largest and weighs them:
@@ -41,7 +41,7 @@ Two forms of the routed sum, chosen by the call's static size (`gathered_form`):
 jax.lax.ragged_dot is the textbook grouped matmul, but on CPU it lowers to a dense masked product over all X
 experts (X / J times the arithmetic of this form), so it is not used.
 
-`routed_experts` carries a custom_vjp whose backward runs the grouped layout tile by tile (recomputing each
+`routed_experts` carries a custom_vjp whose backward runs the grouped form tile by tile (recomputing each
 tile's activations rather than saving them): dx, the experts' weight and bias gradients, and the routing
 weights' gradient, from which jax differentiates the router. The chosen indices are integers: no gradient.
 """
@@ -65,9 +65,6 @@ ACTIVATIONS = ("silu", "swiglu_clamped")
 # The grouped form's largest tile: [Tr, E] x [E, F] products of 64 rows keep CPU matmuls efficient while an
 # expert's last tile wastes at most 63 rows.
 MAX_TILE = 64
-# Expert weight names, as the decoder's slots hold them (without their "expert_" prefix).
-WEIGHTS = ("gate", "up", "down")
-BIASES = ("gate_bias", "up_bias", "down_bias")
 
 
 @dataclass(frozen=True)
@@ -149,7 +146,7 @@ def router_margins(spec: MoeSpec, logits: jax.Array) -> jax.Array:
     return top[..., -2] - top[..., -1]
 
 
-# --- the grouped layout -------------------------------------------------------------------------------
+# --- the grouped form ---------------------------------------------------------------------------------
 
 
 def gathered_form(tokens: int, spec: MoeSpec) -> bool:
@@ -164,7 +161,7 @@ def tile_rows(assignments: int, experts: int) -> int:
     return min(MAX_TILE, 1 << max(0, (mean - 1).bit_length()))
 
 
-class Layout:
+class GroupedRows:
     """Rows of the grouped form: the assignments (a = n * J + j) sorted by expert, each expert's run padded
     to whole tiles of Tr rows. Padding rows hold assignment A (= none).
 
@@ -236,18 +233,18 @@ def _expert(spec: MoeSpec, x: jax.Array, w: dict) -> jax.Array:
     return _expert_out(activation(spec, *_expert_pre(x, w)), w)
 
 
-def _grouped_forward(spec: MoeSpec, x: jax.Array, layout: Layout, experts: dict, layer) -> jax.Array:
+def _grouped_forward(spec: MoeSpec, x: jax.Array, grouped: GroupedRows, experts: dict, layer) -> jax.Array:
     """x: [N, E] -> each assignment's expert output [A, E] (zeros for padding tokens)."""
-    Tr, J = layout.tile, spec.top_k
-    xr = x.at[layout.row_assignment // J].get(mode="fill", fill_value=0)      # [R, E]
+    Tr, J = grouped.tile, spec.top_k
+    xr = x.at[grouped.row_assignment // J].get(mode="fill", fill_value=0)      # [R, E]
 
     def tile(i, y):
-        w = _expert_weights(experts, layer, layout.tile_expert[i])
+        w = _expert_weights(experts, layer, grouped.tile_expert[i])
         yt = _expert(spec, lax.dynamic_slice_in_dim(xr, i * Tr, Tr), w)
         return lax.dynamic_update_slice_in_dim(y, yt, i * Tr, axis=0)
 
-    y = lax.fori_loop(0, layout.used, tile, jnp.zeros(xr.shape, jnp.float32))
-    return layout.assignments_of(y)
+    y = lax.fori_loop(0, grouped.used, tile, jnp.zeros(xr.shape, jnp.float32))
+    return grouped.assignments_of(y)
 
 
 def _gathered_forward(spec: MoeSpec, x: jax.Array, idx: jax.Array, live: jax.Array, experts: dict,
@@ -316,7 +313,7 @@ def _routed_forward(spec, x, idx, weights, live, experts, layer):
     if gathered_form(N, spec):
         y = _gathered_forward(spec, x, idx, live, experts, layer)
     else:
-        y = _grouped_forward(spec, x, Layout(idx, live, _held(experts)), experts, layer)
+        y = _grouped_forward(spec, x, GroupedRows(idx, live, _held(experts)), experts, layer)
     # Select, not multiply: a padding token's rows are never computed and hold zeros, but say so here.
     y = jnp.where(live.reshape(N * J)[:, None], y, 0.0)
     w = jnp.where(live, weights.astype(jnp.float32), 0.0)
@@ -334,7 +331,7 @@ def _routed_fwd(spec, x, idx, weights, live, experts, layer):
 
 
 def _routed_bwd(spec, residuals, d_out):
-    """The grouped layout tile by tile, whatever form ran forward: recompute the tile's gate and up
+    """The grouped form tile by tile, whatever form ran forward: recompute the tile's gate and up
     projections, then dWd = h^T dy, dh = dy Wd^T, (dg, du) through the activation, dWg = x^T dg,
     dWu = x^T du, dx = dg Wg^T + du Wu^T; each tile's dx rows are summed back to their tokens."""
     x, idx, weights, live, experts, layer, y = residuals
@@ -344,14 +341,14 @@ def _routed_bwd(spec, residuals, d_out):
     d_weights = jnp.einsum("ne,nje->nj", d_out, y.reshape(N, J, E), precision=HIGHEST)
     d_weights = jnp.where(live, d_weights, 0.0)
     dy = jnp.where(live[..., None], weights.astype(jnp.float32)[..., None] * d_out[:, None, :], 0.0)
-    layout = Layout(idx, live, _held(experts))
-    Tr = layout.tile
-    xr = x.at[layout.row_assignment // J].get(mode="fill", fill_value=0).astype(jnp.float32)
-    dyr = layout.rows_of(dy.reshape(N * J, E))
+    grouped = GroupedRows(idx, live, _held(experts))
+    Tr = grouped.tile
+    xr = x.at[grouped.row_assignment // J].get(mode="fill", fill_value=0).astype(jnp.float32)
+    dyr = grouped.rows_of(dy.reshape(N * J, E))
 
     def tile(i, carry):
         dx_rows, grads = carry
-        e = layout.tile_expert[i]
+        e = grouped.tile_expert[i]
         w = _expert_weights(experts, layer, e)
         xt = lax.dynamic_slice_in_dim(xr, i * Tr, Tr)
         dyt = lax.dynamic_slice_in_dim(dyr, i * Tr, Tr)
@@ -369,9 +366,9 @@ def _routed_bwd(spec, residuals, d_out):
         return lax.dynamic_update_slice_in_dim(dx_rows, dxt, i * Tr, axis=0), grads
 
     grads = {k: jnp.zeros(v.shape, jnp.float32) for k, v in experts.items()}
-    dx_rows, grads = lax.fori_loop(0, layout.used, tile, (jnp.zeros(xr.shape, jnp.float32), grads))
+    dx_rows, grads = lax.fori_loop(0, grouped.used, tile, (jnp.zeros(xr.shape, jnp.float32), grads))
     # Padding rows carry token N (assignment A, A // J = N): dropped.
-    dx = jnp.zeros((N, E), jnp.float32).at[layout.row_assignment // J].add(dx_rows, mode="drop")
+    dx = jnp.zeros((N, E), jnp.float32).at[grouped.row_assignment // J].add(dx_rows, mode="drop")
     return (dx.astype(x.dtype), None, d_weights.astype(weights.dtype), None,
             {k: g.astype(experts[k].dtype) for k, g in grads.items()}, None)
 

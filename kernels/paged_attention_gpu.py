@@ -8,7 +8,7 @@ widens them in registers, and folds them into an online softmax in f32 for the G
 KV head. With one split (large batches) the program finishes the softmax; with several (small batches, so
 that enough programs run) the splits' states are merged by a small XLA fusion after the kernel.
 
-Layout: kv_pool [L, 2, P, S, K, D] as paged_attention's; the grouped queries [B, K, Gp, D] with G = H / K
+Shapes: kv_pool [L, 2, P, S, K, D] as paged_attention's; the grouped queries [B, K, Gp, D] with G = H / K
 padded to Gp = max(16, G rounded up to a power of two) rows (Triton's dot wants 16 rows; the padding rows
 are zero and dropped). A key block is `pages_per_block` pages (pages_per_block * S keys).
 

@@ -35,15 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-HIGHEST = lax.Precision.HIGHEST
+from tlaloc_jax.artifact import QUANT_CODE_DTYPES, QUANT_GROUPS, QuantScheme, numpy_dtype
 
-INT8, FP8, INT4 = "int8", "fp8", "int4"
-SCHEMES = (INT8, FP8, INT4)
-GROUP_SIZES = (32, 64, 128)
+HIGHEST = lax.Precision.HIGHEST
 # The largest code of each scheme: int8 keeps 127 steps a side, e4m3fn's largest finite value is 448,
 # int4 keeps 7 a side (15 levels).
-QMAX = {INT8: 127.0, FP8: 448.0, INT4: 7.0}
-CODE_DTYPES = {INT8: jnp.int8, FP8: jnp.float8_e4m3fn, INT4: jnp.int8}
+QMAX = {QuantScheme.INT8: 127.0, QuantScheme.FP8: 448.0, QuantScheme.INT4: 7.0}
+CODE_DTYPES = {scheme: jnp.dtype(numpy_dtype(name)) for scheme, name in QUANT_CODE_DTYPES.items()}
 
 
 class QuantError(ValueError):
@@ -67,7 +65,7 @@ class QuantizedWeight:
 
     @property
     def in_features(self) -> int:
-        return self.codes.shape[-2] * (2 if self.scheme == INT4 else 1)
+        return self.codes.shape[-2] * (2 if self.scheme == QuantScheme.INT4 else 1)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -80,11 +78,11 @@ class QuantizedWeight:
 
 
 def check_scheme(scheme: str, group: int = 0, in_features: int | None = None) -> None:
-    if scheme not in SCHEMES:
-        raise QuantError(f"unknown weight quantization scheme {scheme!r} (known: {', '.join(SCHEMES)})")
-    if scheme == INT4:
-        if group not in GROUP_SIZES:
-            raise QuantError(f"int4 group size {group} is not one of {GROUP_SIZES}")
+    if scheme not in tuple(QuantScheme):
+        raise QuantError(f"unknown weight quantization scheme {scheme!r} (known: {', '.join(QuantScheme)})")
+    if scheme == QuantScheme.INT4:
+        if group not in QUANT_GROUPS:
+            raise QuantError(f"int4 group size {group} is not one of {QUANT_GROUPS}")
         if in_features is not None and in_features % group:
             raise QuantError(f"int4 groups of {group} do not tile {in_features} input channels")
 
@@ -110,11 +108,11 @@ def quantize_parts(w: jax.Array, scheme: str, group: int = 0, *, rounding=jnp.ro
         # give NaN past 448, needs it). The gradient check's identity rounding replaces the clip too.
         if not exact:
             return rounding(ratio)
-        if scheme == FP8:
+        if scheme == QuantScheme.FP8:
             return jnp.clip(ratio, -qmax, qmax).astype(jnp.float8_e4m3fn)   # XLA's convert: nearest even
         return jnp.clip(jnp.round(ratio), -qmax, qmax)
 
-    if scheme == INT4:
+    if scheme == QuantScheme.INT4:
         I, O = w.shape[-2:]
         wg = w.reshape(*w.shape[:-2], I // group, group, O)
         scales = _safe_scale(jnp.max(jnp.abs(wg), axis=-2), qmax)              # [..., G, O]
@@ -124,7 +122,7 @@ def quantize_parts(w: jax.Array, scheme: str, group: int = 0, *, rounding=jnp.ro
 
 
 def pack_int4(codes: jax.Array, group: int) -> jax.Array:
-    """int4 codes (integers in [-7, 7], any dtype) [..., I, O] -> int8 [..., I / 2, O], the layout above."""
+    """int4 codes (integers in [-7, 7], any dtype) [..., I, O] -> int8 [..., I / 2, O], packed as above."""
     I, O = codes.shape[-2:]
     c = codes.astype(jnp.int8).reshape(*codes.shape[:-2], I // group, 2, group // 2, O)
     low, high = c[..., 0, :, :], c[..., 1, :, :]
@@ -144,11 +142,12 @@ def unpack_int4(packed: jax.Array, group: int) -> jax.Array:
 def quantize(w: jax.Array, scheme: str, group: int = 0, *, compute: str = "float32") -> QuantizedWeight:
     """A float weight [..., I, O] -> its QuantizedWeight (computed in f32 from w's values)."""
     codes, scales = quantize_parts(w, scheme, group)
-    if scheme == INT4:
+    if scheme == QuantScheme.INT4:
         codes = pack_int4(codes, group)
     else:
         codes = codes.astype(CODE_DTYPES[scheme])
-    return QuantizedWeight(codes, scales.astype(jnp.float32), scheme, group if scheme == INT4 else 0, compute)
+    return QuantizedWeight(codes, scales.astype(jnp.float32), scheme, group if scheme == QuantScheme.INT4 else 0,
+                           compute)
 
 
 @functools.partial(jax.jit, static_argnames=("scheme", "group", "compute"))
@@ -166,7 +165,7 @@ def dequantize(q: QuantizedWeight, dtype=np.float64) -> np.ndarray:
     """The float weight the codes stand for, [..., I, O], in numpy `dtype` (float64: exact)."""
     codes = np.asarray(q.codes)
     scales = np.asarray(q.scales, dtype)
-    if q.scheme == INT4:
+    if q.scheme == QuantScheme.INT4:
         c = np.asarray(unpack_int4(jnp.asarray(codes), q.group), dtype)       # [..., G, 2, g/2, O]
         c = c.reshape(*c.shape[:-4], c.shape[-4], q.group, c.shape[-1])      # [..., G, g, O]
         return (c * scales[..., :, None, :]).reshape(q.shape)
@@ -185,7 +184,7 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     cd = jnp.dtype(w.compute)
     lead = x.shape[:-1]
     xc = x.reshape(-1, x.shape[-1]).astype(cd)
-    if w.scheme == INT4:
+    if w.scheme == QuantScheme.INT4:
         G = w.scales.shape[-2]
         c = unpack_int4(w.codes, w.group).astype(cd)                           # [G, 2, g/2, O]
         xg = xc.reshape(-1, G, 2, w.group // 2)                                 # [M, G, 2, g/2]
@@ -226,8 +225,9 @@ def _qat_bwd(scheme, group, compute, res, dy):
     x, q, w_like = res
     w_dtype = w_like.dtype
     cd = jnp.dtype(compute)
-    codes, scales = (unpack_int4(q.codes, group).reshape(*q.shape) if scheme == INT4 else q.codes), q.scales
-    if scheme == INT4:
+    codes = unpack_int4(q.codes, group).reshape(*q.shape) if scheme == QuantScheme.INT4 else q.codes
+    scales = q.scales
+    if scheme == QuantScheme.INT4:
         G = scales.shape[-2]
         wq = (codes.astype(jnp.float32).reshape(G, group, -1) * scales[:, None, :]).reshape(q.shape)
     else:
@@ -248,7 +248,7 @@ def qat_linear_reference(x, w, scheme: str, group: int = 0, *, rounding=jnp.roun
     With rounding = identity its weight gradient is the straight-through one (fp8's convert is replaced too)."""
     codes, scales = quantize_parts(w, scheme, group, rounding=rounding)
     codes = codes.astype(jnp.float32)
-    if scheme == INT4:
+    if scheme == QuantScheme.INT4:
         G = scales.shape[-2]
         wq = (codes.reshape(G, group, -1) * scales[:, None, :]).reshape(w.shape)
     else:

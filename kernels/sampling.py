@@ -47,17 +47,10 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
 
-# The columns of the SAMPLING input, in order (tlaloc_jax.manifest.SAMPLING_COLUMNS is the same tuple).
-SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "top_logprobs")
-NEUTRAL = {"temperature": 0.0, "top_p": 1.0, "top_k": 0.0, "min_p": 0.0, "presence_penalty": 0.0,
-           "frequency_penalty": 0.0, "repetition_penalty": 1.0, "top_logprobs": 0.0}
+from tlaloc_jax.artifact import SAMPLING_COLUMNS
+
+# Each SAMPLING column's index: the kernel reads its parameters by name.
 _COL = {name: i for i, name in enumerate(SAMPLING_COLUMNS)}
-
-
-def mask_words(vocab: int) -> int:
-    """W: int32 words of a packed token mask over `vocab` tokens."""
-    return (vocab + 31) // 32
 
 
 def unpack_mask(mask: jax.Array, vocab: int) -> jax.Array:

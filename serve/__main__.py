@@ -122,8 +122,8 @@ def main(argv=None) -> int:
     import prometheus_client
     import uvicorn
 
-    from tlaloc_jax.bounded_manifest import load_bounded
-    from tlaloc_jax.manifest import ManifestError, load_manifest
+    from tlaloc_jax.artifact.bounded import load_bounded
+    from tlaloc_jax.artifact import ManifestError, load_manifest
 
     from .bounded import BoundedProgram
     from .embeddings import Embeddings, embedding_task, load_embedding_tokenizer

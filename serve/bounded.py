@@ -29,8 +29,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from tlaloc_jax import bounded_manifest as bm
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
+from tlaloc_jax.artifact import bounded as bm
 
 from .engine import DEFAULT_CACHE_DIR
 from .runtime import Buffer, Device, Executable
@@ -70,7 +70,7 @@ def valid_inputs(bounds: tuple[bm.BoundSpec, ...], bucket: Mapping[str, int],
                  calls: Sequence[_Call]) -> list[np.ndarray]:
     """Each bound's VALID_LENGTH and VALID_MASK for `calls` sharing one body of sizes `bucket`: with a batch bound
     the live rows, and each row its own call's lengths (0 in padding rows); without one, the call's sizes."""
-    batch = next((b for b in bounds if b.kind == bm.BoundKind.BATCH), None)
+    batch = next((b for b in bounds if b.kind == mf.BoundKind.BATCH), None)
     out = []
     for b in bounds:
         n = bucket[b.name]

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tlaloc_jax import bounded_manifest as bm
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
+from tlaloc_jax.artifact import bounded as bm
 
 from .bounded import BoundedProgram
 from .errors import APIError

@@ -116,7 +116,7 @@ class OpenAIReplica:
     so the engine is never pickled)."""
 
     def __init__(self, args: dict):
-        from tlaloc_jax.manifest import load_manifest
+        from tlaloc_jax.artifact import load_manifest
 
         from . import http
         from .engine import DEFAULT_CACHE_DIR, Engine
@@ -174,7 +174,7 @@ def app(args: dict | RayServeArgs) -> Application:
 
     The artifact's manifest is read here (no weights hashed, nothing compiled), so a bad artifact is refused before
     any replica starts; each replica then loads and checks it in full."""
-    from tlaloc_jax.manifest import load_manifest
+    from tlaloc_jax.artifact import load_manifest
 
     a = args if isinstance(args, RayServeArgs) else RayServeArgs(**args)
     manifest = load_manifest(a.artifact, verify_weights=False)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tlaloc_jax.artifact import mask_words
+
 SEED_LIMIT = 2**64      # seeds are 0 <= seed < 2**64: one 64-bit word (numpy's SeedSequence; the body's two words)
 MAX_TOP_LOGPROBS = 20   # OpenAI's limit on top_logprobs
 
@@ -102,17 +104,12 @@ class Sampling:
         return self.greedy and not self.penalized and not self.logit_bias
 
     def row(self, columns: tuple[str, ...]) -> list[float]:
-        """The SAMPLING row of the artifact's sampler, in its column order."""
-        values = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                  "repetition_penalty": self.repetition_penalty,
-                  "top_logprobs": float(bool(self.logprobs))}
-        return [float(values[c]) for c in columns]
+        """The SAMPLING row of the artifact's sampler, in its column order: each column is the field of its name,
+        but top_logprobs, which is 1 when the request wants logprobs."""
+        return [float(bool(self.logprobs)) if c == "top_logprobs" else float(getattr(self, c)) for c in columns]
 
 
 GREEDY = Sampling()
-NEUTRAL_ROW = {"temperature": 0.0, "top_p": 1.0, "top_k": 0.0, "min_p": 0.0, "presence_penalty": 0.0,
-               "frequency_penalty": 0.0, "repetition_penalty": 1.0, "top_logprobs": 0.0}
 
 
 def seed_words(seed: int) -> tuple[int, int]:
@@ -123,7 +120,7 @@ def seed_words(seed: int) -> tuple[int, int]:
 
 def pack_mask(allowed: np.ndarray) -> np.ndarray:
     """allowed [V] bool -> the packed TOKEN_MASK row [ceil(V / 32)] int32 (bit t % 32 of word t // 32)."""
-    bits = np.zeros(((len(allowed) + 31) // 32) * 32, np.uint8)
+    bits = np.zeros(mask_words(len(allowed)) * 32, np.uint8)
     bits[:len(allowed)] = allowed
     return np.packbits(bits.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(np.uint32).view(np.int32).ravel()
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tlaloc_jax.artifact import mask_words
+
 from .engine import Constraint
 
 
@@ -77,7 +79,7 @@ class GrammarConstraint(Constraint):
     def __init__(self, matcher, vocab: int, eos: tuple[int, ...], grammar_eos: int):
         self.matcher = matcher
         self.eos, self.grammar_eos = eos, grammar_eos
-        self._buf = np.zeros((1, (vocab + 31) // 32), np.int32)
+        self._buf = np.zeros((1, mask_words(vocab)), np.int32)
 
     def fill(self, words: np.ndarray) -> None:
         from llguidance.numpy import fill_next_token_bitmask

@@ -23,7 +23,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 
 # Prompt ids an incremental detokenizer decodes with the first new tokens, so that a token whose text
 # depends on what precedes it (a SentencePiece word start, a byte-level continuation) reads right.

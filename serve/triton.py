@@ -180,7 +180,7 @@ def main(argv=None) -> int:
 
     from pytriton.triton import Triton, TritonConfig
 
-    from tlaloc_jax.manifest import ManifestError, load_manifest
+    from tlaloc_jax.artifact import ManifestError, load_manifest
 
     from .engine import DEFAULT_CACHE_DIR
     from .runtime import CompileError, PluginNotFoundError

@@ -8,42 +8,42 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.export import flatten_weights
 from tlaloc_jax.layout import per_layer
 
 
-def weights_by_slot(entry: mf.Entry, weights: dict) -> dict:
+def weights_by_slot(entry: af.Entry, weights: dict) -> dict:
     """In-process (stacked) decoder weights by the entry's slot names: as they are when the artifact kept them
     stacked, else in the per-layer layout the exporter writes (tlaloc_jax.layout)."""
-    slots = {sig.slot for sig in entry.inputs if sig.role not in mf.STEP_FIELDS and sig.role != mf.Role.POOL_IN}
+    slots = {sig.slot for sig in entry.inputs if sig.role not in af.STEP_FIELDS and sig.role != af.Role.POOL_IN}
     if slots <= set(weights):
         return weights
     return flatten_weights(per_layer({k: np.asarray(v) for k, v in weights.items()}))[0]
 
 
-def entry_args(entry: mf.Entry, step_inputs: dict, pools: dict, weights: dict) -> list:
+def entry_args(entry: af.Entry, step_inputs: dict, pools: dict, weights: dict) -> list:
     """The entry's arguments in its signature's order: step inputs by role (build_step_inputs' dict), pools by
     name, weights by slot (stacked weights are laid out as the entry's slots name them)."""
     weights = weights_by_slot(entry, weights)
     out = []
     for sig in entry.inputs:
-        if sig.role in mf.STEP_FIELDS:
-            out.append(jnp.asarray(step_inputs[mf.STEP_FIELDS[sig.role]]))
-        elif sig.role == mf.Role.POOL_IN:
+        if sig.role in af.STEP_FIELDS:
+            out.append(jnp.asarray(step_inputs[af.STEP_FIELDS[sig.role]]))
+        elif sig.role == af.Role.POOL_IN:
             out.append(jnp.asarray(pools[sig.slot]))
         else:
             out.append(jnp.asarray(weights[sig.slot]))
     return out
 
 
-def run_body(art: Path, entry: mf.Entry, args: list) -> dict:
+def run_body(art: Path, entry: af.Entry, args: list) -> dict:
     """Call the entry's jax-serialized body; -> {"logits", "next_token", pool name: updated pool}."""
     exported = entry.exported or entry.body.replace(".mlir", ".exported")   # v2/v3 did not record it
     outs = jax_export.deserialize(bytearray((Path(art) / exported).read_bytes())).call(*args)
     named = {}
     for sig, value in zip(entry.outputs, outs):
-        key = sig.slot if sig.role == mf.Role.POOL_OUT else {mf.Role.LOGITS: "logits",
-                                                             mf.Role.NEXT_TOKEN: "next_token"}[sig.role]
+        key = sig.slot if sig.role == af.Role.POOL_OUT else {af.Role.LOGITS: "logits",
+                                                             af.Role.NEXT_TOKEN: "next_token"}[sig.role]
         named[key] = value
     return named

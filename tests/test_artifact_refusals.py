@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve import engine as engine_module
 from tlaloc_jax.serve.__main__ import main as serve_main
@@ -36,9 +36,9 @@ def no_device(monkeypatch):
 
 
 def _edit(art: Path, fn) -> None:
-    raw = json.loads((art / mf.MANIFEST_NAME).read_text())
+    raw = json.loads((art / af.MANIFEST_NAME).read_text())
     fn(raw)
-    (art / mf.MANIFEST_NAME).write_text(json.dumps(raw))
+    (art / af.MANIFEST_NAME).write_text(json.dumps(raw))
 
 
 def _pool_sigs(raw, name):
@@ -93,7 +93,7 @@ TAMPERS = {
 def test_a_tampered_manifest_is_refused_by_name_before_the_device_is_touched(artifact, no_device, case):
     edit, message = TAMPERS[case]
     _edit(artifact, edit)
-    with pytest.raises(mf.ManifestError, match=message):
+    with pytest.raises(af.ManifestError, match=message):
         Engine.load(artifact, progress=False)
 
 
@@ -101,8 +101,8 @@ def test_unreadable_manifests_are_refused_by_name(artifact, no_device):
     for content, message in ((b'{"schema": "tlaloc-serving-v4", "model": "\xff\xfe"}', r"is not UTF-8 text"),
                              (b"[" * 100_000 + b"]" * 100_000, r"nests deeper than any manifest"),
                              (b'{"a":' * 40 + b"1" + b"}" * 40, r"nests deeper than any manifest")):
-        (artifact / mf.MANIFEST_NAME).write_bytes(content)
-        with pytest.raises(mf.ManifestError, match=message):
+        (artifact / af.MANIFEST_NAME).write_bytes(content)
+        with pytest.raises(af.ManifestError, match=message):
             Engine.load(artifact, progress=False)
 
 
@@ -110,14 +110,14 @@ def test_swapped_weight_files_and_an_edited_tokenizer_are_refused(artifact, no_d
     """Finding 5: every weight and tokenizer file is hashed. Two same-length weight files swapped, or one
     edited character of tokenizer.json, are refused; --trust-weights skips the weights' hashes (and says so)
     but never the tokenizer's."""
-    m = mf.load_manifest(artifact)
+    m = af.load_manifest(artifact)
     a, b = (next(w for w in m.weights if w.slot == s) for s in ("layers.attn_norm.0", "layers.mlp_norm.0"))
     assert a.nbytes == b.nbytes
     pa, pb = artifact / a.file, artifact / b.file
     da, db = pa.read_bytes(), pb.read_bytes()
     pa.write_bytes(db)
     pb.write_bytes(da)
-    with pytest.raises(mf.ManifestError, match=rf"weight 'layers.attn_norm.0' file .* has sha256 [0-9a-f]+, the "
+    with pytest.raises(af.ManifestError, match=rf"weight 'layers.attn_norm.0' file .* has sha256 [0-9a-f]+, the "
                                               rf"manifest says {a.sha256}"):
         Engine.load(artifact, progress=False)
     # Trusted, the swap goes unnoticed by the hash (the sizes still agree): the device is reached.
@@ -130,7 +130,7 @@ def test_swapped_weight_files_and_an_edited_tokenizer_are_refused(artifact, no_d
     tok = artifact / "tokenizer.json"
     tok.write_text(tok.read_text().replace('"a"', '"b"', 1))
     for trust in (False, True):
-        with pytest.raises(mf.ManifestError, match=r"tokenizer file 'tokenizer.json' has sha256"):
+        with pytest.raises(af.ManifestError, match=r"tokenizer file 'tokenizer.json' has sha256"):
             Engine.load(artifact, progress=False, trust_weights=trust)
 
 
@@ -139,7 +139,7 @@ def test_no_file_outside_the_manifest_is_read(artifact, tmp_path):
     the artifact); one it lists but that leads outside is refused."""
     secret = tmp_path / "secret.txt"
     secret.write_text("{{ 'SECRET' }}")
-    m = mf.load_manifest(artifact)
+    m = af.load_manifest(artifact)
     assert "chat_template.jinja" not in {t.file for t in m.tokenizer_files}
     for name in ("chat_template.jinja", "generation_config.json", "tokenizer_config.json"):
         if not (artifact / name).exists():
@@ -149,8 +149,8 @@ def test_no_file_outside_the_manifest_is_read(artifact, tmp_path):
     listed = next(t for t in m.tokenizer_files if t.file != "tokenizer.json")
     (artifact / listed.file).unlink(missing_ok=True)
     os.symlink(secret, artifact / listed.file)
-    with pytest.raises(mf.ManifestError, match=rf"tokenizer file path '{listed.file}' leaves the artifact directory"):
-        mf.load_manifest(artifact)
+    with pytest.raises(af.ManifestError, match=rf"tokenizer file path '{listed.file}' leaves the artifact directory"):
+        af.load_manifest(artifact)
 
 
 def test_pools_that_do_not_fit_the_device_are_refused_before_they_are_allocated(artifact, monkeypatch):
@@ -161,7 +161,7 @@ def test_pools_that_do_not_fit_the_device_are_refused_before_they_are_allocated(
     def no_compile(self, *a, **k):
         raise AssertionError("compiled before the memory check")
     monkeypatch.setattr(pjrt.Device, "compile", no_compile)
-    with pytest.raises(mf.ManifestError, match=r"the artifact needs [\d.]+ MiB on the device \(weights [\d.]+ MiB; "
+    with pytest.raises(af.ManifestError, match=r"the artifact needs [\d.]+ MiB on the device \(weights [\d.]+ MiB; "
                                                r"pools kv [\d.]+ MiB\), and cpu has 0\.0 MiB free"):
         Engine.load(artifact, cache_dir=None, progress=False)
 
@@ -171,14 +171,14 @@ def test_the_server_refuses_a_bad_artifact_with_an_error_line_and_status_2(artif
     """Finding 9: `python -m tlaloc_jax.serve` prints `error: ...` and exits 2 (no traceback), a corrupt
     tokenizer.json included, which is read before anything compiles."""
     if case == "non-utf8":
-        (artifact / mf.MANIFEST_NAME).write_bytes(b"\xff\xfe\x00")
+        (artifact / af.MANIFEST_NAME).write_bytes(b"\xff\xfe\x00")
     elif case == "deep":
-        (artifact / mf.MANIFEST_NAME).write_bytes(b"[" * 50_000 + b"]" * 50_000)
+        (artifact / af.MANIFEST_NAME).write_bytes(b"[" * 50_000 + b"]" * 50_000)
     elif case == "negative-pool":
         _edit(artifact, lambda r: r["pools"][0].update(capacity=-1))
     elif case == "corrupt-tokenizer":
         (artifact / "tokenizer.json").write_text('{"version": "1.0", "model": 3}')
-        digest = mf.sha256_file(artifact / "tokenizer.json")
+        digest = af.sha256_file(artifact / "tokenizer.json")
         _edit(artifact, lambda r: [t.update(sha256=digest) for t in r["tokenizer_files"] if t["file"] == "tokenizer.json"])
     else:
         shutil.rmtree(artifact)

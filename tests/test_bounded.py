@@ -21,9 +21,9 @@ from jax import lax
 import bounded_models as bmod
 import tlaloc_jax
 from margins import assert_within
-from tlaloc_jax import bounded_manifest as bm
+from tlaloc_jax import artifact as af
 from tlaloc_jax import exact_valid
-from tlaloc_jax import manifest as mf
+from tlaloc_jax.artifact import bounded as bm
 from tlaloc_jax.export import ExportError
 from tlaloc_jax.export._roundings import output_roundings
 from tlaloc_jax.kernels import tolerances as tol
@@ -73,19 +73,19 @@ def test_the_manifest_records_bounds_axes_and_one_program_per_bucket_pair(embed_
     m, out, _, _ = embed_setup
     assert m.schema == bm.SCHEMA_V1 and (out / bm.BOUNDED_NAME).is_file()
     assert [(b.name, b.kind, b.max, b.buckets) for b in m.bounds] == [
-        ("rows", bm.BoundKind.BATCH, 4, (1, 2, 4)), ("tokens", bm.BoundKind.LENGTH, 16, (4, 8, 16))]
+        ("rows", af.BoundKind.BATCH, 4, (1, 2, 4)), ("tokens", af.BoundKind.LENGTH, 16, (4, 8, 16))]
     assert [(s.name, s.axes) for s in m.outputs] == [("embedding", ("rows", "")), ("hidden", ("rows", "tokens", ""))]
     assert len(m.programs) == 9 and {p.name for p in m.programs} >= {"rows1_tokens4", "rows4_tokens16"}
     p = next(p for p in m.programs if p.name == "rows2_tokens8")
-    assert [(s.role, s.name, s.shape) for s in p.inputs[:5]] == [
-        (bm.Role.INPUT, "ids", (2, 8)), (bm.Role.VALID_LENGTH, "rows", ()), (bm.Role.VALID_MASK, "rows", (2,)),
-        (bm.Role.VALID_LENGTH, "tokens", (2,)), (bm.Role.VALID_MASK, "tokens", (2, 8))]
-    assert all(s.role == bm.Role.WEIGHT for s in p.inputs[5:]) and len(p.inputs) == 5 + len(m.weights)
+    assert [(s.role, s.slot, s.shape) for s in p.inputs[:5]] == [
+        (af.Role.INPUT, "ids", (2, 8)), (af.Role.VALID_LENGTH, "rows", ()), (af.Role.VALID_MASK, "rows", (2,)),
+        (af.Role.VALID_LENGTH, "tokens", (2,)), (af.Role.VALID_MASK, "tokens", (2, 8))]
+    assert all(s.role == af.Role.WEIGHT for s in p.inputs[5:]) and len(p.inputs) == 5 + len(m.weights)
     cm = cross_setup[0]
     assert [(s.name, s.axes) for s in cm.outputs] == [("attended", ("query", "")), ("doc_weight", ("doc",)),
                                                       ("score", ())]
     q4 = next(p for p in cm.programs if p.name == "query4_doc16")
-    assert [(s.name, s.shape) for s in q4.inputs if s.role != bm.Role.WEIGHT] == [
+    assert [(s.slot, s.shape) for s in q4.inputs if s.role != af.Role.WEIGHT] == [
         ("query", (4, bmod.F)), ("doc", (16, bmod.F)), ("query", ()), ("query", (4,)), ("doc", ()), ("doc", (16,))]
 
 
@@ -213,14 +213,14 @@ def test_a_scorer_that_reads_padding_is_refused_by_name(control, output, tmp_pat
 
 def test_each_runtime_refuses_the_other_kind_of_artifact_by_name(embed_setup, tmp_path):
     _, out, _, _ = embed_setup
-    with pytest.raises(mf.ManifestError, match=r"no tlaloc-serving.json in the artifact directory: it holds a "
+    with pytest.raises(af.ManifestError, match=r"no tlaloc-serving.json in the artifact directory: it holds a "
                                                r"bounded program \(tlaloc-bounded.json\), not a decoder; load it with "
                                                r"tlaloc_jax.serve.BoundedProgram"):
         Engine.load(out, cache_dir=None)
     decoder = tmp_path / "decoder"
     decoder.mkdir()
-    (decoder / mf.MANIFEST_NAME).write_text("{}")
-    with pytest.raises(mf.ManifestError, match=r"no tlaloc-bounded.json in the artifact directory: it holds a decoder "
+    (decoder / af.MANIFEST_NAME).write_text("{}")
+    with pytest.raises(af.ManifestError, match=r"no tlaloc-bounded.json in the artifact directory: it holds a decoder "
                                                r"\(tlaloc-serving.json\), not a bounded program; load it with "
                                                r"tlaloc_jax.serve.Engine"):
         BoundedProgram.load(decoder, cache_dir=None)
@@ -237,14 +237,14 @@ def test_every_file_and_body_is_checked_at_load(embed_setup, tmp_path):
     p = m.programs[3]
     bad = _copy(out, tmp_path / "body")
     (bad / p.serialized).write_bytes((bad / p.serialized).read_bytes() + b" ")
-    with pytest.raises(mf.ManifestError, match=rf"program '{p.name}' serialized body .* has sha256"):
+    with pytest.raises(af.ManifestError, match=rf"program '{p.name}' serialized body .* has sha256"):
         bm.load_bounded(bad)
     bad = _copy(out, tmp_path / "weight")
     w = m.weights[0]
     data = bytearray((bad / w.file).read_bytes())
     data[0] ^= 1
     (bad / w.file).write_bytes(bytes(data))
-    with pytest.raises(mf.ManifestError, match=rf"weight '{w.slot}' file .* has sha256"):
+    with pytest.raises(af.ManifestError, match=rf"weight '{w.slot}' file .* has sha256"):
         bm.load_bounded(bad)
     bm.load_bounded(bad, verify_weights=False)      # --trust-weights: sizes only
     # A body whose @main is another program's, its hash updated to match: the signature check catches it.
@@ -253,13 +253,13 @@ def test_every_file_and_body_is_checked_at_load(embed_setup, tmp_path):
     a, b = raw["programs"][0], raw["programs"][1]
     a["body"], a["body_sha256"] = b["body"], b["body_sha256"]
     (bad / bm.BOUNDED_NAME).write_text(json.dumps(raw))
-    with pytest.raises(mf.ManifestError, match=rf"program '{a['name']}' body .* does not match the manifest: "
+    with pytest.raises(af.ManifestError, match=rf"program '{a['name']}' body .* does not match the manifest: "
                                                r"argument 0 \(INPUT ids\) is int32\[1, 8\] in the body, the manifest "
                                                r"says int32\[1, 4\]"):
         bm.load_bounded(bad)
     raw["programs"] = raw["programs"][1:]
     (bad / bm.BOUNDED_NAME).write_text(json.dumps(raw))
-    with pytest.raises(mf.ManifestError, match=r"no program for sizes \[1, 4\] of \['rows', 'tokens'\]"):
+    with pytest.raises(af.ManifestError, match=r"no program for sizes \[1, 4\] of \['rows', 'tokens'\]"):
         bm.load_bounded(bad)
 
 

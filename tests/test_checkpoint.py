@@ -15,7 +15,8 @@ from hf_models import LLAMA3_ROPE, build_checkpoint
 from tlaloc_jax.checkpoint import CheckpointError, load_checkpoint, random_weights, save_checkpoint
 from tlaloc_jax.config import ConfigError
 from tlaloc_jax.decoder import StepInputs, forward, init_pools
-from tlaloc_jax.families import config_from_hf, read_rope
+from tlaloc_jax.families import config_from_hf
+from tlaloc_jax.hf_config import read_rope
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,17 @@ import jax
 import numpy as np
 import pytest
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.export._copy_slots import copy_slots_fn, copy_slots_reference, copy_slots_signature
 
-POOLS = (mf.Pool("conv", mf.PoolKind.STATE_SLOTS, "float32", (3, 6, 4, 2), capacity=6, slot_axis=1),
-         mf.Pool("recurrent", mf.PoolKind.STATE_SLOTS, "float32", (2, 6, 5), capacity=6, slot_axis=1),
-         mf.Pool("kv", mf.PoolKind.PAGED_KV, "float32", (1, 2, 4, 8, 1, 2), capacity=4, slot_axis=2))
+POOLS = (af.Pool("conv", af.PoolKind.STATE_SLOTS, "float32", (3, 6, 4, 2), capacity=6, slot_axis=1),
+         af.Pool("recurrent", af.PoolKind.STATE_SLOTS, "float32", (2, 6, 5), capacity=6, slot_axis=1),
+         af.Pool("kv", af.PoolKind.PAGED_KV, "float32", (1, 2, 4, 8, 1, 2), capacity=4, slot_axis=2))
 
 
 def _bufs(seed=0):
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal(p.shape).astype(np.float32) for p in POOLS if p.kind == mf.PoolKind.STATE_SLOTS]
+    return [rng.standard_normal(p.shape).astype(np.float32) for p in POOLS if p.kind == af.PoolKind.STATE_SLOTS]
 
 
 @pytest.mark.parametrize("src,dst", [([0, 2, -1, 5], [3, 4, 1, -1]), ([5, -1, -1, -1], [0, -1, -1, -1]),

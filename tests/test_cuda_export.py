@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from margins import assert_within
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import random_weights, save_checkpoint
 from tlaloc_jax.decoder import forward, init_pools
 from tlaloc_jax.export import ExportError, check_custom_calls, custom_call_targets, export_checkpoint
@@ -70,7 +70,7 @@ def checkpoint(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("gemma2") / "ck", hf, random_weights(cfg, fam, seed=6))
 
 
-def _targets(art, m: mf.Manifest) -> dict[str, set[str]]:
+def _targets(art, m: af.Manifest) -> dict[str, set[str]]:
     return {e.name: custom_call_targets((art / e.body).read_text()) for e in m.entries}
 
 
@@ -83,7 +83,7 @@ def test_cuda_export_puts_the_triton_kernel_in_decode_bodies_only(checkpoint, tm
     assert cuda.versions.platform == "cuda"
     targets = _targets(tmp_path / "cuda", cuda)
     for e in cuda.entries:
-        assert targets[e.name] == ({TRITON_CUSTOM_CALL} if e.kind == mf.EntryKind.DECODE else set()), e.name
+        assert targets[e.name] == ({TRITON_CUSTOM_CALL} if e.kind == af.EntryKind.DECODE else set()), e.name
     cpu = export_checkpoint(checkpoint, tmp_path / "cpu", platform="cpu", **ladder)
     assert all(t == set() for t in _targets(tmp_path / "cpu", cpu).values())
 

@@ -28,7 +28,7 @@ SERVED = textwrap.dedent("""
     import hashlib, json, sys
     import numpy as np
     from tlaloc_jax.paging import RowCall, build_step_inputs
-    from tlaloc_jax.manifest import Role
+    from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine, Sampling
     prompts = json.loads(sys.argv[2])
     with Engine.load(sys.argv[1], cache_dir=None, progress=False) as eng:

@@ -22,7 +22,7 @@ import tlaloc_jax
 from bodies import entry_args, run_body
 from hf_models import build_checkpoint
 from margins import assert_within
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.export import ExportError, check_custom_calls, export_checkpoint
@@ -87,8 +87,8 @@ def test_every_donated_pool_parameter_carries_tf_aliasing_output(artifacts):
                    if "tf.aliasing_output" in a}
         assert aliased == {5: "2"}, e.name
         assert e.donations == ((2, 5),)
-        assert (e.inputs[5].role, e.inputs[5].slot) == (mf.Role.POOL_IN, "kv")
-        assert (e.outputs[2].role, e.outputs[2].slot) == (mf.Role.POOL_OUT, "kv")
+        assert (e.inputs[5].role, e.inputs[5].slot) == (af.Role.POOL_IN, "kv")
+        assert (e.outputs[2].role, e.outputs[2].slot) == (af.Role.POOL_OUT, "kv")
 
 
 def test_entries_follow_the_ladders(artifacts):
@@ -140,9 +140,9 @@ def _broken_copy(art: Path, tmp_path: Path) -> Path:
 
 
 def _edit_manifest(path: Path, fn):
-    raw = json.loads((path / mf.MANIFEST_NAME).read_text())
+    raw = json.loads((path / af.MANIFEST_NAME).read_text())
     fn(raw)
-    (path / mf.MANIFEST_NAME).write_text(json.dumps(raw))
+    (path / af.MANIFEST_NAME).write_text(json.dumps(raw))
 
 
 def test_manifest_refusals_name_the_fault(artifacts, tmp_path):
@@ -158,27 +158,27 @@ def test_manifest_refusals_name_the_fault(artifacts, tmp_path):
     for i, (edit, message) in enumerate(cases):
         dst = _broken_copy(art, tmp_path / str(i))
         _edit_manifest(dst, edit)
-        with pytest.raises(mf.ManifestError, match=message):
-            mf.load_manifest(dst)
-    mf.load_manifest(art)      # control: the unedited artifact loads
+        with pytest.raises(af.ManifestError, match=message):
+            af.load_manifest(dst)
+    af.load_manifest(art)      # control: the unedited artifact loads
 
 
 def test_wrong_weight_length_and_symlink_out_are_refused(artifacts, tmp_path):
     _, art = artifacts["llama"]
     dst = _broken_copy(art, tmp_path / "len")
-    m = mf.load_manifest(dst)
+    m = af.load_manifest(dst)
     w = m.weights[0]
     with open(dst / w.file, "ab") as f:
         f.write(b"\0\0\0\0")
-    with pytest.raises(mf.ManifestError, match=rf"weight '{w.slot}' file '{re.escape(w.file)}' has \d+ bytes"):
-        mf.load_manifest(dst)
+    with pytest.raises(af.ManifestError, match=rf"weight '{w.slot}' file '{re.escape(w.file)}' has \d+ bytes"):
+        af.load_manifest(dst)
     dst = _broken_copy(art, tmp_path / "link")
     outside = tmp_path / "outside.bin"
     outside.write_bytes((dst / m.weights[1].file).read_bytes())
     (dst / m.weights[1].file).unlink()
     os.symlink(outside, dst / m.weights[1].file)
-    with pytest.raises(mf.ManifestError, match=rf"weight '{m.weights[1].slot}' file path .* leaves the artifact directory"):
-        mf.load_manifest(dst)
+    with pytest.raises(af.ManifestError, match=rf"weight '{m.weights[1].slot}' file path .* leaves the artifact directory"):
+        af.load_manifest(dst)
 
 
 def test_custom_call_the_plugin_lacks_is_refused_by_name():
@@ -193,10 +193,10 @@ def test_custom_call_the_plugin_lacks_is_refused_by_name():
 def test_dropped_argument_is_refused_by_name():
     def f(x, unused):
         return x * 2
-    sigs = [mf.TensorSig(mf.Role.TOKEN_IDS, "float32", (2,)), mf.TensorSig(mf.Role.WEIGHT, "float32", (3,), "layers.ghost")]
+    sigs = [af.TensorSig(af.Role.TOKEN_IDS, "float32", (2,)), af.TensorSig(af.Role.WEIGHT, "float32", (3,), "layers.ghost")]
     exp = jax_export.export(jax.jit(f), platforms=["cpu"])(*(jax.ShapeDtypeStruct(s.shape, jnp.float32) for s in sigs))
     with pytest.raises(ExportError, match=r"dropped unused inputs \['layers\.ghost'\]"):
-        check_body("f", exp, sigs, [mf.TensorSig(mf.Role.LOGITS, "float32", (2,))])
+        check_body("f", exp, sigs, [af.TensorSig(af.Role.LOGITS, "float32", (2,))])
 
 
 def test_cli_subprocess_and_help(checkpoints, tmp_path):
@@ -210,7 +210,7 @@ def test_cli_subprocess_and_help(checkpoints, tmp_path):
                         "--batch-ladder", "1", "--context-ladder", "32", "--block-size", "8", "--weight-dtype", "bf16",
                         "--quiet"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
-    m = mf.load_manifest(tmp_path / "a")
+    m = af.load_manifest(tmp_path / "a")
     assert {w.dtype for w in m.weights} == {"bfloat16"} and len(m.entries) == 2
     r = subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(tmp_path / "nope"), str(tmp_path / "b")],
                        capture_output=True, text=True, env=env)

@@ -17,7 +17,7 @@ from fixtures.make_v2_v3 import LADDER
 from hf_models import load_hf_torch, torch_greedy
 from margins import assert_within
 from oracle import check_greedy_batch, engine_next_token
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
@@ -25,7 +25,7 @@ from tlaloc_jax.paging import PageAllocator, build_step_inputs, pool_rule, row_c
 from tlaloc_jax.serve import Engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CASES = {"v2": ("artifact_v2", "ck_llama", mf.SCHEMA_V2), "v3": ("artifact_v3", "ck_gemma3", mf.SCHEMA_V3)}
+CASES = {"v2": ("artifact_v2", "ck_llama", af.SCHEMA_V2), "v3": ("artifact_v3", "ck_gemma3", af.SCHEMA_V3)}
 PROMPTS = [[5, 17, 33, 3, 25, 8, 61, 2, 9, 11, 40], [42], [7, 7, 7, 1, 2, 3, 20, 10]]
 
 pytestmark = pytest.mark.numeric
@@ -36,28 +36,28 @@ def case(request, tmp_path_factory):
     art, ck, schema = CASES[request.param]
     staged = tmp_path_factory.mktemp(request.param) / "v4"
     export_checkpoint(FIXTURES / ck, staged, **LADDER)
-    return mf.load_manifest(FIXTURES / art), FIXTURES / art, mf.load_manifest(staged), staged, FIXTURES / ck, schema
+    return af.load_manifest(FIXTURES / art), FIXTURES / art, af.load_manifest(staged), staged, FIXTURES / ck, schema
 
 
 def test_old_manifests_load_as_the_v4_model(case):
     old, _, new, _, _, schema = case
-    assert old.schema == schema and new.schema == mf.SCHEMA_V4
+    assert old.schema == schema and new.schema == af.SCHEMA_V4
     assert {(p.name, p.kind, p.capacity, p.shape, p.window, p.ring_pages) for p in old.pools} == \
            {(p.name, p.kind, p.capacity, p.shape, p.window, p.ring_pages) for p in new.pools}
     assert sorted(e.name for e in old.entries) == sorted(e.name for e in new.entries)
     assert all(not w.sha256 for w in old.weights) and all(w.sha256 for w in new.weights)
 
 
-def _random_call(m: mf.Manifest, entry: mf.Entry, rng):
+def _random_call(m: af.Manifest, entry: af.Entry, rng):
     """Rows of random tokens at random positions, with what each sequence holds of each kind of pool."""
     allocs = {k: PageAllocator(m.capacity(k)) for k in m.pool_kinds}
     rules = {k: pool_rule(m.pools_of(k)[0], m.block_size) for k in m.pool_kinds}
     rows = []
     for _ in range(entry.batch):
-        n = 1 if entry.kind == mf.EntryKind.DECODE else int(rng.integers(1, entry.tokens_per_seq + 1))
+        n = 1 if entry.kind == af.EntryKind.DECODE else int(rng.integers(1, entry.tokens_per_seq + 1))
         start = int(rng.integers(0, entry.context - n + 1))
         if m.ring:
-            n = min(n, rules[mf.PoolKind.RING_KV].call_limit(start))
+            n = min(n, rules[af.PoolKind.RING_KV].call_limit(start))
         held = {k: allocs[k].alloc(rules[k].units(start + n)) for k in m.pool_kinds}
         rows.append(row_call(rng.integers(0, m.model.vocab, n).tolist(), start, held))
     return build_step_inputs(rows, batch=entry.batch, tokens=entry.tokens_per_seq,
@@ -108,8 +108,8 @@ def test_a_v4_manifest_without_hashes_or_with_a_v3_pool_role_is_refused(case, tm
              r"role is 'KV_POOL_IN', not a known Role")):
         bad = tmp_path / name
         shutil.copytree(new_art, bad)
-        raw = json.loads((bad / mf.MANIFEST_NAME).read_text())
+        raw = json.loads((bad / af.MANIFEST_NAME).read_text())
         edit(raw)
-        (bad / mf.MANIFEST_NAME).write_text(json.dumps(raw))
-        with pytest.raises(mf.ManifestError, match=message):
-            mf.load_manifest(bad)
+        (bad / af.MANIFEST_NAME).write_text(json.dumps(raw))
+        with pytest.raises(af.ManifestError, match=message):
+            af.load_manifest(bad)

@@ -22,7 +22,7 @@ from jax import lax
 
 from margins import assert_within
 from tlaloc_jax.kernels import tolerances as tol
-from tlaloc_jax.kernels.moe import (Layout, MoeSpec, gathered_form, moe, moe_reference, route, router_logits,
+from tlaloc_jax.kernels.moe import (GroupedRows, MoeSpec, gathered_form, moe, moe_reference, route, router_logits,
                                     router_margins, tile_rows)
 from tlaloc_jax.kernels.tolerances import relative_error
 
@@ -257,17 +257,17 @@ def test_padding_tokens_get_no_gradient():
     np.testing.assert_array_equal(np.asarray(dx)[~np.asarray(valid)], 0.0)
 
 
-# --- the grouped layout and what each form reads ---------------------------------------------------------
+# --- the grouped form and what each form reads -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 1), (37, 8, 2), (256, 8, 2), (300, 64, 8)])
-def test_grouped_layout(tokens, experts, top_k):
+def test_grouped_rows(tokens, experts, top_k):
     rng = np.random.default_rng(tokens)
     # Skewed routing: most tokens to a few experts, so tiles of one expert follow each other.
     idx = np.stack([rng.choice(experts, top_k, replace=False, p=np.arange(experts, 0, -1) / (experts * (experts + 1) / 2))
                     for _ in range(tokens)]).astype(np.int32)
     live = rng.random(tokens) > 0.2
-    lay = Layout(jnp.asarray(idx), jnp.asarray(np.repeat(live[:, None], top_k, 1)), experts)
+    lay = GroupedRows(jnp.asarray(idx), jnp.asarray(np.repeat(live[:, None], top_k, 1)), experts)
     A, Tr = tokens * top_k, lay.tile
     assert Tr == tile_rows(A, experts) and lay.rows % Tr == 0
     row_assignment, assignment_row = np.asarray(lay.row_assignment), np.asarray(lay.assignment_row)

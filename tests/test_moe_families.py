@@ -33,11 +33,12 @@ from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
 from tlaloc_jax.checkpoint import load_checkpoint, random_weights, save_checkpoint
 from tlaloc_jax.config import FULL, SLIDING, ConfigError
 from tlaloc_jax.decoder import StepInputs
-from tlaloc_jax.families import config_from_hf, read_rope
+from tlaloc_jax.families import config_from_hf
+from tlaloc_jax.hf_config import read_rope
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.layers import rope_inv_freq
-from tlaloc_jax.manifest import Role
+from tlaloc_jax.artifact import Role
 from tlaloc_jax.paging import RowCall, build_step_inputs
 
 pytestmark = pytest.mark.numeric

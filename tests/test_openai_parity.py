@@ -534,13 +534,13 @@ def test_the_serving_path_with_grammars_stays_jax_free(artifacts, tmp_path):
     from import_guard import guarded
     script = guarded(f"""
 import numpy as np
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.serve.structured import Grammars
 from tlaloc_jax.serve.tokenizer import read_listed
-m = mf.load_manifest({str(artifacts[0])!r})
+m = af.load_manifest({str(artifacts[0])!r})
 g = Grammars(read_listed(__import__("pathlib").Path({str(artifacts[0])!r}), m, "tokenizer.json"), m.model.vocab, [283])
 c = g.constraint(g.grammar("json", {{"type": "object"}}))
-words = np.full((m.model.vocab + 31) // 32, -1, np.int32)
+words = np.full(af.mask_words(m.model.vocab), -1, np.int32)
 c.fill(words)
 assert (words.view(np.uint32)[123 // 32] >> (123 % 32)) & 1 and not (words.view(np.uint32)[0] & 1)
 leaked = BANNED & {{n.split(".")[0] for n in sys.modules}}

@@ -213,7 +213,7 @@ def test_lowers_for_cuda_to_one_triton_call(splits):
     """jax.export for cuda lowers the kernel on this CPU machine (no GPU): one custom call to the GPU plugin's
     Triton target, the Triton IR in its backend_config, and the pool read in place (no gather of it)."""
     from tlaloc_jax.export import custom_call_targets
-    from tlaloc_jax.export._stage import export_fn
+    from tlaloc_jax.export._entries import export_fn
     call = make_call(0, [20, 33], H=4, K=2, dtype=jnp.bfloat16)
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in call._replace(layer=jnp.int32(1))]
     f = lambda q, pool, layer, t, pos, n: paged_decode_attention(q, pool, layer, t, pos, n, scale=SCALE, window=7,

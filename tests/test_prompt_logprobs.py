@@ -18,7 +18,7 @@ import pytest
 
 from http_util import InProcess
 from margins import assert_within
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.serve import Engine, Sampling
 
@@ -237,13 +237,16 @@ def test_scored_prompts_of_windowed_and_recurrent_models_equal_transformers(mode
 
 def test_requests_without_prompt_logprobs_never_run_the_scoring_entries(engine):
     """The plain prefill entries serve requests that ask for no prompt logprobs; one asking for more top logprobs
-    than the scorer returns falls back to the token-a-call path (its count of prefill calls is the prompt's)."""
+    than the scorer returns falls back to the token-a-call path (its count of calls is the prompt's: one-token calls
+    run on the decode entries)."""
     scored = _scored_calls(engine)
     engine.generate([LONG], 2)
     assert _scored_calls(engine) == scored
-    calls = engine.stats()["prefill_calls"]
+    st = engine.stats()
+    calls = st["prefill_calls"] + st["decode_calls"]
     (plp,) = _prompt_logprobs(engine, [LONG[:10]], k=TOP + 1)
-    assert engine.stats()["prefill_calls"] - calls == 10 and _scored_calls(engine) == scored
+    st = engine.stats()
+    assert st["prefill_calls"] + st["decode_calls"] - calls == 10 and _scored_calls(engine) == scored
     assert len(plp[1][2]) == TOP + 1
 
 
@@ -297,14 +300,14 @@ def test_openai_echo_logprobs_and_vllm_prompt_logprobs_come_from_the_scoring_ent
 def test_manifest_refuses_scorer_roles_where_they_do_not_belong(artifact):
     """A scoring role on a plain prefill entry, a scoring entry without its roles, or a scorer without scoring
     entries is refused by name; the artifact itself loads, and a manifest without a scorer still does."""
-    raw = json.loads((artifact / mf.MANIFEST_NAME).read_text())
-    mf._check_consistency(mf.Manifest.from_json(json.dumps(raw)))
+    raw = json.loads((artifact / af.MANIFEST_NAME).read_text())
+    af.check_manifest(af.Manifest.from_json(json.dumps(raw)))
 
     def refused(edit, match):
         bad = json.loads(json.dumps(raw))
         edit(bad)
-        with pytest.raises(mf.ManifestError, match=match):
-            mf._check_consistency(mf.Manifest.from_json(json.dumps(bad)))
+        with pytest.raises(af.ManifestError, match=match):
+            af.check_manifest(af.Manifest.from_json(json.dumps(bad)))
 
     def entry(bad, kind):
         return next(e for e in bad["entries"] if e["kind"] == kind)
@@ -326,4 +329,4 @@ def test_manifest_refuses_scorer_roles_where_they_do_not_belong(artifact):
     plain = json.loads(json.dumps(raw))
     no_scoring_entries(plain)
     plain["scorer"] = None
-    assert mf.Manifest.from_json(json.dumps(plain)).scorer is None
+    assert af.Manifest.from_json(json.dumps(plain)).scorer is None

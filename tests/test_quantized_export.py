@@ -5,6 +5,7 @@ and (slow) the quality check on the demo model and a tiny Llama with its wrong-a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -19,7 +20,8 @@ import tlaloc_jax
 from hf_models import build_checkpoint, load_hf_torch, torch_greedy
 from margins import assert_within
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
-from tlaloc_jax import manifest as mf
+from quant_controls import wrong_axis_export, wrong_axis_weights
+from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint
 from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.export._quant import QUANTIZED_SLOTS, quantize_weights
@@ -54,7 +56,7 @@ def quant_logit_bound(checkpoint, scheme: str, group: int = 0, context: int = 64
 
 
 def test_manifest_records_each_quantized_weight(int8_artifact):
-    m = mf.load_manifest(int8_artifact)
+    m = af.load_manifest(int8_artifact)
     assert m.model.name.endswith(":qint8")
     by_slot = {w.slot: w for w in m.weights}
     # The per-layer layout (tlaloc_jax.layout): q|k|v and gate|up fused, then quantized, one file per layer.
@@ -64,7 +66,7 @@ def test_manifest_records_each_quantized_weight(int8_artifact):
             name = f"{slot}.{i}"
             codes, scales = by_slot[f"{name}.codes"], by_slot[f"{name}.scales"]
             assert (codes.dtype, scales.dtype) == ("int8", "float32")
-            assert codes.quant == mf.WeightQuant(mf.QuantScheme.INT8, mf.QuantPart.CODES, name, 0)
+            assert codes.quant == af.WeightQuant(af.QuantScheme.INT8, af.QuantPart.CODES, name, 0)
             assert scales.shape == codes.shape[1:]
     # The output head stays float, stored [out, in] like the per-layer layout's other float projections.
     for slot in ("embed", "head.out_in", "final_norm", "layers.attn_norm.0", "layers.mlp_norm.0"):
@@ -84,9 +86,9 @@ def test_export_cli_refuses_int4_groups_that_do_not_tile(llama, tmp_path, capsys
 
 def _tampered(src, dst, edit):
     shutil.copytree(src, dst)
-    raw = json.loads((dst / mf.MANIFEST_NAME).read_text())
+    raw = json.loads((dst / af.MANIFEST_NAME).read_text())
     edit({w["slot"]: w for w in raw["weights"]}, raw)
-    (dst / mf.MANIFEST_NAME).write_text(json.dumps(raw))
+    (dst / af.MANIFEST_NAME).write_text(json.dumps(raw))
     return dst
 
 
@@ -99,8 +101,8 @@ def _tampered(src, dst, edit):
 ], ids=["unknown-scheme", "int8-with-group", "part-mismatch", "scales-unmarked", "codes-dtype"])
 def test_bad_quantization_entries_are_refused_at_load(int8_artifact, tmp_path, edit, message):
     bad = _tampered(int8_artifact, tmp_path / "bad", edit)
-    with pytest.raises(mf.ManifestError, match=message):
-        mf.load_manifest(bad)
+    with pytest.raises(af.ManifestError, match=message):
+        af.load_manifest(bad)
 
 
 @pytest.mark.numeric
@@ -116,7 +118,7 @@ def test_served_int8_keeps_transformers_greedy_ids(llama, int8_artifact):
         got = engine.generate(PROMPTS, NEW)
         check_greedy_batch(PROMPTS, got, want, logit_bound=bound, next_token=engine_next_token(engine))
     cfg, weights = load_checkpoint(llama, "float32")
-    wrong = tlaloc_jax.Model(cfg, quantize_weights(weights, "int8", 0, compute="float32", axis="input"))
+    wrong = tlaloc_jax.Model(cfg, wrong_axis_weights(weights, "int8", 0, compute="float32"))
     with pytest.raises(GreedyMismatch):
         check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, max_new_tokens=NEW), want, logit_bound=bound,
                            next_token=engine_next_token(wrong))
@@ -161,9 +163,10 @@ def _quality(checkpoint, tmp_path, context, variants):
     from tlaloc_jax.quality import compare, held_out_text, text_ids_for
     from tlaloc_jax.serve.engine import Engine
 
-    def export(name, **kw):
-        export_checkpoint(checkpoint, tmp_path / name, batch_ladder=(1,), context_ladder=(context,),
-                          prefill_chunk=16, progress=False, **kw)
+    def export(name, wrong_axis=False, **kw):
+        with wrong_axis_export() if wrong_axis else contextlib.nullcontext():
+            export_checkpoint(checkpoint, tmp_path / name, batch_ladder=(1,), context_ladder=(context,),
+                              prefill_chunk=16, progress=False, **kw)
         return tmp_path / name
 
     ref = export("none")
@@ -191,7 +194,7 @@ def test_quality_int8_keeps_fixture_ids_and_the_wrong_axis_is_caught(model, tmp_
     checkpoint = DEMO_MODEL if model == "demo" else build_checkpoint(tmp_path / "ck", "llama", seed=0)
     context = 256 if model == "demo" else 512
     reports, ids = _quality(checkpoint, tmp_path, context, {
-        "int8": dict(weight_quant="int8"), "wrong": dict(weight_quant="int8", quant_axis="input")})
+        "int8": dict(weight_quant="int8"), "wrong": dict(weight_quant="int8", wrong_axis=True)})
     good, wrong = reports["int8"], reports["wrong"]
     # The CLI over the same artifacts reports the same measures (its own text and fixtures: a shorter run).
     from tlaloc_jax.quality import main as quality_main
@@ -237,7 +240,7 @@ def test_served_int8_experts_match_the_dequantized_checkpoint(tmp_path):
     ck = build_checkpoint(tmp_path / "ck", "qwen3_moe", seed=3)
     export_checkpoint(ck, tmp_path / "art", batch_ladder=(1,), context_ladder=(64,), weight_quant="int8",
                       progress=False, sampler=None)
-    m = mf.load_manifest(tmp_path / "art")
+    m = af.load_manifest(tmp_path / "art")
     cfg, weights = load_checkpoint(ck, "float32")
     assert {w.slot for w in m.weights if w.quant} >= {f"layers.expert_{p}.{i}.{part}" for p in ("gate", "up", "down")
                                                       for part in ("codes", "scales") for i in range(cfg.num_layers)}
@@ -250,7 +253,7 @@ def test_served_int8_experts_match_the_dequantized_checkpoint(tmp_path):
     with Engine.load(tmp_path / "art", progress=False) as engine:
         check_greedy_batch(PROMPTS, engine.generate(PROMPTS, NEW), want, logit_bound=bound,
                            next_token=engine_next_token(engine))
-    wrong = tlaloc_jax.Model(cfg, quantize_weights(weights, "int8", 0, compute="float32", axis="input"))
+    wrong = tlaloc_jax.Model(cfg, wrong_axis_weights(weights, "int8", 0, compute="float32"))
     with pytest.raises(GreedyMismatch):
         check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, max_new_tokens=NEW), want, logit_bound=bound,
                            next_token=engine_next_token(wrong))

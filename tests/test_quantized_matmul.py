@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from margins import assert_within
+from quant_controls import wrong_axis
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.quantized_matmul import (QuantError, QuantizedWeight, dequantize, pack_int4, qat_linear,
                                                  qat_linear_reference, quantize, quantize_parts, quantized_matmul,
@@ -118,18 +119,8 @@ def test_quantized_weights_stay_close_to_the_float_ones():
     int4 = max(v for k, v in errs.items() if k.startswith("int4"))
     assert errs["int8"] < errs["fp8"] < min(v for k, v in errs.items() if k.startswith("int4")), errs
     assert errs["int8"] < 0.02 and int4 < 0.3, errs
-    wrong = wrong_axis_int8(w)
+    wrong = wrong_axis(w, quantize(jnp.asarray(w), "int8"))
     assert relative_error(quantized_matmul_reference(x, wrong), exact) > 3 * int4
-
-
-def wrong_axis_int8(w: np.ndarray) -> QuantizedWeight:
-    """The quantizer bug the quality check must catch: codes rounded against per-input-channel scales, stored
-    with the per-output-channel scales."""
-    w = np.asarray(w, np.float32)
-    right = quantize(jnp.asarray(w), "int8")
-    along_inputs = quantize(jnp.asarray(w.T), "int8")          # scales per input channel
-    codes = np.asarray(along_inputs.codes).T
-    return QuantizedWeight(jnp.asarray(codes), right.scales, "int8", 0, right.compute)
 
 
 # --- the training form -------------------------------------------------------------------------------

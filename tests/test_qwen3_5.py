@@ -326,14 +326,14 @@ def test_served_gives_transformers_ids_with_state_pools(name, checkpoints, tmp_p
     pages, and served by the JAX-free runtime: prompts longer than a prefill chunk carry their state across
     chunks; alone and decoded together they give transformers' greedy ids (near-tie rule). Control: every
     sequence handed slot 0 (sequences decoded together read and write each other's state) fails the check."""
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as af
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.serve import Engine
     path = _checkpoint(checkpoints, tmp_path_factory, name)
     m = export_checkpoint(path, tmp_path / "art", batch_ladder=(4,), context_ladder=(128,), block_size=8,
                           prefill_chunk=32, progress=False)
-    assert {p.name: p.kind for p in m.pools} == {"kv": mf.PoolKind.PAGED_KV, "conv": mf.PoolKind.STATE_SLOTS,
-                                                 "recurrent": mf.PoolKind.STATE_SLOTS}
+    assert {p.name: p.kind for p in m.pools} == {"kv": af.PoolKind.PAGED_KV, "conv": af.PoolKind.STATE_SLOTS,
+                                                 "recurrent": af.PoolKind.STATE_SLOTS}
     ref = load_hf_torch(path)
     want = [torch_greedy(ref, p, 16) for p in PROMPTS]
     cfg = tlaloc_jax.load_hf(path).config
@@ -373,14 +373,14 @@ def test_state_snapshots_give_exact_prefix_hits_and_queued_prompts_their_solo_id
     its solo run without prefix caching; with caching, sequences start from a snapshot of the recurrent state
     (copied into their slot by the copy_slots entry) and the shared pages, and the ids are the same. Control: a
     restore that copies nothing (the sequence starts from its slot's stale state) gives other ids."""
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as af
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.serve import Engine
     path = _checkpoint(checkpoints, tmp_path_factory, name)
     m = export_checkpoint(path, tmp_path / "art", batch_ladder=(4,), context_ladder=(128,), block_size=8,
                           prefill_chunk=32, progress=False)
-    assert m.capacity(mf.PoolKind.STATE_SLOTS) == 8
-    assert [e.batch for e in m.entries if e.kind == mf.EntryKind.COPY_SLOTS] == [4]
+    assert m.capacity(af.PoolKind.STATE_SLOTS) == 8
+    assert [e.batch for e in m.entries if e.kind == af.EntryKind.COPY_SLOTS] == [4]
     prompts = [SHARED_PREFIX + [(j * 7 + 1) % 250 + 3 for j in range(k + 2)] for k in range(5)] + \
         [[(i * 17 + k) % 250 + 3 for i in range(20 + 9 * k)] for k in range(5)]
     with Engine.load(tmp_path / "art", cache_dir=tmp_path / "cache", progress=False,
@@ -395,12 +395,18 @@ def test_state_snapshots_give_exact_prefix_hits_and_queued_prompts_their_solo_id
         assert st["prefix_hits"] >= 4 * 40 and st["slot_copies"] > 0
         assert st["pools"]["recurrent"]["pages_in_use"] == 0
 
-        real = Engine._copy_slots
+    real = Engine._copy_slots
+    restored = []
 
-        def no_restore(self, copies):
-            if copies and copies[0].hash is None:           # restores: copy nothing, keep the slot's stale state
-                self.scheduler.commit_copies(copies, True)
-                return True
-            return real(self, copies)
+    def no_restore(self, copies):
+        if copies and copies[0].hash is None:           # restores: copy nothing, keep the slot's stale state
+            restored.extend(copies)
+            self.scheduler.commit_copies(copies, True)
+            return True
+        return real(self, copies)
+    with Engine.load(tmp_path / "art", cache_dir=tmp_path / "cache", progress=False, max_num_seqs=16) as eng:
+        assert eng.generate(prompts[5:], 12) == solo[5:]          # the slots hold other sequences' states
+        assert eng.generate(prompts[:1], 12) == solo[:1]          # leaves snapshots of the shared prefix
         monkeypatch.setattr(Engine, "_copy_slots", no_restore)
         assert eng.generate(prompts[1:5], 12) != solo[1:5]
+        assert restored

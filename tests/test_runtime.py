@@ -279,12 +279,12 @@ def test_no_entry_copies_the_pool_inside_its_body(tmp_path, cache_dir):
 def test_an_artifact_for_another_platform_is_refused_at_load(tmp_path, cache_dir):
     """The export lowers for CUDA without a GPU (no custom_call in the bodies but the Pallas decode kernel's
     Triton call); the CPU plugin refuses that artifact by name before compiling anything."""
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as af
     _, art = _export(tmp_path, "cuda", "llama", seed=27, batch_ladder=(1,), context_ladder=(32,), platform="cuda")
-    m = mf.load_manifest(art)
+    m = af.load_manifest(art)
     assert m.versions.platform == "cuda"
     from tlaloc_jax.export import custom_call_targets
     from tlaloc_jax.kernels.paged_attention_gpu import TRITON_CUSTOM_CALL
     assert all(custom_call_targets((art / e.body).read_text()) <= {TRITON_CUSTOM_CALL} for e in m.entries)
-    with pytest.raises(mf.ManifestError, match=r"exported for cuda, the plugin .* is cpu"):
+    with pytest.raises(af.ManifestError, match=r"exported for cuda, the plugin .* is cpu"):
         Engine.load(art, cache_dir=cache_dir, progress=False)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from margins import assert_within
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels import sampling as S
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
@@ -25,7 +25,7 @@ ALPHA = 1e-3          # the chi-square tests' significance: a correct sampler fa
 
 
 def params_row(**kw) -> list[float]:
-    return [float(kw.get(c, S.NEUTRAL[c])) for c in S.SAMPLING_COLUMNS]
+    return [float(kw.get(c, af.SAMPLING_NEUTRAL[c])) for c in af.SAMPLING_COLUMNS]
 
 
 ROWS = [params_row(),                                                     # greedy
@@ -120,7 +120,7 @@ def test_kernel_equals_the_reference(seed):
 def test_controls_fail():
     args = batch(0)
     swapped = list(args)
-    cols = list(S.SAMPLING_COLUMNS)
+    cols = list(af.SAMPLING_COLUMNS)
     order = [cols.index(c) for c in ("temperature", "top_k", "top_p") + tuple(cols[3:])]
     swapped[1] = args[1][:, order]                       # top_p and top_k read from each other's column
     with pytest.raises(AssertionError):
@@ -132,10 +132,9 @@ def test_controls_fail():
         compare(args, no_penalty, _unrecorded)
 
 
-def test_columns_are_the_manifests():
-    assert S.SAMPLING_COLUMNS == mf.SAMPLING_COLUMNS
-    assert set(host.NEUTRAL_ROW) == set(S.SAMPLING_COLUMNS)
-    assert all(host.NEUTRAL_ROW[c] == S.NEUTRAL[c] for c in S.SAMPLING_COLUMNS)
+def test_a_default_request_fills_the_neutral_row():
+    assert host.GREEDY.row(af.SAMPLING_COLUMNS) == [af.SAMPLING_NEUTRAL[c] for c in af.SAMPLING_COLUMNS]
+    assert host.Sampling(temperature=0.5, logprobs=2).row(("top_logprobs", "temperature")) == [1.0, 0.5]
 
 
 def test_greedy_is_exactly_argmax_and_masks_pack_as_the_kernel_reads_them():
@@ -186,7 +185,7 @@ def _draws(row, vocab=24, seed=11):
     B = DRAWS
     args = [np.tile(logits, (B, 1)), np.tile(np.array(row, np.float32), (B, 1)),
             np.tile(np.array([123456789, 42], np.int32), (B, 1)), np.arange(B, dtype=np.int32),
-            np.full((B, S.mask_words(vocab)), -1, np.int32), np.full((B, 1), -1, np.int32), np.zeros((B, 1), np.float32),
+            np.full((B, af.mask_words(vocab)), -1, np.int32), np.full((B, 1), -1, np.int32), np.zeros((B, 1), np.float32),
             np.full((B, 1), -1, np.int32), np.ones(B, np.int32)]
     tokens = np.asarray(jax.jit(lambda *a: S.sample_tokens(*a, top_n=0))(*args)[0])
     return logits, np.bincount(tokens, minlength=vocab)

@@ -1,8 +1,11 @@
 """tlaloc_jax.stage on an authored model with one state pool (a gated linear recurrence, no KV at all), and the
 runtime's state slots: slots held for a sequence's life, state carried across prompt chunks, padding rows
-that never touch a slot; served equal to the in-process run, alone and batched, with controls that fail."""
+that never touch a slot; served equal to the in-process run, alone and batched, with controls that fail.
+Also stage's option groups: the keywords it took before them, and a step given as a SplitStep."""
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,14 +15,16 @@ from jax import lax
 
 import tlaloc_jax
 from margins import assert_within
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import Capacity, Features, Ladders, ModelInfo, PromptScorer, Sampler, SplitStep
+from tlaloc_jax import artifact as af
+from tlaloc_jax.export._options import Options, resolve_options
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.paging import RowCall, build_step_inputs
 from tlaloc_jax.serve import Engine
 
 V, E = 48, 16
-LADDER = dict(batch_ladder=(1, 4), context_ladder=(32, 64), prefill_chunk=8, block_size=8)
+LADDER = dict(ladders=Ladders(batch=(1, 4), context=(32, 64), prefill_chunk=8), capacity=Capacity(block_size=8))
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [42 % V], [7, 7, 7, 1, 2, 3, 20, 10, 11]]
 
 
@@ -86,24 +91,24 @@ def reference_greedy_ids(prompt, n):
 @pytest.fixture(scope="module")
 def artifact(weights, tmp_path_factory):
     out = tmp_path_factory.mktemp("toy") / "artifact"
-    m = tlaloc_jax.stage(toy_step, weights, {"state": tlaloc_jax.StateSlots((E,))}, out, name="toy-recurrence",
-                         embedding_slot="embed", progress=False, **LADDER)
+    m = tlaloc_jax.stage(toy_step, weights, {"state": tlaloc_jax.StateSlots((E,))}, out, progress=False,
+                         model=ModelInfo(name="toy-recurrence", embedding_slot="embed"), **LADDER)
     return m, out
 
 
 def test_manifest_describes_the_state_pool_by_kind(artifact):
     m, _ = artifact
-    assert m.schema == mf.SCHEMA_V4 and m.model.vocab == V and m.model.model_type == "authored"
+    assert m.schema == af.SCHEMA_V4 and m.model.vocab == V and m.model.model_type == "authored"
     (pool,) = m.pools
     # A slot for each sequence of the pool, and the largest batch again as spares for state snapshots.
-    assert (pool.name, pool.kind, pool.shape, pool.slot_axis) == ("state", mf.PoolKind.STATE_SLOTS, (8, E), 0)
+    assert (pool.name, pool.kind, pool.shape, pool.slot_axis) == ("state", af.PoolKind.STATE_SLOTS, (8, E), 0)
     for e in m.entries:
-        roles = [s.role for s in e.inputs if s.role in mf.STEP_FIELDS]
-        if e.kind == mf.EntryKind.COPY_SLOTS:     # copies slots: no step inputs, the state pool donated
-            assert [s.role for s in e.inputs] == [mf.Role.COPY_SRC, mf.Role.COPY_DST, mf.Role.POOL_IN], e.name
+        roles = [s.role for s in e.inputs if s.role in af.STEP_FIELDS]
+        if e.kind == af.EntryKind.COPY_SLOTS:     # copies slots: no step inputs, the state pool donated
+            assert [s.role for s in e.inputs] == [af.Role.COPY_SRC, af.Role.COPY_DST, af.Role.POOL_IN], e.name
             continue
-        assert roles == [mf.Role.TOKEN_IDS, mf.Role.POSITIONS, mf.Role.SEQ_LENS, mf.Role.STATE_SLOTS], e.name
-    assert sum(e.kind == mf.EntryKind.COPY_SLOTS for e in m.entries) == 1
+        assert roles == [af.Role.TOKEN_IDS, af.Role.POSITIONS, af.Role.SEQ_LENS, af.Role.STATE_SLOTS], e.name
+    assert sum(e.kind == af.EntryKind.COPY_SLOTS for e in m.entries) == 1
 
 
 def test_served_ids_equal_the_in_process_run_alone_and_together(artifact, weights, tmp_path):
@@ -214,11 +219,80 @@ def test_unknown_pool_kind_or_role_is_refused_by_name(artifact, tmp_path):
                                                                                  r"a known Role")):
         bad = tmp_path / value
         shutil.copytree(art, bad)
-        raw = json.loads((bad / mf.MANIFEST_NAME).read_text())
+        raw = json.loads((bad / af.MANIFEST_NAME).read_text())
         node = raw
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
-        (bad / mf.MANIFEST_NAME).write_text(json.dumps(raw))
-        with pytest.raises(mf.ManifestError, match=message):
+        (bad / af.MANIFEST_NAME).write_text(json.dumps(raw))
+        with pytest.raises(af.ManifestError, match=message):
             Engine.load(bad, cache_dir=tmp_path / "c", progress=False)
+
+
+def toy_hidden(w, pools, inputs):
+    """toy_step up to its head: every token's state [B, T, E] (the scan's outputs)."""
+    state = pools["state"]
+    index = jnp.where(inputs.state_slots < 0, state.shape[0], inputs.state_slots)
+    h = state.at[index].get(mode="fill", fill_value=0.0)
+    h = jnp.where(jnp.any(inputs.positions == 0, axis=1)[:, None], 0.0, h)
+
+    def token(h, xs):
+        x_t, live_t = xs
+        h = jnp.where(live_t[:, None], recurrence(w, h, x_t), h)
+        return h, h
+
+    x, live = w["embed"][inputs.token_ids], inputs.positions >= 0
+    h, every = lax.scan(token, h, (x.swapaxes(0, 1), live.swapaxes(0, 1)))
+    return every.swapaxes(0, 1), {"state": state.at[index].set(h, mode="drop")}
+
+
+def toy_head(w, x):
+    return x @ w["head"]
+
+
+def test_a_split_step_is_its_head_on_the_last_hidden_state(weights):
+    """Called, SplitStep(hidden, head) is the step: the logits of each row's last token and the pools, the same
+    operations in the same order (so the same bits, eagerly); a control whose hidden states run backwards in
+    time gives other logits."""
+    pool = jnp.asarray(np.random.default_rng(4).standard_normal((3, E)).astype(np.float32))
+    rows = [RowCall(PROMPTS[0][:6], 0, None, state_slot=2), RowCall(PROMPTS[2][:4], 5, None, state_slot=0)]
+    want = _call(toy_step, weights, pool, rows, 8)
+    for split in (SplitStep(toy_hidden, toy_head), SplitStep(toy_hidden, toy_head, last=toy_step)):
+        got = _call(split, weights, pool, rows, 8)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    backwards = SplitStep(lambda w, p, i: (lambda h, q: (h[:, ::-1], q))(*toy_hidden(w, p, i)), toy_head)
+    assert not np.allclose(_call(backwards, weights, pool, rows, 8)[0], want[0])
+
+
+def test_stage_takes_its_old_keywords_into_the_groups():
+    """The keywords stage took before the option groups land in their fields with a DeprecationWarning; a
+    PromptScorer becomes a SplitStep around the step. Both forms at once, or an unknown keyword, are refused."""
+    with pytest.warns(DeprecationWarning, match=r"stage\(batch_ladder=, .*\) is the old form"):
+        step, opts = resolve_options(toy_step, Options(), dict(
+            batch_ladder=(1, 4), context_ladder=(32,), prefill_chunk=8, prefill_max_batch=2, block_size=8,
+            num_blocks=9, ring_blocks=3, state_slots=2, sampler=Sampler(4, 2), decode_steps=3, name="toy",
+            model_type="toy_type", eos_token_ids=(1,), refused_tokens=((2, "k"),), tokenizer_dir="tok",
+            embedding_slot="embed", attention_block=16, describe={"layers": 2, "kv_dtype": "bfloat16"}))
+    assert step is toy_step and opts == Options(
+        Ladders(batch=(1, 4), context=(32,), prefill_chunk=8, prefill_max_batch=2),
+        Capacity(block_size=8, paged_kv=9, ring_kv=3, state_slots=2), Features(Sampler(4, 2), None, 3),
+        ModelInfo(name="toy", model_type="toy_type", tokenizer_dir="tok", embedding_slot="embed",
+                  eos_token_ids=(1,), refused_tokens=((2, "k"),), layers=2, kv_dtype="bfloat16", attention_block=16))
+    with pytest.warns(DeprecationWarning):
+        step, opts = resolve_options(toy_step, Options(), {"prompt_logprobs": PromptScorer(toy_hidden, toy_head, 5)})
+    assert step == SplitStep(toy_hidden, toy_head, last=toy_step) and opts.features.prompt_logprobs == 5
+    with pytest.raises(TypeError, match=r"both ladders= and batch_ladder="), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve_options(toy_step, Options(ladders=Ladders(batch=(2,))), {"batch_ladder": (1,)})
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['batch'\]"):
+        tlaloc_jax.stage(toy_step, {}, {}, "unused", batch=(1,))
+
+
+def test_prompt_scoring_needs_a_split_step(weights, tmp_path):
+    pools = {"state": tlaloc_jax.StateSlots((E,))}
+    with pytest.raises(tlaloc_jax.export.ExportError, match=r"give the step as SplitStep\(hidden, head\)"):
+        tlaloc_jax.stage(toy_step, weights, pools, tmp_path / "a", features=Features(prompt_logprobs=2), **LADDER)
+    with pytest.raises(tlaloc_jax.export.ExportError, match=r"prompt_logprobs must be None or an integer >= 0"):
+        tlaloc_jax.stage(SplitStep(toy_hidden, toy_head), weights, pools, tmp_path / "b",
+                         features=Features(prompt_logprobs=-1), **LADDER)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

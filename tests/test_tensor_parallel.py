@@ -12,7 +12,7 @@ import pytest
 
 from hf_models import build_checkpoint, load_hf_torch, torch_greedy
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 from tlaloc_jax.checkpoint import load_checkpoint
 from tlaloc_jax.export import export_checkpoint
 from test_tp_staging import check_collectives
@@ -166,6 +166,7 @@ def test_an_authored_step_on_two_devices(tmp_path, serve_cache_dir):
 
     import tlaloc_jax
     from test_stage import E, LADDER as TOY_LADDER, PROMPTS as TOY_PROMPTS, reference_greedy, toy_step, toy_weights
+    from tlaloc_jax.export import ModelInfo
     from tlaloc_jax.sharding import TP_AXIS
 
     def step(w, pools, inputs):
@@ -174,8 +175,8 @@ def test_an_authored_step_on_two_devices(tmp_path, serve_cache_dir):
 
     weights = toy_weights()
     m = tlaloc_jax.stage(step, weights, {"state": tlaloc_jax.StateSlots((E,), shard_axis=0)}, tmp_path / "art",
-                         mesh=2, weight_split_axes={"mix": 1, "decay": 0, "head": 0}, embedding_slot="embed",
-                         progress=False, **TOY_LADDER)
+                         mesh=2, weight_split_axes={"mix": 1, "decay": 0, "head": 0},
+                         model=ModelInfo(embedding_slot="embed"), progress=False, **TOY_LADDER)
     assert m.pools[0].partition == (None, "tp") and m.devices == 2
     want = [reference_greedy({k: jax.numpy.asarray(v) for k, v in weights.items()}, p, 12) for p in TOY_PROMPTS]
     with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False) as eng:

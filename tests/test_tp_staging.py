@@ -14,7 +14,7 @@ import pytest
 
 from hf_models import build_checkpoint
 from margins import assert_within
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 from tlaloc_jax.config import LINEAR
 from tlaloc_jax.export import ExportError, export_checkpoint
 from tlaloc_jax.export._mesh import collective_counts

@@ -12,7 +12,7 @@ from bodies import entry_args, run_body
 from hf_models import build_checkpoint, load_hf_torch, torch_greedy
 from margins import assert_within
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token, kv_one_slot_off
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.decoder import StepInputs, forward, init_pools
 from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.kernels import tolerances as tol
@@ -45,13 +45,13 @@ def family(request, tmp_path_factory):
 
 def test_manifests(family):
     _, _, (w, _), (f, _) = family
-    assert w.schema == f.schema == mf.SCHEMA_V4
+    assert w.schema == f.schema == af.SCHEMA_V4
     win = w.pool("window_kv")
-    assert win.kind == mf.PoolKind.RING_KV and w.ring is win
+    assert win.kind == af.PoolKind.RING_KV and w.ring is win
     assert win.window == WINDOW and win.ring_pages == pages_for(WINDOW - 1 + CHUNK, S) == 3
     assert set(win.layers) == {i for i, t in enumerate(tlaloc_jax.load_hf(family[1]).config.layer_types)
                                if t == "sliding_attention"}
-    assert f.pool("window_kv") is None and f.ring is None and f.pool("kv").kind == mf.PoolKind.PAGED_KV
+    assert f.pool("window_kv") is None and f.ring is None and f.pool("kv").kind == af.PoolKind.PAGED_KV
 
 
 def logit_bound(ck, context: int) -> float:

@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from . import manifest as mf
+from . import artifact as af
 from .config import ConfigError, DecoderConfig
 from .families import Family, Tensor, config_from_hf, split_rows, stack_layers
 
 # The dtypes a checkpoint is read into (weights and KV pools); their names and numpy types come from the
-# project's one dtype table (tlaloc_jax.manifest.DTYPES).
+# project's one dtype table (tlaloc_jax.artifact.DTYPES).
 WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
@@ -33,7 +33,7 @@ def read_config(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
 def weight_dtype(name: str) -> np.dtype:
     if name not in WEIGHT_DTYPES:
         raise ConfigError(f"weight dtype {name!r} is not supported (choose from {', '.join(WEIGHT_DTYPES)})")
-    return mf.numpy_dtype(name)
+    return af.numpy_dtype(name)
 
 
 class _TensorIndex:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels import (MoeSpec, causal_conv1d, causal_conv1d_update, gated_delta_rule_chunked,
                                 gated_delta_rule_recurrent, kv_cache_write, moe, paged_attention)
 
@@ -19,17 +20,15 @@ from .config import FULL, LINEAR, SLIDING, DecoderConfig
 from .inputs import StepInputs
 from .layers import ACTIVATIONS, apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
 from .layout import is_per_layer
-# layer_period and pool_of are the decoder's public names too (the exporter reads pool_of).
-from .plan import STATE_POOLS, layer_period, layer_plan, pool_of  # noqa: F401
+from .plan import layer_plan
+from .pools import PagedKV, PoolSpec, RingKV, StateSlots
 
 Weights = dict[str, jax.Array]
 Pools = dict[str, jax.Array]
 
 DEFAULT_KEY_BLOCK = 2048
-# A decode call (T = 1) with plain-op attention folds its keys in blocks of at most this many positions (whole
-# pages), so it reads the blocks its rows have written rather than its whole context bucket: on XLA's CPU backend
-# the 100M Llama's decode step at 21 live positions took 18.4 ms in a 1024-position bucket with blocks of 128
-# against 22.0 ms with one block of the whole bucket, and at 1000 live positions 22.1 against 22.9 ms.
+# A decode call (T = 1) with plain-op attention folds its keys in blocks of at most this many positions, so that
+# it reads the blocks its rows have written rather than its whole context bucket (docs/staging.md measures it).
 DECODE_KEY_BLOCK = 128
 
 
@@ -42,46 +41,66 @@ def decode_key_block(key_block: int, page_size: int) -> int:
 # "pallas", the Pallas GPU kernel (kernels.paged_attention_gpu, lowered through Triton: cuda only);
 # "pallas-interpret", that kernel in Pallas' interpreter (any platform, slow: for tests). Prefill calls use "xla".
 DECODE_ATTENTION = ("xla", "pallas", "pallas-interpret")
-# Tokens per chunk of the gated delta rule's prefill form (the seed's 64).
+# Tokens per chunk of the gated delta rule's prefill form.
 DELTA_CHUNK = 64
+
+
+def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pages: int) -> dict[str, PoolSpec]:
+    """The decoder's pools, as its layer plan orders them, each stacking its layers: "kv" (full-history pages),
+    "window_kv" (the sliding layers' rings, when windowed), "conv" and "recurrent" (the linear layers' states,
+    f32: each sequence's last W - 1 conv inputs [C, W - 1], the gated delta rule's state per value head
+    [Hv, Dk, Dv])."""
+    plan = layer_plan(cfg, windowed)
+    K, D = cfg.num_kv_heads, cfg.head_dim
+    specs: dict[str, PoolSpec] = {}
+    for name in plan.pool_names():
+        ids = plan.pool_layers(name)
+        if name == "kv":
+            specs[name] = PagedKV(len(ids), K, D, kv_dtype, layer_ids=ids)
+        elif name == "window_kv":
+            specs[name] = RingKV(len(ids), K, D, cfg.sliding_window, kv_dtype, ring_pages=ring_pages, layer_ids=ids)
+        elif name == "conv":
+            specs[name] = StateSlots((cfg.conv_channels, cfg.linear_conv_kernel - 1), "float32", len(ids), ids,
+                                     shard_axis=0)
+        elif name == "recurrent":
+            specs[name] = StateSlots((cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim), "float32",
+                                     len(ids), ids, shard_axis=0)
+        else:
+            raise ValueError(f"the decoder's layer plan names pool {name!r}, which decoder_pools cannot declare")
+    return specs
+
+
+def _pool_records(cfg: DecoderConfig, num_blocks: int, block_size: int, window_blocks: int, state_slots: int,
+                  kv_dtype: str) -> list[af.Pool]:
+    specs = decoder_pools(cfg, windowed=window_blocks > 0, kv_dtype=kv_dtype, ring_pages=0)
+    states = [s for s in specs.values() if isinstance(s, StateSlots)]
+    if states and state_slots <= 0:
+        raise ValueError(f"{cfg.model_type} has {states[0].layers} linear-attention layers: its pools need "
+                         f"state_slots >= 1 (one per live sequence), got {state_slots}")
+    capacity = {af.PoolKind.PAGED_KV: num_blocks, af.PoolKind.RING_KV: window_blocks,
+                af.PoolKind.STATE_SLOTS: state_slots}
+    return [spec.to_pool(name, capacity[spec.kind], block_size) for name, spec in specs.items()]
 
 
 def pool_shapes(cfg: DecoderConfig, num_blocks: int, block_size: int,
                 window_blocks: int = 0, state_slots: int = 0) -> dict[str, tuple[int, ...]]:
-    """One buffer per pool class, its layers stacked.
-
-    KV pools [L', 2, P, S, K, D] (0 = keys, 1 = values): "kv" (full-history pages) and, when
-    window_blocks > 0, "window_kv" (the sliding layers' rings). With linear-attention layers, the state
-    pools of state_slots sequences: "conv" [L', slots, C, W - 1] (each sequence's last W - 1 conv inputs)
-    and "recurrent" [L', slots, Hv, Dk, Dv] (the gated delta rule's state per value head), both f32.
-    """
-    plan = layer_plan(cfg, windowed=window_blocks > 0)
-    kv_pages = {"kv": num_blocks, "window_kv": window_blocks}
-    out = {name: (len(plan.pool_layers(name)), 2, kv_pages[name], block_size, cfg.num_kv_heads, cfg.head_dim)
-           for name in plan.pool_names() if name in kv_pages}
-    linear_layers = len(plan.group_layers("linear"))
-    if linear_layers:
-        if state_slots <= 0:
-            raise ValueError(f"{cfg.model_type} has {linear_layers} linear-attention layers: its pools need "
-                             f"state_slots >= 1 (one per live sequence), got {state_slots}")
-        out["conv"] = (linear_layers, state_slots, cfg.conv_channels, cfg.linear_conv_kernel - 1)
-        out["recurrent"] = (linear_layers, state_slots, cfg.linear_value_heads, cfg.linear_key_dim,
-                            cfg.linear_value_dim)
-    return out
+    """Each of decoder_pools' shapes: KV pools [L', 2, P, S, K, D] (0 = keys, 1 = values) of num_blocks pages,
+    window_kv (when window_blocks > 0) of window_blocks; state pools [L', slots, ...] of state_slots slots."""
+    return {p.name: p.shape for p in _pool_records(cfg, num_blocks, block_size, window_blocks, state_slots, "float32")}
 
 
 def init_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
                window_blocks: int = 0, state_slots: int = 0) -> Pools:
     """Zeroed pools: KV pools in `dtype`, state pools in f32."""
-    return {name: jnp.zeros(shape, jnp.float32 if name in STATE_POOLS else dtype)
-            for name, shape in pool_shapes(cfg, num_blocks, block_size, window_blocks, state_slots).items()}
+    return {p.name: jnp.zeros(p.shape, p.dtype) for p in
+            _pool_records(cfg, num_blocks, block_size, window_blocks, state_slots, jnp.dtype(dtype).name)}
 
 
 def _layer_slice(weights: Weights, group: str, index) -> Weights:
     """One layer's slots of a group ("layers", "attn", "linear").
 
     Stacked weights ([L', ...] each) are indexed with a dynamic index (the scan's counter). (Indexing a slice
-    that the scan already cut, w[i][j], makes XLA copy the layer's weights first: 2 GB/s against 10 on CPU.)
+    that the scan already cut, w[i][j], makes XLA copy the layer's weights first.)
     Per-layer weights (a tuple of L' arrays each, tlaloc_jax.layout) are picked by the static index."""
     prefix = group + "."
     return {name[len(prefix):]: (w[index] if isinstance(w, (tuple, list)) else

@@ -115,11 +115,6 @@ def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act
     return linear(ACTIVATIONS[act](linear(x, gate)) * linear(x, up), down)
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """x: [..., E]; gate, up: [E, F]; down: [F, E] -> [..., E]."""
-    return gated_mlp(x, gate, up, down, "silu")
-
-
 def soft_cap(x: jax.Array, cap: float) -> jax.Array:
     """cap * tanh(x / cap): bounds logits smoothly (Gemma 2); cap 0 leaves x as it is."""
     return cap * jnp.tanh(x / cap) if cap else x

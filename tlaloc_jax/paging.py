@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 
 
 class PoolExhausted(RuntimeError):
@@ -215,19 +215,19 @@ class SlotRule:
         return None
 
 
-def pool_rule(pool: mf.Pool, block_size: int) -> PagedRule | RingRule | SlotRule:
+def pool_rule(pool: af.Pool, block_size: int) -> PagedRule | RingRule | SlotRule:
     """The rule of a manifest pool's kind."""
-    if pool.kind == mf.PoolKind.PAGED_KV:
+    if pool.kind == af.PoolKind.PAGED_KV:
         return PagedRule(block_size)
-    if pool.kind == mf.PoolKind.RING_KV:
+    if pool.kind == af.PoolKind.RING_KV:
         return RingRule(block_size, pool.window, pool.ring_pages)
-    if pool.kind == mf.PoolKind.STATE_SLOTS:
+    if pool.kind == af.PoolKind.STATE_SLOTS:
         return SlotRule()
     raise ValueError(f"pool {pool.name!r} has kind {pool.kind!r}, for which this runtime has no rule")
 
 
-def row_call(token_ids: Sequence[int], start: int, held: dict[mf.PoolKind, list[int]]) -> RowCall:
+def row_call(token_ids: Sequence[int], start: int, held: dict[af.PoolKind, list[int]]) -> RowCall:
     """A sequence's part of a call, from what it holds of each kind of pool (absent kinds: none)."""
-    slots = held.get(mf.PoolKind.STATE_SLOTS)
-    return RowCall(token_ids, start, held.get(mf.PoolKind.PAGED_KV), held.get(mf.PoolKind.RING_KV, ()),
+    slots = held.get(af.PoolKind.STATE_SLOTS)
+    return RowCall(token_ids, start, held.get(af.PoolKind.PAGED_KV), held.get(af.PoolKind.RING_KV, ()),
                    slots[0] if slots else -1)

@@ -1,7 +1,7 @@
 """python -m tlaloc_jax.quality ART_A ART_B --text FILE: how far artifact B (say, int8 weights) is from A (the
 unquantized model), both served by the JAX-free runtime (tlaloc_jax.serve.engine).
 
-Three measures, after the seed's quality check:
+Three measures:
 * greedy fixture ids: a few prompts cut from the text, N greedy tokens each from A and from B; how many of B's
   equal A's (the identical prefix), and B's teacher-forced top-1 on A's ids (B fed A's tokens).
 * perplexity of the text on each, scored one token a call: the text is a prompt read a token a call with
@@ -141,10 +141,10 @@ def compare(engine_a, engine_b, text_ids: Sequence[int], *, fixtures: int = 3, f
 
 
 def text_ids_for(artifact: str, text: str, tokens: int) -> list[int]:
-    from tlaloc_jax import manifest as mf
+    from tlaloc_jax import artifact as af
     from tlaloc_jax.serve.tokenizer import load_tokenizer
 
-    m = mf.load_manifest(artifact, verify_files=False)
+    m = af.load_manifest(artifact, verify_files=False)
     tok = load_tokenizer(artifact, m)
     if tok is not None:
         return tok.encode(text, add_special_tokens=False)[:tokens]

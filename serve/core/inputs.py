@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 from tlaloc_jax.paging import build_step_inputs
 
 from ..runtime.runner import Runner
-from ..sampling import NEUTRAL_ROW, seed_words
+from ..sampling import seed_words
 from .scheduler import ScheduledCall
 
 
@@ -28,7 +28,7 @@ def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], a
     B, C = e.batch, e.context
     seqs = call.seqs
     out: dict = {}
-    neutral = np.array([NEUTRAL_ROW[c] for c in sp.columns], np.float32)
+    neutral = np.array([mf.SAMPLING_NEUTRAL[c] for c in sp.columns], np.float32)
     params = np.array([neutral] * B, np.float32)
     seeds = np.zeros((B, 2), np.int32)
     steps = np.zeros(B, np.int32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 
 from ..sampling import log_softmax, sample, top_logprobs, unpack_mask
 from .request import Request
@@ -17,10 +17,10 @@ def allowed_mask(s: Request, vocab: int) -> np.ndarray | None:
     token before min_tokens), or None when it may choose any."""
     words = None
     if s.constraint is not None:
-        words = np.full((vocab + 31) // 32, -1, np.int32)
+        words = np.full(mf.mask_words(vocab), -1, np.int32)
         s.constraint.fill(words)
     if len(s.generated) < s.sampling.min_tokens and s.stop:
-        words = np.full((vocab + 31) // 32, -1, np.int32) if words is None else words
+        words = np.full(mf.mask_words(vocab), -1, np.int32) if words is None else words
         bits = words.view(np.uint32)
         for t in s.stop:
             if 0 <= t < vocab:

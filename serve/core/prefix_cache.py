@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 
 from . import kv_cache
 from .request import Request

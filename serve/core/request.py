@@ -8,7 +8,7 @@ from typing import Iterable
 
 import numpy as np
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 
 from ..sampling import GREEDY, Sampling
 

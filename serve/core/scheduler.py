@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 from tlaloc_jax.paging import RowCall, pool_rule, row_call
 
 from . import kv_cache

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 
-from ..sampling import NEUTRAL_ROW
 from . import sharded
 from .handles import Executable
 from .pjrt import Device
@@ -162,7 +161,7 @@ class Runner:
             sig = e.inputs[e.input_index(role)]
             fill = {mf.Role.TOKEN_MASK: -1, mf.Role.LOGIT_BIAS_IDS: -1, mf.Role.TOKEN_HISTORY: -1}.get(role, 0)
             if role == mf.Role.SAMPLING:
-                fill = np.array([NEUTRAL_ROW[c] for c in self.manifest.sampler.columns], np.float32)
+                fill = np.array([mf.SAMPLING_NEUTRAL[c] for c in self.manifest.sampler.columns], np.float32)
             self._neutral[key] = sharded.upload_whole(
                 self.device, np.broadcast_to(fill, sig.shape).astype(mf.numpy_dtype(sig.dtype)))
         return self._neutral[key]

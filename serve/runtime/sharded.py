@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 
 from .handles import Buffer, Executable
 from .pjrt import Device

@@ -1,4 +1,4 @@
-"""Multi-step decode entries: K decode steps of a staged step function in one call (manifest EntryKind.DECODE_STEPS).
+"""decode_steps entries: K decode steps of a staged step function in one call (manifest EntryKind.DECODE_STEPS).
 
 The body runs the step function in a `lax.while_loop` of at most K iterations. Iteration i feeds each live row
 the token iteration i - 1 chose (the first: the row's TOKEN_IDS), at position POSITIONS + i, writing its key and
@@ -23,32 +23,32 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import sampling as sampling_kernel
 
-Role = mf.Role
+Role = af.Role
 
 # NS: the stop ids a row may carry into a decode_steps call (its EOS ids and the request's stop_token_ids); a
 # request with more keeps single steps.
 STOP_SLOTS = 16
 
 
-def decode_steps_signature(inputs: Sequence[mf.TensorSig], outputs: Sequence[mf.TensorSig], *, batch: int,
+def decode_steps_signature(inputs: Sequence[af.TensorSig], outputs: Sequence[af.TensorSig], *, batch: int,
                            steps: int, stop_slots: int = STOP_SLOTS
-                           ) -> tuple[list[mf.TensorSig], list[mf.TensorSig], tuple[tuple[int, int], ...]]:
+                           ) -> tuple[list[af.TensorSig], list[af.TensorSig], tuple[tuple[int, int], ...]]:
     """A decode entry's signature (export/_stage.entry_signature) -> the decode_steps entry's: STEP_LIMIT and
     STOP_IDS after the sampler's inputs, STEP_TOKENS [B, K] and the pools as outputs (no logits)."""
     first_pool = next(i for i, s in enumerate(inputs) if s.role == Role.POOL_IN)
-    new_inputs = list(inputs[:first_pool]) + [mf.TensorSig(Role.STEP_LIMIT, "int32", (batch,)),
-                                             mf.TensorSig(Role.STOP_IDS, "int32", (batch, stop_slots))] \
+    new_inputs = list(inputs[:first_pool]) + [af.TensorSig(Role.STEP_LIMIT, "int32", (batch,)),
+                                             af.TensorSig(Role.STOP_IDS, "int32", (batch, stop_slots))] \
         + list(inputs[first_pool:])
-    new_outputs = [mf.TensorSig(Role.STEP_TOKENS, "int32", (batch, steps))]
+    new_outputs = [af.TensorSig(Role.STEP_TOKENS, "int32", (batch, steps))]
     donations = []
     for i, sig in enumerate(new_inputs):
         if sig.role == Role.POOL_IN:
             donations.append((len(new_outputs), i))
-            new_outputs.append(mf.TensorSig(Role.POOL_OUT, sig.dtype, sig.shape, sig.slot, sig.partition))
+            new_outputs.append(af.TensorSig(Role.POOL_OUT, sig.dtype, sig.shape, sig.slot, sig.partition))
     return new_inputs, new_outputs, tuple(donations)
 
 
@@ -59,17 +59,17 @@ def _slots(tables, pos, alive, block_size: int, pages: int):
     return jnp.where(alive, page * block_size + safe % block_size, -1)[:, None]
 
 
-def decode_steps_fn(step: Callable, treedef, inputs: Sequence[mf.TensorSig], outputs: Sequence[mf.TensorSig], *,
+def decode_steps_fn(step: Callable, treedef, inputs: Sequence[af.TensorSig], outputs: Sequence[af.TensorSig], *,
                     steps: int, block_size: int, ring_pages: int):
     """The decode_steps entry's function over its positional arguments, in signature order."""
     def entry(*args):
         fields, pools, leaves, sampler, extra = {}, {}, [], {}, {}
         for sig, a in zip(inputs, args):
-            if sig.role in mf.STEP_FIELDS:
-                fields[mf.STEP_FIELDS[sig.role]] = a
-            elif sig.role in mf.SAMPLER_INPUTS:
+            if sig.role in af.STEP_FIELDS:
+                fields[af.STEP_FIELDS[sig.role]] = a
+            elif sig.role in af.SAMPLER_INPUTS:
                 sampler[sig.role] = a
-            elif sig.role in mf.DECODE_STEPS_INPUTS:
+            elif sig.role in af.DECODE_STEPS_INPUTS:
                 extra[sig.role] = a
             elif sig.role == Role.POOL_IN:
                 pools[sig.slot] = a

@@ -1,5 +1,5 @@
-"""The bounded-program artifact's schema: written by tlaloc_jax.stage_bounded, read by the JAX-free runtime
-(tlaloc_jax.serve.BoundedProgram).
+"""The bounded-program artifact's schema (tlaloc-bounded): written by tlaloc_jax.stage_bounded, read by the JAX-free
+runtime (tlaloc_jax.serve.BoundedProgram).
 
 A bounded program is a function that is not a decoder: an embedding model, a reranker, a classifier, a scoring
 function. Some axes of its inputs are bounded: their size is known only at run time, at most a maximum (the
@@ -7,51 +7,33 @@ tokens of a sentence, the rows of a batch). The artifact holds one body per buck
 product when there are several), each taking the inputs padded to its bucket and, per bound, the valid length
 and the valid mask; the runtime pads a call to the smallest bucket that holds it and slices the outputs.
 
-Standard library only, like tlaloc_jax/manifest.py, whose dtype table, weight and tokenizer file records, version
-record, @main reader, file checks and JSON-to-dataclass builder this module uses.
-
 Changelog:
   tlaloc-bounded-v1: bounds (batch or length, a maximum, buckets); the author's inputs and outputs by name, each
     axis naming the bound whose size it has; one program per bucket combination (inputs, then per bound its
     VALID_LENGTH and VALID_MASK, then the weights); each output's tolerance-model path length; an optional
     embedding task (which input takes token ids, which output is the embedding) for /v1/embeddings. sha256 of
-    every file.
+    every file. A program's argument or result names its input, bound, weight or output in "name" (the `slot`
+    of the TensorSig it is read into).
 """
-
 from __future__ import annotations
 
-import enum
+import dataclasses
 import itertools
-import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import manifest as mf
+from .codec import build, dumps, parse
+from .errors import ManifestError
+from .files import read_manifest_file, verify_body, verify_listed_files
+from .serving import MANIFEST_NAME
+from .records import TensorSig, TokenizerFile, Versions, WeightFile, check_platform, check_tokenizer_hashes, \
+    check_weight_table
+from .vocabulary import NAME, BoundKind, Role, dtype_info
 
 BOUNDED_NAME = "tlaloc-bounded.json"
 SCHEMA_V1 = "tlaloc-bounded-v1"
 MAX_BOUNDED_BYTES = 16 << 20
-NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-
-
-class BoundKind(enum.StrEnum):
-    """batch: rows; calls batched into one body each take some rows, so every input and output has this axis.
-    length: a size per call (per row when the program also has a batch bound)."""
-
-    BATCH = "batch"
-    LENGTH = "length"
-
-
-class Role(enum.StrEnum):
-    """What a program's argument or result holds. `TensorSig.name` says which one."""
-
-    INPUT = "INPUT"                # an input of the author's function, by its name
-    VALID_LENGTH = "VALID_LENGTH"  # a bound's valid size, int32: [] (or [B], per row, beside a batch bound)
-    VALID_MASK = "VALID_MASK"      # a bound's valid positions, bool: [N] (or [B, N] beside a batch bound)
-    WEIGHT = "WEIGHT"              # a weight, by its slot in the weight table
-    OUTPUT = "OUTPUT"              # an output of the author's function, by its name
 
 
 @dataclass(frozen=True)
@@ -74,20 +56,6 @@ class TensorSpec:
     # Outputs: the tolerance model's roundings on the longest path to a value ({dtype: count} as pairs), counted
     # on the largest program's body (tlaloc_jax.export's padding check uses the same count).
     roundings: tuple[tuple[str, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class TensorSig:
-    """One argument or result of a program's body."""
-
-    role: Role
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def label(self) -> str:
-        return f"{self.role} {self.name}"
 
 
 @dataclass(frozen=True)
@@ -128,16 +96,16 @@ class BoundedManifest:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     programs: tuple[Program, ...]
-    weights: tuple[mf.WeightFile, ...]
-    versions: mf.Versions
-    tokenizer_files: tuple[mf.TokenizerFile, ...] = ()
+    weights: tuple[WeightFile, ...]
+    versions: Versions
+    tokenizer_files: tuple[TokenizerFile, ...] = ()
     embedding: EmbeddingTask | None = None
 
     def bound(self, name: str) -> BoundSpec:
         for b in self.bounds:
             if b.name == name:
                 return b
-        raise mf.ManifestError(f"no bound named {name!r}")
+        raise ManifestError(f"no bound named {name!r}")
 
     @property
     def batch(self) -> BoundSpec | None:
@@ -150,34 +118,57 @@ class BoundedManifest:
         return _named(self.outputs, name, "output")
 
     def to_json(self) -> str:
-        return json.dumps(mf.record_json(self), indent=1, sort_keys=True) + "\n"
+        raw = dataclasses.asdict(self)
+        for p, program in zip(raw["programs"], self.programs):
+            p["inputs"], p["outputs"] = signature_json(program.inputs), signature_json(program.outputs)
+        return dumps(raw)
 
     @staticmethod
     def from_json(text: str | bytes) -> "BoundedManifest":
-        if isinstance(text, bytes):
-            try:
-                text = text.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise mf.ManifestError(f"{BOUNDED_NAME} is not UTF-8 text: {e}") from None
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise mf.ManifestError(f"{BOUNDED_NAME} is not valid JSON: {e}") from None
-        except RecursionError:
-            raise mf.ManifestError(f"{BOUNDED_NAME} nests deeper than any manifest") from None
-        if not isinstance(raw, dict):
-            raise mf.ManifestError(f"{BOUNDED_NAME} must hold a JSON object")
+        raw = parse(text, BOUNDED_NAME)
         if raw.get("schema") != SCHEMA_V1:
-            raise mf.ManifestError(f"unknown bounded-program schema {raw.get('schema')!r} (this runtime reads "
-                                   f"{SCHEMA_V1})")
-        return mf._build(BoundedManifest, raw, "manifest")
+            raise ManifestError(f"unknown bounded-program schema {raw.get('schema')!r} (this runtime reads "
+                                f"{SCHEMA_V1})")
+        return build(BoundedManifest, _slots_from_names(raw), "manifest")
+
+
+def signature_json(sigs: tuple[TensorSig, ...]) -> list[dict]:
+    """A program's arguments or results as the schema writes them: each TensorSig's slot under "name"."""
+    out = []
+    for sig in sigs:
+        d = dataclasses.asdict(sig)
+        d["name"] = d.pop("slot")
+        out.append(d)
+    return out
+
+
+def _slots_from_names(raw: dict) -> dict:
+    """The manifest's JSON with each program argument's or result's "name" read as its TensorSig slot."""
+    programs = raw.get("programs")
+    if not isinstance(programs, list):
+        return raw
+    renamed = []
+    for i, p in enumerate(programs):
+        if isinstance(p, dict):
+            p = dict(p)
+            for key in ("inputs", "outputs"):
+                sigs = p.get(key)
+                if not isinstance(sigs, list):
+                    continue
+                for j, s in enumerate(sigs):
+                    if isinstance(s, dict) and "name" not in s:
+                        raise ManifestError(f"missing field manifest.programs[{i}].{key}[{j}].name")
+                p[key] = [{**{k: v for k, v in s.items() if k not in ("name", "slot")}, "slot": s["name"]}
+                          if isinstance(s, dict) else s for s in sigs]
+        renamed.append(p)
+    return {**raw, "programs": renamed}
 
 
 def _named(specs: tuple[TensorSpec, ...], name: str, what: str) -> TensorSpec:
     for s in specs:
         if s.name == name:
             return s
-    raise mf.ManifestError(f"the program has no {what} named {name!r} ({what}s: {', '.join(s.name for s in specs)})")
+    raise ManifestError(f"the program has no {what} named {name!r} ({what}s: {', '.join(s.name for s in specs)})")
 
 
 # -- the signature of a program, from the manifest's specs ---------------------------------------------------
@@ -198,18 +189,19 @@ def valid_shapes(bounds: tuple[BoundSpec, ...], bound: BoundSpec, sizes: dict[st
 
 
 def program_signature(bounds: tuple[BoundSpec, ...], inputs: tuple[TensorSpec, ...],
-                      outputs: tuple[TensorSpec, ...], weights: tuple[mf.WeightFile, ...],
+                      outputs: tuple[TensorSpec, ...], weights: tuple[WeightFile, ...],
                       sizes: tuple[int, ...]) -> tuple[tuple[TensorSig, ...], tuple[TensorSig, ...]]:
     """(arguments, results) of the program at `sizes` (one per bound): the inputs padded to the buckets, then each
     bound's valid length and mask, then the weights; the outputs. The exporter writes this and the loader checks
     every program against it."""
     at = {b.name: s for b, s in zip(bounds, sizes)}
-    args = [TensorSig(Role.INPUT, s.name, s.dtype, shape_at(s, at)) for s in inputs]
+    args = [TensorSig(Role.INPUT, s.dtype, shape_at(s, at), s.name) for s in inputs]
     for b in bounds:
         length, mask = valid_shapes(bounds, b, at)
-        args += [TensorSig(Role.VALID_LENGTH, b.name, "int32", length), TensorSig(Role.VALID_MASK, b.name, "bool", mask)]
-    args += [TensorSig(Role.WEIGHT, w.slot, w.dtype, tuple(w.shape)) for w in weights]
-    results = tuple(TensorSig(Role.OUTPUT, s.name, s.dtype, shape_at(s, at)) for s in outputs)
+        args += [TensorSig(Role.VALID_LENGTH, "int32", length, b.name),
+                 TensorSig(Role.VALID_MASK, "bool", mask, b.name)]
+    args += [TensorSig(Role.WEIGHT, w.dtype, tuple(w.shape), w.slot) for w in weights]
+    results = tuple(TensorSig(Role.OUTPUT, s.dtype, shape_at(s, at), s.name) for s in outputs)
     return tuple(args), results
 
 
@@ -226,83 +218,48 @@ def load_bounded(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
     the artifact and with its sha256 (the weights' hashes skipped when verify_weights is False; their sizes are
     still checked), and each body's @main against its program's signature."""
     root = Path(artifact_dir)
-    path = root / BOUNDED_NAME
-    if not path.is_file():
-        if (root / mf.MANIFEST_NAME).is_file():
-            raise mf.ManifestError(f"no {BOUNDED_NAME} in the artifact directory: it holds a decoder "
-                                   f"({mf.MANIFEST_NAME}), not a bounded program; load it with tlaloc_jax.serve.Engine")
-        raise mf.ManifestError(f"no {BOUNDED_NAME} in the artifact directory")
-    if path.stat().st_size > MAX_BOUNDED_BYTES:
-        raise mf.ManifestError(f"{BOUNDED_NAME} is {path.stat().st_size} bytes, more than any manifest "
-                               f"({MAX_BOUNDED_BYTES})")
-    m = BoundedManifest.from_json(path.read_bytes())
+    m = BoundedManifest.from_json(read_manifest_file(
+        root, BOUNDED_NAME, MAX_BOUNDED_BYTES, MANIFEST_NAME,
+        f"a decoder ({MANIFEST_NAME}), not a bounded program; load it with tlaloc_jax.serve.Engine"))
     check(m)
     if verify_files:
         for p in m.programs:
-            what = f"program {p.name!r}"
-            body = mf._checked_file(root, p.body, p.body_sha256, f"{what} body")
-            mf._checked_file(root, p.serialized, p.serialized_sha256, f"{what} serialized body")
-            mf._checked_file(root, p.exported, p.exported_sha256, f"{what} exported body")
-            mf._checked_file(root, p.program, p.program_sha256, f"{what} manifest")
-            why = mf.signature_mismatch(p.inputs, p.outputs, (), mf.main_signature(
-                body.read_text(encoding="utf-8", errors="replace"), f"{what} body"))
-            if why:
-                raise mf.ManifestError(f"{what} body {p.body!r} does not match the manifest: {why}")
-        for w in m.weights:
-            f = mf._checked_file(root, w.file, None, f"weight {w.slot!r} file")
-            if f.stat().st_size != w.nbytes:
-                raise mf.ManifestError(f"weight {w.slot!r} file {w.file!r} has {f.stat().st_size} bytes, the "
-                                       f"manifest says {w.nbytes}")
-            if verify_weights:
-                mf._checked_file(root, w.file, w.sha256, f"weight {w.slot!r} file")
-        for t in m.tokenizer_files:
-            mf._checked_file(root, t.file, t.sha256, "tokenizer file")
+            verify_body(root, p, p.inputs, p.outputs, (), f"program {p.name!r}", program_sha256=p.program_sha256)
+        verify_listed_files(root, m.weights, m.tokenizer_files, verify_weights)
     return m
 
 
 def check(m: BoundedManifest) -> None:
     """The checks that need no files: bounds and buckets, the specs' axes, one program per bucket combination with
     the signature the specs give it, the weight table, the embedding task."""
-    if m.versions.platform not in ("cpu", "cuda"):
-        raise mf.ManifestError(f"versions.platform {m.versions.platform!r} is not served (cpu, cuda)")
+    check_platform(m.versions)
     if not m.bounds:
-        raise mf.ManifestError("the manifest declares no bound")
+        raise ManifestError("the manifest declares no bound")
     names = set()
     for b in m.bounds:
         what = f"bound {b.name!r}"
         if not NAME.match(b.name) or b.name in names:
-            raise mf.ManifestError(f"{what}: a bound's name is unique and keeps to letters, digits, '_', '.' and '-'")
+            raise ManifestError(f"{what}: a bound's name is unique and keeps to letters, digits, '_', '.' and '-'")
         names.add(b.name)
         if b.max < 1 or not b.buckets or b.buckets[-1] != b.max or b.buckets[0] < 1 or \
                 any(x >= y for x, y in zip(b.buckets, b.buckets[1:])):
-            raise mf.ManifestError(f"{what}: buckets {list(b.buckets)} must increase from 1 or more up to its max "
-                                   f"{b.max}")
+            raise ManifestError(f"{what}: buckets {list(b.buckets)} must increase from 1 or more up to its max "
+                                f"{b.max}")
     if sum(b.kind == BoundKind.BATCH for b in m.bounds) > 1:
-        raise mf.ManifestError(f"bounds {[b.name for b in m.bounds if b.kind == BoundKind.BATCH]} are all batch "
-                               "bounds; a program has at most one")
+        raise ManifestError(f"bounds {[b.name for b in m.bounds if b.kind == BoundKind.BATCH]} are all batch "
+                            "bounds; a program has at most one")
     for kind, specs in (("input", m.inputs), ("output", m.outputs)):
         if not specs:
-            raise mf.ManifestError(f"the program has no {kind}")
+            raise ManifestError(f"the program has no {kind}")
         if len({s.name for s in specs}) != len(specs):
-            raise mf.ManifestError(f"two {kind}s share a name: {[s.name for s in specs]}")
+            raise ManifestError(f"two {kind}s share a name: {[s.name for s in specs]}")
         for s in specs:
             _check_spec(m, s, kind)
     for b in m.bounds:
         if not any(b.name in s.axes for s in m.inputs):
-            raise mf.ManifestError(f"bound {b.name!r} is on no input's axis: a call could not say its size")
-    slots = set()
-    for w in m.weights:
-        if w.nbytes != mf.nbytes(w.dtype, w.shape, f"weight {w.slot!r}"):
-            raise mf.ManifestError(f"weight {w.slot!r}: nbytes {w.nbytes} does not match dtype {w.dtype} and shape "
-                                   f"{list(w.shape)}")
-        if w.slot in slots:
-            raise mf.ManifestError(f"weight {w.slot!r} is listed twice")
-        if not w.sha256:
-            raise mf.ManifestError(f"weight {w.slot!r} has no sha256 ({SCHEMA_V1} hashes every file)")
-        slots.add(w.slot)
-    for t in m.tokenizer_files:
-        if not t.sha256:
-            raise mf.ManifestError(f"tokenizer file {t.file!r} has no sha256 ({SCHEMA_V1} hashes every file)")
+            raise ManifestError(f"bound {b.name!r} is on no input's axis: a call could not say its size")
+    check_weight_table(m.weights, SCHEMA_V1)
+    check_tokenizer_hashes(m.tokenizer_files, SCHEMA_V1)
     _check_programs(m)
     if m.embedding is not None:
         check_embedding(m.bounds, m.inputs, m.outputs, m.embedding)
@@ -311,22 +268,22 @@ def check(m: BoundedManifest) -> None:
 def _check_spec(m: BoundedManifest, s: TensorSpec, kind: str) -> None:
     what = f"{kind} {s.name!r}"
     if not NAME.match(s.name):
-        raise mf.ManifestError(f"{what}: a name keeps to letters, digits, '_', '.' and '-'")
-    mf.dtype_info(s.dtype, what)
+        raise ManifestError(f"{what}: a name keeps to letters, digits, '_', '.' and '-'")
+    dtype_info(s.dtype, what)
     if len(s.axes) != len(s.shape):
-        raise mf.ManifestError(f"{what} has shape {list(s.shape)} and {len(s.axes)} axis names")
+        raise ManifestError(f"{what} has shape {list(s.shape)} and {len(s.axes)} axis names")
     for i, (d, a) in enumerate(zip(s.shape, s.axes)):
         if d < 1:
-            raise mf.ManifestError(f"{what} axis {i} has size {d}")
+            raise ManifestError(f"{what} axis {i} has size {d}")
         if a and (a not in {b.name for b in m.bounds} or d != m.bound(a).max):
-            raise mf.ManifestError(f"{what} axis {i} of size {d} names bound {a!r}, which is not a bound of that max")
+            raise ManifestError(f"{what} axis {i} of size {d} names bound {a!r}, which is not a bound of that max")
     if m.batch is not None and m.batch.name not in s.axes:
-        raise mf.ManifestError(f"{what} has no axis of batch bound {m.batch.name!r}: calls batched together could "
-                               "not each have their own")
+        raise ManifestError(f"{what} has no axis of batch bound {m.batch.name!r}: calls batched together could "
+                            "not each have their own")
     for dtype, n in s.roundings:
-        mf.dtype_info(dtype, f"{what} roundings")
+        dtype_info(dtype, f"{what} roundings")
         if n < 0:
-            raise mf.ManifestError(f"{what} has a negative rounding count {n}")
+            raise ManifestError(f"{what} has a negative rounding count {n}")
 
 
 def _check_programs(m: BoundedManifest) -> None:
@@ -336,21 +293,21 @@ def _check_programs(m: BoundedManifest) -> None:
         what = f"program {p.name!r}"
         sizes = tuple(p.sizes)
         if sizes not in want or sizes in seen:
-            raise mf.ManifestError(f"{what} sizes {list(sizes)} are not a new combination of the buckets of "
-                                   f"{[b.name for b in m.bounds]}")
+            raise ManifestError(f"{what} sizes {list(sizes)} are not a new combination of the buckets of "
+                                f"{[b.name for b in m.bounds]}")
         seen.add(sizes)
         if p.name != program_name(m.bounds, sizes):
-            raise mf.ManifestError(f"{what} should be named {program_name(m.bounds, sizes)!r}")
+            raise ManifestError(f"{what} should be named {program_name(m.bounds, sizes)!r}")
         inputs, outputs = program_signature(m.bounds, m.inputs, m.outputs, m.weights, sizes)
         if (tuple(p.inputs), tuple(p.outputs)) != (inputs, outputs):
-            raise mf.ManifestError(f"{what}: its signature is not the one its inputs, outputs, bounds and weights "
-                                   "give at its sizes")
+            raise ManifestError(f"{what}: its signature is not the one its inputs, outputs, bounds and weights "
+                                "give at its sizes")
         if tuple(p.kept_inputs) != tuple(range(len(p.inputs))):
-            raise mf.ManifestError(f"{what}: its body dropped inputs (kept {list(p.kept_inputs)})")
+            raise ManifestError(f"{what}: its body dropped inputs (kept {list(p.kept_inputs)})")
     if seen != want:
         missing = sorted(want - seen)
-        raise mf.ManifestError(f"the manifest has no program for sizes {list(missing[0])} of "
-                               f"{[b.name for b in m.bounds]}")
+        raise ManifestError(f"the manifest has no program for sizes {list(missing[0])} of "
+                            f"{[b.name for b in m.bounds]}")
 
 
 def check_embedding(bounds: tuple[BoundSpec, ...], inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
@@ -359,15 +316,15 @@ def check_embedding(bounds: tuple[BoundSpec, ...], inputs: tuple[TensorSpec, ...
     bound], and a float output with axes [batch bound (if any), a fixed width]."""
     tokens, out = _named(inputs, e.tokens, "input"), _named(outputs, e.output, "output")
     if len(inputs) != 1:
-        raise mf.ManifestError(f"embedding: the program takes {[s.name for s in inputs]}; an embedding program "
-                               f"takes its token ids {e.tokens!r} only")
+        raise ManifestError(f"embedding: the program takes {[s.name for s in inputs]}; an embedding program "
+                            f"takes its token ids {e.tokens!r} only")
     batch = tuple(b.name for b in bounds if b.kind == BoundKind.BATCH)
     lengths = [b.name for b in bounds if b.kind == BoundKind.LENGTH]
     if tokens.dtype != "int32" or len(lengths) != 1 or tokens.axes != (*batch, lengths[0]):
-        raise mf.ManifestError(f"embedding: input {e.tokens!r} is {tokens.dtype} with axes {list(tokens.axes)}; "
-                               f"token ids are int32 with axes {[*batch, 'one length bound']}")
+        raise ManifestError(f"embedding: input {e.tokens!r} is {tokens.dtype} with axes {list(tokens.axes)}; "
+                            f"token ids are int32 with axes {[*batch, 'one length bound']}")
     if not out.dtype.startswith(("float", "bfloat")) or out.axes != (*batch, ""):
-        raise mf.ManifestError(f"embedding: output {e.output!r} is {out.dtype} with axes {list(out.axes)}; an "
-                               f"embedding is a float vector per row (axes {[*batch, '']})")
+        raise ManifestError(f"embedding: output {e.output!r} is {out.dtype} with axes {list(out.axes)}; an "
+                            f"embedding is a float vector per row (axes {[*batch, '']})")
     if e.vocab < 1:
-        raise mf.ManifestError(f"embedding: vocab must be positive, got {e.vocab}")
+        raise ManifestError(f"embedding: vocab must be positive, got {e.vocab}")

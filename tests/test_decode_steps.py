@@ -1,4 +1,4 @@
-"""decode_steps entries (export/_multistep.py) served by the engine: K tokens per call, the same ids as single steps.
+"""decode_steps entries (export/_decode_steps.py) served by the engine: K tokens per call, the same ids as single steps.
 
 The oracle of every check is the same engine on the same artifact with its decode_steps entries turned off
 (`use_decode_steps = False`): single decode steps, whose parity with HF transformers tests/test_runtime.py
@@ -12,7 +12,7 @@ import json
 import pytest
 
 from hf_models import build_checkpoint
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.export import Sampler, export_checkpoint
 from tlaloc_jax.serve import Engine, Sampling
 from tlaloc_jax.serve.core import inputs as inputs_mod
@@ -30,18 +30,18 @@ SEEDED = Sampling(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, serve_cache_dir):
     """A tiny Llama with the in-body sampler and decode_steps entries of K steps."""
-    root = tmp_path_factory.mktemp("multistep")
+    root = tmp_path_factory.mktemp("decode_steps")
     ck = build_checkpoint(root / "ck", "llama", seed=31)
     export_checkpoint(ck, root / "art", sampler=Sampler(top_logprobs=4, logit_bias=4), decode_steps=K, **LADDER)
     with Engine.load(root / "art", cache_dir=serve_cache_dir, progress=False) as eng:
         yield eng
 
 
-def _run(eng: Engine, requests, *, multi: bool, arrivals=None):
+def _run(eng: Engine, requests, *, decode_steps: bool, arrivals=None):
     """Drive the engine over `requests` [(prompt, max_new_tokens, stop ids, sampling)] -> (ids by request, the
     tokens by request in event order, decode_steps calls made). arrivals: {step number: [requests]} added
     before that step."""
-    eng.use_decode_steps = multi
+    eng.use_decode_steps = decode_steps
     arrivals = dict(arrivals or {})
     before = eng.stats()["decode_steps_calls"]
     rids = [eng.add_request(p, n, stop, s) for p, n, stop, s in requests]
@@ -67,20 +67,20 @@ def _run(eng: Engine, requests, *, multi: bool, arrivals=None):
 
 
 def _both(eng, requests, **kw):
-    single = _run(eng, requests, multi=False, **kw)
-    multi = _run(eng, requests, multi=True, **kw)
+    single = _run(eng, requests, decode_steps=False, **kw)
+    stepped = _run(eng, requests, decode_steps=True, **kw)
     assert single[2] == 0
-    return single, multi
+    return single, stepped
 
 
 def test_greedy_same_ids_finishing_at_different_steps(llama):
     # max_new_tokens 3, 9 and 14: with K = 4 the first ends inside the first K-step call, the second inside the
     # second, the last runs on alone.
     reqs = [(p, n, (), None) for p, n in zip(PROMPTS, (3, 9, 14))]
-    single, multi = _both(llama, reqs)
-    assert multi[0] == single[0] and multi[1] == single[1] == ["length"] * 3
-    assert [len(x) for x in multi[0]] == [3, 9, 14]
-    assert multi[2] >= 3
+    single, stepped = _both(llama, reqs)
+    assert stepped[0] == single[0] and stepped[1] == single[1] == ["length"] * 3
+    assert [len(x) for x in stepped[0]] == [3, 9, 14]
+    assert stepped[2] >= 3
     st = llama.stats()
     assert st["pool_in_place"] == st["pool_address_checks"] > 0          # the pools were donated, not copied
     assert st["pools"]["kv"]["pages_in_use"] == 0 and st["running"] == st["waiting"] == 0
@@ -88,9 +88,9 @@ def test_greedy_same_ids_finishing_at_different_steps(llama):
 
 def test_seeded_sampled_same_ids(llama):
     reqs = [(p, 12, (), SEEDED) for p in PROMPTS]
-    single, multi = _both(llama, reqs)
-    assert multi[0] == single[0] and multi[2] > 0
-    assert len({tuple(x) for x in multi[0]}) == 3
+    single, stepped = _both(llama, reqs)
+    assert stepped[0] == single[0] and stepped[2] > 0
+    assert len({tuple(x) for x in stepped[0]}) == 3
 
 
 def test_stop_mid_call(llama):
@@ -99,31 +99,31 @@ def test_stop_mid_call(llama):
     # ids[0] is the prefill's; K-step calls produce ids[1:5], ids[5:9], ...: a stop at index i ends a call early
     # when i % K != 0. A prompt whose greedy run has a token that first appears at such an index, past the first call:
     for prompt in PROMPTS:
-        ids = _run(llama, [(prompt, 20, (), None)], multi=False)[0][0]
+        ids = _run(llama, [(prompt, 20, (), None)], decode_steps=False)[0][0]
         first = next((i for i in range(K + 1, len(ids)) if ids.index(ids[i]) == i and i % K), None)
         if first is not None:
             break
     assert first is not None, "no prompt stops inside a call: the test would mean nothing"
     stop = ids[first]
     reqs = [(prompt, 20, (stop,), None), (PROMPTS[1], 14, (), None)]
-    single, multi = _both(llama, reqs)
-    assert multi[:2] == single[:2]
-    assert multi[0][0] == ids[:first + 1] and multi[1][0] == "stop"
+    single, stepped = _both(llama, reqs)
+    assert stepped[:2] == single[:2]
+    assert stepped[0][0] == ids[:first + 1] and stepped[1][0] == "stop"
     assert llama.stats()["pools"]["kv"]["pages_in_use"] == 0
 
 
 def test_stop_ids_outside_the_vocabulary_are_no_stop(llama):
     """A stop id no token can be (past the vocabulary, past int32) neither fails a K-step call nor stops a row."""
     reqs = [(PROMPTS[0], 9, (2**40, 10**6), None), (PROMPTS[1], 9, (), None)]
-    single, multi = _both(llama, reqs)
-    assert multi[0] == single[0] and multi[1] == ["length"] * 2 and multi[2] > 0
+    single, stepped = _both(llama, reqs)
+    assert stepped[0] == single[0] and stepped[1] == ["length"] * 2 and stepped[2] > 0
 
 
 def test_arrival_during_k_call(llama):
     """A request added while another decodes waits one call at most: the next step reads its prompt."""
     reqs = [(PROMPTS[0], 14, (), SEEDED)]
-    single, multi = _both(llama, reqs, arrivals={3: [(PROMPTS[1], 10, (), None)], 4: [(PROMPTS[2], 6, (), SEEDED)]})
-    assert multi[0] == single[0] and multi[2] > 0
+    single, stepped = _both(llama, reqs, arrivals={3: [(PROMPTS[1], 10, (), None)], 4: [(PROMPTS[2], 6, (), SEEDED)]})
+    assert stepped[0] == single[0] and stepped[2] > 0
 
     llama.use_decode_steps = True
     a, b = llama.add_request(PROMPTS[0], 14), None
@@ -164,26 +164,26 @@ def test_control_fails(llama, monkeypatch):
     """The comparison bites: K-step calls whose rows start one position late (greedy), or whose random counter
     is one ahead (seeded), give other ids than single steps."""
     reqs = [(p, 12, (), None) for p in PROMPTS]
-    single = _run(llama, reqs, multi=False)[0]
+    single = _run(llama, reqs, decode_steps=False)[0]
     real = sched_mod.row_call
 
     def late(token_ids, start, held):
         return real(token_ids, start + 1, held)
     monkeypatch.setattr(Scheduler, "_steps_call", _shifted(Scheduler._steps_call, late))
-    assert _run(llama, reqs, multi=True)[0] != single
+    assert _run(llama, reqs, decode_steps=True)[0] != single
     monkeypatch.undo()
 
     seeded = [(p, 12, (), SEEDED) for p in PROMPTS]
-    single = _run(llama, seeded, multi=False)[0]
+    single = _run(llama, seeded, decode_steps=False)[0]
     real_inputs = inputs_mod.sampler_inputs
 
     def ahead(runner, call, producing, allowed):
         out = real_inputs(runner, call, producing, allowed)
-        if call.entry.kind == mf.EntryKind.DECODE_STEPS:
-            out[mf.Role.RNG_STEP] = out[mf.Role.RNG_STEP] + 1
+        if call.entry.kind == af.EntryKind.DECODE_STEPS:
+            out[af.Role.RNG_STEP] = out[af.Role.RNG_STEP] + 1
         return out
     monkeypatch.setattr(inputs_mod, "sampler_inputs", ahead)
-    assert _run(llama, seeded, multi=True)[0] != single
+    assert _run(llama, seeded, decode_steps=True)[0] != single
 
 
 def _shifted(steps_call, row_fn):
@@ -199,20 +199,20 @@ def _shifted(steps_call, row_fn):
 
 def test_manifest_records_decode_steps(llama, tmp_path):
     m = llama.manifest
-    multi = [e for e in m.entries if e.kind == mf.EntryKind.DECODE_STEPS]
-    assert {(e.batch, e.context, e.steps) for e in multi} == {(4, 64, K)}
-    assert all(e.steps == 1 for e in m.entries if e.kind != mf.EntryKind.DECODE_STEPS)
-    e = multi[0]
-    assert e.outputs[0] == mf.TensorSig(mf.Role.STEP_TOKENS, "int32", (4, K))
+    stepped = [e for e in m.entries if e.kind == af.EntryKind.DECODE_STEPS]
+    assert {(e.batch, e.context, e.steps) for e in stepped} == {(4, 64, K)}
+    assert all(e.steps == 1 for e in m.entries if e.kind != af.EntryKind.DECODE_STEPS)
+    e = stepped[0]
+    assert e.outputs[0] == af.TensorSig(af.Role.STEP_TOKENS, "int32", (4, K))
     raw = json.loads(m.to_json())
     # An older v4 manifest (no `steps`, no decode_steps entries) loads as before.
     old = dict(raw, entries=[{k: v for k, v in x.items() if k != "steps"} for x in raw["entries"]
                              if x["kind"] != "decode_steps"])
-    mf._check_consistency(mf.Manifest.from_json(json.dumps(old)))
+    af.check_manifest(af.Manifest.from_json(json.dumps(old)))
     # A decode_steps entry that claims one step is refused by name.
     bad = dict(raw, entries=[dict(x, steps=1) if x["name"] == e.name else x for x in raw["entries"]])
-    with pytest.raises(mf.ManifestError, match=f"entry '{e.name}'.*decode_steps"):
-        mf._check_consistency(mf.Manifest.from_json(json.dumps(bad)))
+    with pytest.raises(af.ManifestError, match=f"entry '{e.name}'.*decode_steps"):
+        af.check_manifest(af.Manifest.from_json(json.dumps(bad)))
 
 
 @pytest.mark.slow
@@ -224,13 +224,13 @@ def test_ring_pool_without_sampler(tmp_path, serve_cache_dir, monkeypatch):
     assert m.ring is not None
     with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False) as eng:
         reqs = [(PROMPTS[0], 20, (), None), (PROMPTS[2], 13, (), None)]
-        single, multi = _both(eng, reqs)
-        assert multi[0] == single[0] and multi[2] > 0
+        single, stepped = _both(eng, reqs)
+        assert stepped[0] == single[0] and stepped[2] > 0
         # The control: the ring slots of a row one position late.
         real = sched_mod.row_call
         with monkeypatch.context() as mp:
             mp.setattr(Scheduler, "_steps_call", _shifted(Scheduler._steps_call,
                                                        lambda t, start, held: real(t, start + 1, held)))
-            assert _run(eng, reqs, multi=True)[0] != single[0]
+            assert _run(eng, reqs, decode_steps=True)[0] != single[0]
         # Plain greedy only without a sampler: a sampled request keeps single steps.
-        assert _run(eng, [(PROMPTS[1], 6, (), SEEDED)], multi=True)[2] == 0
+        assert _run(eng, [(PROMPTS[1], 6, (), SEEDED)], decode_steps=True)[2] == 0

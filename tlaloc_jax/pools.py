@@ -1,15 +1,16 @@
-"""Pool declarations for tlaloc_jax.stage: what an authored model keeps on the device between calls.
+"""Pool declarations: what a model keeps on the device between calls (tlaloc_jax.stage takes them; the built-in
+decoder declares its own with them, tlaloc_jax.decoder.decoder_pools).
 
 Each declaration says the pool's kind and its per-layer geometry; `stage` sizes it (pages or slots) from
 the ladders and writes it to the manifest as a `Pool` of that kind. The runtime knows pools by kind only
-(tlaloc_jax.manifest.PoolKind), never by name or model.
+(tlaloc_jax.artifact.PoolKind), never by name or model. JAX-free.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as af
 
 
 @dataclass(frozen=True)
@@ -25,17 +26,17 @@ class PagedKV:
     dtype: str = "float32"
     layer_ids: tuple[int, ...] = ()       # which model layers it holds (informative, in the manifest)
 
-    kind = mf.PoolKind.PAGED_KV
+    kind = af.PoolKind.PAGED_KV
 
-    def to_pool(self, name: str, capacity: int, block_size: int) -> mf.Pool:
-        return mf.Pool(name=name, kind=self.kind, dtype=self.dtype, capacity=capacity, slot_axis=2,
+    def to_pool(self, name: str, capacity: int, block_size: int) -> af.Pool:
+        return af.Pool(name=name, kind=self.kind, dtype=self.dtype, capacity=capacity, slot_axis=2,
                        shape=(self.layers, 2, capacity, block_size, self.kv_heads, self.head_dim),
                        layers=tuple(self.layer_ids))
 
 
 @dataclass(frozen=True)
 class RingKV:
-    """A sliding window's keys and values: the same page layout as PagedKV, but each sequence holds a ring of
+    """A sliding window's keys and values: the same pages as PagedKV, but each sequence holds a ring of
     ring_pages pages (block b on ring page b % ring_pages), so its memory stops growing past the window. The
     step reads WINDOW_BLOCK_TABLES ([B, R]: the ring) and writes through WINDOW_SLOT_MAPPING; attend with
     `paged_attention(..., window=window, ring=True)`. ring_pages None: the pages a window plus the longest
@@ -49,12 +50,12 @@ class RingKV:
     ring_pages: int | None = None
     layer_ids: tuple[int, ...] = ()
 
-    kind = mf.PoolKind.RING_KV
+    kind = af.PoolKind.RING_KV
 
-    def to_pool(self, name: str, capacity: int, block_size: int) -> mf.Pool:
+    def to_pool(self, name: str, capacity: int, block_size: int) -> af.Pool:
         if self.ring_pages is None:
             raise ValueError(f"pool {name!r}: the ring size is resolved by stage before the pool is written")
-        return mf.Pool(name=name, kind=self.kind, dtype=self.dtype, capacity=capacity, slot_axis=2,
+        return af.Pool(name=name, kind=self.kind, dtype=self.dtype, capacity=capacity, slot_axis=2,
                        shape=(self.layers, 2, capacity, block_size, self.kv_heads, self.head_dim),
                        layers=tuple(self.layer_ids), window=self.window, ring_pages=self.ring_pages)
 
@@ -75,10 +76,10 @@ class StateSlots:
     layer_ids: tuple[int, ...] = ()
     shard_axis: int | None = None
 
-    kind = mf.PoolKind.STATE_SLOTS
+    kind = af.PoolKind.STATE_SLOTS
 
-    def to_pool(self, name: str, capacity: int, block_size: int) -> mf.Pool:
-        return mf.Pool(name=name, kind=self.kind, dtype=self.dtype, capacity=capacity,
+    def to_pool(self, name: str, capacity: int, block_size: int) -> af.Pool:
+        return af.Pool(name=name, kind=self.kind, dtype=self.dtype, capacity=capacity,
                        slot_axis=1 if self.layers else 0,
                        shape=((self.layers,) if self.layers else ()) + (capacity, *self.shape),
                        layers=tuple(self.layer_ids))

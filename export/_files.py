@@ -1,0 +1,102 @@
+"""Writing an artifact's files: each named by what it holds and hashed as it is written."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+from jax import export as jax_export
+
+from tlaloc_jax import artifact as af
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
+
+
+def write_file(path: Path, data: bytes) -> str:
+    """Write `data` to `path` (its folders made) -> its sha256."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyFiles:
+    """The three files of one exported body, named by the textual body's sha256 (field names as af.Entry's)."""
+
+    body: str
+    body_sha256: str
+    serialized: str
+    serialized_sha256: str
+    exported: str
+    exported_sha256: str
+
+
+def write_body(out: Path, exp: jax_export.Exported) -> BodyFiles:
+    """Write an exported body: its textual StableHLO, the portable bytecode the runtime compiles, and jax's own
+    serialization."""
+    text = exp.mlir_module().encode()
+    digest = hashlib.sha256(text).hexdigest()
+    body = f"bodies/{digest}.mlir"
+    write_file(out / body, text)
+    serialized = f"bodies/{digest}.mlirbc"
+    exported = f"bodies/{digest}.exported"
+    return BodyFiles(body=body, body_sha256=digest, serialized=serialized,
+                     serialized_sha256=write_file(out / serialized, exp.mlir_module_serialized),
+                     exported=exported, exported_sha256=write_file(out / exported, exp.serialize()))
+
+
+def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar,
+                  quant: Mapping[str, af.WeightQuant] | None = None,
+                  parts: Mapping[str, af.Partition] | None = None, devices: int = 1) -> tuple[af.WeightFile, ...]:
+    """One raw file per weight (host order, checked little-endian by the caller), hashed; `bar` ticks per file.
+    quant: the slots that are halves of quantized weights (export/_quant.py's quant_records). parts: a weight split
+    over the devices (its partition names a dimension) is written as one file per device, its block along that
+    dimension, so that each device reads its shard alone."""
+    quant, parts = quant or {}, parts or {}
+    files = []
+    for i, (slot, w) in enumerate(flat.items()):
+        bar.set_postfix_str(slot)
+        partition = parts.get(slot, ())
+        common = dict(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=w.nbytes, quant=quant.get(slot))
+        if any(partition):
+            axis = next(d for d, name in enumerate(partition) if name)
+            shards = []
+            for d, block in enumerate(np.split(np.asarray(w), devices, axis=axis)):
+                rel = f"weights/{i:04d}_{slot}.shard{d}of{devices}.bin"
+                data = np.ascontiguousarray(block).tobytes()
+                shards.append(af.WeightShard(file=rel, nbytes=len(data), sha256=write_file(out / rel, data)))
+            files.append(af.WeightFile(**common, partition=partition, shards=tuple(shards)))
+        else:
+            rel = f"weights/{i:04d}_{slot}.bin"
+            files.append(af.WeightFile(**common, file=rel,
+                                       sha256=write_file(out / rel, np.ascontiguousarray(w).tobytes())))
+        bar.update()
+    return tuple(files)
+
+
+def write_program(out: Path, entry: af.Entry) -> None:
+    """programs/<entry>.json: the entry's inputs and outputs with their roles."""
+    program = {"entry": entry.name, "inputs": [af.record_json(s) for s in entry.inputs],
+               "outputs": [af.record_json(s) for s in entry.outputs]}
+    write_file(out / entry.program, (json.dumps(program, indent=1, sort_keys=True) + "\n").encode())
+
+
+def copy_tokenizer(out: Path, tokenizer_dir) -> tuple[af.TokenizerFile, ...]:
+    """The tokenizer files of `tokenizer_dir` (those of TOKENIZER_FILES it has), copied into the artifact, hashed."""
+    if tokenizer_dir is None:
+        return ()
+    files = []
+    for fname in TOKENIZER_FILES:
+        src = Path(tokenizer_dir) / fname
+        if src.is_file():
+            shutil.copyfile(src, out / fname)
+            files.append(af.TokenizerFile(fname, af.sha256_file(out / fname)))
+    return tuple(files)
+
+

@@ -1,0 +1,198 @@
+"""What `stage` is told beyond the step, the weights and the pools, in four small groups: the ladders of entries,
+the pools' capacity, the features added to the entries, and what the manifest says of the model. `SplitStep`
+gives a step as its hidden states and its head, which prompt scoring needs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from tlaloc_jax import artifact as af
+
+from ._entries import ExportError
+
+
+# Tokens per sequence of a prefill call by default: a prompt computes at most 63 padded positions, and a call of
+# 64 rows is already bound by arithmetic on CPU (its cost per token is that of a 256-token call).
+DEFAULT_PREFILL_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class Ladders:
+    """The entries' buckets: one decode and one prefill entry per (batch, context) point.
+
+    batch, context: the batch sizes and the context buckets (positions, multiples of the block size).
+    prefill_chunk: tokens per sequence of a prefill call, at most the entry's context (0 or None: the whole
+    context); a runtime reads longer prompts in several calls.
+    prefill_max_batch: the largest batch of the prefill entries (None: the largest batch)."""
+
+    batch: Sequence[int] = (1, 2, 4)
+    context: Sequence[int] = (64, 256, 1024)
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
+    prefill_max_batch: int | None = None
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The pools' size: block_size positions per page, and the capacity of each pool kind (None: the default).
+
+    paged_kv: pages of the paged pools (default: the largest batch at the largest context).
+    ring_kv: pages of the ring pools (default: a ring for each sequence the paged pools hold).
+    state_slots: slots of the state pools (default: as many sequences as the paged pools hold at the largest
+        context, at least the largest batch, plus the largest batch again: spare slots for the state snapshots
+        prefix caching keeps)."""
+
+    block_size: int = 16
+    paged_kv: int | None = None
+    ring_kv: int | None = None
+    state_slots: int | None = None
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """The sampler staged in every entry (kernels/sampling.py): temperature, top-k, top-p, min-p, presence /
+    frequency / repetition penalties, logit bias and a token mask applied in the body, a counter-based random
+    stream per row, and the logprobs an OpenAI response reports.
+
+    top_logprobs: N, the largest logprobs each entry returns (with their ids) when a row asks; OpenAI allows
+        up to 20. logit_bias: NB, the logit-bias entries a row may carry."""
+
+    top_logprobs: int = 20
+    logit_bias: int = 64
+
+    def shape(self, vocab: int) -> af.SamplerShape:
+        if self.top_logprobs < 0 or self.logit_bias < 0:
+            raise ExportError(f"Sampler(top_logprobs={self.top_logprobs}, logit_bias={self.logit_bias}): both must "
+                              "be >= 0")
+        return af.SamplerShape(columns=af.SAMPLING_COLUMNS, top_logprobs=min(self.top_logprobs, vocab),
+                               logit_bias=self.logit_bias, mask_words=af.mask_words(vocab))
+
+
+@dataclass(frozen=True)
+class Features:
+    """What the entries do beyond the step.
+
+    sampler: a `Sampler()` samples in every entry, so that the runtime pulls a token per row, never the logits
+        (about a second more compile time per entry on a 2-core CPU); None: the runtime samples on the host.
+    prompt_logprobs: N adds a scoring prefill entry beside each prefill entry, returning for every position of
+        the call the next token's logprob and rank and the N largest logprobs (echo, prompt_logprobs); the step
+        must be a `SplitStep`. None: such a prompt is read a token a call and scored on the host.
+    decode_steps: K > 1 adds a decode_steps entry beside each decode entry: up to K decode steps in one call
+        (export/_decode_steps.py); the runtime uses it while every sequence is decoding."""
+
+    sampler: Sampler | None = None
+    prompt_logprobs: int | None = None
+    decode_steps: int = 1
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the manifest says of the model besides its vocabulary (read off the step's logits).
+
+    tokenizer_dir: a directory whose tokenizer files (tokenizer.json, tokenizer_config.json, chat template,
+        generation_config.json) are copied into the artifact. embedding_slot: the weight whose rows are the
+        vocabulary, checked against it at load. eos_token_ids: the ids that end a sequence. refused_tokens:
+        (id, config key) pairs a request may not hold. layers ... kv_dtype: informative (0 or "": unknown; the
+        dtypes default to the weights' and the first pool's). attention_block: the key block the bodies were
+        traced with (informative, in the manifest's versions)."""
+
+    name: str = "model"
+    model_type: str = "authored"
+    tokenizer_dir: str | os.PathLike | None = None
+    embedding_slot: str = ""
+    eos_token_ids: Sequence[int] = ()
+    refused_tokens: Sequence[tuple[int, str]] = ()
+    layers: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    hidden: int = 0
+    weight_dtype: str = ""
+    kv_dtype: str = ""
+    attention_block: int = 0
+
+
+@dataclass(frozen=True)
+class SplitStep:
+    """A step function given as its two halves, so that prompt scoring (Features.prompt_logprobs) runs the model's
+    own layers and head rather than a second declaration of them.
+
+    hidden(weights, pools, inputs) -> (hidden [B, T, E], pools): the step up to its output head, every token of
+        the call.
+    head(weights, x [R, E]) -> logits [R, V]: the output head.
+    last: the step itself when the model has a cheaper form than head(hidden[:, -1]) (the built-in decoder norms
+        only the last token); None: that composition. Calling a SplitStep is the step."""
+
+    hidden: Callable
+    head: Callable
+    last: Callable | None = None
+
+    def __call__(self, weights, pools, inputs):
+        if self.last is not None:
+            return self.last(weights, pools, inputs)
+        result = self.hidden(weights, pools, inputs)
+        if not (isinstance(result, tuple) and len(result) == 2) or getattr(result[0], "ndim", 0) != 3:
+            raise ExportError("a SplitStep's hidden function must return (hidden [B, T, E], pools)")
+        return self.head(weights, result[0][:, -1]), result[1]
+
+
+@dataclass(frozen=True)
+class PromptScorer:
+    """Deprecated: give `stage` a SplitStep(hidden, head, last=step) and Features(prompt_logprobs=N)."""
+
+    hidden: Callable
+    head: Callable
+    top_logprobs: int = 20
+
+
+# The keywords `stage` took before the groups, and where each one went.
+_LEGACY: dict[str, tuple[str, str]] = {
+    "batch_ladder": ("ladders", "batch"), "context_ladder": ("ladders", "context"),
+    "prefill_chunk": ("ladders", "prefill_chunk"), "prefill_max_batch": ("ladders", "prefill_max_batch"),
+    "block_size": ("capacity", "block_size"), "num_blocks": ("capacity", "paged_kv"),
+    "ring_blocks": ("capacity", "ring_kv"), "state_slots": ("capacity", "state_slots"),
+    "sampler": ("features", "sampler"), "prompt_logprobs": ("features", "prompt_logprobs"),
+    "decode_steps": ("features", "decode_steps"),
+    **{k: ("model", k) for k in ("name", "model_type", "eos_token_ids", "refused_tokens", "tokenizer_dir",
+                                 "embedding_slot", "attention_block")},
+    "describe": ("model", ""),
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    ladders: Ladders = field(default_factory=Ladders)
+    capacity: Capacity = field(default_factory=Capacity)
+    features: Features = field(default_factory=Features)
+    model: ModelInfo = field(default_factory=ModelInfo)
+
+
+def resolve_options(step: Callable, groups: Options, legacy: Mapping[str, Any]) -> tuple[Callable, Options]:
+    """(step, options) from the groups `stage` was given and the flat keywords it took before them (each moved into
+    its group, with a DeprecationWarning; a PromptScorer becomes a SplitStep around `step`)."""
+    unknown = sorted(set(legacy) - set(_LEGACY))
+    if unknown:
+        raise TypeError(f"stage() got unexpected keyword arguments {unknown}")
+    if not legacy:
+        return step, groups
+    moved: dict[str, dict[str, Any]] = {}
+    for key, value in legacy.items():
+        group, name = _LEGACY[key]
+        if getattr(groups, group) != getattr(Options(), group):
+            raise TypeError(f"stage() got both {group}= and {key}=; give {key} inside {group}")
+        if key == "describe":
+            moved.setdefault(group, {}).update(value or {})
+        else:
+            moved.setdefault(group, {})[name] = value
+    warnings.warn(f"stage({', '.join(f'{k}=' for k in legacy)}...) is the old form: pass ladders=Ladders(...), "
+                  "capacity=Capacity(...), features=Features(...), model=ModelInfo(...) (docs/staging.md)",
+                  DeprecationWarning, stacklevel=3)
+    scorer = moved.get("features", {}).get("prompt_logprobs")
+    if isinstance(scorer, PromptScorer):
+        step = SplitStep(scorer.hidden, scorer.head, last=step)
+        moved["features"]["prompt_logprobs"] = scorer.top_logprobs
+    return step, dataclasses.replace(groups, **{g: dataclasses.replace(getattr(groups, g), **kw)
+                                                for g, kw in moved.items()})

@@ -1,0 +1,238 @@
+"""The tree's structure: each item of the artifact vocabulary is defined once (tlaloc_jax/artifact/vocabulary.py),
+and no module of tlaloc_jax.* takes part in an import cycle, counting the imports inside functions.
+
+Both read the source as text (ast), so they see every file, imported or not. Controls: each detector finds a
+second definition planted in a temporary file, and the cycle finder finds a cycle planted in a temporary package."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import tomllib
+from pathlib import Path
+
+from tlaloc_jax import artifact as af
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCABULARY = "tlaloc_jax/artifact/vocabulary.py"
+
+
+# -- one definition of each vocabulary item -------------------------------------------------------------------
+
+
+def _strings(node: ast.AST) -> list[str]:
+    """The string items of a collection literal (a dict's keys)."""
+    items = node.keys if isinstance(node, ast.Dict) else node.elts
+    return [i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+
+
+def _names_most_of(node: ast.AST, names: set[str], least: int) -> bool:
+    """A literal that lists at least `least` of `names`, and they are at least half of what it lists."""
+    strings = _strings(node)
+    hits = {s for s in strings if s in names}
+    return len(hits) >= least and 2 * len(hits) >= len(strings)
+
+
+def _is_mask_width(node: ast.AST) -> bool:
+    """(v + 31) // 32, -(-v // 32), (v + 31) >> 5, or ceil(v / 32)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.right, ast.Constant):
+        left = node.left
+        if isinstance(node.op, ast.FloorDiv) and node.right.value == 32:
+            return (isinstance(left, ast.BinOp) and isinstance(left.op, ast.Add)
+                    and isinstance(left.right, ast.Constant) and left.right.value == 31) or (
+                isinstance(left, ast.UnaryOp) and isinstance(left.op, ast.USub))
+        if isinstance(node.op, ast.RShift) and node.right.value == 5:
+            return isinstance(left, ast.BinOp) and isinstance(left.right, ast.Constant) and left.right.value == 31
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "ceil":
+        arg = node.args[0] if node.args else None
+        return (isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Div) and isinstance(arg.right, ast.Constant)
+                and arg.right.value == 32)
+    return False
+
+
+def vocabulary_definitions(path: Path, rel: str) -> list[tuple[str, str]]:
+    """(item, "file:line") for each place in a Python file that defines a vocabulary item: the sampling columns
+    or their neutral values (a literal listing all the columns, or all but one: a table of request fields that
+    shares a few of their names is not their copy), the quantization scheme names (a literal, or a class body,
+    with two or more of them), the packed mask's width."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    columns, schemes = set(af.SAMPLING_COLUMNS), {s.value for s in af.QuantScheme}
+    found = []
+    for node in ast.walk(tree):
+        where = f"{rel}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+            if _names_most_of(node, columns, len(columns) - 1):
+                found.append(("sampling columns", where))
+            if _names_most_of(node, schemes, 2):
+                found.append(("quantization schemes", where))
+        elif isinstance(node, ast.ClassDef):
+            values = [s.value.value for s in node.body if isinstance(s, ast.Assign)
+                      and isinstance(s.value, ast.Constant) and s.value.value in schemes]
+            if len(values) >= 2:
+                found.append(("quantization schemes", where))
+        elif _is_mask_width(node):
+            found.append(("mask width", where))
+    return found
+
+
+def _python_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.split()
+    return [f for f in out if (ROOT / f).is_file()]
+
+
+def test_each_vocabulary_item_is_defined_once():
+    files = _python_files()
+    assert VOCABULARY in files and "serve/sampling.py" in files and len(files) > 100
+    found: dict[str, list[str]] = {}
+    for rel in files:
+        for item, where in vocabulary_definitions(ROOT / rel, rel):
+            found.setdefault(item, []).append(where)
+    assert set(found) == {"sampling columns", "quantization schemes", "mask width"}, found
+    for item, places in found.items():
+        assert len(places) == 1 and places[0].startswith(VOCABULARY + ":"), (item, places)
+
+
+def test_the_detectors_find_a_planted_second_definition(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("""
+COLUMNS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "top_logprobs")
+NEUTRAL = {"temperature": 0.0, "top_p": 1.0, "top_k": 0.0, "min_p": 0.0, "presence_penalty": 0.0,
+           "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+SCHEMES = ["none", "int8", "int4"]
+class Scheme:
+    A = "int8"
+    B = "fp8"
+def words(vocab):
+    return (vocab + 31) // 32, -(-vocab // 32), math.ceil(vocab / 32), (vocab + 31) >> 5
+""")
+    found = vocabulary_definitions(planted, "planted.py")
+    assert [item for item, _ in found].count("sampling columns") == 2
+    assert [item for item, _ in found].count("quantization schemes") == 2
+    assert [item for item, _ in found].count("mask width") == 4
+    # Uses of the one definition, and a request's field table that names some columns, are not definitions.
+    uses = tmp_path / "uses.py"
+    uses.write_text("""
+row = [SAMPLING_NEUTRAL[c] for c in SAMPLING_COLUMNS]
+width = mask_words(vocab)
+FIELDS = ("model", "prompt", "max_tokens", "n", "stop", "stream", "seed", "temperature", "top_p", "top_k")
+FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+scheme = "int8" if quantized else "none"
+""")
+    assert vocabulary_definitions(uses, "uses.py") == []
+
+
+# -- no import cycle ----------------------------------------------------------------------------------------------
+
+
+def project_modules(root: Path, package_dir: dict[str, str]) -> dict[str, Path]:
+    """{module name: file} of every module the installed packages hold (pyproject's package-dir mapping)."""
+    modules = {}
+    for package, folder in package_dir.items():
+        base = root / folder
+        for path in base.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def _in_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports anywhere in its file (functions included; TYPE_CHECKING blocks not).
+    `from package import x` is an import of package.x when that is a module, else of the package; importing a
+    module does not count as importing its parent packages."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if _in_type_checking(node, parents):
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = alias.name
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target:
+                    out.add(target)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in modules:
+                    out.add(sub)
+                elif base in modules:
+                    out.add(base)
+    out.discard(name)
+    return out
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def import_graph(root: Path, package_dir: dict[str, str]) -> dict[str, set[str]]:
+    modules = project_modules(root, package_dir)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def test_no_module_of_tlaloc_jax_is_in_an_import_cycle():
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    graph = import_graph(ROOT, package_dir)
+    assert {"tlaloc_jax.artifact.vocabulary", "tlaloc_jax.kernels.sampling", "tlaloc_jax.export._stage",
+            "tlaloc_jax.serve.engine"} <= set(graph)
+    assert "tlaloc_jax.artifact" in graph["tlaloc_jax.kernels.sampling"]
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_planted_cycle(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from .b import B\n")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("B = 1\ndef f():\n    from ..a import x   # inside a function: still an edge\n")
+    (pkg / "c.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from . import a\n")
+    graph = import_graph(tmp_path, {"pkg": "pkg"})
+    assert graph["pkg.sub"] == {"pkg.sub.b"} and graph["pkg.c"] == set()
+    assert import_cycles(graph) == [["pkg.a", "pkg.sub.b"]]

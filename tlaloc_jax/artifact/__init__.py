@@ -1,0 +1,44 @@
+"""The artifact contract: what the exporter writes and the JAX-free runtime reads (standard library only).
+
+    vocabulary.py    roles, pool / entry / bound kinds, dtypes, quantization schemes, sampling columns, mask width
+    records.py       records both schemas hold (TensorSig, weight and tokenizer files, versions) and their checks
+    codec.py         a manifest's JSON <-> its frozen dataclasses
+    files.py         paths inside the artifact, sha256, the body files and their @main
+    stablehlo.py     a body's @main read from textual StableHLO
+    mesh.py          a multi-device artifact's mesh, and every partition checked against it
+    serving.py       the decoder's schema (tlaloc-serving-v4), upgrade.py reading v2 and v3 into it,
+                     serving_load.py its cross-checks and load_manifest
+    bounded.py       the bounded program's schema (tlaloc-bounded-v1), its checks and load_bounded
+
+The decoder's names are here at the top (`from tlaloc_jax import artifact as af; af.Role`, `af.load_manifest`);
+the bounded program's stay in their module (`from tlaloc_jax.artifact import bounded`).
+"""
+
+from .codec import record_json
+from .errors import ManifestError
+from .files import checked_file, resolve_inside, sha256_file
+from .mesh import Mesh, MeshAxis
+from .records import Partition, TensorSig, TokenizerFile, Versions, WeightFile, WeightQuant, WeightShard
+from .serving import (MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, SUPPORTED_SCHEMAS, Buckets, Entry, Manifest,
+                      ModelShape, Pool, RefusedToken, SamplerShape, ScorerShape)
+from .serving_load import artifact_file, check_manifest, load_manifest
+from .stablehlo import MainSignature, main_signature, signature_mismatch
+from .upgrade import SCHEMA_V2, SCHEMA_V3
+from .vocabulary import (BASE_STEP_INPUTS, COPY_INPUTS, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, DTYPES, INPUT_ROLES,
+                         MLIR_DTYPES, NAME, OUTPUT_ROLES, PLATFORMS, POOL_KIND_INPUTS, QUANT_CODE_DTYPES, QUANT_GROUPS,
+                         SAMPLER_DTYPES, SAMPLER_INPUTS, SAMPLER_OUTPUTS, SAMPLING_COLUMNS, SAMPLING_NEUTRAL,
+                         SCORER_DTYPES, SCORER_INPUTS, SCORER_OUTPUTS, STEP_FIELDS, BoundKind, DType, EntryKind,
+                         PoolKind, QuantPart, QuantScheme, Role, dtype_info, mask_words, nbytes, numpy_dtype)
+
+__all__ = [
+    "ManifestError", "checked_file", "resolve_inside", "sha256_file", "record_json", "Mesh", "MeshAxis", "Partition",
+    "TensorSig", "TokenizerFile", "Versions", "WeightFile", "WeightQuant", "WeightShard",
+    "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "SCHEMA_V2", "SCHEMA_V3", "SCHEMA_V4", "SUPPORTED_SCHEMAS", "Buckets",
+    "Entry", "Manifest", "ModelShape", "Pool", "RefusedToken", "SamplerShape", "ScorerShape",
+    "artifact_file", "check_manifest", "load_manifest", "MainSignature", "main_signature", "signature_mismatch",
+    "BASE_STEP_INPUTS", "COPY_INPUTS", "DECODE_STEPS_INPUTS", "DECODE_STEPS_OUTPUTS", "DTYPES", "INPUT_ROLES", "MLIR_DTYPES",
+    "NAME", "OUTPUT_ROLES", "PLATFORMS", "POOL_KIND_INPUTS", "QUANT_CODE_DTYPES", "QUANT_GROUPS", "SAMPLER_DTYPES",
+    "SAMPLER_INPUTS", "SAMPLER_OUTPUTS", "SAMPLING_COLUMNS", "SAMPLING_NEUTRAL", "SCORER_DTYPES", "SCORER_INPUTS",
+    "SCORER_OUTPUTS", "STEP_FIELDS", "BoundKind", "DType", "EntryKind", "PoolKind", "QuantPart", "QuantScheme",
+    "Role", "dtype_info", "mask_words", "nbytes", "numpy_dtype",
+]

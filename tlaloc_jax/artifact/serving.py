@@ -1,0 +1,249 @@
+"""The decoder's artifact schema (tlaloc-serving): written by tlaloc_jax.stage, read by the JAX-free runtime.
+
+A manifest is a tree of frozen dataclasses; `Manifest.to_json()` writes it deterministically, `Manifest.from_json`
+reads it (upgrading v2 and v3 in memory: upgrade.py), and serving_load.load_manifest checks it and the files it
+lists.
+
+Changelog:
+  tlaloc-serving-v2: a full-history KV pool (one buffer, layers stacked); decode and prefill entries.
+    Roles KV_POOL_IN / KV_POOL_OUT.
+  tlaloc-serving-v3: adds the windowed KV pool for sliding layers, a ring of pages per sequence
+    (top-level `window`: the window and the ring size; pool "window_kv" with roles WINDOW_BLOCK_TABLES,
+    WINDOW_SLOT_MAPPING, WINDOW_KV_POOL_IN / OUT).
+  tlaloc-serving-v4: pools described generically: each has a `kind` (paged_kv, ring_kv, state_slots), a
+    `capacity` (pages, or state slots), and a ring's `window` and `ring_pages`; every pool travels in role
+    POOL_IN / POOL_OUT with the pool's name in `slot`, and the step inputs a kind needs are listed in
+    POOL_KIND_INPUTS (state pools add STATE_SLOTS). sha256 of every weight file, tokenizer file and of jax's
+    serialized `.exported` body (now recorded in each entry). `model.embedding_slot` names the weight whose
+    rows are the vocabulary (checked at load). The feature a manifest uses no longer sets its version.
+    v4 + sampler (optional, still tlaloc-serving-v4): top-level `sampler` (its SAMPLING columns, N top
+    logprobs, NB logit-bias slots) and, in every entry, the sampler's inputs SAMPLING, RNG_SEED, RNG_STEP,
+    TOKEN_MASK, LOGIT_BIAS_IDS, LOGIT_BIAS, TOKEN_HISTORY and outputs SAMPLED_TOKEN, TOKEN_LOGPROB,
+    TOP_LOGPROBS, TOP_IDS (kernels/sampling.py). A manifest without them is served as before (the host
+    samples from pulled logits); a runtime that predates them refuses the new roles by name.
+    v4 + scorer (optional, still tlaloc-serving-v4): top-level `scorer` (N top logprobs per prompt position)
+    and entries of kind prefill_scored: a prefill that also scores every position of the call against the
+    token that follows it (input SCORE_TARGETS; outputs PROMPT_LOGPROB, PROMPT_RANK, PROMPT_TOP_LOGPROBS,
+    PROMPT_TOP_IDS; kernels/scoring.py), for echo and prompt_logprobs. A manifest without them is served as
+    before (such a prompt is read a token a call and scored on the host); a runtime that predates them refuses
+    the new kind by name.
+    v4 + quantized weights (optional, still tlaloc-serving-v4): a weight file may carry `quant` (WeightQuant:
+    its QuantScheme, whether it holds the codes or the scales, the quantized weight's name, int4's group);
+    checked at load (codes in the scheme's dtype, f32 scales of the matching shape, both halves present).
+    A manifest without it has none; a runtime feeds the files by slot as before.
+    v4 + decode steps (optional, still tlaloc-serving-v4): entries of kind `decode_steps` with `steps` K (every
+    entry now records `steps`, 1 when absent): K decode steps in one call, inputs STEP_LIMIT and STOP_IDS beside
+    a decode entry's (the sampler's inputs included, RNG_STEP the first step's counter), output STEP_TOKENS
+    [B, K] and the pools, no logits. Older manifests load unchanged; a runtime that predates the kind refuses it
+    by name.
+    v4 + mesh (optional, still tlaloc-serving-v4): top-level `mesh` (its axes' names and sizes) for an artifact
+    whose bodies run on several devices (one SPMD body per entry, `mhlo.num_partitions` = the mesh's devices);
+    each entry input and output, pool and weight may carry a `partition` (per dimension, the mesh axis it is
+    split along, or null; absent or all null: whole on every device). A split weight is written as `shards`
+    (one file per device, its block, hashed) instead of `file`. A manifest without a mesh has none of these
+    fields (its JSON is as before); a runtime that predates them refuses a split weight (it has no `file`).
+v2 and v3 manifests still load: `Manifest.from_json` upgrades them to the v4 model in memory (their
+weights and tokenizer files carry no hashes; the loader says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .codec import build, parse, to_json
+from .errors import ManifestError
+from .mesh import Mesh
+from .records import Partition, TensorSig, TokenizerFile, Versions, WeightFile
+from .upgrade import SCHEMA_V2, SCHEMA_V3, upgrade_v2_v3
+from .vocabulary import EntryKind, PoolKind, Role, nbytes
+
+MANIFEST_NAME = "tlaloc-serving.json"
+SCHEMA_V4 = "tlaloc-serving-v4"
+SUPPORTED_SCHEMAS = (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4)
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One compiled program: a decode or prefill call of `batch` sequences in a `context`-position bucket."""
+
+    name: str
+    kind: EntryKind
+    batch: int
+    context: int
+    tokens_per_seq: int
+    body: str                      # bodies/<sha256>.mlir, textual StableHLO (its @main is checked at load)
+    body_sha256: str
+    serialized: str                # bodies/<sha256>.mlirbc, portable StableHLO bytecode: what the runtime compiles
+    serialized_sha256: str
+    program: str                   # programs/<name>.json
+    inputs: tuple[TensorSig, ...]
+    outputs: tuple[TensorSig, ...]
+    donations: tuple[tuple[int, int], ...]   # (output index, input index it is written over)
+    kept_inputs: tuple[int, ...]             # jax.export's module_kept_var_idx: all of them, checked at export
+    exported: str = ""             # bodies/<sha256>.exported, jax.export's serialization (v4; for jax callers)
+    exported_sha256: str = ""
+    steps: int = 1                 # decode steps per call: K for a decode_steps entry, else 1
+
+    def input_index(self, role: Role, slot: str = "") -> int:
+        for i, sig in enumerate(self.inputs):
+            if sig.role == role and (not slot or sig.slot == slot):
+                return i
+        raise ManifestError(f"entry {self.name!r} has no input with role {role}{' ' + slot if slot else ''}")
+
+    def output_index(self, role: Role, slot: str = "") -> int:
+        for i, sig in enumerate(self.outputs):
+            if sig.role == role and (not slot or sig.slot == slot):
+                return i
+        raise ManifestError(f"entry {self.name!r} has no output with role {role}{' ' + slot if slot else ''}")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A device-resident pool: its layers stacked, donated to every entry that takes it.
+
+    shape: paged_kv and ring_kv [L', 2, P, S, K, D] with P = capacity pages of S = block_size positions;
+    state_slots any shape with capacity slots on axis `slot_axis`. Pools of one kind share an index
+    space (one block table, or one state slot per sequence), so they have one capacity.
+    """
+
+    name: str
+    kind: PoolKind
+    dtype: str
+    shape: tuple[int, ...]
+    capacity: int                  # pages (paged_kv, ring_kv) or slots (state_slots)
+    layers: tuple[int, ...] = ()   # the model layers it holds, in stack order (informative)
+    slot_axis: int = 2             # the axis of shape that capacity indexes
+    window: int = 0                # ring_kv: the sliding window, in positions
+    ring_pages: int = 0            # ring_kv: pages of a sequence's ring
+    partition: Partition = ()      # v4 + mesh: split over the devices (KV pools over their KV heads)
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.dtype, self.shape, f"pool {self.name!r}")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the runtime needs of the model (name, vocabulary, stop ids) and what describes it to a reader."""
+
+    name: str
+    model_type: str                # an HF family, or "authored" (tlaloc_jax.stage)
+    vocab: int
+    weight_dtype: str
+    kv_dtype: str = ""
+    eos_token_ids: tuple[int, ...] = ()
+    embedding_slot: str = ""       # the weight whose rows are the vocabulary (v4), checked at load
+    layers: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    hidden: int = 0
+
+
+@dataclass(frozen=True)
+class Buckets:
+    batch_ladder: tuple[int, ...]
+    context_ladder: tuple[int, ...]
+    prefill_max_batch: int
+    prefill_chunk: int             # 0: a prefill entry takes its whole context per call
+
+
+@dataclass(frozen=True)
+class RefusedToken:
+    token_id: int
+    config_key: str
+
+
+@dataclass(frozen=True)
+class SamplerShape:
+    """The sampler every entry runs after the step (kernels/sampling.py): the SAMPLING columns in order, the
+    N top logprobs it returns, the NB logit-bias slots it takes, the W words of its token mask."""
+
+    columns: tuple[str, ...]
+    top_logprobs: int
+    logit_bias: int
+    mask_words: int
+
+    def shapes(self, batch: int, context: int) -> dict[Role, tuple[int, ...]]:
+        """Each sampler role's shape in an entry of `batch` rows and `context` positions."""
+        return {Role.SAMPLING: (batch, len(self.columns)), Role.RNG_SEED: (batch, 2), Role.RNG_STEP: (batch,),
+                Role.TOKEN_MASK: (batch, self.mask_words), Role.LOGIT_BIAS_IDS: (batch, self.logit_bias),
+                Role.LOGIT_BIAS: (batch, self.logit_bias), Role.TOKEN_HISTORY: (batch, context),
+                Role.SAMPLED_TOKEN: (batch,), Role.TOKEN_LOGPROB: (batch,),
+                Role.TOP_LOGPROBS: (batch, self.top_logprobs), Role.TOP_IDS: (batch, self.top_logprobs)}
+
+
+@dataclass(frozen=True)
+class ScorerShape:
+    """What the scoring prefill entries (kind prefill_scored) return per position: the N top logprobs."""
+
+    top_logprobs: int
+
+    def shapes(self, batch: int, tokens: int) -> dict[Role, tuple[int, ...]]:
+        """Each scorer role's shape in an entry of `batch` rows of `tokens` tokens."""
+        return {Role.SCORE_TARGETS: (batch, tokens), Role.PROMPT_LOGPROB: (batch, tokens),
+                Role.PROMPT_RANK: (batch, tokens), Role.PROMPT_TOP_LOGPROBS: (batch, tokens, self.top_logprobs),
+                Role.PROMPT_TOP_IDS: (batch, tokens, self.top_logprobs)}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    schema: str
+    model: ModelShape
+    block_size: int
+    pools: tuple[Pool, ...]
+    buckets: Buckets
+    entries: tuple[Entry, ...]
+    weights: tuple[WeightFile, ...]
+    versions: Versions
+    refused_tokens: tuple[RefusedToken, ...] = ()
+    tokenizer_files: tuple[TokenizerFile, ...] = ()
+    sampler: SamplerShape | None = None     # v4 + sampler: every entry samples in its body
+    scorer: ScorerShape | None = None       # v4 + scorer: prefill_scored entries score each prompt position
+    mesh: Mesh | None = None                # v4 + mesh: the entries run on mesh.devices devices
+
+    @property
+    def devices(self) -> int:
+        """The devices the artifact runs on (1 without a mesh)."""
+        return self.mesh.devices if self.mesh else 1
+
+    def pool(self, name: str) -> Pool | None:
+        return next((p for p in self.pools if p.name == name), None)
+
+    def pools_of(self, kind: PoolKind) -> tuple[Pool, ...]:
+        return tuple(p for p in self.pools if p.kind == kind)
+
+    @property
+    def pool_kinds(self) -> tuple[PoolKind, ...]:
+        """The kinds of the artifact's pools, in PoolKind order."""
+        return tuple(k for k in PoolKind if self.pools_of(k))
+
+    def capacity(self, kind: PoolKind) -> int:
+        return self.pools_of(kind)[0].capacity
+
+    @property
+    def ring(self) -> Pool | None:
+        """The first ring_kv pool (its window and ring size are the runtime's), or None."""
+        rings = self.pools_of(PoolKind.RING_KV)
+        return rings[0] if rings else None
+
+    def entry(self, name: str) -> Entry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise ManifestError(f"no entry named {name!r}")
+
+    def to_json(self) -> str:
+        return to_json(self)
+
+    @staticmethod
+    def from_json(text: str | bytes) -> "Manifest":
+        raw = parse(text, MANIFEST_NAME)
+        schema = raw.get("schema")
+        if schema not in SUPPORTED_SCHEMAS:
+            raise ManifestError(f"unknown manifest schema version {schema!r} (this runtime reads "
+                                f"{', '.join(SUPPORTED_SCHEMAS)})")
+        if schema in (SCHEMA_V2, SCHEMA_V3):
+            raw = upgrade_v2_v3(raw)
+        return build(Manifest, raw, "manifest")

@@ -1,0 +1,284 @@
+"""Reading a Hugging Face config.json into a DecoderConfig: the keys every family shares, RoPE, mixture-of-experts
+MLPs, and one parser per kind of family (tlaloc_jax.families' table names each family's parser)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .config import FULL, LINEAR, SLIDING, ConfigError, DecoderConfig, RopeConfig
+
+if TYPE_CHECKING:
+    from .families import Family
+
+
+# The HF config keys that name a multimodal checkpoint's placeholder ids; the text decoder cannot
+# embed them, so a server refuses them by name.
+PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "image_token_index", "video_token_index", "audio_token_id")
+
+
+def read_rope(hf: dict[str, Any], params: dict[str, Any] | None = None) -> RopeConfig:
+    """RoPE settings from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (older files).
+
+    `params` overrides where the parameters are read from (a Gemma 3 layer type's own entry).
+    """
+    if params is None:
+        params = dict(hf.get("rope_parameters") or {})
+        if not params:
+            params = dict(hf.get("rope_scaling") or {})
+            if "rope_theta" in hf:
+                params.setdefault("rope_theta", hf["rope_theta"])
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise ConfigError(f"rope type {rope_type!r} (config key rope_parameters/rope_scaling) is not supported; "
+                          "supported: 'default', 'linear', 'llama3', 'yarn'")
+    kw: dict[str, Any] = dict(theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_type=rope_type)
+    needed = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "linear": ("factor",), "yarn": ("original_max_position_embeddings",)}.get(rope_type, ())
+    for key in needed:
+        if key not in params:
+            raise ConfigError(f"{rope_type} rope scaling needs {key!r} in rope_parameters/rope_scaling")
+        kw[key] = (int if key == "original_max_position_embeddings" else float)(params[key])
+    if rope_type == "yarn":
+        kw.update(_yarn(hf, params, kw["original_max_position_embeddings"]))
+    prf = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    return RopeConfig(partial_rotary_factor=float(prf), **kw)
+
+
+def _yarn(hf: dict[str, Any], params: dict[str, Any], original: int) -> dict[str, Any]:
+    """YaRN's keys, with transformers' defaults: the factor (else max_position_embeddings / original), the
+    ramp's beta_fast and beta_slow, truncate, and the cos/sin scale (attention_factor, else from mscale)."""
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else float(hf["max_position_embeddings"]) / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return dict(factor=factor, beta_fast=float(params.get("beta_fast") or 32.0),
+                beta_slow=float(params.get("beta_slow") or 1.0), truncate=bool(params.get("truncate", True)),
+                attention_factor=float(attention_factor))
+
+
+def _eos(hf: dict[str, Any]) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _refuse_flag(hf: dict[str, Any], key: str, family: str) -> None:
+    if hf.get(key):
+        raise ConfigError(f"{family} config key {key}={hf[key]!r} is not supported")
+
+
+def _common(family: "Family", hf: dict[str, Any]) -> dict[str, Any]:
+    """The keys every decoder family shares."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(f"{family.name} config key quantization_config (quant_method {method!r}) is not "
+                          "supported: the weights must be stored unquantized (float32 or bfloat16)")
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    return dict(
+        model_type=hf["model_type"],
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.tied_default)),
+        qk_norm=family.qk_norm,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        name=str(hf.get("_name_or_path", "") or ""),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos(hf),
+        refused_tokens=tuple((int(hf[k]), k) for k in PLACEHOLDER_KEYS if hf.get(k) is not None),
+    )
+
+
+def _activation(hf: dict[str, Any], family: str, key: str) -> str:
+    act = hf.get(key, "silu")
+    names = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+    if act not in names:
+        raise ConfigError(f"{family} config key {key}={act!r} is not supported (supported: {', '.join(names)})")
+    return names[act]
+
+
+def parse_dense(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """Llama-style dense decoders (llama, qwen3, mistral): SwiGLU MLP, RMSNorm, RoPE, GQA."""
+    for key in ("attention_bias", "mlp_bias"):
+        _refuse_flag(hf, key, family.name)
+    kw = _common(family, hf)
+    window = hf.get("sliding_window") if family.sliding else None
+    if family.name == "qwen3" and hf.get("use_sliding_window"):
+        raise ConfigError("qwen3 config key use_sliding_window=true is not supported")
+    if window:
+        kw.update(layer_types=(SLIDING,) * kw["num_layers"], sliding_window=int(window))
+    return DecoderConfig(rope=read_rope(hf), hidden_act=_activation(hf, family.name, "hidden_act"), **kw)
+
+
+def parse_gemma(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """Gemma 2 and Gemma 3 text decoders: (1 + w) norms around attention and MLP, GELU-tanh, scaled
+    embeddings, query_pre_attn_scalar, soft-caps, sliding and full layers from `layer_types`."""
+    _refuse_flag(hf, "attention_bias", family.name)
+    _refuse_flag(hf, "use_bidirectional_attention", family.name)
+    kw = _common(family, hf)
+    types = hf.get("layer_types")
+    if types is None:   # older files: Gemma 2 alternates from a sliding first layer; Gemma 3 every 6th is full
+        period = int(hf.get("sliding_window_pattern", 2 if family.name == "gemma2" else 6))
+        types = [SLIDING if (i + 1) % period else FULL for i in range(kw["num_layers"])]
+    params = hf.get("rope_parameters") or {}
+    if FULL in params or SLIDING in params:       # transformers 5: one RoPE per layer type
+        rope, rope_sliding = read_rope(hf, dict(params.get(FULL) or {})), read_rope(hf, dict(params.get(SLIDING) or {}))
+    else:
+        rope = read_rope(hf)
+        local = hf.get("rope_local_base_freq")
+        rope_sliding = RopeConfig(theta=float(local)) if local is not None else None
+    return DecoderConfig(
+        rope=rope, rope_sliding=rope_sliding, layer_types=tuple(types),
+        sliding_window=int(hf.get("sliding_window") or 0),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0.0),
+        attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+        norm_offset=1.0, hidden_act=_activation(hf, family.name, "hidden_activation"), embed_scale=True,
+        sandwich_norms=True, **kw)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How a family's config describes its mixture-of-experts MLPs (kernels/moe.py names the scorings and
+    activations).
+
+    scoring: the router's scoring; normalize: the config key that renormalises the chosen weights
+    (norm_topk_prob) and its default, or None with the family's fixed choice in normalize_default;
+    hidden_key: the key of an expert's hidden size; biases: router and expert biases (GPT-OSS);
+    shared_key: the key of a shared expert's hidden size (Qwen3-Next), or None.
+    """
+
+    scoring: str
+    hidden_key: str
+    normalize: str | None = None
+    normalize_default: bool = False
+    activation: str = "silu"
+    biases: bool = False
+    shared_key: str | None = None
+
+
+def _num_experts(hf: dict[str, Any]) -> int:
+    # transformers writes Qwen3-MoE's num_experts as num_local_experts (an attribute_map); the Hub's files say
+    # num_experts.
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
+def _sparse_layers(hf: dict[str, Any], layers: int) -> list[int]:
+    """The layers whose MLP is a sparse mixture of experts: Qwen3-MoE's and Qwen3-Next's rule (every
+    decoder_sparse_step-th layer not in mlp_only_layers), which is every layer for Mixtral and GPT-OSS;
+    none without experts."""
+    if _num_experts(hf) <= 0:
+        return []
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+
+
+def _moe_keys(family: "Family", hf: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The DecoderConfig keys of a family's mixture-of-experts MLPs ({} when every MLP is dense)."""
+    sparse = _sparse_layers(hf, layers)
+    if not sparse:
+        return {}
+    keys = (f"num_experts={_num_experts(hf)}, decoder_sparse_step={hf.get('decoder_sparse_step', 1)}, "
+            f"mlp_only_layers={hf.get('mlp_only_layers') or []}")
+    spec = family.experts
+    if spec is None:
+        raise ConfigError(f"{family.name} layers {sparse} have sparse mixture-of-experts MLPs (config keys {keys}); "
+                          "only dense MLPs are supported")
+    if len(sparse) != layers:
+        dense = sorted(set(range(layers)) - set(sparse))
+        raise ConfigError(f"{family.name} layers {dense} have dense MLPs among mixture-of-experts layers (config "
+                          f"keys {keys}): a mix of dense and sparse MLP layers is not supported")
+    act = _activation(hf, family.name, "hidden_act")
+    if spec.activation == "silu" and act != "silu":
+        raise ConfigError(f"{family.name} config key hidden_act={hf['hidden_act']!r} is not supported for experts "
+                          "(SwiGLU experts take silu)")
+    normalize = bool(hf.get(spec.normalize, spec.normalize_default)) if spec.normalize else spec.normalize_default
+    kw = dict(num_experts=_num_experts(hf), experts_per_token=int(hf["num_experts_per_tok"]),
+              moe_intermediate_size=int(hf[spec.hidden_key]), router_scoring=spec.scoring,
+              router_normalize=normalize, router_bias=spec.biases, expert_bias=spec.biases,
+              expert_activation=spec.activation)
+    if spec.activation == "swiglu_clamped":
+        kw.update(swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+    if spec.shared_key:
+        kw["shared_expert_intermediate_size"] = int(hf.get(spec.shared_key) or 0)
+    return kw
+
+
+def parse_moe(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """Mixture-of-experts decoders with Llama-style attention: Qwen3-MoE (q/k norms; every layer sliding with
+    use_sliding_window), Mixtral (every layer sliding when sliding_window is set)."""
+    for key in ("attention_bias", "mlp_bias"):
+        _refuse_flag(hf, key, family.name)
+    kw = _common(family, hf)
+    if family.sliding:
+        window = hf.get("sliding_window")
+    else:
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if window:
+        kw.update(layer_types=(SLIDING,) * kw["num_layers"], sliding_window=int(window))
+    moe = _moe_keys(family, hf, kw["num_layers"])
+    if not moe:
+        raise ConfigError(f"{family.name} config has no experts (config key num_experts / num_local_experts)")
+    return DecoderConfig(rope=read_rope(hf), **moe, **kw)
+
+
+def parse_gpt_oss(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """GPT-OSS: attention with biases and a sink per head, sliding and full layers (`layer_types`, else
+    alternating from a sliding first layer), YaRN RoPE, and experts with a biased router (softmax over the
+    chosen logits) and GPT-OSS's clamped SwiGLU with biases."""
+    kw = _common(family, hf)
+    layers = kw["num_layers"]
+    types = hf.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
+    moe = _moe_keys(family, hf, layers)
+    if not moe:
+        raise ConfigError(f"{family.name} config has no experts (config key num_local_experts)")
+    # transformers' default window (128) where the config leaves it out.
+    return DecoderConfig(rope=read_rope(hf), layer_types=tuple(types), sliding_window=int(hf.get("sliding_window") or 128),
+                         attention_bias=bool(hf.get("attention_bias", True)), attn_sinks=True, **moe, **kw)
+
+
+def parse_hybrid(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+    """Qwen3-Next and Qwen3.5 text decoders: Gated DeltaNet (LINEAR) layers between gated full-attention
+    layers (`layer_types`, or every `full_attention_interval`-th layer full), (1 + w) norms, q/k norms,
+    partial rotary (0.25 of the head unless the config says), dense SwiGLU MLPs, or (Qwen3-Next) a mixture
+    of experts with a shared expert in every layer."""
+    _refuse_flag(hf, "attention_bias", family.name)
+    kw = _common(family, hf)
+    layers = kw["num_layers"]
+    moe = _moe_keys(family, hf, layers)
+    types = hf.get("layer_types")
+    if types is None:
+        interval = int(hf.get("full_attention_interval", 4))
+        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
+    act = _activation(hf, family.name, "hidden_act")
+    if act != "silu":
+        raise ConfigError(f"{family.name} config key hidden_act={hf['hidden_act']!r} is not supported "
+                          "(the causal conv and the gated norm take silu)")
+    rope = read_rope(hf)
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if "partial_rotary_factor" not in params and "partial_rotary_factor" not in hf:
+        # transformers' default for these families: a quarter of the head rotates.
+        rope = dataclasses.replace(rope, partial_rotary_factor=0.25)
+    return DecoderConfig(
+        rope=rope, layer_types=tuple(types), norm_offset=1.0, hidden_act=act, attn_output_gate=True,
+        linear_key_heads=int(hf["linear_num_key_heads"]), linear_key_dim=int(hf["linear_key_head_dim"]),
+        linear_value_heads=int(hf["linear_num_value_heads"]), linear_value_dim=int(hf["linear_value_head_dim"]),
+        linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), **moe, **kw)
