@@ -233,3 +233,47 @@ def test_device_runs_an_spmd_body_with_one_argument_list_per_device():
             dev.execute_sharded(exe, rows(), donate={3})
         with pytest.raises(ValueError, match="1 argument lists for 2 devices"):
             dev.execute_sharded(exe, rows()[:1])
+
+
+def _whole_everywhere(raw, slot):
+    """The manifest says weight `slot` is whole (its table row and every entry), though the bodies take it split."""
+    for w in raw["weights"]:
+        if w["slot"] == slot:
+            w.pop("partition"), w.pop("shards")
+            w["file"], w["sha256"] = "weights/x.bin", "0" * 64
+    for e in raw["entries"]:
+        for sig in e["inputs"]:
+            if sig.get("slot") == slot:
+                sig.pop("partition")
+
+
+@pytest.mark.parametrize("change,refusal", [
+    (lambda r: r["mesh"]["axes"][0].update(name="x"), r"split along 'tp', which is not a mesh axis \(x\)"),
+    (lambda r: r.pop("mesh"), r"is split \[.*\], but the manifest has no mesh"),
+    (lambda r: next(w for w in r["weights"] if w.get("shards"))["shards"].pop(), r"needs 2 shard files and no whole"),
+    (lambda r: r["pools"][0].pop("partition"), r"POOL_IN kv is split .*; the manifest keeps it whole"),
+    (lambda r: r["mesh"]["axes"][0].update(size=4), r"split into 4 blocks: it needs 4 shard files .* \(it has 2\)"),
+    (lambda r: _whole_everywhere(r, "attn.o_proj.0.out_in"),
+     r"argument \d+ \(WEIGHT attn.o_proj.0.out_in\) is split \[None, 'tp'\] in the body, the manifest says \[\]"),
+], ids=["unknown-axis", "no-mesh", "missing-shard", "pool-whole", "mesh-size", "body-split"])
+def test_a_mesh_manifest_that_misstates_its_split_is_refused_at_load(change, refusal, store, tmp_path_factory,
+                                                                      tmp_path):
+    import json
+    import shutil
+    art = tmp_path / "art"
+    shutil.copytree(artifact(store, tmp_path_factory, "llama", 2), art)
+    raw = json.loads((art / mf.MANIFEST_NAME).read_text())
+    change(raw)
+    (art / mf.MANIFEST_NAME).write_text(json.dumps(raw))
+    with pytest.raises(mf.ManifestError, match=refusal):
+        mf.load_manifest(art, verify_weights=False)
+
+
+def test_a_body_partitioned_for_other_devices_than_the_manifest_says_is_named(store, tmp_path_factory):
+    art = artifact(store, tmp_path_factory, "llama", 2)
+    m = mf.load_manifest(art, verify_weights=False)
+    e = m.entries[0]
+    sig = mf.main_signature((art / e.body).read_text())
+    assert sig.partitions == 2 and mf.signature_mismatch(e.inputs, e.outputs, e.donations, sig, 2) is None
+    assert "partitioned for 2 devices, the manifest's mesh has 1" in \
+        mf.signature_mismatch(e.inputs, e.outputs, e.donations, sig, 1)
