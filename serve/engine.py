@@ -42,8 +42,9 @@ from .core import outputs
 from .core.request import (Constraint, Request, RequestRefused, StepEvent, check_sampler_fits, check_sampling,
                            check_stop)
 from .core.scheduler import ScheduledCall, Scheduler
-from .runtime.pjrt import Device
+from .runtime.pjrt import Device, TooFewDevicesError
 from .runtime.runner import Runner
+from .runtime.sharded import device_count_mismatch
 from .sampling import Sampling, log_softmax
 
 __all__ = ["Constraint", "DEFAULT_CACHE_DIR", "Engine", "RequestRefused", "StepEvent"]
@@ -86,7 +87,7 @@ class Engine:
         self.manifest = m = manifest or mf.load_manifest(self.artifact_dir, verify_weights=not trust_weights)
         if trust_weights:
             log.warning("--trust-weights: the weight files of %s are not hashed", self.artifact_dir)
-        elif any(not w.sha256 for w in m.weights):
+        elif any(not w.sha256 and not w.shards for w in m.weights):
             log.warning("%s (%s) carries no hashes of its weight and tokenizer files: they are not verified",
                         self.artifact_dir, m.schema)
         max_context = max(m.buckets.context_ladder)
@@ -98,8 +99,11 @@ class Engine:
         self.scheduler = Scheduler(m, max_context, use_decode_steps=use_decode_steps, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    prefix_caching=enable_prefix_caching, identity=m.to_json())
-        self.runner = Runner(self.artifact_dir, m, Device(plugin, memory_fraction=memory_fraction,
-                                                          cache_dir=cache_dir), progress=progress, donate=donate)
+        try:
+            device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir, devices=m.devices)
+        except TooFewDevicesError as e:
+            raise mf.ManifestError(device_count_mismatch(m, e.available)) from None
+        self.runner = Runner(self.artifact_dir, m, device, progress=progress, donate=donate)
         self.device = self.runner.device
         self.block_size = m.block_size
         self.ring_pages = m.ring.ring_pages if m.ring else 0
@@ -440,7 +444,8 @@ class Engine:
                   pools=pools, kv_cache_usage=sched.usage(), prefix_caching=sched.prefix_caching,
                   active_requests=len(self.active_requests()), running=len(sched.running),
                   waiting=len(sched.waiting),
-                  weight_bytes=self.weight_bytes, pool_bytes=self.pool_bytes, entries=len(run.executables),
+                  weight_bytes=self.weight_bytes, pool_bytes=self.pool_bytes, devices=self.device.devices,
+                  bytes_per_device=run.bytes_per_device, entries=len(run.executables),
                   compile=self.compile_report(), load_seconds=self.load_seconds, donate=self.donate)
         return st
 
