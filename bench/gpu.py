@@ -23,6 +23,10 @@ exported twice for cuda: decode attention through the Pallas kernel (kernels/pag
 through plain ops ("xla"), so one run compares them. The kit holds no weight files: the run writes random
 ones of the lengths the manifest names.
 
+`kit --tensor-parallel 2,4` also exports each model for 2 and 4 GPUs ("tiny-tp2-xla", ...: docs/multi-device.md);
+the run times those on the machine's first N GPUs through the JAX-free runtime (a machine with fewer GPUs reports
+the artifact refused by name), its floor the bytes one GPU reads. In-process JAX is not run on them.
+
 The run's stages are processes of their own: "runtime" (jax, jaxlib unimportable: the JAX-free path) loads both
 variants of a model and alternates them step by step; "jax" runs the same bodies through jax.export.deserialize
 and measures the HBM copy rate. Each prints RESULT {json} lines; the run prints the table from them.
@@ -77,16 +81,17 @@ def result(**kw):
 # --- here: the kit --------------------------------------------------------------------------------------
 
 
-def export_model(name: str, out: Path, *, platform: str, decode_attention: str) -> None:
-    """Stage the built-in decoder at a model's shape with zero weights (their bytes are written on the device)."""
+def export_model(name: str, out: Path, *, platform: str, decode_attention: str, tensor_parallel: int = 1) -> None:
+    """Stage the built-in decoder at a model's shape with zero weights (their bytes are written on the device), for
+    `tensor_parallel` devices."""
     import functools
 
     import ml_dtypes
     import numpy as np
 
-    from tlaloc_jax.decoder import forward
+    from tlaloc_jax.decoder import decoder_pools, forward
     from tlaloc_jax.export import Capacity, Ladders, ModelInfo, stage
-    from tlaloc_jax.decoder import decoder_pools
+    from tlaloc_jax.export._artifact import tensor_parallel_decoder
     from tlaloc_jax.families import config_from_hf
 
     spec = MODELS[name]
@@ -94,11 +99,13 @@ def export_model(name: str, out: Path, *, platform: str, decode_attention: str) 
     dtype = ml_dtypes.bfloat16 if spec["dtype"] == "bfloat16" else np.float32
     weights = {s.slot: np.zeros(s.slot_shape(cfg), dtype) for s in fam.slots(cfg)}
     pools = decoder_pools(cfg, windowed=False, kv_dtype=spec["dtype"], ring_pages=0)
-    step = functools.partial(forward, cfg, decode_attention=decode_attention)
+    weights, shard_cfg, split_axes = tensor_parallel_decoder(cfg, weights, tensor_parallel)
+    step = functools.partial(forward, shard_cfg, decode_attention=decode_attention)
     tmp = out.with_name(out.name + ".full")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    stage(step, weights, pools, tmp, platform=platform, progress=False,
+    stage(step, weights, pools, tmp, platform=platform, progress=False, mesh=tensor_parallel,
+          weight_split_axes=split_axes,
           ladders=Ladders(batch=spec["batches"], context=(spec["context"],), prefill_max_batch=1,
                           prefill_chunk=spec["prefill"]),
           capacity=Capacity(block_size=spec["block_size"], paged_kv=spec["num_blocks"]),
@@ -121,15 +128,18 @@ def stage_packages(kit: Path) -> None:
     shutil.copytree(Path(pypjrt.__file__).parent, kit / "site" / "pypjrt", ignore=ignore)
 
 
-def make_kit(kit: Path, models, variants, platform: str) -> None:
+def make_kit(kit: Path, models, variants, platform: str, tensor_parallel=()) -> None:
     kit.mkdir(parents=True, exist_ok=True)
     stage_packages(kit)
     for name in models:
-        for variant in variants:
-            t0 = time.perf_counter()
-            export_model(name, kit / "art" / f"{name}-{variant}", platform=platform, decode_attention=variant)
-            print(f"exported {name} ({variant} decode attention) for {platform} in {time.perf_counter() - t0:.0f} s",
-                  flush=True)
+        for n in (1, *tensor_parallel):
+            for variant in variants:
+                t0 = time.perf_counter()
+                model = name if n == 1 else f"{name}-tp{n}"
+                export_model(name, kit / "art" / f"{model}-{variant}", platform=platform, decode_attention=variant,
+                             tensor_parallel=n)
+                print(f"exported {model} ({variant} decode attention) for {platform} in "
+                      f"{time.perf_counter() - t0:.0f} s", flush=True)
     size = sum(f.stat().st_size for f in kit.rglob("*") if f.is_file())
     print(f"kit {kit}: {size / 2**20:.1f} MiB", flush=True)
 
@@ -145,12 +155,14 @@ def write_weights(art: Path) -> int:
     base = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32) * 0.02
     total = 0
     for w in man["weights"]:
-        n = int(np.prod(w["shape"]))
-        a = np.ones(n, np.float32) if "norm" in w["slot"] else np.resize(base, n)
-        data = a.astype(ml_dtypes.bfloat16 if w["dtype"] == "bfloat16" else np.float32).tobytes()
-        assert len(data) == w["nbytes"], (w["slot"], len(data), w["nbytes"])
-        (art / w["file"]).write_bytes(data)
-        total += len(data)
+        files = [(s["file"], s["nbytes"]) for s in w.get("shards", [])] or [(w["file"], w["nbytes"])]
+        for file, nbytes in files:         # a tensor-parallel artifact's split weight: a file per device
+            itemsize = 2 if w["dtype"] == "bfloat16" else 4
+            a = np.ones(nbytes // itemsize, np.float32) if "norm" in w["slot"] else np.resize(base, nbytes // itemsize)
+            data = a.astype(ml_dtypes.bfloat16 if w["dtype"] == "bfloat16" else np.float32).tobytes()
+            assert len(data) == nbytes, (w["slot"], len(data), nbytes)
+            (art / file).write_bytes(data)
+            total += len(data)
     return total
 
 
@@ -301,6 +313,8 @@ def stage_jax(arts: list[Path], steps: int) -> None:
         except Exception as e:
             result(stage="jax", what="error", art=art.name, error=f"{type(e).__name__}: {e}"[:3000])
             continue
+        if m.mesh is not None:      # timed through the runtime only: in-process JAX would need its own sharding
+            continue
         weights = {w.slot: jax.device_put(np.fromfile(art / w.file, dtype=ml_dtypes.bfloat16 if w.dtype == "bfloat16"
                                                       else np.float32).reshape(w.shape)) for w in m.weights}
         pools = {p.name: jnp.zeros(p.shape, jnp.bfloat16 if p.dtype == "bfloat16" else jnp.float32) for p in m.pools}
@@ -411,11 +425,14 @@ def run(kit: Path, plugin: str | None, steps: int, guard: bool = True, models_wa
 
 def floor_ms(m, entry, tokens: int, start: int, gbps: float) -> float:
     """The step's HBM floor: every weight byte read once, plus the keys and values its rows read (decode) or write
-    (prefill), at the measured copy rate."""
-    weights = sum(w.nbytes for w in m.weights)
+    (prefill), at the measured copy rate; on a mesh, what one GPU reads (its shards, and the whole arrays)."""
+    def share(partition) -> int:
+        return m.mesh.shards(partition) if m.mesh and any(partition) else 1
+    weights = sum(w.nbytes // share(w.partition) for w in m.weights)
     kv = 0
     for p in m.pools:
         L, _, _, S, K, D = p.shape
+        K //= share(p.partition)
         per_position = L * 2 * K * D * (2 if p.dtype == "bfloat16" else 4)
         kv += entry.batch * per_position * ((start + 1) if entry.kind == "decode" else tokens)
     return (weights + kv) / (gbps * 1e6)
@@ -523,7 +540,7 @@ def dry_run(kit: Path, steps: int) -> None:
     global MODELS
     MODELS = {"tiny": dict(MODELS["tiny"], batches=(1, 4), context=128, num_blocks=64, prefill=32, serving=True)}
     shutil.rmtree(kit, ignore_errors=True)
-    make_kit(kit, ["tiny"], ["xla"], "cpu")
+    make_kit(kit, ["tiny"], ["xla"], "cpu", tensor_parallel=(2,))
     shutil.copytree(kit / "art" / "tiny-xla", kit / "art" / "tiny-xla2")
     run(kit, None, steps, guard=True)
 
@@ -544,6 +561,8 @@ def main(argv=None) -> int:
     k.add_argument("--kit", type=Path, default=DEFAULT_KIT)
     k.add_argument("--models", default=",".join(MODELS))
     k.add_argument("--variants", default=",".join(VARIANTS))
+    k.add_argument("--tensor-parallel", default="", metavar="N,...",
+                   help="also export each model for N GPUs (tensor parallel), e.g. 2,4")
     r = sub.add_parser("run", help="time the kit's bodies (on the GPU machine)")
     r.add_argument("--kit", type=Path, default=DEFAULT_KIT)
     r.add_argument("--plugin", default=None, help="the CUDA PJRT plugin (default: jax_plugins/*/xla_cuda_plugin.so)")
@@ -563,7 +582,8 @@ def main(argv=None) -> int:
         s.add_argument("--guard", action="store_true")
     a = ap.parse_args(argv)
     if a.cmd == "kit":
-        make_kit(a.kit, a.models.split(","), a.variants.split(","), "cuda")
+        make_kit(a.kit, a.models.split(","), a.variants.split(","), "cuda",
+                 tuple(int(n) for n in a.tensor_parallel.split(",") if n))
     elif a.cmd == "run":
         run(a.kit, a.plugin or find_cuda_plugin(), a.steps, models_wanted=[m for m in a.models.split(",") if m],
             stages=a.stages.split(","), budget=a.budget)

@@ -108,6 +108,10 @@ def main(argv=None) -> int:
                     help="K > 1 adds, beside each decode entry, one that runs up to K decode steps in one call (each "
                          "token fed to the next, stopping a row on its stop ids or length); the server uses it while "
                          "every sequence is decoding (default 1: single steps only)")
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                    help="N > 1 stages every entry for N devices, each holding 1/N of the heads, KV heads, MLP width "
+                         "and experts (one all-reduce per attention and per MLP; docs/multi-device.md); the server "
+                         "then runs it on N devices (default 1)")
     ap.add_argument("--allow-longer-context", action="store_true",
                     help="export a context ladder past the checkpoint's max_position_embeddings (refused otherwise; "
                          "with this flag it is a warning)")
@@ -148,7 +152,8 @@ def main(argv=None) -> int:
                               prompt_logprobs=args.prompt_logprobs,
                               decode_attention=args.decode_attention,
                               weight_quant=args.weight_quant, quant_group=args.quant_group,
-                              decode_steps=args.decode_steps, mixed=False if args.no_mixed else None)
+                              decode_steps=args.decode_steps, mixed=False if args.no_mixed else None,
+                              tensor_parallel=args.tensor_parallel)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -160,6 +165,7 @@ def main(argv=None) -> int:
           + (f", rings of {m.ring.ring_pages} pages for window {m.ring.window}" if m.ring else "")
           + (f", sampler in every entry (top {m.sampler.top_logprobs} logprobs)" if m.sampler else ", no sampler")
           + (f", scoring prefill entries (top {m.scorer.top_logprobs} prompt logprobs)" if m.scorer else "")
+          + (f", for {m.devices} devices (tensor parallel)" if m.mesh else "")
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -15,17 +15,33 @@ from typing import Sequence
 
 from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
-from tlaloc_jax.config import SLIDING
+from tlaloc_jax.config import SLIDING, DecoderConfig
 from tlaloc_jax.decoder import (DEFAULT_KEY_BLOCK, decoder_pools, final_hidden, forward, logits_from_hidden,
                                 supports_mixed_calls)
 from tlaloc_jax.kernels import paged_attention_gpu
 from tlaloc_jax.layout import LAYOUTS, fuse_projections, out_major, unstack_layers
 from tlaloc_jax.paging import ring_pages_for
+from tlaloc_jax.sharding import ShardingError, local_config, shard_decoder_weights
 
 from ._entries import ExportError
+from ._mesh import weight_split_axes
 from ._options import DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, Capacity, Features, Ladders, ModelInfo, Sampler, SplitStep
 from ._quant import quantize_weights, scheme_label
 from ._stage import sorted_ladder, stage
+from ._weights import flatten_weights
+
+
+def tensor_parallel_decoder(cfg: DecoderConfig, weights: dict, n: int) -> tuple[dict, DecoderConfig, dict | None]:
+    """The built-in decoder's (weights, step config, weight split axes) for `stage(..., mesh=n)`: fused projections
+    stored shard-major, the config of one device's shard, each weight's split axis (tlaloc_jax.sharding). n = 1:
+    the weights and config as they are, no split axes. A model whose counts do not divide n is refused by name."""
+    if n == 1:
+        return weights, cfg, None
+    try:
+        weights = shard_decoder_weights(cfg, weights, n)
+        return weights, local_config(cfg, n), weight_split_axes(weights, flatten_weights)
+    except ShardingError as e:
+        raise ExportError(str(e)) from None
 
 
 # The decode attention of cuda exports when none is asked for. A default is what a GPU run has measured correct and
@@ -44,7 +60,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       allow_longer_context: bool = False, prompt_logprobs: int | None = None,
                       decode_attention: str | None = None, weight_layout: str = "per-layer",
                       weight_quant: str = "none", quant_group: int = 128, decode_steps: int = 1,
-                      mixed: bool | None = None) -> af.Manifest:
+                      mixed: bool | None = None, tensor_parallel: int = 1) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -74,6 +90,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     decode_steps: K > 1 adds a K-step decode entry beside each decode entry (see `stage`).
     mixed: adds mixed entries, the running sequences' decode rows and one prompt chunk in one call (see
     `Features`); None: where the decoder runs them (decoder.supports_mixed_calls), False: none.
+    tensor_parallel: N > 1 stages every entry for N devices, each holding 1/N of the heads, KV heads, MLP width
+    and experts (tlaloc_jax.sharding; docs/multi-device.md); a model whose counts do not divide is refused.
     """
     decode_attention = decode_attention or (CUDA_DECODE_ATTENTION if platform == "cuda" else "xla")
     if decode_attention not in ("pallas", "xla"):
@@ -101,6 +119,10 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         name += ":kvfp8"
     if per_layer:
         weights = out_major(unstack_layers(weights))
+    if tensor_parallel > 1 and quantized:
+        raise ExportError(f"weight_quant {weight_quant!r} with tensor_parallel {tensor_parallel}: quantized weights "
+                          "are not split over devices yet; stage them on one device")
+    weights, shard_cfg, split_axes = tensor_parallel_decoder(cfg, weights, tensor_parallel)
     if contexts[-1] > cfg.max_position_embeddings:
         why = (f"the context ladder reaches {contexts[-1]} positions, past the checkpoint's max_position_embeddings "
                f"({cfg.max_position_embeddings}): the model was not trained for positions that far and its output "
@@ -119,15 +141,17 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         raise ExportError(f"the Pallas GPU decode-attention kernel has no latent-attention form ({cfg.model_type}); "
                           "export with decode_attention='xla' (--decode-attention xla)")
     if decode_attention == "pallas":
-        why = paged_attention_gpu.refusal(1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, kv_np)
+        why = paged_attention_gpu.refusal(1, shard_cfg.num_heads, shard_cfg.num_kv_heads, cfg.head_dim, block_size,
+                                          kv_np)
         if why:
             raise ExportError(f"the Pallas GPU decode-attention kernel cannot serve this model: {why}; export with "
                               "decode_attention='xla' (--decode-attention xla)")
     # The decoder's step norms only each row's last token; prompt scoring reads every position's hidden state.
-    step = SplitStep(hidden=functools.partial(final_hidden, cfg, key_block=attention_block, ring_pages=ring,
+    # On a mesh each device runs the config of its shard (tlaloc_jax.sharding.local_config).
+    step = SplitStep(hidden=functools.partial(final_hidden, shard_cfg, key_block=attention_block, ring_pages=ring,
                                               all_positions=True),
-                     head=functools.partial(logits_from_hidden, cfg),
-                     last=functools.partial(forward, cfg, key_block=attention_block, ring_pages=ring,
+                     head=functools.partial(logits_from_hidden, shard_cfg),
+                     last=functools.partial(forward, shard_cfg, key_block=attention_block, ring_pages=ring,
                                             decode_attention=decode_attention))
     kv_heads, head_dim = (1, cfg.latent_width) if cfg.latent else (cfg.num_kv_heads, cfg.head_dim)
     model = ModelInfo(name=name, model_type=cfg.model_type, tokenizer_dir=checkpoint_dir, embedding_slot="embed",
@@ -140,4 +164,5 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                  capacity=Capacity(block_size=block_size, paged_kv=num_blocks, ring_kv=window_blocks,
                                    state_slots=state_slots),
                  features=Features(sampler=sampler, prompt_logprobs=prompt_logprobs, decode_steps=decode_steps,
-                                   mixed=supports_mixed_calls(cfg) if mixed is None else mixed))
+                                   mixed=supports_mixed_calls(cfg) if mixed is None else mixed),
+                 mesh=tensor_parallel if tensor_parallel > 1 else None, weight_split_axes=split_axes)

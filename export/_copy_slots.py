@@ -26,8 +26,8 @@ def copy_slots_signature(pools: Sequence[af.Pool], batch: int
     for p in pools:
         if p.kind == af.PoolKind.STATE_SLOTS:
             donations.append((len(outputs), len(inputs)))
-            inputs.append(af.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name))
-            outputs.append(af.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name))
+            inputs.append(af.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name, p.partition))
+            outputs.append(af.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name, p.partition))
     return inputs, outputs, tuple(donations)
 
 

@@ -48,7 +48,7 @@ def decode_steps_signature(inputs: Sequence[af.TensorSig], outputs: Sequence[af.
     for i, sig in enumerate(new_inputs):
         if sig.role == Role.POOL_IN:
             donations.append((len(new_outputs), i))
-            new_outputs.append(af.TensorSig(Role.POOL_OUT, sig.dtype, sig.shape, sig.slot))
+            new_outputs.append(af.TensorSig(Role.POOL_OUT, sig.dtype, sig.shape, sig.slot, sig.partition))
     return new_inputs, new_outputs, tuple(donations)
 
 

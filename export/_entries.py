@@ -89,7 +89,7 @@ def check_custom_calls(name: str, mlir_text: str, platform: str = "cpu") -> None
 
 
 def check_body(name: str, exp: jax_export.Exported, inputs: list[af.TensorSig], outputs: list[af.TensorSig],
-               donations: tuple[tuple[int, int], ...] = (), platform: str = "cpu") -> None:
+               donations: tuple[tuple[int, int], ...] = (), platform: str = "cpu", devices: int = 1) -> None:
     """The body's @main against the entry's signature: kept args, custom calls, shapes, dtypes, the pool
     aliases; the same reading of @main the runtime does at load (tlaloc_jax.artifact.signature_mismatch)."""
     if tuple(exp.module_kept_var_idx) != tuple(range(len(inputs))):
@@ -100,7 +100,7 @@ def check_body(name: str, exp: jax_export.Exported, inputs: list[af.TensorSig], 
     check_custom_calls(name, text, platform)
     try:
         why = af.signature_mismatch(tuple(inputs), tuple(outputs), tuple(donations),
-                                    af.main_signature(text, f"entry {name!r} body"))
+                                    af.main_signature(text, f"entry {name!r} body"), devices)
     except af.ManifestError as e:
         raise ExportError(str(e)) from None
     if why:
@@ -108,14 +108,16 @@ def check_body(name: str, exp: jax_export.Exported, inputs: list[af.TensorSig], 
 
 
 def export_fn(fn: Callable, avals, *, platform: str, donate: tuple[int, ...] = (),
-              keep_unused: bool = False) -> jax_export.Exported:
+              keep_unused: bool = False, out_shardings=None) -> jax_export.Exported:
     """jax.export `fn` jitted (arguments `donate` donated) at `avals`, for one platform.
 
     jax.export refuses custom calls it gives no compatibility guarantee for; the platform's own ones
     (PLATFORM_CUSTOM_CALLS: a Triton kernel on cuda) are let through here, and check_custom_calls refuses
     the rest by name. The Triton IR such a kernel carries is outside StableHLO's compatibility guarantees: a
     plugin of another jax release than the exporting one (versions.jax in the manifest) may not read it."""
-    jitted = jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused)
+    # A mesh's results carry their shardings (out_shardings): jax then writes each donated pool's alias.
+    jitted = jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused,
+                     **({"out_shardings": out_shardings} if out_shardings is not None else {}))
     disabled = [jax_export.DisabledSafetyCheck.custom_call(t) for t in sorted(PLATFORM_CUSTOM_CALLS.get(platform, ()))]
     # Source locations would put this checkout's file paths into the body; an artifact must not depend on them.
     limit = jax.config.jax_traceback_in_locations_limit

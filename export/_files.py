@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import shutil
 from pathlib import Path
 from typing import Mapping
@@ -51,19 +52,39 @@ def write_body(out: Path, exp: jax_export.Exported) -> BodyFiles:
 
 
 def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar,
-                  quant: Mapping[str, af.WeightQuant] | None = None) -> tuple[af.WeightFile, ...]:
+                  quant: Mapping[str, af.WeightQuant] | None = None,
+                  parts: Mapping[str, af.Partition] | None = None, devices: int = 1) -> tuple[af.WeightFile, ...]:
     """One raw file per weight (host order, checked little-endian by the caller), hashed; `bar` ticks per file.
-    quant: the slots that are halves of quantized weights (export/_quant.py's quant_records)."""
-    quant = quant or {}
+    quant: the slots that are halves of quantized weights (export/_quant.py's quant_records). parts: a weight split
+    over the devices (its partition names a dimension) is written as one file per device, its block along that
+    dimension, so that each device reads its shard alone."""
+    quant, parts = quant or {}, parts or {}
     files = []
     for i, (slot, w) in enumerate(flat.items()):
         bar.set_postfix_str(slot)
-        rel = f"weights/{i:04d}_{slot}.bin"
-        data = np.ascontiguousarray(w).tobytes()
-        files.append(af.WeightFile(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=len(data), file=rel,
-                                   sha256=write_file(out / rel, data), quant=quant.get(slot)))
+        partition = parts.get(slot, ())
+        common = dict(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=w.nbytes, quant=quant.get(slot))
+        if any(partition):
+            axis = next(d for d, name in enumerate(partition) if name)
+            shards = []
+            for d, block in enumerate(np.split(np.asarray(w), devices, axis=axis)):
+                rel = f"weights/{i:04d}_{slot}.shard{d}of{devices}.bin"
+                data = np.ascontiguousarray(block).tobytes()
+                shards.append(af.WeightShard(file=rel, nbytes=len(data), sha256=write_file(out / rel, data)))
+            files.append(af.WeightFile(**common, partition=partition, shards=tuple(shards)))
+        else:
+            rel = f"weights/{i:04d}_{slot}.bin"
+            files.append(af.WeightFile(**common, file=rel,
+                                       sha256=write_file(out / rel, np.ascontiguousarray(w).tobytes())))
         bar.update()
     return tuple(files)
+
+
+def write_program(out: Path, entry: af.Entry) -> None:
+    """programs/<entry>.json: the entry's inputs and outputs with their roles."""
+    program = {"entry": entry.name, "inputs": [af.record_json(s) for s in entry.inputs],
+               "outputs": [af.record_json(s) for s in entry.outputs]}
+    write_file(out / entry.program, (json.dumps(program, indent=1, sort_keys=True) + "\n").encode())
 
 
 def copy_tokenizer(out: Path, tokenizer_dir) -> tuple[af.TokenizerFile, ...]:

@@ -14,7 +14,6 @@ kind. The built-in Hugging Face decoder is staged by the same function (`export_
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -33,9 +32,10 @@ from tlaloc_jax.paging import ring_pages_for
 from tlaloc_jax.pools import PagedKV, PoolSpec, RingKV, StateSlots
 
 from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entries
-from ._files import copy_tokenizer, write_body, write_file, write_weights
 from ._copy_slots import copy_slots_fn, copy_slots_signature
 from ._decode_steps import decode_steps_fn, decode_steps_signature
+from ._files import copy_tokenizer, write_body, write_program, write_weights
+from ._mesh import abstract_mesh, mesh_size, partition_of, pool_split_axis, sharded
 from ._options import (DEFAULT_POOL_SEQUENCES, DEFAULT_PREFILL_MAX_BATCH, Capacity, Features, Ladders, ModelInfo,
                        Options, SplitStep, resolve_options)
 from ._quant import quant_records
@@ -110,10 +110,11 @@ def _resolve_pools(specs: Mapping[str, PoolSpec], capacity: Capacity, *, context
 
 def entry_signature(spec: EntrySpec, resolved: _ResolvedPools, block_size: int, vocab: int,
                     weights: Mapping[str, np.ndarray], sampler: af.SamplerShape | None = None,
-                    scorer: af.ScorerShape | None = None
+                    scorer: af.ScorerShape | None = None, weight_parts: Mapping[str, af.Partition] | None = None
                     ) -> tuple[list[af.TensorSig], list[af.TensorSig], tuple[tuple[int, int], ...]]:
     """(inputs, outputs, donations) of an entry: the step inputs its pools need (a mixed entry: its decode rows',
-    then its chunk's), the sampler's inputs, (a scoring prefill) the scorer's, the pools, the weights."""
+    then its chunk's), the sampler's inputs, (a scoring prefill) the scorer's, the pools, the weights (on a mesh,
+    each weight split as weight_parts says, each pool as its own partition; everything else whole)."""
     M = spec.context // block_size
     roles = set(af.BASE_STEP_INPUTS)
     for kind in resolved.kinds:
@@ -142,9 +143,11 @@ def entry_signature(spec: EntrySpec, resolved: _ResolvedPools, block_size: int, 
     donations = []
     for p in resolved.pools:
         donations.append((len(outputs), len(inputs)))
-        inputs.append(af.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name))
-        outputs.append(af.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name))
-    inputs += [af.TensorSig(Role.WEIGHT, w.dtype.name, tuple(w.shape), slot) for slot, w in weights.items()]
+        inputs.append(af.TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name, p.partition))
+        outputs.append(af.TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name, p.partition))
+    parts = weight_parts or {}
+    inputs += [af.TensorSig(Role.WEIGHT, w.dtype.name, tuple(w.shape), slot, parts.get(slot, ()))
+               for slot, w in weights.items()]
     return inputs, outputs, tuple(donations)
 
 
@@ -217,10 +220,14 @@ def _avals(sigs: Sequence[af.TensorSig]):
 
 
 def _vocab(step: Callable, treedef, spec: EntrySpec, resolved: _ResolvedPools, block_size: int,
-           weights: Mapping[str, np.ndarray]) -> int:
-    """The vocabulary: the last axis of the step's logits, read off an abstract evaluation of one entry."""
-    inputs, outputs, _ = entry_signature(spec, resolved, block_size, 1, weights)
-    shape = jax.eval_shape(_entry_fn(step, treedef, inputs, outputs, resolved.ring_pages), *_avals(inputs))[0].shape
+           weights: Mapping[str, np.ndarray], mesh=None, weight_parts=None) -> int:
+    """The vocabulary: the last axis of the step's logits, read off an abstract evaluation of one entry (on the
+    mesh, when there is one)."""
+    inputs, outputs, _ = entry_signature(spec, resolved, block_size, 1, weights, weight_parts=weight_parts)
+    fn, avals = _entry_fn(step, treedef, inputs, outputs, resolved.ring_pages), _avals(inputs)
+    if mesh is not None:
+        fn, avals, _ = sharded(fn, inputs, outputs, mesh)
+    shape = jax.eval_shape(fn, *avals)[0].shape
     if len(shape) != 2 or shape[0] != spec.batch:
         raise ExportError(f"the step function returned logits of shape {list(shape)}; expected [B, V] with "
                           f"B = {spec.batch}")
@@ -228,8 +235,9 @@ def _vocab(step: Callable, treedef, spec: EntrySpec, resolved: _ResolvedPools, b
 
 
 def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, donations, *, ring_pages: int,
-                 platform: str, block_size: int = 0) -> jax_export.Exported:
-    """jax.export one entry with its pools donated; checks the body against its signature.
+                 platform: str, block_size: int = 0, mesh=None) -> jax_export.Exported:
+    """jax.export one entry with its pools donated; checks the body against its signature. mesh: the AbstractMesh
+    the entry runs on (under shard_map, each argument split as its signature's partition says); None: one device.
 
     jax.export drops arguments the function never reads. A weight or pool dropped that way is a mistake and
     is refused (check_body); a step input the model has no use for (a recurrent model needs no SEQ_LENS)
@@ -239,39 +247,44 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
                              ring_pages=ring_pages)
     else:
         fn = _entry_fn(step, treedef, inputs, outputs, ring_pages)
+    avals, out_shardings = _avals(inputs), None
+    if mesh is not None:
+        fn, avals, out_shardings = sharded(fn, inputs, outputs, mesh)
 
     def export(keep_unused: bool) -> jax_export.Exported:
-        return export_fn(fn, _avals(inputs), platform=platform,
-                         donate=tuple(i for _, i in donations), keep_unused=keep_unused)
+        return export_fn(fn, avals, platform=platform, donate=tuple(i for _, i in donations),
+                         keep_unused=keep_unused, out_shardings=out_shardings)
 
     exp = export(keep_unused=False)
     dropped = set(range(len(inputs))) - set(exp.module_kept_var_idx)
     if dropped and all(inputs[i].role in af.STEP_FIELDS for i in dropped):
         exp = export(keep_unused=True)
-    check_body(spec.name, exp, inputs, outputs, donations, platform)
+    check_body(spec.name, exp, inputs, outputs, donations, platform, mesh_size(mesh))
     return exp
 
 
-def _copy_slots_entry(out: Path, resolved: _ResolvedPools, batch: int, platform: str) -> af.Entry:
-    """The entry that copies state slots (the runtime's state snapshots for prefix caching), `batch` pairs a call."""
+def _copy_slots_entry(out: Path, resolved: _ResolvedPools, batch: int, platform: str, mesh=None) -> af.Entry:
+    """The entry that copies state slots (the runtime's state snapshots for prefix caching), `batch` pairs a call;
+    on a mesh, each device copies within its blocks of the state pools."""
     name = f"copy_slots_n{batch}"
     inputs, outputs, donations = copy_slots_signature(resolved.pools, batch)
-    exp = export_fn(copy_slots_fn(resolved.pools), _avals(inputs), platform=platform,
-                    donate=tuple(i for _, i in donations))
-    check_body(name, exp, inputs, outputs, donations, platform)
+    fn, avals, out_shardings = copy_slots_fn(resolved.pools), _avals(inputs), None
+    if mesh is not None:
+        fn, avals, out_shardings = sharded(fn, inputs, outputs, mesh)
+    exp = export_fn(fn, avals, platform=platform, donate=tuple(i for _, i in donations), out_shardings=out_shardings)
+    check_body(name, exp, inputs, outputs, donations, platform, mesh_size(mesh))
     entry = af.Entry(name=name, kind=af.EntryKind.COPY_SLOTS, batch=batch, context=0, tokens_per_seq=0,
                      **dataclasses.asdict(write_body(out, exp)), program=f"programs/{name}.json",
                      inputs=tuple(inputs), outputs=tuple(outputs), donations=donations,
                      kept_inputs=tuple(exp.module_kept_var_idx))
-    program = {"entry": name, "inputs": [dataclasses.asdict(s) for s in inputs],
-               "outputs": [dataclasses.asdict(s) for s in outputs]}
-    write_file(out / entry.program, (json.dumps(program, indent=1, sort_keys=True) + "\n").encode())
+    write_program(out, entry)
     return entry
 
 
 def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, *, ladders: Ladders = Ladders(),
           capacity: Capacity = Capacity(), features: Features = Features(), model: ModelInfo = ModelInfo(),
-          platform: str = "cpu", progress: bool = True, **legacy) -> af.Manifest:
+          platform: str = "cpu", progress: bool = True, mesh=None,
+          weight_split_axes: Mapping[str, int | None] | None = None, **legacy) -> af.Manifest:
     """Write the serving artifact of `step` to `out_dir` (empty or absent) and return its manifest.
 
     step(weights, pools, inputs) -> (logits [B, V], pools): one call, traced once per entry; it must return
@@ -284,6 +297,11 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         (export/_options.py documents each field). The keywords stage took before these groups (batch_ladder=,
         num_blocks=, sampler=, name=, ...) still work, with a DeprecationWarning.
     platform: "cpu" or "cuda", lowered without the device.
+    mesh: N (or a 1-D jax Mesh / AbstractMesh) stages every entry for N devices (tensor parallelism,
+        docs/multi-device.md): `step` runs under jax.shard_map on each device's shards and all-reduces where its
+        shards meet (lax.psum over the mesh axis). weight_split_axes: {slot: the axis of that weight split over
+        the devices, or None}; unlisted weights are whole on every device. KV pools split over their KV heads,
+        state pools over their `shard_axis`. None: one device.
     The export needs no accelerator and loads no PJRT plugin; the same inputs give the same bytes.
     """
     step, opts = resolve_options(step, Options(ladders, capacity, features, model), legacy)
@@ -294,11 +312,20 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     buckets, specs = _plan_entries(opts, step)
     block_size, info = opts.capacity.block_size, opts.model
     flat, treedef = flatten_weights(weights)
+    mesh = abstract_mesh(mesh)
+    unknown = sorted(set(weight_split_axes or {}) - set(flat))
+    if unknown:
+        raise ExportError(f"weight_split_axes names {', '.join(unknown)}, which are not weights")
+    weight_parts = {slot: partition_of(w.ndim, (weight_split_axes or {}).get(slot), mesh) for slot, w in flat.items()}
     if info.embedding_slot and info.embedding_slot not in flat:
         raise ExportError(f"embedding_slot {info.embedding_slot!r} is not a weight (weights: {', '.join(flat)})")
     resolved = _resolve_pools(pools, opts.capacity, contexts=buckets.context_ladder,
                               max_batch=buckets.batch_ladder[-1], chunk=buckets.prefill_chunk)
-    vocab = _vocab(step, treedef, specs[0], resolved, block_size, flat)
+    if mesh is not None:
+        resolved = dataclasses.replace(resolved, pools=tuple(
+            dataclasses.replace(p, partition=partition_of(len(p.shape), pool_split_axis(pools[p.name]), mesh))
+            for p in resolved.pools))
+    vocab = _vocab(step, treedef, specs[0], resolved, block_size, flat, mesh, weight_parts)
     sampler = opts.features.sampler.shape(vocab) if opts.features.sampler is not None else None
     n_scored = opts.features.prompt_logprobs
     scorer = af.ScorerShape(top_logprobs=min(n_scored, vocab)) if n_scored is not None else None
@@ -319,25 +346,24 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     bar = tqdm(total=len(specs) + len(flat), desc="export", unit="item", disable=not progress)
     for spec in specs:
         bar.set_postfix_str(spec.name)
-        inputs, outputs, donations = entry_signature(spec, resolved, block_size, vocab, flat, sampler, scorer)
+        inputs, outputs, donations = entry_signature(spec, resolved, block_size, vocab, flat, sampler, scorer,
+                                                     weight_parts)
         if spec.kind == af.EntryKind.DECODE_STEPS:
             inputs, outputs, donations = decode_steps_signature(inputs, outputs, batch=spec.batch, steps=spec.steps)
         exp = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=resolved.ring_pages,
-                           platform=platform, block_size=block_size)
+                           platform=platform, block_size=block_size, mesh=mesh)
         calling_convention = int(exp.calling_convention_version)
         entry = af.Entry(name=spec.name, kind=af.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
                          tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp)),
                          program=f"programs/{spec.name}.json", inputs=tuple(inputs), outputs=tuple(outputs),
                          donations=donations, kept_inputs=tuple(exp.module_kept_var_idx), steps=spec.steps)
-        program = {"entry": spec.name, "inputs": [dataclasses.asdict(s) for s in inputs],
-                   "outputs": [dataclasses.asdict(s) for s in outputs]}
-        write_file(out / entry.program, (json.dumps(program, indent=1, sort_keys=True) + "\n").encode())
+        write_program(out, entry)
         entries.append(entry)
         bar.update()
 
     if any(p.kind == af.PoolKind.STATE_SLOTS for p in resolved.pools):
-        entries.append(_copy_slots_entry(out, resolved, buckets.batch_ladder[-1], platform))
-    files = write_weights(out, flat, bar, quant_records(weights))
+        entries.append(_copy_slots_entry(out, resolved, buckets.batch_ladder[-1], platform, mesh))
+    files = write_weights(out, flat, bar, quant_records(weights), weight_parts, mesh_size(mesh))
     bar.close()
     dtypes = sorted({w.dtype.name for w in flat.values()})
     m = af.Manifest(
@@ -353,6 +379,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
                              platform=platform, attention_block=info.attention_block),
         refused_tokens=tuple(af.RefusedToken(int(t), k) for t, k in info.refused_tokens),
         tokenizer_files=copy_tokenizer(out, info.tokenizer_dir), sampler=sampler, scorer=scorer,
+        mesh=af.Mesh((af.MeshAxis(mesh.axis_names[0], mesh_size(mesh)),)) if mesh is not None else None,
     )
     (out / af.MANIFEST_NAME).write_text(m.to_json())
     return af.load_manifest(out)

@@ -296,57 +296,74 @@ def _grouped_forward(spec: MoeSpec, x: jax.Array, grouped: GroupedRows, experts:
 
 def _gathered_forward(spec: MoeSpec, x: jax.Array, idx: jax.Array, live: jax.Array, experts: dict,
                       layer) -> jax.Array:
-    """x: [N, E], idx: [N, J] -> each assignment's expert output [A, E]: a while loop over the live tokens'
+    """x: [N, E], idx: [N, J], live: [N, J] -> each assignment's expert output [A, E]: a while loop over the live
     (token, expert) pairs, each reading its expert's weights in place. Only the chosen experts are read, and
     none is copied (a gather of [N, J, E, F] would write what it reads: twice the bytes on CPU)."""
     N, E = x.shape
     J = spec.top_k
-    # The live tokens, in order (entries past them unused).
-    tokens = jnp.zeros(N, jnp.int32).at[jnp.where(live, jnp.cumsum(live) - 1, N)].set(
-        jnp.arange(N, dtype=jnp.int32), mode="drop")
+    A = N * J
+    flat = live.reshape(A)
+    # The live assignments, in order (entries past them unused).
+    pairs = jnp.zeros(A, jnp.int32).at[jnp.where(flat, jnp.cumsum(flat) - 1, A)].set(
+        jnp.arange(A, dtype=jnp.int32), mode="drop")
 
     def pair(p, y):
-        n, j = tokens[p // J], p % J
-        w = _expert_weights(experts, layer, idx[n, j])
+        a = pairs[p]
+        n = a // J
+        w = _expert_weights(experts, layer, idx.reshape(A)[a])
         yt = _expert(spec, lax.dynamic_slice_in_dim(x, n, 1), w)
-        return lax.dynamic_update_slice_in_dim(y, yt, n * J + j, axis=0)
+        return lax.dynamic_update_slice_in_dim(y, yt, a, axis=0)
 
-    return lax.fori_loop(0, jnp.sum(live) * J, pair, jnp.zeros((N * J, E), jnp.float32))
+    return lax.fori_loop(0, jnp.sum(flat), pair, jnp.zeros((A, E), jnp.float32))
 
 
 # --- the routed sum with its custom_vjp ---------------------------------------------------------------
 
 
 def routed_experts(spec: MoeSpec, x: jax.Array, idx: jax.Array, weights: jax.Array, experts: dict,
-                   valid: jax.Array | None = None, layer=None) -> jax.Array:
+                   valid: jax.Array | None = None, layer=None, first_expert=0) -> jax.Array:
     """sum_j weights[..., j] * expert_{idx[..., j]}(x).
 
     x: [B, T, E]; idx: [B, T, J] int32; weights: [B, T, J] f32; experts: {"gate": [X, E, F], "up": [X, E, F],
     "down": [X, F, E]} and, with biases, {"gate_bias": [X, F], "up_bias": [X, F], "down_bias": [X, E]}, or
     each stacked over layers [L, X, ...] with `layer` (int or int32 scalar) the one to use; valid: [B, T] bool
     or None (all live); a padding token's output is 0. -> [B, T, E] f32.
-    Differentiable in x, weights and experts (custom_vjp).
+    first_expert (int or int32 scalar): experts holds experts first_expert .. first_expert + X' - 1 of the
+    router's (a tensor-parallel shard's); the sum then runs over the chosen experts it holds, and the sums of
+    the shards add up to the whole. Differentiable in x, weights and experts (custom_vjp).
     """
     lead, E = x.shape[:-1], x.shape[-1]
     N = math.prod(lead)
+    J = spec.top_k
     live = jnp.ones(lead, bool) if valid is None else valid.astype(bool)
+    idx = idx.reshape(N, J)
+    live = jnp.broadcast_to(live.reshape(N, 1), (N, J))
+    held = _held(experts)
+    if not (isinstance(first_expert, int) and first_expert == 0 and held == spec.experts):
+        idx = idx - first_expert
+        mine = (idx >= 0) & (idx < held)
+        live, idx = live & mine, jnp.where(mine, idx, 0)
     layer = None if layer is None else jnp.asarray(layer, jnp.int32)
-    out = _routed(spec, x.reshape(N, E), idx.reshape(N, spec.top_k), weights.reshape(N, spec.top_k),
-                  live.reshape(N), experts, layer)
+    out = _routed(spec, x.reshape(N, E), idx, weights.reshape(N, J), live, experts, layer)
     return out.reshape(*lead, E)
 
 
+def _held(experts: dict) -> int:
+    """X': the experts `experts` holds (all X, or a tensor-parallel shard's)."""
+    return jax.tree.leaves(experts["down"])[0].shape[-3]
+
+
 def _routed_forward(spec, x, idx, weights, live, experts, layer):
+    """live: [N, J], the assignments to run (a padding token's, and on a shard those of experts it lacks, not)."""
     N = x.shape[0]
     J = spec.top_k
     if gathered_form(N, spec):
         y = _gathered_forward(spec, x, idx, live, experts, layer)
     else:
-        grouped = GroupedRows(idx, jnp.broadcast_to(live[:, None], idx.shape), spec.experts)
-        y = _grouped_forward(spec, x, grouped, experts, layer)
+        y = _grouped_forward(spec, x, GroupedRows(idx, live, _held(experts)), experts, layer)
     # Select, not multiply: a padding token's rows are never computed and hold zeros, but say so here.
-    y = jnp.where(jnp.repeat(live, J)[:, None], y, 0.0)
-    w = jnp.where(live[:, None], weights.astype(jnp.float32), 0.0)
+    y = jnp.where(live.reshape(N * J)[:, None], y, 0.0)
+    w = jnp.where(live, weights.astype(jnp.float32), 0.0)
     return jnp.einsum("nj,nje->ne", w, y.reshape(N, J, -1), precision=HIGHEST), y
 
 
@@ -369,9 +386,9 @@ def _routed_bwd(spec, residuals, d_out):
     J = spec.top_k
     d_out = d_out.astype(jnp.float32)
     d_weights = jnp.einsum("ne,nje->nj", d_out, y.reshape(N, J, E), precision=HIGHEST)
-    d_weights = jnp.where(live[:, None], d_weights, 0.0)
-    dy = jnp.where(live[:, None, None], weights.astype(jnp.float32)[..., None] * d_out[:, None, :], 0.0)
-    grouped = GroupedRows(idx, jnp.broadcast_to(live[:, None], idx.shape), spec.experts)
+    d_weights = jnp.where(live, d_weights, 0.0)
+    dy = jnp.where(live[..., None], weights.astype(jnp.float32)[..., None] * d_out[:, None, :], 0.0)
+    grouped = GroupedRows(idx, live, _held(experts))
     Tr = grouped.tile
     xr = x.at[grouped.row_assignment // J].get(mode="fill", fill_value=0).astype(jnp.float32)
     dyr = grouped.rows_of(dy.reshape(N * J, E))
@@ -419,15 +436,15 @@ def shared_expert(x: jax.Array, shared: dict) -> jax.Array:
 
 def moe(spec: MoeSpec, x: jax.Array, router: jax.Array, experts: dict, *, router_bias: jax.Array | None = None,
         correction: jax.Array | None = None, shared: dict | None = None, valid: jax.Array | None = None,
-        layer=None) -> jax.Array:
+        layer=None, first_expert=0) -> jax.Array:
     """A mixture-of-experts MLP: route, the routed sum, and the shared expert where there is one.
 
     x: [B, T, E]; router: [E, X]; router_bias: [X] or None (added to the logits: GPT-OSS); correction: [X] or
-    None (DeepSeek's bias for the choice only); experts (and layer) as routed_experts; shared as shared_expert,
-    or None; valid: [B, T] bool or None. -> [B, T, E] f32.
+    None (DeepSeek's bias for the choice only); experts (and layer, first_expert) as routed_experts; shared as
+    shared_expert, or None; valid: [B, T] bool or None. -> [B, T, E] f32.
     """
     idx, w = route(spec, router_logits(x, router, router_bias), correction)
-    out = routed_experts(spec, x, idx, w, experts, valid, layer)
+    out = routed_experts(spec, x, idx, w, experts, valid, layer, first_expert)
     if shared is not None:
         out = out + shared_expert(x, shared)
     return out if valid is None else jnp.where(valid[..., None], out, 0.0)

@@ -43,8 +43,9 @@ from .core.request import (Constraint, Request, RequestRefused, StepEvent, check
                            check_stop)
 from .core.scheduler import ScheduledCall, Scheduler
 from .runtime.native_log import native_stderr_to_log
-from .runtime.pjrt import Device
+from .runtime.pjrt import Device, TooFewDevicesError
 from .runtime.runner import Runner
+from .runtime.sharded import device_count_mismatch
 from .sampling import Sampling, log_softmax
 
 __all__ = ["Constraint", "DEFAULT_CACHE_DIR", "Engine", "RequestRefused", "StepEvent"]
@@ -87,7 +88,7 @@ class Engine:
         self.manifest = m = manifest or mf.load_manifest(self.artifact_dir, verify_weights=not trust_weights)
         if trust_weights:
             log.warning("--trust-weights: the weight files of %s are not hashed", self.artifact_dir)
-        elif any(not w.sha256 for w in m.weights):
+        elif any(not w.sha256 and not w.shards for w in m.weights):
             log.warning("%s (%s) carries no hashes of its weight and tokenizer files: they are not verified",
                         self.artifact_dir, m.schema)
         max_context = max(m.buckets.context_ladder)
@@ -101,8 +102,11 @@ class Engine:
                                    prefix_caching=enable_prefix_caching, identity=m.to_json())
         if isinstance(cache_dir, str) and cache_dir.lower() == "none":
             cache_dir = None            # the CLI's spelling of no cache
-        with native_stderr_to_log():    # the plugin's start-up lines go to the log, not into a notebook
-            device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir)
+        try:
+            with native_stderr_to_log():    # the plugin's start-up lines go to the log, not into a notebook
+                device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir, devices=m.devices)
+        except TooFewDevicesError as e:
+            raise mf.ManifestError(device_count_mismatch(m, e.available)) from None
         self.runner = Runner(self.artifact_dir, m, device, progress=progress, donate=donate)
         self.device = self.runner.device
         self.block_size = m.block_size
@@ -459,7 +463,8 @@ class Engine:
                   pools=pools, kv_cache_usage=sched.usage(), prefix_caching=sched.prefix_caching,
                   active_requests=len(self.active_requests()), running=len(sched.running),
                   waiting=len(sched.waiting),
-                  weight_bytes=self.weight_bytes, pool_bytes=self.pool_bytes, entries=len(run.executables),
+                  weight_bytes=self.weight_bytes, pool_bytes=self.pool_bytes, devices=self.device.devices,
+                  bytes_per_device=run.bytes_per_device, entries=len(run.executables),
                   compile=self.compile_report(), load_seconds=self.load_seconds, donate=self.donate)
         return st
 

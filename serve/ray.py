@@ -17,7 +17,8 @@ Arguments (`serve run ... key=value`, or a dict): `artifact` (required); `num_re
 with `min_replicas` / `max_replicas` / `target_ongoing_requests` (or a whole Ray `autoscaling_config`);
 `max_ongoing_requests` per replica (default: twice the artifact's largest decode batch, so a replica holds a full
 batch and the next one waiting; Ray routes the rest to other replicas or queues them); `num_cpus` / `num_gpus`
-per replica; `health_check_period_s`, `health_check_timeout_s`; and the server's own options: `plugin`,
+per replica (`num_gpus` defaults to the GPUs a cuda artifact's mesh runs on: a replica of a tensor-parallel
+artifact owns all of them; fewer is refused by name); `health_check_period_s`, `health_check_timeout_s`; and the server's own options: `plugin`,
 `max_batch`, `max_model_len`, `served_model_name`, `api_key` (default $TLALOC_API_KEY), `allowed_origins`,
 `strict_fields`, `cache_dir`, `trust_weights`.
 """
@@ -51,7 +52,7 @@ class RayServeArgs(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: int | None = Field(default=None, ge=1)
     num_cpus: float = Field(default=1.0, ge=0)
-    num_gpus: float = Field(default=0.0, ge=0)
+    num_gpus: float | None = Field(default=None, ge=0)
     health_check_period_s: float | None = Field(default=None, gt=0)
     health_check_timeout_s: float | None = Field(default=None, gt=0)
     plugin: str | None = None
@@ -156,6 +157,18 @@ def _api_key(a: RayServeArgs) -> str | None:
     return a.api_key if a.api_key is not None else os.environ.get("TLALOC_API_KEY")
 
 
+def replica_gpus(manifest, asked: float | None) -> float:
+    """The GPUs one replica asks Ray for: a cuda artifact's devices (its mesh's, or 1), none for a cpu one; a
+    replica given fewer than its artifact runs on is refused by name."""
+    need = manifest.devices if manifest.versions.platform == "cuda" else 0
+    if asked is None:
+        return float(need)
+    if asked < need:
+        raise ValueError(f"the artifact runs on {need} GPUs (tensor parallel): a replica needs num_gpus={need}, "
+                         f"not {asked}")
+    return float(asked)
+
+
 def app(args: dict | RayServeArgs) -> Application:
     """The application builder: `serve run tlaloc_jax.serve.ray:app artifact=DIR num_replicas=2`.
 
@@ -168,7 +181,7 @@ def app(args: dict | RayServeArgs) -> Application:
     largest_batch = max(e.batch for e in manifest.entries if e.kind == "decode")
     options: dict[str, Any] = {
         "max_ongoing_requests": a.max_ongoing_requests or 2 * (a.max_batch or largest_batch),
-        "ray_actor_options": {"num_cpus": a.num_cpus, "num_gpus": a.num_gpus},
+        "ray_actor_options": {"num_cpus": a.num_cpus, "num_gpus": replica_gpus(manifest, a.num_gpus)},
     }
     autoscaling = a.autoscaling()
     if autoscaling is not None:

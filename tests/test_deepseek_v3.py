@@ -73,7 +73,7 @@ def test_what_has_no_latent_form_refuses_it(checkpoint, tmp_path):
     with pytest.raises(ExportError, match=r"Pallas GPU decode-attention kernel has no latent-attention form "
                                           r"\(deepseek_v3\)"):
         export_checkpoint(checkpoint, tmp_path / "art", batch_ladder=(1,), context_ladder=(64,), platform="cuda",
-                          progress=False)
+                          decode_attention="pallas", progress=False)
     cfg, w = load_checkpoint(checkpoint)
     with pytest.raises(ConfigError, match=r"the dense forward has no latent attention \(deepseek_v3 config"):
         dense_hidden(cfg, w, jnp.zeros((1, 4), jnp.int32), attention=training_attention())

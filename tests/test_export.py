@@ -97,7 +97,9 @@ def test_every_donated_pool_parameter_carries_tf_aliasing_output(artifacts):
 def test_entries_follow_the_ladders(artifacts):
     m, _ = artifacts["llama"]
     names = sorted(e.name for e in m.entries)
-    assert names == sorted(f"{k}_b{b}_c{c}" for k in ("decode", "prefill") for b in (1, 2) for c in (32, 64))
+    # Mixed entries (decode rows and a 16-token chunk) at the largest decode batch, below MIXED_MIN_BATCH rows.
+    assert names == sorted([f"{k}_b{b}_c{c}" for k in ("decode", "prefill") for b in (1, 2) for c in (32, 64)]
+                           + [f"mixed_b2_t16_c{c}" for c in (32, 64)])
     for e in m.entries:
         assert e.tokens_per_seq == (1 if e.kind == "decode" else 16)
     assert m.pool("kv").capacity == 2 * 64 // 8     # the largest batch at the largest context
@@ -207,14 +209,15 @@ def test_cli_subprocess_and_help(checkpoints, tmp_path):
     out = subprocess.run([sys.executable, "-m", "tlaloc_jax.export", "--help"], capture_output=True, text=True,
                          env=env, check=True).stdout
     for opt in ("--batch-ladder", "--context-ladder", "--prefill-max-batch", "--prefill-chunk", "--block-size",
-                "--num-blocks", "--weight-dtype", "--kv-dtype", "--attention-block"):
+                "--num-blocks", "--weight-dtype", "--kv-dtype", "--attention-block", "--no-mixed"):
         assert opt in out
     r = subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(checkpoints["llama"]), str(tmp_path / "a"),
                         "--batch-ladder", "1", "--context-ladder", "32", "--block-size", "8", "--weight-dtype", "bf16",
                         "--quiet"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     m = af.load_manifest(tmp_path / "a")
-    assert {w.dtype for w in m.weights} == {"bfloat16"} and len(m.entries) == 2
+    assert {w.dtype for w in m.weights} == {"bfloat16"}
+    assert sorted(e.name for e in m.entries) == ["decode_b1_c32", "mixed_b1_t32_c32", "prefill_b1_c32"]
     r = subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(tmp_path / "nope"), str(tmp_path / "b")],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "no config.json" in r.stderr

@@ -137,6 +137,18 @@ def test_builder_args_are_checked():
         RayServeArgs(artifact="a", unknown_option=1)
 
 
+def test_a_replica_of_a_tensor_parallel_cuda_artifact_owns_its_gpus():
+    """num_gpus defaults to the GPUs a cuda artifact's mesh runs on (none for cpu); fewer is refused by name."""
+    from types import SimpleNamespace
+
+    from tlaloc_jax.serve.ray import replica_gpus
+    cuda4 = SimpleNamespace(devices=4, versions=SimpleNamespace(platform="cuda"))
+    cpu2 = SimpleNamespace(devices=2, versions=SimpleNamespace(platform="cpu"))
+    assert replica_gpus(cuda4, None) == 4 and replica_gpus(cuda4, 8) == 8 and replica_gpus(cpu2, None) == 0
+    with pytest.raises(ValueError, match="runs on 4 GPUs .* num_gpus=4, not 2"):
+        replica_gpus(cuda4, 2)
+
+
 def test_check_health_raises_what_health_answers():
     """Ray calls a replica's check_health; it fails with the reason /health gives (_Server.health_problem, tested
     against a stopped engine loop in test_http_hardening), and passes while there is none."""

@@ -22,6 +22,7 @@ from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.paging import RowCall, build_step_inputs
 from tlaloc_jax.serve import Engine
+from tlaloc_jax.serve.engine import RequestRefused
 
 V, E = 48, 16
 LADDER = dict(ladders=Ladders(batch=(1, 4), context=(32, 64), prefill_chunk=8), capacity=Capacity(block_size=8))
@@ -201,21 +202,23 @@ def test_padding_rows_leave_every_slot_unchanged(weights, padding_writes):
     assert same != padding_writes
 
 
-def test_refusals_and_the_start_up_log_name_the_state_pool(artifact, tmp_path):
-    """A model with state slots only: five sequences at once do not fit four slots, whatever their length, so the
-    refusal names the state pool and asks for fewer sequences (no max_tokens advice, no KV), and the server's
-    start-up line counts slots."""
+def test_more_choices_than_state_slots_wait_and_the_start_up_log_names_the_state_pool(artifact, tmp_path):
+    """A model with state slots only: one choice more than there are slots is not refused (the last waits for a
+    slot: what could run later is scheduled), each equal to its solo run; a refusal of the state pool names it,
+    not KV pages or max_tokens; the server's start-up line counts slots."""
     from http_util import InProcess
+    from tlaloc_jax.serve.errors import refusal
     with Engine.load(artifact[1], cache_dir=tmp_path, progress=False) as eng:
-        with InProcess(eng) as srv:
-            r = srv.post("/v1/completions", {"prompt": [1, 2], "n": 5, "max_tokens": 4})
-            err = r.json()["error"]
-            assert r.status_code == 400 and err["code"] == "exceeds_state_pool" and err["param"] == "n", r.text
-            assert err["message"] == ("5 sequences need 5 state slots together, and the pool holds 4 slots: they "
-                                      "could never run at once; send fewer choices (n) or prompts")
-            assert srv.post("/v1/completions", {"prompt": [1, 2], "n": 4, "max_tokens": 4}).status_code == 200
+        slots = eng.manifest.capacity(af.PoolKind.STATE_SLOTS)
+        with InProcess(eng, max_batch=slots + 1) as srv:     # the slots, not the running limit, hold it back
+            solo = srv.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 4}).json()["choices"][0]["text"]
+            r = srv.post("/v1/completions", {"prompt": [1, 2], "n": slots + 1, "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert [c["text"] for c in r.json()["choices"]] == [solo] * (slots + 1)
         from tlaloc_jax.serve.__main__ import describe_pools
-        assert describe_pools(eng) == "state pool 4 slots"
+        assert describe_pools(eng) == f"state pool {slots} slots"
+    err = refusal(RequestRefused("exceeds_pool", "a sequence needs 1 state slots", pool="state_slots"), "prompt", 1)
+    assert (err.status, err.code) == (400, "exceeds_state_pool") and "max_tokens" not in err.message
 
 
 def test_a_step_that_drops_a_pool_is_refused_by_name(weights, tmp_path):

@@ -8,6 +8,7 @@ the artifact with JAX, runs in the project's. Needs the `triton-client` extra he
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -62,13 +63,13 @@ def engine(ids_artifact, serve_cache_dir):
         yield eng
 
 
-@pytest.fixture(scope="module")
-def triton(ids_artifact, tmp_path_factory):
-    """(http url, grpc url) of the Triton server serving the ids artifact."""
+@contextlib.contextmanager
+def serving(artifact, tmp_path_factory):
+    """(http url, grpc url) of a Triton server serving `artifact`, stopped (and its exit checked) on leaving."""
     http, grpc, metrics = _free_ports(3)
     log = tmp_path_factory.mktemp("triton") / "server.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(TRITON_PYTHON), "-m", "tlaloc_jax.serve.triton", str(ids_artifact),
+        proc = subprocess.Popen([str(TRITON_PYTHON), "-m", "tlaloc_jax.serve.triton", str(artifact),
                                  "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
                                  "--cache-dir", str(tmp_path_factory.mktemp("triton-executables")),
                                  "--log-level", "warning"],
@@ -87,6 +88,13 @@ def triton(ids_artifact, tmp_path_factory):
             proc.kill()
             raise
     assert rc == 0, log.read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def triton(ids_artifact, tmp_path_factory):
+    """(http url, grpc url) of the Triton server serving the ids artifact."""
+    with serving(ids_artifact, tmp_path_factory) as urls:
+        yield urls
 
 
 def _inputs(prompt, max_tokens, **params):
@@ -208,3 +216,18 @@ def test_http_generate_stream_gives_the_same_ids(triton, engine):
                 t = event["token_ids"]
                 ids += t if isinstance(t, list) else [t]
     assert ids == want
+
+
+def test_a_two_device_artifact_streams_its_engines_ids(ids_artifact, tmp_path_factory, serve_cache_dir):
+    """docs/multi-device.md: Triton serves a tensor-parallel artifact unchanged, its runtime one client of 2 devices
+    in the JAX-free environment."""
+    from http_util import LADDER
+    from tlaloc_jax.export import export_checkpoint
+    art = tmp_path_factory.mktemp("tp2") / "art"
+    export_checkpoint(Path(ids_artifact).parent / "ck", art, tensor_parallel=2, **LADDER)
+    with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
+        assert eng.stats()["devices"] == 2
+        wants = eng.generate(PROMPTS, 20, stop_token_ids=STOP)
+    with serving(art, tmp_path_factory) as urls:
+        got = _stream(urls[1], {f"r{k}": (p, 20, {}) for k, p in enumerate(PROMPTS)})
+    assert [got[f"r{k}"]["ids"] for k in range(len(PROMPTS))] == wants

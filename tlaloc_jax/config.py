@@ -142,6 +142,9 @@ class DecoderConfig:
     router_groups: int = 1
     router_top_groups: int = 1
     routed_scaling: float = 1.0
+    # One tensor-parallel shard's config (tlaloc_jax.sharding.local_config): the mesh axis its row-parallel
+    # projections all-reduce over. "": the whole model on one device.
+    shard_axis: str = ""
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

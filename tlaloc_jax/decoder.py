@@ -64,10 +64,11 @@ def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pag
         elif name == "window_kv":
             specs[name] = RingKV(len(ids), K, D, cfg.sliding_window, kv_dtype, ring_pages=ring_pages, layer_ids=ids)
         elif name == "conv":
-            specs[name] = StateSlots((cfg.conv_channels, cfg.linear_conv_kernel - 1), "float32", len(ids), ids)
+            specs[name] = StateSlots((cfg.conv_channels, cfg.linear_conv_kernel - 1), "float32", len(ids), ids,
+                                     shard_axis=0)
         elif name == "recurrent":
             specs[name] = StateSlots((cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim), "float32",
-                                     len(ids), ids)
+                                     len(ids), ids, shard_axis=0)
         else:
             raise ValueError(f"the decoder's layer plan names pool {name!r}, which decoder_pools cannot declare")
     return specs
@@ -147,13 +148,19 @@ def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Ar
     return apply_rope(q, cos, sin, cfg.rope.interleaved), apply_rope(k, cos, sin, cfg.rope.interleaved), v
 
 
+def reduce_shards(cfg: DecoderConfig, x: jax.Array) -> jax.Array:
+    """A row-parallel projection's partial sums added over the tensor-parallel shards (cfg.shard_axis): the
+    one all-reduce of each attention and each MLP. On one device, x as it is."""
+    return lax.psum(x, cfg.shard_axis) if cfg.shard_axis else x
+
+
 def attention_output(cfg: DecoderConfig, w: Weights, x: jax.Array, o: jax.Array) -> jax.Array:
     """o: [B, T, H, D] attention of the layer input x [B, T, E] -> [B, T, E]: gated (Qwen3.5) and projected."""
     B, T, H, D = o.shape
     o = o.reshape(B, T, H * D)
     if cfg.attn_output_gate:
         o = o * jax.nn.sigmoid(linear(x, w["gate_proj"]))
-    o = linear(o, w["o_proj"])
+    o = reduce_shards(cfg, linear(o, w["o_proj"]))
     return o + w["o_bias"] if cfg.output_bias else o
 
 
@@ -188,8 +195,8 @@ def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, kind: str | N
     if kind == DENSE:
         if "gate_up_proj" in lw:    # fused at export (tlaloc_jax.layout)
             gate, up = jnp.split(linear(x, lw["gate_up_proj"]), 2, axis=-1)
-            return linear(ACTIVATIONS[cfg.hidden_act](gate) * up, lw["down_proj"])
-        return gated_mlp(x, lw["gate_proj"], lw["up_proj"], lw["down_proj"], cfg.hidden_act)
+            return reduce_shards(cfg, linear(ACTIVATIONS[cfg.hidden_act](gate) * up, lw["down_proj"]))
+        return reduce_shards(cfg, gated_mlp(x, lw["gate_proj"], lw["up_proj"], lw["down_proj"], cfg.hidden_act))
     if experts is None:
         experts, layer = {name: lw[f"expert_{name}"] for name in EXPERT_SLOTS if f"expert_{name}" in lw}, None
     shared = None
@@ -197,8 +204,11 @@ def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, kind: str | N
         shared = {"gate": lw["shared_gate"], "up": lw["shared_up"], "down": lw["shared_down"]}
         if cfg.shared_expert_gate:
             shared["gate_proj"] = lw["shared_expert_gate"]
-    return moe(moe_spec(cfg), x, lw["router"], experts, router_bias=lw.get("router_bias"),
-               correction=lw.get("router_correction"), shared=shared, valid=valid, layer=layer)
+    # A tensor-parallel shard holds a contiguous 1/n of the experts (tlaloc_jax.sharding): the shard's first.
+    first = lax.axis_index(cfg.shard_axis) * jax.tree.leaves(experts["down"])[0].shape[-3] if cfg.shard_axis else 0
+    return reduce_shards(cfg, moe(moe_spec(cfg), x, lw["router"], experts, router_bias=lw.get("router_bias"),
+                                  correction=lw.get("router_correction"), shared=shared, valid=valid, layer=layer,
+                                  first_expert=first))
 
 
 def embed_tokens(cfg: DecoderConfig, weights: Weights, token_ids: jax.Array) -> jax.Array:
@@ -338,7 +348,7 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
     pools = {**pools,
              "conv": pools["conv"].at[layer, slots].set(history, mode="drop"),
              "recurrent": pools["recurrent"].at[layer, slots].set(state, mode="drop")}
-    return linear(o.reshape(B, T, Hv * Dv), w["out_proj"]), pools
+    return reduce_shards(cfg, linear(o.reshape(B, T, Hv * Dv), w["out_proj"])), pools
 
 
 def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs | tuple[StepInputs, ...], *,

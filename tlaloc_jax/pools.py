@@ -74,12 +74,16 @@ class StateSlots:
     """One recurrent state of `shape` per live sequence: [layers, slots, *shape] ([slots, *shape] when layers is
     0). A sequence holds a slot from admission to its end, prompt chunks included; the step reads and writes
     it through STATE_SLOTS (-1: an empty row, which must write nothing). A row whose first position is 0
-    must start from zero state, because a freed slot is handed on without clearing."""
+    must start from zero state, because a freed slot is handed on without clearing.
+
+    shard_axis: staged on a mesh, the axis of `shape` split over the devices (the state of each device's heads);
+    None: each device holds the whole state."""
 
     shape: tuple[int, ...]
     dtype: str = "float32"
     layers: int = 0
     layer_ids: tuple[int, ...] = ()
+    shard_axis: int | None = None
 
     kind = af.PoolKind.STATE_SLOTS
 

@@ -105,25 +105,27 @@ def host_bytes(arr: np.ndarray) -> np.ndarray:
 
 
 class _ExecuteCall:
-    """PJRT_LoadedExecutable_Execute's argument struct for one executable, argument count and donation, and the
-    arrays it points at, made once and refilled by every call (Device.execute): the argument row, the output
-    row, the completion event, and the options naming the arguments that are not donated."""
+    """PJRT_LoadedExecutable_Execute's argument struct for one executable, argument count, donation and device
+    count, and the arrays it points at, made once and refilled by every call (Device.execute): an argument row and
+    an output row per device, a completion event per device, and the options naming the arguments that are not
+    donated."""
 
-    def __init__(self, plugin: pypjrt.Plugin, handle: int, n: int, num_out: int, donated: frozenset[int]):
+    def __init__(self, plugin: pypjrt.Plugin, handle: int, n: int, num_out: int, donated: frozenset[int],
+                 devices: int = 1):
         keep = [i for i in range(n) if i not in donated]
         self.nd = (ctypes.c_int64 * max(len(keep), 1))(*keep)
         self.opts = plugin.args("PJRT_ExecuteOptions", launch_id=0)
         self.opts.non_donatable_input_indices = ctypes.cast(self.nd, _VOIDP)
         self.opts.num_non_donatable_input_indices = len(keep)
-        self.row = (_VOIDP * max(n, 1))()
-        self.out_row = (_VOIDP * max(num_out, 1))()
-        self.arg_lists = (_VOIDP * 1)(ctypes.cast(self.row, _VOIDP))
-        self.out_lists = (_VOIDP * 1)(ctypes.cast(self.out_row, _VOIDP))
-        self.events = (_VOIDP * 1)()
+        self.rows = [(_VOIDP * max(n, 1))() for _ in range(devices)]
+        self.out_rows = [(_VOIDP * max(num_out, 1))() for _ in range(devices)]
+        self.arg_lists = (_VOIDP * devices)(*(ctypes.cast(r, _VOIDP) for r in self.rows))
+        self.out_lists = (_VOIDP * devices)(*(ctypes.cast(r, _VOIDP) for r in self.out_rows))
+        self.events = (_VOIDP * devices)()
         self.lock = threading.Lock()
         self.args = plugin.args(
             "PJRT_LoadedExecutable_Execute_Args", executable=handle, options=ctypes.addressof(self.opts),
-            argument_lists=ctypes.cast(self.arg_lists, _VOIDP), num_devices=1, num_args=n,
+            argument_lists=ctypes.cast(self.arg_lists, _VOIDP), num_devices=devices, num_args=n,
             output_lists=ctypes.cast(self.out_lists, _VOIDP), device_complete_events=ctypes.cast(self.events, _VOIDP))
 
 
@@ -153,11 +155,12 @@ class Executable:
         self._calls: dict[tuple[int, frozenset[int]], _ExecuteCall] = {}
         self._out_meta: list[tuple[tuple[int, ...], np.dtype, bool]] | None = None   # Device.execute fills it
 
-    def _call(self, plugin: pypjrt.Plugin, n: int, donated: frozenset[int]) -> _ExecuteCall:
+    def _call(self, plugin: pypjrt.Plugin, n: int, donated: frozenset[int], devices: int = 1) -> _ExecuteCall:
         """The Execute argument struct of calls with n arguments and these donated ones, made on first use."""
         key = (n, donated)
         if (call := self._calls.get(key)) is None:
-            call = self._calls[key] = _ExecuteCall(plugin, compat.checked_pointer(self.handle), n, self.num_outputs, donated)
+            call = self._calls[key] = _ExecuteCall(plugin, compat.checked_pointer(self.handle), n, self.num_outputs,
+                                                   donated, devices)
         return call
 
     @property

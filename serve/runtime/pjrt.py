@@ -44,12 +44,12 @@ from pypjrt import errors as pjrt_errors
 from . import pypjrt_compat as compat
 from .compile_cache import CompileCache, plugin_identity
 from .handles import DTYPES, Buffer, Executable, host_bytes
-from .plugin import (ENV_PLUGIN, PluginNotFoundError, bytecode_stablehlo_version, create_client, find_plugin,
-                     installed_plugins)
+from .plugin import (ENV_PLUGIN, PluginNotFoundError, bytecode_stablehlo_version, create_client,
+                     device_assignment_proto, find_plugin, installed_plugins)
 from .pypjrt_compat import PjrtBuffer
 
 __all__ = [
-    "ENV_PLUGIN", "PluginNotFoundError", "CompileError", "DonationError",
+    "ENV_PLUGIN", "PluginNotFoundError", "CompileError", "DonationError", "TooFewDevicesError",
     "find_plugin", "bytecode_stablehlo_version", "Device", "Executable", "Buffer",
 ]
 
@@ -65,6 +65,14 @@ class CompileError(RuntimeError):
         super().__init__(message)
         self.body_sha256 = body_sha256
         self.target = target
+
+
+class TooFewDevicesError(RuntimeError):
+    """The plugin's client has fewer devices than were asked for; nothing was allocated."""
+
+    def __init__(self, message: str, *, asked: int, available: int):
+        super().__init__(message)
+        self.asked, self.available = asked, available
 
 
 class DonationError(RuntimeError):
@@ -83,7 +91,8 @@ class DonationError(RuntimeError):
 
 
 class Device:
-    """One PJRT client on one device (device 0 of the plugin), and what runs on it.
+    """One PJRT client on one device (device 0 of the plugin), or on its first `devices` devices for SPMD bodies
+    (a tensor-parallel artifact's: docs/multi-device.md), and what runs on them.
 
     Args:
         plugin: path of the plugin .so; see `find_plugin` for what is used when None.
@@ -92,6 +101,11 @@ class Device:
             (the CPU plugin) reject them; they are dropped and listed in `ignored_options`.
         cache_dir: directory of the compile cache (serialized executables keyed by body sha256,
             compile options and plugin identity). None: no cache.
+        devices: how many devices bodies run on. The CPU plugin is asked for that many (its create option
+            `cpu_device_count`, 1 by default: one-device serving never splits the host); a GPU plugin's visible
+            GPUs are used in order. Fewer than asked raises TooFewDevicesError before anything is allocated.
+            With N > 1, `compile` builds SPMD executables of N partitions, `upload` takes the device, and
+            `execute_sharded` runs one argument list per device.
 
     Use as a context manager, or call `close()`: it releases buffers and executables before the
     client, which a plugin requires.
@@ -99,7 +113,7 @@ class Device:
 
     def __init__(self, plugin: str | os.PathLike[str] | None = None, *,
                  memory_fraction: float = 0.75,
-                 cache_dir: str | os.PathLike[str] | None = None):
+                 cache_dir: str | os.PathLike[str] | None = None, devices: int = 1):
         self.plugin_path = find_plugin(plugin)
         compat.check_version()
         self._plugin = pypjrt.Plugin(self.plugin_path)
@@ -108,13 +122,22 @@ class Device:
         # by name; `_create_client` drops those and `ignored_options` lists them.
         requested: dict[str, Any] = {"preallocate": False,
                                      "memory_fraction": float(memory_fraction)}
+        if devices < 1:
+            raise ValueError(f"devices must be at least 1, got {devices}")
         if self._plugin.platform_hint == "cpu":
-            # One device: the runtime drives device 0 only; the CPU plugin's default is several.
-            requested["cpu_device_count"] = 1
+            # As many host devices as the bodies are partitioned for (the CPU plugin's default is several).
+            requested["cpu_device_count"] = devices
         self._client, self.create_options, self.ignored_options = create_client(
             self._plugin, requested)
-        self._device_scope = self._client.device(0)
-        self._device = self._device_scope.__enter__()
+        available = self._client.device_count
+        if available < devices:
+            self._client.close()
+            raise TooFewDevicesError(f"{Path(self.plugin_path).name} has {available} device(s); {devices} were asked "
+                                     "for", asked=devices, available=available)
+        self.devices = devices
+        self._device_scope = self._client.devices()
+        self._devices = self._device_scope.__enter__()[:devices]
+        self.device_ids = [d.id for d in self._devices]
         self._buffer_codes = {dt: getattr(self._plugin.abi, f"PJRT_Buffer_Type_{name}")
                               for name, dt in DTYPES
                               if hasattr(self._plugin.abi, f"PJRT_Buffer_Type_{name}")}
@@ -156,11 +179,12 @@ class Device:
         p.call("PJRT_Client_PlatformVersion", a)
         return ctypes.string_at(a.platform_version, a.platform_version_size).decode()
 
-    def memory_available(self) -> int | None:
-        """Bytes this device can still allocate, or None when unknown: the plugin's limit less what is in use
-        (CUDA), else, on the CPU, the host's available memory (/proc/meminfo MemAvailable)."""
+    def memory_available(self, device: int = 0) -> int | None:
+        """Bytes device `device` can still allocate, or None when unknown: the plugin's limit less what is in use
+        (CUDA), else, on the CPU, the host's available memory (/proc/meminfo MemAvailable), which the CPU
+        plugin's devices share."""
         try:
-            stats = self._device.memory_stats()
+            stats = self._devices[device].memory_stats()
         except pjrt_errors.PjrtError:
             stats = {}
         if "bytes_limit" in stats:
@@ -193,6 +217,11 @@ class Device:
         label = f"{name} ({digest[:12]})" if name else f"body {digest[:12]}"
         self._check_stablehlo_version(code, label, digest)
         options = pypjrt.CompileOptions(use_shardy_partitioner=b"sdy." in code)
+        if self.devices > 1:
+            # One replica of N partitions, partition i on this client's device i (the SPMD body's device i).
+            options = pypjrt.CompileOptions(num_partitions=self.devices, use_spmd_partitioning=True,
+                                            use_shardy_partitioner=b"sdy." in code,
+                                            device_assignment=device_assignment_proto(self.device_ids))
         options_bytes = options.encode(self._plugin.abi)
 
         status = "off"
@@ -234,8 +263,8 @@ class Device:
 
     # -- buffers -------------------------------------------------------------------------------
 
-    def upload(self, array: Any) -> Buffer:
-        """Copy a host array to the device (any dtype in `DTYPES`, bf16 via ml_dtypes).
+    def upload(self, array: Any, device: int = 0) -> Buffer:
+        """Copy a host array to device `device` (any dtype in `DTYPES`, bf16 via ml_dtypes).
 
         Read-only arrays (np.memmap of weight files, arrays jax hands out) upload without a host
         copy: the plugin reads the memory during the call (kImmutableOnlyDuringCall). pypjrt's
@@ -255,7 +284,7 @@ class Device:
             data=arr.ctypes.data if arr.size else ctypes.addressof(_EMPTY),
             type=code, dims=ctypes.cast(dims, _VOIDP), num_dims=arr.ndim,
             host_buffer_semantics=p.abi.PJRT_HostBufferSemantics_kImmutableOnlyDuringCall,
-            device=self._device.address)
+            device=self._devices[device].address)
         with self._client.diagnose_allocation():
             p.call("PJRT_Client_BufferFromHostBuffer", a)
         if a.done_with_host_buffer:
@@ -352,81 +381,116 @@ class Device:
             DonationError: a donated input was not consumed (the body has no alias for it, or
                 the plugin copied); the run's outputs are on the exception.
         """
-        n = len(args)
+        return self._run(executable, (args,), donate, keep)[0]
+
+    def execute_sharded(self, executable: Executable, args: Sequence[Sequence[Buffer]],
+                        donate: Iterable[int] = (), keep: Iterable[int] | None = None) -> list[list[Buffer | None]]:
+        """Run an SPMD executable once on all `devices` devices: args[d] is device d's argument list (each
+        argument's shard on it, or its whole copy) -> outputs[d], device d's results. Donation, `keep` and the
+        errors as `execute`, on every device: a DonationError's outputs are the per-device lists."""
+        if len(args) != self.devices:
+            raise ValueError(f"{executable.label}: {len(args)} argument lists for {self.devices} devices")
+        return self._run(executable, args, donate, keep)
+
+    def _run(self, executable: Executable, rows: Sequence[Sequence[Buffer]], donate: Iterable[int],
+             keep: Iterable[int] | None) -> list[list[Buffer | None]]:
+        """execute / execute_sharded: rows[d] are device d's arguments (one row on one device)."""
+        n, devices = len(rows[0]), len(rows)
         donated = frozenset(donate)
         if donated and not (min(donated) >= 0 and max(donated) < n):
             raise ValueError(f"{executable.label}: donate indices {sorted(donated)} out of "
                              f"range for {n} arguments")
-        ptrs = []
-        for i, b in enumerate(args):
-            h = b._h
-            if not compat.is_live(h):
-                raise ValueError(f"{executable.label}: argument {i} is {compat.state_name(h)} "
-                                 f"(an earlier execution consumed it, or it was closed)")
-            ptrs.append(compat.raw_pointer(h))
-        if donated:
-            handles = [id(b._h) for b in args]
-            for i in donated:
-                if handles.count(handles[i]) > 1:
-                    raise ValueError(f"{executable.label}: argument {i} is donated and also passed "
-                                     f"at another index")
+        ptr_rows = []
+        for d, args in enumerate(rows):
+            if len(args) != n:
+                raise ValueError(f"{executable.label}: device {d} has {len(args)} arguments, device 0 {n}")
+            ptrs = []
+            for i, b in enumerate(args):
+                h = b._h
+                if not compat.is_live(h):
+                    where = f" on device {d}" if devices > 1 else ""
+                    raise ValueError(f"{executable.label}: argument {i}{where} is {compat.state_name(h)} "
+                                     f"(an earlier execution consumed it, or it was closed)")
+                ptrs.append(compat.raw_pointer(h))
+            ptr_rows.append(ptrs)
+            if donated:
+                handles = [id(b._h) for b in args]
+                for i in donated:
+                    if handles.count(handles[i]) > 1:
+                        raise ValueError(f"{executable.label}: argument {i} is donated and also passed "
+                                         f"at another index")
 
         plugin, hot = self._plugin, self._hot
-        call = executable._call(plugin, n, donated)
+        call = executable._call(plugin, n, donated, devices)
         with call.lock:     # one struct per executable: a second thread waits while this one fills and reads it
-            call.row[:n] = ptrs
-            call.events[0] = None
+            for row, ptrs in zip(call.rows, ptr_rows):
+                row[:n] = ptrs
+            for d in range(devices):
+                call.events[d] = None
             try:
                 hot.execute(call.args)      # reentrant: XLA may call FFI handlers synchronously inside Execute
             except pjrt_errors.PjrtError as e:
                 error = type(e)(f"{executable.label}: {e.message}", e.code)
                 with self._client.diagnose_allocation():     # an allocation failure gets the allocator's state
                     raise error from e
-            event, out_ptrs = call.events[0], list(call.out_row)
-        if event:
-            # Wait before looking at the inputs: a donated input is still being read until then.
-            try:
-                hot.await_event(event)
-            except pjrt_errors.PjrtError:
-                for ptr in out_ptrs:        # the failed run's results are released, not leaked
-                    hot.destroy_buffer(ptr)
-                raise
+            events, out_ptr_rows = list(call.events), [list(r) for r in call.out_rows]
+        # Wait before looking at the inputs: a donated input is still being read until then.
+        failure = None
+        for event in events:
+            if event:
+                try:
+                    hot.await_event(event)
+                except pjrt_errors.PjrtError as e:
+                    failure = failure or e
+        if failure is not None:
+            for ptr in (p for out_ptrs in out_ptr_rows for p in out_ptrs):   # the failed run's results are released
+                hot.destroy_buffer(ptr)
+            raise failure
         # Once the run is complete its outputs are defined: to_host need not ask for their ready events.
         meta = executable._out_meta
         first = meta is None
         keep = None if keep is None else frozenset(keep)
-        outputs: list[Buffer | None] = []
-        for j, ptr in enumerate(out_ptrs):
-            if not first and keep is not None and j not in keep:
-                hot.destroy_buffer(ptr)
-                outputs.append(None)
-                continue
-            shape, dtype, dense = (None, None, None) if first else meta[j]
-            buf = Buffer(PjrtBuffer(plugin, ptr), shape, dtype, ready=bool(event))
-            buf._dense = dense
-            outputs.append(self._own(buf))
+        ready = all(events)
+        out_rows: list[list[Buffer | None]] = []
+        for out_ptrs in out_ptr_rows:
+            outputs: list[Buffer | None] = []
+            for j, ptr in enumerate(out_ptrs):
+                if not first and keep is not None and j not in keep:
+                    hot.destroy_buffer(ptr)
+                    outputs.append(None)
+                    continue
+                shape, dtype, dense = (None, None, None) if first else meta[j]
+                buf = Buffer(PjrtBuffer(plugin, ptr), shape, dtype, ready=ready)
+                buf._dense = dense
+                outputs.append(self._own(buf))
+            out_rows.append(outputs)
         if first:
             # An executable's results keep their shapes, dtypes and layouts from call to call: read them once.
-            executable._out_meta = meta = [(b.shape, b.dtype, self._dense(b)) for b in outputs]
-            for j, b in enumerate(outputs):
-                b._dense = meta[j][2]
-                if keep is not None and j not in keep:
-                    b.close()
-                    outputs[j] = None
+            executable._out_meta = meta = [(b.shape, b.dtype, self._dense(b)) for b in out_rows[0]]
+            for outputs in out_rows:
+                for j, b in enumerate(outputs):
+                    b._dense = meta[j][2]
+                    if keep is not None and j not in keep:
+                        b.close()
+                        outputs[j] = None
 
         missing = []
-        for i in sorted(donated):
-            h = args[i]._h
-            if hot.is_deleted(compat.raw_pointer(h)):
-                compat.mark_donated(h)
-            else:
-                missing.append(i)
+        for d, args in enumerate(rows):
+            for i in sorted(donated):
+                h = args[i]._h
+                if hot.is_deleted(compat.raw_pointer(h)):
+                    compat.mark_donated(h)
+                else:
+                    missing.append((d, i))
         if missing:
+            where = (f"{[i for _, i in missing]}" if devices == 1 else
+                     ", ".join(f"{i} on device {d}" for d, i in missing))
             raise DonationError(
-                f"{executable.label}: donated argument(s) {missing} were not consumed: the body "
+                f"{executable.label}: donated argument(s) {where} were not consumed: the body "
                 f"has no tf.aliasing_output for them or the plugin copied; outputs were written "
-                f"elsewhere", indices=missing, outputs=outputs)
-        return outputs
+                f"elsewhere", indices=sorted({i for _, i in missing}),
+                outputs=out_rows[0] if devices == 1 else out_rows)
+        return out_rows
 
     # -- lifetime ------------------------------------------------------------------------------
 

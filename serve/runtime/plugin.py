@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,27 @@ def bytecode_stablehlo_version(body: bytes) -> tuple[int, int, int] | None:
         return None
     m = _BYTECODE_PRODUCER.search(body[:64])
     return tuple(int(x) for x in m.groups()) if m else None  # type: ignore[return-value]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def device_assignment_proto(device_ids: Sequence[int]) -> bytes:
+    """A serialized xla.DeviceAssignmentProto of one replica and len(device_ids) partitions, partition i on device
+    device_ids[i]: replica_count (1) = 1, computation_count (2) = N, computation_devices (3) = [{replica_device_ids
+    (1, packed) = [id]}], as XLA writes it (pypjrt encodes CompileOptions but not this message)."""
+    out = b"\x08" + _varint(1) + b"\x10" + _varint(len(device_ids))
+    for i in device_ids:
+        ids = _varint(i)
+        inner = b"\x0a" + _varint(len(ids)) + ids
+        out += b"\x1a" + _varint(len(inner)) + inner
+    return out
 
 
 def create_client(plugin: pypjrt.Plugin, requested: dict[str, Any]

@@ -17,7 +17,8 @@ import numpy as np
 
 from tlaloc_jax import artifact as mf
 
-from .handles import Buffer, Executable
+from . import sharded
+from .handles import Executable
 from .pjrt import Device
 
 log = logging.getLogger("tlaloc_jax.serve")
@@ -35,12 +36,15 @@ class _ArgSource(enum.Enum):
 
 
 class Runner:
-    """One artifact on one PJRT device. Not thread-safe: one caller runs entries."""
+    """One artifact on one PJRT device, or on the N devices of its mesh (a tensor-parallel artifact: each argument
+    then a tuple of N buffers, serve/runtime/sharded.py, and one execution a call for all of them). Not
+    thread-safe: one caller runs entries."""
 
     def __init__(self, artifact_dir: str | Path, manifest: mf.Manifest, device: Device, *, progress: bool = True,
                  donate: bool = True):
         """Check the device has room, compile every entry but the scoring prefills (compiled on first use),
-        upload the weights and allocate zeroed pools. Closes the device if any of it fails.
+        upload the weights and allocate zeroed pools. Closes the device if any of it fails. A device of another
+        device count than the artifact's mesh is refused by name before anything is compiled or allocated.
 
         donate: False runs the pools as plain inputs (a test control: each run then copies them)."""
         self.artifact_dir = Path(artifact_dir)
@@ -48,10 +52,10 @@ class Runner:
         self.device = device
         self.donate = donate
         self.executables: dict[str, Executable] = {}
-        self._neutral: dict[tuple[str, mf.Role], Buffer] = {}
+        self._neutral: dict[tuple[str, mf.Role], sharded.Placed] = {}
         # The last host value of each (entry, input role) and its device buffer: an input equal to the previous
         # call's (block tables, seeds, stop ids, ...) is not uploaded again.
-        self._kept_inputs: dict[tuple[str, str], tuple[bytes, Buffer]] = {}
+        self._kept_inputs: dict[tuple[str, str], tuple[bytes, sharded.Placed]] = {}
         self._arg_plans: dict[str, list[tuple[_ArgSource, object, mf.Role]]] = {}
         self._entries_checked: set[str] = set()
         self.stats = dict(executions=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={})
@@ -60,11 +64,13 @@ class Runner:
             if device.platform_name.lower() not in (want, "gpu" if want == "cuda" else want):
                 raise mf.ManifestError(f"artifact was exported for {m.versions.platform}, the plugin "
                                        f"{device.plugin_path} is {device.platform_name}")
+            if device.devices != m.devices:
+                raise mf.ManifestError(sharded.device_count_mismatch(m, device.devices))
             self._check_memory()
             self._compile_all(progress)
-            self.weights = {w.slot: self._upload_weight(w) for w in m.weights}
-            self.pools: dict[str, Buffer] = {p.name: device.upload(np.zeros(p.shape, mf.numpy_dtype(p.dtype)))
-                                             for p in m.pools}
+            self.weights = {w.slot: sharded.upload_weight(device, self.artifact_dir, w, m.mesh) for w in m.weights}
+            self.pools: dict[str, sharded.Placed] = {p.name: sharded.zeros(device, p.dtype, p.shape, p.partition,
+                                                                           m.mesh) for p in m.pools}
         except BaseException:
             device.close()
             raise
@@ -94,18 +100,22 @@ class Runner:
 
     def _check_memory(self) -> None:
         """Refuse an artifact whose weights and pools cannot fit the device's free memory, before any of it is
-        allocated."""
-        need = self.weight_bytes + self.pool_bytes
-        free = self.device.memory_available()
-        if free is not None and need > free:
-            pools = ", ".join(f"{p.name} {p.nbytes / 2**20:.1f} MiB" for p in self.manifest.pools)
-            raise mf.ManifestError(f"the artifact needs {need / 2**20:.1f} MiB on the device (weights "
-                                   f"{self.weight_bytes / 2**20:.1f} MiB; pools {pools}), and "
-                                   f"{self.device.platform_name} has {free / 2**20:.1f} MiB free")
-
-    def _upload_weight(self, w: mf.WeightFile) -> Buffer:
-        data = np.fromfile(self.artifact_dir / w.file, dtype=mf.numpy_dtype(w.dtype).newbyteorder("<"))
-        return self.device.upload(data.reshape(w.shape))
+        allocated (on a mesh, each device's share against each device's memory; the CPU plugin's devices share
+        the host's, which must hold them all)."""
+        weights, pools = sharded.bytes_per_device(self.manifest)
+        shared = self.device.platform_name.lower() == "cpu"
+        copies = self.device.devices if shared else 1
+        need = (weights + pools) * copies
+        each = not shared and self.device.devices > 1
+        frees = [self.device.memory_available(d) for d in range(self.device.devices)] if each else \
+            [self.device.memory_available()]
+        for d, free in enumerate(frees):
+            if free is not None and need > free:
+                names = ", ".join(f"{p.name} {p.nbytes / 2**20:.1f} MiB" for p in self.manifest.pools)
+                where = f"device {d}" if each else "the device"
+                raise mf.ManifestError(f"the artifact needs {need / 2**20:.1f} MiB on {where} (weights "
+                                       f"{weights * copies / 2**20:.1f} MiB; pools {names}), and "
+                                       f"{self.device.platform_name} has {free / 2**20:.1f} MiB free")
 
     def compile_report(self) -> dict[str, int]:
         """How the entries were obtained: {"hit": n, "miss": n, ...} (hit = from the disk cache)."""
@@ -122,9 +132,14 @@ class Runner:
     def pool_bytes(self) -> int:
         return sum(p.nbytes for p in self.manifest.pools)
 
+    @property
+    def bytes_per_device(self) -> int:
+        """The weights' and pools' bytes one device holds (all of them on one device)."""
+        return sum(sharded.bytes_per_device(self.manifest))
+
     # -- inputs --------------------------------------------------------------------------------------
 
-    def _input_buffer(self, e: mf.Entry, key: str, value: np.ndarray) -> Buffer:
+    def _input_buffer(self, e: mf.Entry, key: str, value: np.ndarray) -> sharded.Placed:
         """The device buffer of an input's host value: the one kept from the entry's previous call when the value is
         the same (never donated, so it outlives the call), else a new upload that replaces it."""
         kept_key = (e.name, key)            # key: the input's in `inputs` (a role may appear once per row group)
@@ -132,13 +147,13 @@ class Runner:
         kept = self._kept_inputs.get(kept_key)
         if kept is not None and kept[0] == data:
             return kept[1]
-        buf = self.device.upload(value)
+        buf = sharded.upload_whole(self.device, value)
         if kept is not None:
-            kept[1].close()
+            sharded.close(kept[1])
         self._kept_inputs[kept_key] = (data, buf)
         return buf
 
-    def neutral_buffer(self, e: mf.Entry, role: mf.Role) -> Buffer:
+    def neutral_buffer(self, e: mf.Entry, role: mf.Role) -> sharded.Placed:
         """A device buffer, kept per (entry, role), holding the role's neutral value in every row (no mask, no bias,
         no history, neutral sampling parameters): what a call passes when no row needs that input."""
         key = (e.name, role)
@@ -147,7 +162,8 @@ class Runner:
             fill = {mf.Role.TOKEN_MASK: -1, mf.Role.LOGIT_BIAS_IDS: -1, mf.Role.TOKEN_HISTORY: -1}.get(role, 0)
             if role == mf.Role.SAMPLING:
                 fill = np.array([mf.SAMPLING_NEUTRAL[c] for c in self.manifest.sampler.columns], np.float32)
-            self._neutral[key] = self.device.upload(np.broadcast_to(fill, sig.shape).astype(mf.numpy_dtype(sig.dtype)))
+            self._neutral[key] = sharded.upload_whole(
+                self.device, np.broadcast_to(fill, sig.shape).astype(mf.numpy_dtype(sig.dtype)))
         return self._neutral[key]
 
     def _arg_plan(self, e: mf.Entry) -> list[tuple[_ArgSource, object, mf.Role]]:
@@ -179,7 +195,7 @@ class Runner:
         exe = self.executable(e)
         runs = self.stats["executions"]
         check = runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
-        args: list[Buffer] = []
+        args: list[sharded.Placed] = []
         pool_args: dict[int, str] = {}
         for i, (source, key, role) in enumerate(self._arg_plan(e)):
             if source is _ArgSource.STEP:
@@ -191,14 +207,14 @@ class Runner:
             else:
                 buf = self.weights[key]
             args.append(buf)
-        before = {name: self.device.device_address(self.pools[name]) for name in pool_args.values()} if check else {}
+        before = {name: sharded.address(self.device, self.pools[name]) for name in pool_args.values()} if check else {}
         donated_outs = {o for o, _ in e.donations}
         keep = donated_outs | {i for i, sig in enumerate(e.outputs) if sig.role in want}
-        outs = self.device.execute(exe, args, donate=set(pool_args) if self.donate else (), keep=keep)
+        outs = sharded.execute(self.device, exe, args, set(pool_args) if self.donate else set(), keep)
         for out_i, in_i in e.donations:
             name = pool_args[in_i]
             if not self.donate:
-                self.pools[name].close()      # the control path: the updated pool is a new buffer
+                sharded.close(self.pools[name])      # the control path: the updated pool is a new buffer
             self.pools[name] = outs[out_i]
         self.stats["executions"] += 1
         by = self.stats["executions_by_entry"]
@@ -210,19 +226,19 @@ class Runner:
             if i in donated_outs or outs[i] is None:
                 continue
             if sig.role in want:
-                pulled[sig.role] = self.device.to_host(outs[i])
-            outs[i].close()
+                pulled[sig.role] = self.device.to_host(sharded.first(outs[i]))
+            sharded.close(outs[i])
         return pulled
 
-    def _check_in_place(self, e: mf.Entry, before: dict[str, int], run: int) -> None:
+    def _check_in_place(self, e: mf.Entry, before: dict[str, int | tuple[int, ...]], run: int) -> None:
         self._entries_checked.add(e.name)
-        moved = {n: (a, self.device.device_address(self.pools[n])) for n, a in before.items()}
+        moved = {n: (a, sharded.address(self.device, self.pools[n])) for n, a in before.items()}
         moved = {n: ab for n, ab in moved.items() if ab[0] != ab[1]}
         self.stats["pool_address_checks"] += 1
         self.stats["pool_in_place"] += int(not moved)
         if moved:
             log.warning("run %d (%s): pools moved (copied, not donated): %s", run, e.name,
-                        ", ".join(f"{n} {a:#x} -> {b:#x}" for n, (a, b) in moved.items()))
+                        ", ".join(f"{n} {a} -> {b}" for n, (a, b) in moved.items()))
         else:
             log.debug("run %d (%s): pools updated in place", run, e.name)
 

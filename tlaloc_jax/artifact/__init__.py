@@ -5,6 +5,7 @@
     codec.py         a manifest's JSON <-> its frozen dataclasses
     files.py         paths inside the artifact, sha256, the body files and their @main
     stablehlo.py     a body's @main read from textual StableHLO
+    mesh.py          a multi-device artifact's mesh, and every partition checked against it
     serving.py       the decoder's schema (tlaloc-serving-v4), upgrade.py reading v2 and v3 into it,
                      serving_load.py its cross-checks and load_manifest
     bounded.py       the bounded program's schema (tlaloc-bounded-v1), its checks and load_bounded
@@ -13,9 +14,11 @@ The decoder's names are here at the top (`from tlaloc_jax import artifact as af;
 the bounded program's stay in their module (`from tlaloc_jax.artifact import bounded`).
 """
 
+from .codec import record_json
 from .errors import ManifestError
 from .files import checked_file, resolve_inside, sha256_file
-from .records import TensorSig, TokenizerFile, Versions, WeightFile, WeightQuant
+from .mesh import Mesh, MeshAxis
+from .records import Partition, TensorSig, TokenizerFile, Versions, WeightFile, WeightQuant, WeightShard
 from .serving import (MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, SUPPORTED_SCHEMAS, Buckets, Entry, Manifest,
                       ModelShape, Pool, RefusedToken, SamplerShape, ScorerShape)
 from .serving_load import artifact_file, check_manifest, load_manifest
@@ -28,8 +31,8 @@ from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, COPY_INPUTS, DECODE_STEP
                          PoolKind, QuantPart, QuantScheme, Role, dtype_info, mask_words, nbytes, numpy_dtype)
 
 __all__ = [
-    "ManifestError", "checked_file", "resolve_inside", "sha256_file",
-    "TensorSig", "TokenizerFile", "Versions", "WeightFile", "WeightQuant",
+    "ManifestError", "checked_file", "resolve_inside", "sha256_file", "record_json", "Mesh", "MeshAxis", "Partition",
+    "TensorSig", "TokenizerFile", "Versions", "WeightFile", "WeightQuant", "WeightShard",
     "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "SCHEMA_V2", "SCHEMA_V3", "SCHEMA_V4", "SUPPORTED_SCHEMAS", "Buckets",
     "Entry", "Manifest", "ModelShape", "Pool", "RefusedToken", "SamplerShape", "ScorerShape",
     "artifact_file", "check_manifest", "load_manifest", "MainSignature", "main_signature", "signature_mismatch",

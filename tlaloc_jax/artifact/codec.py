@@ -16,13 +16,30 @@ from .errors import ManifestError
 MAX_JSON_DEPTH = 32
 
 
+# Fields a one-device artifact leaves unset and out of its JSON, so that it reads as it did before meshes.
+MESH_FIELDS = ("mesh", "partition", "shards")
+
+
 def to_json(record: Any) -> str:
     """A dataclass tree as sorted, indented JSON (the same record gives the same bytes)."""
     return dumps(dataclasses.asdict(record))
 
 
+def record_json(record: Any) -> Any:
+    """A record (a dataclass) as JSON-ready values, without the mesh fields it leaves unset."""
+    return _drop_unset(dataclasses.asdict(record))
+
+
 def dumps(raw: Any) -> str:
-    return json.dumps(raw, indent=1, sort_keys=True) + "\n"
+    return json.dumps(_drop_unset(raw), indent=1, sort_keys=True) + "\n"
+
+
+def _drop_unset(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _drop_unset(v) for k, v in node.items() if not (k in MESH_FIELDS and not v)}
+    if isinstance(node, (list, tuple)):
+        return [_drop_unset(v) for v in node]
+    return node
 
 
 def parse(text: str | bytes, file_name: str) -> dict:

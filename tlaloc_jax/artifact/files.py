@@ -59,29 +59,33 @@ def read_manifest_file(root: Path, name: str, max_bytes: int, other: str, other_
 
 
 def verify_body(root: Path, record, inputs: tuple[TensorSig, ...], outputs: tuple[TensorSig, ...],
-                donations: tuple[tuple[int, int], ...], what: str, program_sha256: str | None = None) -> None:
+                donations: tuple[tuple[int, int], ...], what: str, program_sha256: str | None = None,
+                devices: int = 1) -> None:
     """A body's files (`record`: an Entry or a Program, with body, serialized, exported and program paths and
-    their hashes) are present with their sha256, and its @main takes and returns `inputs` and `outputs`."""
+    their hashes) are present with their sha256, and its @main takes and returns `inputs` and `outputs`,
+    partitioned for `devices` devices."""
     body = checked_file(root, record.body, record.body_sha256, f"{what} body")
     checked_file(root, record.serialized, record.serialized_sha256, f"{what} serialized body")
     if record.exported:
         checked_file(root, record.exported, record.exported_sha256, f"{what} exported body")
     checked_file(root, record.program, program_sha256, f"{what} program")
     why = signature_mismatch(inputs, outputs, donations,
-                             main_signature(body.read_text(encoding="utf-8", errors="replace"), f"{what} body"))
+                             main_signature(body.read_text(encoding="utf-8", errors="replace"), f"{what} body"),
+                             devices)
     if why:
         raise ManifestError(f"{what} body {record.body!r} does not match the manifest: {why}")
 
 
 def verify_listed_files(root: Path, weights: tuple[WeightFile, ...], tokenizer_files: tuple[TokenizerFile, ...],
                         verify_weights: bool) -> None:
-    """Every weight file present with its size (and, verify_weights, its sha256), every tokenizer file with its."""
+    """Every weight file (a split weight's shard files) present with its size (and, verify_weights, its sha256),
+    every tokenizer file with its."""
     for w in weights:
-        p = checked_file(root, w.file, None, f"weight {w.slot!r} file")
-        size = p.stat().st_size
-        if size != w.nbytes:
-            raise ManifestError(f"weight {w.slot!r} file {w.file!r} has {size} bytes, the manifest says {w.nbytes}")
-        if verify_weights and w.sha256:
-            checked_file(root, w.file, w.sha256, f"weight {w.slot!r} file")
+        for file, size, digest in [(s.file, s.nbytes, s.sha256) for s in w.shards] or [(w.file, w.nbytes, w.sha256)]:
+            got = checked_file(root, file, None, f"weight {w.slot!r} file").stat().st_size
+            if got != size:
+                raise ManifestError(f"weight {w.slot!r} file {file!r} has {got} bytes, the manifest says {size}")
+            if verify_weights and digest:
+                checked_file(root, file, digest, f"weight {w.slot!r} file")
     for t in tokenizer_files:
         checked_file(root, t.file, t.sha256 or None, "tokenizer file")

@@ -9,15 +9,21 @@ from .errors import ManifestError
 from .vocabulary import PLATFORMS, QUANT_CODE_DTYPES, QUANT_GROUPS, QuantPart, QuantScheme, Role, nbytes
 
 
+# A partition (tlaloc-serving-v4 + mesh): per dimension of an array, the mesh axis it is split along, or None.
+Partition = tuple[str | None, ...]
+
+
 @dataclass(frozen=True)
 class TensorSig:
     """One argument or result of a body. `slot` names the weight for role WEIGHT, the pool for the pool roles, the
-    author's input or output, or the bound, in a bounded program."""
+    author's input or output, or the bound, in a bounded program. `partition` (a body of several devices): how it
+    is split over them; () whole on each."""
 
     role: Role
     dtype: str
     shape: tuple[int, ...]
     slot: str = ""
+    partition: Partition = ()
 
     @property
     def label(self) -> str:
@@ -37,14 +43,25 @@ class WeightQuant:
 
 
 @dataclass(frozen=True)
+class WeightShard:
+    """One device's part of a split weight: its block along the split dimension, raw like a weight file."""
+
+    file: str
+    nbytes: int
+    sha256: str = ""
+
+
+@dataclass(frozen=True)
 class WeightFile:
     slot: str
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]         # the whole weight's
     nbytes: int
-    file: str                      # weights/NNNN_<slot>.bin, raw little-endian, no header
+    file: str = ""                 # weights/NNNN_<slot>.bin, raw little-endian, no header ("" for a split weight)
     sha256: str = ""               # every schema but tlaloc-serving-v2/v3 hashes it
     quant: WeightQuant | None = None   # optional: part of a quantized weight (None: a plain one)
+    partition: Partition = ()      # split over a mesh's devices: in `shards`, one file per device, in order
+    shards: tuple[WeightShard, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,8 +96,9 @@ def check_weight_table(weights: tuple[WeightFile, ...], hashed_by: str | None) -
                                 f"and shape {list(w.shape)}")
         if w.slot in slots:
             raise ManifestError(f"weight {w.slot!r} is listed twice")
-        if hashed_by and not w.sha256:
-            raise ManifestError(f"weight {w.slot!r} has no sha256 ({hashed_by} hashes every file)")
+        for file, digest in [(s.file, s.sha256) for s in w.shards] or [(w.file, w.sha256)]:
+            if hashed_by and not digest:
+                raise ManifestError(f"weight {w.slot!r} file {file!r} has no sha256 ({hashed_by} hashes every file)")
         slots[w.slot] = w
     _check_quant(weights)
     return slots

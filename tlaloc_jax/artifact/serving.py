@@ -37,6 +37,12 @@ Changelog:
     a decode entry's (the sampler's inputs included, RNG_STEP the first step's counter), output STEP_TOKENS
     [B, K] and the pools, no logits. Older manifests load unchanged; a runtime that predates the kind refuses it
     by name.
+    v4 + mesh (optional, still tlaloc-serving-v4): top-level `mesh` (its axes' names and sizes) for an artifact
+    whose bodies run on several devices (one SPMD body per entry, `mhlo.num_partitions` = the mesh's devices);
+    each entry input and output, pool and weight may carry a `partition` (per dimension, the mesh axis it is
+    split along, or null; absent or all null: whole on every device). A split weight is written as `shards`
+    (one file per device, its block, hashed) instead of `file`. A manifest without a mesh has none of these
+    fields (its JSON is as before); a runtime that predates them refuses a split weight (it has no `file`).
 v2 and v3 manifests still load: `Manifest.from_json` upgrades them to the v4 model in memory (their
 weights and tokenizer files carry no hashes; the loader says so).
 """
@@ -47,7 +53,8 @@ from dataclasses import dataclass
 
 from .codec import build, parse, to_json
 from .errors import ManifestError
-from .records import TensorSig, TokenizerFile, Versions, WeightFile
+from .mesh import Mesh
+from .records import Partition, TensorSig, TokenizerFile, Versions, WeightFile
 from .upgrade import SCHEMA_V2, SCHEMA_V3, upgrade_v2_v3
 from .vocabulary import EntryKind, PoolKind, Role, nbytes
 
@@ -115,6 +122,7 @@ class Pool:
     slot_axis: int = 2             # the axis of shape that capacity indexes
     window: int = 0                # ring_kv: the sliding window, in positions
     ring_pages: int = 0            # ring_kv: pages of a sequence's ring
+    partition: Partition = ()      # v4 + mesh: split over the devices (KV pools over their KV heads)
 
     @property
     def nbytes(self) -> int:
@@ -199,6 +207,12 @@ class Manifest:
     tokenizer_files: tuple[TokenizerFile, ...] = ()
     sampler: SamplerShape | None = None     # v4 + sampler: every entry samples in its body
     scorer: ScorerShape | None = None       # v4 + scorer: prefill_scored entries score each prompt position
+    mesh: Mesh | None = None                # v4 + mesh: the entries run on mesh.devices devices
+
+    @property
+    def devices(self) -> int:
+        """The devices the artifact runs on (1 without a mesh)."""
+        return self.mesh.devices if self.mesh else 1
 
     def pool(self, name: str) -> Pool | None:
         return next((p for p in self.pools if p.name == name), None)

@@ -8,6 +8,7 @@ from pathlib import Path
 from .bounded import BOUNDED_NAME
 from .errors import ManifestError
 from .files import checked_file, read_manifest_file, verify_body, verify_listed_files
+from .mesh import check_mesh
 from .records import TensorSig, WeightFile, check_platform, check_tokenizer_hashes, check_weight_table
 from .serving import MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, Entry, Manifest, Pool
 from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, INPUT_ROLES, OUTPUT_ROLES,
@@ -33,7 +34,7 @@ def load_manifest(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
     check_manifest(m)
     if verify_files:
         for e in m.entries:
-            verify_body(root, e, e.inputs, e.outputs, e.donations, f"entry {e.name!r}")
+            verify_body(root, e, e.inputs, e.outputs, e.donations, f"entry {e.name!r}", devices=m.devices)
         verify_listed_files(root, m.weights, m.tokenizer_files, verify_weights)
     return m
 
@@ -48,7 +49,8 @@ def artifact_file(root: str | os.PathLike, manifest: Manifest, name: str) -> Pat
 
 
 def check_manifest(m: Manifest) -> None:
-    """Checks that need no files: ladders, pools, weight sizes, roles, donations, hashes a v4 must carry."""
+    """Checks that need no files: ladders, pools, weight sizes, roles, donations, hashes a v4 must carry, the mesh
+    and every partition."""
     v4 = m.schema == SCHEMA_V4
     _check_buckets(m)
     pools = _check_pools(m)
@@ -71,6 +73,7 @@ def check_manifest(m: Manifest) -> None:
             _check_copy_entry(m, e)
         else:
             _check_entry(m, e, pools, slots, step_roles)
+    check_mesh(m, slots, pools)
 
 
 def _check_copy_entry(m: Manifest, e: Entry) -> None:
@@ -81,8 +84,8 @@ def _check_copy_entry(m: Manifest, e: Entry) -> None:
     if not state:
         raise ManifestError(f"{what} copies state slots, but the manifest has no state pool")
     want_in = [TensorSig(Role.COPY_SRC, "int32", (e.batch,)), TensorSig(Role.COPY_DST, "int32", (e.batch,))]
-    want_in += [TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name) for p in state]
-    want_out = [TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name) for p in state]
+    want_in += [TensorSig(Role.POOL_IN, p.dtype, p.shape, p.name, p.partition) for p in state]
+    want_out = [TensorSig(Role.POOL_OUT, p.dtype, p.shape, p.name, p.partition) for p in state]
     donations = tuple((i, i + 2) for i in range(len(state)))
     if (list(e.inputs), list(e.outputs), tuple(e.donations)) != (want_in, want_out, donations):
         raise ManifestError(f"{what} is not a copy_slots entry of batch {e.batch}: it takes "

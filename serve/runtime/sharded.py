@@ -1,0 +1,90 @@
+"""An artifact's arrays on the devices of a mesh (docs/multi-device.md): what the runner holds per argument.
+
+On one device an argument is a `Buffer`, as always. On N devices (a manifest with a mesh) it is a tuple of N
+buffers, device d's at index d: its d-th block along the dimension its partition names, or, whole on every
+device, a copy of it. A weight split over the devices is read from its shard files, each device's alone; step
+inputs are whole on every device; results other than the pools are whole too, and are read from device 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from tlaloc_jax import artifact as mf
+
+from .handles import Buffer, Executable
+from .pjrt import Device
+
+Placed = Buffer | tuple[Buffer, ...]
+
+
+def device_count_mismatch(m: mf.Manifest, devices: int) -> str:
+    """Why an artifact cannot run on a client of `devices` devices (its mesh asks for another count)."""
+    mesh = ", ".join(f"{a.name}={a.size}" for a in m.mesh.axes) if m.mesh else "none"
+    return (f"the artifact runs on {m.devices} device(s) (mesh {mesh}); the client has {devices}: nothing was "
+            "compiled or allocated")
+
+
+def upload_whole(device: Device, array: np.ndarray) -> Placed:
+    """The array on every device (one Buffer on one device)."""
+    if device.devices == 1:
+        return device.upload(array)
+    return tuple(device.upload(array, d) for d in range(device.devices))
+
+
+def zeros(device: Device, dtype: str, shape: tuple[int, ...], partition: mf.Partition, mesh: mf.Mesh | None) -> Placed:
+    """A zeroed array of `shape` split as `partition` says: each device's block (a pool)."""
+    if device.devices == 1:
+        return device.upload(np.zeros(shape, mf.numpy_dtype(dtype)))
+    block = np.zeros(mesh.shard_shape(shape, partition), mf.numpy_dtype(dtype))
+    return tuple(device.upload(block, d) for d in range(device.devices))
+
+
+def _read(path: Path, w: mf.WeightFile, shape: tuple[int, ...]) -> np.ndarray:
+    return np.fromfile(path, dtype=mf.numpy_dtype(w.dtype).newbyteorder("<")).reshape(shape)
+
+
+def upload_weight(device: Device, root: Path, w: mf.WeightFile, mesh: mf.Mesh | None) -> Placed:
+    """A weight from its file onto every device, or, split, device d's shard from shard file d."""
+    if not w.shards:
+        return upload_whole(device, _read(root / w.file, w, w.shape))
+    shape = mesh.shard_shape(w.shape, w.partition)
+    return tuple(device.upload(_read(root / s.file, w, shape), d) for d, s in enumerate(w.shards))
+
+
+def execute(device: Device, exe: Executable, args: Sequence[Placed], donate: set[int],
+            keep: set[int]) -> list[Placed | None]:
+    """One execution on all the devices; each result as its arguments are held (a tuple per result on N)."""
+    if device.devices == 1:
+        return device.execute(exe, args, donate=donate, keep=keep)
+    n = device.devices
+    per_device = device.execute_sharded(exe, [[a[d] for a in args] for d in range(n)], donate=donate, keep=keep)
+    return [None if per_device[0][j] is None else tuple(per_device[d][j] for d in range(n))
+            for j in range(len(per_device[0]))]
+
+
+def address(device: Device, placed: Placed) -> int | tuple[int, ...]:
+    """The device address of each of its buffers (equal before and after a run: updated in place)."""
+    if isinstance(placed, tuple):
+        return tuple(device.device_address(b) for b in placed)
+    return device.device_address(placed)
+
+
+def first(placed: Placed) -> Buffer:
+    """Device 0's buffer: a whole result's copy (every device computes the same)."""
+    return placed[0] if isinstance(placed, tuple) else placed
+
+
+def close(placed: Placed) -> None:
+    for b in placed if isinstance(placed, tuple) else (placed,):
+        b.close()
+
+
+def bytes_per_device(m: mf.Manifest) -> tuple[int, int]:
+    """(weight bytes, pool bytes) one device holds: a split array's block, a whole one entire."""
+    def share(nbytes: int, partition: mf.Partition) -> int:
+        return nbytes // m.mesh.shards(partition) if m.mesh and any(partition) else nbytes
+    return (sum(share(w.nbytes, w.partition) for w in m.weights), sum(share(p.nbytes, p.partition) for p in m.pools))
