@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from http_util import GOOD, STOP, TOOLS_TEMPLATE, InProcess
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.tokenizer import load_tokenizer
 from tokenizers_util import VOCAB
