@@ -101,15 +101,16 @@ def test_cuda_default_is_the_recorded_verdict(checkpoint, tmp_path):
 
 
 def test_cuda_export_puts_the_triton_kernel_in_decode_bodies_only(checkpoint, tmp_path):
-    """Lowered for cuda with the Pallas kernel on this CPU machine (no GPU, no CUDA plugin): each decode body holds
-    the Triton custom call (once, inside the layer scan, for the ring layer and the full one alike), prefill bodies
-    none; the same checkpoint exported for cpu holds no custom call at all."""
+    """Lowered for cuda with the Pallas kernel on this CPU machine (no GPU, no CUDA plugin): each decode body (and
+    each mixed body, whose decode rows attend with it) holds the Triton custom call (once, inside the layer scan,
+    for the ring layer and the full one alike), prefill bodies none; the same checkpoint exported for cpu holds no
+    custom call at all."""
     ladder = dict(batch_ladder=(1,), context_ladder=(32,), block_size=S, progress=False)
     cuda = export_checkpoint(checkpoint, tmp_path / "cuda", platform="cuda", decode_attention="pallas", **ladder)
     assert cuda.versions.platform == "cuda"
     targets = _targets(tmp_path / "cuda", cuda)
     for e in cuda.entries:
-        assert targets[e.name] == ({TRITON_CUSTOM_CALL} if e.kind == af.EntryKind.DECODE else set()), e.name
+        assert targets[e.name] == ({TRITON_CUSTOM_CALL} if e.kind in (af.EntryKind.DECODE, af.EntryKind.MIXED) else set()), e.name
     cpu = export_checkpoint(checkpoint, tmp_path / "cpu", platform="cpu", **ladder)
     assert all(t == set() for t in _targets(tmp_path / "cpu", cpu).values())
 
