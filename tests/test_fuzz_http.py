@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from http_util import GOOD, STOP, TOOLS_TEMPLATE, InProcess
-from tlaloc_jax import manifest as mf
+from tlaloc_jax import artifact as mf
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.tokenizer import load_tokenizer
 from tokenizers_util import VOCAB
@@ -207,10 +207,10 @@ class Probe:
 
     def __init__(self, server):
         self.server, self.sent, self.first, self.running = server, [], threading.Event(), False
-        original, step = server.stream, server.engine.step
+        original, step = server.responses.stream, server.engine.step
 
         async def stream(gen, req, rid, chat):
-            probe = req["user"] == "probe"
+            probe = req.user == "probe"
             self.running |= probe
             try:
                 async for chunk in original(gen, req, rid, chat):
@@ -229,7 +229,7 @@ class Probe:
             if self.running:
                 time.sleep(max(0.0, PROBE_STEP_S - (time.perf_counter() - t0)))
             return events
-        server.stream, server.engine.step = stream, slow_step
+        server.responses.stream, server.engine.step = stream, slow_step
 
     def delays(self, since: int, until: int) -> list[int]:
         """Per probe token sent between the chunks `since` and `until`: how many steps after the one that made it it

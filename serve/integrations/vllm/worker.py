@@ -281,7 +281,7 @@ class ArtifactWorker(WorkerBase):
     def _run(self, entry: af.Entry, pieces: list[_Piece], grammar: dict, chosen: dict, logits_of: dict) -> None:
         """One call; the producing rows' tokens go to `chosen`, their logits (when wanted) to `logits_of`."""
         rt = self.runtime
-        words = (rt.vocab + 31) // 32
+        words = af.mask_words(rt.vocab)
         rows, host, masks = [], [], {}
         for b, p in enumerate(pieces):
             r = p.req
