@@ -1,7 +1,7 @@
 """/v1/embeddings: an embedding program (a bounded program whose manifest names an embedding task) served by the
 HTTP server beside its decoder, in OpenAI's shapes.
 
-A request's inputs (text, or token ids) are checked (serve/validation.py EMBEDDING_FIELDS), text is tokenized with
+A request's inputs (text, or token ids) are checked (serve/openai/protocol.py EmbeddingRequest), text is tokenized with
 the embedding artifact's own tokenizer on worker threads (serve/prompts.py, its character bound checked first),
 each input's ids are checked against the program's largest bucket and vocabulary, and all of them run in one
 `BoundedProgram.run_many` on the program's own thread (a BoundedProgram has one caller at a time): inputs of one
@@ -27,6 +27,7 @@ from tlaloc_jax.artifact import bounded as bm
 
 from .bounded import BoundedProgram
 from .errors import APIError
+from .openai.protocol import EmbeddingRequest
 from .prompts import PromptTokenizer
 from .tokenizer import read_listed
 
@@ -94,13 +95,13 @@ class Embeddings:
                 raise APIError(400, f"{where} holds token id {bad}, outside the vocabulary (0 to {self.task.vocab - 1})",
                                param="input", code="out_of_vocabulary")
 
-    async def answer(self, req: dict) -> dict:
-        """A validated request (EMBEDDING_FIELDS) -> the OpenAI answer; APIError 400 for an input it refuses."""
-        self.check_model(req["model"])
-        if req["dimensions"] is not None and req["dimensions"] != self.dimensions:
-            raise APIError(400, f"'dimensions' = {req['dimensions']}: this model's embeddings have {self.dimensions} "
+    async def answer(self, req: EmbeddingRequest) -> dict:
+        """A checked request -> the OpenAI answer; APIError 400 for an input it refuses."""
+        self.check_model(req.model)
+        if req.dimensions is not None and req.dimensions != self.dimensions:
+            raise APIError(400, f"'dimensions' = {req.dimensions}: this model's embeddings have {self.dimensions} "
                                 "dimensions and are not truncated", param="dimensions", code="unsupported_parameter")
-        kind, inputs = req["input"]
+        kind, inputs = req.input
         if kind == "text":
             if self.prompt_tokenizer is None:
                 raise APIError(400, "this embedding model has no tokenizer: send the input as token ids",
@@ -109,7 +110,7 @@ class Embeddings:
         self._check_ids(inputs)
         calls = [{self.task.tokens: np.asarray([ids] if self.rows else ids, np.int32)} for ids in inputs]
         outs = await asyncio.get_running_loop().run_in_executor(self._worker, self.program.run_many, calls)
-        b64 = req["encoding_format"] == "base64"
+        b64 = req.encoding_format == "base64"
         data = []
         for i, out in enumerate(outs):
             vector = np.asarray(out[self.task.output], np.float32).reshape(-1)

@@ -207,10 +207,10 @@ class Probe:
 
     def __init__(self, server):
         self.server, self.sent, self.first, self.running = server, [], threading.Event(), False
-        original, step = server.stream, server.engine.step
+        original, step = server.responses.stream, server.engine.step
 
         async def stream(gen, req, rid, chat):
-            probe = req["user"] == "probe"
+            probe = req.user == "probe"
             self.running |= probe
             try:
                 async for chunk in original(gen, req, rid, chat):
@@ -229,7 +229,7 @@ class Probe:
             if self.running:
                 time.sleep(max(0.0, PROBE_STEP_S - (time.perf_counter() - t0)))
             return events
-        server.stream, server.engine.step = stream, slow_step
+        server.responses.stream, server.engine.step = stream, slow_step
 
     def delays(self, since: int, until: int) -> list[int]:
         """Per probe token sent between the chunks `since` and `until`: how many steps after the one that made it it

@@ -363,7 +363,7 @@ def test_allowed_origins_answer_cors_and_others_get_no_cors_headers(engine):
 
 
 def test_health_answers_503_once_the_engine_loop_stops(engine):
-    """/health and the Ray Serve replica health check (serve/ray.py: `health_problem`) say the same: 200 while the
+    """/health and the Ray Serve replica health check (serve/integrations/ray.py: `health_problem`) say the same: 200 while the
     engine loop runs, 503 naming why once it has stopped."""
     with InProcess(engine) as srv:
         assert srv.client.get("/health").status_code == 200

@@ -1,4 +1,4 @@
-"""The OpenAI server as a Ray Serve application (serve/ray.py): a local Ray head on loopback, two replicas of the
+"""The OpenAI server as a Ray Serve application (serve/integrations/ray.py): a local Ray head on loopback, two replicas of the
 tiny ids artifact of tests/http_util.py, driven through Ray's HTTP proxy by the official openai client. The oracle
 for every generated id is the in-process Engine on the same artifact (Engine.generate, solo).
 
@@ -33,7 +33,7 @@ APP = "tlaloc"
 # Sequences a replica runs at once (the artifact's decode batches are 1 and 8): 16 requests over two replicas
 # share decode calls, and each replica also holds requests waiting their turn.
 MAX_BATCH = 4
-REPLICA = "x-tlaloc-replica"        # serve/ray.py REPLICA_HEADER
+REPLICA = "x-tlaloc-replica"        # serve/integrations/ray.py REPLICA_HEADER
 STOP = [EOS]
 # 16 prompts of distinct lengths and ids: the 16 streams are told apart by their ids.
 PROMPTS = [[(7 * i + 3 * k) % 250 + 1 for k in range(3 + i % 5)] for i in range(16)]

@@ -1,4 +1,4 @@
-"""The artifact as a decoupled NVIDIA Triton model (serve/triton.py, through PyTriton): `python -m
+"""The artifact as a decoupled NVIDIA Triton model (serve/integrations/triton.py, through PyTriton): `python -m
 tlaloc_jax.serve.triton` on loopback ports, driven by Triton's own client library (tritonclient) over gRPC and HTTP.
 The oracle for every generated id is the in-process Engine on the same artifact (Engine.generate).
 
