@@ -186,8 +186,8 @@ class EngineLoop:
                         self._fail_all("the server is shutting down")
                         return
                     self._handle(cmd)
+                self._expire()          # before admitting: a new request gets one step's chance to start first
                 self._admit()
-                self._expire()
                 stalled = False
                 if self._running:
                     # Work due before this step (a grammar's next mask) gets at most half a step to finish.
