@@ -317,7 +317,7 @@ def main(argv=None) -> None:
         elif a.peer == "vllm-plugin":
             servers.append(start_vllm_plugin(a, art))
         uncached = start_tlaloc(a, art, caching=False) if shared_cells and not a.no_cache_control_off else None
-        models = {s.name: _model(s) for s in servers}
+        models = {s.name: _model(s) for s in servers + ([uncached] if uncached is not None else [])}
         cells = ([Cell(0, int(p), a.open_loop) for p in a.shared_prefix.split(",")] if a.open_loop else
                  [Cell(c, 0) for c in clients] if a.sweep else
                  [Cell(c, int(p)) for c in clients for p in a.shared_prefix.split(",")])
