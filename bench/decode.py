@@ -122,15 +122,14 @@ def prefill_flops(cfg, tokens: int) -> float:
             + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys)
 
 
-def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """The random Llama's shape (default: the 100M-parameter model of the decode-speed issue) and the context."""
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=16000)
-    ap.add_argument("--context", type=int, default=256)
+# The 100M-parameter Llama of the decode-speed issue, and the context.
+MODEL_DEFAULTS = dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=16000, context=256)
+
+
+def add_model_args(ap: argparse.ArgumentParser, **defaults: int) -> None:
+    """The random Llama's shape and the context: --hidden ... --context, MODEL_DEFAULTS unless `defaults` says."""
+    for name, value in dict(MODEL_DEFAULTS, **defaults).items():
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=value)
 
 
 def llama_config(args) -> dict:
@@ -139,6 +138,16 @@ def llama_config(args) -> dict:
                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                 head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, max_position_embeddings=4 * args.context,
                 tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def save_random_checkpoint(hf: dict, out: Path) -> int:
+    """A checkpoint of `hf`'s model with random weights (seed 0, std 0.02) written to `out`; its parameter count."""
+    from tlaloc_jax.checkpoint import random_weights, save_checkpoint
+    from tlaloc_jax.families import config_from_hf
+    fam, cfg = config_from_hf(hf)
+    weights = random_weights(cfg, fam, seed=0, std=0.02)
+    save_checkpoint(out, hf, weights)
+    return sum(w.size for w in weights.values())
 
 
 def main(argv=None) -> None:
@@ -170,7 +179,6 @@ def main(argv=None) -> None:
 
     import tlaloc_jax
     from tlaloc_jax.artifact import Role
-    from tlaloc_jax.checkpoint import random_weights, save_checkpoint
     from tlaloc_jax.decoder import StepInputs
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.families import config_from_hf
@@ -178,15 +186,12 @@ def main(argv=None) -> None:
     from tlaloc_jax.serve import Engine
 
     hf = llama_config(args)
-    fam, cfg = config_from_hf(hf)
+    cfg = config_from_hf(hf)[1]
     batches = (1, 4, 8, 32)
     block = 16
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        weights = random_weights(cfg, fam, seed=0, std=0.02)
-        n_params = sum(w.size for w in weights.values())
-        save_checkpoint(tmp / "ck", hf, weights)
-        del weights
+        n_params = save_random_checkpoint(hf, tmp / "ck")
         t0 = time.perf_counter()
         m = export_checkpoint(tmp / "ck", tmp / "art", batch_ladder=batches, context_ladder=(args.context,),
                               prefill_max_batch=1, prefill_chunk=args.prefill, block_size=block, progress=False,
@@ -311,19 +316,8 @@ TINY = dict(hidden=64, layers=3, heads=4, kv_heads=2, intermediate=96, vocab=256
 
 def _export_shape(root: Path, shape: dict, args, *, context: int, block: int):
     """A random Llama of `shape` exported with the sampler (as the CLI stages it) and decode_steps entries."""
-    from tlaloc_jax.checkpoint import random_weights, save_checkpoint
     from tlaloc_jax.export import Sampler, export_checkpoint
-    from tlaloc_jax.families import config_from_hf
-    hf = dict(model_type="llama", vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-              intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
-              num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-              head_dim=shape["hidden"] // shape["heads"], rms_norm_eps=1e-6, max_position_embeddings=4 * context,
-              tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    fam, cfg = config_from_hf(hf)
-    weights = random_weights(cfg, fam, seed=0, std=0.02)
-    n_params = sum(w.size for w in weights.values())
-    save_checkpoint(root / "ck", hf, weights)
-    del weights
+    n_params = save_random_checkpoint(llama_config(argparse.Namespace(**shape, context=context)), root / "ck")
     export_checkpoint(root / "ck", root / "art", batch_ladder=(1, 2, 4), context_ladder=(context,),
                       prefill_max_batch=1, prefill_chunk=64, block_size=block, progress=False, sampler=Sampler(),
                       decode_steps=args.decode_steps)

@@ -23,7 +23,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import _median_times, _median_wall_cpu  # noqa: E402
+from decode import (_median_times, _median_wall_cpu, add_model_args, llama_config,  # noqa: E402
+                    save_random_checkpoint)
 
 
 def step_bytes(manifest, vocab: int) -> int:
@@ -76,13 +77,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weight-quant", default="int8,fp8,int4", help="schemes, comma-separated (int8, fp8, int4)")
     ap.add_argument("--quant-group", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--intermediate", type=int, default=1536)
-    ap.add_argument("--vocab", type=int, default=8000)
-    ap.add_argument("--context", type=int, default=256)
+    add_model_args(ap, hidden=512, layers=8, heads=8, intermediate=1536, vocab=8000)
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per variant")
     ap.add_argument("--plugin", default=None)
     ap.add_argument("--prefill", type=int, default=128, help="tokens of the timed prefill call (0: none)")
@@ -91,28 +86,20 @@ def main(argv=None) -> None:
 
     import jax
 
-    from tlaloc_jax.checkpoint import load_checkpoint, random_weights, save_checkpoint
+    from tlaloc_jax.checkpoint import load_checkpoint
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.export._quant import quantize_weights, scheme_label
-    from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.paging import RowCall, build_step_inputs
     from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine
 
-    hf = dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-              num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-              head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, max_position_embeddings=4 * args.context,
-              tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    fam, cfg = config_from_hf(hf)
+    hf = llama_config(args)
     block = 16
     variants = [("f32", "float32", "none"), ("bf16", "bfloat16", "none")]
     variants += [(f"{scheme_label(s, args.quant_group)} (bf16 rest)", "bfloat16", s) for s in schemes]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        weights = random_weights(cfg, fam, seed=0, std=0.02)
-        n_params = sum(w.size for w in weights.values())
-        save_checkpoint(tmp / "ck", hf, weights)
-        del weights
+        n_params = save_random_checkpoint(hf, tmp / "ck")
         engines, manifests = [], []
         for i, (label, dtype, quant) in enumerate(variants):
             m = export_checkpoint(tmp / "ck", tmp / f"art{i}", batch_ladder=(1,), context_ladder=(args.context,),

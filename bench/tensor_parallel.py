@@ -37,21 +37,15 @@ def main(argv=None) -> None:
     counts = [int(n) for n in args.devices.split(",")]
 
     from tlaloc_jax import artifact as mf
-    from tlaloc_jax.checkpoint import random_weights, save_checkpoint
     from tlaloc_jax.export import export_checkpoint
-    from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.paging import RowCall, build_step_inputs
     from tlaloc_jax.serve import Engine
 
     hf = decode.llama_config(args)
-    fam, cfg = config_from_hf(hf)
     block, batches = 16, (1, 4)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        weights = random_weights(cfg, fam, seed=0, std=0.02)
-        params = sum(w.size for w in weights.values())
-        save_checkpoint(tmp / "ck", hf, weights)
-        del weights
+        params = decode.save_random_checkpoint(hf, tmp / "ck")
         engines, loads = {}, {}
         for n in counts:
             t0 = time.perf_counter()

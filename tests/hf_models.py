@@ -162,6 +162,19 @@ def assert_saved_back(path: Path, out_dir: Path) -> None:
         np.testing.assert_array_equal(arr, original[k], err_msg=k)
 
 
+def assert_random_weights_round_trip(hf_config: dict, out_dir: Path) -> None:
+    """Seeded random weights for hf_config's family, saved (save_checkpoint) and loaded back (load_checkpoint): the
+    same config and every tensor, bit for bit."""
+    from tlaloc_jax.checkpoint import load_checkpoint, random_weights, save_checkpoint
+    from tlaloc_jax.families import config_from_hf
+    fam, cfg = config_from_hf(hf_config)
+    w = random_weights(cfg, fam, seed=3)
+    cfg2, w2 = load_checkpoint(save_checkpoint(out_dir, hf_config, w))
+    assert cfg2 == cfg and w2.keys() == w.keys()
+    for k in w:
+        np.testing.assert_array_equal(w2[k], w[k], err_msg=f"{out_dir.name} {k}")
+
+
 def load_hf_torch(path: Path, dtype=torch.float32):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model

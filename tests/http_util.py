@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 
 from hf_models import build_checkpoint
 from tlaloc_jax.export import export_checkpoint
+from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.http import create_app
 from tokenizers_util import EOS, IMAGE, VOCAB, write_tokenizer
 
@@ -46,6 +47,26 @@ def export_http_artifacts(root: Path) -> tuple[Path, Path]:
     write_tokenizer(ck)
     export_checkpoint(ck, root / "text", **LADDER)
     return root / "text", root / "ids"
+
+
+@contextlib.contextmanager
+def loaded(artifact: Path, cache_dir: Path):
+    """The Engine on `artifact`, compiled executables cached in `cache_dir`, closed on leaving."""
+    with Engine.load(artifact, cache_dir=cache_dir, progress=False) as engine:
+        yield engine
+
+
+def solo_runner(engine, stop=()):
+    """prompt ids, max_tokens (, sampling) -> the ids Engine.generate gives that prompt alone (stopping on `stop`),
+    each asked once."""
+    memo = {}
+
+    def run(prompt, max_tokens, sampling=None):
+        key = (tuple(prompt), max_tokens, sampling)
+        if key not in memo:
+            memo[key] = engine.generate([prompt], max_tokens, sampling=sampling, stop_token_ids=stop)[0]
+        return memo[key]
+    return run
 
 
 class InProcess:

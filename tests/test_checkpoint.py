@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from hf_models import LLAMA3_ROPE, build_checkpoint
-from tlaloc_jax.checkpoint import CheckpointError, load_checkpoint, random_weights, save_checkpoint
+from hf_models import LLAMA3_ROPE, assert_random_weights_round_trip, build_checkpoint
+from tlaloc_jax.checkpoint import CheckpointError, load_checkpoint
 from tlaloc_jax.config import ConfigError
 from tlaloc_jax.decoder import StepInputs, forward, init_pools
 from tlaloc_jax.families import config_from_hf
@@ -112,9 +112,4 @@ def test_tied_head_has_no_head_slot_and_contracts_the_embedding_table(tmp_path):
 def test_save_checkpoint_round_trips_through_the_family_table(tmp_path):
     hf = dict(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
               num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=False)
-    fam, cfg = config_from_hf(hf)
-    w = random_weights(cfg, fam, seed=3)
-    cfg2, w2 = load_checkpoint(save_checkpoint(tmp_path / "c", hf, w))
-    assert cfg2 == cfg and w2.keys() == w.keys()
-    for k in w:
-        np.testing.assert_array_equal(w2[k], w[k])
+    assert_random_weights_round_trip(hf, tmp_path / "c")

@@ -8,8 +8,8 @@ import pytest
 
 import tlaloc_jax.serve.core.inputs as inputs_module
 import tlaloc_jax.serve.core.outputs as outputs_module
-from http_util import CONTEXT, GOOD, NUM_PAGES
-from tlaloc_jax.serve import Engine, RequestRefused, Sampling
+from http_util import CONTEXT, GOOD, NUM_PAGES, loaded, solo_runner
+from tlaloc_jax.serve import RequestRefused, Sampling
 
 OTHER = [7, 7, 7, 1, 2, 3, 200, 100, 11, 13]
 THIRD = [42, 43, 44]
@@ -18,20 +18,13 @@ SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=5)
 
 @pytest.fixture(scope="module")
 def engine(http_artifacts, serve_cache_dir):
-    with Engine.load(http_artifacts[0], cache_dir=serve_cache_dir, progress=False) as eng:
+    with loaded(http_artifacts[0], serve_cache_dir) as eng:
         yield eng
 
 
 @pytest.fixture(scope="module")
 def solo(engine):
-    memo = {}
-
-    def run(prompt, n, sampling=None):
-        key = (tuple(prompt), n, sampling)
-        if key not in memo:
-            memo[key] = engine.generate([prompt], n, sampling=sampling)[0]
-        return memo[key]
-    return run
+    return solo_runner(engine)
 
 
 def _pool(engine) -> dict[str, tuple[int, int]]:

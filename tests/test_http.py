@@ -20,9 +20,9 @@ import httpx
 import openai
 import pytest
 
-from http_util import CONTEXT, GOOD, STOP, serving
+from http_util import CONTEXT, GOOD, STOP, loaded, serving, solo_runner
 from import_guard import guarded
-from tlaloc_jax.serve import Engine, Sampling
+from tlaloc_jax.serve import Sampling
 from tokenizers_util import EOS, IMAGE, VOCAB, build_tokenizer
 
 # The artifacts of tests/http_util.py: decode batches of 1 and 8 (eight clients share one call), prefill batch 1,
@@ -120,21 +120,13 @@ def ids_server(artifacts, cache_dir, text_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(artifacts, cache_dir, text_server):
-    with Engine.load(artifacts[0], cache_dir=cache_dir, progress=False) as eng:
+    with loaded(artifacts[0], cache_dir) as eng:
         yield eng
 
 
 @pytest.fixture(scope="module")
 def solo(engine):
-    """prompt ids, max_tokens (, sampling) -> the ids Engine.generate gives that prompt alone."""
-    memo = {}
-
-    def run(prompt, max_tokens, sampling=None):
-        key = (tuple(prompt), max_tokens, sampling)
-        if key not in memo:
-            memo[key] = engine.generate([prompt], max_tokens, sampling=sampling, stop_token_ids=STOP)[0]
-        return memo[key]
-    return run
+    return solo_runner(engine, STOP)
 
 
 @pytest.fixture(scope="module")

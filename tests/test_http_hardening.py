@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from http_util import CONTEXT, GOOD, STOP, InProcess, serving
+from http_util import CONTEXT, GOOD, STOP, InProcess, loaded, serving, solo_runner
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.http import create_app
 from tokenizers_util import build_tokenizer
@@ -27,20 +27,14 @@ IDLE = {"running": 0, "waiting": 0, "kv_in_use": 0}
 
 @pytest.fixture(scope="module")
 def engine(http_artifacts, serve_cache_dir):
-    with Engine.load(http_artifacts[0], cache_dir=serve_cache_dir, progress=False) as eng:
+    with loaded(http_artifacts[0], serve_cache_dir) as eng:
         yield eng
 
 
 @pytest.fixture(scope="module")
 def solo(engine):
     """Computed before any app starts its loop thread (the engine has one driver at a time)."""
-    memo = {}
-
-    def run(prompt, n):
-        key = (tuple(prompt), n)
-        if key not in memo:
-            memo[key] = engine.generate([prompt], n, stop_token_ids=STOP)[0]
-        return memo[key]
+    run = solo_runner(engine, STOP)
     for prompt, n in ((GOOD, 8), (GOOD, 30), (OTHER, 16)):
         run(prompt, n)
     return run

@@ -27,10 +27,10 @@ import pytest
 import torch
 
 import tlaloc_jax
-from hf_models import assert_saved_back, QWEN3_NEXT_MOE, build_checkpoint, load_hf_torch, torch_greedy
+from hf_models import assert_random_weights_round_trip, assert_saved_back, QWEN3_NEXT_MOE, build_checkpoint, load_hf_torch, torch_greedy
 from margins import assert_within
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
-from tlaloc_jax.checkpoint import load_checkpoint, random_weights, save_checkpoint
+from tlaloc_jax.checkpoint import load_checkpoint, random_weights
 from tlaloc_jax.config import DENSE, FULL, SLIDING, SPARSE, ConfigError
 from tlaloc_jax.decoder import StepInputs, moe_spec
 from tlaloc_jax.families import config_from_hf
@@ -396,12 +396,7 @@ def test_random_weights_round_trip(model_type, tmp_path):
     if model_type == "qwen3_next":
         hf.update(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
                   linear_value_head_dim=4, shared_expert_intermediate_size=12)
-    fam, cfg = config_from_hf(hf)
-    w = random_weights(cfg, fam, seed=3)
-    cfg2, w2 = load_checkpoint(save_checkpoint(tmp_path / model_type, hf, w))
-    assert cfg2 == cfg and w2.keys() == w.keys()
-    for k in w:
-        np.testing.assert_array_equal(w2[k], w[k], err_msg=f"{model_type} {k}")
+    assert_random_weights_round_trip(hf, tmp_path / model_type)
 
 
 @pytest.mark.parametrize("params", [

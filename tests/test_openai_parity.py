@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from http_util import GOOD, LADDER, STOP, InProcess, serving
+from http_util import GOOD, LADDER, STOP, InProcess, loaded, serving
 from tlaloc_jax.serve import Engine, Sampling
 from tokenizers_util import write_tokenizer
 
@@ -76,13 +76,13 @@ def artifacts(http_artifacts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(artifacts, serve_cache_dir):
-    with Engine.load(artifacts[0], cache_dir=serve_cache_dir, progress=False) as eng:
+    with loaded(artifacts[0], serve_cache_dir) as eng:
         yield eng
 
 
 @pytest.fixture(scope="module")
 def host_engine(artifacts, serve_cache_dir):
-    with Engine.load(artifacts[1], cache_dir=serve_cache_dir, progress=False) as eng:
+    with loaded(artifacts[1], serve_cache_dir) as eng:
         yield eng
 
 
@@ -446,7 +446,7 @@ def demo_engine(tmp_path_factory, serve_cache_dir):
     from tlaloc_jax.demo import export_demo
     art = tmp_path_factory.mktemp("demo") / "artifact"
     export_demo(art)
-    with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
+    with loaded(art, serve_cache_dir) as eng:
         yield eng
 
 

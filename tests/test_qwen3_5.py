@@ -17,12 +17,12 @@ import torch
 from safetensors.numpy import load_file
 
 import tlaloc_jax
-from hf_models import build_checkpoint, load_hf_torch, torch_greedy
+from hf_models import assert_random_weights_round_trip, build_checkpoint, load_hf_torch, torch_greedy
 from margins import assert_within
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token, transposed_weight
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
-from tlaloc_jax.checkpoint import load_checkpoint, random_weights, save_checkpoint
+from tlaloc_jax.checkpoint import load_checkpoint, save_checkpoint
 from tlaloc_jax.config import FULL, LINEAR, ConfigError
 from tlaloc_jax.decoder import StepInputs, init_pools, pool_shapes
 from tlaloc_jax.families import config_from_hf
@@ -128,12 +128,7 @@ def test_random_weights_round_trip_through_qwen3_next_and_qwen3_5_text(tmp_path)
         hf = dict(model_type=model_type, vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_num_key_heads=2,
                   linear_num_value_heads=6, linear_key_head_dim=4, linear_value_head_dim=2)
-        fam, cfg = config_from_hf(hf)
-        w = random_weights(cfg, fam, seed=3)
-        cfg2, w2 = load_checkpoint(save_checkpoint(tmp_path / model_type, hf, w))
-        assert cfg2 == cfg and w2.keys() == w.keys()
-        for k in w:
-            np.testing.assert_array_equal(w2[k], w[k], err_msg=f"{model_type} {k}")
+        assert_random_weights_round_trip(hf, tmp_path / model_type)
 
 
 def test_hybrid_config_keys():

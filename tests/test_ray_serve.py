@@ -16,7 +16,7 @@ import time
 import httpx
 import openai
 import pytest
-from tlaloc_jax.serve import Engine
+from http_util import loaded, solo_runner
 from tokenizers_util import EOS
 
 if importlib.util.find_spec("ray") is None:
@@ -53,15 +53,8 @@ def ids_artifact(http_artifacts):
 @pytest.fixture(scope="module")
 def solo(ids_artifact, serve_cache_dir):
     """prompt ids, max_tokens -> the ids Engine.generate gives that prompt alone (greedy)."""
-    with Engine.load(ids_artifact, cache_dir=serve_cache_dir, progress=False) as engine:
-        memo = {}
-
-        def run(prompt, max_tokens):
-            key = (tuple(prompt), max_tokens)
-            if key not in memo:
-                memo[key] = engine.generate([prompt], max_tokens, stop_token_ids=STOP)[0]
-            return memo[key]
-        yield run
+    with loaded(ids_artifact, serve_cache_dir) as engine:
+        yield solo_runner(engine, STOP)
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,9 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="the `triton-client` extra is not installed "
                                                              "(pip install -e '.[triton-client]')")
 httpclient = pytest.importorskip("tritonclient.http", reason="the `triton-client` extra is not installed")
+from http_util import LADDER, loaded
 from process_util import wait_ready
-from tlaloc_jax.serve import Engine, Sampling
+from tlaloc_jax.serve import Sampling
 from tokenizers_util import EOS
 from tritonclient.utils import InferenceServerException
 
@@ -59,7 +60,7 @@ def ids_artifact(http_artifacts):
 
 @pytest.fixture(scope="module")
 def engine(ids_artifact, serve_cache_dir):
-    with Engine.load(ids_artifact, cache_dir=serve_cache_dir, progress=False) as eng:
+    with loaded(ids_artifact, serve_cache_dir) as eng:
         yield eng
 
 
@@ -221,11 +222,10 @@ def test_http_generate_stream_gives_the_same_ids(triton, engine):
 def test_a_two_device_artifact_streams_its_engines_ids(ids_artifact, tmp_path_factory, serve_cache_dir):
     """docs/multi-device.md: Triton serves a tensor-parallel artifact unchanged, its runtime one client of 2 devices
     in the JAX-free environment."""
-    from http_util import LADDER
     from tlaloc_jax.export import export_checkpoint
     art = tmp_path_factory.mktemp("tp2") / "art"
     export_checkpoint(Path(ids_artifact).parent / "ck", art, tensor_parallel=2, **LADDER)
-    with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
+    with loaded(art, serve_cache_dir) as eng:
         assert eng.stats()["devices"] == 2
         wants = eng.generate(PROMPTS, 20, stop_token_ids=STOP)
     with serving(art, tmp_path_factory) as urls:

@@ -60,6 +60,13 @@ def _version() -> str:
         return "unknown"
 
 
+def _forwarding(answer):
+    """A route that hands its request to `answer` (one of the server's coroutines)."""
+    async def route(request: Request):
+        return await answer(request)
+    return route
+
+
 def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto", model_name: str | None = None,
                api_key: str | None = None, max_batch: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Iterable[str] | None = None,
@@ -116,17 +123,11 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind).response()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await server.completions(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await server.chat(request)
-
-    @app.post("/v1/embeddings")
-    async def embeddings_(request: Request):
-        return await server.embed(request)
+    # The POST endpoints: each hands the request to the server's coroutine that answers it.
+    for path, answer in (("/v1/completions", server.completions), ("/v1/chat/completions", server.chat),
+                         ("/v1/embeddings", server.embed), ("/tokenize", server.tokenize),
+                         ("/detokenize", server.detokenize)):
+        app.add_api_route(path, _forwarding(answer), methods=["POST"], name=answer.__name__)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -135,14 +136,6 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):
         return server.model(request, model_id)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        return await server.tokenize(request)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        return await server.detokenize(request)
 
     @app.get("/version")
     async def version():

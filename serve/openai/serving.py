@@ -111,6 +111,13 @@ class OpenAIServer:
                         ", ".join(sorted(ignored)))
         return req
 
+    async def read_model_request(self, request: Request, model: type[R]) -> R:
+        """The key checked, then the body read as `model` (read_request), then the model it names (check_model)."""
+        self.check_key(request)
+        req = await self.read_request(request, model)
+        self.check_model(req.model)
+        return req
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
@@ -250,9 +257,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
-        self.check_key(request)
-        req = await self.read_request(request, CompletionRequest)
-        self.check_model(req.model)
+        req = await self.read_model_request(request, CompletionRequest)
         kind, prompts = req.prompt
         n = req.n or 1
         check_sequence_count(len(prompts), n)
@@ -269,9 +274,7 @@ class OpenAIServer:
 
     async def chat(self, request: Request) -> Response:
         arrival = time.perf_counter()
-        self.check_key(request)
-        req = await self.read_request(request, ChatRequest)
-        self.check_model(req.model)
+        req = await self.read_model_request(request, ChatRequest)
         if self.prompt_tokenizer is None:
             raise APIError(400, "this artifact has no tokenizer, so no chat template: use /v1/completions with "
                                 "token ids", param="messages", code="invalid_value")
@@ -308,9 +311,7 @@ class OpenAIServer:
         return await self.embeddings.answer(await self.read_request(request, EmbeddingRequest))
 
     async def tokenize(self, request: Request) -> dict:
-        self.check_key(request)
-        req = await self.read_request(request, TokenizeRequest)
-        self.check_model(req.model)
+        req = await self.read_model_request(request, TokenizeRequest)
         if self.prompt_tokenizer is None:
             raise APIError(400, "this artifact has no tokenizer", code="invalid_value")
         if (req.prompt is None) == (req.messages is None):
@@ -326,9 +327,7 @@ class OpenAIServer:
         return out
 
     async def detokenize(self, request: Request) -> dict:
-        self.check_key(request)
-        req = await self.read_request(request, DetokenizeRequest)
-        self.check_model(req.model)
+        req = await self.read_model_request(request, DetokenizeRequest)
         if self.tokenizer is None:
             raise APIError(400, "this artifact has no tokenizer", code="invalid_value")
         bad = [t for t in req.tokens if not 0 <= t < self.engine.vocab]
