@@ -200,6 +200,7 @@ def test_served_int8_matches_the_dequantized_checkpoint(checkpoint, tmp_path):
     bound. Control: the wrong-axis codes, in process."""
     import tlaloc_jax
     from tlaloc_jax.checkpoint import read_config, save_checkpoint
+    from quant_controls import wrong_axis_weights
     from tlaloc_jax.export._quant import quantize_weights
     from tlaloc_jax.kernels.quantized_matmul import QuantizedWeight, dequantize
     from tlaloc_jax.serve import Engine
@@ -217,7 +218,7 @@ def test_served_int8_matches_the_dequantized_checkpoint(checkpoint, tmp_path):
         check_greedy_batch(PROMPTS, [eng.generate([p], NEW)[0] for p in PROMPTS], want, logit_bound=bound,
                            next_token=next_token)
         check_greedy_batch(PROMPTS, eng.generate(PROMPTS, NEW), want, logit_bound=bound, next_token=next_token)
-    wrong = tlaloc_jax.Model(cfg, quantize_weights(weights, "int8", 0, compute="float32", axis="input"), block_size=8)
+    wrong = tlaloc_jax.Model(cfg, wrong_axis_weights(weights, "int8", 0, compute="float32"), block_size=8)
     with pytest.raises(GreedyMismatch):
         check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, NEW), want, logit_bound=bound,
                            next_token=engine_next_token(wrong))

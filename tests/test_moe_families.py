@@ -171,6 +171,8 @@ def served_first_logits(eng, prompt, monkeypatch) -> np.ndarray:
     real = eng.runner.run
 
     def keep_logits(entry, inputs, want):
+        if entry.kind == "copy_slots":
+            return real(entry, inputs, want)      # a state snapshot's copy: no logits
         out = real(entry, inputs, set(want) | {Role.LOGITS})
         seen.append((out[Role.LOGITS], np.flatnonzero(np.asarray(inputs["seq_lens"]) > 0)))
         return out
@@ -283,7 +285,8 @@ def test_moe_decoder_trains_through_the_dense_forward(monkeypatch):
     margins = []
 
     def dense_moe(spec, x, router, experts, *, router_bias=None, correction=None, shared=None, valid=None,
-                  layer=None):
+                  layer=None, first_expert=0):
+        assert first_expert == 0        # one device: every expert is this shard's
         logits = router_logits(x, router, router_bias)
         jax.debug.callback(lambda m, s: margins.append(float(np.min(m)) / float(s)),
                            router_margins(spec, logits, correction), jnp.max(jnp.abs(logits)))
