@@ -26,7 +26,7 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def refusal(e: RequestRefused, prompt_param: str, n: int) -> APIError:
+def refusal(e: RequestRefused, prompt_param: str) -> APIError:
     """The engine's refusal as an HTTP error; its message names the cause.
 
     queue_full is 503 + Retry-After (not now: the same request is queued once fewer wait);

@@ -217,7 +217,7 @@ def test_more_choices_than_state_slots_wait_and_the_start_up_log_names_the_state
             assert [c["text"] for c in r.json()["choices"]] == [solo] * (slots + 1)
         from tlaloc_jax.serve.__main__ import describe_pools
         assert describe_pools(eng) == f"state pool {slots} slots"
-    err = refusal(RequestRefused("exceeds_pool", "a sequence needs 1 state slots", pool="state_slots"), "prompt", 1)
+    err = refusal(RequestRefused("exceeds_pool", "a sequence needs 1 state slots", pool="state_slots"), "prompt")
     assert (err.status, err.code) == (400, "exceeds_state_pool") and "max_tokens" not in err.message
 
 

@@ -143,7 +143,7 @@ class Generation:
         self.specs = [dataclasses.replace(s, constraint=c) for s, c in zip(self.specs, constraints)]
 
     def refused(self, e: RequestRefused, prompt_param: str) -> APIError:
-        return refusal(e, prompt_param, self.n)
+        return refusal(e, prompt_param)
 
     def check_could_fit(self, prompt_param: str) -> None:
         """Refuse, before anything is reserved, a prompt or length past the context (naming the request's fields),
