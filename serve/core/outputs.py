@@ -23,7 +23,7 @@ def allowed_mask(s: Request, vocab: int) -> np.ndarray | None:
         if s.stop_mask is None:     # made once per sequence: a request may carry many stop ids
             bits = np.zeros(mf.mask_words(vocab) * 32, bool)      # no bit past the vocabulary
             bits[:vocab] = True
-            bits[np.array([t for t in s.stop if 0 <= t < vocab], np.int64)] = False
+            bits[np.array(s.stop_ids(vocab), np.int64)] = False
             s.stop_mask = np.packbits(bits, bitorder="little").view(np.int32)
         words = s.stop_mask.copy() if words is None else words & s.stop_mask
     return words

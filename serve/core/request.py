@@ -104,6 +104,10 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     stop_mask: np.ndarray | None = None      # packed: every token but the stop ids (min_tokens), made once
 
+    def stop_ids(self, vocab: int) -> list[int]:
+        """The stop ids a token can be (those inside the vocabulary), sorted."""
+        return sorted(t for t in self.stop if 0 <= t < vocab)
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

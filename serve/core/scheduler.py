@@ -404,7 +404,7 @@ class Scheduler:
 
     def stop_ids(self, s: Request) -> list[int]:
         """The stop ids a token can be (those inside the vocabulary), sorted."""
-        return sorted(t for t in s.stop if 0 <= t < self.manifest.model.vocab)
+        return s.stop_ids(self.manifest.model.vocab)
 
     def _steps_call(self, work: list[_Work]) -> ScheduledCall | None:
         """One decode_steps call for every running sequence when all are decoding, none waits and the pages for
