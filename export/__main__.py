@@ -8,7 +8,7 @@ import time
 
 from tlaloc_jax.artifact import QUANT_GROUPS
 
-from ._options import DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK
+from ._options import DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_LONG_CHUNK, DEFAULT_PREFILL_MAX_BATCH
 from ._quant import WEIGHT_QUANT
 
 
@@ -48,11 +48,15 @@ def main(argv=None) -> int:
                     help="context buckets in positions, multiples of the block size (default 64,256,1024, those "
                          "within the checkpoint's max_position_embeddings: 64,256 for --demo)")
     ap.add_argument("--prefill-max-batch", type=int, default=None,
-                    help="largest batch of the prefill entries (default: the largest batch bucket, at most 4; 1 = "
+                    help="largest batch of the prefill entries (default: the largest batch bucket, at most "
+                         f"{DEFAULT_PREFILL_MAX_BATCH}; 1 = "
                          "batch-1 only)")
     ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                     help=f"tokens per sequence of a prefill call (default {DEFAULT_PREFILL_CHUNK}; 0: the entry's whole "
                          "context); a runtime prefills longer prompts in several calls")
+    ap.add_argument("--prefill-long-chunk", type=int, default=DEFAULT_PREFILL_LONG_CHUNK,
+                    help=f"tokens of one more one-row prefill entry per context, for a prompt read alone (default "
+                         f"{DEFAULT_PREFILL_LONG_CHUNK}; 0: none)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV page (default 16)")
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="pages in the KV pool (default: room for the largest batch at the largest context)")
@@ -141,7 +145,8 @@ def main(argv=None) -> int:
     try:
         m = export_checkpoint(args.checkpoint, args.out, batch_ladder=args.batch_ladder,
                               context_ladder=args.context_ladder, prefill_max_batch=args.prefill_max_batch,
-                              prefill_chunk=args.prefill_chunk, block_size=args.block_size,
+                              prefill_chunk=args.prefill_chunk, prefill_long_chunk=args.prefill_long_chunk,
+                              block_size=args.block_size,
                               num_blocks=args.num_blocks, weight_dtype_name=dtypes[args.weight_dtype],
                               kv_dtype=dtypes[args.kv_dtype], attention_block=args.attention_block,
                               windowed_kv=args.windowed_kv == "true", window_blocks=args.window_blocks,

@@ -25,7 +25,8 @@ from tlaloc_jax.sharding import ShardingError, local_config, shard_decoder_weigh
 
 from ._entries import ExportError
 from ._mesh import weight_split_axes
-from ._options import DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, Capacity, Features, Ladders, ModelInfo, Sampler, SplitStep
+from ._options import (DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_LONG_CHUNK, Capacity, Features,
+                       Ladders, ModelInfo, Sampler, SplitStep)
 from ._quant import quantize_weights, scheme_label
 from ._stage import sorted_ladder, stage
 from ._weights import flatten_weights
@@ -53,6 +54,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       batch_ladder: Sequence[int] = DEFAULT_BATCH_LADDER,
                       context_ladder: Sequence[int] = (64, 256, 1024),
                       prefill_max_batch: int | None = None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+                      prefill_long_chunk: int | None = DEFAULT_PREFILL_LONG_CHUNK,
                       block_size: int = 16, num_blocks: int | None = None, weight_dtype_name: str = "float32",
                       kv_dtype: str = "float32", attention_block: int = DEFAULT_KEY_BLOCK,
                       windowed_kv: bool = True, window_blocks: int | None = None, state_slots: int | None = None,
@@ -64,7 +66,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
-    prefill_max_batch, tokens per call by prefill_chunk), each a jax.export body with the pools donated;
+    prefill_max_batch, tokens per call by prefill_chunk; one more one-row prefill entry of prefill_long_chunk tokens
+    per context for a prompt read alone), each a jax.export body with the pools donated;
     weights as raw little-endian files (projections [out, in] in the per-layer layout, [in, out] when stacked or
     quantized); the tokenizer files copied in.
 
@@ -160,7 +163,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       weight_dtype=weight_dtype_name, kv_dtype=kv_np.name, attention_block=attention_block)
     return stage(step, weights, pools, out_dir, platform=platform, progress=progress, model=model,
                  ladders=Ladders(batch=batch_ladder, context=contexts, prefill_chunk=prefill_chunk,
-                                 prefill_max_batch=prefill_max_batch),
+                                 prefill_max_batch=prefill_max_batch, prefill_long_chunk=prefill_long_chunk),
                  capacity=Capacity(block_size=block_size, paged_kv=num_blocks, ring_kv=window_blocks,
                                    state_slots=state_slots),
                  features=Features(sampler=sampler, prompt_logprobs=prompt_logprobs, decode_steps=decode_steps,

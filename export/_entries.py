@@ -25,10 +25,11 @@ class EntrySpec:
     context: int
     tokens_per_seq: int
     steps: int = 1
+    long: bool = False          # a prefill entry of the long chunk, beside the ladder's of the same batch
 
     @property
     def name(self) -> str:
-        if self.kind == af.EntryKind.MIXED:
+        if self.kind == af.EntryKind.MIXED or self.long:
             return f"{self.kind}_b{self.batch}_t{self.tokens_per_seq}_c{self.context}"
         return f"{self.kind}_b{self.batch}_c{self.context}"
 
@@ -39,17 +40,22 @@ class EntrySpec:
 
 
 def plan_entries(batch_ladder, context_ladder, prefill_max_batch: int, prefill_chunk: int,
-                 mixed: bool = False) -> list[EntrySpec]:
-    """One decode and one prefill entry per ladder point; prefill batches capped, tokens per call capped. mixed:
-    a mixed entry (decode rows and one chunk) per context and decode batch of at least MIXED_MIN_BATCH rows."""
+                 mixed: bool = False, prefill_long_chunk: int = 0) -> list[EntrySpec]:
+    """One decode and one prefill entry per ladder point; prefill batches capped, tokens per call capped.
+    prefill_long_chunk: one more prefill entry per context, of one row and that many tokens (capped by the context),
+    where it is longer than the chunk: a prompt read alone takes fewer, fuller calls. mixed: a mixed entry (decode
+    rows and one chunk) per context and decode batch of at least MIXED_MIN_BATCH rows."""
     specs = []
     for c in context_ladder:
         chunk = min(c, prefill_chunk) if prefill_chunk else c
+        long = min(c, prefill_long_chunk)
         for b in batch_ladder:
             specs.append(EntrySpec(af.EntryKind.DECODE, b, c, 1))
         for b in batch_ladder:
             if b <= prefill_max_batch:
                 specs.append(EntrySpec(af.EntryKind.PREFILL, b, c, chunk))
+        if long > chunk:
+            specs.append(EntrySpec(af.EntryKind.PREFILL, 1, c, long, long=True))
         if mixed:
             specs += [EntrySpec(af.EntryKind.MIXED, b, c, chunk) for b in batch_ladder
                       if b >= min(MIXED_MIN_BATCH, batch_ladder[-1])]

@@ -15,13 +15,16 @@ from tlaloc_jax import artifact as af
 from ._entries import ExportError
 
 
-# Tokens per sequence of a prefill call by default: a prompt computes at most 63 padded positions, and a call of
-# 64 rows is already bound by arithmetic on CPU (its cost per token is that of a 256-token call).
-DEFAULT_PREFILL_CHUNK = 64
+# Tokens per sequence of a prefill call by default: short prompts arriving together are read side by side, each
+# padded to at most 31 positions, and a call of 8 such rows (256 positions) is bound by arithmetic on CPU.
+DEFAULT_PREFILL_CHUNK = 32
+# A prompt read alone: one-row calls of this many tokens (a 32-token row leaves a CPU call half idle).
+DEFAULT_PREFILL_LONG_CHUNK = 128
 # Decode batches up to the sequences a server runs at once (a step of 8 sequences is one call, not two of 4);
-# prefill batches stop at 4, where a call of 4 chunks is long enough (the running sequences wait for it).
+# prefill batches stop at 8: 8 chunks of 32 are a call as long as one long chunk's twice (the running sequences
+# wait for it).
 DEFAULT_BATCH_LADDER = (1, 2, 4, 8, 16, 32)
-DEFAULT_PREFILL_MAX_BATCH = 4
+DEFAULT_PREFILL_MAX_BATCH = 8
 # The paged pools hold, by default, this many sequences of the largest context at most (more run, with
 # preemption, when they are shorter).
 DEFAULT_POOL_SEQUENCES = 16
@@ -35,12 +38,15 @@ class Ladders:
     prefill_chunk: tokens per sequence of a prefill call, at most the entry's context (0 or None: the whole
     context); a runtime reads longer prompts in several calls.
     prefill_max_batch: the largest batch of the prefill entries (None: the largest batch, at most
-    DEFAULT_PREFILL_MAX_BATCH)."""
+    DEFAULT_PREFILL_MAX_BATCH).
+    prefill_long_chunk: tokens of one more one-row prefill entry per context (capped by the context), for a prompt
+    read while no other is; 0 or None: none, or where it is not longer than prefill_chunk."""
 
     batch: Sequence[int] = DEFAULT_BATCH_LADDER
     context: Sequence[int] = (64, 256, 1024)
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
     prefill_max_batch: int | None = None
+    prefill_long_chunk: int | None = DEFAULT_PREFILL_LONG_CHUNK
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,7 @@ class PromptScorer:
 _LEGACY: dict[str, tuple[str, str]] = {
     "batch_ladder": ("ladders", "batch"), "context_ladder": ("ladders", "context"),
     "prefill_chunk": ("ladders", "prefill_chunk"), "prefill_max_batch": ("ladders", "prefill_max_batch"),
+    "prefill_long_chunk": ("ladders", "prefill_long_chunk"),
     "block_size": ("capacity", "block_size"), "num_blocks": ("capacity", "paged_kv"),
     "ring_blocks": ("capacity", "ring_kv"), "state_slots": ("capacity", "state_slots"),
     "sampler": ("features", "sampler"), "prompt_logprobs": ("features", "prompt_logprobs"),

@@ -403,7 +403,11 @@ def _plan_entries(opts: Options, step: Callable) -> tuple[af.Buckets, list[Entry
     chunk = int(opts.ladders.prefill_chunk or 0)
     if chunk < 0:
         raise ExportError(f"prefill chunk must be positive, got {chunk}")
-    specs = plan_entries(batches, contexts, prefill_max_batch, chunk, mixed=features.mixed)
+    long = int(opts.ladders.prefill_long_chunk or 0)
+    if long < 0:
+        raise ExportError(f"prefill long chunk must be positive or 0 (none), got {long}")
+    specs = plan_entries(batches, contexts, prefill_max_batch, chunk, mixed=features.mixed,
+                         prefill_long_chunk=long if chunk else 0)
     steps = features.decode_steps
     if not isinstance(steps, int) or steps < 1:
         raise ExportError(f"decode_steps must be a positive integer, got {steps!r}")

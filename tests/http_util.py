@@ -20,8 +20,8 @@ from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.http import create_app
 from tokenizers_util import EOS, IMAGE, VOCAB, write_tokenizer
 
-LADDER = dict(batch_ladder=(1, 8), context_ladder=(32, 64), block_size=8, prefill_chunk=16, prefill_max_batch=1,
-              num_blocks=64, progress=False)
+LADDER = dict(batch_ladder=(1, 8), context_ladder=(32, 64), block_size=8, prefill_chunk=16, prefill_long_chunk=0,
+              prefill_max_batch=1, num_blocks=64, progress=False)
 CONTEXT = 64
 NUM_PAGES = 64
 STOP = [EOS]            # the checkpoint's eos: the server stops on it, so an oracle run does too

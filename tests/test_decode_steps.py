@@ -22,7 +22,8 @@ from tlaloc_jax.serve.core.scheduler import ScheduledCall, Scheduler
 K = 4
 # One batch bucket: three entries (decode, prefill, decode_steps) to compile; single steps and K-step calls of
 # one to three sequences all run on it.
-LADDER = dict(batch_ladder=(4,), context_ladder=(64,), block_size=8, prefill_chunk=16, progress=False)
+LADDER = dict(batch_ladder=(4,), context_ladder=(64,), block_size=8, prefill_chunk=16, prefill_long_chunk=0,
+              progress=False)
 PROMPTS = [[5, 17, 99, 3, 250, 8, 61], [42], [7, 7, 7, 1, 2, 3, 200, 100, 11, 13]]
 SEEDED = Sampling(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
 

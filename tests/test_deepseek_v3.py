@@ -145,7 +145,8 @@ def test_interleaved_rotation_matches_transformers():
 
 def export_int8(checkpoint, out, **ladders):
     from tlaloc_jax.export import export_checkpoint
-    export_checkpoint(checkpoint, out, block_size=8, prefill_chunk=32, weight_quant="int8", progress=False, **ladders)
+    export_checkpoint(checkpoint, out, block_size=8, prefill_chunk=32, prefill_long_chunk=0, weight_quant="int8",
+                      progress=False, **ladders)
     return out
 
 

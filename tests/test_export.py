@@ -29,7 +29,8 @@ from tlaloc_jax.export import ExportError, check_custom_calls, export_checkpoint
 from tlaloc_jax.export._entries import check_body
 from tlaloc_jax.paging import PageAllocator, RowCall, build_step_inputs, pages_for
 
-LADDER = dict(batch_ladder=(1, 2), context_ladder=(32, 64), block_size=8, prefill_chunk=16, progress=False)
+LADDER = dict(batch_ladder=(1, 2), context_ladder=(32, 64), block_size=8, prefill_chunk=16, prefill_long_chunk=0,
+              progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ def test_two_row_groups_in_one_call_give_the_two_calls_logits(checkpoint):
 def engine(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("mixed-art") / "art"
     m = export_checkpoint(checkpoint, out, batch_ladder=(1, 4), context_ladder=(32, CONTEXT), block_size=BLOCK,
-                          prefill_chunk=8, prefill_max_batch=1, progress=False)
+                          prefill_chunk=8, prefill_long_chunk=0, prefill_max_batch=1, progress=False)
     assert sorted(e.name for e in m.entries if e.kind == af.EntryKind.MIXED) == \
         ["mixed_b4_t8_c32", "mixed_b4_t8_c64"]
     with Engine.load(out, cache_dir=None, progress=False) as eng:

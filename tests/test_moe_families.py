@@ -199,6 +199,7 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
     want = oracle(store, tmp_path_factory, name)
     art = tmp_path / "art"
     m = export_checkpoint(path, art, batch_ladder=(1, 4), context_ladder=(64, 128), block_size=8, prefill_chunk=32,
+                          prefill_long_chunk=0,
                           progress=False)
     cfg = load_checkpoint(path)[0]
     weights = {w.slot: w for w in m.weights}

@@ -70,7 +70,7 @@ def artifacts(http_artifacts, tmp_path_factory):
     (qwen / "tokenizer_config.json").write_text(json.dumps(cfg))
     # Contexts 64 and 512: a tool-calling chat renders the tools' JSON into the prompt.
     export_checkpoint(qwen, root / "sampled", sampler=Sampler(top_logprobs=8, logit_bias=4),
-                      **dict(LADDER, context_ladder=(64, 512), prefill_chunk=64, num_blocks=256))
+                      **dict(LADDER, context_ladder=(64, 512), prefill_chunk=64, prefill_long_chunk=0, num_blocks=256))
     return root / "sampled", http_artifacts[0], ck
 
 
@@ -515,7 +515,8 @@ def test_an_export_past_max_position_embeddings_is_refused_unless_allowed(artifa
     from tlaloc_jax.export import ExportError, export_checkpoint
     from tlaloc_jax.export.__main__ import main
     ck = artifacts[2]                  # max_position_embeddings 512
-    small = dict(batch_ladder=(1,), context_ladder=(1024,), block_size=8, prefill_chunk=16, progress=False)
+    small = dict(batch_ladder=(1,), context_ladder=(1024,), block_size=8, prefill_chunk=16, prefill_long_chunk=0,
+                 progress=False)
     with pytest.raises(ExportError, match=r"reaches 1024 positions, past the checkpoint's max_position_embeddings "
                                           r"\(512\).*allow_longer_context"):
         export_checkpoint(ck, tmp_path / "refused", **small)

@@ -120,6 +120,7 @@ def artifact(checkpoint, tmp_path_factory):
     from tlaloc_jax.export import Sampler, export_checkpoint
     out = tmp_path_factory.mktemp("scored") / "artifact"
     export_checkpoint(checkpoint, out, batch_ladder=(1, 2), context_ladder=(64,), block_size=8, prefill_chunk=CHUNK,
+                      prefill_long_chunk=0,
                       num_blocks=32, progress=False, sampler=Sampler(top_logprobs=TOP, logit_bias=1),
                       prompt_logprobs=TOP)
     return out
@@ -219,7 +220,8 @@ def test_scored_prompts_of_windowed_and_recurrent_models_equal_transformers(mode
     from tlaloc_jax.export import Sampler, export_checkpoint
     ck = build_checkpoint(tmp_path / "ck", model_type, seed=3)
     export_checkpoint(ck, tmp_path / "art", batch_ladder=(1,), context_ladder=(64,), block_size=8,
-                      prefill_chunk=CHUNK, progress=False, sampler=Sampler(top_logprobs=TOP, logit_bias=1),
+                      prefill_chunk=CHUNK, prefill_long_chunk=0, progress=False,
+                      sampler=Sampler(top_logprobs=TOP, logit_bias=1),
                       prompt_logprobs=TOP)
     cfg = tlaloc_jax.load_hf(ck).config
     with torch.no_grad():

@@ -167,7 +167,7 @@ def _quality(checkpoint, tmp_path, context, variants):
     def export(name, wrong_axis=False, **kw):
         with wrong_axis_export() if wrong_axis else contextlib.nullcontext():
             export_checkpoint(checkpoint, tmp_path / name, batch_ladder=(1,), context_ladder=(context,),
-                              prefill_chunk=16, progress=False, **kw)
+                              prefill_chunk=16, prefill_long_chunk=0, progress=False, **kw)
         return tmp_path / name
 
     ref = export("none")

@@ -323,7 +323,7 @@ def test_served_gives_transformers_ids_with_state_pools(name, checkpoints, tmp_p
     from tlaloc_jax.serve import Engine
     path = _checkpoint(checkpoints, tmp_path_factory, name)
     m = export_checkpoint(path, tmp_path / "art", batch_ladder=(4,), context_ladder=(128,), block_size=8,
-                          prefill_chunk=32, progress=False)
+                          prefill_chunk=32, prefill_long_chunk=0, progress=False)
     assert {p.name: p.kind for p in m.pools} == {"kv": af.PoolKind.PAGED_KV, "conv": af.PoolKind.STATE_SLOTS,
                                                  "recurrent": af.PoolKind.STATE_SLOTS}
     ref = load_hf_torch(path)
@@ -370,7 +370,7 @@ def test_state_snapshots_give_exact_prefix_hits_and_queued_prompts_their_solo_id
     from tlaloc_jax.serve import Engine
     path = _checkpoint(checkpoints, tmp_path_factory, name)
     m = export_checkpoint(path, tmp_path / "art", batch_ladder=(4,), context_ladder=(128,), block_size=8,
-                          prefill_chunk=32, progress=False)
+                          prefill_chunk=32, prefill_long_chunk=0, progress=False)
     assert m.capacity(af.PoolKind.STATE_SLOTS) == 8
     assert [e.batch for e in m.entries if e.kind == af.EntryKind.COPY_SLOTS] == [4]
     prompts = [SHARED_PREFIX + [(j * 7 + 1) % 250 + 3 for j in range(k + 2)] for k in range(5)] + \

@@ -18,7 +18,8 @@ from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.serve import Engine, RequestRefused, Sampling
 
-LADDER = dict(batch_ladder=(1, 4), context_ladder=(32, 64), block_size=8, prefill_chunk=16, progress=False)
+LADDER = dict(batch_ladder=(1, 4), context_ladder=(32, 64), block_size=8, prefill_chunk=16, prefill_long_chunk=0,
+              progress=False)
 PROMPTS = [[5, 17, 99, 3, 250, 8, 61], [42], [7, 7, 7, 1, 2, 3, 200, 100, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43]]
 PLACEHOLDER = 251
 

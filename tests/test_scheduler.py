@@ -122,7 +122,7 @@ def test_sixty_four_chats_without_max_tokens_all_succeed_on_a_small_pool(tmp_pat
     ck = build_checkpoint(root / "ck", "llama", seed=31, vocab_size=VOCAB, eos_token_id=EOS)
     write_tokenizer(ck)
     export_checkpoint(ck, root / "art", batch_ladder=(1, 8), context_ladder=(32, 64), block_size=8,
-                      prefill_chunk=16, prefill_max_batch=1, num_blocks=32, progress=False)
+                      prefill_chunk=16, prefill_long_chunk=0, prefill_max_batch=1, num_blocks=32, progress=False)
 
     async def main():
         with Engine.load(root / "art", cache_dir=serve_cache_dir, progress=False) as eng:

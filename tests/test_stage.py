@@ -25,7 +25,8 @@ from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.engine import RequestRefused
 
 V, E = 48, 16
-LADDER = dict(ladders=Ladders(batch=(1, 4), context=(32, 64), prefill_chunk=8), capacity=Capacity(block_size=8))
+LADDER = dict(ladders=Ladders(batch=(1, 4), context=(32, 64), prefill_chunk=8, prefill_long_chunk=0),
+              capacity=Capacity(block_size=8))
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [42 % V], [7, 7, 7, 1, 2, 3, 20, 10, 11]]
 
 
@@ -289,12 +290,13 @@ def test_stage_takes_its_old_keywords_into_the_groups():
     PromptScorer becomes a SplitStep around the step. Both forms at once, or an unknown keyword, are refused."""
     with pytest.warns(DeprecationWarning, match=r"stage\(batch_ladder=, .*\) is the old form"):
         step, opts = resolve_options(toy_step, Options(), dict(
-            batch_ladder=(1, 4), context_ladder=(32,), prefill_chunk=8, prefill_max_batch=2, block_size=8,
+            batch_ladder=(1, 4), context_ladder=(32,), prefill_chunk=8, prefill_long_chunk=0, prefill_max_batch=2,
+            block_size=8,
             num_blocks=9, ring_blocks=3, state_slots=2, sampler=Sampler(4, 2), decode_steps=3, name="toy",
             model_type="toy_type", eos_token_ids=(1,), refused_tokens=((2, "k"),), tokenizer_dir="tok",
             embedding_slot="embed", attention_block=16, describe={"layers": 2, "kv_dtype": "bfloat16"}))
     assert step is toy_step and opts == Options(
-        Ladders(batch=(1, 4), context=(32,), prefill_chunk=8, prefill_max_batch=2),
+        Ladders(batch=(1, 4), context=(32,), prefill_chunk=8, prefill_long_chunk=0, prefill_max_batch=2),
         Capacity(block_size=8, paged_kv=9, ring_kv=3, state_slots=2), Features(Sampler(4, 2), None, 3),
         ModelInfo(name="toy", model_type="toy_type", tokenizer_dir="tok", embedding_slot="embed",
                   eos_token_ids=(1,), refused_tokens=((2, "k"),), layers=2, kv_dtype="bfloat16", attention_block=16))

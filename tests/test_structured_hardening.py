@@ -41,7 +41,8 @@ def artifact(http_artifacts, tmp_path_factory):
     cfg["chat_template"] = TOOLS_TEMPLATE
     (ck / "tokenizer_config.json").write_text(json.dumps(cfg))
     export_checkpoint(ck, root / "artifact", batch_ladder=(1, 4), context_ladder=(CONTEXT,), block_size=8,
-                      prefill_chunk=32, prefill_max_batch=1, num_blocks=64, progress=False, sampler=Sampler())
+                      prefill_chunk=32, prefill_long_chunk=0, prefill_max_batch=1, num_blocks=64, progress=False,
+                      sampler=Sampler())
     return root / "artifact"
 
 

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.numeric
 
 PROMPTS = [[5, 17, 99, 3, 249, 8, 61, 200, 14, 33, 71, 2, 90], [42], [7, 7, 1, 2, 3, 20, 10, 11, 128]]
 NEW = 8
-LADDER = dict(batch_ladder=(1, 4), context_ladder=(32,), block_size=8, prefill_chunk=8, prefill_max_batch=1,
+LADDER = dict(batch_ladder=(1, 4), context_ladder=(32,), block_size=8, prefill_chunk=8, prefill_long_chunk=0,
+              prefill_max_batch=1,
               progress=False)
 # Head counts that divide over 2 and 4 devices (the tiny defaults have 2 KV heads and 2 linear key heads).
 FAMILIES = {

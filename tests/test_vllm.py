@@ -48,6 +48,7 @@ def _export_qwen3(root: Path) -> Path:
     """A qwen3 artifact with the sampler in every entry; prefill batches up to 4 (several prompts a call)."""
     ck = build_checkpoint(root / "ck", "qwen3", seed=5)
     export_checkpoint(ck, root / "art", batch_ladder=(1, 4), context_ladder=(32, 64), block_size=8, prefill_chunk=16,
+                      prefill_long_chunk=0,
                       prefill_max_batch=4, num_blocks=48, progress=False, sampler=Sampler())
     return root / "art"
 
@@ -195,8 +196,8 @@ def test_ring_and_state_families_give_engine_ids(family, serve_cache_dir, tmp_pa
     is computed again. One batch and one context (two entries to compile: these families' bodies are large)."""
     ck = build_checkpoint(tmp_path / "ck", family, seed=5)
     export_checkpoint(ck, tmp_path / "art", batch_ladder=(4,), context_ladder=(64,), block_size=8,
-                      prefill_chunk=16, prefill_max_batch=4, num_blocks=24, window_blocks=12, state_slots=4,
-                      progress=False)
+                      prefill_chunk=16, prefill_long_chunk=0, prefill_max_batch=4, num_blocks=24, window_blocks=12,
+                      state_slots=4, progress=False)
     crowd = [[(5 * i + j) % 250 + 1 for j in range(8)] for i in range(4)]
     spec = {"artifact": str(tmp_path / "art"),
             "llm": {"max_num_seqs": 4, "max_num_batched_tokens": 24,
@@ -214,6 +215,7 @@ def test_all_windowed_family_is_refused_by_name(tmp_path):
     """mistral's every layer is windowed: no paged pool for vLLM's block manager."""
     ck = build_checkpoint(tmp_path / "ck", "mistral", seed=5)
     export_checkpoint(ck, tmp_path / "art", batch_ladder=(1,), context_ladder=(32,), block_size=8, prefill_chunk=16,
+                      prefill_long_chunk=0,
                       progress=False)
     out = _drive({"artifact": str(tmp_path / "art"), "refusals": [{}]}, tmp_path)
     [msg] = out["refusals"]

@@ -64,6 +64,7 @@ def test_in_body_sampler_draws_the_engine_stream(tmp_path, serve_cache_dir):
     from tlaloc_jax.export import Sampler, export_checkpoint
     ck = build_checkpoint(tmp_path / "ck", "llama", seed=3)
     export_checkpoint(ck, tmp_path / "art", batch_ladder=(1,), context_ladder=(32,), block_size=8, prefill_chunk=16,
+                      prefill_long_chunk=0,
                       num_blocks=12, progress=False, sampler=Sampler())
     s = Sampling(temperature=0.9, top_k=30, seed=11, repetition_penalty=1.2)
     with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False) as eng:

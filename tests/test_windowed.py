@@ -23,7 +23,8 @@ from tlaloc_jax.serve import Engine
 pytestmark = pytest.mark.numeric
 
 WINDOW, S, CHUNK = 8, 8, 16
-LADDER = dict(batch_ladder=(1, 4), context_ladder=(32, 96), block_size=S, prefill_chunk=CHUNK, progress=False)
+LADDER = dict(batch_ladder=(1, 4), context_ladder=(32, 96), block_size=S, prefill_chunk=CHUNK, prefill_long_chunk=0,
+              progress=False)
 PROMPTS = [[5, 17, 99, 3, 250, 8, 61], [(i * 37 + 11) % 256 for i in range(41)],
            [7, 7, 7, 1, 2, 3, 200, 100, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43], [9] * 25]
 FAMILIES = {"mistral": dict(seed=41), "gemma2": dict(seed=42, tied=True), "gemma3_text": dict(seed=43, tied=True)}

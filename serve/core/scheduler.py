@@ -84,13 +84,17 @@ class Scheduler:
         self.rules = {kind: pool_rule(m.pools_of(kind)[0], m.block_size) for kind in m.pool_kinds}
         self.pools = {kind: kv_cache.UnitPool(m.capacity(kind), *KIND_NAMES.get(kind, (str(kind), "units")))
                       for kind in m.pool_kinds}
-        self._by_kind = {kind: sorted((e for e in m.entries if e.kind == kind), key=lambda e: (e.context, e.batch))
+        self._by_kind = {kind: sorted((e for e in m.entries if e.kind == kind), key=lambda e: e.size_key)
                          for kind in mf.EntryKind}
         self.max_decode_batch = max(e.batch for e in self._by_kind[mf.EntryKind.DECODE])
         self.max_num_seqs = max_num_seqs or self.max_decode_batch
-        self.chunk_cap = max(e.tokens_per_seq for e in self._by_kind[mf.EntryKind.PREFILL])
-        prefill_batch = max(e.batch for e in self._by_kind[mf.EntryKind.PREFILL])
-        self.max_num_batched_tokens = max_num_batched_tokens or self.chunk_cap * prefill_batch + self.max_num_seqs
+        prefill = self._by_kind[mf.EntryKind.PREFILL]
+        # A prompt read alone takes the longest chunk an entry holds; prompts read side by side take the longest
+        # chunk of the entries of several rows, so that they share calls.
+        self.chunk_cap = max(e.tokens_per_seq for e in prefill)
+        self.shared_chunk_cap = max((e.tokens_per_seq for e in prefill if e.batch > 1), default=self.chunk_cap)
+        self.max_num_batched_tokens = max_num_batched_tokens or max(e.batch * e.tokens_per_seq for e in prefill) \
+            + self.max_num_seqs
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} must be at least max_num_seqs "
                              f"{self.max_num_seqs} (every running sequence decodes a token a step)")
@@ -251,10 +255,11 @@ class Scheduler:
         return (s.prompt_logprobs is not None and not s.generated and self.scorer is not None
                 and s.sampling.prompt_logprobs <= self.scorer.top_logprobs)
 
-    def _chunk(self, s: Request, budget: int) -> int:
-        """How many of the sequence's positions from `computed` its next call writes (at most `budget`)."""
+    def _chunk(self, s: Request, budget: int, alone: bool = True) -> int:
+        """How many of the sequence's positions from `computed` its next call writes (at most `budget`; at most the
+        shared chunk unless it is the only sequence reading its prompt)."""
         start = s.computed
-        cap = self.chunk_cap
+        cap = self.chunk_cap if alone else self.shared_chunk_cap
         if s.prompt_logprobs is not None and not s.generated and not self.scored(s):
             # Without scoring entries (or with fewer top logprobs than asked) prompt logprobs need the distribution
             # after every prompt token, and a plain entry returns the logits of each row's last token: such a
@@ -278,12 +283,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         work: list[_Work] = []
         preempted = False
+        reading = sum(not s.decoding for s in self.running) + min(len(self.waiting),
+                                                                   max(0, self.max_num_seqs - len(self.running)))
+        alone = reading <= 1
         for s in list(self.running):
             if not s.running:
                 continue                  # preempted earlier in this loop
             if s.decoding and s.constraint is not None and not s.constraint.ready():
                 continue                  # its grammar is still working out its next mask: it sits this step out
-            n = self._chunk(s, budget)
+            n = self._chunk(s, budget, alone)
             if n == 0:
                 continue
             while not self._grow(s, s.computed + n):
@@ -299,7 +307,7 @@ class Scheduler:
         while self.waiting and not preempted and len(self.running) < self.max_num_seqs and budget > 0:
             s = self.waiting[0]
             hit = self._lookup(s)
-            n = self._chunk(s, budget)
+            n = self._chunk(s, budget, alone)
             if n == 0 or not self._admissible(s, s.computed + n) or not self._grow(s, s.computed + n):
                 if hit is not None:
                     self.prefix.give_back(hit)

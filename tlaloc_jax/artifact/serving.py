@@ -91,6 +91,12 @@ class Entry:
         """The rows of its logits and sampler: a mixed entry's decode rows and its chunk's, else its batch."""
         return self.batch + 1 if self.kind == EntryKind.MIXED else self.batch
 
+    @property
+    def size_key(self) -> tuple[int, int, int]:
+        """Smallest first: by context, then the positions a call computes (batch x tokens), then batch; a runtime
+        picks the first entry of a kind that holds its rows."""
+        return self.context, self.batch * self.tokens_per_seq, self.batch
+
     def input_index(self, role: Role, slot: str = "") -> int:
         for i, sig in enumerate(self.inputs):
             if sig.role == role and (not slot or sig.slot == slot):

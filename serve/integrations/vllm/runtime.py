@@ -71,7 +71,7 @@ class ArtifactRuntime:
         self.sampler: af.SamplerShape | None = self.manifest.sampler
         self.ring_pages = self.manifest.ring.ring_pages if self.manifest.ring else 0
         self._by_kind = {kind: sorted((e for e in self.manifest.entries if e.kind == kind),
-                                      key=lambda e: (e.context, e.batch)) for kind in af.EntryKind}
+                                      key=lambda e: e.size_key) for kind in af.EntryKind}
         self.load_seconds = time.perf_counter() - t0
 
     def capacity(self, kind: af.PoolKind) -> int:
