@@ -40,7 +40,8 @@ class Ladders:
     prefill_max_batch: the largest batch of the prefill entries (None: the largest batch, at most
     DEFAULT_PREFILL_MAX_BATCH).
     prefill_long_chunk: tokens of one more one-row prefill entry per context (capped by the context), for a prompt
-    read while no other is; 0 or None: none, or where it is not longer than prefill_chunk."""
+    read while no other is; 0 or None: none, nor where it is not longer than prefill_chunk or batch 1 is not on
+    the batch ladder."""
 
     batch: Sequence[int] = DEFAULT_BATCH_LADDER
     context: Sequence[int] = (64, 256, 1024)
