@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -262,8 +262,12 @@ class Engine:
 
     # -- steps ------------------------------------------------------------------------------------
 
-    def step(self) -> list[StepEvent]:
-        """Run one scheduling step; returns the tokens produced (and the requests that failed)."""
+    def step(self, on_call: Callable[[list[StepEvent]], None] | None = None) -> list[StepEvent]:
+        """Run one scheduling step; returns the tokens produced (and the requests that failed).
+
+        on_call: called with each call's events as soon as that call has run, before the step's later calls (a
+        server streams a token computed by a short call without waiting for a long prefill call of the same step);
+        they are in the returned list too."""
         events: list[StepEvent] = [
             self._fail(s, why, request=True) for s in list(self.scheduler.requests.values())
             if s.constraint is not None and not s.finished and (why := s.constraint.failure()) is not None]
@@ -278,7 +282,10 @@ class Engine:
             for s in call.seqs:
                 if s.first_scheduled is None:
                     s.first_scheduled = now
-            events.extend(self._run_call(call))
+            produced = self._run_call(call)
+            events.extend(produced)
+            if on_call is not None and produced:
+                on_call(produced)
         snapshots = self.scheduler.snapshot_copies()
         if snapshots:
             self._copy_slots(snapshots)

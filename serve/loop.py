@@ -261,19 +261,29 @@ class EngineLoop:
             _deliver(sink, updates)
 
     def _step(self) -> None:
+        sent: set[int] = set()
+
+        def stream(events: list) -> None:       # a call's tokens go out as soon as it has run
+            sent.update(map(id, events))
+            self._send(events)
         try:
-            events = self.engine.step()
+            events = self.engine.step(on_call=stream)
         except Exception:  # noqa: BLE001 - a bug in the engine: the running requests fail; the loop goes on
             log.exception("engine step failed")
             self._fail_all("an engine step failed; the server log has the cause")
             return
+        self._send([ev for ev in events if id(ev) not in sent])
+        for ev in events:                       # forgotten once the step is over
+            if ev.finished:
+                self._end(ev.request_id, ev.finish_reason or "stop")
+
+    def _send(self, events: list) -> None:
+        """Each running request's updates of these events, one delivery per request."""
         out: dict[int, tuple[Sink, list[Update]]] = {}
         for ev in events:
             run = self._running.get(ev.request_id)
             if run is None:
                 continue
-            if ev.finished:
-                self._end(ev.request_id, ev.finish_reason or "stop")
             out.setdefault(id(run.sink), (run.sink, []))[1].append(
                 Update(run.seq, ev.token, ev.finished, ev.finish_reason, ev.error, ev.logprob, ev.top_logprobs,
                        ev.prompt_logprobs, ev.request_error))

@@ -140,3 +140,20 @@ def test_sixty_four_chats_without_max_tokens_all_succeed_on_a_small_pool(tmp_pat
     assert codes == [200] * 64, [r.text for r in answers if r.status_code != 200][:2]
     assert all(json.loads(r.text)["choices"][0]["finish_reason"] in ("stop", "length") for r in answers)
     assert stats["pages_in_use"] == 0 and stats["requests_finished"] >= 64
+
+
+def test_each_calls_tokens_are_handed_over_as_soon_as_the_call_has_run(engines):
+    """Three short prompts on an artifact whose prefill entries hold one row: one step of three calls. Each call's
+    tokens reach on_call right after that call (one more execution each time), and the step returns them all."""
+    _, eng = engines
+    rids = [eng.add_request(p, 4) for p in ([5, 6], [6, 7, 8], [8, 9, 10, 11])]
+    seen = []
+    try:
+        events = eng.step(on_call=lambda evs: seen.append(([e.request_id for e in evs],
+                                                           eng.runner.stats["executions"])))
+        assert [ids for ids, _ in seen] == [[r] for r in rids] == [[e.request_id] for e in events]
+        runs = [n for _, n in seen]
+        assert runs == list(range(runs[0], runs[0] + 3))
+    finally:
+        for r in rids:
+            eng.release(r)
