@@ -223,9 +223,9 @@ class Probe:
             finally:
                 self.running &= not probe
 
-        def slow_step():
+        def slow_step(**kw):
             t0 = time.perf_counter()
-            events = step()
+            events = step(**kw)
             if self.running:
                 time.sleep(max(0.0, PROBE_STEP_S - (time.perf_counter() - t0)))
             return events
