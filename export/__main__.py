@@ -49,8 +49,7 @@ def main(argv=None) -> int:
                          "within the checkpoint's max_position_embeddings: 64,256 for --demo)")
     ap.add_argument("--prefill-max-batch", type=int, default=None,
                     help="largest batch of the prefill entries (default: the largest batch bucket, at most "
-                         f"{DEFAULT_PREFILL_MAX_BATCH}; 1 = "
-                         "batch-1 only)")
+                         f"{DEFAULT_PREFILL_MAX_BATCH}; 1 = batch-1 only)")
     ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                     help=f"tokens per sequence of a prefill call (default {DEFAULT_PREFILL_CHUNK}; 0: the entry's whole "
                          "context); a runtime prefills longer prompts in several calls")

@@ -43,8 +43,8 @@ def plan_entries(batch_ladder, context_ladder, prefill_max_batch: int, prefill_c
                  mixed: bool = False, prefill_long_chunk: int = 0) -> list[EntrySpec]:
     """One decode and one prefill entry per ladder point; prefill batches capped, tokens per call capped.
     prefill_long_chunk: one more prefill entry per context, of one row and that many tokens (capped by the context),
-    where it is longer than the chunk and batch 1 is on the ladder: a prompt read alone takes fewer, fuller calls. mixed: a mixed entry (decode
-    rows and one chunk) per context and decode batch of at least MIXED_MIN_BATCH rows."""
+    where it is longer than the chunk and batch 1 is on the ladder: a prompt read alone takes fewer, fuller calls.
+    mixed: a mixed entry (decode rows and one chunk) per context and decode batch of at least MIXED_MIN_BATCH rows."""
     specs = []
     for c in context_ladder:
         chunk = min(c, prefill_chunk) if prefill_chunk else c

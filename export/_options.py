@@ -21,8 +21,8 @@ DEFAULT_PREFILL_CHUNK = 32
 # A prompt read alone: one-row calls of this many tokens (a 32-token row leaves a CPU call half idle).
 DEFAULT_PREFILL_LONG_CHUNK = 128
 # Decode batches up to the sequences a server runs at once (a step of 8 sequences is one call, not two of 4);
-# prefill batches stop at 8: 8 chunks of 32 are a call as long as one long chunk's twice (the running sequences
-# wait for it).
+# prefill batches stop at 8: a call of 8 chunks of 32 computes 256 positions, twice a long chunk's call (the running
+# sequences wait for it).
 DEFAULT_BATCH_LADDER = (1, 2, 4, 8, 16, 32)
 DEFAULT_PREFILL_MAX_BATCH = 8
 # The paged pools hold, by default, this many sequences of the largest context at most (more run, with
