@@ -406,8 +406,7 @@ def _plan_entries(opts: Options, step: Callable) -> tuple[af.Buckets, list[Entry
     long = int(opts.ladders.prefill_long_chunk or 0)
     if long < 0:
         raise ExportError(f"prefill long chunk must be positive or 0 (none), got {long}")
-    specs = plan_entries(batches, contexts, prefill_max_batch, chunk, mixed=features.mixed,
-                         prefill_long_chunk=long if chunk else 0)
+    specs = plan_entries(batches, contexts, prefill_max_batch, chunk, mixed=features.mixed, prefill_long_chunk=long)
     steps = features.decode_steps
     if not isinstance(steps, int) or steps < 1:
         raise ExportError(f"decode_steps must be a positive integer, got {steps!r}")

@@ -262,12 +262,12 @@ class Engine:
 
     # -- steps ------------------------------------------------------------------------------------
 
-    def step(self, on_call: Callable[[list[StepEvent]], None] | None = None) -> list[StepEvent]:
+    def step(self, on_events: Callable[[list[StepEvent]], None] | None = None) -> list[StepEvent]:
         """Run one scheduling step; returns the tokens produced (and the requests that failed).
 
-        on_call: called with each call's events as soon as that call has run, before the step's later calls (a
-        server streams a token computed by a short call without waiting for a long prefill call of the same step);
-        they are in the returned list too."""
+        on_events: called with the step's events as soon as each group is known: the failures found before its
+        calls, then each call's events right after that call, before the step's later calls (a server streams a
+        token computed by a short call without waiting for a long prefill call of the same step)."""
         events: list[StepEvent] = [
             self._fail(s, why, request=True) for s in list(self.scheduler.requests.values())
             if s.constraint is not None and not s.finished and (why := s.constraint.failure()) is not None]
@@ -275,6 +275,8 @@ class Engine:
         self.last_step_calls = len(step.calls)
         if step.restores and not self._copy_slots(step.restores):
             events += [self._fail(c.seq, "restoring its cached state failed") for c in step.restores]
+        if on_events is not None and events:
+            on_events(list(events))
         for call in step.calls:
             if any(s.finished for s in call.seqs):
                 continue        # a failed restore: the call's other sequences run next step
@@ -284,8 +286,8 @@ class Engine:
                     s.first_scheduled = now
             produced = self._run_call(call)
             events.extend(produced)
-            if on_call is not None and produced:
-                on_call(produced)
+            if on_events is not None and produced:
+                on_events(produced)
         snapshots = self.scheduler.snapshot_copies()
         if snapshots:
             self._copy_slots(snapshots)

@@ -261,18 +261,12 @@ class EngineLoop:
             _deliver(sink, updates)
 
     def _step(self) -> None:
-        sent: set[int] = set()
-
-        def stream(events: list) -> None:       # a call's tokens go out as soon as it has run
-            sent.update(map(id, events))
-            self._send(events)
         try:
-            events = self.engine.step(on_call=stream)
+            events = self.engine.step(on_events=self._send)     # each call's tokens go out as soon as it has run
         except Exception:  # noqa: BLE001 - a bug in the engine: the running requests fail; the loop goes on
             log.exception("engine step failed")
             self._fail_all("an engine step failed; the server log has the cause")
             return
-        self._send([ev for ev in events if id(ev) not in sent])
         for ev in events:                       # forgotten once the step is over
             if ev.finished:
                 self._end(ev.request_id, ev.finish_reason or "stop")

@@ -144,12 +144,12 @@ def test_sixty_four_chats_without_max_tokens_all_succeed_on_a_small_pool(tmp_pat
 
 def test_each_calls_tokens_are_handed_over_as_soon_as_the_call_has_run(engines):
     """Three short prompts on an artifact whose prefill entries hold one row: one step of three calls. Each call's
-    tokens reach on_call right after that call (one more execution each time), and the step returns them all."""
+    tokens reach on_events right after that call (one more execution each time), and the step returns them all."""
     _, eng = engines
     rids = [eng.add_request(p, 4) for p in ([5, 6], [6, 7, 8], [8, 9, 10, 11])]
     seen = []
     try:
-        events = eng.step(on_call=lambda evs: seen.append(([e.request_id for e in evs],
+        events = eng.step(on_events=lambda evs: seen.append(([e.request_id for e in evs],
                                                            eng.runner.stats["executions"])))
         assert [ids for ids, _ in seen] == [[r] for r in rids] == [[e.request_id] for e in events]
         runs = [n for _, n in seen]
