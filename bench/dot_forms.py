@@ -1,6 +1,7 @@
 """How a batch-B projection chain is written, against its time on XLA's CPU backend: the 100M Llama's 12 layers of
 f32 projections alone (q|k|v, o, gate|up, down; one array per layer and projection), no attention, timed in one
-process with the variants interleaved, at batch 1 and 4.
+process with the variants interleaved, at batch 1 and 4 (--batches), compiled by in-process jaxlib or, with
+--runtime, by the serving runtime's PJRT plugin (its XLA is newer: what a served artifact runs).
 
 Forms:
   dot      x[B, in] @ W[in, out]                         (what the decoder writes)
@@ -9,18 +10,22 @@ Forms:
   blocked  Wb[out/T, in, T], a batched dot over the T-column strips (each strip contiguous)
 
     python bench/dot_forms.py [--isa AVX2] [--no-ynn]
+    python bench/dot_forms.py --runtime --forms dot_t,reduce_t --batches 16,32,64,96   # REDUCE_ROWS' crossover
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import statistics
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> None:
@@ -35,6 +40,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-ynn", action="store_true")
     ap.add_argument("--forms", default="dot,dot_t,reduce_t,blocked")
     ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--runtime", action="store_true", help="compile and run through the serving runtime's plugin")
     args = ap.parse_args(argv)
 
     import jax
@@ -75,8 +81,11 @@ def main(argv=None) -> None:
         options["xla_cpu_max_isa"] = args.isa
     if args.no_ynn:
         options["xla_cpu_experimental_ynn_fusion_type"] = ""
+    if args.runtime and (args.isa or args.no_ynn):
+        ap.error("--isa and --no-ynn set in-process compiler options; for --runtime set XLA_FLAGS instead")
     print(f"{L} layers, hidden {E}, intermediate {F}, qkv {Q}: {nbytes / 2**20:.0f} MiB of f32 weights; "
-          f"isa {args.isa or 'native'}; ynn {'off' if args.no_ynn else 'default'}; jax {jax.__version__}")
+          f"isa {args.isa or 'native'}; ynn {'off' if args.no_ynn else 'default'}; "
+          f"{'the runtime plugin' if args.runtime else f'jax {jax.__version__}'}")
     results = {}
     batches = [int(b) for b in args.batches.split(",")]
     for B in batches:
@@ -84,10 +93,16 @@ def main(argv=None) -> None:
         compiled, weights, outs = {}, {}, {}
         for name in chosen:
             prep, proj = forms[name]
-            ws = [[jnp.asarray(prep(w)) for w in layer] for layer in W]
-            c = jax.jit(chain(proj)).lower(ws, x).compile(compiler_options=options)
-            compiled[name], weights[name] = c, ws
-            outs[name] = np.asarray(c(ws, x))
+            if args.runtime:
+                from plugin_run import on_runtime
+                ws = [[prep(w) for w in layer] for layer in W]
+                run = on_runtime(chain(proj), ws, np.asarray(x))
+                compiled[name], weights[name] = (lambda _w, _x, run=run: run()[0]), ws
+            else:
+                ws = [[jnp.asarray(prep(w)) for w in layer] for layer in W]
+                c = jax.jit(chain(proj)).lower(ws, x).compile(compiler_options=options)
+                compiled[name], weights[name] = c, ws
+            outs[name] = np.asarray(compiled[name](weights[name], x))
         ref = outs[chosen[0]]
         for name in chosen[1:]:
             err = np.abs(outs[name] - ref).max() / np.abs(ref).max()

@@ -217,16 +217,20 @@ def dequantize(q: QuantizedWeight, dtype=np.float64) -> np.ndarray:
 
 
 # The most rows (tokens of a call, over its batch) an out-major projection computes as a multiply-reduce on CPU;
-# more rows are compute-bound and go to the dot (bench/dot_forms.py --batches measures both).
-REDUCE_ROWS = 16
+# more rows are compute-bound and go to the dot. On the runtime's XLA the multiply-reduce of the 82M Llama's
+# projections is faster up to 64 rows and slower from 96 (`bench/dot_forms.py --runtime --batches 32,64,96`).
+# A narrower weight keeps 16: from about 48 rows XLA rewrites its multiply-reduce into a dot in the weight's dtype,
+# which rounds the products (tests/test_layout.py's bf16 case).
+REDUCE_ROWS = 64
+NARROW_REDUCE_ROWS = 16
 
 
 def out_major_product(flat: jax.Array, w: jax.Array, *, reduce_one_row: bool) -> jax.Array:
     """flat: [M, I], w: [O, I] (any float or integer dtype) -> [M, O] f32: sum_i flat[m, i] w[o, i], w widened
     exactly, the products and their sum in f32 (a dot's arithmetic).
 
-    The form XLA runs fastest on the platform: on CPU, for 2 to REDUCE_ROWS rows (and at 1 row when
-    reduce_one_row), a multiply-reduce that streams w once, each row of it reused for every input row from cache
+    The form XLA runs fastest on the platform: on CPU, for 2 to REDUCE_ROWS rows (NARROW_REDUCE_ROWS for a w
+    narrower than f32; and at 1 row when reduce_one_row), a multiply-reduce that streams w once, each row of it reused for every input row from cache
     and widened in registers (a narrower w is never copied to f32); otherwise a dot that contracts both operands'
     last axes, which reads [O, I] in place. At 1 row an f32 weight's dot is XLA's own matrix-vector product, at
     full read speed; a bf16 or int8 weight's dot would first widen it into a weight-sized f32 buffer (6.5x the f32
@@ -240,7 +244,7 @@ def out_major_product(flat: jax.Array, w: jax.Array, *, reduce_one_row: bool) ->
     def multiply_reduce(flat, w):
         return jnp.sum(w.astype(jnp.float32)[None] * flat.astype(jnp.float32)[:, None, :], axis=-1)
 
-    if (2 <= rows or reduce_one_row) and rows <= REDUCE_ROWS:
+    if (2 <= rows or reduce_one_row) and rows <= (REDUCE_ROWS if w.dtype == jnp.float32 else NARROW_REDUCE_ROWS):
         return lax.platform_dependent(flat, w, cpu=multiply_reduce, default=dot)
     return dot(flat, w)
 
@@ -262,7 +266,7 @@ def _out_major_matmul(xc: jax.Array, w: QuantizedWeight) -> jax.Array:
                                preferred_element_type=jnp.float32)               # [G, M, O]
         return jnp.sum(part * w.scales.T[:, None, :], axis=0)
 
-    if xc.shape[0] > REDUCE_ROWS:
+    if xc.shape[0] > NARROW_REDUCE_ROWS:
         return dot(xg, codes)
     return lax.platform_dependent(xg, codes, cpu=multiply_reduce, default=dot)
 

@@ -16,6 +16,7 @@ from hf_models import QWEN3_NEXT_MOE, build_checkpoint
 from margins import assert_within
 from tlaloc_jax.decoder import StepInputs
 from tlaloc_jax.kernels import tolerances as tol
+from tlaloc_jax.kernels.quantized_matmul import NARROW_REDUCE_ROWS
 from tlaloc_jax.layers import REDUCE_ROWS, OutMajor, linear
 from tlaloc_jax.layout import (FUSED, LINEAR_SLOTS, fuse_projections, in_layout, is_per_layer, out_major,
                                unstack_layers, weight_slice_copies)
@@ -118,10 +119,11 @@ def test_projections_are_stored_out_in_and_other_slots_are_not():
 
 @pytest.mark.numeric
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("rows", [1, 2, 5, REDUCE_ROWS, REDUCE_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, 2, 5, NARROW_REDUCE_ROWS, NARROW_REDUCE_ROWS + 1, 40, REDUCE_ROWS, REDUCE_ROWS + 1])
 def test_out_major_linear_is_the_dot(rows, dtype):
-    """linear over an OutMajor weight (multiply-reduce for 2..REDUCE_ROWS rows on CPU, a dot otherwise) against
-    the product in float64 of the same rounded operands; the control reads the weight in the wrong orientation."""
+    """linear over an OutMajor weight (multiply-reduce on CPU for 2..REDUCE_ROWS rows, 2..NARROW_REDUCE_ROWS for
+    bf16; a dot otherwise) against the product in float64 of the same rounded operands; the control reads the
+    weight in the wrong orientation."""
     rng = np.random.default_rng(rows)
     I, O = 96, 96
     x = rng.standard_normal((rows, I)).astype(np.float32)

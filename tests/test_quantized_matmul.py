@@ -16,7 +16,7 @@ import pytest
 from margins import assert_within
 from quant_controls import wrong_axis
 from tlaloc_jax.kernels import tolerances as tol
-from tlaloc_jax.kernels.quantized_matmul import (REDUCE_ROWS, QuantError, QuantizedWeight, dequantize, pack_int4,
+from tlaloc_jax.kernels.quantized_matmul import (NARROW_REDUCE_ROWS, QuantError, QuantizedWeight, dequantize, pack_int4,
                                                  qat_linear, qat_linear_reference, quantize, quantize_parts,
                                                  quantized_matmul, quantized_matmul_reference, to_out_major,
                                                  unpack_int4)
@@ -109,10 +109,10 @@ def test_op_matches_its_reference_on_the_same_codes(scheme, group, compute):
 
 
 @pytest.mark.numeric
-@pytest.mark.parametrize("rows", [1, 3, REDUCE_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, NARROW_REDUCE_ROWS + 1])
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 def test_out_major_codes_compute_what_in_major_ones_do(scheme, group, rows):
-    """The per-layer layout's out-major codes (a multiply-reduce on CPU up to REDUCE_ROWS rows, one included; a dot
+    """The per-layer layout's out-major codes (a multiply-reduce on CPU up to NARROW_REDUCE_ROWS rows, one included; a dot
     past it) against the float64 reference on the same codes, with bf16 compute; they stand for the same weight as
     the in-major codes. Control: the out-major codes read as if in-major (the wrong axis) break it."""
     x, w = _data(rows)
