@@ -4,6 +4,8 @@ bucket computes."""
 
 from __future__ import annotations
 
+import importlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,6 +44,8 @@ def test_decode_in_a_large_bucket_equals_one_fold_over_it(tmp_path, monkeypatch)
     assert "while" in blocked.as_text()                 # the fold over the live blocks is a loop
     got, _ = blocked(model.weights, pools(), inputs)
     monkeypatch.setattr(decoder, "DECODE_KEY_BLOCK", 4096)
+    # (the module: the package's name paged_attention is its function)
+    monkeypatch.setattr(importlib.import_module("tlaloc_jax.kernels.paged_attention"), "CPU_DECODE_KEY_BLOCK", 4096)
     whole = tlaloc_jax.load_hf(path, block_size=8, weight_layout="per-layer")
     one_fold = whole._step.lower(whole.weights, pools(), inputs).compile()
     assert "while" not in one_fold.as_text()              # the control: one fold over the bucket, no loop

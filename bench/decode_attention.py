@@ -1,0 +1,80 @@
+"""Decode attention on CPU: the kernel's CPU form (32-key blocks scored as multiply-reduces) against its dot form
+(128-key blocks, batched dots: the form other platforms compile), 12 layers of the bench Llama's heads, compiled by
+the serving runtime's plugin, interleaved in one process.
+
+    python bench/decode_attention.py                      # 8 and 32 rows, 88 and 260 keys
+    python bench/decode_attention.py --rows 32 --keys 200 --context 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="8,32")
+    ap.add_argument("--keys", default="88,260", help="keys each row has written")
+    ap.add_argument("--context", type=int, default=512, help="the entry's context bucket")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=15)
+    a = ap.parse_args(argv)
+
+    import jax.numpy as jnp
+
+    from plugin_run import on_runtime
+    pa = importlib.import_module("tlaloc_jax.kernels.paged_attention")
+    L, S, H, K, D = a.layers, 16, a.heads, a.kv_heads, a.head_dim
+    M = a.context // S
+    rng = np.random.default_rng(0)
+
+    def attend(form):
+        def f(pool, q, tables, positions, seq_lens):
+            out = 0.0
+            for layer in range(L):
+                args = (q + layer, pool, jnp.int32(layer), tables, positions, seq_lens, jnp.int32(0), None)
+                if form == "cpu":
+                    out = out + pa._decode_cpu(0.125, None, pa.CPU_DECODE_KEY_BLOCK, *args)
+                else:
+                    out = out + pa._paged_attention(0.125, None, 128, False, *args)
+            return out
+        return f
+
+    print(f"{L} layers, {H} query / {K} KV heads of {D}, pages of {S}, context {a.context}; the runtime plugin")
+    print(f"{'rows':>5} {'keys':>5} | {'dot form, 128':>14} | {'CPU form, 32':>13} | ratio")
+    for B in (int(x) for x in a.rows.split(",")):
+        for n in (int(x) for x in a.keys.split(",")):
+            P = B * M + 1
+            pool = rng.standard_normal((L, 2, P, S, K, D), np.float32)
+            q = rng.standard_normal((B, 1, H, D), np.float32)
+            tables = np.array([rng.permutation(P - 1)[:M] for _ in range(B)], np.int32)
+            args = (pool, q, tables, np.full((B, 1), n - 1, np.int32), np.full((B,), n, np.int32))
+            runs = {form: on_runtime(attend(form), *args) for form in ("dot", "cpu")}
+            outs = {form: run()[0] for form, run in runs.items()}
+            err = np.abs(outs["cpu"] - outs["dot"]).max() / np.abs(outs["dot"]).max()
+            assert err < 1e-4, err
+            times = {form: [] for form in runs}
+            for i in range(a.steps + 2):
+                for form, run in runs.items():
+                    t0 = time.perf_counter()
+                    run()
+                    if i >= 2:
+                        times[form].append(time.perf_counter() - t0)
+            dot, cpu = (statistics.median(times[f]) for f in ("dot", "cpu"))
+            print(f"{B:5d} {n:5d} | {dot * 1e3:11.2f} ms | {cpu * 1e3:10.2f} ms | {cpu / dot:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
