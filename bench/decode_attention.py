@@ -1,9 +1,12 @@
-"""Decode attention on CPU: the kernel's CPU form (32-key blocks scored as multiply-reduces) against its dot form
-(128-key blocks, batched dots: the form other platforms compile), 12 layers of the bench Llama's heads, compiled by
-the serving runtime's plugin, interleaved in one process.
+"""Paged attention on CPU, 12 layers of the bench Llama's heads, compiled by the serving runtime's plugin, the forms
+interleaved in one process. Decode (one token a row): the kernel's CPU form (32-key blocks scored as
+multiply-reduces) against its dot form (128-key blocks, batched dots: what other platforms compile). --prefill T
+(a chunk of T tokens a row after the keys already written): key blocks of CPU_KEY_BLOCK against one pass over the
+context bucket (the form of --attention-block 2048, other platforms' default).
 
     python bench/decode_attention.py                      # 8 and 32 rows, 88 and 260 keys
     python bench/decode_attention.py --rows 32 --keys 200 --context 256
+    python bench/decode_attention.py --prefill 32 --rows 8 --keys 224 --context 256
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--prefill", type=int, default=0, metavar="T", help="time a prompt chunk of T tokens a row")
     a = ap.parse_args(argv)
 
     import jax.numpy as jnp
@@ -40,27 +44,36 @@ def main(argv=None) -> None:
     M = a.context // S
     rng = np.random.default_rng(0)
 
+    T = max(a.prefill, 1)
+
     def attend(form):
         def f(pool, q, tables, positions, seq_lens):
             out = 0.0
             for layer in range(L):
                 args = (q + layer, pool, jnp.int32(layer), tables, positions, seq_lens, jnp.int32(0), None)
-                if form == "cpu":
+                if a.prefill:
+                    block = pa.CPU_KEY_BLOCK if form == "cpu" else a.context
+                    out = out + pa._paged_attention(0.125, None, block, False, *args)
+                elif form == "cpu":
                     out = out + pa._decode_cpu(0.125, None, pa.CPU_DECODE_KEY_BLOCK, *args)
                 else:
                     out = out + pa._paged_attention(0.125, None, 128, False, *args)
             return out
         return f
 
-    print(f"{L} layers, {H} query / {K} KV heads of {D}, pages of {S}, context {a.context}; the runtime plugin")
-    print(f"{'rows':>5} {'keys':>5} | {'dot form, 128':>14} | {'CPU form, 32':>13} | ratio")
+    print(f"{L} layers, {H} query / {K} KV heads of {D}, pages of {S}, context {a.context}, {T} tokens a row; "
+          "the runtime plugin")
+    forms = (("one pass", f"blocks of {pa.CPU_KEY_BLOCK}") if a.prefill else
+             ("dot form, 128", f"CPU form, {pa.CPU_DECODE_KEY_BLOCK}"))
+    print(f"{'rows':>5} {'keys':>5} | {forms[0]:>14} | {forms[1]:>14} | ratio")
     for B in (int(x) for x in a.rows.split(",")):
         for n in (int(x) for x in a.keys.split(",")):
             P = B * M + 1
             pool = rng.standard_normal((L, 2, P, S, K, D), np.float32)
-            q = rng.standard_normal((B, 1, H, D), np.float32)
+            q = rng.standard_normal((B, T, H, D), np.float32)
             tables = np.array([rng.permutation(P - 1)[:M] for _ in range(B)], np.int32)
-            args = (pool, q, tables, np.full((B, 1), n - 1, np.int32), np.full((B,), n, np.int32))
+            positions = np.tile(np.arange(n - T, n, dtype=np.int32), (B, 1))      # the row's last T keys
+            args = (pool, q, tables, positions, np.full((B,), n, np.int32))
             runs = {form: on_runtime(attend(form), *args) for form in ("dot", "cpu")}
             outs = {form: run()[0] for form, run in runs.items()}
             err = np.abs(outs["cpu"] - outs["dot"]).max() / np.abs(outs["dot"]).max()
@@ -73,7 +86,7 @@ def main(argv=None) -> None:
                     if i >= 2:
                         times[form].append(time.perf_counter() - t0)
             dot, cpu = (statistics.median(times[f]) for f in ("dot", "cpu"))
-            print(f"{B:5d} {n:5d} | {dot * 1e3:11.2f} ms | {cpu * 1e3:10.2f} ms | {cpu / dot:.2f}x")
+            print(f"{B:5d} {n:5d} | {dot * 1e3:11.2f} ms | {cpu * 1e3:11.2f} ms | {cpu / dot:.2f}x")
 
 
 if __name__ == "__main__":

@@ -97,12 +97,20 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.A
         return lax.platform_dependent(
             *args, cpu=functools.partial(_decode_cpu, scale, soft_cap, cpu_block),
             default=functools.partial(_paged_attention, scale, soft_cap, key_block, ring))
-    return _paged_attention(scale, soft_cap, key_block, ring, *args)
+    cpu_block = min(max(CPU_KEY_BLOCK // page_size, 1) * page_size, key_block)
+    if ring or cpu_block == key_block:
+        return _paged_attention(scale, soft_cap, key_block, ring, *args)
+    # On CPU a call of several tokens a row folds key blocks of at most CPU_KEY_BLOCK positions.
+    return lax.platform_dependent(*args, cpu=functools.partial(_paged_attention, scale, soft_cap, cpu_block, ring),
+                                  default=functools.partial(_paged_attention, scale, soft_cap, key_block, ring))
 
 
-# A decode call on CPU folds its keys in blocks of this many positions (whole pages): blocks of 32 keys stay in
-# cache while they are scored and summed, twice as fast as blocks of 128 at 8 and 32 rows (docs/cpu.md).
+# On CPU a decode call folds its keys in blocks of CPU_DECODE_KEY_BLOCK positions (whole pages), and a call of
+# several tokens a row in blocks of at most CPU_KEY_BLOCK: blocks of 32 keys stay in cache while one token's scores
+# and sums are taken, twice as fast as blocks of 128 at 8 and 32 rows (bench/decode_attention.py), and a prompt
+# chunk over 128-key blocks takes half the time of one pass over a 256-position bucket (bench/decode_attention.py --prefill 32).
 CPU_DECODE_KEY_BLOCK = 32
+CPU_KEY_BLOCK = 128
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
