@@ -8,6 +8,8 @@ and a preemption that forgets to compute its sequence again."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -15,6 +17,8 @@ from http_util import serving
 from tlaloc_jax.serve import Engine, Sampling
 from tlaloc_jax.serve.core import kv_cache
 from tlaloc_jax.serve.core import scheduler as scheduler_module
+from tlaloc_jax.serve.loop import EngineLoop, SeqSpec
+from tlaloc_jax.serve.metrics import Metrics
 
 SHARED = [(i * 13 + 7) % 250 + 3 for i in range(32)]          # four full pages of 8
 TAILS = [[11, 12, 13], [200, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [77]]   # prompts of 33 to 41: 20 more fit 64
@@ -50,6 +54,22 @@ def test_prefix_hits_give_the_ids_of_no_cache(engines):
     assert uncached.stats()["prefix_hits"] == 0 and not uncached.stats()["prefix_caching"]
     assert cached.generate(prompts, 12, sampling=SEEDED) == uncached.generate(prompts, 12, sampling=SEEDED)
     assert st["pages_in_use"] == 0 and st["pools"]["kv"]["pages_cached"] > 0
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["waits for the prefix", "control: starts at once"])
+def test_requests_that_arrive_together_compute_their_shared_prefix_once(engines, monkeypatch, in_flight):
+    """Four prompts with a new 32-token prefix, queued together: the first computes the prefix and the others wait
+    until its pages are cached, then compute only their tails; ids equal the uncached engine's. The control turns
+    the wait off: those admitted beside the first compute the prefix again."""
+    cached, uncached = engines
+    shared = [(i * 29 + 1 + 7 * in_flight) % 240 + 5 for i in range(32)]       # a prefix no earlier test cached
+    prompts = [shared + t for t in TAILS]
+    if not in_flight:
+        monkeypatch.setattr(scheduler_module.Scheduler, "_prefix_in_flight", lambda self, s, hit: False)
+    before = cached.stats()["prefix_hits"]
+    assert cached.generate(prompts, 12) == uncached.generate(prompts, 12)
+    hits = cached.stats()["prefix_hits"] - before
+    assert hits == 3 * 32 if in_flight else hits < 3 * 32
 
 
 def test_control_a_hash_that_ignores_a_pages_last_token_is_caught(engines, monkeypatch):
@@ -157,3 +177,33 @@ def test_each_calls_tokens_are_handed_over_as_soon_as_the_call_has_run(engines):
     finally:
         for r in rids:
             eng.release(r)
+
+
+@pytest.mark.parametrize("wait", [30.0, 0.0], ids=["waits for the request being read", "control: no wait"])
+def test_a_step_of_new_prompts_waits_for_requests_still_being_read(http_artifacts, serve_cache_dir, wait):
+    """The engine loop holds a step that would only start new prompts while the server is still reading another
+    request (an open Arrival), so that both share the step's calls; the request's submit ends the wait. Control:
+    with no wait the first request runs alone at once."""
+    with Engine.load(http_artifacts[1], cache_dir=serve_cache_dir, progress=False) as eng:
+        loop = EngineLoop(eng, 8, Metrics("test"))
+        loop.arrival_wait_s = wait
+        done = threading.Event()
+        updates = []
+
+        def sink(batch):
+            updates.extend(batch)
+            if sum(u.finished for u in updates) == 2:
+                done.set()
+        loop.start()
+        try:
+            reading = loop.arriving()
+            spec = SeqSpec([5, 6, 7], 3, frozenset(), Sampling())
+            loop.submit([spec], sink, time.perf_counter()).result(10)
+            time.sleep(0.3)
+            steps_before = loop.steps
+            loop.submit([spec], sink, time.perf_counter(), reading).result(10)
+            assert done.wait(30)
+        finally:
+            loop.stop()
+        assert steps_before == (0 if wait else 3)      # held, or the first request's three tokens
+        assert sum(u.token is not None for u in updates) == 6

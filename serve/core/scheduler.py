@@ -304,18 +304,19 @@ class Scheduler:
                 work.append(_Work(s, s.computed, n))
                 budget -= n
         restores: list[Copy] = []
-        while self.waiting and not preempted and len(self.running) < self.max_num_seqs and budget > 0:
-            s = self.waiting[0]
+        i = 0                             # waiting sequences before i wait for a prefix a running one computes
+        while i < len(self.waiting) and not preempted and len(self.running) < self.max_num_seqs and budget > 0:
+            s = self.waiting[i]
             hit = self._lookup(s)
+            if hit is not None and self._prefix_in_flight(s, hit):
+                self._unlookup(s, hit)
+                i += 1
+                continue
             n = self._chunk(s, budget, alone)
             if n == 0 or not self._admissible(s, s.computed + n) or not self._grow(s, s.computed + n):
-                if hit is not None:
-                    self.prefix.give_back(hit)
-                for held in s.held.values():
-                    held.clear()
-                s.computed = s.cached_pages = s.junction = 0
+                self._unlookup(s, hit)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             if hit is not None:
                 self.stats["prefix_queries"] += s.length
                 self.stats["prefix_hits"] += hit.length
@@ -339,6 +340,25 @@ class Scheduler:
         s.cached_pages = len(hit.pages)
         s.junction = hit.junction
         return hit
+
+    def _unlookup(self, s: Request, hit) -> None:
+        """Undo _lookup for a sequence that does not start this step."""
+        if hit is not None:
+            self.prefix.give_back(hit)
+        for held in s.held.values():
+            held.clear()
+        s.computed = s.cached_pages = s.junction = 0
+
+    def _prefix_in_flight(self, s: Request, hit) -> bool:
+        """Whether the page after a waiting sequence's cached prefix is one a running sequence is computing now
+        (the same tokens, in a prompt it is still reading): the waiting one starts once that page is cached rather
+        than compute it too (requests that share a system prompt and arrive together compute it once)."""
+        c = hit.length // self.block_size
+        if c >= (s.length - 1) // self.block_size:
+            return False                  # nothing more of its prompt could come from the cache
+        h = s.hashes[c]
+        return any(r.reading_prompt and r.computed < (c + 1) * self.block_size and len(r.hashes) > c
+                   and r.hashes[c] == h for r in self.running)
 
     def _calls(self, work: list[_Work]) -> list[ScheduledCall]:
         steps = self._steps_call(work)
