@@ -95,6 +95,22 @@ class StepWork:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class Arrival:
+    """A request the server is reading (its body, prompt and checks) before it submits it to the loop: while any
+    is open, a step that would only start new prompts waits a little for it (EngineLoop.arrival_wait_s). Closed
+    by the submit, or by the server when the request ends before it (idempotent)."""
+
+    def __init__(self, loop: "EngineLoop"):
+        self._loop = loop
+        self._open = True
+        loop._count_arrival(1)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._loop._count_arrival(-1)
+
+
 @dataclass
 class _Admission:
     specs: list[SeqSpec]
@@ -130,6 +146,13 @@ class EngineLoop:
         self._running: dict[str, _Running] = {}
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
+        # Requests that arrive together (clients of a closed loop whose answers ended in one step) are read one
+        # after another; a step that would only start new prompts waits up to this long for those still being
+        # read, so that they share its calls instead of waiting for a call of the first one alone.
+        self.arrival_wait_s = 0.02
+        self._arriving = 0
+        self._arriving_lock = threading.Lock()
+        self._held_since: float | None = None
 
     # called from other threads
 
@@ -146,10 +169,22 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, specs: list[SeqSpec], sink: Sink, arrival: float) -> cf.Future:
+    def arriving(self) -> Arrival:
+        """Say that a request is being read; pass it to submit (or close it if the request ends first)."""
+        return Arrival(self)
+
+    def _count_arrival(self, n: int) -> None:
+        with self._arriving_lock:
+            self._arriving += n
+        if n < 0:
+            self._wake()
+
+    def submit(self, specs: list[SeqSpec], sink: Sink, arrival: float, ticket: Arrival | None = None) -> cf.Future:
         """Admit all of `specs` or none; the future gives their engine ids or raises RequestRefused."""
         fut: cf.Future = cf.Future()
         self._cmds.put(("add", _Admission(specs, sink, arrival, fut)))
+        if ticket is not None:
+            ticket.close()
         return fut
 
     def abort(self, rids, reason: str) -> None:
@@ -176,7 +211,9 @@ class EngineLoop:
                 try:
                     # Stalled, the loop sleeps until a job ends (a "wake") or a command comes; the timeout is a
                     # safety net only.
-                    cmds.append(self._cmds.get(block=idle or stalled, timeout=None if idle else 0.05))
+                    held = None if idle else self._hold_left()
+                    timeout = None if idle else held if held is not None else 0.05
+                    cmds.append(self._cmds.get(block=idle or stalled or held is not None, timeout=timeout))
                     while True:
                         cmds.append(self._cmds.get_nowait())
                 except queue.Empty:
@@ -189,7 +226,10 @@ class EngineLoop:
                 self._expire()          # before admitting: a new request gets one step's chance to start first
                 self._admit()
                 stalled = False
+                if self._running and self._hold_left() is not None:
+                    continue            # requests still being read join this step's prompts
                 if self._running:
+                    self._held_since = None
                     # Work due before this step (a grammar's next mask) gets at most half a step to finish.
                     self.step_work.wait(max(0.0002, 0.5 * self._step_seconds))
                     t0 = time.perf_counter()
@@ -203,6 +243,18 @@ class EngineLoop:
             log.exception("engine loop failed")
             self.failure = e
             self._fail_all("the engine loop failed; the server log has the cause")
+
+    def _hold_left(self) -> float | None:
+        """How much longer the next step waits for requests still being read (None: it need not wait): only while
+        every running sequence is new (nothing decodes, no prompt has started) and the wait began under
+        arrival_wait_s ago."""
+        if not self._arriving or any(s.first_scheduled is not None for s in self.engine.scheduler.running):
+            return None
+        now = time.perf_counter()
+        if self._held_since is None:
+            self._held_since = now
+        left = self.arrival_wait_s - (now - self._held_since)
+        return left if left > 0 else None
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":

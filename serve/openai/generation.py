@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from ..engine import Constraint, Engine, RequestRefused
 from ..errors import RETRY_AFTER_S, APIError, refusal
 from ..guards import new_error_id
-from ..loop import EngineLoop, Inbox, SeqSpec, Update
+from ..loop import Arrival, EngineLoop, Inbox, SeqSpec, Update
 from ..sampling import Sampling
 from ..tokenizer import IncrementalDetokenizer, StopStrings, TextTokenizer
 
@@ -137,6 +137,7 @@ class Generation:
         self.prompt_texts: list[str] | None = None      # a text prompt, as sent (what echo returns)
         self.arrival = arrival
         self.inbox: Inbox | None = None
+        self.ticket: Arrival | None = None      # closed when the request is submitted to the loop
         self._error: APIError | None = None
 
     def constrain(self, constraints: list[Constraint]) -> None:
@@ -164,7 +165,7 @@ class Generation:
 
     async def admit(self, prompt_param: str) -> None:
         self.inbox = Inbox()
-        fut = self.loop.submit(self.specs, self.inbox, self.arrival)
+        fut = self.loop.submit(self.specs, self.inbox, self.arrival, self.ticket)
         try:
             rids = await asyncio.wrap_future(fut)
         except asyncio.CancelledError:

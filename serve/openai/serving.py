@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..embeddings import Embeddings
 from ..engine import Engine
 from ..errors import APIError
-from ..loop import EngineLoop, StepWork
+from ..loop import Arrival, EngineLoop, StepWork
 from ..metrics import Metrics
 from ..prompts import PromptTokenizer
 from ..sampling import Sampling
@@ -256,6 +256,20 @@ class OpenAIServer:
     # endpoints
 
     async def completions(self, request: Request) -> Response:
+        ticket = self.loop.arriving()       # closed when submitted to the loop, or here if it ends before
+        try:
+            return await self._completions(request, ticket)
+        finally:
+            ticket.close()
+
+    async def chat(self, request: Request) -> Response:
+        ticket = self.loop.arriving()
+        try:
+            return await self._chat(request, ticket)
+        finally:
+            ticket.close()
+
+    async def _completions(self, request: Request, ticket: Arrival) -> Response:
         arrival = time.perf_counter()
         req = await self.read_model_request(request, CompletionRequest)
         kind, prompts = req.prompt
@@ -270,9 +284,10 @@ class OpenAIServer:
             prompts = await self.prompt_tokenizer.encode(prompts, add_special_tokens=add)
         gen = self.plan(req, prompts, 16, arrival, chat=False)   # OpenAI's default: 16
         gen.prompt_texts = texts
+        gen.ticket = ticket
         return await self.run(request, req, gen, chat=False)
 
-    async def chat(self, request: Request) -> Response:
+    async def _chat(self, request: Request, ticket: Arrival) -> Response:
         arrival = time.perf_counter()
         req = await self.read_model_request(request, ChatRequest)
         if self.prompt_tokenizer is None:
@@ -287,6 +302,7 @@ class OpenAIServer:
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
         gen = self.plan(req, [prompt], None, arrival, chat=True)
+        gen.ticket = ticket
         gen.tools = tools is not None
         if gen.tools:
             for c in gen.choices:
