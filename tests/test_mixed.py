@@ -106,3 +106,39 @@ def test_control_a_chunk_read_off_the_wrong_row_is_caught(engine, monkeypatch):
         return rows[:-1] + (rows[-1] - 1,) if self.entry.kind == af.EntryKind.MIXED else rows
     monkeypatch.setattr(scheduler_module.ScheduledCall, "out_rows", property(off_by_one))
     assert _run(engine, mixed=True) != separate
+
+
+def test_a_step_reads_its_chunks_the_cheaper_way(checkpoint, tmp_path, monkeypatch):
+    """Two sequences decoding when prompts arrive. One new prompt rides with the decode rows in a mixed call; four
+    new prompts are read in one prefill call of 4 rows beside a decode call, which computes fewer positions
+    (scheduler.call_cost) than a mixed call with one of them plus a prefill call of the other three. The ids are
+    the solo runs' either way."""
+    out = tmp_path / "art"
+    export_checkpoint(checkpoint, out, batch_ladder=(1, 2, 4), context_ladder=(CONTEXT,), block_size=BLOCK,
+                      prefill_chunk=8, prefill_long_chunk=0, prefill_max_batch=4, progress=False)
+    with Engine.load(out, cache_dir=None, progress=False) as eng:
+        solo = [eng.generate([p], 6)[0] for p in PROMPTS]
+        kinds = []
+        real = eng.scheduler.schedule
+
+        def spy():
+            step = real()
+            kinds.append([c.entry.kind for c in step.calls])
+            return step
+        monkeypatch.setattr(eng.scheduler, "schedule", spy)
+
+        def run(arriving):
+            rids = [eng.add_request(p, 6) for p in PROMPTS[:2]]
+            eng.step()                                  # both prompts read: both decode from here
+            rids += [eng.add_request(p, 6) for p in arriving]
+            kinds.clear()
+            while eng.has_unfinished():
+                eng.step()
+            got = [eng.output(r) for r in rids]
+            for r in rids:
+                eng.release(r)
+            return got
+        assert run(PROMPTS[2:3]) == solo[:3]
+        assert kinds[0] == [af.EntryKind.MIXED]
+        assert run([p[:8] for p in PROMPTS[2:6]]) == solo[:2] + [eng.generate([p[:8]], 6)[0] for p in PROMPTS[2:6]]
+        assert kinds[0] == [af.EntryKind.PREFILL, af.EntryKind.DECODE]

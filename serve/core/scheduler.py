@@ -54,6 +54,17 @@ class ScheduledCall:
         return tuple(range(len(self.seqs)))
 
 
+# What a call costs beyond the positions it computes, in positions: reading the weights once. On a CPU an f32
+# weight's bytes take about as long to read as the arithmetic of 16-20 positions (the FLOP rate over the read rate,
+# times 2 bytes a FLOP of a multiply-add's f32 weight); the scheduler compares ways of running a step by it.
+CALL_COST_POSITIONS = 16
+
+
+def call_cost(calls: Sequence[ScheduledCall]) -> int:
+    """The positions the calls compute, padding included, plus CALL_COST_POSITIONS each."""
+    return sum(CALL_COST_POSITIONS + c.entry.positions for c in calls)
+
+
 @dataclass(frozen=True)
 class Step:
     """What one engine step runs: state snapshots restored into new sequences' slots, then the calls."""
@@ -366,15 +377,22 @@ class Scheduler:
             return [steps]
         scored = [w for w in work if self.scored(w.seq)]
         single = [w for w in work if w not in scored and w.n == 1]
-        chunks = [w for w in work if w not in scored and w.n > 1]
-        calls = []
+        chunks = [w for w in work if w not in scored and w.n > 1]       # in scheduling order
+        calls = self._group(scored, mf.EntryKind.PREFILL_SCORED)
+        apart = self._apart(single, chunks)
         mixed = self._mixed_call(single, chunks)
         if mixed is not None:
-            calls.append(mixed)
-            chunks = chunks[1:]
-            single = single[mixed.entry.batch:]
-        chunks.sort(key=lambda w: w.start + w.n)
-        calls += self._group(chunks, mf.EntryKind.PREFILL) + self._group(scored, mf.EntryKind.PREFILL_SCORED)
+            # The first chunk rides with the decode rows and leaves the others to prefill calls; but when those
+            # cost more than reading every chunk in prefill calls beside a decode call, that runs instead.
+            together = [mixed] + self._apart(single[mixed.entry.batch:], chunks[1:])
+            if call_cost(together) <= call_cost(apart):
+                return together + calls
+        return apart + calls
+
+    def _apart(self, single: list[_Work], chunks: list[_Work]) -> list[ScheduledCall]:
+        """The calls of prompt chunks (prefill entries, those that end near each other together) and one-token rows
+        (decode entries)."""
+        calls = self._group(sorted(chunks, key=lambda w: w.start + w.n), mf.EntryKind.PREFILL)
         for i in range(0, len(single), self.max_decode_batch):
             calls += self._group(single[i:i + self.max_decode_batch], mf.EntryKind.DECODE)
         return calls

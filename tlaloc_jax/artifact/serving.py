@@ -92,6 +92,11 @@ class Entry:
         return self.batch + 1 if self.kind == EntryKind.MIXED else self.batch
 
     @property
+    def positions(self) -> int:
+        """The positions one call computes: batch x tokens (a mixed entry: its decode rows and its chunk)."""
+        return self.batch + self.tokens_per_seq if self.kind == EntryKind.MIXED else self.batch * self.tokens_per_seq
+
+    @property
     def size_key(self) -> tuple[int, int, int]:
         """Smallest first: by context, then the positions a call computes (batch x tokens), then batch; a runtime
         picks the first entry of a kind that holds its rows."""
