@@ -103,6 +103,9 @@ def main(argv=None) -> int:
                     help="add a scoring prefill entry beside each prefill entry: echo + logprobs and prompt_logprobs "
                          "(up to N top logprobs per prompt token) then read a prompt in chunks, scored in the body; "
                          "without it such a prompt is read a token a call (default: none)")
+    ap.add_argument("--no-packed", action="store_true",
+                    help="plain prefill entries of each batch (by default, for models of attention layers only, the "
+                         "prefill entries of several rows compute their rows' tokens side by side, not their padding)")
     ap.add_argument("--no-mixed", action="store_true",
                     help="no mixed entries (by default, for models of attention layers only, one entry per context and "
                          "decode batch of 4 or more runs the running sequences' decode tokens and one prompt chunk in "
@@ -157,6 +160,7 @@ def main(argv=None) -> int:
                               decode_attention=args.decode_attention,
                               weight_quant=args.weight_quant, quant_group=args.quant_group,
                               decode_steps=args.decode_steps, mixed=False if args.no_mixed else None,
+                              packed=False if args.no_packed else None,
                               tensor_parallel=args.tensor_parallel)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -62,7 +62,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       allow_longer_context: bool = False, prompt_logprobs: int | None = None,
                       decode_attention: str | None = None, weight_layout: str = "per-layer",
                       weight_quant: str = "none", quant_group: int = 128, decode_steps: int = 1,
-                      mixed: bool | None = None, tensor_parallel: int = 1) -> af.Manifest:
+                      mixed: bool | None = None, packed: bool | None = None,
+                      tensor_parallel: int = 1) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -93,6 +94,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     decode_steps: K > 1 adds a K-step decode entry beside each decode entry (see `stage`).
     mixed: adds mixed entries, the running sequences' decode rows and one prompt chunk in one call (see
     `Features`); None: where the decoder runs them (decoder.supports_mixed_calls), False: none.
+    packed: the prefill entries of several rows are packed prefills, which compute their rows' tokens and not
+    their padding (see `Features`); None: where the decoder runs them (as mixed), False: plain prefill entries.
     tensor_parallel: N > 1 stages every entry for N devices, each holding 1/N of the heads, KV heads, MLP width
     and experts (tlaloc_jax.sharding; docs/multi-device.md); a model whose counts do not divide is refused.
     """
@@ -167,5 +170,6 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                  capacity=Capacity(block_size=block_size, paged_kv=num_blocks, ring_kv=window_blocks,
                                    state_slots=state_slots),
                  features=Features(sampler=sampler, prompt_logprobs=prompt_logprobs, decode_steps=decode_steps,
-                                   mixed=supports_mixed_calls(cfg) if mixed is None else mixed),
+                                   mixed=supports_mixed_calls(cfg) if mixed is None else mixed,
+                                   packed=supports_mixed_calls(cfg) if packed is None else packed),
                  mesh=tensor_parallel if tensor_parallel > 1 else None, weight_split_axes=split_axes)

@@ -26,9 +26,12 @@ class EntrySpec:
     tokens_per_seq: int
     steps: int = 1
     long: bool = False          # a prefill entry of the long chunk, beside the ladder's of the same batch
+    packed: int = 0             # a packed prefill's N: its rows' tokens, at most N, computed side by side
 
     @property
     def name(self) -> str:
+        if self.packed:
+            return f"{self.kind}_b{self.batch}_n{self.packed}_c{self.context}"
         if self.kind == af.EntryKind.MIXED or self.long:
             return f"{self.kind}_b{self.batch}_t{self.tokens_per_seq}_c{self.context}"
         return f"{self.kind}_b{self.batch}_c{self.context}"
@@ -40,26 +43,43 @@ class EntrySpec:
 
 
 def plan_entries(batch_ladder, context_ladder, prefill_max_batch: int, prefill_chunk: int,
-                 mixed: bool = False, prefill_long_chunk: int = 0) -> list[EntrySpec]:
+                 mixed: bool = False, prefill_long_chunk: int = 0, packed: bool = False) -> list[EntrySpec]:
     """One decode and one prefill entry per ladder point; prefill batches capped, tokens per call capped.
     prefill_long_chunk: one more prefill entry per context, of one row and that many tokens (capped by the context),
     where it is longer than the chunk and batch 1 is on the ladder: a prompt read alone takes fewer, fuller calls.
-    mixed: a mixed entry (decode rows and one chunk) per context and decode batch of at least MIXED_MIN_BATCH rows."""
+    mixed: a mixed entry (decode rows and one chunk) per context and decode batch of at least MIXED_MIN_BATCH rows.
+    packed: where the largest prefill batch B is at least PACKED_MIN_BATCH, the prefill entries of several rows are
+    packed prefills of B rows, one per N of packed_token_ladder(B, chunk): a call computes its rows' tokens, not
+    B x chunk positions."""
     specs = []
     for c in context_ladder:
         chunk = min(c, prefill_chunk) if prefill_chunk else c
         long = min(c, prefill_long_chunk)
         for b in batch_ladder:
             specs.append(EntrySpec(af.EntryKind.DECODE, b, c, 1))
-        for b in batch_ladder:
-            if b <= prefill_max_batch:
-                specs.append(EntrySpec(af.EntryKind.PREFILL, b, c, chunk))
+        rows = [b for b in batch_ladder if b <= prefill_max_batch]
+        if packed and rows[-1] >= PACKED_MIN_BATCH:
+            specs += [EntrySpec(af.EntryKind.PREFILL, b, c, chunk) for b in rows if b == 1]
+            specs += [EntrySpec(af.EntryKind.PREFILL, rows[-1], c, chunk, packed=n)
+                      for n in packed_token_ladder(rows[-1], chunk)]
+        else:
+            specs += [EntrySpec(af.EntryKind.PREFILL, b, c, chunk) for b in rows]
         if long > chunk and 1 in batch_ladder:
             specs.append(EntrySpec(af.EntryKind.PREFILL, 1, c, long, long=True))
         if mixed:
             specs += [EntrySpec(af.EntryKind.MIXED, b, c, chunk) for b in batch_ladder
                       if b >= min(MIXED_MIN_BATCH, batch_ladder[-1])]
     return specs
+
+
+# The fewest rows of packed prefills: of two rows, the ladder's only N would be both rows' chunks, a plain call's.
+PACKED_MIN_BATCH = 4
+
+
+def packed_token_ladder(rows: int, chunk: int) -> list[int]:
+    """The N of a context's packed prefills of `rows` rows of `chunk` tokens: 2, 4, 6, ... chunks' worth, up to all
+    rows' (a call pads its tokens to the next N: at most two chunks' worth)."""
+    return [k * chunk for k in range(2, rows, 2)] + [rows * chunk]
 
 
 # A mixed entry's fewest decode rows: fewer ride in the smallest one (padding a decode row costs next to nothing

@@ -100,12 +100,16 @@ class Features:
         (export/_decode_steps.py); the runtime uses it while every sequence is decoding.
     mixed: adds mixed entries, one call of the running sequences' decode rows and one prompt chunk (EntryKind.MIXED):
         the step is then also called with a tuple of two StepInputs (the decode rows', the chunk's) and returns
-        the logits of both groups' rows in order; tlaloc_jax.decoder.forward does."""
+        the logits of both groups' rows in order; tlaloc_jax.decoder.forward does.
+    packed: the prefill entries of several rows are packed prefills (Role.PACK_INDEX): the step is then also called
+        with StepInputs whose pack_index is set (its rows' tokens side by side, [1, N]) and returns the logits of
+        each row's last token; tlaloc_jax.decoder.forward does."""
 
     sampler: Sampler | None = None
     prompt_logprobs: int | None = None
     decode_steps: int = 1
     mixed: bool = False
+    packed: bool = False
 
 
 @dataclass(frozen=True)

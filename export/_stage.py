@@ -119,11 +119,15 @@ def entry_signature(spec: EntrySpec, resolved: _ResolvedPools, block_size: int, 
     roles = set(af.BASE_STEP_INPUTS)
     for kind in resolved.kinds:
         roles.update(af.POOL_KIND_INPUTS[kind])
+    if spec.packed:
+        roles.add(Role.PACK_INDEX)
 
     def step_inputs(B: int, T: int, group: str = "") -> list[af.TensorSig]:
         shapes = {Role.TOKEN_IDS: (B, T), Role.POSITIONS: (B, T), Role.SEQ_LENS: (B,), Role.BLOCK_TABLES: (B, M),
                   Role.SLOT_MAPPING: (B, T), Role.WINDOW_BLOCK_TABLES: (B, M), Role.WINDOW_SLOT_MAPPING: (B, T),
-                  Role.STATE_SLOTS: (B,)}
+                  Role.STATE_SLOTS: (B,), Role.PACK_INDEX: (B, T)}
+        if spec.packed:         # the rows' tokens side by side
+            shapes.update({r: (1, spec.packed) for r in af.PACKED_TOKEN_INPUTS})
         return [af.TensorSig(role, "int32", shapes[role], group) for role in af.STEP_FIELDS if role in roles]
 
     B, T = spec.rows, spec.tokens_per_seq
@@ -406,7 +410,8 @@ def _plan_entries(opts: Options, step: Callable) -> tuple[af.Buckets, list[Entry
     long = int(opts.ladders.prefill_long_chunk or 0)
     if long < 0:
         raise ExportError(f"prefill long chunk must be positive or 0 (none), got {long}")
-    specs = plan_entries(batches, contexts, prefill_max_batch, chunk, mixed=features.mixed, prefill_long_chunk=long)
+    specs = plan_entries(batches, contexts, prefill_max_batch, chunk, mixed=features.mixed, prefill_long_chunk=long,
+                         packed=features.packed)
     steps = features.decode_steps
     if not isinstance(steps, int) or steps < 1:
         raise ExportError(f"decode_steps must be a positive integer, got {steps!r}")
@@ -420,7 +425,9 @@ def _plan_entries(opts: Options, step: Callable) -> tuple[af.Buckets, list[Entry
         if not isinstance(step, SplitStep):
             raise ExportError("prompt_logprobs scores every position with the model's head: give the step as "
                               "SplitStep(hidden, head) (tlaloc_jax.SplitStep)")
-        specs += [dataclasses.replace(s, kind=af.EntryKind.PREFILL_SCORED) for s in specs
+        # Scoring reads every position of its rows: the unpacked prefill entries' points.
+        specs += [dataclasses.replace(s, kind=af.EntryKind.PREFILL_SCORED)
+                  for s in plan_entries(batches, contexts, prefill_max_batch, chunk, prefill_long_chunk=long)
                   if s.kind == af.EntryKind.PREFILL]
     buckets = af.Buckets(batch_ladder=batches, context_ladder=contexts, prefill_max_batch=prefill_max_batch,
                          prefill_chunk=chunk)

@@ -35,8 +35,8 @@ pytestmark = pytest.mark.numeric
 def case(request, tmp_path_factory):
     art, ck, schema = CASES[request.param]
     staged = tmp_path_factory.mktemp(request.param) / "v4"
-    # The fixtures predate mixed entries and the long prefill chunk.
-    export_checkpoint(FIXTURES / ck, staged, mixed=False, prefill_long_chunk=0, **LADDER)
+    # The fixtures predate mixed entries, packed prefills and the long prefill chunk.
+    export_checkpoint(FIXTURES / ck, staged, mixed=False, packed=False, prefill_long_chunk=0, **LADDER)
     return af.load_manifest(FIXTURES / art), FIXTURES / art, af.load_manifest(staged), staged, FIXTURES / ck, schema
 
 

@@ -274,7 +274,11 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
         kb = decode_key_block(key_block, kv.shape[3]) if q.shape[1] == 1 else key_block
         return paged_attention(q, kv, layer, tables, g.positions, g.seq_lens, key_block=kb, **common)
 
-    if not groups:
+    if inputs.pack_index is not None:
+        # A packed prefill: its tokens' queries laid out as its rows, each row attending over its own pages.
+        rows = inputs._replace(positions=packed_rows(inputs.positions, inputs.pack_index, -1))
+        o = unpack_rows(attend(packed_rows(q, inputs.pack_index, 0), rows), inputs.pack_index, x.shape[1])
+    elif not groups:
         o = attend(q, inputs)
     else:
         parts = []
@@ -283,6 +287,20 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
             parts.append(attend(q[0, offset:offset + B * T].reshape(B, T, *q.shape[2:]), g).reshape(B * T, -1))
         o = jnp.concatenate(parts).reshape(1, x.shape[1], *q.shape[2:])
     return attention_output(cfg, w, x, o), kv
+
+
+def packed_rows(flat: jax.Array, pack_index: jax.Array, fill) -> jax.Array:
+    """A packed call's per-token values [1, N, ...] laid out as its rows [B, T, ...] (`fill` where a row has none)."""
+    pad = jnp.full((1,) + flat.shape[2:], fill, flat.dtype)
+    return jnp.concatenate([flat[0], pad])[pack_index]
+
+
+def unpack_rows(rows: jax.Array, pack_index: jax.Array, n: int) -> jax.Array:
+    """The inverse of packed_rows: [B, T, ...] -> [1, N, ...] (what sits where a row has no token is dropped)."""
+    B, T = pack_index.shape
+    flat = jnp.zeros((n + 1,) + rows.shape[2:], rows.dtype).at[pack_index.reshape(-1)].set(
+        rows.reshape((B * T,) + rows.shape[2:]))
+    return flat[None, :n]
 
 
 def mixed_inputs(groups: tuple[StepInputs, ...]) -> tuple[StepInputs, tuple[tuple[int, StepInputs], ...]]:
@@ -370,6 +388,9 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
                              "and returns last tokens")
         shapes = [g.token_ids.shape for g in inputs]
         inputs, groups = mixed_inputs(inputs)
+    if isinstance(inputs, StepInputs) and inputs.pack_index is not None and (not supports_mixed_calls(cfg)
+                                                                               or all_positions):
+        raise ValueError(f"{cfg.model_type}: a packed prefill runs paged attention layers only, and returns last tokens")
     if decode_attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention {decode_attention!r} is not one of {', '.join(DECODE_ATTENTION)}")
     if cfg.latent and decode_attention != "xla":
@@ -421,6 +442,8 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
         # Each group's rows end at their last column: the row's last token (rows are right-aligned).
         last = [offset + b * T + T - 1 for (offset, _), (B, T) in zip(groups, shapes) for b in range(B)]
         return rms_norm(h[0, jnp.array(last)], weights["final_norm"], eps, off), pools
+    if inputs.pack_index is not None:         # each row's last token, where the packing put it
+        return rms_norm(packed_rows(h, inputs.pack_index[:, -1:], 0.0)[:, 0], weights["final_norm"], eps, off), pools
     # Rows are right-aligned, so every row's last token is at T - 1.
     return rms_norm(h if all_positions else h[:, -1], weights["final_norm"], eps, off), pools
 

@@ -169,6 +169,30 @@ def build_step_inputs(rows: Sequence[RowCall], *, batch: int, tokens: int, width
     return out
 
 
+# The per-token fields of build_step_inputs, which a packed prefill takes flat ([1, N]); the rest stay per row.
+PACKED_FIELDS = ("token_ids", "positions", "slot_mapping", "window_slot_mapping")
+
+
+def pack_step_inputs(inputs: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+    """build_step_inputs' [B, T] inputs as a packed prefill takes them: the rows' tokens side by side in flat
+    per-token fields [1, n] (row by row, padding after them: position -1, no slot), and pack_index [B, T], each
+    row position's index in them (n where the row has no token)."""
+    live = inputs["positions"] >= 0
+    count = int(live.sum())
+    if count > n:
+        raise ValueError(f"{count} tokens do not fit a packed call of {n}")
+    pack_index = np.full(live.shape, n, np.int32)
+    pack_index[live] = np.arange(count, dtype=np.int32)
+    out = {k: v for k, v in inputs.items() if k not in PACKED_FIELDS}
+    for k in PACKED_FIELDS:
+        if k in inputs:
+            flat = np.full((1, n), 0 if k == "token_ids" else -1, np.int32)
+            flat[0, :count] = inputs[k][live]
+            out[k] = flat
+    out["pack_index"] = pack_index
+    return out
+
+
 # -- what a sequence holds of each kind of pool --------------------------------------------------------
 # One rule per manifest PoolKind: how many units (pages, or state slots) a sequence of a given length holds,
 # and the most tokens one call may write from a position. The runtime's scheduler asks these rules and

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tlaloc_jax import artifact as mf
-from tlaloc_jax.paging import build_step_inputs
+from tlaloc_jax.paging import build_step_inputs, pack_step_inputs
 
 from ..runtime.runner import Runner
 from ..sampling import seed_words
@@ -15,7 +15,8 @@ from .scheduler import ScheduledCall
 
 def step_inputs(call: ScheduledCall, m: mf.Manifest, ring_pages: int) -> dict[str, np.ndarray]:
     """The rows' token ids, positions, block tables, slots (and ring tables, state slots) for `call`'s entry; a
-    mixed entry's decode rows under their field names and its prompt chunk's under "chunk.<field>"."""
+    mixed entry's decode rows under their field names and its prompt chunk's under "chunk.<field>"; a packed
+    prefill's per-token fields flat, with its pack_index."""
     e = call.entry
     kw = dict(width=e.context // m.block_size, block_size=m.block_size, ring_pages=ring_pages,
               state_slots=mf.PoolKind.STATE_SLOTS in m.pool_kinds)
@@ -25,7 +26,8 @@ def step_inputs(call: ScheduledCall, m: mf.Manifest, ring_pages: int) -> dict[st
         out.update({f"{mf.CHUNK_GROUP}.{k}": v for k, v in chunk.items()})
         return out
     tokens = 1 if e.kind == mf.EntryKind.DECODE_STEPS else e.tokens_per_seq
-    return build_step_inputs(call.rows, batch=e.batch, tokens=tokens, **kw)
+    rows = build_step_inputs(call.rows, batch=e.batch, tokens=tokens, **kw)
+    return pack_step_inputs(rows, e.packed_tokens) if e.packed_tokens else rows
 
 
 def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], allowed: list) -> dict:

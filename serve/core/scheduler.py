@@ -104,7 +104,7 @@ class Scheduler:
         # chunk of the entries of several rows, so that they share calls.
         self.chunk_cap = max(e.tokens_per_seq for e in prefill)
         self.shared_chunk_cap = max((e.tokens_per_seq for e in prefill if e.batch > 1), default=self.chunk_cap)
-        self.max_num_batched_tokens = max_num_batched_tokens or max(e.batch * e.tokens_per_seq for e in prefill) \
+        self.max_num_batched_tokens = max_num_batched_tokens or max(e.positions for e in prefill) \
             + self.max_num_seqs
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} must be at least max_num_seqs "
@@ -253,12 +253,10 @@ class Scheduler:
         """The entries of `kind`, smallest first (by context, then batch)."""
         return self._by_kind[kind]
 
-    def pick(self, kind: str, batch: int, context: int, tokens: int) -> mf.Entry | None:
-        """The smallest entry of `kind` that holds `batch` rows of `tokens` tokens reaching `context` positions."""
-        for e in self.entries(kind):
-            if e.batch >= batch and e.context >= context and e.tokens_per_seq >= tokens:
-                return e
-        return None
+    def pick(self, kind: str, batch: int, context: int, tokens: int, total: int = 0) -> mf.Entry | None:
+        """The smallest entry of `kind` that holds `batch` rows of `tokens` tokens reaching `context` positions
+        (a packed prefill: `total` tokens in all)."""
+        return next((e for e in self.entries(kind) if e.holds(batch, context, tokens, total)), None)
 
     def scored(self, s: Request) -> bool:
         """Whether the sequence's prompt logprobs come from the scoring prefill entries (the artifact has them,
@@ -425,11 +423,13 @@ class Scheduler:
         for w in work + [None]:
             if w is not None:
                 trial = group + [w]
-                if self.pick(kind, len(trial), max(x.start + x.n for x in trial), max(x.n for x in trial)):
+                if self.pick(kind, len(trial), max(x.start + x.n for x in trial), max(x.n for x in trial),
+                             sum(x.n for x in trial)):
                     group = trial
                     continue
             if group:
-                entry = self.pick(kind, len(group), max(x.start + x.n for x in group), max(x.n for x in group))
+                entry = self.pick(kind, len(group), max(x.start + x.n for x in group), max(x.n for x in group),
+                                  sum(x.n for x in group))
                 if entry is None:
                     raise RuntimeError(f"no {kind} entry holds a row of {group[0].n} tokens reaching position "
                                        f"{group[0].start + group[0].n}")

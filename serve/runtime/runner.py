@@ -199,6 +199,9 @@ class Runner:
         pool_args: dict[int, str] = {}
         for i, (source, key, role) in enumerate(self._arg_plan(e)):
             if source is _ArgSource.STEP:
+                if key not in inputs:
+                    raise KeyError(f"entry {e.name} takes {role} as {key!r}, which its inputs lack (a packed "
+                                   f"prefill's come from tlaloc_jax.paging.pack_step_inputs)")
                 value = inputs[key]
                 buf = self._input_buffer(e, key, value) if isinstance(value, np.ndarray) else value
             elif source is _ArgSource.POOL:

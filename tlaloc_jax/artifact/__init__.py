@@ -25,7 +25,7 @@ from .serving_load import artifact_file, check_manifest, load_manifest
 from .stablehlo import MainSignature, main_signature, signature_mismatch
 from .upgrade import SCHEMA_V2, SCHEMA_V3
 from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, COPY_INPUTS, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, DTYPES, INPUT_ROLES,
-                         MLIR_DTYPES, NAME, OUTPUT_ROLES, PLATFORMS, POOL_KIND_INPUTS, QUANT_CODE_DTYPES, QUANT_GROUPS,
+                         MLIR_DTYPES, NAME, OUTPUT_ROLES, PACKED_TOKEN_INPUTS, PLATFORMS, POOL_KIND_INPUTS, QUANT_CODE_DTYPES, QUANT_GROUPS,
                          SAMPLER_DTYPES, SAMPLER_INPUTS, SAMPLER_OUTPUTS, SAMPLING_COLUMNS, SAMPLING_NEUTRAL,
                          SCORER_DTYPES, SCORER_INPUTS, SCORER_OUTPUTS, STEP_FIELDS, BoundKind, DType, EntryKind,
                          PoolKind, QuantPart, QuantScheme, Role, dtype_info, mask_words, nbytes, numpy_dtype)
@@ -37,7 +37,7 @@ __all__ = [
     "Entry", "Manifest", "ModelShape", "Pool", "RefusedToken", "SamplerShape", "ScorerShape",
     "artifact_file", "check_manifest", "load_manifest", "MainSignature", "main_signature", "signature_mismatch",
     "BASE_STEP_INPUTS", "CHUNK_GROUP", "COPY_INPUTS", "DECODE_STEPS_INPUTS", "DECODE_STEPS_OUTPUTS", "DTYPES", "INPUT_ROLES", "MLIR_DTYPES",
-    "NAME", "OUTPUT_ROLES", "PLATFORMS", "POOL_KIND_INPUTS", "QUANT_CODE_DTYPES", "QUANT_GROUPS", "SAMPLER_DTYPES",
+    "NAME", "OUTPUT_ROLES", "PACKED_TOKEN_INPUTS", "PLATFORMS", "POOL_KIND_INPUTS", "QUANT_CODE_DTYPES", "QUANT_GROUPS", "SAMPLER_DTYPES",
     "SAMPLER_INPUTS", "SAMPLER_OUTPUTS", "SAMPLING_COLUMNS", "SAMPLING_NEUTRAL", "SCORER_DTYPES", "SCORER_INPUTS",
     "SCORER_OUTPUTS", "STEP_FIELDS", "BoundKind", "DType", "EntryKind", "PoolKind", "QuantPart", "QuantScheme",
     "Role", "dtype_info", "mask_words", "nbytes", "numpy_dtype",

@@ -49,6 +49,7 @@ weights and tokenizer files carry no hashes; the loader says so).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .codec import build, parse, to_json
@@ -91,16 +92,32 @@ class Entry:
         """The rows of its logits and sampler: a mixed entry's decode rows and its chunk's, else its batch."""
         return self.batch + 1 if self.kind == EntryKind.MIXED else self.batch
 
+    @functools.cached_property
+    def packed_tokens(self) -> int:
+        """A packed prefill's N, the most tokens of its rows one call computes (its flat inputs [1, N]); else 0."""
+        if not any(sig.role == Role.PACK_INDEX for sig in self.inputs):
+            return 0
+        return self.inputs[self.input_index(Role.TOKEN_IDS)].shape[1]
+
+    def holds(self, batch: int, context: int, tokens: int, total: int = 0) -> bool:
+        """Whether one call holds `batch` rows of up to `tokens` tokens reaching `context` positions (a packed
+        prefill: `total` tokens in all)."""
+        return (self.batch >= batch and self.context >= context and self.tokens_per_seq >= tokens
+                and (not self.packed_tokens or self.packed_tokens >= total))
+
     @property
     def positions(self) -> int:
-        """The positions one call computes: batch x tokens (a mixed entry: its decode rows and its chunk)."""
-        return self.batch + self.tokens_per_seq if self.kind == EntryKind.MIXED else self.batch * self.tokens_per_seq
+        """The positions one call computes: batch x tokens (a mixed entry: its decode rows and its chunk; a packed
+        prefill: N)."""
+        if self.kind == EntryKind.MIXED:
+            return self.batch + self.tokens_per_seq
+        return self.packed_tokens or self.batch * self.tokens_per_seq
 
     @property
     def size_key(self) -> tuple[int, int, int]:
-        """Smallest first: by context, then the positions a call computes (batch x tokens), then batch; a runtime
-        picks the first entry of a kind that holds its rows."""
-        return self.context, self.batch * self.tokens_per_seq, self.batch
+        """Smallest first: by context, then the positions a call computes, then batch; a runtime picks the first
+        entry of a kind that holds its rows."""
+        return self.context, self.positions, self.batch
 
     def input_index(self, role: Role, slot: str = "") -> int:
         for i, sig in enumerate(self.inputs):

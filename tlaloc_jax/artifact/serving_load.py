@@ -12,7 +12,7 @@ from .mesh import check_mesh
 from .records import TensorSig, WeightFile, check_platform, check_tokenizer_hashes, check_weight_table
 from .serving import MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, Entry, Manifest, Pool
 from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, INPUT_ROLES, OUTPUT_ROLES,
-                         POOL_KIND_INPUTS, SAMPLER_DTYPES, SAMPLER_INPUTS, SAMPLER_OUTPUTS, SAMPLING_COLUMNS,
+                         PACKED_TOKEN_INPUTS, POOL_KIND_INPUTS, SAMPLER_DTYPES, SAMPLER_INPUTS, SAMPLER_OUTPUTS, SAMPLING_COLUMNS,
                          SCORER_DTYPES, SCORER_INPUTS, SCORER_OUTPUTS, STEP_FIELDS, EntryKind, PoolKind, Role,
                          dtype_info, mask_words)
 
@@ -208,6 +208,13 @@ def _check_entry(m: Manifest, e: Entry, pools: dict[str, Pool], slots: dict[str,
     if e.context % m.block_size:
         raise ManifestError(f"{what} context {e.context} is not a multiple of the block size {m.block_size}")
     seen_roles, pools_in, step_groups = _check_inputs(m, e, pools, slots, step_roles, what)
+    if e.packed_tokens:
+        n = e.packed_tokens
+        flat = [sig for sig in e.inputs if sig.role in PACKED_TOKEN_INPUTS]
+        if not 0 < n <= e.batch * e.tokens_per_seq or any(tuple(sig.shape) != (1, n) for sig in flat):
+            raise ManifestError(f"{what} is a packed prefill whose per-token inputs are "
+                                f"{[list(sig.shape) for sig in flat]}: they are [1, N] with N at most its "
+                                f"{e.batch} rows of {e.tokens_per_seq} tokens")
     groups = ("", CHUNK_GROUP) if e.kind == EntryKind.MIXED else ("",)
     if set(step_groups) - set(groups):
         raise ManifestError(f"{what} has step inputs of groups {sorted(step_groups)}; a {e.kind} entry's are "
@@ -247,7 +254,13 @@ def _check_inputs(m: Manifest, e: Entry, pools: dict[str, Pool], slots: dict[str
         if sig.role not in INPUT_ROLES:
             raise ManifestError(f"{what} input has role {sig.role}, which is not an input role")
         dtype_info(sig.dtype, f"{what} input {sig.label}")
-        if sig.role in STEP_FIELDS:
+        if sig.role == Role.PACK_INDEX:
+            if e.kind != EntryKind.PREFILL or sig.slot:
+                raise ManifestError(f"{what} takes {sig.role}, which only a prefill entry's rows take")
+            if tuple(sig.shape) != (e.batch, e.tokens_per_seq):
+                raise ManifestError(f"{what} takes {sig.role} of shape {list(sig.shape)}; its rows are "
+                                    f"[{e.batch}, {e.tokens_per_seq}]")
+        elif sig.role in STEP_FIELDS:
             if sig.role not in step_roles:
                 raise ManifestError(f"{what} takes {sig.role}, which none of the artifact's pools needs")
             step_groups.setdefault(sig.slot, set()).add(sig.role)

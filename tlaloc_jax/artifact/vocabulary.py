@@ -33,6 +33,10 @@ class Role(enum.StrEnum):
     WINDOW_BLOCK_TABLES = "WINDOW_BLOCK_TABLES"
     WINDOW_SLOT_MAPPING = "WINDOW_SLOT_MAPPING"
     STATE_SLOTS = "STATE_SLOTS"
+    # A packed prefill's rows (docs/glossary.md): PACK_INDEX [B, T] i32, the index of each row position's token
+    # (rows right-aligned, as an unpacked entry's TOKEN_IDS [B, T]) in the call's flat per-token inputs
+    # (TOKEN_IDS, POSITIONS, SLOT_MAPPING, WINDOW_SLOT_MAPPING, all [1, N]); N where the row has no token.
+    PACK_INDEX = "PACK_INDEX"
     # A pool (slot: the pool's name), donated: POOL_OUT is written over the POOL_IN of the same name.
     POOL_IN = "POOL_IN"
     POOL_OUT = "POOL_OUT"
@@ -105,7 +109,9 @@ class PoolKind(enum.StrEnum):
 
 class EntryKind(enum.StrEnum):
     DECODE = "decode"      # one new token per sequence
-    PREFILL = "prefill"    # up to tokens_per_seq tokens per sequence, rows right-aligned
+    # Up to tokens_per_seq tokens per sequence, rows right-aligned. A packed prefill (one that takes PACK_INDEX)
+    # computes only the rows' tokens, at most N of them side by side ([1, N]), and attends row by row.
+    PREFILL = "prefill"
     PREFILL_SCORED = "prefill_scored"  # a prefill that also scores each position (manifest `scorer`)
     # Up to `steps` decode steps in one call: each step's token (argmax, or the in-body sampler's) is fed to the
     # next; a row stops on one of its STOP_IDS or after STEP_LIMIT tokens; returns STEP_TOKENS, not the logits.
@@ -134,8 +140,10 @@ STEP_FIELDS: dict[Role, str] = {
     Role.TOKEN_IDS: "token_ids", Role.POSITIONS: "positions", Role.SEQ_LENS: "seq_lens",
     Role.BLOCK_TABLES: "block_tables", Role.SLOT_MAPPING: "slot_mapping",
     Role.WINDOW_BLOCK_TABLES: "window_block_tables", Role.WINDOW_SLOT_MAPPING: "window_slot_mapping",
-    Role.STATE_SLOTS: "state_slots",
+    Role.STATE_SLOTS: "state_slots", Role.PACK_INDEX: "pack_index",
 }
+# A packed prefill's flat per-token inputs ([1, N]); its other step inputs are per row.
+PACKED_TOKEN_INPUTS = (Role.TOKEN_IDS, Role.POSITIONS, Role.SLOT_MAPPING, Role.WINDOW_SLOT_MAPPING)
 # Every entry takes these; each kind of pool it holds adds its own.
 BASE_STEP_INPUTS = (Role.TOKEN_IDS, Role.POSITIONS, Role.SEQ_LENS)
 POOL_KIND_INPUTS: dict[PoolKind, tuple[Role, ...]] = {

@@ -77,12 +77,10 @@ class ArtifactRuntime:
     def capacity(self, kind: af.PoolKind) -> int:
         return self.manifest.capacity(kind)
 
-    def pick(self, kind: af.EntryKind, batch: int, context: int, tokens: int) -> af.Entry | None:
-        """The smallest entry of `kind` that holds `batch` rows of up to `tokens` tokens reaching `context`."""
-        for e in self._by_kind[kind]:
-            if e.batch >= batch and e.context >= context and e.tokens_per_seq >= tokens:
-                return e
-        return None
+    def pick(self, kind: af.EntryKind, batch: int, context: int, tokens: int, total: int = 0) -> af.Entry | None:
+        """The smallest entry of `kind` that holds `batch` rows of up to `tokens` tokens reaching `context` (a packed
+        prefill: `total` tokens in all)."""
+        return next((e for e in self._by_kind[kind] if e.holds(batch, context, tokens, total)), None)
 
     def run(self, entry: af.Entry, rows: Sequence[Row], *, logits: bool = False) -> RunResult:
         """Run `entry` once on `rows` (right-aligned, as the entry expects; unused rows empty)."""

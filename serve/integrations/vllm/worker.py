@@ -264,7 +264,7 @@ class ArtifactWorker(WorkerBase):
 
         def fits(g):
             return self.runtime.pick(kind, len(g), max(p.start + len(p.token_ids) for p in g),
-                                     max(len(p.token_ids) for p in g))
+                                     max(len(p.token_ids) for p in g), sum(len(p.token_ids) for p in g))
 
         for p in pieces + [None]:
             if p is not None and fits(group + [p]):
