@@ -388,8 +388,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
                              "and returns last tokens")
         shapes = [g.token_ids.shape for g in inputs]
         inputs, groups = mixed_inputs(inputs)
-    if isinstance(inputs, StepInputs) and inputs.pack_index is not None and (not supports_mixed_calls(cfg)
-                                                                               or all_positions):
+    if inputs.pack_index is not None and (not supports_mixed_calls(cfg) or all_positions):
         raise ValueError(f"{cfg.model_type}: a packed prefill runs paged attention layers only, and returns last tokens")
     if decode_attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention {decode_attention!r} is not one of {', '.join(DECODE_ATTENTION)}")

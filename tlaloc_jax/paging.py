@@ -170,7 +170,7 @@ def build_step_inputs(rows: Sequence[RowCall], *, batch: int, tokens: int, width
 
 
 # The per-token fields of build_step_inputs, which a packed prefill takes flat ([1, N]); the rest stay per row.
-PACKED_FIELDS = ("token_ids", "positions", "slot_mapping", "window_slot_mapping")
+PACKED_FIELDS = tuple(af.STEP_FIELDS[role] for role in af.PACKED_TOKEN_INPUTS)
 
 
 def pack_step_inputs(inputs: dict[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
