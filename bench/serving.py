@@ -114,7 +114,23 @@ def start_tlaloc(a, art: Path, caching: bool = True) -> Server:
     cmd = [sys.executable, "-m", "tlaloc_jax.serve", str(art), "--port", str(port), "--max-num-seqs",
            str(a.max_num_seqs), "--no-progress", *([] if caching else ["--no-enable-prefix-caching"]), *a.serve_arg]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
-    return _wait_up(name, proc, f"http://127.0.0.1:{port}", log, 600)
+    server = _wait_up(name, proc, f"http://127.0.0.1:{port}", log, 600)
+    _wait_warm(server, 600)
+    return server
+
+
+def _wait_warm(server: Server, timeout: float) -> None:
+    """Wait until the server has warmed every entry (tlaloc_entries_cold 0), as vLLM's server is warm once up: its
+    warm-up runs while it is idle, and would otherwise run during the peer's cells."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        cold = [line.split()[-1] for line in text.splitlines() if line.startswith("tlaloc_entries_cold ")]
+        if cold and float(cold[0]) == 0:
+            print(f"{server.name} warmed its entries in {time.perf_counter() - t0:.1f} s", flush=True)
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{server.name} did not warm its entries in {timeout:.0f} s")
 
 
 def _vllm_python(a) -> str:

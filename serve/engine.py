@@ -118,6 +118,7 @@ class Engine:
         self.last_step_calls = 0            # the calls the last step() ran (0: every sequence waited on its constraint)
         self._ids = itertools.count()
         self._order = itertools.count()
+        self._warm: set[str] = set()       # entries run once by warm_up
         self._stats = dict(steps=0, prefill_calls=0, decode_calls=0, tokens_generated=0,
                            prompt_tokens=0, requests_finished=0, requests_failed=0, requests_refused=0,
                            decode_steps_calls=0, mixed_calls=0, logits_pulled=0, sampled_in_body=0, slot_copies=0,
@@ -249,6 +250,17 @@ class Engine:
     def has_unfinished(self) -> bool:
         return any(not s.finished for s in self.scheduler.requests.values())
 
+    def cold_entries(self) -> list[mf.Entry]:
+        """The entries never run yet, in the manifest's order (smallest context first)."""
+        ran = self.runner.stats["executions_by_entry"]
+        return [e for e in self.manifest.entries if e.name not in ran and e.name not in self._warm]
+
+    def warm_up(self, e: mf.Entry) -> None:
+        """Run entry `e` once with every row empty (it writes nothing; the pools stay as they were): an executable's
+        first run pays one-time costs (50-200 ms an entry on a 2-core CPU) that a server's first requests should not."""
+        self._warm.add(e.name)
+        self.runner.run(e, call_inputs.empty_call_inputs(e, self.runner, self.ring_pages), set(), count=False)
+
     def _finish(self, s: Request, reason: str, error: str | None = None) -> None:
         s.finish_reason = reason
         s.error = error
@@ -359,7 +371,11 @@ class Engine:
                 inputs.update(call_inputs.sampler_inputs(self.runner, call, producing, allowed))
             if scoring:
                 inputs[mf.Role.SCORE_TARGETS] = call_inputs.score_targets(call, e.batch, e.tokens_per_seq)
+            t0 = time.perf_counter()
             out = self._execute(e, inputs, outputs.wanted(call, producing, allowed, self.sampler))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("call %s: %d rows, %d tokens, %.1f ms", e.name, len(call.seqs),
+                          sum(len(r.token_ids) for r in call.rows), 1e3 * (time.perf_counter() - t0))
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
             log.error("call of %s failed: %s", e.name, err)
             if e.kind == mf.EntryKind.MIXED:
@@ -415,7 +431,10 @@ class Engine:
             inputs.update(call_inputs.decode_steps_inputs(call, [self.scheduler.stop_ids(s) for s in call.seqs]))
             if self.sampler is not None:
                 inputs.update(call_inputs.sampler_inputs(self.runner, call, [True] * n, [None] * n))
+            t0 = time.perf_counter()
             tokens = self._execute(e, inputs, {mf.Role.STEP_TOKENS})[mf.Role.STEP_TOKENS]
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("call %s: %d rows, %.1f ms", e.name, n, 1e3 * (time.perf_counter() - t0))
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
             log.error("call of %s failed: %s", e.name, err)
             return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]

@@ -130,7 +130,7 @@ class EngineLoop:
     """The one thread that drives the Engine. Everything else talks to it through `submit`, `abort`, `call`."""
 
     def __init__(self, engine: Engine, max_running: int, metrics: Metrics, max_waiting: int = 1024,
-                 max_wait_seconds: float | None = None, step_work: StepWork | None = None):
+                 max_wait_seconds: float | None = None, step_work: StepWork | None = None, warm_up: bool = True):
         self.engine = engine
         self.max_running = max_running
         engine.scheduler.configure(max_num_seqs=max_running)
@@ -150,6 +150,15 @@ class EngineLoop:
         # after another; a step that would only start new prompts waits up to this long for those still being
         # read, so that they share its calls instead of waiting for a call of the first one alone.
         self.arrival_wait_s = 0.02
+        # Requests read one after another open their Arrival a few ms apart: the wait also lasts while the last one
+        # came under arrival_gap_s ago, though none is being read at that moment.
+        self.arrival_gap_s = 0.005
+        self._last_arrival = float("-inf")
+        # Once nothing has run nor come for warm_up_idle_s, the loop warms the entries not yet run, one call at a time
+        # (Engine.warm_up): not in the brief idle moment between a closed loop's requests, which would wait for it.
+        self.warm_up = warm_up
+        self.warm_up_idle_s = 0.5
+        self._idle_since = time.perf_counter()
         self._arriving = 0
         self._arriving_lock = threading.Lock()
         self._held_since: float | None = None
@@ -176,6 +185,7 @@ class EngineLoop:
     def _count_arrival(self, n: int) -> None:
         with self._arriving_lock:
             self._arriving += n
+            self._last_arrival = time.perf_counter()
         if n < 0:
             self._wake()
 
@@ -204,20 +214,28 @@ class EngineLoop:
 
     def _run(self) -> None:
         stalled = False     # the last step ran nothing: every running sequence waits on its step work
+        cold = self.engine.cold_entries() if self.warm_up else []
         try:
             while True:
                 idle = not self._running and not self._waiting
+                warm_in = self.warm_up_idle_s - (time.perf_counter() - self._idle_since) if idle and cold else None
+                if warm_in is not None and warm_in <= 0 and self._cmds.empty():
+                    self._warm_one(cold.pop(0))
+                    continue
                 cmds = []
                 try:
                     # Stalled, the loop sleeps until a job ends (a "wake") or a command comes; the timeout is a
                     # safety net only.
                     held = None if idle else self._hold_left()
-                    timeout = None if idle else held if held is not None else 0.05
+                    timeout = (warm_in if warm_in is not None and warm_in > 0 else None) if idle else \
+                        held if held is not None else 0.05
                     cmds.append(self._cmds.get(block=idle or stalled or held is not None, timeout=timeout))
                     while True:
                         cmds.append(self._cmds.get_nowait())
                 except queue.Empty:
                     pass
+                if not idle or any(cmd[0] == "add" for cmd in cmds):
+                    self._idle_since = time.perf_counter()
                 for cmd in cmds:
                     if cmd[0] == "stop":
                         self._fail_all("the server is shutting down")
@@ -248,17 +266,30 @@ class EngineLoop:
         """How much longer the next step waits for requests still being read (None: it need not wait): only while
         every running sequence is new (nothing decodes, no prompt has started) and the wait began under
         arrival_wait_s ago."""
-        if not self._arriving or any(s.first_scheduled is not None for s in self.engine.scheduler.running):
-            return None
         now = time.perf_counter()
+        gap = self.arrival_gap_s - (now - self._last_arrival)
+        if not (self._arriving or gap > 0) or any(s.first_scheduled is not None for s in self.engine.scheduler.running):
+            return None
         if self._held_since is None:
             self._held_since = now
         left = self.arrival_wait_s - (now - self._held_since)
+        if not self._arriving:
+            left = min(left, gap)
         return left if left > 0 else None
+
+    def _warm_one(self, e) -> None:
+        """Warm one entry (Engine.warm_up) unless a request has run it since; a failure is logged, not retried."""
+        if e not in self.engine.cold_entries():
+            return
+        try:
+            self.engine.warm_up(e)
+        except Exception as err:  # noqa: BLE001 - the entry's first request fails the same way, by name
+            log.error("warming up %s failed: %s", e.name, err)
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":
             self._waiting.append(cmd[1])
+            self._last_arrival = time.perf_counter()
         elif cmd[0] == "abort":
             for rid in cmd[1]:
                 self._end(rid, cmd[2])
@@ -296,8 +327,9 @@ class EngineLoop:
             adm.future.set_result(rids)
 
     def _expire(self) -> None:
-        """Fail the sequences that waited past max_wait_seconds without starting."""
-        if not self.max_wait_seconds:
+        """Fail the sequences that waited past max_wait_seconds without starting (not while the loop itself holds
+        their first step for arrivals, at most arrival_wait_s)."""
+        if not self.max_wait_seconds or self._held_since is not None:
             return
         now = time.perf_counter()
         late: dict[int, tuple[Sink, list[Update]]] = {}
@@ -362,7 +394,8 @@ class EngineLoop:
     def snapshot(self) -> dict:
         """The engine's counters plus the loop's queue (call on the loop thread)."""
         st = self.engine.stats()
-        return dict(st, waiting=st["waiting"] + sum(len(a.specs) for a in self._waiting))
+        return dict(st, waiting=st["waiting"] + sum(len(a.specs) for a in self._waiting),
+                    cold_entries=len(self.engine.cold_entries()))
 
 
 def _deliver(sink: Sink, updates: list[Update]) -> None:

@@ -207,3 +207,33 @@ def test_a_step_of_new_prompts_waits_for_requests_still_being_read(http_artifact
             loop.stop()
         assert steps_before == (0 if wait else 3)      # held, or the first request's three tokens
         assert sum(u.token is not None for u in updates) == 6
+
+
+@pytest.mark.parametrize("gap", [1.0, 0.0], ids=["waits after a request came", "control: no gap"])
+def test_a_step_of_new_prompts_waits_a_moment_after_a_request_came(http_artifacts, serve_cache_dir, gap):
+    """Requests read one after another open their Arrivals a few ms apart, so at some moments none is open: a step
+    that would only start new prompts also waits while the last request came under arrival_gap_s ago (within
+    arrival_wait_s), and one submitted shortly after shares its calls. Control: with no gap the first request runs
+    alone at once."""
+    with Engine.load(http_artifacts[1], cache_dir=serve_cache_dir, progress=False) as eng:
+        loop = EngineLoop(eng, 8, Metrics("test"))
+        loop.arrival_wait_s, loop.arrival_gap_s = 30.0, gap
+        done = threading.Event()
+        updates = []
+
+        def sink(batch):
+            updates.extend(batch)
+            if sum(u.finished for u in updates) == 2:
+                done.set()
+        loop.start()
+        try:
+            spec = SeqSpec([5, 6, 7], 3, frozenset(), Sampling())
+            loop.submit([spec], sink, time.perf_counter()).result(10)
+            time.sleep(0.3)
+            steps_before = loop.steps
+            loop.submit([spec], sink, time.perf_counter()).result(10)
+            assert done.wait(30)
+        finally:
+            loop.stop()
+        assert steps_before == (0 if gap else 3)      # held, or the first request's three tokens
+        assert sum(u.token is not None for u in updates) == 6

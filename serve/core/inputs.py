@@ -103,3 +103,20 @@ def decode_steps_inputs(call: ScheduledCall, stop_ids: list[list[int]]) -> dict:
     for b, ids in enumerate(stop_ids):
         stop[b, :len(ids)] = ids
     return {mf.Role.STEP_LIMIT: limit, mf.Role.STOP_IDS: stop}
+
+
+def empty_call_inputs(e: mf.Entry, runner: Runner, ring_pages: int) -> dict:
+    """The inputs of a call of `e` whose rows are all empty, as a call's padding rows are (no token, no slot: the
+    call writes nothing): what a warm-up run takes."""
+    if e.kind == mf.EntryKind.COPY_SLOTS:
+        none = np.full(e.batch, -1, np.int32)
+        return {mf.Role.COPY_SRC: none, mf.Role.COPY_DST: none}
+    call = ScheduledCall(e, (), ())
+    out = step_inputs(call, runner.manifest, ring_pages)
+    if runner.manifest.sampler is not None:
+        out.update(sampler_inputs(runner, call, [], []))
+    if e.kind == mf.EntryKind.PREFILL_SCORED:
+        out[mf.Role.SCORE_TARGETS] = score_targets(call, e.batch, e.tokens_per_seq)
+    if e.kind == mf.EntryKind.DECODE_STEPS:
+        out.update(decode_steps_inputs(call, []))
+    return out

@@ -377,15 +377,28 @@ class Scheduler:
         single = [w for w in work if w not in scored and w.n == 1]
         chunks = [w for w in work if w not in scored and w.n > 1]       # in scheduling order
         calls = self._group(scored, mf.EntryKind.PREFILL_SCORED)
-        apart = self._apart(single, chunks)
+        # Every chunk in prefill calls beside decode calls; or the first chunk riding with the decode rows in a mixed
+        # call; or decode rows riding in the chunks' packed prefill calls: whichever computes the fewest positions.
+        plans = []
         mixed = self._mixed_call(single, chunks)
         if mixed is not None:
-            # The first chunk rides with the decode rows and leaves the others to prefill calls; but when those
-            # cost more than reading every chunk in prefill calls beside a decode call, that runs instead.
-            together = [mixed] + self._apart(single[mixed.entry.batch:], chunks[1:])
-            if call_cost(together) <= call_cost(apart):
-                return together + calls
-        return apart + calls
+            plans.append([mixed] + self._apart(single[mixed.entry.batch:], chunks[1:]))
+        plans.append(self._apart(single, chunks))
+        joined = self._joined(single, chunks)
+        if joined is not None:
+            plans.append(joined)
+        return min(plans, key=call_cost) + calls
+
+    def _joined(self, single: list[_Work], chunks: list[_Work]) -> list[ScheduledCall] | None:
+        """The chunks' packed prefill calls with as many one-token rows as their rows leave room for (a packed call
+        computes a one-token row as one position), the other one-token rows in decode calls; None without packed
+        prefills or chunks."""
+        rows = max((e.batch for e in self.entries(mf.EntryKind.PREFILL) if e.packed_tokens), default=0)
+        if not (chunks and single and rows > len(chunks)):
+            return None
+        ride = single[:rows - len(chunks)]
+        return (self._group(sorted(chunks + ride, key=lambda w: w.start + w.n), mf.EntryKind.PREFILL)
+                + self._apart(single[len(ride):], []))
 
     def _apart(self, single: list[_Work], chunks: list[_Work]) -> list[ScheduledCall]:
         """The calls of prompt chunks (prefill entries, those that end near each other together) and one-token rows

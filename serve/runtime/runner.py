@@ -58,7 +58,7 @@ class Runner:
         self._kept_inputs: dict[tuple[str, str], tuple[bytes, sharded.Placed]] = {}
         self._arg_plans: dict[str, list[tuple[_ArgSource, object, mf.Role]]] = {}
         self._entries_checked: set[str] = set()
-        self.stats = dict(executions=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={})
+        self.stats = dict(executions=0, warm_ups=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={})
         try:
             want = {"cpu": "cpu", "cuda": "cuda"}[m.versions.platform]
             if device.platform_name.lower() not in (want, "gpu" if want == "cuda" else want):
@@ -187,11 +187,12 @@ class Runner:
 
     # -- running -------------------------------------------------------------------------------------
 
-    def run(self, e: mf.Entry, inputs: dict, want: set[mf.Role]) -> dict[mf.Role, np.ndarray]:
+    def run(self, e: mf.Entry, inputs: dict, want: set[mf.Role], count: bool = True) -> dict[mf.Role, np.ndarray]:
         """Run entry `e`; -> the outputs whose roles are in `want`, pulled to the host.
 
         inputs: the step inputs by StepInputs field name (paging.build_step_inputs) and the sampler's, scorer's
-        and decode_steps' inputs by role; each a host array, or a device buffer (`neutral_buffer`)."""
+        and decode_steps' inputs by role; each a host array, or a device buffer (`neutral_buffer`). count: False for
+        a run that is not a call (a warm-up): it goes in stats["warm_ups"], not the executions."""
         exe = self.executable(e)
         runs = self.stats["executions"]
         check = runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked
@@ -219,9 +220,12 @@ class Runner:
             if not self.donate:
                 sharded.close(self.pools[name])      # the control path: the updated pool is a new buffer
             self.pools[name] = outs[out_i]
-        self.stats["executions"] += 1
-        by = self.stats["executions_by_entry"]
-        by[e.name] = by.get(e.name, 0) + 1
+        if count:
+            self.stats["executions"] += 1
+            by = self.stats["executions_by_entry"]
+            by[e.name] = by.get(e.name, 0) + 1
+        else:
+            self.stats["warm_ups"] += 1
         if check:
             self._check_in_place(e, before, runs + 1)
         pulled = {}
