@@ -263,9 +263,9 @@ class EngineLoop:
             self._fail_all("the engine loop failed; the server log has the cause")
 
     def _hold_left(self) -> float | None:
-        """How much longer the next step waits for requests still being read (None: it need not wait): only while
-        every running sequence is new (nothing decodes, no prompt has started) and the wait began under
-        arrival_wait_s ago."""
+        """How much longer the next step waits for requests still being read, or for one more while the last came
+        under arrival_gap_s ago (None: it need not wait): only while every running sequence is new (nothing decodes,
+        no prompt has started) and the wait began under arrival_wait_s ago."""
         now = time.perf_counter()
         gap = self.arrival_gap_s - (now - self._last_arrival)
         if not (self._arriving or gap > 0) or any(s.first_scheduled is not None for s in self.engine.scheduler.running):

@@ -153,8 +153,9 @@ def _decode_then_arrive(eng, decoding, arriving, spy):
 def test_decode_rows_ride_in_a_packed_prefill_call(checkpoint, packed_artifact, monkeypatch):
     """Three sequences decoding when two 5-token prompts arrive: one packed call (13 tokens, N = 16) holds the two
     prompts and the three decode rows, where a packed call and a decode call would compute more positions
-    (scheduler.call_cost); every id is its solo run's. Control: the decode rows placed a position early in that
-    call change their ids."""
+    (scheduler.call_cost); every id is its solo run's. With more decode rows than the entry's rows leave room for,
+    none rides (the packed call reads the prompts, decode calls the rest). Control: the decode rows placed a
+    position early in that call change their ids."""
     from dataclasses import replace
 
     from tlaloc_jax.serve.core import scheduler as scheduler_module
@@ -173,6 +174,16 @@ def test_decode_rows_ride_in_a_packed_prefill_call(checkpoint, packed_artifact, 
         got, calls = _decode_then_arrive(eng, prompts[:3], prompts[3:], steps)
         assert calls == [(f"prefill_b8_n32_c{CONTEXT}", 5)] or calls == [(f"prefill_b8_n16_c{CONTEXT}", 5)], calls
         assert got == solo
+        # Nine decoding and two arriving (up to 12 running): the packed entry's 8 rows cannot hold all eleven, so
+        # none rides.
+        crowd = [[(i * 19 + j * 5) % 250 + 3 for j in range(4 + i % 3)] for i in range(11)]
+        crowd_solo = [eng.generate([p], 6)[0] for p in crowd]
+        eng.scheduler.configure(max_num_seqs=12)
+        got, calls = _decode_then_arrive(eng, crowd[:9], crowd[9:], steps)
+        eng.scheduler.configure(max_num_seqs=8)
+        assert calls[0][0].startswith("prefill_b8_n") and calls[0][1] == 2, calls
+        assert all(name.startswith("decode_") for name, _ in calls[1:]) and sum(n for _, n in calls[1:]) == 9, calls
+        assert got == crowd_solo
         joined = scheduler_module.Scheduler._joined
 
         def early(self, single, chunks):
