@@ -214,13 +214,13 @@ class EngineLoop:
 
     def _run(self) -> None:
         stalled = False     # the last step ran nothing: every running sequence waits on its step work
-        cold = self.engine.cold_entries() if self.warm_up else []
         try:
             while True:
                 idle = not self._running and not self._waiting
-                warm_in = self.warm_up_idle_s - (time.perf_counter() - self._idle_since) if idle and cold else None
+                cold = self.engine.cold_entries() if idle and self.warm_up else []
+                warm_in = self.warm_up_idle_s - (time.perf_counter() - self._idle_since) if cold else None
                 if warm_in is not None and warm_in <= 0 and self._cmds.empty():
-                    self._warm_one(cold.pop(0))
+                    self._warm_one(cold[0])
                     continue
                 cmds = []
                 try:
@@ -278,9 +278,7 @@ class EngineLoop:
         return left if left > 0 else None
 
     def _warm_one(self, e) -> None:
-        """Warm one entry (Engine.warm_up) unless a request has run it since; a failure is logged, not retried."""
-        if e not in self.engine.cold_entries():
-            return
+        """Warm one entry (Engine.warm_up); a failure is logged, not retried (the entry counts as warmed)."""
         try:
             self.engine.warm_up(e)
         except Exception as err:  # noqa: BLE001 - the entry's first request fails the same way, by name

@@ -112,8 +112,7 @@ class _EngineCollector:
                                ("tlaloc_requests_waiting", "waiting", "Sequences waiting to run"),
                                ("tlaloc_entries_cold", "cold_entries", "Entries neither run nor warmed up yet (the "
                                                                       "first run of each pays one-time costs)")):
-            if key in s:
-                yield GaugeMetricFamily(name, doc, value=s[key])
+            yield GaugeMetricFamily(name, doc, value=s[key])
         for name, key, doc in (("tlaloc_pool_pages_in_use", "pages_in_use", "Pages held by sequences, per pool"),
                                ("tlaloc_pool_pages_total", "num_pages", "Pages per pool")):
             g = GaugeMetricFamily(name, doc, labels=["pool"])

@@ -12,6 +12,7 @@ import pytest
 
 import tlaloc_jax
 from hf_models import build_checkpoint
+from step_spy import decode_then_arrive, record_calls
 from tlaloc_jax import artifact as af
 from tlaloc_jax.decoder import forward, supports_mixed_calls
 from tlaloc_jax.export import export_checkpoint
@@ -119,27 +120,12 @@ def test_a_step_reads_its_chunks_the_cheaper_way(checkpoint, tmp_path, monkeypat
                       prefill_chunk=8, prefill_long_chunk=0, prefill_max_batch=4, progress=False, packed=False)
     with Engine.load(out, cache_dir=None, progress=False) as eng:
         solo = [eng.generate([p], 6)[0] for p in PROMPTS]
-        kinds = []
-        real = eng.scheduler.schedule
-
-        def spy():
-            step = real()
-            kinds.append([c.entry.kind for c in step.calls])
-            return step
-        monkeypatch.setattr(eng.scheduler, "schedule", spy)
-
-        def run(arriving):
-            rids = [eng.add_request(p, 6) for p in PROMPTS[:2]]
-            eng.step()                                  # both prompts read: both decode from here
-            rids += [eng.add_request(p, 6) for p in arriving]
-            kinds.clear()
-            while eng.has_unfinished():
-                eng.step()
-            got = [eng.output(r) for r in rids]
-            for r in rids:
-                eng.release(r)
-            return got
-        assert run(PROMPTS[2:3]) == solo[:3]
-        assert kinds[0] == [af.EntryKind.MIXED]
-        assert run([p[:8] for p in PROMPTS[2:6]]) == solo[:2] + [eng.generate([p[:8]], 6)[0] for p in PROMPTS[2:6]]
-        assert kinds[0] == [af.EntryKind.PREFILL, af.EntryKind.DECODE]
+        steps = record_calls(eng, monkeypatch, lambda c: c.entry.kind)
+        # Both first prompts are read in one step and decode from the next.
+        got, kinds = decode_then_arrive(eng, PROMPTS[:2], PROMPTS[2:3], steps)
+        assert got == solo[:3]
+        assert kinds == [af.EntryKind.MIXED]
+        short = [p[:8] for p in PROMPTS[2:6]]
+        got, kinds = decode_then_arrive(eng, PROMPTS[:2], short, steps)
+        assert got == solo[:2] + [eng.generate([p], 6)[0] for p in short]
+        assert kinds == [af.EntryKind.PREFILL, af.EntryKind.DECODE]

@@ -17,6 +17,7 @@ import tlaloc_jax
 from bodies import entry_args, run_body
 from hf_models import build_checkpoint
 from margins import assert_within
+from step_spy import decode_then_arrive, record_calls
 from tlaloc_jax import artifact as af
 from tlaloc_jax.decoder import forward
 from tlaloc_jax.export import export_checkpoint
@@ -135,21 +136,6 @@ def test_a_burst_of_short_prompts_is_one_packed_call_with_each_prompts_solo_ids(
         [(1, 0), (2, 0), (4, 0), (8, 0)]
 
 
-def _decode_then_arrive(eng, decoding, arriving, spy):
-    """`decoding` prompts read and decoding, then `arriving` prompts queued: the ids of all, and the calls of the
-    step that starts the new ones (through `spy`, a list the scheduler's steps are recorded into)."""
-    rids = [eng.add_request(p, 6) for p in decoding]
-    eng.step()
-    rids += [eng.add_request(p, 6) for p in arriving]
-    spy.clear()
-    while eng.has_unfinished():
-        eng.step()
-    out = [eng.output(r) for r in rids]
-    for r in rids:
-        eng.release(r)
-    return out, spy[0]
-
-
 def test_decode_rows_ride_in_a_packed_prefill_call(checkpoint, packed_artifact, monkeypatch):
     """Three sequences decoding when two 5-token prompts arrive: one packed call (13 tokens, N = 16) holds the two
     prompts and the three decode rows, where a packed call and a decode call would compute more positions
@@ -163,15 +149,8 @@ def test_decode_rows_ride_in_a_packed_prefill_call(checkpoint, packed_artifact, 
     prompts = [[(i * 23 + j * 3) % 250 + 3 for j in range(5 + i)] for i in range(5)]
     with Engine.load(out, cache_dir=None, progress=False) as eng:
         solo = [eng.generate([p], 6)[0] for p in prompts]
-        steps = []
-        real = eng.scheduler.schedule
-
-        def spy():
-            step = real()
-            steps.append([(c.entry.name, len(c.seqs)) for c in step.calls])
-            return step
-        monkeypatch.setattr(eng.scheduler, "schedule", spy)
-        got, calls = _decode_then_arrive(eng, prompts[:3], prompts[3:], steps)
+        steps = record_calls(eng, monkeypatch, lambda c: (c.entry.name, len(c.seqs)))
+        got, calls = decode_then_arrive(eng, prompts[:3], prompts[3:], steps)
         assert calls == [(f"prefill_b8_n32_c{CONTEXT}", 5)] or calls == [(f"prefill_b8_n16_c{CONTEXT}", 5)], calls
         assert got == solo
         # Nine decoding and two arriving (up to 12 running): the packed entry's 8 rows cannot hold all eleven, so
@@ -179,7 +158,7 @@ def test_decode_rows_ride_in_a_packed_prefill_call(checkpoint, packed_artifact, 
         crowd = [[(i * 19 + j * 5) % 250 + 3 for j in range(4 + i % 3)] for i in range(11)]
         crowd_solo = [eng.generate([p], 6)[0] for p in crowd]
         eng.scheduler.configure(max_num_seqs=12)
-        got, calls = _decode_then_arrive(eng, crowd[:9], crowd[9:], steps)
+        got, calls = decode_then_arrive(eng, crowd[:9], crowd[9:], steps)
         eng.scheduler.configure(max_num_seqs=8)
         assert calls[0][0].startswith("prefill_b8_n") and calls[0][1] == 2, calls
         assert all(name.startswith("decode_") for name, _ in calls[1:]) and sum(n for _, n in calls[1:]) == 9, calls
@@ -191,5 +170,5 @@ def test_decode_rows_ride_in_a_packed_prefill_call(checkpoint, packed_artifact, 
             return calls and [replace(c, rows=tuple(replace(r, start=r.start - 1) if len(r.token_ids) == 1 else r
                                                     for r in c.rows)) for c in calls]
         monkeypatch.setattr(scheduler_module.Scheduler, "_joined", early)
-        bad, calls = _decode_then_arrive(eng, prompts[:3], prompts[3:], steps)
+        bad, calls = decode_then_arrive(eng, prompts[:3], prompts[3:], steps)
         assert calls[0][1] == 5 and bad[:3] != solo[:3]

@@ -179,14 +179,21 @@ def test_each_calls_tokens_are_handed_over_as_soon_as_the_call_has_run(engines):
             eng.release(r)
 
 
-@pytest.mark.parametrize("wait", [30.0, 0.0], ids=["waits for the request being read", "control: no wait"])
-def test_a_step_of_new_prompts_waits_for_requests_still_being_read(http_artifacts, serve_cache_dir, wait):
+@pytest.mark.parametrize("wait,gap,reading,held", [
+    (30.0, None, True, True), (0.0, None, True, False), (30.0, 1.0, False, True), (30.0, 0.0, False, False)],
+    ids=["waits for the request being read", "control: no wait", "waits after a request came", "control: no gap"])
+def test_a_step_of_new_prompts_waits_for_requests_being_read_or_just_come(http_artifacts, serve_cache_dir, wait,
+                                                                          gap, reading, held):
     """The engine loop holds a step that would only start new prompts while the server is still reading another
-    request (an open Arrival), so that both share the step's calls; the request's submit ends the wait. Control:
-    with no wait the first request runs alone at once."""
+    request (an open Arrival), so that both share the step's calls; the request's submit ends the wait. Requests
+    read one after another open their Arrivals a few ms apart, so at some moments none is open: the step also waits
+    while the last request came under arrival_gap_s ago (within arrival_wait_s), and one submitted shortly after
+    shares its calls. Controls: with no wait, or (no Arrival open) no gap, the first request runs alone at once."""
     with Engine.load(http_artifacts[1], cache_dir=serve_cache_dir, progress=False) as eng:
         loop = EngineLoop(eng, 8, Metrics("test"))
         loop.arrival_wait_s = wait
+        if gap is not None:
+            loop.arrival_gap_s = gap
         done = threading.Event()
         updates = []
 
@@ -196,44 +203,14 @@ def test_a_step_of_new_prompts_waits_for_requests_still_being_read(http_artifact
                 done.set()
         loop.start()
         try:
-            reading = loop.arriving()
+            ticket = loop.arriving() if reading else None
             spec = SeqSpec([5, 6, 7], 3, frozenset(), Sampling())
             loop.submit([spec], sink, time.perf_counter()).result(10)
             time.sleep(0.3)
             steps_before = loop.steps
-            loop.submit([spec], sink, time.perf_counter(), reading).result(10)
+            loop.submit([spec], sink, time.perf_counter(), ticket).result(10)
             assert done.wait(30)
         finally:
             loop.stop()
-        assert steps_before == (0 if wait else 3)      # held, or the first request's three tokens
-        assert sum(u.token is not None for u in updates) == 6
-
-
-@pytest.mark.parametrize("gap", [1.0, 0.0], ids=["waits after a request came", "control: no gap"])
-def test_a_step_of_new_prompts_waits_a_moment_after_a_request_came(http_artifacts, serve_cache_dir, gap):
-    """Requests read one after another open their Arrivals a few ms apart, so at some moments none is open: a step
-    that would only start new prompts also waits while the last request came under arrival_gap_s ago (within
-    arrival_wait_s), and one submitted shortly after shares its calls. Control: with no gap the first request runs
-    alone at once."""
-    with Engine.load(http_artifacts[1], cache_dir=serve_cache_dir, progress=False) as eng:
-        loop = EngineLoop(eng, 8, Metrics("test"))
-        loop.arrival_wait_s, loop.arrival_gap_s = 30.0, gap
-        done = threading.Event()
-        updates = []
-
-        def sink(batch):
-            updates.extend(batch)
-            if sum(u.finished for u in updates) == 2:
-                done.set()
-        loop.start()
-        try:
-            spec = SeqSpec([5, 6, 7], 3, frozenset(), Sampling())
-            loop.submit([spec], sink, time.perf_counter()).result(10)
-            time.sleep(0.3)
-            steps_before = loop.steps
-            loop.submit([spec], sink, time.perf_counter()).result(10)
-            assert done.wait(30)
-        finally:
-            loop.stop()
-        assert steps_before == (0 if gap else 3)      # held, or the first request's three tokens
+        assert steps_before == (0 if held else 3)      # held, or the first request's three tokens
         assert sum(u.token is not None for u in updates) == 6

@@ -1,0 +1,32 @@
+"""Watching what the scheduler runs: each step's calls recorded as the test describes them, and a run of some
+sequences decoding when others arrive."""
+
+from __future__ import annotations
+
+
+def record_calls(eng, monkeypatch, describe) -> list[list]:
+    """A list that gets, for every step the engine's scheduler plans from now on, [describe(call) for its calls]."""
+    steps: list[list] = []
+    real = eng.scheduler.schedule
+
+    def spy():
+        step = real()
+        steps.append([describe(c) for c in step.calls])
+        return step
+    monkeypatch.setattr(eng.scheduler, "schedule", spy)
+    return steps
+
+
+def decode_then_arrive(eng, decoding, arriving, steps: list[list], max_new_tokens: int = 6):
+    """`decoding` prompts read in one step, then `arriving` prompts queued, all run to the end: (the ids of all, the
+    calls of the step that starts the new ones, from `steps` of record_calls)."""
+    rids = [eng.add_request(p, max_new_tokens) for p in decoding]
+    eng.step()
+    rids += [eng.add_request(p, max_new_tokens) for p in arriving]
+    steps.clear()
+    while eng.has_unfinished():
+        eng.step()
+    out = [eng.output(r) for r in rids]
+    for r in rids:
+        eng.release(r)
+    return out, steps[0]
