@@ -1,5 +1,5 @@
-"""Watching what the scheduler runs: each step's calls recorded as the test describes them, and a run of some
-sequences decoding when others arrive."""
+"""Watching what the scheduler runs: each step's calls recorded as the test describes them, a run of some
+sequences decoding when others arrive, and running an engine's sequences to their end."""
 
 from __future__ import annotations
 
@@ -24,9 +24,14 @@ def decode_then_arrive(eng, decoding, arriving, steps: list[list], max_new_token
     eng.step()
     rids += [eng.add_request(p, max_new_tokens) for p in arriving]
     steps.clear()
+    return run_out(eng, rids), steps[0]
+
+
+def run_out(eng, rids: list[str]) -> list[list[int]]:
+    """Step the engine until every sequence has finished; the ids of `rids`, which are then released."""
     while eng.has_unfinished():
         eng.step()
     out = [eng.output(r) for r in rids]
     for r in rids:
         eng.release(r)
-    return out, steps[0]
+    return out

@@ -12,7 +12,7 @@ import pytest
 
 import tlaloc_jax
 from hf_models import build_checkpoint
-from step_spy import decode_then_arrive, record_calls
+from step_spy import decode_then_arrive, record_calls, run_out
 from tlaloc_jax import artifact as af
 from tlaloc_jax.decoder import forward, supports_mixed_calls
 from tlaloc_jax.export import export_checkpoint
@@ -80,11 +80,7 @@ def _run(eng, mixed: bool) -> list[list[int]]:
     for p in PROMPTS[2:]:
         rids.append(eng.add_request(p, 12))
         eng.step()
-    while eng.has_unfinished():
-        eng.step()
-    out = [eng.output(r) for r in rids]
-    for r in rids:
-        eng.release(r)
+    out = run_out(eng, rids)
     eng.scheduler.use_mixed = True
     return out
 
