@@ -7,6 +7,10 @@ context bucket (the form of --attention-block 2048, other platforms' default).
     python bench/decode_attention.py                      # 8 and 32 rows, 88 and 260 keys
     python bench/decode_attention.py --rows 32 --keys 200 --context 256
     python bench/decode_attention.py --prefill 32 --rows 8 --keys 224 --context 256
+    python bench/decode_attention.py --shared 192          # the first 192 keys on pages every row shares
+
+--shared N: the rows' first N keys sit on the same pages (a cached prefix), which the CPU form reads once for all
+rows; the last column times it on tables where every row has its own pages.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--prefill", type=int, default=0, metavar="T", help="time a prompt chunk of T tokens a row")
+    ap.add_argument("--shared", type=int, default=0, metavar="N", help="the first N keys on pages all rows share")
     a = ap.parse_args(argv)
 
     import jax.numpy as jnp
@@ -55,7 +60,7 @@ def main(argv=None) -> None:
                     block = pa.CPU_KEY_BLOCK if form == "cpu" else a.context
                     out = out + pa._paged_attention(0.125, None, block, False, *args)
                 elif form == "cpu":
-                    out = out + pa._decode_cpu(0.125, None, pa.CPU_DECODE_KEY_BLOCK, *args)
+                    out = out + pa._decode_cpu(0.125, None, pa.CPU_DECODE_KEY_BLOCK, pa.CPU_SHARED_KEY_BLOCK, *args)
                 else:
                     out = out + pa._paged_attention(0.125, None, 128, False, *args)
             return out
@@ -65,17 +70,24 @@ def main(argv=None) -> None:
           "the runtime plugin")
     forms = (("one pass", f"blocks of {pa.CPU_KEY_BLOCK}") if a.prefill else
              ("dot form, 128", f"CPU form, {pa.CPU_DECODE_KEY_BLOCK}"))
-    print(f"{'rows':>5} {'keys':>5} | {forms[0]:>14} | {forms[1]:>14} | ratio")
+    shared = a.shared // S * S
+    tail = f" | {'CPU, unshared':>14}" if shared else ""
+    print(f"{'rows':>5} {'keys':>5} | {forms[0]:>14} | {forms[1]:>14} | ratio{tail}")
     for B in (int(x) for x in a.rows.split(",")):
         for n in (int(x) for x in a.keys.split(",")):
             P = B * M + 1
             pool = rng.standard_normal((L, 2, P, S, K, D), np.float32)
             q = rng.standard_normal((B, T, H, D), np.float32)
             tables = np.array([rng.permutation(P - 1)[:M] for _ in range(B)], np.int32)
+            unshared = tables.copy()
+            tables[:, :shared // S] = tables[0, :shared // S]
             positions = np.tile(np.arange(n - T, n, dtype=np.int32), (B, 1))      # the row's last T keys
             args = (pool, q, tables, positions, np.full((B,), n, np.int32))
             runs = {form: on_runtime(attend(form), *args) for form in ("dot", "cpu")}
+            if shared:
+                runs["unshared"] = on_runtime(attend("cpu"), pool, q, unshared, *args[3:])
             outs = {form: run()[0] for form, run in runs.items()}
+            outs.pop("unshared", None)
             err = np.abs(outs["cpu"] - outs["dot"]).max() / np.abs(outs["dot"]).max()
             assert err < 1e-4, err
             times = {form: [] for form in runs}
@@ -86,7 +98,8 @@ def main(argv=None) -> None:
                     if i >= 2:
                         times[form].append(time.perf_counter() - t0)
             dot, cpu = (statistics.median(times[f]) for f in ("dot", "cpu"))
-            print(f"{B:5d} {n:5d} | {dot * 1e3:11.2f} ms | {cpu * 1e3:11.2f} ms | {cpu / dot:.2f}x")
+            tail = f" | {statistics.median(times['unshared']) * 1e3:11.2f} ms" if shared else ""
+            print(f"{B:5d} {n:5d} | {dot * 1e3:11.2f} ms | {cpu * 1e3:11.2f} ms | {cpu / dot:.2f}x{tail}")
 
 
 if __name__ == "__main__":

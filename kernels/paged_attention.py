@@ -94,8 +94,9 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.A
     if q.shape[1] == 1 and not ring:
         # A decode call: on CPU, small key blocks scored as multiply-reduces (see _decode_cpu); elsewhere the dots.
         cpu_block = min(max(CPU_DECODE_KEY_BLOCK // page_size, 1) * page_size, key_block)
+        shared_block = min(max(CPU_SHARED_KEY_BLOCK // page_size, 1) * page_size, key_block)
         return lax.platform_dependent(
-            *args, cpu=functools.partial(_decode_cpu, scale, soft_cap, cpu_block),
+            *args, cpu=functools.partial(_decode_cpu, scale, soft_cap, cpu_block, shared_block),
             default=functools.partial(_paged_attention, scale, soft_cap, key_block, ring))
     cpu_block = min(max(CPU_KEY_BLOCK // page_size, 1) * page_size, key_block)
     if ring or cpu_block == key_block:
@@ -111,13 +112,21 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.A
 # chunk over 128-key blocks takes half the time of one pass over a 256-position bucket (bench/decode_attention.py --prefill 32).
 CPU_DECODE_KEY_BLOCK = 32
 CPU_KEY_BLOCK = 128
+# Keys on pages every row of a decode call shares (a cached prefix) are scored for all rows as dots, in blocks of
+# CPU_SHARED_KEY_BLOCK: at 32 rows and 192 shared of 260 keys, half the time of each row reading them
+# (bench/decode_attention.py --shared 192).
+CPU_SHARED_KEY_BLOCK = 64
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _decode_cpu(scale, soft_cap, key_block, q, kv_pool, layer, block_tables, positions, seq_lens, window, sinks):
-    """paged_attention of one token a row, as XLA's CPU backend runs it fastest: a loop over the key blocks the
-    rows have written, each block's pages gathered and its scores and value sums written as multiply-reduces
-    over the head dimension (XLA fuses the gather into them; its batched dots of G query heads are slower)."""
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _decode_cpu(scale, soft_cap, key_block, shared_block, q, kv_pool, layer, block_tables, positions, seq_lens, window,
+                sinks):
+    """paged_attention of one token a row, as XLA's CPU backend runs it fastest.
+
+    Keys on pages every live row shares (a cached prefix: the leading block-table columns that agree) are read
+    once and scored for all rows as dots, in blocks of shared_block positions. The rest loop over the key blocks the
+    rows have written, each block's pages gathered and its scores and value sums written as multiply-reduces over
+    the head dimension (XLA fuses the gather into them; its batched dots of G query heads are slower)."""
     B, _, H, D = q.shape
     S, K = kv_pool.shape[3], kv_pool.shape[4]
     G = H // K
@@ -127,16 +136,11 @@ def _decode_cpu(scale, soft_cap, key_block, q, kv_pool, layer, block_tables, pos
     num_blocks = -(-M // pages_per_block)
     tables = jnp.pad(block_tables, ((0, 0), (0, num_blocks * pages_per_block - M)))
     first, last = key_block_range(positions, seq_lens, window, key_block, num_blocks)
+    shared, shared_table = shared_prefix(block_tables, seq_lens, S)
 
-    def body(i, state):
+    def fold(state, s, seen, v):
+        """Fold the scores s [B, N, K, G] and values v [B, N, K, D] of the keys `seen` [B, N] into (m, l, acc)."""
         m, l, acc = state
-        pages = lax.dynamic_slice_in_dim(tables, i * pages_per_block, pages_per_block, axis=1)
-        k, v = _gather_pages(kv_pool, layer, pages)                                  # [B, N, K, D]
-        s = jnp.sum(qg[:, None] * k[:, :, :, None, :], axis=-1) * scale              # [B, N, K, G]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        key_pos = i * key_block + jnp.arange(key_block, dtype=jnp.int32)
-        seen = visible_keys(key_pos, positions, seq_lens, window)[:, 0]               # [B, N]
         s = jnp.where(seen[:, :, None, None], s, -jnp.inf)
         v = jnp.where(seen[:, :, None, None], v, 0.0)        # a never-written value may be NaN: never multiplied
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -146,12 +150,57 @@ def _decode_cpu(scale, soft_cap, key_block, q, kv_pool, layer, block_tables, pos
         pv = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)                      # [B, K, G, D]
         return m_new, rescale * l + jnp.sum(p, axis=1), rescale[..., None] * acc + pv
 
+    def capped(s):
+        return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+    shared_pages = shared_block // S
+    shared_blocks = -(-M // shared_pages)
+    shared_table = jnp.pad(shared_table, (0, shared_blocks * shared_pages - M))
+    qk = jnp.transpose(qg, (1, 0, 2, 3)).reshape(K, B * G, D)     # the shared keys' dots: K heads of B * G queries
+
+    def shared_body(i, state):
+        m, l, acc = state                                   # [K, B * G], [K, B * G, D]
+        pages = lax.dynamic_slice_in_dim(shared_table, i * shared_pages, shared_pages)
+        k, v = (x[0].transpose(1, 0, 2) for x in _gather_pages(kv_pool, layer, pages[None]))      # [K, N, D]
+        s = capped(jnp.einsum("kqd,knd->kqn", qk, k, precision=HIGHEST,
+                              preferred_element_type=jnp.float32) * scale)            # [K, B * G, N]
+        key_pos = i * shared_block + jnp.arange(shared_block, dtype=jnp.int32)
+        seen = visible_keys(key_pos, positions, seq_lens, window)[:, 0] & (key_pos < shared)    # [B, N]
+        seen_q = jnp.repeat(seen, G, axis=0)[None]                                    # [1, B * G, N]
+        s = jnp.where(seen_q, s, -jnp.inf)
+        v = jnp.where(jnp.any(seen, axis=0)[None, :, None], v, 0.0)   # a never-written value may be NaN
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - shift[..., None])
+        rescale = jnp.exp(m - shift)
+        pv = jnp.einsum("kqn,knd->kqd", p, v, precision=HIGHEST, preferred_element_type=jnp.float32)
+        return m_new, rescale * l + jnp.sum(p, axis=-1), rescale[..., None] * acc + pv
+
+    def body(i, state):
+        pages = lax.dynamic_slice_in_dim(tables, i * pages_per_block, pages_per_block, axis=1)
+        k, v = _gather_pages(kv_pool, layer, pages)                                  # [B, N, K, D]
+        s = capped(jnp.sum(qg[:, None] * k[:, :, :, None, :], axis=-1) * scale)      # [B, N, K, G]
+        key_pos = i * key_block + jnp.arange(key_block, dtype=jnp.int32)
+        seen = visible_keys(key_pos, positions, seq_lens, window)[:, 0] & (key_pos >= shared)   # [B, N]
+        return fold(state, s, seen, v)
+
+    def by_kv_head(x):      # [B, K, G, ...] <-> [K, B * G, ...]
+        return jnp.moveaxis(x, 0, 1).reshape(K, B * G, *x.shape[3:])
+
+    def by_row(x):
+        return jnp.moveaxis(x.reshape(K, B, G, *x.shape[2:]), 1, 0)
+
     if sinks is None:
         state = (jnp.full((B, K, G), -jnp.inf, jnp.float32), jnp.zeros((B, K, G), jnp.float32))
     else:
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(K, G)[None], (B, K, G))
         state = (sink, jnp.ones((B, K, G), jnp.float32))
     state = (*state, jnp.zeros((B, K, G, D), jnp.float32))
+    if B > 1 and num_blocks > 1:      # a context of one block stays one fold, no loop
+        first_shared = key_block_range(positions, seq_lens, window, shared_block, shared_blocks)[0]
+        state = lax.fori_loop(first_shared, -(-shared // shared_block), shared_body, tuple(map(by_kv_head, state)))
+        state = tuple(map(by_row, state))
+        first = jnp.maximum(first, shared // key_block)
     m, l, acc = body(0, state) if num_blocks == 1 else lax.fori_loop(first, last + 1, body, state)
     seen = l > 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
@@ -159,6 +208,20 @@ def _decode_cpu(scale, soft_cap, key_block, q, kv_pool, layer, block_tables, pos
 
 
 _decode_cpu.defjvp(_refuse_derivative("paged_attention"))
+
+
+def shared_prefix(block_tables: jax.Array, seq_lens: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """The keys every live row reads from the same pages: -> (n, table [M]).
+
+    n: int32, the leading keys on block-table columns equal in every live row (seq_len > 0), at most the longest
+    row's seq_len, and 0 unless two rows are live; table: the first live row's block table, which names them.
+    """
+    live = seq_lens > 0
+    table = block_tables[jnp.argmax(live)]
+    same = jnp.all((block_tables == table) | ~live[:, None], axis=0)                   # [M]
+    pages = jnp.sum(jnp.cumprod(same.astype(jnp.int32)))
+    n = jnp.minimum(pages * page_size, jnp.max(seq_lens))
+    return jnp.where(jnp.sum(live) >= 2, n, 0).astype(jnp.int32), table
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))

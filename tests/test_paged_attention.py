@@ -5,6 +5,7 @@ sliding window has left), so any read of such a slot that reaches an output show
 """
 
 import functools
+import importlib
 import math
 from typing import NamedTuple
 
@@ -15,10 +16,12 @@ import pytest
 from jax import lax
 
 from tlaloc_jax.kernels import kv_cache_write, paged_attention, paged_attention_reference
-from tlaloc_jax.kernels.paged_attention import key_block_range
+from tlaloc_jax.kernels.paged_attention import key_block_range, shared_prefix
 from margins import assert_within
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
+
+paged_attention_module = importlib.import_module("tlaloc_jax.kernels.paged_attention")
 
 pytestmark = pytest.mark.numeric
 
@@ -201,6 +204,61 @@ def test_decode_matches_reference():
     check_against_reference(call)
     check_against_reference(call, window=5)
     check_against_reference(call, soft_cap=2.0)
+
+
+def share_pages(call: Call, rows, pages: int) -> Call:
+    """The rows' first `pages` block-table columns name row rows[0]'s pages (a cached prefix they share)."""
+    tables = np.array(call.block_tables)
+    tables[list(rows[1:]), :pages] = tables[rows[0], :pages]
+    return call._replace(block_tables=jnp.asarray(tables))
+
+
+SHARED = {   # lengths, rows sharing, shared pages, window
+    "whole pages of a longer history": ([37, 48, 29, 41], (0, 1, 2, 3), 7, 0),
+    "every key shared": ([28, 28, 28], (0, 1, 2), 7, 0),
+    "an empty row's table differs": ([40, 0, 33, 45], (0, 2, 3), 8, 0),
+    "a row shorter than the shared pages": ([44, 6, 39], (0, 1, 2), 9, 0),
+    "a window inside the shared keys": ([40, 46, 35], (0, 1, 2), 8, 7),
+    "a window past the shared keys": ([44, 47, 42], (0, 1, 2), 4, 9),
+}
+
+
+@pytest.mark.parametrize("case", SHARED)
+def test_decode_over_shared_pages_matches_reference(case):
+    """Decode rows whose leading pages are the same pages (a prefix cache hit): the CPU form scores them once for
+    all rows. Blockwise (shared blocks of 16 keys) and one-pass (one shared block) both match the reference."""
+    lengths, rows, pages, window = SHARED[case]
+    call = share_pages(make_call(11, lengths, [1 if n else 0 for n in lengths], T=1), rows, pages)
+    shared, _ = shared_prefix(call.block_tables, call.seq_lens, S)
+    assert int(shared) == min(pages * S, max(lengths))      # the shared path runs
+    check_against_reference(call, window)
+    check_against_reference(call, window, soft_cap=2.0, sinks=jnp.linspace(-1.0, 1.0, 4))
+
+
+def test_shared_prefix():
+    tables = jnp.array([[5, 6, 7, 8], [5, 6, 9, 1], [2, 2, 2, 2], [5, 6, 7, 3]], jnp.int32)
+    n, table = shared_prefix(tables, jnp.array([16, 12, 0, 16], jnp.int32), 4)
+    assert int(n) == 8 and table.tolist() == [5, 6, 7, 8]                # row 2 is empty: its table is not read
+    assert int(shared_prefix(tables, jnp.array([0, 0, 9, 0], jnp.int32), 4)[0]) == 0    # one live row
+    n, table = shared_prefix(tables, jnp.array([0, 0, 0, 6], jnp.int32), 4)
+    assert int(n) == 0 and table.tolist() == [5, 6, 7, 3]
+    assert int(shared_prefix(tables[jnp.array([0, 3])], jnp.array([9, 10], jnp.int32), 4)[0]) == 10  # at most the longest row
+    assert int(shared_prefix(tables[jnp.array([0, 3])], jnp.array([16, 16], jnp.int32), 4)[0]) == 12
+
+
+def test_shared_pages_control_must_fail(monkeypatch):
+    """Counting one page past what the rows share scores a row's own page with another row's keys: caught."""
+    call = share_pages(make_call(11, [37, 48, 29, 41], [1, 1, 1, 1], T=1), (0, 1, 2, 3), 5)
+    expected = reference(call, jnp.int32(0))
+    counted = paged_attention_module.shared_prefix
+
+    def one_page_too_many(block_tables, seq_lens, page_size):
+        n, table = counted(block_tables, seq_lens, page_size)
+        return n + page_size, table
+
+    monkeypatch.setattr(paged_attention_module, "shared_prefix", one_page_too_many)
+    wrong = jax.jit(lambda c: paged_attention(*c, scale=SCALE, key_block=KEY_BLOCK))(call)
+    assert relative_error(wrong, expected) > 0.01
 
 
 # --- blockwise vs one-pass at the edges -------------------------------------------------------------
