@@ -136,7 +136,8 @@ def _decode_cpu(scale, soft_cap, key_block, shared_block, q, kv_pool, layer, blo
     num_blocks = -(-M // pages_per_block)
     tables = jnp.pad(block_tables, ((0, 0), (0, num_blocks * pages_per_block - M)))
     first, last = key_block_range(positions, seq_lens, window, key_block, num_blocks)
-    shared, shared_table = shared_prefix(block_tables, seq_lens, S)
+    shares = B > 1 and num_blocks > 1        # a context of one block stays one fold, no loop
+    shared, shared_table = shared_prefix(block_tables, seq_lens, S) if shares else (0, None)
 
     def fold(state, s, seen, v):
         """Fold the scores s [B, N, K, G] and values v [B, N, K, D] of the keys `seen` [B, N] into (m, l, acc)."""
@@ -155,7 +156,6 @@ def _decode_cpu(scale, soft_cap, key_block, shared_block, q, kv_pool, layer, blo
 
     shared_pages = shared_block // S
     shared_blocks = -(-M // shared_pages)
-    shared_table = jnp.pad(shared_table, (0, shared_blocks * shared_pages - M))
     qk = jnp.transpose(qg, (1, 0, 2, 3)).reshape(K, B * G, D)     # the shared keys' dots: K heads of B * G queries
 
     def shared_body(i, state):
@@ -196,7 +196,8 @@ def _decode_cpu(scale, soft_cap, key_block, shared_block, q, kv_pool, layer, blo
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(K, G)[None], (B, K, G))
         state = (sink, jnp.ones((B, K, G), jnp.float32))
     state = (*state, jnp.zeros((B, K, G, D), jnp.float32))
-    if B > 1 and num_blocks > 1:      # a context of one block stays one fold, no loop
+    if shares:
+        shared_table = jnp.pad(shared_table, (0, shared_blocks * shared_pages - M))
         first_shared = key_block_range(positions, seq_lens, window, shared_block, shared_blocks)[0]
         state = lax.fori_loop(first_shared, -(-shared // shared_block), shared_body, tuple(map(by_kv_head, state)))
         state = tuple(map(by_row, state))

@@ -235,6 +235,16 @@ def test_decode_over_shared_pages_matches_reference(case):
     check_against_reference(call, window, soft_cap=2.0, sinks=jnp.linspace(-1.0, 1.0, 4))
 
 
+def test_decode_of_one_key_block_over_shared_pages():
+    """A context of one decode key block (8 pages of 4: 32 keys) is one fold with no shared pass; rows that share
+    pages there still see every key (a shared count taken but not scored would drop them)."""
+    call = share_pages(make_call(12, [27, 32, 19, 30], [1, 1, 1, 1], T=1), (0, 1, 2, 3), 4)
+    call = call._replace(block_tables=call.block_tables[:, :8])
+    window = jnp.int32(0)
+    expected = reference(call, window)
+    assert_within(relative_error(fast(call, window, key_block=ONE_PASS), expected), BOUND, "one block, shared pages")
+
+
 def test_shared_prefix():
     tables = jnp.array([[5, 6, 7, 8], [5, 6, 9, 1], [2, 2, 2, 2], [5, 6, 7, 3]], jnp.int32)
     n, table = shared_prefix(tables, jnp.array([16, 12, 0, 16], jnp.int32), 4)
