@@ -123,8 +123,9 @@ def _decode_cpu(scale, soft_cap, key_block, shared_block, q, kv_pool, layer, blo
                 sinks):
     """paged_attention of one token a row, as XLA's CPU backend runs it fastest.
 
-    Keys on pages every live row shares (a cached prefix: the leading block-table columns that agree) are read
-    once and scored for all rows as dots, in blocks of shared_block positions. The rest loop over the key blocks the
+    In a call of several rows over more than one key block, keys on pages every live row shares (a cached prefix:
+    the leading block-table columns that agree) are read once and scored for all rows as dots, in blocks of
+    shared_block positions. The rest loop over the key blocks the
     rows have written, each block's pages gathered and its scores and value sums written as multiply-reduces over
     the head dimension (XLA fuses the gather into them; its batched dots of G query heads are slower)."""
     B, _, H, D = q.shape
