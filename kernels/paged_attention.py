@@ -93,17 +93,22 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.A
     args = (q, kv_pool, jnp.asarray(layer, jnp.int32), block_tables, positions, seq_lens, _window_array(window), sinks)
     if q.shape[1] == 1 and not ring:
         # A decode call: on CPU, small key blocks scored as multiply-reduces (see _decode_cpu); elsewhere the dots.
-        cpu_block = min(max(CPU_DECODE_KEY_BLOCK // page_size, 1) * page_size, key_block)
-        shared_block = min(max(CPU_SHARED_KEY_BLOCK // page_size, 1) * page_size, key_block)
+        cpu = functools.partial(_decode_cpu, scale, soft_cap, _whole_pages(CPU_DECODE_KEY_BLOCK, page_size, key_block),
+                                _whole_pages(CPU_SHARED_KEY_BLOCK, page_size, key_block))
         return lax.platform_dependent(
-            *args, cpu=functools.partial(_decode_cpu, scale, soft_cap, cpu_block, shared_block),
+            *args, cpu=cpu,
             default=functools.partial(_paged_attention, scale, soft_cap, key_block, ring))
-    cpu_block = min(max(CPU_KEY_BLOCK // page_size, 1) * page_size, key_block)
+    cpu_block = _whole_pages(CPU_KEY_BLOCK, page_size, key_block)
     if ring or cpu_block == key_block:
         return _paged_attention(scale, soft_cap, key_block, ring, *args)
     # On CPU a call of several tokens a row folds key blocks of at most CPU_KEY_BLOCK positions.
     return lax.platform_dependent(*args, cpu=functools.partial(_paged_attention, scale, soft_cap, cpu_block, ring),
                                   default=functools.partial(_paged_attention, scale, soft_cap, key_block, ring))
+
+
+def _whole_pages(keys: int, page_size: int, key_block: int) -> int:
+    """A CPU key block of about `keys` positions: whole pages (at least one), at most key_block."""
+    return min(max(keys // page_size, 1) * page_size, key_block)
 
 
 # On CPU a decode call folds its keys in blocks of CPU_DECODE_KEY_BLOCK positions (whole pages), and a call of
@@ -125,9 +130,9 @@ def _decode_cpu(scale, soft_cap, key_block, shared_block, q, kv_pool, layer, blo
 
     In a call of several rows over more than one key block, keys on pages every live row shares (a cached prefix:
     the leading block-table columns that agree) are read once and scored for all rows as dots, in blocks of
-    shared_block positions. The rest loop over the key blocks the
-    rows have written, each block's pages gathered and its scores and value sums written as multiply-reduces over
-    the head dimension (XLA fuses the gather into them; its batched dots of G query heads are slower)."""
+    shared_block positions. The rest loop over the key blocks the rows have written, each block's pages gathered and
+    its scores and value sums written as multiply-reduces over the head dimension (XLA fuses the gather into them;
+    its batched dots of G query heads are slower)."""
     B, _, H, D = q.shape
     S, K = kv_pool.shape[3], kv_pool.shape[4]
     G = H // K
@@ -140,42 +145,17 @@ def _decode_cpu(scale, soft_cap, key_block, shared_block, q, kv_pool, layer, blo
     shares = B > 1 and num_blocks > 1        # a context of one block stays one fold, no loop
     shared, shared_table = shared_prefix(block_tables, seq_lens, S) if shares else (0, None)
 
-    def fold(state, s, seen, v):
-        """Fold the scores s [B, N, K, G] and values v [B, N, K, D] of the keys `seen` [B, N] into (m, l, acc)."""
+    def fold(state, s, axis, value_sums):
+        """Fold scores s (-inf where unseen; keys on `axis`) into (m, l, acc); value_sums(p): p's sums of values."""
         m, l, acc = state
-        s = jnp.where(seen[:, :, None, None], s, -jnp.inf)
-        v = jnp.where(seen[:, :, None, None], v, 0.0)        # a never-written value may be NaN: never multiplied
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_new = jnp.maximum(m, jnp.max(s, axis=axis))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - shift[:, None])
+        p = jnp.exp(s - jnp.expand_dims(shift, axis))
         rescale = jnp.exp(m - shift)
-        pv = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)                      # [B, K, G, D]
-        return m_new, rescale * l + jnp.sum(p, axis=1), rescale[..., None] * acc + pv
+        return m_new, rescale * l + jnp.sum(p, axis=axis), rescale[..., None] * acc + value_sums(p)
 
     def capped(s):
         return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
-
-    shared_pages = shared_block // S
-    shared_blocks = -(-M // shared_pages)
-    qk = jnp.transpose(qg, (1, 0, 2, 3)).reshape(K, B * G, D)     # the shared keys' dots: K heads of B * G queries
-
-    def shared_body(i, state):
-        m, l, acc = state                                   # [K, B * G], [K, B * G, D]
-        pages = lax.dynamic_slice_in_dim(shared_table, i * shared_pages, shared_pages)
-        k, v = (x[0].transpose(1, 0, 2) for x in _gather_pages(kv_pool, layer, pages[None]))      # [K, N, D]
-        s = capped(jnp.einsum("kqd,knd->kqn", qk, k, precision=HIGHEST,
-                              preferred_element_type=jnp.float32) * scale)            # [K, B * G, N]
-        key_pos = i * shared_block + jnp.arange(shared_block, dtype=jnp.int32)
-        seen = visible_keys(key_pos, positions, seq_lens, window)[:, 0] & (key_pos < shared)    # [B, N]
-        seen_q = jnp.repeat(seen, G, axis=0)[None]                                    # [1, B * G, N]
-        s = jnp.where(seen_q, s, -jnp.inf)
-        v = jnp.where(jnp.any(seen, axis=0)[None, :, None], v, 0.0)   # a never-written value may be NaN
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - shift[..., None])
-        rescale = jnp.exp(m - shift)
-        pv = jnp.einsum("kqn,knd->kqd", p, v, precision=HIGHEST, preferred_element_type=jnp.float32)
-        return m_new, rescale * l + jnp.sum(p, axis=-1), rescale[..., None] * acc + pv
 
     def body(i, state):
         pages = lax.dynamic_slice_in_dim(tables, i * pages_per_block, pages_per_block, axis=1)
@@ -183,13 +163,9 @@ def _decode_cpu(scale, soft_cap, key_block, shared_block, q, kv_pool, layer, blo
         s = capped(jnp.sum(qg[:, None] * k[:, :, :, None, :], axis=-1) * scale)      # [B, N, K, G]
         key_pos = i * key_block + jnp.arange(key_block, dtype=jnp.int32)
         seen = visible_keys(key_pos, positions, seq_lens, window)[:, 0] & (key_pos >= shared)   # [B, N]
-        return fold(state, s, seen, v)
-
-    def by_kv_head(x):      # [B, K, G, ...] <-> [K, B * G, ...]
-        return jnp.moveaxis(x, 0, 1).reshape(K, B * G, *x.shape[3:])
-
-    def by_row(x):
-        return jnp.moveaxis(x.reshape(K, B, G, *x.shape[2:]), 1, 0)
+        s = jnp.where(seen[:, :, None, None], s, -jnp.inf)
+        v = jnp.where(seen[:, :, None, None], v, 0.0)        # a never-written value may be NaN: never multiplied
+        return fold(state, s, 1, lambda p: jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1))   # [B, K, G, D]
 
     if sinks is None:
         state = (jnp.full((B, K, G), -jnp.inf, jnp.float32), jnp.zeros((B, K, G), jnp.float32))
@@ -198,7 +174,29 @@ def _decode_cpu(scale, soft_cap, key_block, shared_block, q, kv_pool, layer, blo
         state = (sink, jnp.ones((B, K, G), jnp.float32))
     state = (*state, jnp.zeros((B, K, G, D), jnp.float32))
     if shares:
+        shared_pages = shared_block // S
+        shared_blocks = -(-M // shared_pages)
         shared_table = jnp.pad(shared_table, (0, shared_blocks * shared_pages - M))
+        qk = jnp.transpose(qg, (1, 0, 2, 3)).reshape(K, B * G, D)  # the shared keys' dots: K heads of B * G queries
+
+        def shared_body(i, state):                          # state by KV head: [K, B * G], [K, B * G, D]
+            pages = lax.dynamic_slice_in_dim(shared_table, i * shared_pages, shared_pages)
+            k, v = (x[0].transpose(1, 0, 2) for x in _gather_pages(kv_pool, layer, pages[None]))  # [K, N, D]
+            s = capped(jnp.einsum("kqd,knd->kqn", qk, k, precision=HIGHEST,
+                                  preferred_element_type=jnp.float32) * scale)        # [K, B * G, N]
+            key_pos = i * shared_block + jnp.arange(shared_block, dtype=jnp.int32)
+            seen = visible_keys(key_pos, positions, seq_lens, window)[:, 0] & (key_pos < shared)    # [B, N]
+            s = jnp.where(jnp.repeat(seen, G, axis=0)[None], s, -jnp.inf)
+            v = jnp.where(jnp.any(seen, axis=0)[None, :, None], v, 0.0)   # a never-written value may be NaN
+            return fold(state, s, -1, lambda p: jnp.einsum("kqn,knd->kqd", p, v, precision=HIGHEST,
+                                                           preferred_element_type=jnp.float32))
+
+        def by_kv_head(x):      # [B, K, G, ...] <-> [K, B * G, ...]
+            return jnp.moveaxis(x, 0, 1).reshape(K, B * G, *x.shape[3:])
+
+        def by_row(x):
+            return jnp.moveaxis(x.reshape(K, B, G, *x.shape[2:]), 1, 0)
+
         first_shared = key_block_range(positions, seq_lens, window, shared_block, shared_blocks)[0]
         state = lax.fori_loop(first_shared, -(-shared // shared_block), shared_body, tuple(map(by_kv_head, state)))
         state = tuple(map(by_row, state))
