@@ -56,7 +56,8 @@ DEFAULT_CACHE_DIR = Path("~/.cache/tlaloc-jax/executables")
 
 
 class Engine:
-    """Serve one artifact on one PJRT device. Not thread-safe: one caller drives `step()`."""
+    """Serve one artifact on one PJRT device. Not thread-safe: one thread drives `step()` (Runner.driving refuses a
+    second one that runs entries while the first does)."""
 
     def __init__(self, artifact_dir: str | Path, plugin: str | None = None, *,
                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR, memory_fraction: float = 0.75,
@@ -258,8 +259,9 @@ class Engine:
     def warm_up(self, e: mf.Entry) -> None:
         """Run entry `e` once with every row empty (it writes nothing; the pools stay as they were): an executable's
         first run pays one-time costs (50-200 ms an entry on a 2-core CPU) that a server's first requests should not."""
+        with self.runner.driving("Engine.warm_up"):
+            self.runner.run(e, call_inputs.empty_call_inputs(e, self.runner, self.ring_pages), set(), count=False)
         self._warm.add(e.name)
-        self.runner.run(e, call_inputs.empty_call_inputs(e, self.runner, self.ring_pages), set(), count=False)
 
     def _finish(self, s: Request, reason: str, error: str | None = None) -> None:
         s.finish_reason = reason
@@ -280,6 +282,10 @@ class Engine:
         on_events: called with the step's events as soon as each group is known: the failures found before its
         calls, then each call's events right after that call, before the step's later calls (a server streams a
         token computed by a short call without waiting for a long prefill call of the same step)."""
+        with self.runner.driving("Engine.step"):
+            return self._step(on_events)
+
+    def _step(self, on_events: Callable[[list[StepEvent]], None] | None) -> list[StepEvent]:
         events: list[StepEvent] = [
             self._fail(s, why, request=True) for s in list(self.scheduler.requests.values())
             if s.constraint is not None and not s.finished and (why := s.constraint.failure()) is not None]

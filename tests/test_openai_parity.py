@@ -87,8 +87,10 @@ def host_engine(artifacts, serve_cache_dir):
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    with InProcess(engine, model_name=MODEL) as srv:
+def server(artifacts, serve_cache_dir):
+    """The server on an Engine of its own: its loop thread drives that Engine (and warms it while idle), so the
+    tests that drive `engine` directly never share an Engine with a running loop."""
+    with loaded(artifacts[0], serve_cache_dir) as eng, InProcess(eng, model_name=MODEL) as srv:
         yield srv
 
 

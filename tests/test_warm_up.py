@@ -96,3 +96,48 @@ def test_the_server_loop_warms_its_entries_while_nothing_runs(artifact, serve_ca
         finally:
             loop.stop()
         assert len(ids) == 1 and [u.token for u in updates if u.token is not None] == want[0]
+
+
+def test_a_second_thread_running_entries_while_one_does_is_refused_by_name(artifact, serve_cache_dir):
+    """An Engine has one driver: a step or warm-up from a second thread while a warm-up runs is refused, naming the
+    thread that runs, before it touches the pools the first one donates; the ids stay the undisturbed ones. Control:
+    the same step from the same second thread once the first is done runs."""
+    import threading
+    m, art = artifact
+    with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
+        want = eng.generate(PROMPTS, 8)
+        inside, release = threading.Event(), threading.Event()
+        run = eng.runner.run
+
+        def held_run(*args, **kw):
+            inside.set()
+            release.wait(30)
+            return run(*args, **kw)
+        eng.runner.run = held_run
+        e = m.entries[0]                 # warm_up runs any entry with every row empty
+        warming = threading.Thread(target=eng.warm_up, args=(e,), name="the-warm-up")
+        warming.start()
+        refusals, ran = [], []
+
+        def second():
+            for call in (eng.step, lambda: eng.warm_up(e)):
+                try:
+                    call()
+                except RuntimeError as err:
+                    refusals.append(str(err))
+        try:
+            assert inside.wait(30)
+            other = threading.Thread(target=second)
+            other.start()
+            other.join(30)
+        finally:
+            release.set()
+            warming.join(30)
+            eng.runner.run = run
+        assert len(refusals) == 2 and all("'the-warm-up' is running this artifact's entries" in r for r in refusals)
+        assert refusals[0].startswith("Engine.step") and refusals[1].startswith("Engine.warm_up")
+        other = threading.Thread(target=lambda: ran.append(eng.step()))
+        other.start()
+        other.join(30)
+        assert ran == [[]]
+        assert eng.generate(PROMPTS, 8) == want

@@ -8,8 +8,10 @@ Scheduling, sampling and requests are the engine's; the vLLM worker and the benc
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +61,8 @@ class Runner:
         self._arg_plans: dict[str, list[tuple[_ArgSource, object, mf.Role]]] = {}
         self._entries_checked: set[str] = set()
         self.stats = dict(executions=0, warm_ups=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={})
+        self._driver = threading.Lock()     # held by the thread running entries (driving)
+        self._driver_name = ""
         try:
             want = {"cpu": "cpu", "cuda": "cuda"}[m.versions.platform]
             if device.platform_name.lower() not in (want, "gpu" if want == "cuda" else want):
@@ -186,6 +190,19 @@ class Runner:
         return plan
 
     # -- running -------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def driving(self, what: str):
+        """Run entries (`what` names the caller) as this Runner's one driver: a second thread that tries while one
+        does is refused by name, before it touches the pools the first one donates."""
+        if not self._driver.acquire(blocking=False):
+            raise RuntimeError(f"{what}: thread {self._driver_name!r} is running this artifact's entries; one thread "
+                               "drives an Engine (a server's engine loop owns its Engine: send the server requests)")
+        self._driver_name = threading.current_thread().name
+        try:
+            yield
+        finally:
+            self._driver.release()
 
     def run(self, e: mf.Entry, inputs: dict, want: set[mf.Role], count: bool = True) -> dict[mf.Role, np.ndarray]:
         """Run entry `e`; -> the outputs whose roles are in `want`, pulled to the host.
