@@ -126,7 +126,7 @@ class Engine:
                            batch_sizes={})
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s: %d entries (%s), weights %.1f MiB, pools %.1f MiB (%s; pages of %d), %.1f s",
-                 self.artifact_dir, len(self.runner.executables),
+                 self.artifact_dir, sum(self.runner.compile_report().values()),
                  ", ".join(f"{k}: {v}" for k, v in self.runner.compile_report().items()),
                  self.runner.weight_bytes / 2**20, self.runner.pool_bytes / 2**20,
                  ", ".join(f"{p.name} ({p.kind}) {p.capacity}" for p in m.pools), self.block_size, self.load_seconds)
@@ -150,6 +150,10 @@ class Engine:
 
     @property
     def executables(self):
+        """Every entry's executable but the scoring prefills' (those still in the compile cache loaded now)."""
+        for e in self.manifest.entries:
+            if e.kind != mf.EntryKind.PREFILL_SCORED:
+                self.runner.executable(e)
         return self.runner.executables
 
     @property
@@ -498,7 +502,7 @@ class Engine:
                   active_requests=len(self.active_requests()), running=len(sched.running),
                   waiting=len(sched.waiting),
                   weight_bytes=self.weight_bytes, pool_bytes=self.pool_bytes, devices=self.device.devices,
-                  bytes_per_device=run.bytes_per_device, entries=len(run.executables),
+                  bytes_per_device=run.bytes_per_device, entries=sum(run.compile_report().values()),
                   compile=self.compile_report(), load_seconds=self.load_seconds, donate=self.donate)
         return st
 

@@ -237,10 +237,16 @@ def test_sampling_is_seeded_and_greedy_pulls_no_logits(llama_engine):
 def test_second_load_uses_the_compile_cache(llama, tmp_path):
     with Engine.load(llama[1], cache_dir=tmp_path / "c", progress=False) as eng:
         assert eng.compile_report() == {"miss": len(eng.manifest.entries)}
+        want = eng.generate([PROMPTS[0]], 4)
     with Engine.load(llama[1], cache_dir=tmp_path / "c", progress=False) as eng:
-        assert eng.compile_report() == {"hit": len(eng.manifest.entries)}
+        # Cached executables load on first use: a warm start loads none until a call needs it.
+        n = len(eng.manifest.entries)
+        assert eng.compile_report() == {"cached": n}
         st = eng.stats()
         assert st["weight_bytes"] > 0 and st["pool_bytes"] == 2 * 3 * 2 * 32 * 8 * 2 * 16 * 4 // 2
+        assert eng.generate([PROMPTS[0]], 4) == want
+        used = set(eng.stats()["executions_by_entry"])
+        assert used and eng.compile_report() == {"cached": n - len(used), "hit": len(used)}
 
 
 GUARD = guarded(textwrap.dedent("""

@@ -63,8 +63,8 @@ class CompileCache:
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.pypjrta"
 
-    def load(self, client: pypjrt.Client, key: str, body_sha256: str) -> tuple[pypjrt.Executable | None, str]:
-        """(loaded executable, "hit") or (None, "miss" | "stale")."""
+    def read(self, key: str, body_sha256: str) -> tuple[bytes | None, str]:
+        """(the serialized executable, checked against its metadata, "hit") or (None, "miss" | "stale")."""
         path = self._path(key)
         if not path.is_file():
             return None, "miss"
@@ -75,8 +75,18 @@ class CompileCache:
                     # A damaged executable could abort the process inside XLA, not just fail.
                     or meta.get("executable_sha256") != hashlib.sha256(art.executable).hexdigest()):
                 return None, "stale"
-            return client.deserialize_executable(art.executable), "hit"
+            return art.executable, "hit"
         except (pjrt_errors.PjrtError, OSError, ValueError, KeyError):
+            return None, "stale"
+
+    def load(self, client: pypjrt.Client, key: str, body_sha256: str) -> tuple[pypjrt.Executable | None, str]:
+        """(loaded executable, "hit") or (None, "miss" | "stale")."""
+        code, status = self.read(key, body_sha256)
+        if code is None:
+            return None, status
+        try:
+            return client.deserialize_executable(code), "hit"
+        except pjrt_errors.PjrtError:
             return None, "stale"
 
     def store(self, key: str, handle: pypjrt.Executable, body_sha256: str, options: bytes,

@@ -216,12 +216,7 @@ class Device:
         digest = hashlib.sha256(code).hexdigest()
         label = f"{name} ({digest[:12]})" if name else f"body {digest[:12]}"
         self._check_stablehlo_version(code, label, digest)
-        options = pypjrt.CompileOptions(use_shardy_partitioner=b"sdy." in code)
-        if self.devices > 1:
-            # One replica of N partitions, partition i on this client's device i (the SPMD body's device i).
-            options = pypjrt.CompileOptions(num_partitions=self.devices, use_spmd_partitioning=True,
-                                            use_shardy_partitioner=b"sdy." in code,
-                                            device_assignment=device_assignment_proto(self.device_ids))
+        options = self._compile_options(code)
         options_bytes = options.encode(self._plugin.abi)
 
         status = "off"
@@ -248,6 +243,24 @@ class Device:
             self._cache.store(key, handle, digest, options_bytes, name)
         return self._own(Executable(handle, sha256=digest, name=name,
                                     cache=status, seconds=seconds))
+
+    def _compile_options(self, code: bytes) -> pypjrt.CompileOptions:
+        if self.devices > 1:
+            # One replica of N partitions, partition i on this client's device i (the SPMD body's device i).
+            return pypjrt.CompileOptions(num_partitions=self.devices, use_spmd_partitioning=True,
+                                         use_shardy_partitioner=b"sdy." in code,
+                                         device_assignment=device_assignment_proto(self.device_ids))
+        return pypjrt.CompileOptions(use_shardy_partitioner=b"sdy." in code)
+
+    def compiled_before(self, mlir: str | bytes) -> bool:
+        """Whether the compile cache holds this body's executable, intact, from this plugin: `compile` would load
+        it, not compile it (the body compiled here before, so it cannot be refused)."""
+        if self._cache is None:
+            return False
+        code = mlir.encode() if isinstance(mlir, str) else bytes(mlir)
+        digest = hashlib.sha256(code).hexdigest()
+        key = self._cache.key(digest, self._compile_options(code).encode(self._plugin.abi))
+        return self._cache.read(key, digest)[0] is not None
 
     def _check_stablehlo_version(self, code: bytes, label: str, digest: str) -> None:
         version = bytecode_stablehlo_version(code)
