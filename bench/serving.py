@@ -92,7 +92,7 @@ class Server:
             self.proc.kill()
 
 
-def _wait_up(name: str, proc: subprocess.Popen, url: str, log: Path, timeout: float) -> Server:
+def _wait_up(name: str, proc: subprocess.Popen, url: str, log: Path, timeout: float, poll: float = 0.5) -> Server:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
         if proc.poll() is not None:
@@ -103,7 +103,7 @@ def _wait_up(name: str, proc: subprocess.Popen, url: str, log: Path, timeout: fl
                 return Server(name, proc, url, log)
         except httpx.TransportError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll)
     proc.kill()
     raise RuntimeError(f"{name} did not start in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
@@ -150,8 +150,9 @@ def start_vllm(a, ck: Path) -> Server:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(a.vllm_kv_gib), VLLM_CPU_OMP_THREADS_BIND="0-1",
                VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONPATH="")
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ck), "--block-size", "32",
-           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(a.max_num_seqs),
-           "--max-model-len", str(a.context), *a.vllm_arg]
+           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+           *(["--max-num-seqs", str(a.max_num_seqs)] if a.max_num_seqs else []), "--max-model-len", str(a.context),
+           *a.vllm_arg]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd="/tmp", env=env)
     return _wait_up("vLLM-cpu", proc, f"http://127.0.0.1:{port}", log, 900)
 

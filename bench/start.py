@@ -46,35 +46,18 @@ def checkpoint(a) -> Path:
     return ck
 
 
-def timed_start(name: str, cmd: list[str], url: str, log: Path, env: dict | None = None, cwd=ROOT) -> dict:
-    """Start a server; -> seconds to /health, and to the end of a first completion from the start."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=cwd, env=env)
+def first_completion(server, t0: float) -> dict:
+    """Seconds from t0 to the server's /health (it is up), and to the end of a first completion; then stop it."""
+    health = time.perf_counter() - t0
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t0 > 1200:
-                raise RuntimeError(f"{name} did not start in 1200 s")
-            time.sleep(0.1)
-        health = time.perf_counter() - t0
-        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        r = httpx.post(f"{url}/v1/completions", timeout=600, json={
+        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        r = httpx.post(f"{server.url}/v1/completions", timeout=600, json={
             "model": model, "prompt": list(range(5, 46)), "max_tokens": 32, "min_tokens": 32, "temperature": 0,
             "ignore_eos": True})
         r.raise_for_status()
         return dict(health=health, first=time.perf_counter() - t0)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()
 
 
 def main(argv=None) -> None:
@@ -87,7 +70,7 @@ def main(argv=None) -> None:
     ap.add_argument("--starts", default="cold,warm", help="tlaloc-jax starts to time (cold empties the cache)")
     ap.add_argument("--keep-artifact", action="store_true", help="serve the artifact a run before exported")
     a = ap.parse_args(argv)
-    from serving import _free_port, _vllm_python
+    from serving import _free_port, _wait_up, start_vllm
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -112,18 +95,18 @@ def main(argv=None) -> None:
         port = _free_port()
         cmd = [sys.executable, "-m", "tlaloc_jax.serve", str(art), "--port", str(port), "--cache-dir", str(cache),
                "--no-progress"]
-        rows.append((f"tlaloc-jax, {label} cache",
-                     timed_start("tlaloc-jax", cmd, f"http://127.0.0.1:{port}", work / f"tlaloc-{label}.log")))
+        log = work / f"tlaloc-{label}.log"
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+        server = _wait_up("tlaloc-jax", proc, f"http://127.0.0.1:{port}", log, 1200, poll=0.1)
+        rows.append((f"tlaloc-jax, {label} cache", first_completion(server, t0)))
         print(f"{rows[-1][0]}: /health {rows[-1][1]['health']:.1f} s, first completion {rows[-1][1]['first']:.1f} s",
               flush=True)
     if a.peer == "vllm":
-        port = _free_port()
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1",
-                   VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONPATH="")
-        cmd = [_vllm_python(a), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ck), "--block-size", "32",
-               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(a.context)]
-        rows.append(("vLLM-cpu", timed_start("vLLM-cpu", cmd, f"http://127.0.0.1:{port}", work / "vllm.log", env,
-                                             cwd="/tmp")))
+        # vLLM's own defaults (max_num_seqs), a 2 GiB KV cache, this checkpoint's context.
+        a.max_num_seqs, a.vllm_kv_gib, a.vllm_arg = None, 2, []
+        t0 = time.perf_counter()
+        rows.append(("vLLM-cpu", first_completion(start_vllm(a, ck), t0)))
         print(f"vLLM-cpu: /health {rows[-1][1]['health']:.1f} s, first completion {rows[-1][1]['first']:.1f} s",
               flush=True)
     peer = rows[-1][1] if a.peer else None

@@ -67,7 +67,7 @@ class Engine:
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None):
         """Load an artifact: validate it all (files, hashes, every body's @main against its entry, the memory its
         weights and pools need), then compile one entry of each kind (the others compile, or load from the compile
-        cache, on first use: Runner._compile_all), upload the weights and allocate the pools. A bad artifact is
+        cache, on first use: Runner._compile_kinds), upload the weights and allocate the pools. A bad artifact is
         refused (ManifestError naming what is wrong) before anything is compiled or allocated.
 
         trust_weights: skip hashing the weight files (their sizes are still checked), for very large

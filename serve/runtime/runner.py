@@ -60,7 +60,7 @@ class Runner:
         self._kept_inputs: dict[tuple[str, str], tuple[bytes, sharded.Placed]] = {}
         self._arg_plans: dict[str, list[tuple[_ArgSource, object, mf.Role]]] = {}
         self._entries_checked: set[str] = set()
-        self._deferred: dict[str, str] = {}  # entry -> "cached" | "pending": ready on first use (_compile_all)
+        self._deferred: dict[str, str] = {}  # entry -> "cached" | "pending": ready on first use (_compile_kinds)
         self.stats = dict(executions=0, warm_ups=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={})
         self._driver = threading.Lock()     # held by the thread running entries (driving)
         self._driver_name = ""
@@ -72,7 +72,7 @@ class Runner:
             if device.devices != m.devices:
                 raise mf.ManifestError(sharded.device_count_mismatch(m, device.devices))
             self._check_memory()
-            self._compile_all(progress)
+            self._compile_kinds(progress)
             self.weights = {w.slot: sharded.upload_weight(device, self.artifact_dir, w, m.mesh) for w in m.weights}
             self.pools: dict[str, sharded.Placed] = {p.name: sharded.zeros(device, p.dtype, p.shape, p.partition,
                                                                            m.mesh) for p in m.pools}
@@ -82,7 +82,7 @@ class Runner:
 
     # -- loading -------------------------------------------------------------------------------------
 
-    def _compile_all(self, progress: bool) -> None:
+    def _compile_kinds(self, progress: bool) -> None:
         """Compile at load one entry of each kind (the first; its siblings are the same body at other shapes), so a
         body this plugin refuses is refused at load. The other entries compile, or load from the compile cache (a
         quarter second an entry on a 2-core CPU, against seconds to compile), on first use: a start serves once its
