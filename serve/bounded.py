@@ -34,7 +34,7 @@ from tlaloc_jax.artifact import bounded as bm
 
 from .engine import DEFAULT_CACHE_DIR
 from .runtime.native_log import native_stderr_to_log
-from .runtime import Buffer, Device, Executable
+from .runtime import Buffer, Device, Executable, sharded
 
 log = logging.getLogger("tlaloc_jax.serve.bounded")
 
@@ -118,9 +118,7 @@ class BoundedProgram:
             for p in tqdm(m.programs, desc="compile", unit="program", disable=not progress):
                 self.executables[tuple(p.sizes)] = self.device.compile(
                     (self.artifact_dir / p.serialized).read_bytes(), name=p.name)
-            for w in m.weights:
-                data = np.fromfile(self.artifact_dir / w.file, dtype=mf.numpy_dtype(w.dtype).newbyteorder("<"))
-                self.weights.append(self.device.upload(data.reshape(w.shape)))
+            self.weights = [sharded.upload_weight(self.device, self.artifact_dir, w, None) for w in m.weights]
         except BaseException:
             self.close()
             raise

@@ -86,8 +86,17 @@ class Engine:
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
-        # Refuses a bad artifact before anything runs.
-        self.manifest = m = manifest or mf.load_manifest(self.artifact_dir, verify_weights=not trust_weights)
+        if isinstance(cache_dir, str) and cache_dir.lower() == "none":
+            cache_dir = None            # the CLI's spelling of no cache
+        if manifest is None:
+            # Refuses a bad artifact before anything runs. A file unchanged since a load before is not hashed
+            # again: its digest is kept in the cache directory (FileDigests).
+            digests = mf.FileDigests(cache_dir, self.artifact_dir) if cache_dir is not None else None
+            manifest = mf.load_manifest(self.artifact_dir, verify_weights=not trust_weights,
+                                        digests=digests.sha256 if digests else mf.sha256_file)
+            if digests:
+                digests.save()
+        self.manifest = m = manifest
         if trust_weights:
             log.warning("--trust-weights: the weight files of %s are not hashed", self.artifact_dir)
         elif any(not w.sha256 and not w.shards for w in m.weights):
@@ -101,9 +110,7 @@ class Engine:
             max_context = max_model_len
         self.scheduler = Scheduler(m, max_context, use_decode_steps=use_decode_steps, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   prefix_caching=enable_prefix_caching, identity=m.to_json())
-        if isinstance(cache_dir, str) and cache_dir.lower() == "none":
-            cache_dir = None            # the CLI's spelling of no cache
+                                   prefix_caching=enable_prefix_caching, identity=m.identity)
         try:
             with native_stderr_to_log():    # the plugin's start-up lines go to the log, not into a notebook
                 device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir, devices=m.devices)

@@ -134,6 +134,52 @@ def test_swapped_weight_files_and_an_edited_tokenizer_are_refused(artifact, no_d
             Engine.load(artifact, progress=False, trust_weights=trust)
 
 
+def _hashed_files(art: Path) -> list[Path]:
+    """The files a load hashes: those the manifest gives a sha256."""
+    m = af.load_manifest(art)
+    bodies = [(getattr(e, f), getattr(e, f"{f}_sha256")) for e in m.entries for f in ("body", "serialized", "exported")]
+    listed = [*bodies, *((w.file, w.sha256) for w in m.weights), *((t.file, t.sha256) for t in m.tokenizer_files)]
+    assert all(digest for _, digest in listed)
+    return [art / f for f, _ in listed]
+
+
+def test_a_file_changed_since_a_load_is_hashed_again_and_refused(artifact, no_device, tmp_path, monkeypatch):
+    """A load remembers the sha256 of the files it hashed (FileDigests, in the cache directory): the next load
+    reads none of them again. A weight file edited afterwards, its size and modification time put back, is hashed
+    again (its change time moved) and refused by name. Control: remembering by size and modification time alone
+    lets the edit through to the device."""
+    cache = tmp_path / "cache"
+    with pytest.raises(AssertionError, match="the device was touched"):
+        Engine.load(artifact, progress=False, cache_dir=cache)
+    files = _hashed_files(artifact)
+    known = af.FileDigests(cache, artifact)
+    assert [known.sha256(p) for p in files] == [af.sha256_file(p) for p in files] and known.reads == 0
+
+    w = next(w for w in af.load_manifest(artifact).weights if w.slot == "layers.attn_norm.0")
+    path, before = artifact / w.file, (artifact / w.file).stat()
+    original = path.read_bytes()
+    edited = bytes([original[0] ^ 1]) + original[1:]
+
+    def write(data: bytes) -> None:
+        path.write_bytes(data)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+    write(edited)
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with pytest.raises(af.ManifestError, match=rf"weight 'layers.attn_norm.0' file .* has sha256 [0-9a-f]+, the "
+                                              rf"manifest says {w.sha256}"):
+        Engine.load(artifact, progress=False, cache_dir=cache)
+
+    monkeypatch.setattr(af.FileDigests, "_facts", staticmethod(lambda p: [p.stat().st_size, p.stat().st_mtime_ns]))
+    write(original)
+    with pytest.raises(AssertionError, match="the device was touched"):
+        Engine.load(artifact, progress=False, cache_dir=cache)      # remembered by size and mtime ...
+    write(edited)
+    with pytest.raises(AssertionError, match="the device was touched"):
+        Engine.load(artifact, progress=False, cache_dir=cache)      # ... the edit passes
+
+
 def test_no_file_outside_the_manifest_is_read(artifact, tmp_path):
     """Finding 3: a chat_template.jinja the manifest does not list is never read (here a symlink to a file outside
     the artifact); one it lists but that leads outside is refused."""

@@ -220,6 +220,36 @@ def test_donated_pool_is_updated_in_place(dev):
         dev.execute(exe, [first, *_step_inputs(dev, 0)], donate={0})
 
 
+def test_an_adopted_pool_and_weight_are_their_host_memory(dev, tmp_path):
+    """Device.adopt on the CPU plugin: no copy. A pool from host_zeros is updated in place, in the array's own
+    memory (what the runtime's load relies on: pages touched when written, not at load); a weight file's read-only
+    np.memmap is the weight's device memory. Control: the same zeros one element off the page boundary cannot be
+    adopted, so they are copied (another address, the array untouched by the runs)."""
+    from tlaloc_jax.serve.runtime.sharded import host_zeros
+    exp = _export(_write_row, S((P, D), jnp.float32), S((), jnp.int32), S((D,), jnp.float32), donate=(0,))
+    exe = dev.compile(exp.mlir_module_serialized, name="write_row")
+    host = host_zeros((P, D), np.float32)
+    unaligned = host_zeros((P * D + 1,), np.float32)[1:].reshape(P, D)
+    for array, adopted in ((host, True), (unaligned, False)):
+        pool = dev.adopt(array)
+        assert (dev.device_address(pool) == array.ctypes.data) == adopted
+        for i in range(3 * P):
+            _, pool = dev.execute(exe, [pool, *_step_inputs(dev, i)], donate={0})
+        want = np.repeat(np.arange(2 * P + 1, 3 * P + 1, dtype=np.float32)[:, None], D, axis=1)
+        np.testing.assert_array_equal(dev.to_host(pool), want)
+        np.testing.assert_array_equal(array, want if adopted else np.zeros((P, D), np.float32))
+
+    weights = np.arange(P * D, dtype=np.float32).reshape(P, D)
+    weights.tofile(tmp_path / "w.bin")
+    mapped = np.memmap(tmp_path / "w.bin", dtype=np.float32, mode="r", shape=(P, D))
+    w = dev.adopt(mapped)
+    assert dev.device_address(w) == mapped.ctypes.data
+    double = dev.compile(_export(lambda x: x * 2, S((P, D), jnp.float32)).mlir_module_serialized)
+    (out,) = dev.execute(double, [w])
+    np.testing.assert_array_equal(dev.to_host(out), weights * 2)
+    np.testing.assert_array_equal(dev.to_host(w), weights)
+
+
 def test_control_without_donation_copies_every_step(dev):
     """Same aliased body, pool not donated: the input survives and every output is a copy."""
     exp = _export(_write_row, S((P, D), jnp.float32), S((), jnp.int32), S((D,), jnp.float32),

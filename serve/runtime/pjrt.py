@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import re
 import time
@@ -142,6 +143,7 @@ class Device:
                               for name, dt in DTYPES
                               if hasattr(self._plugin.abi, f"PJRT_Buffer_Type_{name}")}
         self._owned: weakref.WeakSet = weakref.WeakSet()
+        self._adopted: list[np.ndarray] = []  # host memory adopted buffers live in (adopt)
         self._hot = compat.HotCalls(self._plugin)
         self.platform_name = self._client.platform_name
         self.platform_version = self._platform_version()
@@ -286,6 +288,24 @@ class Device:
         arr = np.asarray(array)
         if not arr.flags.c_contiguous:
             arr = arr.copy(order="C")
+        return self._from_host(arr, self._plugin.abi.PJRT_HostBufferSemantics_kImmutableOnlyDuringCall, device)
+
+    def adopt(self, array: np.ndarray, device: int = 0) -> Buffer:
+        """A buffer over `array`'s own memory, with no copy, where device memory is host memory (the CPU plugin)
+        and the array is C-contiguous and page-aligned (a weight file's np.memmap, a pool from `host_zeros`); else
+        a copy (`upload`). Pages are then touched when a computation first does, not at load. The Device holds
+        the array until `close()`; nothing else may write it (a writable one is the buffer's, to donate)."""
+        arr = np.asarray(array)
+        if not (self._host_memory and arr.flags.c_contiguous and arr.size and arr.ctypes.data % mmap.PAGESIZE == 0):
+            return self.upload(arr, device)
+        abi = self._plugin.abi
+        semantics = (abi.PJRT_HostBufferSemantics_kMutableZeroCopy if arr.flags.writeable
+                     else abi.PJRT_HostBufferSemantics_kImmutableZeroCopy)
+        buf = self._from_host(arr, semantics, device)
+        self._adopted.append(arr)
+        return buf
+
+    def _from_host(self, arr: np.ndarray, semantics: int, device: int) -> Buffer:
         code = self._buffer_codes.get(arr.dtype)
         if code is None:
             raise TypeError(f"cannot upload dtype {arr.dtype}: no PJRT buffer type for it "
@@ -296,13 +316,13 @@ class Device:
             "PJRT_Client_BufferFromHostBuffer_Args", client=self._client.address,
             data=arr.ctypes.data if arr.size else ctypes.addressof(_EMPTY),
             type=code, dims=ctypes.cast(dims, _VOIDP), num_dims=arr.ndim,
-            host_buffer_semantics=p.abi.PJRT_HostBufferSemantics_kImmutableOnlyDuringCall,
-            device=self._devices[device].address)
+            host_buffer_semantics=semantics, device=self._devices[device].address)
         with self._client.diagnose_allocation():
             p.call("PJRT_Client_BufferFromHostBuffer", a)
         if a.done_with_host_buffer:
             # kImmutableOnlyDuringCall: the plugin holds no reference to `data` once the call returned, so the
             # event has nothing left to wait for; it is only destroyed (awaiting it cost ~20 us an upload).
+            # Zero copy (adopt): the Device holds the memory until close, past any use the event would mark.
             compat.destroy_event(p, a.done_with_host_buffer)
         return self._own(Buffer(PjrtBuffer(p, a.buffer), tuple(arr.shape), arr.dtype))
 
@@ -523,6 +543,7 @@ class Device:
             self._device_scope.__exit__(None, None, None)
             self._device_scope = None
         self._client.close()
+        self._adopted.clear()
 
     def __del__(self):
         try:

@@ -8,6 +8,7 @@ inputs are whole on every device; results other than the pools are whole too, an
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Sequence
 
@@ -36,23 +37,41 @@ def upload_whole(device: Device, array: np.ndarray) -> Placed:
 
 
 def zeros(device: Device, dtype: str, shape: tuple[int, ...], partition: mf.Partition, mesh: mf.Mesh | None) -> Placed:
-    """A zeroed array of `shape` split as `partition` says: each device's block (a pool)."""
-    if device.devices == 1:
-        return device.upload(np.zeros(shape, mf.numpy_dtype(dtype)))
-    block = np.zeros(mesh.shard_shape(shape, partition), mf.numpy_dtype(dtype))
-    return tuple(device.upload(block, d) for d in range(device.devices))
+    """A zeroed array of `shape` split as `partition` says: each device's block (a pool), adopted where the device
+    can (the CPU plugin): its pages are zeroed by the OS when first written, not all at load."""
+    block = shape if device.devices == 1 else mesh.shard_shape(shape, partition)
+    placed = tuple(device.adopt(host_zeros(block, mf.numpy_dtype(dtype)), d) for d in range(device.devices))
+    return placed[0] if device.devices == 1 else placed
+
+
+def host_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zeros in fresh anonymous memory (page-aligned, no page touched yet), in huge pages where the kernel offers
+    them on request (transparent_hugepage 'madvise'): a pool's first writes then fault 2 MiB at a time."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if not nbytes:
+        return np.zeros(shape, dtype)
+    memory = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(memory, dtype).reshape(shape)
 
 
 def _read(path: Path, w: mf.WeightFile, shape: tuple[int, ...]) -> np.ndarray:
-    return np.fromfile(path, dtype=mf.numpy_dtype(w.dtype).newbyteorder("<")).reshape(shape)
+    """A weight file mapped read-only (adopted, it is the weight's device memory on the CPU plugin)."""
+    dtype = mf.numpy_dtype(w.dtype).newbyteorder("<")
+    if not int(np.prod(shape, dtype=np.int64)):
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
 
 def upload_weight(device: Device, root: Path, w: mf.WeightFile, mesh: mf.Mesh | None) -> Placed:
     """A weight from its file onto every device, or, split, device d's shard from shard file d."""
     if not w.shards:
-        return upload_whole(device, _read(root / w.file, w, w.shape))
+        array = _read(root / w.file, w, w.shape)
+        return device.adopt(array) if device.devices == 1 else tuple(device.adopt(array, d)
+                                                                      for d in range(device.devices))
     shape = mesh.shard_shape(w.shape, w.partition)
-    return tuple(device.upload(_read(root / s.file, w, shape), d) for d, s in enumerate(w.shards))
+    return tuple(device.adopt(_read(root / s.file, w, shape), d) for d, s in enumerate(w.shards))
 
 
 def execute(device: Device, exe: Executable, args: Sequence[Placed], donate: set[int],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Callable
 
 from .errors import ManifestError
 from .records import TensorSig, TokenizerFile, WeightFile
@@ -33,13 +34,15 @@ def resolve_inside(root: Path, rel: str, what: str) -> Path:
     return path
 
 
-def checked_file(root: Path, rel: str, digest: str | None, what: str) -> Path:
-    """A file the manifest lists: inside the artifact, present, and (digest given) with that sha256."""
+def checked_file(root: Path, rel: str, digest: str | None, what: str,
+                 digests: Callable[[Path], str] = sha256_file) -> Path:
+    """A file the manifest lists: inside the artifact, present, and (digest given) with that sha256 (as `digests`
+    finds it: hashed, or remembered from a load before by digests.FileDigests)."""
     p = resolve_inside(root, rel, what)
     if not p.is_file():
         raise ManifestError(f"{what} {rel!r} does not exist")
     if digest is not None:
-        got = sha256_file(p)
+        got = digests(p)
         if got != digest:
             raise ManifestError(f"{what} {rel!r} has sha256 {got}, the manifest says {digest}")
     return p
@@ -60,15 +63,15 @@ def read_manifest_file(root: Path, name: str, max_bytes: int, other: str, other_
 
 def verify_body(root: Path, record, inputs: tuple[TensorSig, ...], outputs: tuple[TensorSig, ...],
                 donations: tuple[tuple[int, int], ...], what: str, program_sha256: str | None = None,
-                devices: int = 1) -> None:
+                devices: int = 1, digests: Callable[[Path], str] = sha256_file) -> None:
     """A body's files (`record`: an Entry or a Program, with body, serialized, exported and program paths and
     their hashes) are present with their sha256, and its @main takes and returns `inputs` and `outputs`,
     partitioned for `devices` devices."""
-    body = checked_file(root, record.body, record.body_sha256, f"{what} body")
-    checked_file(root, record.serialized, record.serialized_sha256, f"{what} serialized body")
+    body = checked_file(root, record.body, record.body_sha256, f"{what} body", digests)
+    checked_file(root, record.serialized, record.serialized_sha256, f"{what} serialized body", digests)
     if record.exported:
-        checked_file(root, record.exported, record.exported_sha256, f"{what} exported body")
-    checked_file(root, record.program, program_sha256, f"{what} program")
+        checked_file(root, record.exported, record.exported_sha256, f"{what} exported body", digests)
+    checked_file(root, record.program, program_sha256, f"{what} program", digests)
     why = signature_mismatch(inputs, outputs, donations,
                              main_signature(body.read_text(encoding="utf-8", errors="replace"), f"{what} body"),
                              devices)
@@ -77,7 +80,7 @@ def verify_body(root: Path, record, inputs: tuple[TensorSig, ...], outputs: tupl
 
 
 def verify_listed_files(root: Path, weights: tuple[WeightFile, ...], tokenizer_files: tuple[TokenizerFile, ...],
-                        verify_weights: bool) -> None:
+                        verify_weights: bool, digests: Callable[[Path], str] = sha256_file) -> None:
     """Every weight file (a split weight's shard files) present with its size (and, verify_weights, its sha256),
     every tokenizer file with its."""
     for w in weights:
@@ -86,6 +89,6 @@ def verify_listed_files(root: Path, weights: tuple[WeightFile, ...], tokenizer_f
             if got != size:
                 raise ManifestError(f"weight {w.slot!r} file {file!r} has {got} bytes, the manifest says {size}")
             if verify_weights and digest:
-                checked_file(root, file, digest, f"weight {w.slot!r} file")
+                checked_file(root, file, digest, f"weight {w.slot!r} file", digests)
     for t in tokenizer_files:
-        checked_file(root, t.file, t.sha256 or None, "tokenizer file")
+        checked_file(root, t.file, t.sha256 or None, "tokenizer file", digests)

@@ -50,6 +50,7 @@ weights and tokenizer files carry no hashes; the loader says so).
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 
 from .codec import build, parse, to_json
@@ -271,6 +272,16 @@ class Manifest:
     def to_json(self) -> str:
         return to_json(self)
 
+    @property
+    def identity(self) -> str:
+        """The sha256 of the manifest text this was read from (of `to_json()` when built in memory): what names
+        the artifact's programs and weights, as the root of the prefix cache's hash chains."""
+        digest = self.__dict__.get("_identity")
+        if digest is None:
+            digest = hashlib.sha256(self.to_json().encode()).hexdigest()
+            object.__setattr__(self, "_identity", digest)
+        return digest
+
     @staticmethod
     def from_json(text: str | bytes) -> "Manifest":
         raw = parse(text, MANIFEST_NAME)
@@ -280,4 +291,6 @@ class Manifest:
                                 f"{', '.join(SUPPORTED_SCHEMAS)})")
         if schema in (SCHEMA_V2, SCHEMA_V3):
             raw = upgrade_v2_v3(raw)
-        return build(Manifest, raw, "manifest")
+        m = build(Manifest, raw, "manifest")
+        object.__setattr__(m, "_identity", hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest())
+        return m

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from .bounded import BOUNDED_NAME
 from .errors import ManifestError
-from .files import checked_file, read_manifest_file, verify_body, verify_listed_files
+from .files import checked_file, read_manifest_file, sha256_file, verify_body, verify_listed_files
 from .mesh import check_mesh
 from .records import TensorSig, WeightFile, check_platform, check_tokenizer_hashes, check_weight_table
 from .serving import MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, Entry, Manifest, Pool
@@ -17,14 +18,14 @@ from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, DECODE_STEPS_INPUTS, DEC
                          dtype_info, mask_words)
 
 
-def load_manifest(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
-                  verify_weights: bool = True) -> Manifest:
+def load_manifest(artifact_dir: str | os.PathLike, *, verify_files: bool = True, verify_weights: bool = True,
+                  digests: Callable[[Path], str] = sha256_file) -> Manifest:
     """Read and validate an artifact directory's manifest.
 
     verify_files: check every file the manifest lists (inside the artifact, present, the right size, and its
     sha256 where the manifest has one) and each body's @main against its entry. verify_weights False skips
     hashing the weight files (their sizes are still checked): for very large artifacts whose weights are
-    trusted (`--trust-weights`).
+    trusted (`--trust-weights`). digests: a file's sha256 (FileDigests.sha256 remembers those of unchanged files).
     """
     root = Path(artifact_dir)
     m = Manifest.from_json(read_manifest_file(
@@ -34,8 +35,9 @@ def load_manifest(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
     check_manifest(m)
     if verify_files:
         for e in m.entries:
-            verify_body(root, e, e.inputs, e.outputs, e.donations, f"entry {e.name!r}", devices=m.devices)
-        verify_listed_files(root, m.weights, m.tokenizer_files, verify_weights)
+            verify_body(root, e, e.inputs, e.outputs, e.donations, f"entry {e.name!r}", devices=m.devices,
+                        digests=digests)
+        verify_listed_files(root, m.weights, m.tokenizer_files, verify_weights, digests)
     return m
 
 
