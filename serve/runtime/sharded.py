@@ -29,19 +29,22 @@ def device_count_mismatch(m: mf.Manifest, devices: int) -> str:
             "compiled or allocated")
 
 
+def _on_each(device: Device, place) -> Placed:
+    """place(d) for every device d: one Buffer on one device, else a tuple."""
+    placed = tuple(place(d) for d in range(device.devices))
+    return placed[0] if device.devices == 1 else placed
+
+
 def upload_whole(device: Device, array: np.ndarray) -> Placed:
     """The array on every device (one Buffer on one device)."""
-    if device.devices == 1:
-        return device.upload(array)
-    return tuple(device.upload(array, d) for d in range(device.devices))
+    return _on_each(device, lambda d: device.upload(array, d))
 
 
 def zeros(device: Device, dtype: str, shape: tuple[int, ...], partition: mf.Partition, mesh: mf.Mesh | None) -> Placed:
     """A zeroed array of `shape` split as `partition` says: each device's block (a pool), adopted where the device
     can (the CPU plugin): its pages are zeroed by the OS when first written, not all at load."""
     block = shape if device.devices == 1 else mesh.shard_shape(shape, partition)
-    placed = tuple(device.adopt(host_zeros(block, mf.numpy_dtype(dtype)), d) for d in range(device.devices))
-    return placed[0] if device.devices == 1 else placed
+    return _on_each(device, lambda d: device.adopt(host_zeros(block, mf.numpy_dtype(dtype)), d))
 
 
 def host_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -68,8 +71,7 @@ def upload_weight(device: Device, root: Path, w: mf.WeightFile, mesh: mf.Mesh | 
     """A weight from its file onto every device, or, split, device d's shard from shard file d."""
     if not w.shards:
         array = _read(root / w.file, w, w.shape)
-        return device.adopt(array) if device.devices == 1 else tuple(device.adopt(array, d)
-                                                                      for d in range(device.devices))
+        return _on_each(device, lambda d: device.adopt(array, d))
     shape = mesh.shard_shape(w.shape, w.partition)
     return tuple(device.adopt(_read(root / s.file, w, shape), d) for d, s in enumerate(w.shards))
 
