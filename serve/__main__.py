@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     from tlaloc_jax.artifact.bounded import load_bounded
-    from tlaloc_jax.artifact import ManifestError, load_manifest
+    from tlaloc_jax.artifact import ManifestError, load_manifest, load_remembering
 
     from .bounded import BoundedProgram
     from .embeddings import Embeddings, embedding_task, load_embedding_tokenizer
@@ -166,11 +166,13 @@ def main(argv=None) -> int:
     try:
         # Everything that can be checked without the device first: the manifest, every file and body
         # signature, and the tokenizer, so a bad artifact is refused before anything compiles.
-        manifest = load_manifest(args.artifact, verify_weights=not args.trust_weights)
+        # A file unchanged since a load with this cache directory is not hashed again (FileDigests).
+        manifest = load_remembering(load_manifest, args.artifact, cache_dir, verify_weights=not args.trust_weights)
         tokenizer = load_tokenizer(args.artifact, manifest)
         if args.embedding_artifact is not None:
             try:
-                embedding_manifest = load_bounded(args.embedding_artifact, verify_weights=not args.trust_weights)
+                embedding_manifest = load_remembering(load_bounded, args.embedding_artifact, cache_dir,
+                                                      verify_weights=not args.trust_weights)
                 embedding_task(embedding_manifest)
                 embedding_tokenizer = load_embedding_tokenizer(args.embedding_artifact, embedding_manifest)
             except ManifestError as e:

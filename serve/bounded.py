@@ -94,7 +94,8 @@ class BoundedProgram:
                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR, memory_fraction: float = 0.75,
                  trust_weights: bool = False, progress: bool = False, manifest: bm.BoundedManifest | None = None):
         """Validate the artifact (every file's sha256, every body's @main against its program; a decoder artifact
-        is refused by name), then compile every program and upload the weights.
+        is refused by name; a file unchanged since a load with this cache_dir is not hashed again), then compile
+        every program and upload the weights.
 
         device: a Device to share (an Engine's: the server runs a decoder and an embedding program on one device);
         None opens one on `plugin`. trust_weights: skip hashing the weight files (sizes are still checked).
@@ -102,7 +103,8 @@ class BoundedProgram:
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
-        self.manifest = m = manifest or bm.load_bounded(self.artifact_dir, verify_weights=not trust_weights)
+        self.manifest = m = manifest or mf.load_remembering(bm.load_bounded, self.artifact_dir, cache_dir,
+                                                            verify_weights=not trust_weights)
         if trust_weights:
             log.warning("--trust-weights: the weight files of %s are not hashed", self.artifact_dir)
         self._owns_device = device is None

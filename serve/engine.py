@@ -91,11 +91,8 @@ class Engine:
         if manifest is None:
             # Refuses a bad artifact before anything runs. A file unchanged since a load before is not hashed
             # again: its digest is kept in the cache directory (FileDigests).
-            digests = mf.FileDigests(cache_dir, self.artifact_dir) if cache_dir is not None else None
-            manifest = mf.load_manifest(self.artifact_dir, verify_weights=not trust_weights,
-                                        digests=digests.sha256 if digests else mf.sha256_file)
-            if digests:
-                digests.save()
+            manifest = mf.load_remembering(mf.load_manifest, self.artifact_dir, cache_dir,
+                                           verify_weights=not trust_weights)
         self.manifest = m = manifest
         if trust_weights:
             log.warning("--trust-weights: the weight files of %s are not hashed", self.artifact_dir)

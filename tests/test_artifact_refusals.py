@@ -180,6 +180,30 @@ def test_a_file_changed_since_a_load_is_hashed_again_and_refused(artifact, no_de
         Engine.load(artifact, progress=False, cache_dir=cache)      # ... the edit passes
 
 
+def test_the_server_hashes_only_files_changed_since_its_last_start(artifact, no_device, tmp_path, monkeypatch):
+    """`python -m tlaloc_jax.serve` checks the artifact before the device as Engine.load does, remembering the
+    files' sha256 in its cache directory: a second start hashes none of them. Control: --cache-dir none hashes
+    every file at every start."""
+    from tlaloc_jax.artifact import digests as digests_module
+    hashed = []
+
+    def counting(path):
+        hashed.append(path)
+        return af.sha256_file(path)
+    monkeypatch.setattr(digests_module, "sha256_file", counting)
+    cache = tmp_path / "cache"
+    for expected in ("every file", "none"):
+        hashed.clear()
+        with pytest.raises(AssertionError, match="the device was touched"):
+            serve_main([str(artifact), "--cache-dir", str(cache), "--port", "0"])
+        assert (len(hashed) == 0) == (expected == "none"), (expected, hashed)
+    for _ in range(2):
+        hashed.clear()
+        with pytest.raises(AssertionError, match="the device was touched"):
+            serve_main([str(artifact), "--cache-dir", "none", "--port", "0"])
+        assert {p.resolve() for p in hashed} >= {p.resolve() for p in _hashed_files(artifact)}
+
+
 def test_no_file_outside_the_manifest_is_read(artifact, tmp_path):
     """Finding 3: a chat_template.jinja the manifest does not list is never read (here a symlink to a file outside
     the artifact); one it lists but that leads outside is refused."""

@@ -10,6 +10,7 @@ bucket; a runtime that filled every mask as valid is caught by the same comparis
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import jax
@@ -261,6 +262,39 @@ def test_every_file_and_body_is_checked_at_load(embed_setup, tmp_path):
     (bad / bm.BOUNDED_NAME).write_text(json.dumps(raw))
     with pytest.raises(af.ManifestError, match=r"no program for sizes \[1, 4\] of \['rows', 'tokens'\]"):
         bm.load_bounded(bad)
+
+
+def test_a_bounded_file_unchanged_since_a_load_is_not_hashed_again(embed_setup, tmp_path, monkeypatch):
+    """BoundedProgram (and the server's --embedding-artifact check) remember the files' sha256 in the cache
+    directory as Engine.load does: a second load hashes none; a weight edited since, its size and modification
+    time put back, is hashed again and refused by name. Control: without a cache directory every load hashes
+    every file."""
+    from tlaloc_jax.artifact import digests as digests_module
+    _, out, _, _ = embed_setup
+    art, cache = _copy(out, tmp_path / "art"), tmp_path / "cache"
+    hashed = []
+
+    def counting(path):
+        hashed.append(path)
+        return af.sha256_file(path)
+    monkeypatch.setattr(digests_module, "sha256_file", counting)
+    counts = []
+    for cache_dir in (cache, cache, None, None):
+        hashed.clear()
+        af.load_remembering(bm.load_bounded, art, cache_dir)
+        counts.append(len(hashed))
+    m = bm.load_bounded(art)
+    files = 4 * len(m.programs) + len(m.weights) + len(m.tokenizer_files)   # body, bytecode, exported, program
+    assert counts == [files, 0, files, files], counts
+
+    w = m.weights[0]
+    path, before = art / w.file, (art / w.file).stat()
+    data = bytearray(path.read_bytes())
+    data[0] ^= 1
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(af.ManifestError, match=rf"weight '{w.slot}' file .* has sha256"):
+        BoundedProgram.load(art, cache_dir=cache)
 
 
 @pytest.mark.parametrize("call,message", [

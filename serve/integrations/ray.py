@@ -116,14 +116,14 @@ class OpenAIReplica:
     so the engine is never pickled)."""
 
     def __init__(self, args: dict):
-        from tlaloc_jax.artifact import load_manifest
+        from tlaloc_jax.artifact import load_manifest, load_remembering
 
         from .. import http
         from ..engine import DEFAULT_CACHE_DIR, Engine
 
         a = RayServeArgs(**args)
         cache_dir = DEFAULT_CACHE_DIR if a.cache_dir is None else None if a.cache_dir == "none" else a.cache_dir
-        manifest = load_manifest(a.artifact, verify_weights=not a.trust_weights)
+        manifest = load_remembering(load_manifest, a.artifact, cache_dir, verify_weights=not a.trust_weights)
         self.engine = Engine.load(a.artifact, a.plugin, cache_dir=cache_dir, progress=False,
                                   trust_weights=a.trust_weights, manifest=manifest, max_model_len=a.max_model_len)
         try:

@@ -180,14 +180,14 @@ def main(argv=None) -> int:
 
     from pytriton.triton import Triton, TritonConfig
 
-    from tlaloc_jax.artifact import ManifestError, load_manifest
+    from tlaloc_jax.artifact import ManifestError, load_manifest, load_remembering
 
     from ..engine import DEFAULT_CACHE_DIR
     from ..runtime import CompileError, PluginNotFoundError
 
     cache_dir = DEFAULT_CACHE_DIR if args.cache_dir is None else None if args.cache_dir == "none" else args.cache_dir
     try:
-        manifest = load_manifest(args.artifact, verify_weights=not args.trust_weights)
+        manifest = load_remembering(load_manifest, args.artifact, cache_dir, verify_weights=not args.trust_weights)
         engine = Engine.load(args.artifact, args.plugin, cache_dir=cache_dir, progress=False,
                              trust_weights=args.trust_weights, manifest=manifest, max_model_len=args.max_model_len)
     except (ManifestError, OSError, CompileError, PluginNotFoundError, ValueError) as e:

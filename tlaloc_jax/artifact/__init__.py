@@ -4,7 +4,7 @@
     records.py       records both schemas hold (TensorSig, weight and tokenizer files, versions) and their checks
     codec.py         a manifest's JSON <-> its frozen dataclasses
     files.py         paths inside the artifact, sha256, the body files and their @main
-    digests.py       the sha256 of files unchanged since a load before, remembered (FileDigests)
+    digests.py       the sha256 of files unchanged since a load before, remembered (FileDigests, load_remembering)
     stablehlo.py     a body's @main read from textual StableHLO
     mesh.py          a multi-device artifact's mesh, and every partition checked against it
     serving.py       the decoder's schema (tlaloc-serving-v4), upgrade.py reading v2 and v3 into it,
@@ -16,7 +16,7 @@ the bounded program's stay in their module (`from tlaloc_jax.artifact import bou
 """
 
 from .codec import record_json
-from .digests import FileDigests
+from .digests import FileDigests, load_remembering
 from .errors import ManifestError
 from .files import checked_file, resolve_inside, sha256_file
 from .mesh import Mesh, MeshAxis
@@ -33,7 +33,7 @@ from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, COPY_INPUTS, DECODE_STEP
                          PoolKind, QuantPart, QuantScheme, Role, dtype_info, mask_words, nbytes, numpy_dtype)
 
 __all__ = [
-    "FileDigests", "ManifestError", "checked_file", "resolve_inside", "sha256_file", "record_json", "Mesh", "MeshAxis", "Partition",
+    "FileDigests", "load_remembering", "ManifestError", "checked_file", "resolve_inside", "sha256_file", "record_json", "Mesh", "MeshAxis", "Partition",
     "TensorSig", "TokenizerFile", "Versions", "WeightFile", "WeightQuant", "WeightShard",
     "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "SCHEMA_V2", "SCHEMA_V3", "SCHEMA_V4", "SUPPORTED_SCHEMAS", "Buckets",
     "Entry", "Manifest", "ModelShape", "Pool", "RefusedToken", "SamplerShape", "ScorerShape",

@@ -22,10 +22,11 @@ import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .codec import build, dumps, parse
 from .errors import ManifestError
-from .files import read_manifest_file, verify_body, verify_listed_files
+from .files import read_manifest_file, sha256_file, verify_body, verify_listed_files
 from .serving import MANIFEST_NAME
 from .records import TensorSig, TokenizerFile, Versions, WeightFile, check_platform, check_tokenizer_hashes, \
     check_weight_table
@@ -212,11 +213,12 @@ def program_name(bounds: tuple[BoundSpec, ...], sizes: tuple[int, ...]) -> str:
 # -- loading ---------------------------------------------------------------------------------------------------
 
 
-def load_bounded(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
-                 verify_weights: bool = True) -> BoundedManifest:
+def load_bounded(artifact_dir: str | os.PathLike, *, verify_files: bool = True, verify_weights: bool = True,
+                 digests: Callable[[Path], str] = sha256_file) -> BoundedManifest:
     """Read and validate a bounded-program artifact: its manifest, and (verify_files) every file it lists, inside
     the artifact and with its sha256 (the weights' hashes skipped when verify_weights is False; their sizes are
-    still checked), and each body's @main against its program's signature."""
+    still checked), and each body's @main against its program's signature. digests: a file's sha256
+    (FileDigests.sha256 remembers those of unchanged files)."""
     root = Path(artifact_dir)
     m = BoundedManifest.from_json(read_manifest_file(
         root, BOUNDED_NAME, MAX_BOUNDED_BYTES, MANIFEST_NAME,
@@ -224,8 +226,9 @@ def load_bounded(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
     check(m)
     if verify_files:
         for p in m.programs:
-            verify_body(root, p, p.inputs, p.outputs, (), f"program {p.name!r}", program_sha256=p.program_sha256)
-        verify_listed_files(root, m.weights, m.tokenizer_files, verify_weights)
+            verify_body(root, p, p.inputs, p.outputs, (), f"program {p.name!r}", program_sha256=p.program_sha256,
+                        digests=digests)
+        verify_listed_files(root, m.weights, m.tokenizer_files, verify_weights, digests)
     return m
 
 

@@ -13,8 +13,11 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from .files import sha256_file
+
+T = TypeVar("T")
 
 
 class FileDigests:
@@ -65,3 +68,16 @@ class FileDigests:
                 raise
         except OSError:
             pass
+
+
+def load_remembering(load: Callable[..., T], artifact_dir: str | os.PathLike[str],
+                     cache_dir: str | os.PathLike[str] | None, **kwargs) -> T:
+    """load(artifact_dir, digests=..., **kwargs) (load_manifest or bounded.load_bounded) with the sha256 of files
+    unchanged since a load before taken from `cache_dir` (FileDigests), and what it hashed remembered once it
+    passed; cache_dir None: every file hashed."""
+    if cache_dir is None:
+        return load(artifact_dir, digests=sha256_file, **kwargs)
+    digests = FileDigests(cache_dir, artifact_dir)
+    loaded = load(artifact_dir, digests=digests.sha256, **kwargs)
+    digests.save()
+    return loaded

@@ -64,7 +64,7 @@ class ArtifactRuntime:
     def __init__(self, artifact_dir: str | Path, *, plugin: str | None = None,
                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR):
         t0 = time.perf_counter()
-        self.manifest: af.Manifest = af.load_manifest(artifact_dir)
+        self.manifest: af.Manifest = af.load_remembering(af.load_manifest, artifact_dir, cache_dir)
         self.runner = Runner(artifact_dir, self.manifest, Device(plugin, cache_dir=cache_dir), progress=False)
         self.block_size = self.manifest.block_size
         self.vocab = self.manifest.model.vocab
