@@ -266,10 +266,11 @@ class Engine:
         return [e for e in self.manifest.entries if e.name not in ran and e.name not in self._warm]
 
     def warm_up(self, e: mf.Entry) -> None:
-        """Run entry `e` once with every row empty (it writes nothing; the pools stay as they were): an executable's
-        first run pays one-time costs (50-200 ms an entry on a 2-core CPU) that a server's first requests should not."""
+        """Run entry `e` once with rows that read a few pages and write nothing (call_inputs.warm_up_inputs; the pools
+        stay as they were): an executable's first run pays one-time costs (50-200 ms an entry on a 2-core CPU) that a
+        server's first requests should not."""
         with self.runner.driving("Engine.warm_up"):
-            self.runner.run(e, call_inputs.empty_call_inputs(e, self.runner, self.ring_pages), set(), count=False)
+            self.runner.run(e, call_inputs.warm_up_inputs(e, self.runner, self.ring_pages), set(), count=False)
         self._warm.add(e.name)
 
     def _finish(self, s: Request, reason: str, error: str | None = None) -> None:

@@ -1,8 +1,9 @@
 """Warming entries up (Engine.warm_up; the server's loop does it while nothing runs): one run of each entry with
-every row empty, so that an executable's one-time costs of its first run are not a request's.
+rows that read a few pages and write nothing, so that an executable's one-time costs of its first run (its loops
+over keys included) are not a request's.
 
-A warm-up leaves every pool bit for bit as it was and changes no id, for a paged artifact and for one with state
-pools (and its copy_slots entry). Control: the same run with one real row writes the pool, which the comparison
+A warm-up leaves every pool bit for bit as it was and changes no id, for a paged artifact, one with state pools (and
+its copy_slots entry) and one with a sliding window's rings. Control: the same run with one real row writes the pool, which the comparison
 catches."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tlaloc_jax.serve.sampling import Sampling
 PROMPTS = [[5, 17, 99, 3, 250, 8, 61, 4, 4, 9, 10], [42, 7], [8] * 20]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_5_text"])
+@pytest.fixture(scope="module", params=["llama", "qwen3_5_text", "mistral"])
 def artifact(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"warm-{request.param}")
     ck = build_checkpoint(d / "ck", request.param, seed=61)
@@ -49,6 +50,13 @@ def test_warm_up_writes_nothing_and_changes_no_id(artifact, serve_cache_dir):
         cold_entries = eng.cold_entries()
         assert cold_entries and len(cold_entries) < len(m.entries)
         for e in cold_entries:
+            inputs = call_inputs.warm_up_inputs(e, eng.runner, eng.ring_pages)
+            if e.kind not in (af.EntryKind.DECODE_STEPS, af.EntryKind.COPY_SLOTS):
+                # Its rows read pages, as a request's do (so the body's loops over keys run), and name no slot.
+                lens = [v for k, v in inputs.items() if str(k).endswith("seq_lens")]
+                assert lens and all(x.min() > 0 for x in lens), e.name
+                assert all((v == -1).all() for k, v in inputs.items()
+                           if str(k).endswith(("slot_mapping", "state_slots"))), e.name
             eng.warm_up(e)
         assert eng.cold_entries() == []
         after = _pools(eng)
@@ -63,8 +71,8 @@ def test_warm_up_writes_nothing_and_changes_no_id(artifact, serve_cache_dir):
         e = next(x for x in m.entries if x.kind == af.EntryKind.DECODE)
         inputs = call_inputs.empty_call_inputs(e, eng.runner, eng.ring_pages)
         kinds = {p.kind for p in m.pools}
-        real = build_step_inputs([RowCall([7], 0, [0], state_slot=0)], batch=e.batch, tokens=1,
-                                 width=e.context // m.block_size, block_size=m.block_size,
+        real = build_step_inputs([RowCall([7], 0, [0], ring=[0], state_slot=0)], batch=e.batch, tokens=1,
+                                 width=e.context // m.block_size, block_size=m.block_size, ring_pages=eng.ring_pages,
                                  state_slots=af.PoolKind.STATE_SLOTS in kinds)
         inputs.update(real)
         before = _pools(eng)

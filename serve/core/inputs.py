@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tlaloc_jax import artifact as mf
-from tlaloc_jax.paging import build_step_inputs, pack_step_inputs
+from tlaloc_jax.paging import RowCall, build_step_inputs, pack_step_inputs
 
 from ..runtime.runner import Runner
 from ..sampling import seed_words
@@ -119,4 +119,45 @@ def empty_call_inputs(e: mf.Entry, runner: Runner, ring_pages: int) -> dict:
         out[mf.Role.SCORE_TARGETS] = score_targets(call, e.batch, e.tokens_per_seq)
     if e.kind == mf.EntryKind.DECODE_STEPS:
         out.update(decode_steps_inputs(call, []))
+    return out
+
+
+# The positions a warm-up row reads: three pages of 16, so that a decode call folds two key blocks and scores a
+# page every row shares, as a cached prefix is scored (kernels/paged_attention._decode_cpu).
+WARM_UP_KEYS = 48
+
+
+def warm_up_inputs(e: mf.Entry, runner: Runner, ring_pages: int) -> dict:
+    """A warm-up call's inputs: every row reads a few pages (the first one shared by all rows) and writes nothing (no
+    slot, no state slot), so that the body's loops over keys run as a request's would; an executable's first run of
+    a loop body pays one-time costs that a run of empty rows, whose loops run no iteration, leaves to the first
+    request. decode_steps and copy_slots entries, which write where no slot input says, get every row empty."""
+    if e.kind in (mf.EntryKind.DECODE_STEPS, mf.EntryKind.COPY_SLOTS):
+        return empty_call_inputs(e, runner, ring_pages)
+    m = runner.manifest
+    chunk = e.tokens_per_seq
+    if e.kind == mf.EntryKind.DECODE:
+        counts = [1] * e.batch
+    elif e.kind == mf.EntryKind.MIXED:
+        counts = [1] * e.batch + [chunk]
+    else:
+        counts = [min(chunk, e.packed_tokens // e.batch) if e.packed_tokens else chunk] * e.batch
+    width = e.context // m.block_size
+    kv = m.capacity(mf.PoolKind.PAGED_KV) if mf.PoolKind.PAGED_KV in m.pool_kinds else 0
+    ring = m.capacity(mf.PoolKind.RING_KV) if ring_pages else 0
+    rows = []
+    for b, n in enumerate(counts):
+        end = min(e.context, max(n, WARM_UP_KEYS))
+        pages = [0] + [(1 + b * width + j) % kv for j in range(1, width)] if kv else None
+        rows.append(RowCall([0] * n, end - n, pages, [(b * ring_pages + j) % ring for j in range(ring_pages)],
+                            state_slot=0))
+    call = ScheduledCall(e, (), tuple(rows))
+    out = step_inputs(call, m, ring_pages)
+    for name, value in out.items():
+        if name.endswith(("slot_mapping", "state_slots")):
+            value[...] = -1                 # nothing written: every KV write and state write is dropped
+    if m.sampler is not None:
+        out.update(sampler_inputs(runner, call, [], []))
+    if e.kind == mf.EntryKind.PREFILL_SCORED:
+        out[mf.Role.SCORE_TARGETS] = score_targets(call, e.batch, e.tokens_per_seq)
     return out
