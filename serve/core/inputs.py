@@ -140,8 +140,11 @@ def warm_up_inputs(e: mf.Entry, runner: Runner, ring_pages: int) -> dict:
         counts = [1] * e.batch
     elif e.kind == mf.EntryKind.MIXED:
         counts = [1] * e.batch + [chunk]
+    elif e.packed_tokens:         # the rows' tokens side by side: at most packed_tokens in all
+        n = max(1, min(chunk, e.packed_tokens // e.batch))
+        counts = [n] * min(e.batch, e.packed_tokens // n)
     else:
-        counts = [min(chunk, e.packed_tokens // e.batch) if e.packed_tokens else chunk] * e.batch
+        counts = [chunk] * e.batch
     width = e.context // m.block_size
     kv = m.capacity(mf.PoolKind.PAGED_KV) if mf.PoolKind.PAGED_KV in m.pool_kinds else 0
     ring = m.capacity(mf.PoolKind.RING_KV) if ring_pages else 0
