@@ -449,8 +449,9 @@ def test_text_offset_indexes_the_text(engine, stream):
 
 # -- findings 14 and 16: what a new user meets ------------------------------------------------------------------
 
-def test_cache_dir_none_the_load_docstring_and_the_help(http_artifacts, monkeypatch):
+def test_cache_dir_none_the_load_docstring_and_the_help(http_artifacts, monkeypatch, tmp_path):
     """cache_dir "none" is no cache, as --cache-dir none is (the Device gets None, not a directory named none)."""
+    monkeypatch.chdir(tmp_path)     # "elsewhere" is a relative cache directory: the load writes its digests there
     from tlaloc_jax.serve import engine as engine_module
 
     class Opened(Exception):
