@@ -112,7 +112,13 @@ def empty_call_inputs(e: mf.Entry, runner: Runner, ring_pages: int) -> dict:
         none = np.full(e.batch, -1, np.int32)
         return {mf.Role.COPY_SRC: none, mf.Role.COPY_DST: none}
     call = ScheduledCall(e, (), ())
-    out = step_inputs(call, runner.manifest, ring_pages)
+    return _with_rowless_roles(call, runner, step_inputs(call, runner.manifest, ring_pages))
+
+
+def _with_rowless_roles(call: ScheduledCall, runner: Runner, out: dict) -> dict:
+    """`out` (a call's step inputs) with the other roles of a call that produces for no sequence: neutral sampler
+    rows, no score targets, no decode_steps limits."""
+    e = call.entry
     if runner.manifest.sampler is not None:
         out.update(sampler_inputs(runner, call, [], []))
     if e.kind == mf.EntryKind.PREFILL_SCORED:
@@ -159,8 +165,4 @@ def warm_up_inputs(e: mf.Entry, runner: Runner, ring_pages: int) -> dict:
     for name, value in out.items():
         if name.endswith(("slot_mapping", "state_slots")):
             value[...] = -1                 # nothing written: every KV write and state write is dropped
-    if m.sampler is not None:
-        out.update(sampler_inputs(runner, call, [], []))
-    if e.kind == mf.EntryKind.PREFILL_SCORED:
-        out[mf.Role.SCORE_TARGETS] = score_targets(call, e.batch, e.tokens_per_seq)
-    return out
+    return _with_rowless_roles(call, runner, out)
