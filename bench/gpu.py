@@ -19,7 +19,7 @@ Models: "qwen3-0.6b" (Qwen3-0.6B's shape: 28 layers, hidden 1024, 16/8 heads of 
 weights and KV; pool of 4,096 pages of 16; decode batches 1, 8, 32, 64 at context 1024, position 512; a
 256-token prefill at batch 1) and "tiny" (3 layers, hidden 256, 8/4 heads of 64, vocab 4096, bf16; decode
 batches 1 and 8, the same prefill: a step's cost per layer and kernel, not per byte). Each is
-exported twice for cuda: decode attention through the Pallas kernel (kernels/paged_attention_gpu.py) and
+exported twice for cuda: decode attention through the Pallas kernel (tlaloc_jax/kernels/paged_attention_gpu.py) and
 through plain ops ("xla"), so one run compares them. The kit holds no weight files: the run writes random
 ones of the lengths the manifest names.
 
@@ -70,8 +70,7 @@ STAGE_TIMEOUT = {"runtime": 150, "jax": 170, "serving": 90}
 # The serving stage's load: clients (requests at once) per cell, prompt and output tokens of each request.
 SERVING = dict(clients=(8, 32), prompt=64, output=64)
 VARIANTS = ("pallas", "xla")
-PACKAGES = {"tlaloc_jax": "tlaloc_jax", "tlaloc_jax/kernels": "kernels", "tlaloc_jax/export": "export",
-            "tlaloc_jax/serve": "serve"}
+PACKAGES = {"tlaloc_jax": "tlaloc_jax", "tlaloc_jax/export": "export", "tlaloc_jax/serve": "serve"}
 
 
 def result(**kw):
@@ -486,7 +485,7 @@ def table(lines: list[dict], kit: Path) -> None:
 def logit_bound(model: str) -> float:
     """The tolerance model's bound (relative to the largest |logit|) on two correct bf16 decode steps of `model` at
     its context that attend in another order: f32 roundings on the path to a logit, and each projection input's
-    rounding to bf16 (kernels/tolerances.py)."""
+    rounding to bf16 (tlaloc_jax/kernels/tolerances.py)."""
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.kernels import tolerances as tol
     spec = MODELS[model]

@@ -22,7 +22,7 @@ system and batch: tokens/s of the whole generation (B * 64 / wall time, prefill 
 ((T(64 tokens) - T(1 token)) / 63, so prefill cancels), and each system's bare step; then the ratio
 tlaloc-jax / llama.cpp of tokens/s per variant and the agreement of the greedy ids on f32 weights (a divergence
 counts as a near-tie when llama.cpp's own top-2 logit gap there is within twice the tolerance model's bound,
-kernels/tolerances.py); the two quantizations differ (llama.cpp also rounds each activation to Q8_0 in its
+tlaloc_jax/kernels/tolerances.py); the two quantizations differ (llama.cpp also rounds each activation to Q8_0 in its
 quantized dots), so a quantized variant's ids are compared with the same system's f32 ids instead.
 
 Optional dependencies, not in `make test`: `pip install -e '.[peers]'` builds llama.cpp from the llama-cpp-python

@@ -1,4 +1,4 @@
-"""Penalties' token counts: from a host-built history input (what kernels/sampling.py does) or from a pool of
+"""Penalties' token counts: from a host-built history input (what tlaloc_jax/kernels/sampling.py does) or from a pool of
 per-sequence counts kept on the device and updated in the body. Prints each one's cost per decode step and memory.
 
     python bench/penalties.py [--vocab 151936] [--batch 8] [--context 1024] [--slots 64]

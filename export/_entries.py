@@ -91,7 +91,7 @@ MIXED_MIN_BATCH = 4
 # as lapack_strsm_ffi, cuSOLVER, ...) lives in jaxlib, not in the plugin, and is refused at export.
 PLUGIN_CUSTOM_CALLS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"})
 # Per platform, the targets its plugin's own compiler handles on top of those. cuda: a Pallas kernel lowered
-# through Triton (kernels/paged_attention_gpu.py) carries its Triton IR to XLA's GPU compiler, which turns it
+# through Triton (tlaloc_jax/kernels/paged_attention_gpu.py) carries its Triton IR to XLA's GPU compiler, which turns it
 # into PTX inside the CUDA plugin. Later jaxlibs' "triton_kernel_call_ffi" (PTX compiled by jaxlib, run by a
 # handler jaxlib's CUDA plugin registers at import) is not in the list: the standalone plugin lacks it.
 PLATFORM_CUSTOM_CALLS = {"cpu": frozenset(), "cuda": frozenset({TRITON_CUSTOM_CALL})}

@@ -69,7 +69,7 @@ class Capacity:
 
 @dataclass(frozen=True)
 class Sampler:
-    """The sampler staged in every entry (kernels/sampling.py): temperature, top-k, top-p, min-p, presence /
+    """The sampler staged in every entry (tlaloc_jax/kernels/sampling.py): temperature, top-k, top-p, min-p, presence /
     frequency / repetition penalties, logit bias and a token mask applied in the body, a counter-based random
     stream per row, and the logprobs an OpenAI response reports.
 

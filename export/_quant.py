@@ -3,8 +3,8 @@
 The projections (attention q, k, v, o and output gate, latent attention's q_a, q_b and kv_a, the MLP's gate,
 up and down, and routed experts' gate, up and down per expert and output channel) are quantized from the
 checkpoint's values in f32; the embedding, the norms, biases, the router and its correction bias, latent
-attention's k_b and v_b (kernels/mla.py contracts them along either axis, absorbed or expanded) and the head
-keep the model's weight dtype (kernels/quantized_matmul.py).
+attention's k_b and v_b (tlaloc_jax/kernels/mla.py contracts them along either axis, absorbed or expanded) and the head
+keep the model's weight dtype (tlaloc_jax/kernels/quantized_matmul.py).
 """
 
 from __future__ import annotations

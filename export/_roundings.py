@@ -1,5 +1,5 @@
 """The tolerance model's path length of an arbitrary JAX function: for each output, the roundings on the longest
-path from the inputs to one of its values, counted over the function's jaxpr (kernels/tolerances.py explains the
+path from the inputs to one of its values, counted over the function's jaxpr (tlaloc_jax/kernels/tolerances.py explains the
 model and how each op counts).
 
 `stage_bounded` compares a program's padded result with its exact-size result; the two are the same math rounded

@@ -1,4 +1,4 @@
-"""A request's sampling parameters, what the engine feeds an in-body sampler (kernels/sampling.py: the artifact's
+"""A request's sampling parameters, what the engine feeds an in-body sampler (tlaloc_jax/kernels/sampling.py: the artifact's
 SAMPLING row, its seed words, token mask and logit bias), and the host-side sampler that serves artifacts
 without one (numpy only).
 

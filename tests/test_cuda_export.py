@@ -1,4 +1,4 @@
-"""Decode entries for cuda: plain ops by default, the Pallas GPU kernel (kernels/paged_attention_gpu.py) on request.
+"""Decode entries for cuda: plain ops by default, the Pallas GPU kernel (tlaloc_jax/kernels/paged_attention_gpu.py) on request.
 
 The default is the verdict docs/gpu.md records from `bench/gpu.py run`; the decoder's decode step with the kernel
 (in Pallas' interpreter, on CPU) against the plain-ops step; an export for cuda with the kernel on this CPU machine

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (kernels/mla.py) against its naive reference: the paged forms (absorbed and
+"""Multi-head latent attention (tlaloc_jax/kernels/mla.py) against its naive reference: the paged forms (absorbed and
 expanded, one pass and blockwise) over odd lengths, page boundaries and NaN-filled unused pages; the causal
 training form and its gradients against jax.grad of the reference; the cache write; and controls that must fail.
 

@@ -1,4 +1,4 @@
-"""The routed-experts op (kernels/moe.py) against its dense reference: every router scoring, both expert
+"""The routed-experts op (tlaloc_jax/kernels/moe.py) against its dense reference: every router scoring, both expert
 activations, the gathered (decode) and grouped (prefill) forms, padding tokens, and the custom_vjp's gradients.
 
 Routing near-ties. Which experts a token gets is discontinuous in the router's logits: two correct computations

@@ -56,7 +56,7 @@ Path("handoff.json").write_text(json.dumps(dict(
 
 
 def parallel_block_roundings(*, hidden: int, mlp: int, heads: int, head_dim: int, layers: int, keys: int) -> int:
-    """A logit of the notebook's model (tolerance model, kernels/tolerances.py): the embedding sum; per layer a
+    """A logit of the notebook's model (tolerance model, tlaloc_jax/kernels/tolerances.py): the embedding sum; per layer a
     LayerNorm (mean and variance, hidden-term sums; rsqrt; subtract, scale, shift), then the longer of the
     attention path (the qkv projection, attention over `keys`, the output projection) and the MLP path (up
     and its bias, tanh-approximated gelu, down and its bias), and two residual adds; then the final

@@ -1,4 +1,4 @@
-"""The Pallas GPU decode kernel (kernels/paged_attention_gpu.py), run in Pallas' interpret mode on CPU, against
+"""The Pallas GPU decode kernel (tlaloc_jax/kernels/paged_attention_gpu.py), run in Pallas' interpret mode on CPU, against
 the naive reference at the edge cases the XLA kernel's tests cover; its refusals; its cuda lowering.
 
 As in test_paged_attention.py every pool is NaN wherever no key was written, so a read of such a slot that

@@ -1,5 +1,5 @@
 """Prompt logprobs scored in the body (issue 17: `echo` and `prompt_logprobs` from prefill entries that return
-per-token logprobs): kernels/scoring.py against its naive form, the scoring prefill entries (manifest
+per-token logprobs): tlaloc_jax/kernels/scoring.py against its naive form, the scoring prefill entries (manifest
 EntryKind.PREFILL_SCORED) against transformers' log_softmax for a prompt longer than one chunk and for prompts
 batched together and alone, the openai client's echo + logprobs and vLLM's prompt_logprobs through the server,
 the call counts against the token-a-call fallback, and the manifest's checks of the new roles.

@@ -1,4 +1,4 @@
-"""kernels/quantized_matmul.py: the quantizers' formulas, the op against its float64 reference on the same
+"""tlaloc_jax/kernels/quantized_matmul.py: the quantizers' formulas, the op against its float64 reference on the same
 codes (the quantization error is part of the op's definition, so only the op's own roundings are bounded),
 the training form's gradients against jax.grad of the plain-jnp reference, and what XLA's CPU backend makes of
 the op (the optimized HLO)."""

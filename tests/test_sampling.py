@@ -1,4 +1,4 @@
-"""kernels/sampling.py: the sampler every staged entry runs, against its naive float64 form, and its draws
+"""tlaloc_jax/kernels/sampling.py: the sampler every staged entry runs, against its naive float64 form, and its draws
 against the filtered distribution (chi-square, fixed seeds).
 
 Controls: a kernel fed the columns in another order, or with the penalties zeroed, fails the comparison; the

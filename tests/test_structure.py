@@ -236,3 +236,34 @@ def test_the_cycle_finder_finds_a_planted_cycle(tmp_path):
     graph = import_graph(tmp_path, {"pkg": "pkg"})
     assert graph["pkg.sub"] == {"pkg.sub.b"} and graph["pkg.c"] == set()
     assert import_cycles(graph) == [["pkg.a", "pkg.sub.b"]]
+
+
+# -- no folder on sys.path shadows an installed package ------------------------------------------------------------
+
+
+def shadowing(folder: Path, installed: dict[str, list[str]], own: set[str]) -> list[str]:
+    """The importable names `folder` holds (packages with an __init__.py, modules) that some installed distribution
+    other than `own` also provides: with `folder` first on sys.path (`python -m` from the checkout puts the working
+    directory there, pytest puts tests/), an import of that name would load the folder's copy."""
+    names = {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()} | {p.stem for p in folder.glob("*.py")}
+    return sorted(n for n in names if set(installed.get(n, ())) - own)
+
+
+def test_no_folder_of_the_checkout_shadows_an_installed_package():
+    """transformers imports Hugging Face's `kernels` when installed; a top-level kernels/ once took its place."""
+    import importlib.metadata as md
+
+    installed, own = md.packages_distributions(), {"tlaloc-jax", "tlaloc_jax"}
+    assert "numpy" in installed and "transformers" in installed
+    assert [(f.name, shadowing(f, installed, own)) for f in (ROOT, ROOT / "tests")] == [(ROOT.name, []), ("tests", [])]
+
+
+def test_the_shadowing_check_finds_a_planted_folder(tmp_path):
+    (tmp_path / "numpy").mkdir()
+    (tmp_path / "numpy" / "__init__.py").write_text("")
+    (tmp_path / "yaml.py").write_text("")
+    (tmp_path / "tlaloc_jax").mkdir()
+    (tmp_path / "tlaloc_jax" / "__init__.py").write_text("")
+    (tmp_path / "notes").mkdir()    # a folder without __init__.py is at most a namespace portion: never shadows
+    installed = {"numpy": ["numpy"], "yaml": ["PyYAML"], "tlaloc_jax": ["tlaloc-jax"], "notes": ["notes"]}
+    assert shadowing(tmp_path, installed, {"tlaloc-jax"}) == ["numpy", "yaml"]

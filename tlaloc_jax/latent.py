@@ -1,9 +1,9 @@
-"""A multi-head latent attention layer (DeepSeek-V3): projections around kernels/mla.py's paged op.
+"""A multi-head latent attention layer (DeepSeek-V3): projections around tlaloc_jax/kernels/mla.py's paged op.
 
 Slots (tlaloc_jax/families.py): q_proj [E, H (Dn + R)], or q_a_proj [E, Q], q_a_norm [Q], q_b_proj [Q, H (Dn + R)]
 through the q_lora_rank bottleneck Q; kv_a_proj [E, C + R] (the latent before its norm, then the rotated key's
 input); kv_a_norm [C]; k_b_proj [C, H Dn] and v_b_proj [C, H Dv] (kv_b_proj's key and value halves); o_proj
-[H Dv, E]. Letters as kernels/mla.py's.
+[H Dv, E]. Letters as tlaloc_jax/kernels/mla.py's.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ class PagedKV:
     paged_attention).
 
     parts 1 is one entry per position that is both (`PagedKV.latent`): multi-head latent attention's cache
-    [layers, 1, pages, S, 1, width], each position's latent and rotated key (kernels/mla.py), paged as above."""
+    [layers, 1, pages, S, 1, width], each position's latent and rotated key (tlaloc_jax/kernels/mla.py), paged as above."""
 
     layers: int
     kv_heads: int

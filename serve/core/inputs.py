@@ -129,7 +129,7 @@ def _with_rowless_roles(call: ScheduledCall, runner: Runner, out: dict) -> dict:
 
 
 # The positions a warm-up row reads: three pages of 16, so that a decode call folds two key blocks and scores a
-# page every row shares, as a cached prefix is scored (kernels/paged_attention._decode_cpu).
+# page every row shares, as a cached prefix is scored (tlaloc_jax/kernels/paged_attention._decode_cpu).
 WARM_UP_KEYS = 48
 
 

@@ -19,12 +19,12 @@ Changelog:
     v4 + sampler (optional, still tlaloc-serving-v4): top-level `sampler` (its SAMPLING columns, N top
     logprobs, NB logit-bias slots) and, in every entry, the sampler's inputs SAMPLING, RNG_SEED, RNG_STEP,
     TOKEN_MASK, LOGIT_BIAS_IDS, LOGIT_BIAS, TOKEN_HISTORY and outputs SAMPLED_TOKEN, TOKEN_LOGPROB,
-    TOP_LOGPROBS, TOP_IDS (kernels/sampling.py). A manifest without them is served as before (the host
+    TOP_LOGPROBS, TOP_IDS (tlaloc_jax/kernels/sampling.py). A manifest without them is served as before (the host
     samples from pulled logits); a runtime that predates them refuses the new roles by name.
     v4 + scorer (optional, still tlaloc-serving-v4): top-level `scorer` (N top logprobs per prompt position)
     and entries of kind prefill_scored: a prefill that also scores every position of the call against the
     token that follows it (input SCORE_TARGETS; outputs PROMPT_LOGPROB, PROMPT_RANK, PROMPT_TOP_LOGPROBS,
-    PROMPT_TOP_IDS; kernels/scoring.py), for echo and prompt_logprobs. A manifest without them is served as
+    PROMPT_TOP_IDS; tlaloc_jax/kernels/scoring.py), for echo and prompt_logprobs. A manifest without them is served as
     before (such a prompt is read a token a call and scored on the host); a runtime that predates them refuses
     the new kind by name.
     v4 + quantized weights (optional, still tlaloc-serving-v4): a weight file may carry `quant` (WeightQuant:
@@ -192,7 +192,7 @@ class RefusedToken:
 
 @dataclass(frozen=True)
 class SamplerShape:
-    """The sampler every entry runs after the step (kernels/sampling.py): the SAMPLING columns in order, the
+    """The sampler every entry runs after the step (tlaloc_jax/kernels/sampling.py): the SAMPLING columns in order, the
     N top logprobs it returns, the NB logit-bias slots it takes, the W words of its token mask."""
 
     columns: tuple[str, ...]

@@ -42,7 +42,7 @@ class Role(enum.StrEnum):
     POOL_OUT = "POOL_OUT"
     # A weight (slot: its name in the weight table).
     WEIGHT = "WEIGHT"
-    # The sampler's per-row inputs (manifest `sampler`; kernels/sampling.py): SAMPLING [B, P] f32 (the
+    # The sampler's per-row inputs (manifest `sampler`; tlaloc_jax/kernels/sampling.py): SAMPLING [B, P] f32 (the
     # SAMPLING_COLUMNS the manifest lists), RNG_SEED [B, 2] i32 (a 64-bit seed's low and high words), RNG_STEP [B]
     # i32 (tokens generated before the call: the random stream's counter), TOKEN_MASK [B, W] i32 (allowed
     # tokens, bit t % 32 of word t // 32), LOGIT_BIAS_IDS [B, NB] i32 (-1: empty) and LOGIT_BIAS [B, NB] f32,
@@ -54,7 +54,7 @@ class Role(enum.StrEnum):
     LOGIT_BIAS_IDS = "LOGIT_BIAS_IDS"
     LOGIT_BIAS = "LOGIT_BIAS"
     TOKEN_HISTORY = "TOKEN_HISTORY"
-    # A scoring prefill's input (manifest `scorer`; kernels/scoring.py): SCORE_TARGETS [B, T] i32, the token each
+    # A scoring prefill's input (manifest `scorer`; tlaloc_jax/kernels/scoring.py): SCORE_TARGETS [B, T] i32, the token each
     # position of the call is scored against (the next prompt token), -1 for none.
     SCORE_TARGETS = "SCORE_TARGETS"
     # A decode_steps entry's own inputs: STEP_LIMIT [B] i32 (the most tokens the row may produce in the call,
@@ -227,7 +227,7 @@ def nbytes(dtype: str, shape: tuple[int, ...], what: str = "tensor") -> int:
 
 
 class QuantScheme(enum.StrEnum):
-    """How a quantized weight's codes stand for its values (kernels/quantized_matmul.py): int8 and fp8 (e4m3fn)
+    """How a quantized weight's codes stand for its values (tlaloc_jax/kernels/quantized_matmul.py): int8 and fp8 (e4m3fn)
     codes [..., I, O] with f32 scales per output channel [..., O]; int4 codes two a byte (int8 [..., I / 2, O])
     with f32 scales per group of `group` input channels [..., I / group, O]."""
 

@@ -1,10 +1,9 @@
 """`python -m tlaloc_jax.serve.integrations.vllm ARTIFACT [vLLM server options]`: vLLM's OpenAI server on a tlaloc
 artifact, the plugin enabled (VLLM_PLUGINS gains "tlaloc"), from any working directory.
 
-`python -m` puts the working directory first on sys.path. Started from the project's root, that directory holds the
-project's `kernels/` folder, which transformers (imported by vLLM) would import while probing for Hugging Face's
-optional `kernels` package, and which needs jax. The project is importable through its installation, so the
-working directory is taken off sys.path before vLLM is imported.
+`python -m` puts the working directory first on sys.path; the project is importable through its installation, so
+the working directory is taken off sys.path before vLLM is imported: a folder where the server is started never
+stands in for a package vLLM imports.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def attention_grad_roundings(head_dim: int, keys: int) -> int:
 
 
 def latent_attention_roundings(*, latent: int, rope: int, nope: int, keys: int) -> int:
-    """One output of multi-head latent attention (kernels/mla.py), either form: the query absorbed into the latent
+    """One output of multi-head latent attention (tlaloc_jax/kernels/mla.py), either form: the query absorbed into the latent
     (a nope-term dot) or each key expanded from it (a latent-term dot), attention over keys of latent + rope (the
     absorbed form's score, the longer), and the value's latent-term expansion (or the output's)."""
     return max(latent, nope) + attention_roundings(latent + rope, keys) + latent
@@ -116,7 +116,7 @@ def rms_norm_roundings(width: int) -> int:
 
 
 def moe_roundings(*, hidden: int, expert_hidden: int, experts: int, top_k: int, shared_hidden: int = 0) -> int:
-    """One output of a mixture-of-experts MLP (kernels/moe.py): the longer of an expert's path (its gate and up
+    """One output of a mixture-of-experts MLP (tlaloc_jax/kernels/moe.py): the longer of an expert's path (its gate and up
     projections, a bias, the activation, the product, the down projection, a bias) and its routing weight's
     (the router's hidden-term dot, a bias, the softmax: exp, an experts-term sum and the divide, then the
     top_k-term renormalisation and its divide); then the weight's product and the top_k-term sum over the

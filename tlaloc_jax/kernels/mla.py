@@ -20,7 +20,7 @@ expanded one N C H (Dn + Dv) + T N H (Dn + R + Dv): absorbed wins for few tokens
 for long prefill chunks; `cheaper_form` counts both from the call's static shapes.
 
 The pool: [L, 1, P, S, 1, C + R], a paged pool (manifest kind paged_kv) whose page holds per position the
-latent and the rotated key, no heads; pages, block tables and slot mapping as kernels/paged_attention.py's.
+latent and the rotated key, no heads; pages, block tables and slot mapping as tlaloc_jax/kernels/paged_attention.py's.
 Paged attention and the cache write are inference-only; `mla_causal` (the training form: a row's keys are its
 own tokens from position 0) carries a custom_vjp whose residuals are the latents, not the expanded keys and
 values (H (Dn + R + Dv) per token against C + R), and whose backward is the causal attention's blockwise one.

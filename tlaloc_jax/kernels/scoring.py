@@ -15,7 +15,7 @@ Per position t of row b of a call (docs/glossary.md names B, T, E, V; N the top 
   logprob [B, T] f32     log_softmax(head(hidden))[target]; 0 where target is -1
   rank    [B, T] i32     1 + the number of tokens whose logprob is larger than the target's (vLLM's rank, the
                          host fallback's); 0 where target is -1
-  top     [B, T, N] f32  the N largest logprobs, largest first, and their ids [B, T, N] i32 (kernels/sampling.py
+  top     [B, T, N] f32  the N largest logprobs, largest first, and their ids [B, T, N] i32 (tlaloc_jax/kernels/sampling.py
                          `top_logprobs`, the decode sampler's own: of equal values the smaller id first); zeros
                          where target is -1
 

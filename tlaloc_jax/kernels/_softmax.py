@@ -69,7 +69,7 @@ def init_state(q: jax.Array, sinks: jax.Array | None = None, value_dim: int | No
     sinks: [H] or None. An attention sink (GPT-OSS) is a learned logit per query head that joins the softmax's
     denominator and has no value: the state starts as if one key with that score and a zero value had been
     seen (m = sink, l = 1, acc = 0). value_dim: the values' size when it is not the queries' D (latent
-    attention, kernels/mla.py).
+    attention, tlaloc_jax/kernels/mla.py).
     """
     B, T, K, G, D = q.shape
     acc = jnp.zeros((B, K, G, T, value_dim or D), jnp.float32)

@@ -180,7 +180,7 @@ def logprobs(logits, tokens, params, top_n: int):
 
 def top_logprobs(lsm, top_n: int):
     """lsm [R, V] -> the top_n largest logprobs of each row [R, N] f32 and their ids [R, N] int32, largest first
-    (lax.top_k: of equal values, the smaller id first). Prompt scoring (kernels/scoring.py) reports the same."""
+    (lax.top_k: of equal values, the smaller id first). Prompt scoring (tlaloc_jax/kernels/scoring.py) reports the same."""
     vals, ids = lax.top_k(lsm, top_n)
     return vals, ids.astype(jnp.int32)
 

@@ -20,7 +20,7 @@ from ._softmax import (HIGHEST, block_scores, finish, fold_block, group_heads, i
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, key_block: int = 512,
                      window=None, soft_cap: float | None = None) -> jax.Array:
     """q: [B, T, H, D], k: [B, T, K, D], v: [B, T, K, Dv] -> [B, T, H, Dv] f32 (Dv is D but for latent
-    attention's expanded heads, kernels/mla.py).
+    attention's expanded heads, tlaloc_jax/kernels/mla.py).
 
     Token t sees keys 0..t, and only t - W + 1..t with a window W (None, int or int32 scalar; <= 0 = none).
     soft_cap: scores -> cap * tanh(scores / cap). Differentiable in q, k, v (jax.custom_vjp).
