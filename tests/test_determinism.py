@@ -83,6 +83,7 @@ def test_served_path_gives_the_same_bits_in_two_fresh_processes(checkpoint_and_a
     assert _run(SERVED, art, json.dumps([p[::-1] for p in PROMPTS]))["logits"] != first["logits"]
 
 
+@pytest.mark.slow    # the served path above is what users run; this one checks the in-process decoder alike
 def test_in_process_decoder_gives_the_same_bits_in_two_fresh_processes(checkpoint_and_artifact):
     ck, _ = checkpoint_and_artifact
     first = _run(IN_PROCESS, ck, json.dumps(PROMPTS))

@@ -27,7 +27,8 @@ from tlaloc_jax.serve.sampling import Sampling
 PROMPTS = [[5, 17, 99, 3, 250, 8, 61, 4, 4, 9, 10], [42, 7], [8] * 20]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_5_text", "mistral"])
+# llama runs in `make test-slow`: mistral's paged pools plus its ring cover what llama's would.
+@pytest.fixture(scope="module", params=[pytest.param("llama", marks=pytest.mark.slow), "qwen3_5_text", "mistral"])
 def artifact(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"warm-{request.param}")
     ck = build_checkpoint(d / "ck", request.param, seed=61)

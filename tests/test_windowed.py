@@ -35,7 +35,10 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("executables")
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# mistral (every layer sliding) runs in `make test-slow`: the fast run keeps the two families that mix sliding and
+# global layers, and test_decoder_parity checks mistral's window against transformers.
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n == "mistral" else n
+                                        for n in FAMILIES])
 def family(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     ck = build_checkpoint(root / "ck", request.param, **FAMILIES[request.param])
