@@ -194,23 +194,29 @@ def test_a_step_of_new_prompts_waits_for_requests_being_read_or_just_come(http_a
         loop.arrival_wait_s = wait
         if gap is not None:
             loop.arrival_gap_s = gap
-        done = threading.Event()
+        first_done, done = threading.Event(), threading.Event()
         updates = []
 
         def sink(batch):
             updates.extend(batch)
-            if sum(u.finished for u in updates) == 2:
+            finished = sum(u.finished for u in updates)
+            if finished >= 1:
+                first_done.set()
+            if finished == 2:
                 done.set()
         loop.start()
         try:
             ticket = loop.arriving() if reading else None
             spec = SeqSpec([5, 6, 7], 3, frozenset(), Sampling())
             loop.submit([spec], sink, time.perf_counter()).result(10)
-            time.sleep(0.3)
+            # Held: the first request must not finish alone; unheld, it runs at once (however slow the machine).
+            assert first_done.wait(0.3 if held else 30) is not held
             steps_before = loop.steps
             loop.submit([spec], sink, time.perf_counter(), ticket).result(10)
             assert done.wait(30)
         finally:
             loop.stop()
         assert steps_before == (0 if held else 3)      # held, or the first request's three tokens
+        # Held, both requests share three steps; unheld, each takes its own three.
+        assert loop.steps == (3 if held else 6)
         assert sum(u.token is not None for u in updates) == 6
