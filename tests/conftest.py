@@ -28,7 +28,14 @@ def http_artifacts(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def serve_cache_dir(tmp_path_factory):
-    """A compiled-executable cache shared by the in-process serving tests."""
+    """A compiled-executable cache shared by the serving tests of the run, across pytest-xdist's workers too: the
+    same tiny models' bodies are compiled once, not once a module and worker (the cache writes atomically). Tests
+    that check compiling itself take a directory of their own."""
+    import os
+    if os.environ.get("PYTEST_XDIST_WORKER"):       # the workers' base temp folders share the run's parent
+        path = tmp_path_factory.getbasetemp().parent / "serve-executables"
+        path.mkdir(exist_ok=True)
+        return path
     return tmp_path_factory.mktemp("serve-executables")
 
 

@@ -28,7 +28,7 @@ def test_demo_exports_serves_and_streams():
 
 
 @pytest.mark.numeric
-def test_served_embedded_model_gives_transformers_greedy_ids(tmp_path, monkeypatch):
+def test_served_embedded_model_gives_transformers_greedy_ids(tmp_path, monkeypatch, serve_cache_dir):
     """The project's own model passes the same parity check as the oracles: transformers reads the
     embedded checkpoint and gives the ids the JAX-free runtime serves from its artifact (up to the
     tolerance model's near-ties). Control: the engine writing KV one slot off fails it."""
@@ -41,7 +41,7 @@ def test_served_embedded_model_gives_transformers_greedy_ids(tmp_path, monkeypat
     want = [torch_greedy(ref, p, 16) for p in prompts]
     cfg = tlaloc_jax.load_hf(DEMO_MODEL).config
     bound = tol.bound(tol.decoder_roundings_of(cfg, context=max(map(len, prompts)) + 16))
-    with Engine.load(tmp_path / "artifact", cache_dir=tmp_path / "cache", progress=False) as eng:
+    with Engine.load(tmp_path / "artifact", cache_dir=serve_cache_dir, progress=False) as eng:
         check_greedy_batch(prompts, eng.generate(prompts, max_new_tokens=16), want, logit_bound=bound,
                            next_token=engine_next_token(eng))
         kv_one_slot_off(monkeypatch)

@@ -107,7 +107,7 @@ def test_in_process_gives_transformers_ids_and_first_logits(name, context, promp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, monkeypatch):
+def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, monkeypatch, serve_cache_dir):
     """Exported (decode and 32-token prefill chunks, batches 1 and 4, contexts 64 and 128: phi3 then rotates with
     its long factors, checked on four prompts past 64) and served by the JAX-free runtime: each prompt alone, then
     all decoded together, give transformers' greedy ids (near-tie rule). Control: keys and values written one slot
@@ -127,7 +127,7 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
                            next_token=next_token)
         check_greedy_batch(prompts, eng.generate(prompts, NEW), want, logit_bound=bound, next_token=next_token)
 
-    with Engine.load(tmp_path / "art", cache_dir=tmp_path / "cache", progress=False) as eng:
+    with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False) as eng:
         check(eng)
         kv_one_slot_off(monkeypatch)
         with pytest.raises(GreedyMismatch):

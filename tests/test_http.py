@@ -43,11 +43,6 @@ SERVE = guarded(textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("executables")
-
-
-@pytest.fixture(scope="module")
 def artifacts(http_artifacts):
     """(text artifact, ids artifact): one checkpoint, exported with and without its tokenizer files."""
     return http_artifacts
@@ -102,8 +97,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def text_server(artifacts, cache_dir, tmp_path_factory):
-    srv = Server(artifacts[0], cache_dir, tmp_path_factory.mktemp("log") / "text.log", "--api-key", KEY,
+def text_server(artifacts, serve_cache_dir, tmp_path_factory):
+    srv = Server(artifacts[0], serve_cache_dir, tmp_path_factory.mktemp("log") / "text.log", "--api-key", KEY,
                  "--max-body-bytes", str(BODY_LIMIT), "--allowed-hosts", ALLOWED_HOST,
                  "--allowed-origins", ALLOWED_ORIGIN)
     yield srv
@@ -111,16 +106,16 @@ def text_server(artifacts, cache_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ids_server(artifacts, cache_dir, text_server, tmp_path_factory):
+def ids_server(artifacts, serve_cache_dir, text_server, tmp_path_factory):
     # Room for 16 running sequences while the pool holds eight of the longest: the pool fills before the batch.
-    srv = Server(artifacts[1], cache_dir, tmp_path_factory.mktemp("log") / "ids.log", "--max-batch", "16")
+    srv = Server(artifacts[1], serve_cache_dir, tmp_path_factory.mktemp("log") / "ids.log", "--max-batch", "16")
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
-def engine(artifacts, cache_dir, text_server):
-    with loaded(artifacts[0], cache_dir) as eng:
+def engine(artifacts, serve_cache_dir, text_server):
+    with loaded(artifacts[0], serve_cache_dir) as eng:
         yield eng
 
 

@@ -62,13 +62,13 @@ def test_two_row_groups_in_one_call_give_the_two_calls_logits(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint, tmp_path_factory):
+def engine(checkpoint, tmp_path_factory, serve_cache_dir):
     out = tmp_path_factory.mktemp("mixed-art") / "art"
     m = export_checkpoint(checkpoint, out, batch_ladder=(1, 4), context_ladder=(32, CONTEXT), block_size=BLOCK,
                           prefill_chunk=8, prefill_long_chunk=0, prefill_max_batch=1, progress=False)
     assert sorted(e.name for e in m.entries if e.kind == af.EntryKind.MIXED) == \
         ["mixed_b4_t8_c32", "mixed_b4_t8_c64"]
-    with Engine.load(out, cache_dir=None, progress=False) as eng:
+    with Engine.load(out, cache_dir=serve_cache_dir, progress=False) as eng:
         yield eng
 
 
@@ -105,7 +105,7 @@ def test_control_a_chunk_read_off_the_wrong_row_is_caught(engine, monkeypatch):
     assert _run(engine, mixed=True) != separate
 
 
-def test_a_step_reads_its_chunks_the_cheaper_way(checkpoint, tmp_path, monkeypatch):
+def test_a_step_reads_its_chunks_the_cheaper_way(checkpoint, tmp_path, monkeypatch, serve_cache_dir):
     """Two sequences decoding when prompts arrive. One new prompt rides with the decode rows in a mixed call; four
     new prompts are read in one prefill call of 4 rows beside a decode call, which computes fewer positions
     (scheduler.call_cost) than a mixed call with one of them plus a prefill call of the other three. The ids are
@@ -114,7 +114,7 @@ def test_a_step_reads_its_chunks_the_cheaper_way(checkpoint, tmp_path, monkeypat
     out = tmp_path / "art"
     export_checkpoint(checkpoint, out, batch_ladder=(1, 2, 4), context_ladder=(CONTEXT,), block_size=BLOCK,
                       prefill_chunk=8, prefill_long_chunk=0, prefill_max_batch=4, progress=False, packed=False)
-    with Engine.load(out, cache_dir=None, progress=False) as eng:
+    with Engine.load(out, cache_dir=serve_cache_dir, progress=False) as eng:
         solo = [eng.generate([p], 6)[0] for p in PROMPTS]
         steps = record_calls(eng, monkeypatch, lambda c: c.entry.kind)
         # Both first prompts are read in one step and decode from the next.

@@ -186,7 +186,7 @@ def served_first_logits(eng, prompt, monkeypatch) -> np.ndarray:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, monkeypatch):
+def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, monkeypatch, serve_cache_dir):
     """Exported (decode and 32-token prefill chunks, batches 1 and 4, contexts 64 and 128) and served by the
     JAX-free runtime: each prompt alone, then all decoded together, give transformers' greedy ids (near-tie
     rule), and each prompt's first logits are within the tolerance model's bound of transformers'. The artifact
@@ -215,7 +215,7 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
                            next_token=next_token)
         check_greedy_batch(PROMPTS, eng.generate(PROMPTS, NEW), want, logit_bound=bound, next_token=next_token)
 
-    with Engine.load(art, cache_dir=tmp_path / "cache", progress=False) as eng:
+    with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
         check(eng)
         for prompt, run in zip(PROMPTS, want):
             assert_within(relative_error(served_first_logits(eng, prompt, monkeypatch), run.logits[0]), bound,
@@ -224,7 +224,7 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
         down = art / weights[f"layers.expert_down.{i}"].file
         arr = np.fromfile(down, np.float32).reshape(X, FX, E)
         np.roll(arr, 1, axis=0).tofile(down)
-    with Engine.load(art, cache_dir=tmp_path / "cache", progress=False, trust_weights=True) as eng:
+    with Engine.load(art, cache_dir=serve_cache_dir, progress=False, trust_weights=True) as eng:
         with pytest.raises(GreedyMismatch):
             check(eng)
 

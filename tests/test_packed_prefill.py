@@ -113,8 +113,8 @@ def test_packed_bodies_give_the_in_process_unpacked_calls_logits_and_pools(check
         assert_within(relative_error(out["kv"], want_pools["kv"]), bound, f"{entry.name}: KV pool")
 
 
-def test_a_burst_of_short_prompts_is_one_packed_call_with_each_prompts_solo_ids(checkpoint, packed_artifact,
-                                                                                 tmp_path):
+def test_a_burst_of_short_prompts_is_one_packed_call_with_each_prompts_solo_ids(checkpoint, packed_artifact, tmp_path,
+                                                                                 serve_cache_dir):
     """Prefill entries of several rows are packed prefills of N = 2, 4, ... chunks (export's default for a model
     of attention layers); seven prompts of 5 tokens arriving together are one call of the N = 48 entry (35 tokens),
     not of 8 rows of 8, and each gets its solo run's ids. --no-packed (packed=False) writes the plain entries."""
@@ -122,7 +122,7 @@ def test_a_burst_of_short_prompts_is_one_packed_call_with_each_prompts_solo_ids(
     prefill = sorted((e.batch, e.packed_tokens) for e in m.entries if e.kind == af.EntryKind.PREFILL)
     assert prefill == [(1, 0), (8, 16), (8, 32), (8, 48), (8, 64)]
     prompts = [[(i * 17 + j * 5) % 250 + 3 for j in range(5)] for i in range(7)]
-    with Engine.load(out, cache_dir=None, progress=False) as eng:
+    with Engine.load(out, cache_dir=serve_cache_dir, progress=False) as eng:
         solo = [eng.generate([p], 6)[0] for p in prompts]
         before = dict(eng.stats()["executions_by_entry"])
         assert eng.generate(prompts, 6) == solo
@@ -136,7 +136,7 @@ def test_a_burst_of_short_prompts_is_one_packed_call_with_each_prompts_solo_ids(
         [(1, 0), (2, 0), (4, 0), (8, 0)]
 
 
-def test_decode_rows_ride_in_a_packed_prefill_call(checkpoint, packed_artifact, monkeypatch):
+def test_decode_rows_ride_in_a_packed_prefill_call(checkpoint, packed_artifact, monkeypatch, serve_cache_dir):
     """Three sequences decoding when two 5-token prompts arrive: one packed call (13 tokens, N = 16) holds the two
     prompts and the three decode rows, where a packed call and a decode call would compute more positions
     (scheduler.call_cost); every id is its solo run's. With more decode rows than the entry's rows leave room for,
@@ -147,7 +147,7 @@ def test_decode_rows_ride_in_a_packed_prefill_call(checkpoint, packed_artifact, 
     from tlaloc_jax.serve.core import scheduler as scheduler_module
     _, out = packed_artifact
     prompts = [[(i * 23 + j * 3) % 250 + 3 for j in range(5 + i)] for i in range(5)]
-    with Engine.load(out, cache_dir=None, progress=False) as eng:
+    with Engine.load(out, cache_dir=serve_cache_dir, progress=False) as eng:
         solo = [eng.generate([p], 6)[0] for p in prompts]
         steps = record_calls(eng, monkeypatch, lambda c: (c.entry.name, len(c.seqs)))
         got, calls = decode_then_arrive(eng, prompts[:3], prompts[3:], steps)

@@ -313,7 +313,8 @@ def test_donated_state_pools_are_written_in_place(model):
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_next"])
-def test_served_gives_transformers_ids_with_state_pools(name, checkpoints, tmp_path_factory, tmp_path, monkeypatch):
+def test_served_gives_transformers_ids_with_state_pools(name, checkpoints, tmp_path_factory, tmp_path, monkeypatch,
+                                                        serve_cache_dir):
     """Exported with their state pools (conv and recurrent: state_slots, a slot per sequence) beside the KV
     pages, and served by the JAX-free runtime: prompts longer than a prefill chunk carry their state across
     chunks; alone and decoded together they give transformers' greedy ids (near-tie rule). Control: every
@@ -337,7 +338,7 @@ def test_served_gives_transformers_ids_with_state_pools(name, checkpoints, tmp_p
                            next_token=next_token)
         check_greedy_batch(PROMPTS, eng.generate(PROMPTS, 16), want, logit_bound=bound, next_token=next_token)
 
-    with Engine.load(tmp_path / "art", cache_dir=tmp_path / "cache", progress=False) as eng:
+    with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False) as eng:
         check(eng)
         assert eng.stats()["pools"]["recurrent"]["pages_in_use"] == 0
         import tlaloc_jax.serve.core.inputs as inputs_module
@@ -359,7 +360,7 @@ SHARED_PREFIX = [(i * 29 + 3) % 250 + 3 for i in range(48)]           # six page
 @pytest.mark.parametrize("name", ["qwen3_5_text", pytest.param("qwen3_next", marks=pytest.mark.slow)])
 def test_state_snapshots_give_exact_prefix_hits_and_queued_prompts_their_solo_ids(name, checkpoints,
                                                                                    tmp_path_factory, tmp_path,
-                                                                                   monkeypatch):
+                                                                                   monkeypatch, serve_cache_dir):
     """Exported with the default state slots (a slot per sequence of the pool, 4, and 4 spares): ten prompts, five of
     them sharing a 48-token prefix, decoded together with up to 16 running, more than the slots. Every row equals
     its solo run without prefix caching; with caching, sequences start from a snapshot of the recurrent state
@@ -375,11 +376,11 @@ def test_state_snapshots_give_exact_prefix_hits_and_queued_prompts_their_solo_id
     assert [e.batch for e in m.entries if e.kind == af.EntryKind.COPY_SLOTS] == [4]
     prompts = [SHARED_PREFIX + [(j * 7 + 1) % 250 + 3 for j in range(k + 2)] for k in range(5)] + \
         [[(i * 17 + k) % 250 + 3 for i in range(20 + 9 * k)] for k in range(5)]
-    with Engine.load(tmp_path / "art", cache_dir=tmp_path / "cache", progress=False,
+    with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False,
                      enable_prefix_caching=False) as eng:
         solo = [eng.generate([p], 12)[0] for p in prompts]
         assert eng.generate(prompts, 12) == solo
-    with Engine.load(tmp_path / "art", cache_dir=tmp_path / "cache", progress=False, max_num_seqs=16) as eng:
+    with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False, max_num_seqs=16) as eng:
         assert eng.scheduler.prefix_caching
         assert eng.generate(prompts[:1], 12) == solo[:1]          # leaves snapshots at 32 and 40 behind
         assert eng.generate(prompts, 12) == solo
@@ -396,7 +397,7 @@ def test_state_snapshots_give_exact_prefix_hits_and_queued_prompts_their_solo_id
             self.scheduler.commit_copies(copies, True)
             return True
         return real(self, copies)
-    with Engine.load(tmp_path / "art", cache_dir=tmp_path / "cache", progress=False, max_num_seqs=16) as eng:
+    with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False, max_num_seqs=16) as eng:
         assert eng.generate(prompts[5:], 12) == solo[5:]          # the slots hold other sequences' states
         assert eng.generate(prompts[:1], 12) == solo[:1]          # leaves snapshots of the shared prefix
         monkeypatch.setattr(Engine, "_copy_slots", no_restore)
