@@ -5,6 +5,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "xla/ffi/api/c_api.h" /* jax.ffi.include_dir(): the typed FFI's C ABI, shared by jaxlib and the plugin */
+
 /* y[b, o] = sum_i w[o, i] x[b, i]: the out-major projection. Each thread takes a strip of four output rows at a time
    and runs every batch row against it, so the weights are read from memory once. Needs I % 8 == 0, O % 4 == 0. */
 void projection(const float *w, const float *x, float *y, int B, int O, int I) {
@@ -75,4 +77,26 @@ void decode_attention(const float *pool, int layer, int P, int S, int K, int D, 
       for (int g = 0; g < G; g++)
         for (int d = 0; d < D; d++) out[((size_t)b * H + (size_t)kh * G + g) * D + d] = l[g] > 0 ? acc[g][d] / l[g] : 0;
     }
+}
+
+/* decode_attention as a typed XLA FFI handler (stablehlo.custom_call, api_version 4): operands q [B, 1, H, D] f32,
+   pool [L, 2, P, S, K, D] f32, layer i32[], tables [B, M] i32, seq_lens [B] i32, scale f32[]; result [B, 1, H, D].
+   Before first use XLA calls it with a metadata extension on the frame, which it answers with the API version. */
+XLA_FFI_Error *decode_attention_ffi(XLA_FFI_CallFrame *frame) {
+  for (XLA_FFI_Extension_Base *ext = frame->extension_start; ext; ext = ext->next)
+    if (ext->type == XLA_FFI_Extension_Metadata) {
+      XLA_FFI_Metadata *md = ((XLA_FFI_Metadata_Extension *)ext)->metadata;
+      md->api_version.major_version = XLA_FFI_API_MAJOR;
+      md->api_version.minor_version = XLA_FFI_API_MINOR;
+      md->traits = 0;
+      return NULL;
+    }
+  if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
+  XLA_FFI_Buffer **in = (XLA_FFI_Buffer **)frame->args.args, *out = (XLA_FFI_Buffer *)frame->rets.rets[0];
+  const int64_t *qd = in[0]->dims, *pd = in[1]->dims;
+  decode_attention((const float *)in[1]->data, *(const int32_t *)in[2]->data, (int)pd[2], (int)pd[3], (int)pd[4],
+                   (int)pd[5], (const float *)in[0]->data, (int)qd[0], (int)qd[2], (const int32_t *)in[3]->data,
+                   (int)in[3]->dims[1], (const int32_t *)in[4]->data, *(const float *)in[5]->data,
+                   (float *)out->data);
+  return NULL;
 }

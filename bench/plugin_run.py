@@ -27,9 +27,10 @@ def device():
     return _DEVICE
 
 
-def on_runtime(fn, *args, donate: tuple[int, ...] = ()):
+def on_runtime(fn, *args, donate: tuple[int, ...] = (), custom_calls: tuple[str, ...] = ()):
     """fn(*args) compiled by the plugin; -> a callable running it on the uploaded args. Donated args (by position
-    in `args`, each a pytree) are replaced by the outputs aliased to them after every run, as the runtime does."""
+    in `args`, each a pytree) are replaced by the outputs aliased to them after every run, as the runtime does.
+    custom_calls: FFI targets fn may call (registered with the plugin by the caller)."""
     leaves, tree = jax.tree_util.tree_flatten(list(args))
     specs = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in leaves]
     donated_leaves = []
@@ -37,7 +38,8 @@ def on_runtime(fn, *args, donate: tuple[int, ...] = ()):
         start = len(jax.tree_util.tree_leaves(list(args[:i])))
         donated_leaves += list(range(start, start + len(jax.tree_util.tree_leaves(args[i]))))
     exp = jax_export.export(jax.jit(lambda *xs: fn(*jax.tree_util.tree_unflatten(tree, list(xs))),
-                                    donate_argnums=tuple(donated_leaves)))(*specs)
+                                    donate_argnums=tuple(donated_leaves)),
+                            disabled_checks=[jax_export.DisabledSafetyCheck.custom_call(t) for t in custom_calls])(*specs)
     kept = sorted(exp.module_kept_var_idx)
     dev = device()
     exe = dev.compile(exp.mlir_module_serialized)
