@@ -50,6 +50,9 @@ def build(out_dir: str) -> ctypes.CDLL:
     return so
 
 
+REGISTERED: list = []      # what the plugin keeps pointers to, for the life of the process
+
+
 def register_native(name: str, handler) -> None:
     """Register a C function (ctypes) as the plugin's FFI handler for `name`, as pypjrt.ffi.register does for a
     Python one: the FFI extension's register_handler, which calls the handler once for its metadata."""
@@ -59,7 +62,7 @@ def register_native(name: str, handler) -> None:
     plugin = device()._plugin
     ext = plugin.require_extension("FFI")
     name_b, platform = ctypes.create_string_buffer(name.encode()), ctypes.create_string_buffer(b"Host")
-    REGISTERED.extend((name_b, platform, handler))     # the plugin keeps these pointers
+    REGISTERED.extend((name_b, platform, handler))
     args = plugin.args("PJRT_FFI_Register_Handler_Args", target_name=ctypes.cast(name_b, ctypes.c_void_p),
                        target_name_size=len(name), handler=ctypes.cast(handler, ctypes.c_void_p),
                        platform_name=ctypes.cast(platform, ctypes.c_void_p), platform_name_size=4, traits=0)
@@ -68,9 +71,6 @@ def register_native(name: str, handler) -> None:
         err = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(register)(ctypes.byref(args))
     if err:
         raise plugin._to_exception(err)
-
-
-REGISTERED: list = []
 
 
 def medians(fns: dict, steps: int) -> dict:
@@ -96,14 +96,12 @@ def projections(so, rows: list[int], steps: int) -> None:
          for _ in range(L)]
     nbytes = sum(w.nbytes for layer in W for w in layer)
 
-    def chain(proj):
-        def f(ws, x):
-            for wq, wo, wgu, wd in ws:
-                h = x + proj(proj(x, wq)[:, :E], wo)
-                g = proj(h, wgu)
-                x = h + proj(jax.nn.silu(g[:, :F]) * g[:, F:], wd)
-            return x
-        return f
+    def chain(proj, silu, ws, x):      # traced by JAX for XLA's form, run by numpy for the host ones
+        for wq, wo, wgu, wd in ws:
+            h = x + proj(proj(x, wq)[:, :E], wo)
+            g = proj(h, wgu)
+            x = h + proj(silu(g[:, :F]) * g[:, F:], wd)
+        return x
 
     def c_proj(x, w):
         y = np.empty((x.shape[0], w.shape[0]), np.float32)
@@ -114,25 +112,17 @@ def projections(so, rows: list[int], steps: int) -> None:
     def silu(v):
         return v / (1.0 + np.exp(-v))
 
-    def host_chain(proj):
-        def f(x):
-            for wq, wo, wgu, wd in W:
-                h = x + proj(proj(x, wq)[:, :E], wo)
-                g = proj(h, wgu)
-                x = h + proj(silu(g[:, :F]) * g[:, F:], wd)
-            return x
-        return f
-
     print(f"\nprojections: {L} layers, hidden {E}, intermediate {F}, {nbytes / 2**20:.0f} MiB of f32 weights")
     print(f"{'rows':>5} | {'XLA (decoder)':>13} | {'OpenBLAS':>9} | {'C strips':>9} | C / XLA | XLA GB/s | C GB/s")
     for B in rows:
         x = rng.standard_normal((B, E), np.float32)
-        xla = on_runtime(chain(lambda a, w: out_major_product(a, w, reduce_one_row=False)), W, x)
+        xla = on_runtime(lambda ws, x: chain(lambda a, w: out_major_product(a, w, reduce_one_row=False), jax.nn.silu,
+                                             ws, x), W, x)
         want = xla()[0]
-        got = host_chain(c_proj)(x)
+        got = chain(c_proj, silu, W, x)
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), "the C projection chain differs from XLA's"
-        t = medians({"xla": xla, "blas": lambda: host_chain(lambda a, w: a @ w.T)(x), "c": lambda: host_chain(c_proj)(x)},
-                    steps)
+        t = medians({"xla": xla, "blas": lambda: chain(lambda a, w: a @ w.T, silu, W, x),
+                     "c": lambda: chain(c_proj, silu, W, x)}, steps)
         print(f"{B:5d} | {t['xla'] * 1e3:10.2f} ms | {t['blas'] * 1e3:6.2f} ms | {t['c'] * 1e3:6.2f} ms | "
               f"{t['c'] / t['xla']:6.2f}x | {nbytes / t['xla'] / 1e9:8.1f} | {nbytes / t['c'] / 1e9:6.1f}")
 
