@@ -9,15 +9,14 @@ block of at least 16.
 from __future__ import annotations
 
 import functools
-import math
 import re
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from decode_calls import D, M, S, Call, make_call
 from margins import assert_within
 from tlaloc_jax.kernels import paged_attention_reference
 from tlaloc_jax.kernels import tolerances as tol
@@ -26,46 +25,11 @@ from tlaloc_jax.kernels.tolerances import relative_error
 
 pytestmark = pytest.mark.numeric
 
-S, D = 4, 16       # page size, head size
-M = 12             # block-table width: context 48
 PPB = 4            # pages per key block: 16 keys, 3 key blocks per context
 SCALE = 0.4
 # The kernel and the reference are the same math over at most M * S keys, summed in other orders and with
 # another softmax arithmetic; both widen a bf16 pool to f32 before any arithmetic.
 BOUND = tol.bound(tol.attention_roundings(D, M * S))
-
-
-class Call(NamedTuple):
-    q: jax.Array             # [B, 1, H, D]
-    kv_pool: jax.Array       # [L, 2, P, S, K, D]
-    layer: int
-    block_tables: jax.Array  # [B, M]
-    positions: jax.Array     # [B, 1]
-    seq_lens: jax.Array      # [B]
-
-
-def make_call(seed, lengths, *, H=4, K=2, layers=2, layer=1, dtype=np.float32, padding=()) -> Call:
-    """Decode rows whose sequences hold lengths[b] keys, the last one this call's token (position length - 1).
-
-    Rows in `padding` (and rows of length 0) are padding: position -1. Each row's pages are distinct pages
-    drawn at random from P = B * M + 8; table entries past a row's pages point at random pages, free ones
-    included."""
-    rng = np.random.default_rng(seed)
-    B, P = len(lengths), len(lengths) * M + 8
-    pool = np.full((layers, 2, P, S, K, D), np.nan, np.float32)
-    tables = rng.integers(0, P, (B, M), dtype=np.int32)
-    own = iter(rng.permutation(P))
-    positions = np.full((B, 1), -1, np.int32)
-    for b, length in enumerate(lengths):
-        for m in range(math.ceil(length / S)):
-            tables[b, m] = next(own)
-        for j in range(length):
-            pool[:, :, tables[b, j // S], j % S] = rng.standard_normal((layers, 2, K, D))
-        if length and b not in padding:
-            positions[b, 0] = length - 1
-    q = rng.standard_normal((B, 1, H, D)).astype(np.float32)
-    return Call(jnp.asarray(q), jnp.asarray(pool, dtype), layer, jnp.asarray(tables), jnp.asarray(positions),
-                jnp.asarray(lengths, jnp.int32))
 
 
 # window is traced (0 = none), as under a scan over layers; layer is traced by jit too.

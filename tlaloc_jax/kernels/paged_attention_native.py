@@ -1,0 +1,63 @@
+"""Decode paged attention through a C kernel on CPU (tlaloc_jax/native/decode_attention.c).
+
+The kernel is a typed XLA FFI handler, called as `stablehlo.custom_call @tlaloc_decode_attention_v1`: a body that
+holds it is served by a runtime that builds and registers the handler (the manifest names it, so a runtime without
+it refuses the artifact at load). In this process jax runs it too: the handler is built and registered with jax
+when a call is traced. Semantics: paged_attention's with T = 1 over a full-history pool (not a ring).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tlaloc_jax import native
+
+from .paged_attention import _refuse_derivative, _window_array
+
+NATIVE_DECODE_ATTENTION = "tlaloc_decode_attention_v1"
+
+
+@functools.cache
+def register_in_process(target: str = NATIVE_DECODE_ATTENTION) -> None:
+    """Build the kernel here (once) and register it with jax's CPU backend."""
+    address = native.handler(target)
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes_fn(address)), platform="cpu")
+
+
+def ctypes_fn(address: int):
+    import ctypes
+    return ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(address)
+
+
+def native_decode_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.Array, positions: jax.Array,
+                            seq_lens: jax.Array, *, scale: float, window=None, soft_cap: float | None = None,
+                            sinks: jax.Array | None = None) -> jax.Array:
+    """paged_attention of one token a row (q [B, 1, H, D]) over kv_pool [L, 2, P, S, K, D] (f32 or bf16) by the C
+    kernel. -> [B, 1, H, D] f32; 0 where nothing is seen. Refuses (ValueError) what the kernel does not take."""
+    B, T, H, D = q.shape
+    K = kv_pool.shape[4]
+    if T != 1 or H % K or H // K > 16 or D > 256 or kv_pool.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"native_decode_attention takes one token a row, at most 16 query heads a KV head, heads of "
+                         f"at most 256 and an f32 or bf16 pool; got q {q.shape}, pool {kv_pool.shape} "
+                         f"{kv_pool.dtype}")
+    register_in_process()
+    return _native_decode(float(scale), float(soft_cap or 0.0), q, kv_pool, jnp.asarray(layer, jnp.int32),
+                          block_tables, positions, seq_lens, _window_array(window), sinks)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _native_decode(scale, soft_cap, q, kv_pool, layer, block_tables, positions, seq_lens, window, sinks):
+    ints = jnp.stack([layer, window]).astype(jnp.int32)
+    reals = jnp.array([scale, soft_cap], jnp.float32)
+    operands = [q.astype(jnp.float32), kv_pool, ints, block_tables.astype(jnp.int32), positions.astype(jnp.int32),
+                seq_lens.astype(jnp.int32), reals]
+    if sinks is not None:
+        operands.append(sinks.astype(jnp.float32))
+    call = jax.ffi.ffi_call(NATIVE_DECODE_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(*operands)
+
+
+_native_decode.defjvp(_refuse_derivative("native_decode_attention"))

@@ -1,0 +1,190 @@
+/* Paged decode attention for the CPU, as a typed XLA FFI handler (stablehlo.custom_call, api_version 4).
+
+   One token a row attends over its sequence's pages with an online softmax, one (row, KV head) at a time for that
+   head's G query heads, the rows and heads split over OpenMP's threads. The semantics are paged_attention's with
+   T = 1 (tlaloc_jax/kernels/paged_attention.py): row b's token at position p = positions[b] (-1: padding) sees key j
+   iff j <= p, j < seq_lens[b] and, with a window W > 0, j > p - W; scores are q.k * scale, soft-capped as
+   cap * tanh(s / cap) when cap > 0; a sink logit per query head joins the denominator with no value. A row that
+   sees nothing gives 0.
+
+   Operands: q [B, 1, H, D] f32; pool [L, 2, P, S, K, D] f32 or bf16; ints i32[2] = (layer, window);
+   tables [B, M] i32; positions [B, 1] i32; seq_lens [B] i32; reals f32[2] = (scale, soft cap, 0 = none);
+   optionally sinks [H] f32. Result [B, 1, H, D] f32. G <= MAX_GROUP, D <= MAX_HEAD_DIM. */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "xla/ffi/api/c_api.h"
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+
+/* e^x for x <= 0, to about 2 ulp: x = n ln2 + r, a degree-6 polynomial for e^r and 2^n from the exponent bits. Plain
+   arithmetic, so gcc vectorizes the loops that call it (libm's expf is a call per element). */
+static inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = floorf(x * 1.44269504f + 0.5f);
+  const float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  union { uint32_t i; float f; } scale = {.i = (uint32_t)((int32_t)n + 127) << 23};
+  return p * scale.f;
+}
+
+/* One key or value of D elements as f32 (a bf16 pool's elements widened). */
+static inline void widen(const void *src, int bf16, int D, float *dst) {
+  if (!bf16) {
+    memcpy(dst, src, (size_t)D * sizeof(float));
+    return;
+  }
+  const uint16_t *h = (const uint16_t *)src;
+  for (int d = 0; d < D; d++) {
+    union { uint32_t i; float f; } u = {.i = (uint32_t)h[d] << 16};
+    dst[d] = u.f;
+  }
+}
+
+typedef struct {
+  const void *pool;
+  int bf16, P, S, K, D, H, M, window;
+  size_t layer;
+  const float *q, *sinks;
+  const int32_t *tables, *positions, *seq_lens;
+  float scale, cap;
+  float *out;
+} Problem;
+
+/* Row b's keys [first, end). */
+static void key_range(const Problem *a, int b, int *first, int *end) {
+  const int p = a->positions[b], n = a->seq_lens[b] < p + 1 ? a->seq_lens[b] : p + 1;
+  *first = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+  *end = p < 0 ? 0 : n < a->M * a->S ? n : a->M * a->S;
+}
+
+/* Row b, KV head kh: its G query heads' outputs. */
+static void attend(const Problem *a, int b, int kh) {
+  const int G = a->H / a->K, D = a->D, S = a->S;
+  const size_t elem = a->bf16 ? 2 : 4, row = (size_t)a->K * D, page = (size_t)S * row, half = (size_t)a->P * page;
+  const char *keys = (const char *)a->pool + (a->layer * 2 * half + (size_t)kh * D) * elem;
+  const char *values = keys + half * elem;
+  const float *q = a->q + ((size_t)b * a->H + (size_t)kh * G) * D;
+  float *out = a->out + ((size_t)b * a->H + (size_t)kh * G) * D;
+  float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_HEAD_DIM], kv[MAX_HEAD_DIM], s[MAX_GROUP][64];
+  for (int g = 0; g < G; g++) {
+    m[g] = a->sinks ? a->sinks[kh * G + g] : -INFINITY;
+    l[g] = a->sinks ? 1.0f : 0.0f;
+    for (int d = 0; d < D; d++) acc[g][d] = 0.0f;
+  }
+  int first, end;
+  key_range(a, b, &first, &end);
+  const int32_t *table = a->tables + (size_t)b * a->M;
+  for (int j0 = first; j0 < end;) {
+    /* The keys of one page from j0, at most 64. */
+    int n = end - j0;
+    n = n < S - j0 % S ? n : S - j0 % S;
+    n = n < 64 ? n : 64;
+    const size_t at = (size_t)table[j0 / S] * page + (size_t)(j0 % S) * row;
+    float top[MAX_GROUP];
+    for (int g = 0; g < G; g++) top[g] = m[g];
+    for (int j = 0; j < n; j++) {
+      widen(keys + (at + (size_t)j * row) * elem, a->bf16, D, kv);
+      for (int g = 0; g < G; g++) {
+        const float *qg = q + (size_t)g * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; d++) dot += qg[d] * kv[d];
+        dot *= a->scale;
+        if (a->cap > 0) dot = a->cap * tanhf(dot / a->cap);
+        s[g][j] = dot;
+        top[g] = dot > top[g] ? dot : top[g];
+      }
+    }
+    for (int g = 0; g < G; g++) {
+      const float rescale = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - top[g]), t = top[g];
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < n; j++) {
+        s[g][j] = exp_nonpositive(s[g][j] - t);
+        sum += s[g][j];
+      }
+      l[g] = l[g] * rescale + sum;
+      m[g] = t;
+      for (int d = 0; d < D; d++) acc[g][d] *= rescale;
+    }
+    for (int j = 0; j < n; j++) {
+      widen(values + (at + (size_t)j * row) * elem, a->bf16, D, kv);
+      for (int g = 0; g < G; g++) {
+        const float w = s[g][j];
+        for (int d = 0; d < D; d++) acc[g][d] += w * kv[d];
+      }
+    }
+    j0 += n;
+  }
+  for (int g = 0; g < G; g++)
+    for (int d = 0; d < D; d++) out[(size_t)g * D + d] = l[g] > 0 ? acc[g][d] / l[g] : 0.0f;
+}
+
+static XLA_FFI_Error *refuse(const XLA_FFI_Api *api, const char *message) {
+  XLA_FFI_Error_Create_Args e = {XLA_FFI_Error_Create_Args_STRUCT_SIZE, NULL, message,
+                                 XLA_FFI_Error_Code_INVALID_ARGUMENT};
+  return api->XLA_FFI_Error_Create(&e);
+}
+
+XLA_FFI_Error *tlaloc_decode_attention_v1(XLA_FFI_CallFrame *frame) {
+  for (XLA_FFI_Extension_Base *ext = frame->extension_start; ext; ext = ext->next)
+    if (ext->type == XLA_FFI_Extension_Metadata) {   /* XLA asks once, when the handler is registered */
+      XLA_FFI_Metadata *md = ((XLA_FFI_Metadata_Extension *)ext)->metadata;
+      md->api_version.major_version = XLA_FFI_API_MAJOR;
+      md->api_version.minor_version = XLA_FFI_API_MINOR;
+      md->traits = 0;
+      return NULL;
+    }
+  if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
+  const XLA_FFI_Api *api = frame->api;
+  const int64_t nargs = frame->args.size;
+  if ((nargs != 7 && nargs != 8) || frame->rets.size != 1)
+    return refuse(api, "tlaloc_decode_attention_v1: takes 7 or 8 operands and gives one result");
+  for (int64_t i = 0; i < nargs; i++)
+    if (frame->args.types[i] != XLA_FFI_ArgType_BUFFER)
+      return refuse(api, "tlaloc_decode_attention_v1: every operand is an array");
+  XLA_FFI_Buffer **in = (XLA_FFI_Buffer **)frame->args.args, *res = (XLA_FFI_Buffer *)frame->rets.rets[0];
+  XLA_FFI_Buffer *q = in[0], *pool = in[1], *ints = in[2], *tables = in[3], *pos = in[4], *lens = in[5], *reals = in[6];
+  if (q->rank != 4 || pool->rank != 6 || tables->rank != 2 || q->dtype != XLA_FFI_DataType_F32 ||
+      res->dtype != XLA_FFI_DataType_F32 || ints->dtype != XLA_FFI_DataType_S32 ||
+      tables->dtype != XLA_FFI_DataType_S32 || pos->dtype != XLA_FFI_DataType_S32 ||
+      lens->dtype != XLA_FFI_DataType_S32 || reals->dtype != XLA_FFI_DataType_F32 || q->dims[1] != 1)
+    return refuse(api, "tlaloc_decode_attention_v1: operand ranks or dtypes differ from q [B, 1, H, D] f32, "
+                       "pool [L, 2, P, S, K, D], i32[2], tables [B, M] i32, positions [B, 1] i32, seq_lens [B] i32, "
+                       "f32[2]");
+  if (pool->dtype != XLA_FFI_DataType_F32 && pool->dtype != XLA_FFI_DataType_BF16)
+    return refuse(api, "tlaloc_decode_attention_v1: the pool is f32 or bf16");
+  const int B = (int)q->dims[0], H = (int)q->dims[2], D = (int)q->dims[3], K = (int)pool->dims[4];
+  if (pool->dims[5] != D || K <= 0 || H % K || H / K > MAX_GROUP || D > MAX_HEAD_DIM || tables->dims[0] != B)
+    return refuse(api, "tlaloc_decode_attention_v1: heads, head size or rows do not agree (or exceed 16 query heads "
+                       "a KV head, 256 a head)");
+  const int32_t *iv = (const int32_t *)ints->data;
+  const float *rv = (const float *)reals->data;
+  if (iv[0] < 0 || iv[0] >= pool->dims[0]) return refuse(api, "tlaloc_decode_attention_v1: layer out of range");
+  const Problem a = {pool->data, pool->dtype == XLA_FFI_DataType_BF16, (int)pool->dims[2], (int)pool->dims[3], K, D,
+                     H, (int)tables->dims[1], iv[1], (size_t)iv[0], (const float *)q->data,
+                     nargs == 8 ? (const float *)in[7]->data : NULL, (const int32_t *)tables->data,
+                     (const int32_t *)pos->data, (const int32_t *)lens->data, rv[0], rv[1], (float *)res->data};
+  for (int b = 0; b < B; b++) {   /* every page a row reads is in the pool */
+    int first, end;
+    key_range(&a, b, &first, &end);
+    for (int j = first; j < end; j += a.S - j % a.S)
+      if (a.tables[(size_t)b * a.M + j / a.S] < 0 || a.tables[(size_t)b * a.M + j / a.S] >= a.P)
+        return refuse(api, "tlaloc_decode_attention_v1: a block table names a page outside the pool");
+  }
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int b = 0; b < B; b++)
+    for (int kh = 0; kh < K; kh++) attend(&a, b, kh);
+  return NULL;
+}
