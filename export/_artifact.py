@@ -85,7 +85,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     prompt_logprobs: N adds a scoring prefill entry beside each prefill entry, returning per prompt position the
     next token's logprob and rank and the N top logprobs (see `stage`, PromptScorer); None adds none.
     decode_attention: how decode entries attend over their pages: "xla" (plain ops; the default, CUDA_DECODE_ATTENTION
-    on cuda) or "pallas" (the Pallas GPU kernel, lowered through Triton; cuda only). Prefill entries use plain ops
+    on cuda), "native" (a C kernel, tlaloc_jax/native; cpu only; the serving runtime builds it, and ring layers keep
+    plain ops) or "pallas" (the Pallas GPU kernel, lowered through Triton; cuda only). Prefill entries use plain ops
     either way.
     weight_quant "int8", "fp8" or "int4" (groups of quant_group input channels) stores the projections as codes
     and scales quantized from the checkpoint's f32 values (export/_quant.py); kv_dtype "float8_e4m3fn" stores the
@@ -100,8 +101,11 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     and experts (tlaloc_jax.sharding; docs/multi-device.md); a model whose counts do not divide is refused.
     """
     decode_attention = decode_attention or (CUDA_DECODE_ATTENTION if platform == "cuda" else "xla")
-    if decode_attention not in ("pallas", "xla"):
-        raise ExportError(f"decode_attention {decode_attention!r} is not one of pallas, xla")
+    if decode_attention not in ("native", "pallas", "xla"):
+        raise ExportError(f"decode_attention {decode_attention!r} is not one of native, pallas, xla")
+    if decode_attention == "native" and platform != "cpu":
+        raise ExportError(f"decode_attention 'native' is a C kernel for the CPU; platform {platform!r} takes "
+                          "decode_attention 'xla' or 'pallas'")
     if decode_attention == "pallas" and platform != "cuda":
         raise ExportError(f"decode_attention 'pallas' lowers through Triton, which only the cuda plugin compiles; "
                           f"platform {platform!r} takes decode_attention 'xla'")
@@ -143,9 +147,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         chunk = int(prefill_chunk or 0)
         ring = ring_pages_for(cfg.sliding_window, chunk or contexts[-1], block_size, contexts[-1] // block_size)
     pools = decoder_pools(cfg, windowed=windowed, kv_dtype=kv_np.name, ring_pages=ring)
-    if decode_attention == "pallas" and cfg.latent:
-        raise ExportError(f"the Pallas GPU decode-attention kernel has no latent-attention form ({cfg.model_type}); "
-                          "export with decode_attention='xla' (--decode-attention xla)")
+    if decode_attention != "xla" and cfg.latent:
+        raise ExportError(f"the {decode_attention} decode-attention kernel has no latent-attention form "
+                          f"({cfg.model_type}); export with decode_attention='xla' (--decode-attention xla)")
     if decode_attention == "pallas":
         why = paged_attention_gpu.refusal(1, shard_cfg.num_heads, shard_cfg.num_kv_heads, cfg.head_dim, block_size,
                                           kv_np)

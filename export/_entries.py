@@ -11,6 +11,7 @@ import jax
 from jax import export as jax_export
 
 from tlaloc_jax import artifact as af
+from tlaloc_jax import native
 from tlaloc_jax.kernels.paged_attention_gpu import TRITON_CUSTOM_CALL
 
 
@@ -94,7 +95,8 @@ PLUGIN_CUSTOM_CALLS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardT
 # through Triton (tlaloc_jax/kernels/paged_attention_gpu.py) carries its Triton IR to XLA's GPU compiler, which turns it
 # into PTX inside the CUDA plugin. Later jaxlibs' "triton_kernel_call_ffi" (PTX compiled by jaxlib, run by a
 # handler jaxlib's CUDA plugin registers at import) is not in the list: the standalone plugin lacks it.
-PLATFORM_CUSTOM_CALLS = {"cpu": frozenset(), "cuda": frozenset({TRITON_CUSTOM_CALL})}
+# On cpu, the C kernels of tlaloc_jax.native (a runtime builds and registers them: manifest versions.custom_calls).
+PLATFORM_CUSTOM_CALLS = {"cpu": frozenset(native.KERNELS), "cuda": frozenset({TRITON_CUSTOM_CALL})}
 _CUSTOM_CALL = re.compile(r"stablehlo\.custom_call\s+@([\w.$-]+)|call_target_name\s*=\s*\"([^\"]+)\"")
 
 

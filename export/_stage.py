@@ -25,13 +25,14 @@ import numpy as np
 from jax import export as jax_export
 
 from tlaloc_jax import artifact as af
+from tlaloc_jax import native
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import sampling as sampling_kernel
 from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.paging import ring_pages_for
 from tlaloc_jax.pools import PagedKV, PoolSpec, RingKV, StateSlots
 
-from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entries
+from ._entries import EntrySpec, ExportError, check_body, custom_call_targets, export_fn, plan_entries
 from ._copy_slots import copy_slots_fn, copy_slots_signature
 from ._decode_steps import decode_steps_fn, decode_steps_signature
 from ._files import copy_tokenizer, write_body, write_program, write_weights
@@ -341,7 +342,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"output directory {str(out)!r} is not empty")
     out.mkdir(parents=True, exist_ok=True)
-    entries, calling_convention = [], 0
+    entries, calling_convention, native_calls = [], 0, set()
     # Imported only when shown: tqdm.auto warns in a notebook without ipywidgets even when disabled.
     if progress:
         from tqdm.auto import tqdm
@@ -357,6 +358,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         exp = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=resolved.ring_pages,
                            platform=platform, block_size=block_size, mesh=mesh)
         calling_convention = int(exp.calling_convention_version)
+        native_calls |= custom_call_targets(exp.mlir_module()) & set(native.KERNELS)
         entry = af.Entry(name=spec.name, kind=af.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
                          tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp)),
                          program=f"programs/{spec.name}.json", inputs=tuple(inputs), outputs=tuple(outputs),
@@ -380,7 +382,8 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
                             kv_heads=info.kv_heads, head_dim=info.head_dim, hidden=info.hidden),
         buckets=buckets, entries=tuple(entries), weights=files,
         versions=af.Versions(jax=jax.__version__, jaxlib=jaxlib.__version__, calling_convention=calling_convention,
-                             platform=platform, attention_block=info.attention_block),
+                             platform=platform, attention_block=info.attention_block,
+                             custom_calls=tuple(sorted(native_calls))),
         refused_tokens=tuple(af.RefusedToken(int(t), k) for t, k in info.refused_tokens),
         tokenizer_files=copy_tokenizer(out, info.tokenizer_dir), sampler=sampler, scorer=scorer,
         mesh=af.Mesh((af.MeshAxis(mesh.axis_names[0], mesh_size(mesh)),)) if mesh is not None else None,

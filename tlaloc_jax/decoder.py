@@ -41,7 +41,7 @@ def decode_key_block(key_block: int, page_size: int) -> int:
 # How a decode call (T = 1) attends over its pages: "xla", kernels.paged_attention in plain ops (every platform);
 # "pallas", the Pallas GPU kernel (kernels.paged_attention_gpu, lowered through Triton: cuda only);
 # "pallas-interpret", that kernel in Pallas' interpreter (any platform, slow: for tests). Prefill calls use "xla".
-DECODE_ATTENTION = ("xla", "pallas", "pallas-interpret")
+DECODE_ATTENTION = ("xla", "native", "pallas", "pallas-interpret")
 # Tokens per chunk of the gated delta rule's prefill form.
 DELTA_CHUNK = 64
 
@@ -267,7 +267,11 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
 
     def attend(q, g: StepInputs):
         tables = g.window_block_tables[:, :ring_pages] if ring_pages else g.block_tables
-        if decode_attention != "xla" and q.shape[1] == 1:
+        if decode_attention == "native" and q.shape[1] == 1 and not ring_pages:   # a ring keeps plain ops
+            from tlaloc_jax.kernels.paged_attention_native import native_decode_attention
+            return native_decode_attention(q, kv, layer, tables, g.positions, g.seq_lens,
+                                           **{k: v for k, v in common.items() if k != "ring"})
+        if decode_attention.startswith("pallas") and q.shape[1] == 1:
             from tlaloc_jax.kernels.paged_attention_gpu import paged_decode_attention   # imports Pallas when used
             return paged_decode_attention(q, kv, layer, tables, g.positions, g.seq_lens, **common,
                                           interpret=decode_attention == "pallas-interpret")

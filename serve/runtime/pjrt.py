@@ -32,6 +32,7 @@ import hashlib
 import mmap
 import os
 import re
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -41,6 +42,8 @@ from typing import Any
 import numpy as np
 import pypjrt
 from pypjrt import errors as pjrt_errors
+
+from tlaloc_jax import native
 
 from . import pypjrt_compat as compat
 from .compile_cache import CompileCache, plugin_identity
@@ -57,6 +60,9 @@ __all__ = [
 _MISSING_FFI_HANDLER = re.compile(r"No FFI handler registered for (\S+)")
 _VOIDP = ctypes.c_void_p
 _EMPTY = ctypes.c_char()  # a valid host address for zero-size uploads
+# (plugin path, native kernel) pairs registered in this process: a plugin's FFI registry lasts as long as it does.
+_NATIVE_REGISTERED: set[tuple[str, str]] = set()
+_NATIVE_LOCK = threading.Lock()
 
 
 class CompileError(RuntimeError):
@@ -199,6 +205,22 @@ class Device:
             except (OSError, ValueError, IndexError):
                 return None
         return None
+
+    # -- native kernels ----------------------------------------------------------------------
+
+    def register_native(self, target: str) -> None:
+        """Build (or find in its cache) the native kernel `target` (tlaloc_jax.native) and register its handler with
+        this plugin, once a process. Raises NativeKernelError, naming it, when this runtime has no such kernel or
+        cannot build it here."""
+        key = (str(self.plugin_path), target)
+        with _NATIVE_LOCK:
+            if key in _NATIVE_REGISTERED:
+                return
+            if self.platform_name.lower() != "cpu":
+                raise native.NativeKernelError(f"native kernel {target!r} runs on the CPU; the plugin "
+                                               f"{Path(self.plugin_path).name} is {self.platform_name}")
+            compat.register_ffi_handler(self._plugin, target, native.handler(target), "Host")
+            _NATIVE_REGISTERED.add(key)
 
     # -- compile -------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ SUPPORTED_PYPJRT = ("0.1.1",)
 
 __all__ = ["SUPPORTED_PYPJRT", "check_version", "HotCalls", "PjrtBuffer", "PjrtEvent", "is_live", "is_closed",
            "is_donated", "raw_pointer", "checked_pointer", "mark_donated", "handle_plugin", "destroy_event",
-           "consume_event", "state_name"]
+           "consume_event", "state_name", "register_ffi_handler"]
 
 
 def check_version(installed: str | None = None) -> None:
@@ -143,3 +143,29 @@ class HotCalls:
         if "PJRT_Buffer_OpaqueDeviceMemoryDataPointer" not in self._structs:
             return None
         return int(self._call("PJRT_Buffer_OpaqueDeviceMemoryDataPointer", "buffer", buffer).device_memory_ptr or 0)
+
+
+# -- FFI handlers -----------------------------------------------------------------------------------------
+
+_KEPT: list = []        # what the plugin keeps pointers to (names), for the life of the process
+
+
+def register_ffi_handler(plugin: pypjrt.Plugin, name: str, address: int, platform: str) -> None:
+    """Register a C function at `address` (an XLA FFI handler) for `stablehlo.custom_call @name` on `platform`
+    ("Host" or "CUDA"), through the plugin's FFI extension, as pypjrt.ffi.register does for a Python callable; the
+    plugin calls the handler once, synchronously, for its metadata."""
+    from pypjrt._lock import dispatching
+    ext = plugin.require_extension("FFI")
+    name_b, platform_b = ctypes.create_string_buffer(name.encode()), ctypes.create_string_buffer(platform.encode())
+    _KEPT.extend((name_b, platform_b))
+    args = plugin.args("PJRT_FFI_Register_Handler_Args", target_name=ctypes.cast(name_b, ctypes.c_void_p),
+                       target_name_size=len(name), handler=ctypes.c_void_p(address),
+                       platform_name=ctypes.cast(platform_b, ctypes.c_void_p), platform_name_size=len(platform),
+                       traits=0)
+    register = ctypes.cast(ext.address + 40, ctypes.POINTER(ctypes.c_void_p))[0]   # PJRT_FFI_Extension.register_handler
+    if not register:
+        raise pjrt_errors.UnsupportedByPlugin("the plugin's FFI extension has no register_handler")
+    with dispatching():
+        err = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(register)(ctypes.byref(args))
+    if err:
+        raise plugin._to_exception(err)

@@ -71,6 +71,8 @@ class Runner:
                                        f"{device.plugin_path} is {device.platform_name}")
             if device.devices != m.devices:
                 raise mf.ManifestError(sharded.device_count_mismatch(m, device.devices))
+            for target in m.versions.custom_calls:     # before any body that calls them compiles
+                device.register_native(target)
             self._check_memory()
             self._compile_kinds(progress)
             self.weights = {w.slot: sharded.upload_weight(device, self.artifact_dir, w, m.mesh) for w in m.weights}

@@ -79,6 +79,9 @@ class Versions:
     calling_convention: int
     platform: str
     attention_block: int = 0
+    # The native kernels (tlaloc_jax.native) the bodies call as custom calls: a runtime builds and registers each
+    # before it compiles a body, and refuses the artifact by the kernel's name if it cannot.
+    custom_calls: tuple[str, ...] = ()
 
 
 def check_platform(versions: Versions) -> None:

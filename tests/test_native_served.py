@@ -1,0 +1,79 @@
+"""An artifact whose decode entries call the native C attention kernel (export decode_attention="native"), served by
+the JAX-free runtime: the manifest names the kernel, the runtime builds and registers it before compiling, and the
+served ids are transformers' (near-tie rule, tests/oracle.py), alone and four at once, with a control that must fail.
+A runtime that lacks the kernel, or cannot build it, refuses the artifact at load, by the kernel's name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_models import build_checkpoint, load_hf_torch, torch_greedy
+from oracle import GreedyMismatch, check_greedy_batch, engine_next_token, kv_one_slot_off
+from tlaloc_jax import native
+from tlaloc_jax.checkpoint import load_checkpoint
+from tlaloc_jax.kernels import tolerances as tol
+from tlaloc_jax.kernels.paged_attention_native import NATIVE_DECODE_ATTENTION
+
+pytestmark = pytest.mark.numeric
+
+PROMPTS = [[(i * 37 + 11) % 256 for i in range(40)], [42], [5, 17, 99, 3, 249, 8, 61], [(i * 11 + 5) % 253
+                                                                                      for i in range(23)]]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from tlaloc_jax.export import export_checkpoint
+    path = build_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=81)
+    art = tmp_path_factory.mktemp("art") / "native"
+    export_checkpoint(path, art, batch_ladder=(1, 4), context_ladder=(64,), block_size=8, prefill_chunk=32,
+                      prefill_long_chunk=0, decode_attention="native", progress=False)
+    return path, art
+
+
+def test_served_gives_transformers_ids(exported, monkeypatch, serve_cache_dir):
+    from tlaloc_jax.serve import Engine
+    path, art = exported
+    manifest = json.loads((art / "tlaloc-serving.json").read_text())
+    assert manifest["versions"]["custom_calls"] == [NATIVE_DECODE_ATTENTION]
+    ref = load_hf_torch(path)
+    want = [torch_greedy(ref, p, NEW) for p in PROMPTS]
+    bound = tol.bound(tol.decoder_roundings_of(load_checkpoint(path)[0], context=64))
+
+    def check(eng):
+        next_token = engine_next_token(eng)
+        check_greedy_batch(PROMPTS, [eng.generate([p], NEW)[0] for p in PROMPTS], want, logit_bound=bound,
+                           next_token=next_token)
+        check_greedy_batch(PROMPTS, eng.generate(PROMPTS, NEW), want, logit_bound=bound, next_token=next_token)
+
+    with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
+        check(eng)
+        kv_one_slot_off(monkeypatch)
+        with pytest.raises(GreedyMismatch):
+            check(eng)
+
+
+def test_a_kernel_the_runtime_lacks_is_refused_at_load(exported, tmp_path):
+    """A manifest naming a native kernel this runtime has not: refused by that name before anything compiles."""
+    import shutil
+
+    from tlaloc_jax.serve import Engine
+    _, art = exported
+    other = tmp_path / "art"
+    shutil.copytree(art, other)
+    manifest = json.loads((other / "tlaloc-serving.json").read_text())
+    manifest["versions"]["custom_calls"] = ["tlaloc_flash_v9"]
+    (other / "tlaloc-serving.json").write_text(json.dumps(manifest))
+    with pytest.raises(native.NativeKernelError, match="'tlaloc_flash_v9' is not one this runtime has"):
+        Engine.load(other, progress=False)
+
+
+def test_a_machine_without_a_compiler_is_told_so(monkeypatch, tmp_path):
+    """No C compiler where the kernel is built: the error names the kernel, the compiler and the way out."""
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(native.NativeKernelError, match="built on the serving machine with a C compiler, and no-such-cc"
+                                                       " does not run.*--decode-attention xla"):
+        native.library(NATIVE_DECODE_ATTENTION)
