@@ -1,16 +1,16 @@
-"""What a kernel written outside XLA would buy the CPU decode step: bench/native_kernels.c (plain C, compiled here with
-gcc -O3 -march=native and OpenMP on every core) against the forms the decoder compiles today, run through the serving
-runtime's plugin, interleaved in one process. Two parts of the step:
+"""What a kernel written outside XLA buys the CPU decode step: plain C compiled here (gcc -O3 -march=native, OpenMP on
+every core) against the forms the decoder compiles, run through the serving runtime's plugin, interleaved in one
+process. Two parts of the step:
 
   - the 100M Llama's 12 layers of f32 projections (q|k|v, o, gate|up, down, weights out-major) at 1 to 64 rows:
     XLA's form as the decoder writes it (tlaloc_jax.kernels.quantized_matmul.out_major_product), OpenBLAS through
     numpy, and the C strip kernel that reads every weight once;
   - decode paged attention over 12 layers of 12 / 4 heads of 64, pages of 16 (the serving bench's 82M Llama):
-    tlaloc_jax.kernels.paged_attention._decode_cpu against the C kernel (one online softmax a row and KV head).
+    tlaloc_jax.kernels.paged_attention._decode_cpu against the native kernel an artifact exported with
+    decode_attention "native" calls (tlaloc_jax/native/decode_attention.c), as a served body does: a typed
+    stablehlo.custom_call in a body the runtime compiled, the handler registered with its plugin.
 
-The attention kernel runs twice: called from Python through ctypes, and as the route a served artifact would take,
-a typed stablehlo.custom_call inside a body the runtime compiled, its C handler registered through the plugin's FFI
-extension. Each C result is checked against XLA's before it is timed.
+The projection kernel is bench/native_kernels.c. Each C result is checked against XLA's before it is timed.
 
     python bench/native_kernels.py
     python bench/native_kernels.py --rows 32 --keys 200 --skip-projections
@@ -39,38 +39,13 @@ SOURCE = Path(__file__).with_name("native_kernels.c")
 
 
 def build(out_dir: str) -> ctypes.CDLL:
-    import jax
     lib = os.path.join(out_dir, "native_kernels.so")
-    subprocess.run(["gcc", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
-                    f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", lib, "-lmvec", "-lm"], check=True)
+    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", lib, "-lm"],
+                   check=True)
     so = ctypes.CDLL(lib)
     p, i = ctypes.c_void_p, ctypes.c_int
     so.projection.argtypes = [p, p, p, i, i, i]
-    so.decode_attention.argtypes = [p, i, i, i, i, i, p, i, i, p, i, p, ctypes.c_float, p]
     return so
-
-
-REGISTERED: list = []      # what the plugin keeps pointers to, for the life of the process
-
-
-def register_native(name: str, handler) -> None:
-    """Register a C function (ctypes) as the plugin's FFI handler for `name`, as pypjrt.ffi.register does for a
-    Python one: the FFI extension's register_handler, which calls the handler once for its metadata."""
-    from pypjrt._lock import dispatching
-
-    from plugin_run import device
-    plugin = device()._plugin
-    ext = plugin.require_extension("FFI")
-    name_b, platform = ctypes.create_string_buffer(name.encode()), ctypes.create_string_buffer(b"Host")
-    REGISTERED.extend((name_b, platform, handler))
-    args = plugin.args("PJRT_FFI_Register_Handler_Args", target_name=ctypes.cast(name_b, ctypes.c_void_p),
-                       target_name_size=len(name), handler=ctypes.cast(handler, ctypes.c_void_p),
-                       platform_name=ctypes.cast(platform, ctypes.c_void_p), platform_name_size=4, traits=0)
-    register = ctypes.cast(ext.address + 40, ctypes.POINTER(ctypes.c_void_p))[0]   # PJRT_FFI_Extension.register_handler
-    with dispatching():
-        err = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(register)(ctypes.byref(args))
-    if err:
-        raise plugin._to_exception(err)
 
 
 def medians(fns: dict, steps: int) -> dict:
@@ -127,13 +102,11 @@ def projections(so, rows: list[int], steps: int) -> None:
               f"{t['c'] / t['xla']:6.2f}x | {nbytes / t['xla'] / 1e9:8.1f} | {nbytes / t['c'] / 1e9:6.1f}")
 
 
-TARGET = "tlaloc_bench_decode_attention"
-
-
-def attention(so, rows: list[int], keys: list[int], context: int, steps: int) -> None:
+def attention(rows: list[int], keys: list[int], context: int, steps: int) -> None:
     import jax.numpy as jnp
 
-    from plugin_run import on_runtime
+    from plugin_run import device, on_runtime
+    from tlaloc_jax.kernels.paged_attention_native import NATIVE_DECODE_ATTENTION, native_decode_attention
     pa = importlib.import_module("tlaloc_jax.kernels.paged_attention")    # the package's name is the function
     L, S, H, K, D = 12, 16, 12, 4, 64
     M = context // S
@@ -143,39 +116,27 @@ def attention(so, rows: list[int], keys: list[int], context: int, steps: int) ->
         return [pa._decode_cpu(0.125, None, pa.CPU_DECODE_KEY_BLOCK, pa.CPU_SHARED_KEY_BLOCK, q, pool,
                                jnp.int32(layer), tables, positions, seq_lens, jnp.int32(0), None) for layer in range(L)]
 
-    register_native(TARGET, so.decode_attention_ffi)
+    def native_form(pool, q, tables, positions, seq_lens):
+        return [native_decode_attention(q, pool, layer, tables, positions, seq_lens, scale=0.125) for layer in range(L)]
 
-    def in_body(pool, q, tables, positions, seq_lens):    # the C kernel as a custom call inside the compiled body
-        import jax
-        call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-        return [call(q, pool, jnp.int32(layer), tables, seq_lens, jnp.float32(0.125)) for layer in range(L)]
-
+    device().register_native(NATIVE_DECODE_ATTENTION)
     print(f"\ndecode attention: {L} layers, {H} query / {K} KV heads of {D}, pages of {S}, context {context}")
-    print(f"{'rows':>5} {'keys':>5} | {'XLA (_decode_cpu)':>17} | {'C (ctypes)':>10} | {'C in the body':>13} | "
-          "ctypes / XLA | body / XLA")
+    print(f"{'rows':>5} {'keys':>5} | {'XLA (_decode_cpu)':>17} | {'C kernel (native)':>17} | C / XLA")
     for B in rows:
         for n in keys:
             P = B * M + 1
             pool = rng.standard_normal((L, 2, P, S, K, D), np.float32)
             q = rng.standard_normal((B, 1, H, D), np.float32)
             tables = np.array([rng.permutation(P - 1)[:M] for _ in range(B)], np.int32)
-            seq_lens = np.full((B,), n, np.int32)
-            args = (pool, q, tables, np.full((B, 1), n - 1, np.int32), seq_lens)
+            args = (pool, q, tables, np.full((B, 1), n - 1, np.int32), np.full((B,), n, np.int32))
             xla = on_runtime(xla_form, *args)
-            body = on_runtime(in_body, *args, custom_calls=(TARGET,))
-            out = np.empty((L, B, H, D), np.float32)
-
-            def c_form():
-                for layer in range(L):
-                    so.decode_attention(pool.ctypes.data, layer, P, S, K, D, q.ctypes.data, B, H, tables.ctypes.data,
-                                        M, seq_lens.ctypes.data, 0.125, out[layer].ctypes.data)
-            c_form()
-            want = np.stack([np.asarray(o).reshape(B, H, D) for o in xla()])
-            for got in (out, np.stack([np.asarray(o).reshape(B, H, D) for o in body()])):
-                assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), "the C attention differs from XLA's"
-            t = medians({"xla": xla, "c": c_form, "body": body}, steps)
-            print(f"{B:5d} {n:5d} | {t['xla'] * 1e3:14.2f} ms | {t['c'] * 1e3:7.2f} ms | {t['body'] * 1e3:10.2f} ms | "
-                  f"{t['c'] / t['xla']:11.2f}x | {t['body'] / t['xla']:9.2f}x")
+            body = on_runtime(native_form, *args, custom_calls=(NATIVE_DECODE_ATTENTION,))
+            want = np.stack([np.asarray(o) for o in xla()])
+            got = np.stack([np.asarray(o) for o in body()])
+            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), "the C attention differs from XLA's"
+            t = medians({"xla": xla, "body": body}, steps)
+            print(f"{B:5d} {n:5d} | {t['xla'] * 1e3:14.2f} ms | {t['body'] * 1e3:14.2f} ms | "
+                  f"{t['body'] / t['xla']:6.2f}x")
 
 
 def main(argv=None) -> None:
@@ -192,7 +153,7 @@ def main(argv=None) -> None:
         print(f"C: gcc -O3 -march=native, OpenMP on {os.cpu_count()} cores; XLA: the runtime's plugin")
         if not a.skip_projections:
             projections(so, [int(r) for r in a.projection_rows.split(",")], a.steps)
-        attention(so, [int(r) for r in a.rows.split(",")], [int(k) for k in a.keys.split(",")], a.context, a.steps)
+        attention([int(r) for r in a.rows.split(",")], [int(k) for k in a.keys.split(",")], a.context, a.steps)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
-#include <string.h>
 
 #include "xla/ffi/api/c_api.h"
 
@@ -38,17 +37,15 @@ static inline float exp_nonpositive(float x) {
   return p * scale.f;
 }
 
-/* One key or value of D elements as f32 (a bf16 pool's elements widened). */
-static inline void widen(const void *src, int bf16, int D, float *dst) {
-  if (!bf16) {
-    memcpy(dst, src, (size_t)D * sizeof(float));
-    return;
-  }
+/* One key or value of D elements as f32: an f32 pool's in place, a bf16 pool's widened into `room`. */
+static inline const float *as_f32(const void *src, int bf16, int D, float *room) {
+  if (!bf16) return (const float *)src;
   const uint16_t *h = (const uint16_t *)src;
   for (int d = 0; d < D; d++) {
     union { uint32_t i; float f; } u = {.i = (uint32_t)h[d] << 16};
-    dst[d] = u.f;
+    room[d] = u.f;
   }
+  return room;
 }
 
 typedef struct {
@@ -68,9 +65,10 @@ static void key_range(const Problem *a, int b, int *first, int *end) {
   *end = p < 0 ? 0 : n < a->M * a->S ? n : a->M * a->S;
 }
 
-/* Row b, KV head kh: its G query heads' outputs. */
-static void attend(const Problem *a, int b, int kh) {
-  const int G = a->H / a->K, D = a->D, S = a->S;
+/* Row b, KV head kh: its G query heads' outputs. Inlined with the common head sizes as constants (attend), so
+   that gcc unrolls the loops over a head. */
+static inline __attribute__((always_inline)) void attend_d(const Problem *a, int b, int kh, const int D) {
+  const int G = a->H / a->K, S = a->S;
   const size_t elem = a->bf16 ? 2 : 4, row = (size_t)a->K * D, page = (size_t)S * row, half = (size_t)a->P * page;
   const char *keys = (const char *)a->pool + (a->layer * 2 * half + (size_t)kh * D) * elem;
   const char *values = keys + half * elem;
@@ -94,12 +92,12 @@ static void attend(const Problem *a, int b, int kh) {
     float top[MAX_GROUP];
     for (int g = 0; g < G; g++) top[g] = m[g];
     for (int j = 0; j < n; j++) {
-      widen(keys + (at + (size_t)j * row) * elem, a->bf16, D, kv);
+      const float *k = as_f32(keys + (at + (size_t)j * row) * elem, a->bf16, D, kv);
       for (int g = 0; g < G; g++) {
         const float *qg = q + (size_t)g * D;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; d++) dot += qg[d] * kv[d];
+        for (int d = 0; d < D; d++) dot += qg[d] * k[d];
         dot *= a->scale;
         if (a->cap > 0) dot = a->cap * tanhf(dot / a->cap);
         s[g][j] = dot;
@@ -119,16 +117,24 @@ static void attend(const Problem *a, int b, int kh) {
       for (int d = 0; d < D; d++) acc[g][d] *= rescale;
     }
     for (int j = 0; j < n; j++) {
-      widen(values + (at + (size_t)j * row) * elem, a->bf16, D, kv);
+      const float *v = as_f32(values + (at + (size_t)j * row) * elem, a->bf16, D, kv);
       for (int g = 0; g < G; g++) {
         const float w = s[g][j];
-        for (int d = 0; d < D; d++) acc[g][d] += w * kv[d];
+        for (int d = 0; d < D; d++) acc[g][d] += w * v[d];
       }
     }
     j0 += n;
   }
   for (int g = 0; g < G; g++)
     for (int d = 0; d < D; d++) out[(size_t)g * D + d] = l[g] > 0 ? acc[g][d] / l[g] : 0.0f;
+}
+
+static void attend(const Problem *a, int b, int kh) {
+  switch (a->D) {
+    case 64: attend_d(a, b, kh, 64); break;
+    case 128: attend_d(a, b, kh, 128); break;
+    default: attend_d(a, b, kh, a->D);
+  }
 }
 
 static XLA_FFI_Error *refuse(const XLA_FFI_Api *api, const char *message) {
