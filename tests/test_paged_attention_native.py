@@ -67,6 +67,19 @@ def test_decode_matches_reference(H, K, dtype):
     check(call._replace(positions=jnp.full_like(call.positions, -1)))   # no live row: all 0
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_head_sizes_the_kernel_unrolls(head_dim):
+    """Head sizes 64 and 128, which the kernel compiles as constants, f32 and bf16 pools."""
+    bound = tol.bound(tol.attention_roundings(head_dim, M * S))
+    for dtype in (np.float32, jnp.bfloat16):
+        call = make_call(head_dim, EDGES, H=6, K=2, dtype=dtype, padding=(6,), head_dim=head_dim)
+        for window in (0, 5):
+            got = kernel(call, jnp.int32(window))
+            assert np.all(np.isfinite(got))
+            assert_within(relative_error(got, reference(call, jnp.int32(window))), bound,
+                          f"native decode, head size {head_dim}, {dtype}, window {window}")
+
+
 def test_soft_cap_and_sinks():
     """Soft-capped scores and sinks. Control: the same without the sinks is far off."""
     call = make_call(11, [1, 16, 17, 48, 0], H=4, K=2)
