@@ -18,7 +18,7 @@ from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
 from tlaloc_jax.config import SLIDING, DecoderConfig
 from tlaloc_jax.decoder import (DEFAULT_KEY_BLOCK, decoder_pools, final_hidden, forward, logits_from_hidden,
                                 supports_mixed_calls)
-from tlaloc_jax.kernels import paged_attention_gpu
+from tlaloc_jax.kernels import paged_attention_gpu, paged_attention_native
 from tlaloc_jax.layout import LAYOUTS, fuse_projections, out_major, unstack_layers
 from tlaloc_jax.paging import ring_pages_for
 from tlaloc_jax.sharding import ShardingError, local_config, shard_decoder_weights
@@ -48,6 +48,11 @@ def tensor_parallel_decoder(cfg: DecoderConfig, weights: dict, n: int) -> tuple[
 # The decode attention of cuda exports when none is asked for. A default is what a GPU run has measured correct and
 # faster: plain ops until `bench/gpu.py run` records the Pallas kernel's verdict in docs/gpu.md (its test reads it).
 CUDA_DECODE_ATTENTION = "xla"
+# The decode attention of cpu exports when none is asked for, where the model's attention fits it: the C kernel
+# (tlaloc_jax/native), measured faster than plain ops in the served step at 4 to 32 rows and equal at one
+# (bench/decode_forms.py, docs/cpu.md); the serving machine then needs a C compiler. Latent attention, fp8 KV
+# pools and head shapes it does not take get plain ops.
+CPU_DECODE_ATTENTION = "native"
 
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -84,10 +89,10 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     checkpoint's max_position_embeddings is refused unless allow_longer_context, which warns instead.
     prompt_logprobs: N adds a scoring prefill entry beside each prefill entry, returning per prompt position the
     next token's logprob and rank and the N top logprobs (see `stage`, PromptScorer); None adds none.
-    decode_attention: how decode entries attend over their pages: "xla" (plain ops; the default, CUDA_DECODE_ATTENTION
-    on cuda), "native" (a C kernel, tlaloc_jax/native; cpu only; the serving runtime builds it, and ring layers keep
-    plain ops) or "pallas" (the Pallas GPU kernel, lowered through Triton; cuda only). Prefill entries use plain ops
-    either way.
+    decode_attention: how decode entries attend over their pages: "xla" (plain ops), "native" (a C kernel,
+    tlaloc_jax/native; cpu only; the serving runtime builds it with its C compiler; ring layers keep plain ops) or
+    "pallas" (the Pallas GPU kernel, lowered through Triton; cuda only). None: CPU_DECODE_ATTENTION on cpu where the
+    model's attention fits it (else "xla"), CUDA_DECODE_ATTENTION on cuda. Prefill entries use plain ops either way.
     weight_quant "int8", "fp8" or "int4" (groups of quant_group input channels) stores the projections as codes
     and scales quantized from the checkpoint's f32 values (export/_quant.py); kv_dtype "float8_e4m3fn" stores the
     KV pools as e4m3fn codes.
@@ -100,7 +105,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     tensor_parallel: N > 1 stages every entry for N devices, each holding 1/N of the heads, KV heads, MLP width
     and experts (tlaloc_jax.sharding; docs/multi-device.md); a model whose counts do not divide is refused.
     """
-    decode_attention = decode_attention or (CUDA_DECODE_ATTENTION if platform == "cuda" else "xla")
+    asked = decode_attention
+    decode_attention = decode_attention or (CUDA_DECODE_ATTENTION if platform == "cuda" else CPU_DECODE_ATTENTION)
     if decode_attention not in ("native", "pallas", "xla"):
         raise ExportError(f"decode_attention {decode_attention!r} is not one of native, pallas, xla")
     if decode_attention == "native" and platform != "cpu":
@@ -147,6 +153,15 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         chunk = int(prefill_chunk or 0)
         ring = ring_pages_for(cfg.sliding_window, chunk or contexts[-1], block_size, contexts[-1] // block_size)
     pools = decoder_pools(cfg, windowed=windowed, kv_dtype=kv_np.name, ring_pages=ring)
+    if decode_attention == "native":
+        why = ("latent attention" if cfg.latent else
+               f"tensor_parallel {tensor_parallel} (the kernel is not run over a mesh yet)" if tensor_parallel > 1 else
+               paged_attention_native.refusal(1, shard_cfg.num_heads, shard_cfg.num_kv_heads, cfg.head_dim, kv_np))
+        if why and asked is None:
+            decode_attention = "xla"
+        elif why:
+            raise ExportError(f"the native decode-attention kernel cannot serve this model: {why}; export with "
+                              "decode_attention='xla' (--decode-attention xla)")
     if decode_attention != "xla" and cfg.latent:
         raise ExportError(f"the {decode_attention} decode-attention kernel has no latent-attention form "
                           f"({cfg.model_type}); export with decode_attention='xla' (--decode-attention xla)")

@@ -22,6 +22,7 @@ from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import random_weights, save_checkpoint
 from tlaloc_jax.decoder import forward, init_pools
 from tlaloc_jax.export import ExportError, check_custom_calls, custom_call_targets, export_checkpoint
+from tlaloc_jax.kernels.paged_attention_native import NATIVE_DECODE_ATTENTION
 from tlaloc_jax.export._artifact import CUDA_DECODE_ATTENTION
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.inputs import StepInputs
@@ -103,8 +104,9 @@ def test_cuda_default_is_the_recorded_verdict(checkpoint, tmp_path):
 def test_cuda_export_puts_the_triton_kernel_in_decode_bodies_only(checkpoint, tmp_path):
     """Lowered for cuda with the Pallas kernel on this CPU machine (no GPU, no CUDA plugin): each decode body (and
     each mixed body, whose decode rows attend with it) holds the Triton custom call (once, inside the layer scan,
-    for the ring layer and the full one alike), prefill bodies none; the same checkpoint exported for cpu holds no
-    custom call at all."""
+    for the ring layer and the full one alike), prefill bodies none; the same checkpoint exported for cpu holds the
+    native C kernel's call in the same bodies by default (its full layer; the ring layer keeps plain ops), and with
+    decode_attention 'xla' no custom call at all."""
     ladder = dict(batch_ladder=(1,), context_ladder=(32,), block_size=S, progress=False)
     cuda = export_checkpoint(checkpoint, tmp_path / "cuda", platform="cuda", decode_attention="pallas", **ladder)
     assert cuda.versions.platform == "cuda"
@@ -112,13 +114,21 @@ def test_cuda_export_puts_the_triton_kernel_in_decode_bodies_only(checkpoint, tm
     for e in cuda.entries:
         assert targets[e.name] == ({TRITON_CUSTOM_CALL} if e.kind in (af.EntryKind.DECODE, af.EntryKind.MIXED) else set()), e.name
     cpu = export_checkpoint(checkpoint, tmp_path / "cpu", platform="cpu", **ladder)
-    assert all(t == set() for t in _targets(tmp_path / "cpu", cpu).values())
+    assert cpu.versions.custom_calls == (NATIVE_DECODE_ATTENTION,)
+    targets = _targets(tmp_path / "cpu", cpu)
+    for e in cpu.entries:
+        assert targets[e.name] == ({NATIVE_DECODE_ATTENTION} if e.kind in (af.EntryKind.DECODE, af.EntryKind.MIXED)
+                                   else set()), e.name
+    plain = export_checkpoint(checkpoint, tmp_path / "plain", platform="cpu", decode_attention="xla", **ladder)
+    assert plain.versions.custom_calls == () and all(t == set() for t in _targets(tmp_path / "plain", plain).values())
 
 
 def test_decode_attention_choices_are_checked(checkpoint, tmp_path):
     with pytest.raises(ExportError, match="only the cuda plugin compiles; platform 'cpu' takes decode_attention 'xla'"):
         export_checkpoint(checkpoint, tmp_path / "a", platform="cpu", decode_attention="pallas", progress=False)
-    with pytest.raises(ExportError, match="decode_attention 'triton' is not one of pallas, xla"):
+    with pytest.raises(ExportError, match="decode_attention 'native' is a C kernel for the CPU; platform 'cuda'"):
+        export_checkpoint(checkpoint, tmp_path / "d", platform="cuda", decode_attention="native", progress=False)
+    with pytest.raises(ExportError, match="decode_attention 'triton' is not one of native, pallas, xla"):
         export_checkpoint(checkpoint, tmp_path / "b", platform="cuda", decode_attention="triton", progress=False)
     with pytest.raises(ExportError, match=r"Pallas GPU decode-attention kernel cannot serve this model: page size 6"):
         export_checkpoint(checkpoint, tmp_path / "c", platform="cuda", decode_attention="pallas", block_size=6,

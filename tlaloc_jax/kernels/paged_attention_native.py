@@ -32,17 +32,27 @@ def ctypes_fn(address: int):
     return ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(address)
 
 
+def refusal(tokens: int, heads: int, kv_heads: int, head_dim: int, pool_dtype) -> str | None:
+    """Why the kernel cannot take a call of this shape, or None."""
+    if tokens != 1:
+        return f"it takes one token a row, not {tokens}"
+    if heads % kv_heads or heads // kv_heads > 16:
+        return f"{heads} query heads over {kv_heads} KV heads: it takes at most 16 query heads a KV head"
+    if head_dim > 256:
+        return f"heads of {head_dim}: it takes heads of at most 256"
+    if jnp.dtype(pool_dtype) not in (jnp.float32, jnp.bfloat16):
+        return f"a {jnp.dtype(pool_dtype).name} pool: it reads f32 or bf16 pools"
+    return None
+
+
 def native_decode_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.Array, positions: jax.Array,
                             seq_lens: jax.Array, *, scale: float, window=None, soft_cap: float | None = None,
                             sinks: jax.Array | None = None) -> jax.Array:
     """paged_attention of one token a row (q [B, 1, H, D]) over kv_pool [L, 2, P, S, K, D] (f32 or bf16) by the C
     kernel. -> [B, 1, H, D] f32; 0 where nothing is seen. Refuses (ValueError) what the kernel does not take."""
-    B, T, H, D = q.shape
-    K = kv_pool.shape[4]
-    if T != 1 or H % K or H // K > 16 or D > 256 or kv_pool.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"native_decode_attention takes one token a row, at most 16 query heads a KV head, heads of "
-                         f"at most 256 and an f32 or bf16 pool; got q {q.shape}, pool {kv_pool.shape} "
-                         f"{kv_pool.dtype}")
+    why = refusal(q.shape[1], q.shape[2], kv_pool.shape[4], q.shape[3], kv_pool.dtype)
+    if why:
+        raise ValueError(f"native_decode_attention (the C kernel): {why}")
     register_in_process()
     return _native_decode(float(scale), float(soft_cap or 0.0), q, kv_pool, jnp.asarray(layer, jnp.int32),
                           block_tables, positions, seq_lens, _window_array(window), sinks)
