@@ -154,7 +154,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         ring = ring_pages_for(cfg.sliding_window, chunk or contexts[-1], block_size, contexts[-1] // block_size)
     pools = decoder_pools(cfg, windowed=windowed, kv_dtype=kv_np.name, ring_pages=ring)
     if decode_attention == "native":
-        why = ("latent attention" if cfg.latent else
+        why = (f"it has no latent-attention form ({cfg.model_type})" if cfg.latent else
                f"tensor_parallel {tensor_parallel} (the kernel is not run over a mesh yet)" if tensor_parallel > 1 else
                paged_attention_native.refusal(1, shard_cfg.num_heads, shard_cfg.num_kv_heads, cfg.head_dim, kv_np))
         if why and asked is None:
@@ -162,9 +162,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         elif why:
             raise ExportError(f"the native decode-attention kernel cannot serve this model: {why}; export with "
                               "decode_attention='xla' (--decode-attention xla)")
-    if decode_attention != "xla" and cfg.latent:
-        raise ExportError(f"the {decode_attention} decode-attention kernel has no latent-attention form "
-                          f"({cfg.model_type}); export with decode_attention='xla' (--decode-attention xla)")
+    if decode_attention == "pallas" and cfg.latent:
+        raise ExportError(f"the Pallas GPU decode-attention kernel has no latent-attention form ({cfg.model_type}); "
+                          "export with decode_attention='xla' (--decode-attention xla)")
     if decode_attention == "pallas":
         why = paged_attention_gpu.refusal(1, shard_cfg.num_heads, shard_cfg.num_kv_heads, cfg.head_dim, block_size,
                                           kv_np)

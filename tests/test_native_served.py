@@ -77,3 +77,15 @@ def test_a_machine_without_a_compiler_is_told_so(monkeypatch, tmp_path):
     with pytest.raises(native.NativeKernelError, match="built on the serving machine with a C compiler, and no-such-cc"
                                                        " does not run.*--decode-attention xla"):
         native.library(NATIVE_DECODE_ATTENTION)
+
+
+def test_pools_the_kernel_does_not_read_default_to_plain_ops(exported, tmp_path):
+    """An fp8 KV pool (which the kernel does not read): a cpu export that does not ask gets plain ops; one that asks
+    for the kernel is refused by name."""
+    from tlaloc_jax.export import ExportError, export_checkpoint
+    path, _ = exported
+    kw = dict(batch_ladder=(1,), context_ladder=(64,), block_size=8, kv_dtype="float8_e4m3fn", progress=False)
+    assert export_checkpoint(path, tmp_path / "default", **kw).versions.custom_calls == ()
+    with pytest.raises(ExportError, match="native decode-attention kernel cannot serve this model: a float8_e4m3fn "
+                                          "pool: it reads f32 or bf16 pools"):
+        export_checkpoint(path, tmp_path / "native", decode_attention="native", **kw)
