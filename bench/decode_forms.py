@@ -44,7 +44,7 @@ def main(argv=None) -> None:
         engines = {}
         for form in FORMS:
             export_checkpoint(tmp / "ck", tmp / form, batch_ladder=batches, context_ladder=(args.context,),
-                              prefill_max_batch=1, prefill_chunk=64, block_size=block, progress=False,
+                              prefill_max_batch=min(batches), prefill_chunk=64, block_size=block, progress=False,
                               weight_layout="per-layer", decode_attention=form)
             engines[form] = Engine.load(tmp / form, cache_dir=None, progress=False)
         width = args.context // block
