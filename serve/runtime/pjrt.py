@@ -258,8 +258,9 @@ class Device:
         except pjrt_errors.PjrtError as e:
             m = _MISSING_FFI_HANDLER.search(e.message)
             target = m.group(1) if m else None
-            hint = (f"; custom_call target {target} has no handler in {self._plugin.path.name}: "
-                    f"write that step in plain ops" if target else "")
+            hint = (f"; custom_call target {target} has no handler in {self._plugin.path.name}: " +
+                    ("a native kernel, which a manifest names in versions.custom_calls for the runtime to register"
+                     if target in native.KERNELS else "write that step in plain ops") if target else "")
             raise CompileError(f"{self._plugin.path.name} refused {label}: {e.message}{hint}",
                                body_sha256=digest, target=target) from e
         seconds = time.perf_counter() - t0

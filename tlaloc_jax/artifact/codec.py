@@ -16,8 +16,9 @@ from .errors import ManifestError
 MAX_JSON_DEPTH = 32
 
 
-# Fields a one-device artifact leaves unset and out of its JSON, so that it reads as it did before meshes.
-MESH_FIELDS = ("mesh", "partition", "shards")
+# Fields an artifact without the feature leaves unset and out of its JSON, so that it reads as it did before: meshes,
+# native kernels.
+UNSET_FIELDS = ("mesh", "partition", "shards", "custom_calls")
 
 
 def to_json(record: Any) -> str:
@@ -26,7 +27,7 @@ def to_json(record: Any) -> str:
 
 
 def record_json(record: Any) -> Any:
-    """A record (a dataclass) as JSON-ready values, without the mesh fields it leaves unset."""
+    """A record (a dataclass) as JSON-ready values, without the optional fields it leaves unset."""
     return _drop_unset(dataclasses.asdict(record))
 
 
@@ -36,7 +37,7 @@ def dumps(raw: Any) -> str:
 
 def _drop_unset(node: Any) -> Any:
     if isinstance(node, dict):
-        return {k: _drop_unset(v) for k, v in node.items() if not (k in MESH_FIELDS and not v)}
+        return {k: _drop_unset(v) for k, v in node.items() if not (k in UNSET_FIELDS and not v)}
     if isinstance(node, (list, tuple)):
         return [_drop_unset(v) for v in node]
     return node
