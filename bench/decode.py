@@ -206,7 +206,8 @@ def main(argv=None) -> None:
               f"jax {jax.__version__} on {jax.devices()[0].platform}")
 
         width = args.context // block
-        pages = [list(range(b * width, (b + 1) * width)) for b in range(max(batches))]
+        capacity = m.pool("kv").capacity         # rows past it share pages (a block table names pages in the pool)
+        pages = [[(b * width + j) % capacity for j in range(width)] for b in range(max(batches))]
         pos = args.context // 2
 
         def step_inputs(b, tokens=1, start=pos):
