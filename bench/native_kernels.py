@@ -60,7 +60,7 @@ def medians(fns: dict, steps: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def projections(so, rows: list[int], steps: int) -> None:
+def projections(so, rows: list[int], steps: int, blas: bool = True) -> None:
     import jax
 
     from plugin_run import on_runtime
@@ -96,9 +96,12 @@ def projections(so, rows: list[int], steps: int) -> None:
         want = xla()[0]
         got = chain(c_proj, silu, W, x)
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), "the C projection chain differs from XLA's"
-        t = medians({"xla": xla, "blas": lambda: chain(lambda a, w: a @ w.T, silu, W, x),
-                     "c": lambda: chain(c_proj, silu, W, x)}, steps)
-        print(f"{B:5d} | {t['xla'] * 1e3:10.2f} ms | {t['blas'] * 1e3:6.2f} ms | {t['c'] * 1e3:6.2f} ms | "
+        forms = {"xla": xla, "c": lambda: chain(c_proj, silu, W, x)}
+        if blas:      # (OpenBLAS's threads spin after a call, on the cores the next form needs)
+            forms["blas"] = lambda: chain(lambda a, w: a @ w.T, silu, W, x)
+        t = medians(forms, steps)
+        blas_ms = f"{t['blas'] * 1e3:6.2f} ms" if blas else f"{'-':>9}"
+        print(f"{B:5d} | {t['xla'] * 1e3:10.2f} ms | {blas_ms} | {t['c'] * 1e3:6.2f} ms | "
               f"{t['c'] / t['xla']:6.2f}x | {nbytes / t['xla'] / 1e9:8.1f} | {nbytes / t['c'] / 1e9:6.1f}")
 
 
@@ -147,13 +150,17 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=256, help="the entry's context bucket")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--skip-projections", action="store_true")
+    ap.add_argument("--no-blas", action="store_true", help="leave OpenBLAS out of the projections' forms")
+    ap.add_argument("--skip-attention", action="store_true")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         so = build(tmp)
         print(f"C: gcc -O3 -march=native, OpenMP on {os.cpu_count()} cores; XLA: the runtime's plugin")
         if not a.skip_projections:
-            projections(so, [int(r) for r in a.projection_rows.split(",")], a.steps)
-        attention([int(r) for r in a.rows.split(",")], [int(k) for k in a.keys.split(",")], a.context, a.steps)
+            projections(so, [int(r) for r in a.projection_rows.split(",")], a.steps, blas=not a.no_blas)
+        if not a.skip_attention:
+            attention([int(r) for r in a.rows.split(",")], [int(k) for k in a.keys.split(",")], a.context,
+                      a.steps)
 
 
 if __name__ == "__main__":
