@@ -27,7 +27,7 @@ HERE = Path(__file__).parent
 HEADER = HERE / "xla" / "ffi" / "api" / "c_api.h"
 # custom-call target -> its C file; the handler is the C function of the target's name.
 KERNELS = {"tlaloc_decode_attention_v1": "decode_attention.c"}
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")   # (OpenMP's simd pragmas only: no runtime)
 ENV_CACHE = "TLALOC_NATIVE_CACHE"
 # XLA's --xla_cpu_max_isa (which `make test-isa` sets) -> the same limit for the C kernels on x86-64.
 _X86_ISA = {"SSE4_2": "x86-64-v2", "AVX": "sandybridge", "AVX2": "haswell", "AVX512": "skylake-avx512"}
@@ -95,8 +95,5 @@ def handler(target: str) -> int:
     kept for the life of the process."""
     with _lock:
         if target not in _loaded:
-            # OpenMP's threads sleep between calls instead of spinning on the cores XLA's own threads need next
-            # (read when the OpenMP runtime starts; a setting of the caller's is kept).
-            os.environ.setdefault("OMP_WAIT_POLICY", "passive")
             _loaded[target] = ctypes.CDLL(str(library(target)))
         return ctypes.cast(getattr(_loaded[target], target), ctypes.c_void_p).value

@@ -1,16 +1,21 @@
 /* Paged decode attention for the CPU, as a typed XLA FFI handler (stablehlo.custom_call, api_version 4).
 
    One token a row attends over its sequence's pages with an online softmax, one (row, KV head) at a time for that
-   head's G query heads, the rows and heads split over OpenMP's threads. The semantics are paged_attention's with
+   head's G query heads. The semantics are paged_attention's with
    T = 1 (tlaloc_jax/kernels/paged_attention.py): row b's token at position p = positions[b] (-1: padding) sees key j
    iff j <= p, j < seq_lens[b] and, with a window W > 0, j > p - W; scores are q.k * scale, soft-capped as
    cap * tanh(s / cap) when cap > 0; a sink logit per query head joins the denominator with no value. A row that
-   sees nothing gives 0.
+   sees nothing gives 0. The (row, KV head) items run on XLA's own intra-op threads (the FFI thread pool), beside
+   the calling thread: threads of another pool would wait for cores XLA's threads hold.
 
    Operands: q [B, 1, H, D] f32; pool [L, 2, P, S, K, D] f32 or bf16; ints i32[2] = (layer, window);
    tables [B, M] i32; positions [B, 1] i32; seq_lens [B] i32; reals f32[2] = (scale, soft cap, 0 = none);
    optionally sinks [H] f32. Result [B, 1, H, D] f32. G <= MAX_GROUP, D <= MAX_HEAD_DIM. */
+#define _POSIX_C_SOURCE 200809L /* sched_yield */
 #include <math.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -74,7 +79,7 @@ static inline __attribute__((always_inline)) void attend_d(const Problem *a, int
   const char *values = keys + half * elem;
   const float *q = a->q + ((size_t)b * a->H + (size_t)kh * G) * D;
   float *out = a->out + ((size_t)b * a->H + (size_t)kh * G) * D;
-  float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_HEAD_DIM], kv[MAX_HEAD_DIM], s[MAX_GROUP][64];
+  float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_HEAD_DIM], kv[4][MAX_HEAD_DIM], s[MAX_GROUP][64];
   for (int g = 0; g < G; g++) {
     m[g] = a->sinks ? a->sinks[kh * G + g] : -INFINITY;
     l[g] = a->sinks ? 1.0f : 0.0f;
@@ -91,19 +96,45 @@ static inline __attribute__((always_inline)) void attend_d(const Problem *a, int
     const size_t at = (size_t)table[j0 / S] * page + (size_t)(j0 % S) * row;
     float top[MAX_GROUP];
     for (int g = 0; g < G; g++) top[g] = m[g];
-    for (int j = 0; j < n; j++) {
-      const float *k = as_f32(keys + (at + (size_t)j * row) * elem, a->bf16, D, kv);
+    /* Scores, four keys at a time: four independent sums keep the FMA units busy, where one sum a key waits on
+       each of its adds. */
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+      const float *k[4];
+      for (int r = 0; r < 4; r++) k[r] = as_f32(keys + (at + (size_t)(j + r) * row) * elem, a->bf16, D, kv[r]);
+      for (int g = 0; g < G; g++) {
+        const float *qg = q + (size_t)g * D;
+        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+        for (int d = 0; d < D; d++) {
+          d0 += qg[d] * k[0][d];
+          d1 += qg[d] * k[1][d];
+          d2 += qg[d] * k[2][d];
+          d3 += qg[d] * k[3][d];
+        }
+        s[g][j] = d0;
+        s[g][j + 1] = d1;
+        s[g][j + 2] = d2;
+        s[g][j + 3] = d3;
+      }
+    }
+    for (; j < n; j++) {
+      const float *k = as_f32(keys + (at + (size_t)j * row) * elem, a->bf16, D, kv[0]);
       for (int g = 0; g < G; g++) {
         const float *qg = q + (size_t)g * D;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int d = 0; d < D; d++) dot += qg[d] * k[d];
-        dot *= a->scale;
+        s[g][j] = dot;
+      }
+    }
+    for (int g = 0; g < G; g++)
+      for (j = 0; j < n; j++) {
+        float dot = s[g][j] * a->scale;
         if (a->cap > 0) dot = a->cap * tanhf(dot / a->cap);
         s[g][j] = dot;
         top[g] = dot > top[g] ? dot : top[g];
       }
-    }
     for (int g = 0; g < G; g++) {
       const float rescale = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - top[g]), t = top[g];
       float sum = 0.0f;
@@ -117,7 +148,7 @@ static inline __attribute__((always_inline)) void attend_d(const Problem *a, int
       for (int d = 0; d < D; d++) acc[g][d] *= rescale;
     }
     for (int j = 0; j < n; j++) {
-      const float *v = as_f32(values + (at + (size_t)j * row) * elem, a->bf16, D, kv);
+      const float *v = as_f32(values + (at + (size_t)j * row) * elem, a->bf16, D, kv[0]);
       for (int g = 0; g < G; g++) {
         const float w = s[g][j];
         for (int d = 0; d < D; d++) acc[g][d] += w * v[d];
@@ -135,6 +166,61 @@ static void attend(const Problem *a, int b, int kh) {
     case 128: attend_d(a, b, kh, 128); break;
     default: attend_d(a, b, kh, a->D);
   }
+}
+
+/* The call's (row, KV head) items, shared by the calling thread and the tasks it schedules on XLA's intra-op thread
+   pool: each claims items until none are left. The caller waits only for items another thread has claimed; a task
+   that starts later finds none. The last of them to let go frees it. */
+typedef struct {
+  Problem a;
+  int items;
+  atomic_int next, done, holders;
+} Work;
+
+static void let_go(Work *w) {
+  if (atomic_fetch_sub(&w->holders, 1) == 1) free(w);
+}
+
+static void run_items(Work *w) {
+  for (int i; (i = atomic_fetch_add(&w->next, 1)) < w->items; atomic_fetch_add(&w->done, 1))
+    attend(&w->a, i / w->a.K, i % w->a.K);
+}
+
+static void task(void *data) {
+  run_items((Work *)data);
+  let_go((Work *)data);
+}
+
+static void run_all(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx, const Problem *a, int items) {
+  int64_t threads = 1;
+  XLA_FFI_ThreadPool_NumThreads_Args n = {XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE, NULL, ctx, &threads};
+  XLA_FFI_Error *err = api->XLA_FFI_ThreadPool_NumThreads(&n);
+  Work *w = err || threads < 2 || items < 2 ? NULL : malloc(sizeof(Work));
+  if (err) {
+    XLA_FFI_Error_Destroy_Args d = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
+    api->XLA_FFI_Error_Destroy(&d);
+  }
+  if (!w) {   /* no pool (or one thread, or one item): this thread runs them all */
+    for (int i = 0; i < items; i++) attend(a, i / a->K, i % a->K);
+    return;
+  }
+  const int helpers = (int)(threads < items ? threads : items) - 1;
+  w->a = *a;
+  w->items = items;
+  atomic_init(&w->next, 0);
+  atomic_init(&w->done, 0);
+  atomic_init(&w->holders, 1 + helpers);
+  for (int h = 0; h < helpers; h++) {
+    XLA_FFI_ThreadPool_Schedule_Args t = {XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE, NULL, ctx, task, w};
+    if ((err = api->XLA_FFI_ThreadPool_Schedule(&t))) {   /* not scheduled: its share falls to the others */
+      XLA_FFI_Error_Destroy_Args d = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
+      api->XLA_FFI_Error_Destroy(&d);
+      let_go(w);
+    }
+  }
+  run_items(w);
+  while (atomic_load(&w->done) < items) sched_yield();
+  let_go(w);
 }
 
 static XLA_FFI_Error *refuse(const XLA_FFI_Api *api, const char *message) {
@@ -189,8 +275,6 @@ XLA_FFI_Error *tlaloc_decode_attention_v1(XLA_FFI_CallFrame *frame) {
       if (a.tables[(size_t)b * a.M + j / a.S] < 0 || a.tables[(size_t)b * a.M + j / a.S] >= a.P)
         return refuse(api, "tlaloc_decode_attention_v1: a block table names a page outside the pool");
   }
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int b = 0; b < B; b++)
-    for (int kh = 0; kh < K; kh++) attend(&a, b, kh);
+  run_all(api, frame->ctx, &a, B * K);
   return NULL;
 }
