@@ -46,3 +46,17 @@ def make_call(seed, lengths, *, H=4, K=2, layers=2, layer=1, dtype=np.float32, p
     q = rng.standard_normal((B, 1, H, D)).astype(np.float32)
     return Call(jnp.asarray(q), jnp.asarray(pool, dtype), layer, jnp.asarray(tables), jnp.asarray(positions),
                 jnp.asarray(lengths, jnp.int32))
+
+
+def assert_controls_fail(kernel, reference, bound: float) -> None:
+    """Plausible bugs a decode kernel's comparison with the reference catches, each far past `bound`: a causal length
+    one short, query head h reading KV head h % K instead of h // G. kernel, reference: (call, window) -> output."""
+    from tlaloc_jax.kernels.tolerances import relative_error
+    call = make_call(0, [20, 33, 9], H=4, K=2)
+    want = reference(call, jnp.int32(0))
+    short = call._replace(positions=jnp.where(call.positions > 0, call.positions - 1, call.positions))
+    assert relative_error(kernel(short, jnp.int32(0)), want) > 100 * bound
+    # Feed the kernel the heads in (g, k) order, and put its output back.
+    tiled = call.q.reshape(3, 1, 2, 2, D).transpose(0, 1, 3, 2, 4).reshape(3, 1, 4, D)
+    wrong = kernel(call._replace(q=tiled), jnp.int32(0)).reshape(3, 1, 2, 2, D).transpose(0, 1, 3, 2, 4)
+    assert relative_error(wrong.reshape(3, 1, 4, D), want) > 100 * bound

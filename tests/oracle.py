@@ -85,6 +85,16 @@ def check_greedy_batch(prompts: Sequence[Sequence[int]], got: Sequence[Sequence[
     return ties
 
 
+def check_served_greedy(engine, prompts: Sequence[Sequence[int]], oracles: Sequence[OracleRun], *, logit_bound: float,
+                        new: int) -> None:
+    """Through a serving Engine, each prompt alone and then all of them at once give the oracle's greedy ids
+    (near-tie rule; teacher forcing through the same engine)."""
+    next_token = engine_next_token(engine)
+    check_greedy_batch(prompts, [engine.generate([p], new)[0] for p in prompts], oracles, logit_bound=logit_bound,
+                       next_token=next_token)
+    check_greedy_batch(prompts, engine.generate(prompts, new), oracles, logit_bound=logit_bound, next_token=next_token)
+
+
 def engine_next_token(engine) -> Callable[[list[int]], int]:
     """Teacher forcing through a serving Engine (or an in-process Model): one greedy token after `ids`."""
     return lambda ids: engine.generate([ids], 1)[0][0]

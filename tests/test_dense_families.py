@@ -21,7 +21,7 @@ import pytest
 import tlaloc_jax
 from hf_models import assert_saved_back, build_checkpoint, load_hf_torch, torch_greedy
 from margins import assert_within
-from oracle import GreedyMismatch, check_greedy_batch, engine_next_token, kv_one_slot_off
+from oracle import GreedyMismatch, check_greedy_batch, check_served_greedy, engine_next_token, kv_one_slot_off
 from tlaloc_jax.checkpoint import load_checkpoint
 from tlaloc_jax.config import FULL, SLIDING, ConfigError
 from tlaloc_jax.families import config_from_hf
@@ -121,17 +121,11 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
                       prefill_chunk=32, prefill_long_chunk=0, progress=False)
     bound = tol.bound(tol.decoder_roundings_of(load_checkpoint(path)[0], context=128))
 
-    def check(eng):
-        next_token = engine_next_token(eng)
-        check_greedy_batch(prompts, [eng.generate([p], NEW)[0] for p in prompts], want, logit_bound=bound,
-                           next_token=next_token)
-        check_greedy_batch(prompts, eng.generate(prompts, NEW), want, logit_bound=bound, next_token=next_token)
-
     with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False) as eng:
-        check(eng)
+        check_served_greedy(eng, prompts, want, logit_bound=bound, new=NEW)
         kv_one_slot_off(monkeypatch)
         with pytest.raises(GreedyMismatch):
-            check(eng)
+            check_served_greedy(eng, prompts, want, logit_bound=bound, new=NEW)
 
 
 # ---------------------------------------------------------------------------------------------------

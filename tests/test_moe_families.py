@@ -29,7 +29,7 @@ import torch
 import tlaloc_jax
 from hf_models import assert_random_weights_round_trip, assert_saved_back, QWEN3_NEXT_MOE, build_checkpoint, load_hf_torch, torch_greedy
 from margins import assert_within
-from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
+from oracle import GreedyMismatch, check_greedy_batch, check_served_greedy, engine_next_token
 from tlaloc_jax.checkpoint import load_checkpoint, random_weights
 from tlaloc_jax.config import DENSE, FULL, SLIDING, SPARSE, ConfigError
 from tlaloc_jax.decoder import StepInputs, moe_spec
@@ -209,14 +209,8 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
         assert weights[f"layers.expert_down.{i}"].shape == (X, FX, E)
     bound = logit_bound(cfg)
 
-    def check(eng):
-        next_token = engine_next_token(eng)
-        check_greedy_batch(PROMPTS, [eng.generate([p], NEW)[0] for p in PROMPTS], want, logit_bound=bound,
-                           next_token=next_token)
-        check_greedy_batch(PROMPTS, eng.generate(PROMPTS, NEW), want, logit_bound=bound, next_token=next_token)
-
     with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
-        check(eng)
+        check_served_greedy(eng, PROMPTS, want, logit_bound=bound, new=NEW)
         for prompt, run in zip(PROMPTS, want):
             assert_within(relative_error(served_first_logits(eng, prompt, monkeypatch), run.logits[0]), bound,
                           f"{name} served, prompt of {len(prompt)}: first logits")
@@ -226,7 +220,7 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
         np.roll(arr, 1, axis=0).tofile(down)
     with Engine.load(art, cache_dir=serve_cache_dir, progress=False, trust_weights=True) as eng:
         with pytest.raises(GreedyMismatch):
-            check(eng)
+            check_served_greedy(eng, PROMPTS, want, logit_bound=bound, new=NEW)
 
 
 # ---------------------------------------------------------------------------------------------------

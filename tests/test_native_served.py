@@ -10,7 +10,7 @@ import json
 import pytest
 
 from hf_models import build_checkpoint, load_hf_torch, torch_greedy
-from oracle import GreedyMismatch, check_greedy_batch, engine_next_token, kv_one_slot_off
+from oracle import GreedyMismatch, check_served_greedy, kv_one_slot_off
 from tlaloc_jax import native
 from tlaloc_jax.checkpoint import load_checkpoint
 from tlaloc_jax.kernels import tolerances as tol
@@ -42,17 +42,11 @@ def test_served_gives_transformers_ids(exported, monkeypatch, serve_cache_dir):
     want = [torch_greedy(ref, p, NEW) for p in PROMPTS]
     bound = tol.bound(tol.decoder_roundings_of(load_checkpoint(path)[0], context=64))
 
-    def check(eng):
-        next_token = engine_next_token(eng)
-        check_greedy_batch(PROMPTS, [eng.generate([p], NEW)[0] for p in PROMPTS], want, logit_bound=bound,
-                           next_token=next_token)
-        check_greedy_batch(PROMPTS, eng.generate(PROMPTS, NEW), want, logit_bound=bound, next_token=next_token)
-
     with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
-        check(eng)
+        check_served_greedy(eng, PROMPTS, want, logit_bound=bound, new=NEW)
         kv_one_slot_off(monkeypatch)
         with pytest.raises(GreedyMismatch):
-            check(eng)
+            check_served_greedy(eng, PROMPTS, want, logit_bound=bound, new=NEW)
 
 
 def test_a_kernel_the_runtime_lacks_is_refused_at_load(exported, tmp_path):

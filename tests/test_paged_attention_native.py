@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decode_calls import D, M, S, make_call
+from decode_calls import D, M, S, assert_controls_fail, make_call
 from margins import assert_within
 from tlaloc_jax import native
 from tlaloc_jax.kernels import paged_attention_reference
@@ -102,13 +102,7 @@ def test_windows_skip_pages_left_behind():
 
 def test_controls_that_must_fail():
     """Plausible bugs the comparison catches: a causal length one short, a wrong GQA head mapping."""
-    call = make_call(0, [20, 33, 9], H=4, K=2)
-    want = reference(call, jnp.int32(0))
-    short = call._replace(positions=jnp.where(call.positions > 0, call.positions - 1, call.positions))
-    assert relative_error(kernel(short, jnp.int32(0)), want) > 100 * BOUND
-    tiled = call.q.reshape(3, 1, 2, 2, D).transpose(0, 1, 3, 2, 4).reshape(3, 1, 4, D)
-    wrong = kernel(call._replace(q=tiled), jnp.int32(0)).reshape(3, 1, 2, 2, D).transpose(0, 1, 3, 2, 4)
-    assert relative_error(wrong.reshape(3, 1, 4, D), want) > 100 * BOUND
+    assert_controls_fail(kernel, reference, BOUND)
 
 
 def test_a_page_outside_the_pool_is_refused_not_read():
