@@ -88,10 +88,11 @@ def main(argv=None) -> int:
     ap.add_argument("--platform", choices=["cpu", "cuda"], default="cpu",
                     help="platform the bodies are lowered for, one per artifact (default cpu)")
     ap.add_argument("--decode-attention", choices=["native", "pallas", "xla"], default=None,
-                    help="decode entries' paged attention: xla (plain ops; the default), native (a C kernel for the "
-                         "CPU, built and registered by the serving runtime: it needs a C compiler there; "
-                         "docs/cpu.md) or pallas (a Pallas GPU kernel lowered through Triton, cuda only; not the "
-                         "default until a GPU run shows it correct and faster: docs/gpu.md)")
+                    help="decode entries' paged attention: native (a C kernel for the CPU, built and registered by "
+                         "the serving runtime, which then needs a C compiler; cpu's default where the model fits it: "
+                         "docs/cpu.md), xla (plain ops; cuda's default) or pallas (a Pallas GPU kernel lowered "
+                         "through Triton, cuda only; not the default until a GPU run shows it correct and faster: "
+                         "docs/gpu.md)")
     ap.add_argument("--no-sampler", action="store_true",
                     help="stage the model's step alone, without the sampler in each entry (temperature, top-k, top-p, "
                          "min-p, penalties, logit bias, structured-output masks and logprobs computed in the body); the "
