@@ -83,3 +83,10 @@ def test_pools_the_kernel_does_not_read_default_to_plain_ops(exported, tmp_path)
     with pytest.raises(ExportError, match="native decode-attention kernel cannot serve this model: a float8_e4m3fn "
                                           "pool: it reads f32 or bf16 pools"):
         export_checkpoint(path, tmp_path / "native", decode_attention="native", **kw)
+
+
+def test_an_unwritable_build_folder_is_named(monkeypatch, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path / "a-file" / "native"))
+    with pytest.raises(native.NativeKernelError, match="cannot write its build to .*a-file/native.*TLALOC_NATIVE_CACHE"):
+        native.library(NATIVE_DECODE_ATTENTION)

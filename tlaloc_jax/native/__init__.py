@@ -78,8 +78,13 @@ def library(target: str) -> Path:
     out = cache_dir() / f"{target}-{key}.so"
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp_dir = tempfile.TemporaryDirectory(dir=out.parent)
+    except OSError as e:
+        raise NativeKernelError(f"native kernel {target!r}: cannot write its build to {out.parent} ({e}); set "
+                                f"${ENV_CACHE} to a writable folder") from e
+    with tmp_dir as tmp:
         built = Path(tmp) / out.name
         run = subprocess.run([*cc, *flags, f"-I{HERE}", str(source), "-o", str(built), "-lm"],
                              capture_output=True, text=True)
