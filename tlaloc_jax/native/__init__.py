@@ -3,8 +3,9 @@
 Each kernel is one C file here, its handler named as its custom-call target (the target carries a version: a
 changed operand contract is a new name). It is compiled on the machine that runs it, with the system C compiler
 (`$CC`, else `cc`), for that machine's instruction set, and kept in a cache folder keyed by the source, the flags and
-the compiler, as torch's inductor does for its CPU kernels. `xla/ffi/api/c_api.h` is XLA's FFI C API, vendored from
-jaxlib (Apache-2.0) so that a runtime without JAX can build the kernels; the tests check it against jaxlib's copy.
+the compiler, as torch's inductor does for its CPU kernels. `xla_ffi_c_api.h` is XLA's FFI C API (jaxlib's
+include/xla/ffi/api/c_api.h, Apache-2.0), vendored so that a runtime without JAX can build the kernels; the tests
+check it against jaxlib's copy.
 
 Who registers a handler: the runtime with its plugin (tlaloc_jax.serve.runtime.Device.register_native), jax with
 `tlaloc_jax.kernels.paged_attention_native` for in-process calls. Standard library only.
@@ -24,7 +25,7 @@ import threading
 from pathlib import Path
 
 HERE = Path(__file__).parent
-HEADER = HERE / "xla" / "ffi" / "api" / "c_api.h"
+HEADER = HERE / "xla_ffi_c_api.h"          # jaxlib's include/xla/ffi/api/c_api.h
 # custom-call target -> its C file; the handler is the C function of the target's name.
 KERNELS = {"tlaloc_decode_attention_v1": "decode_attention.c"}
 FLAGS = ("-O3", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")   # (OpenMP's simd pragmas only: no runtime)

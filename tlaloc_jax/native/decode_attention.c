@@ -20,7 +20,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "xla/ffi/api/c_api.h"
+#include "xla_ffi_c_api.h" /* XLA's xla/ffi/api/c_api.h, vendored */
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
