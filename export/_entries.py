@@ -104,28 +104,32 @@ def custom_call_targets(mlir_text: str) -> set[str]:
     return {a or b for a, b in _CUSTOM_CALL.findall(mlir_text)}
 
 
-def check_custom_calls(name: str, mlir_text: str, platform: str = "cpu") -> None:
-    """Refuse a body holding a custom call the `platform`'s standalone PJRT plugin cannot compile, by name."""
+def check_custom_calls(name: str, mlir_text: str, platform: str = "cpu") -> set[str]:
+    """Refuse a body holding a custom call the `platform`'s standalone PJRT plugin cannot compile, by name.
+    -> the custom-call targets the body holds."""
     allowed = PLUGIN_CUSTOM_CALLS | PLATFORM_CUSTOM_CALLS.get(platform, frozenset())
-    bad = sorted(custom_call_targets(mlir_text) - allowed)
+    targets = custom_call_targets(mlir_text)
+    bad = sorted(targets - allowed)
     if bad:
         only = sorted(p for p, targets in PLATFORM_CUSTOM_CALLS.items() if set(bad) <= targets)
         where = f" (only on {', '.join(only)})" if only else ""
         raise ExportError(f"entry {name!r} holds custom_call {', '.join(repr(b) for b in bad)}, which the {platform} "
                           f"PJRT plugin does not provide{where} (a JAX-free runtime cannot compile it); write that "
                           "step in plain ops")
+    return targets
 
 
 def check_body(name: str, exp: jax_export.Exported, inputs: list[af.TensorSig], outputs: list[af.TensorSig],
-               donations: tuple[tuple[int, int], ...] = (), platform: str = "cpu", devices: int = 1) -> None:
+               donations: tuple[tuple[int, int], ...] = (), platform: str = "cpu", devices: int = 1) -> set[str]:
     """The body's @main against the entry's signature: kept args, custom calls, shapes, dtypes, the pool
-    aliases; the same reading of @main the runtime does at load (tlaloc_jax.artifact.signature_mismatch)."""
+    aliases; the same reading of @main the runtime does at load (tlaloc_jax.artifact.signature_mismatch).
+    -> the custom-call targets the body holds."""
     if tuple(exp.module_kept_var_idx) != tuple(range(len(inputs))):
         dropped = sorted(set(range(len(inputs))) - set(exp.module_kept_var_idx))
         raise ExportError(f"entry {name!r}: jax.export dropped unused inputs "
                           f"{[inputs[i].slot or inputs[i].role for i in dropped]}")
     text = exp.mlir_module()
-    check_custom_calls(name, text, platform)
+    targets = check_custom_calls(name, text, platform)
     try:
         why = af.signature_mismatch(tuple(inputs), tuple(outputs), tuple(donations),
                                     af.main_signature(text, f"entry {name!r} body"), devices)
@@ -133,6 +137,7 @@ def check_body(name: str, exp: jax_export.Exported, inputs: list[af.TensorSig], 
         raise ExportError(str(e)) from None
     if why:
         raise ExportError(f"entry {name!r}: {why}")
+    return targets
 
 
 def export_fn(fn: Callable, avals, *, platform: str, donate: tuple[int, ...] = (),

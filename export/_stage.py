@@ -32,7 +32,7 @@ from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.paging import ring_pages_for
 from tlaloc_jax.pools import PagedKV, PoolSpec, RingKV, StateSlots
 
-from ._entries import EntrySpec, ExportError, check_body, custom_call_targets, export_fn, plan_entries
+from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entries
 from ._copy_slots import copy_slots_fn, copy_slots_signature
 from ._decode_steps import decode_steps_fn, decode_steps_signature
 from ._files import copy_tokenizer, write_body, write_program, write_weights
@@ -240,9 +240,10 @@ def _vocab(step: Callable, treedef, spec: EntrySpec, resolved: _ResolvedPools, b
 
 
 def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, donations, *, ring_pages: int,
-                 platform: str, block_size: int = 0, mesh=None) -> jax_export.Exported:
-    """jax.export one entry with its pools donated; checks the body against its signature. mesh: the AbstractMesh
-    the entry runs on (under shard_map, each argument split as its signature's partition says); None: one device.
+                 platform: str, block_size: int = 0, mesh=None) -> tuple[jax_export.Exported, set[str]]:
+    """jax.export one entry with its pools donated; checks the body against its signature. -> (the export, the
+    custom-call targets its body holds). mesh: the AbstractMesh the entry runs on (under shard_map, each argument
+    split as its signature's partition says); None: one device.
 
     jax.export drops arguments the function never reads. A weight or pool dropped that way is a mistake and
     is refused (check_body); a step input the model has no use for (a recurrent model needs no SEQ_LENS)
@@ -264,8 +265,7 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
     dropped = set(range(len(inputs))) - set(exp.module_kept_var_idx)
     if dropped and all(inputs[i].role in af.STEP_FIELDS for i in dropped):
         exp = export(keep_unused=True)
-    check_body(spec.name, exp, inputs, outputs, donations, platform, mesh_size(mesh))
-    return exp
+    return exp, check_body(spec.name, exp, inputs, outputs, donations, platform, mesh_size(mesh))
 
 
 def _copy_slots_entry(out: Path, resolved: _ResolvedPools, batch: int, platform: str, mesh=None) -> af.Entry:
@@ -355,10 +355,10 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
                                                      weight_parts)
         if spec.kind == af.EntryKind.DECODE_STEPS:
             inputs, outputs, donations = decode_steps_signature(inputs, outputs, batch=spec.batch, steps=spec.steps)
-        exp = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=resolved.ring_pages,
-                           platform=platform, block_size=block_size, mesh=mesh)
+        exp, targets = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=resolved.ring_pages,
+                                    platform=platform, block_size=block_size, mesh=mesh)
         calling_convention = int(exp.calling_convention_version)
-        native_calls |= custom_call_targets(exp.mlir_module()) & set(native.KERNELS)
+        native_calls |= targets & set(native.KERNELS)
         entry = af.Entry(name=spec.name, kind=af.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
                          tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp)),
                          program=f"programs/{spec.name}.json", inputs=tuple(inputs), outputs=tuple(outputs),
