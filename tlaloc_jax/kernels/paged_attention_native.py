@@ -8,6 +8,7 @@ when a call is traced. Semantics: paged_attention's with T = 1 over a full-histo
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import jax
@@ -23,13 +24,8 @@ NATIVE_DECODE_ATTENTION = "tlaloc_decode_attention_v1"
 @functools.cache
 def register_in_process(target: str = NATIVE_DECODE_ATTENTION) -> None:
     """Build the kernel here (once) and register it with jax's CPU backend."""
-    address = native.handler(target)
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes_fn(address)), platform="cpu")
-
-
-def ctypes_fn(address: int):
-    import ctypes
-    return ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(address)
+    handler = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(native.handler(target))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
 
 
 def refusal(tokens: int, heads: int, kv_heads: int, head_dim: int, pool_dtype) -> str | None:

@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void attend_d(const Problem *a, int
   const char *values = keys + half * elem;
   const float *q = a->q + ((size_t)b * a->H + (size_t)kh * G) * D;
   float *out = a->out + ((size_t)b * a->H + (size_t)kh * G) * D;
-  float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_HEAD_DIM], kv[4][MAX_HEAD_DIM], s[MAX_GROUP][64];
+  float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_HEAD_DIM], kv[MAX_HEAD_DIM], s[MAX_GROUP][64];
   for (int g = 0; g < G; g++) {
     m[g] = a->sinks ? a->sinks[kh * G + g] : -INFINITY;
     l[g] = a->sinks ? 1.0f : 0.0f;
@@ -96,45 +96,19 @@ static inline __attribute__((always_inline)) void attend_d(const Problem *a, int
     const size_t at = (size_t)table[j0 / S] * page + (size_t)(j0 % S) * row;
     float top[MAX_GROUP];
     for (int g = 0; g < G; g++) top[g] = m[g];
-    /* Scores, four keys at a time: four independent sums keep the FMA units busy, where one sum a key waits on
-       each of its adds. */
-    int j = 0;
-    for (; j + 4 <= n; j += 4) {
-      const float *k[4];
-      for (int r = 0; r < 4; r++) k[r] = as_f32(keys + (at + (size_t)(j + r) * row) * elem, a->bf16, D, kv[r]);
-      for (int g = 0; g < G; g++) {
-        const float *qg = q + (size_t)g * D;
-        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-        for (int d = 0; d < D; d++) {
-          d0 += qg[d] * k[0][d];
-          d1 += qg[d] * k[1][d];
-          d2 += qg[d] * k[2][d];
-          d3 += qg[d] * k[3][d];
-        }
-        s[g][j] = d0;
-        s[g][j + 1] = d1;
-        s[g][j + 2] = d2;
-        s[g][j + 3] = d3;
-      }
-    }
-    for (; j < n; j++) {
-      const float *k = as_f32(keys + (at + (size_t)j * row) * elem, a->bf16, D, kv[0]);
+    for (int j = 0; j < n; j++) {
+      const float *k = as_f32(keys + (at + (size_t)j * row) * elem, a->bf16, D, kv);
       for (int g = 0; g < G; g++) {
         const float *qg = q + (size_t)g * D;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int d = 0; d < D; d++) dot += qg[d] * k[d];
-        s[g][j] = dot;
-      }
-    }
-    for (int g = 0; g < G; g++)
-      for (j = 0; j < n; j++) {
-        float dot = s[g][j] * a->scale;
+        dot *= a->scale;
         if (a->cap > 0) dot = a->cap * tanhf(dot / a->cap);
         s[g][j] = dot;
         top[g] = dot > top[g] ? dot : top[g];
       }
+    }
     for (int g = 0; g < G; g++) {
       const float rescale = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - top[g]), t = top[g];
       float sum = 0.0f;
@@ -148,7 +122,7 @@ static inline __attribute__((always_inline)) void attend_d(const Problem *a, int
       for (int d = 0; d < D; d++) acc[g][d] *= rescale;
     }
     for (int j = 0; j < n; j++) {
-      const float *v = as_f32(values + (at + (size_t)j * row) * elem, a->bf16, D, kv[0]);
+      const float *v = as_f32(values + (at + (size_t)j * row) * elem, a->bf16, D, kv);
       for (int g = 0; g < G; g++) {
         const float w = s[g][j];
         for (int d = 0; d < D; d++) acc[g][d] += w * v[d];
