@@ -81,6 +81,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per variant")
     ap.add_argument("--plugin", default=None)
     ap.add_argument("--prefill", type=int, default=128, help="tokens of the timed prefill call (0: none)")
+    ap.add_argument("--projections", default="native,xla",
+                    help="the bf16 and quantized variants' projection forms (export --projections), each timed")
     args = ap.parse_args(argv)
     schemes = [s for s in args.weight_quant.split(",") if s and s != "none"]
 
@@ -95,16 +97,20 @@ def main(argv=None) -> None:
 
     hf = llama_config(args)
     block = 16
-    variants = [("f32", "float32", "none"), ("bf16", "bfloat16", "none")]
-    variants += [(f"{scheme_label(s, args.quant_group)} (bf16 rest)", "bfloat16", s) for s in schemes]
+    forms = args.projections.split(",")
+    variants = [("f32", "float32", "none", "xla")]
+    for form in forms:
+        variants += [(f"bf16, {form}", "bfloat16", "none", form)]
+        variants += [(f"{scheme_label(s, args.quant_group)} (bf16 rest), {form}", "bfloat16", s, form) for s in schemes]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         n_params = save_random_checkpoint(hf, tmp / "ck")
         engines, manifests = [], []
-        for i, (label, dtype, quant) in enumerate(variants):
+        for i, (label, dtype, quant, form) in enumerate(variants):
             m = export_checkpoint(tmp / "ck", tmp / f"art{i}", batch_ladder=(1,), context_ladder=(args.context,),
                                   prefill_max_batch=1, prefill_chunk=args.prefill or 16, block_size=block, progress=False,
-                                  weight_dtype_name=dtype, weight_quant=quant, quant_group=args.quant_group)
+                                  weight_dtype_name=dtype, weight_quant=quant, quant_group=args.quant_group,
+                                  projections=form)
             manifests.append(m)
             engines.append(Engine.load(tmp / f"art{i}", args.plugin, cache_dir=None, progress=False))
         print(f"model: llama, {n_params / 1e6:.1f}M parameters, {args.layers} layers, hidden {args.hidden}, "
@@ -119,11 +125,11 @@ def main(argv=None) -> None:
         times, cpu = [w for w, _ in wall_cpu], [c for _, c in wall_cpu]
         base_b, base_t = step_bytes(manifests[1], args.vocab), times[1]
         print()
-        print(f"{'weights':>22} | {'MiB a step':>10} | {'vs bf16':>7} | {'step ms':>8} | {'vs bf16':>7} | "
+        print(f"{'weights, projections':>30} | {'MiB a step':>10} | {'vs bf16':>7} | {'step ms':>8} | {'vs bf16':>7} | "
               f"{'vs f32':>6} | {'CPU ms':>7} | {'CPU vs f32':>10}")
-        for (label, _, _), m, t, c in zip(variants, manifests, times, cpu):
+        for (label, *_), m, t, c in zip(variants, manifests, times, cpu):
             b = step_bytes(m, args.vocab)
-            print(f"{label:>22} | {b / 2**20:10.2f} | {b / base_b:6.2f}x | {t * 1e3:8.2f} | {t / base_t:6.2f}x | "
+            print(f"{label:>30} | {b / 2**20:10.2f} | {b / base_b:6.2f}x | {t * 1e3:8.2f} | {t / base_t:6.2f}x | "
                   f"{t / times[0]:5.2f}x | {c * 1e3:7.2f} | {c / cpu[0]:9.2f}x")
         if args.prefill:
             pin = build_step_inputs([RowCall([7] * args.prefill, 0, list(range(width)))], batch=1,
@@ -133,7 +139,7 @@ def main(argv=None) -> None:
                                 for e, m in zip(engines, manifests)], max(3, args.steps // 3))
             print()
             print(f"prefill of {args.prefill} tokens: " + "; ".join(
-                f"{label} {args.prefill / t:.0f} tok/s ({pt[0] / t:.2f}x f32)" for (label, _, _), t in zip(variants, pt)))
+                f"{label} {args.prefill / t:.0f} tok/s ({pt[0] / t:.2f}x f32)" for (label, *_), t in zip(variants, pt)))
         for e in engines:
             e.close()
         if schemes:

@@ -1,51 +1,34 @@
-"""What a kernel written outside XLA buys the CPU decode step: plain C compiled here (gcc -O3 -march=native, OpenMP on
-every core) against the forms the decoder compiles, run through the serving runtime's plugin, interleaved in one
-process. Two parts of the step:
+"""What kernels written outside XLA buy the CPU decode step: the package's C kernels (tlaloc_jax/native), each a
+typed stablehlo.custom_call in a body the serving runtime's plugin compiled (the handler registered with it, as a
+served body has it), against the forms the decoder compiles otherwise, interleaved in one process. Two parts of
+the step:
 
-  - the 100M Llama's 12 layers of f32 projections (q|k|v, o, gate|up, down, weights out-major) at 1 to 64 rows:
-    XLA's form as the decoder writes it (tlaloc_jax.kernels.quantized_matmul.out_major_product), OpenBLAS through
-    numpy, and the C strip kernel that reads every weight once;
+  - the 100M Llama's 12 layers of projections (q|k|v, o, gate|up, down, weights out-major) at 1 to 64 rows, for
+    f32, bf16 and int8 weights: XLA's form as the decoder writes it (out_major_product) against the projection
+    kernel (tlaloc_jax/native/projection.c);
   - decode paged attention over 12 layers of 12 / 4 heads of 64, pages of 16 (the serving bench's 82M Llama):
-    tlaloc_jax.kernels.paged_attention._decode_cpu against the native kernel an artifact exported with
-    decode_attention "native" calls (tlaloc_jax/native/decode_attention.c), as a served body does: a typed
-    stablehlo.custom_call in a body the runtime compiled, the handler registered with its plugin.
+    tlaloc_jax.kernels.paged_attention._decode_cpu against the decode attention kernel
+    (tlaloc_jax/native/decode_attention.c).
 
-The projection kernel is bench/native_kernels.c. Each C result is checked against XLA's before it is timed.
+Each kernel's result is checked against XLA's before it is timed.
 
     python bench/native_kernels.py
     python bench/native_kernels.py --rows 32 --keys 200 --skip-projections
+    python bench/native_kernels.py --skip-attention --dtypes bf16,int8 --projection-rows 1,8,16
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# OpenMP's threads sleep between calls instead of spinning on the cores XLA's pool needs for the interleaved form.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import numpy as np  # noqa: E402
-
-SOURCE = Path(__file__).with_name("native_kernels.c")
-
-
-def build(out_dir: str) -> ctypes.CDLL:
-    lib = os.path.join(out_dir, "native_kernels.so")
-    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", lib, "-lm"],
-                   check=True)
-    so = ctypes.CDLL(lib)
-    p, i = ctypes.c_void_p, ctypes.c_int
-    so.projection.argtypes = [p, p, p, i, i, i]
-    return so
 
 
 def medians(fns: dict, steps: int) -> dict:
@@ -60,49 +43,54 @@ def medians(fns: dict, steps: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def projections(so, rows: list[int], steps: int, blas: bool = True) -> None:
+def projections(rows: list[int], dtypes: list[str], steps: int) -> None:
     import jax
+    import jax.numpy as jnp
 
-    from plugin_run import on_runtime
+    from plugin_run import device, on_runtime
+    from tlaloc_jax.kernels.projection_native import NATIVE_PROJECTION, native_projection
     from tlaloc_jax.kernels.quantized_matmul import out_major_product
     E, F, Q, L = 768, 2048, 768 + 2 * 256, 12
     rng = np.random.default_rng(0)
-    W = [[rng.standard_normal((o, i), np.float32) * 0.02 for o, i in ((Q, E), (E, E), (2 * F, E), (E, F))]
-         for _ in range(L)]
-    nbytes = sum(w.nbytes for layer in W for w in layer)
+    device().register_native(NATIVE_PROJECTION)
+    print(f"\nprojections: {L} layers, hidden {E}, intermediate {F}; weights out-major")
+    print(f"{'weights':>7} {'rows':>5} | {'XLA (decoder)':>13} | {'C kernel':>9} | C / XLA | XLA GB/s | C GB/s")
+    for name in dtypes:
+        dtype = {"f32": np.float32, "bf16": jnp.bfloat16, "int8": np.int8}[name]
+        W = []
+        for _ in range(L):
+            layer = [rng.standard_normal((o, i), np.float32) * 0.02 for o, i in ((Q, E), (E, E), (2 * F, E), (E, F))]
+            W.append([np.clip(np.round(w * 3000), -127, 127).astype(np.int8) if name == "int8"
+                      else np.asarray(jnp.asarray(w, dtype)) for w in layer])
+        nbytes = sum(w.nbytes for layer in W for w in layer)
+        scale = 1 / 3000 if name == "int8" else 1.0
 
-    def chain(proj, silu, ws, x):      # traced by JAX for XLA's form, run by numpy for the host ones
-        for wq, wo, wgu, wd in ws:
-            h = x + proj(proj(x, wq)[:, :E], wo)
-            g = proj(h, wgu)
-            x = h + proj(silu(g[:, :F]) * g[:, F:], wd)
-        return x
+        def chain(proj, ws, x):
+            for wq, wo, wgu, wd in ws:
+                h = x + proj(proj(x, wq)[:, :E], wo)
+                g = proj(h, wgu)
+                x = h + proj(jax.nn.silu(g[:, :F]) * g[:, F:], wd)
+            return x
 
-    def c_proj(x, w):
-        y = np.empty((x.shape[0], w.shape[0]), np.float32)
-        x = np.ascontiguousarray(x, np.float32)
-        so.projection(w.ctypes.data, x.ctypes.data, y.ctypes.data, x.shape[0], w.shape[0], w.shape[1])
-        return y
+        def xla_proj(a, w):    # as linear / quantized_matmul give it: a narrow float weight rounds its input
+            a = a.astype(w.dtype) if w.dtype == jnp.bfloat16 else a
+            return out_major_product(a, w, reduce_one_row=w.dtype != jnp.float32) * scale
 
-    def silu(v):
-        return v / (1.0 + np.exp(-v))
+        def c_proj(a, w):
+            a = a.astype(w.dtype) if w.dtype == jnp.bfloat16 else a
+            return native_projection(a, w) * scale
 
-    print(f"\nprojections: {L} layers, hidden {E}, intermediate {F}, {nbytes / 2**20:.0f} MiB of f32 weights")
-    print(f"{'rows':>5} | {'XLA (decoder)':>13} | {'OpenBLAS':>9} | {'C strips':>9} | C / XLA | XLA GB/s | C GB/s")
-    for B in rows:
-        x = rng.standard_normal((B, E), np.float32)
-        xla = on_runtime(lambda ws, x: chain(lambda a, w: out_major_product(a, w, reduce_one_row=False), jax.nn.silu,
-                                             ws, x), W, x)
-        want = xla()[0]
-        got = chain(c_proj, silu, W, x)
-        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), "the C projection chain differs from XLA's"
-        forms = {"xla": xla, "c": lambda: chain(c_proj, silu, W, x)}
-        if blas:      # (OpenBLAS's threads spin after a call, on the cores the next form needs)
-            forms["blas"] = lambda: chain(lambda a, w: a @ w.T, silu, W, x)
-        t = medians(forms, steps)
-        blas_ms = f"{t['blas'] * 1e3:6.2f} ms" if blas else f"{'-':>9}"
-        print(f"{B:5d} | {t['xla'] * 1e3:10.2f} ms | {blas_ms} | {t['c'] * 1e3:6.2f} ms | "
-              f"{t['c'] / t['xla']:6.2f}x | {nbytes / t['xla'] / 1e9:8.1f} | {nbytes / t['c'] / 1e9:6.1f}")
+        for B in rows:
+            x = rng.standard_normal((B, E), np.float32)
+            xla = on_runtime(lambda ws, x: chain(xla_proj, ws, x), W, x)
+            c = on_runtime(lambda ws, x: chain(c_proj, ws, x), W, x, custom_calls=(NATIVE_PROJECTION,))
+            want, got = np.asarray(xla()[0]), np.asarray(c()[0])
+            # (bf16: each projection rounds its input to bf16, where another summation order may round otherwise)
+            rel = 5e-2 if name == "bf16" else 1e-3
+            assert np.abs(got - want).max() <= rel * np.abs(want).max(), "the C projection chain differs from XLA's"
+            t = medians({"xla": xla, "c": c}, steps)
+            print(f"{name:>7} {B:5d} | {t['xla'] * 1e3:10.2f} ms | {t['c'] * 1e3:6.2f} ms | "
+                  f"{t['c'] / t['xla']:6.2f}x | {nbytes / t['xla'] / 1e9:8.1f} | {nbytes / t['c'] / 1e9:6.1f}")
 
 
 def attention(rows: list[int], keys: list[int], context: int, steps: int) -> None:
@@ -150,17 +138,14 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=256, help="the entry's context bucket")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--skip-projections", action="store_true")
-    ap.add_argument("--no-blas", action="store_true", help="leave OpenBLAS out of the projections' forms")
+    ap.add_argument("--dtypes", default="f32,bf16,int8", help="the projections' weight dtypes")
     ap.add_argument("--skip-attention", action="store_true")
     a = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        so = build(tmp)
-        print(f"C: gcc -O3 -march=native, OpenMP on {os.cpu_count()} cores; XLA: the runtime's plugin")
-        if not a.skip_projections:
-            projections(so, [int(r) for r in a.projection_rows.split(",")], a.steps, blas=not a.no_blas)
-        if not a.skip_attention:
-            attention([int(r) for r in a.rows.split(",")], [int(k) for k in a.keys.split(",")], a.context,
-                      a.steps)
+    print(f"{os.cpu_count()} cores; both forms through the runtime's plugin")
+    if not a.skip_projections:
+        projections([int(r) for r in a.projection_rows.split(",")], a.dtypes.split(","), a.steps)
+    if not a.skip_attention:
+        attention([int(r) for r in a.rows.split(",")], [int(k) for k in a.keys.split(",")], a.context, a.steps)
 
 
 if __name__ == "__main__":

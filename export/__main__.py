@@ -93,6 +93,10 @@ def main(argv=None) -> int:
                          "docs/cpu.md), xla (plain ops; cuda's default) or pallas (a Pallas GPU kernel lowered "
                          "through Triton, cuda only; not the default until a GPU run shows it correct and faster: "
                          "docs/gpu.md)")
+    ap.add_argument("--projections", choices=["native", "xla"], default=None,
+                    help="the projections of calls of a few rows: native (a C kernel for the CPU that widens bf16 and "
+                         "int8 weights in registers, built and registered by the serving runtime; cpu's default on "
+                         "one device: docs/cpu.md) or xla (XLA's own forms)")
     ap.add_argument("--no-sampler", action="store_true",
                     help="stage the model's step alone, without the sampler in each entry (temperature, top-k, top-p, "
                          "min-p, penalties, logit bias, structured-output masks and logprobs computed in the body); the "
@@ -159,7 +163,7 @@ def main(argv=None) -> int:
                               sampler=None if args.no_sampler else Sampler(args.top_logprobs, args.logit_bias_slots),
                               allow_longer_context=args.allow_longer_context,
                               prompt_logprobs=args.prompt_logprobs,
-                              decode_attention=args.decode_attention,
+                              decode_attention=args.decode_attention, projections=args.projections,
                               weight_quant=args.weight_quant, quant_group=args.quant_group,
                               decode_steps=args.decode_steps, mixed=False if args.no_mixed else None,
                               packed=False if args.no_packed else None,

@@ -53,6 +53,10 @@ CUDA_DECODE_ATTENTION = "xla"
 # (bench/decode_forms.py, docs/cpu.md); the serving machine then needs a C compiler. Latent attention, fp8 KV
 # pools and head shapes it does not take get plain ops.
 CPU_DECODE_ATTENTION = "native"
+# The projections of cpu exports when none is asked for: the C kernel where NATIVE_ROWS takes a call's rows and
+# weight dtype (bf16 and int8 weights, which XLA's forms read far below the read rate; f32 at one row), measured
+# faster than XLA's forms through the runtime's plugin (docs/cpu.md, "Kernels outside XLA").
+CPU_PROJECTIONS = "native"
 
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -68,7 +72,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       decode_attention: str | None = None, weight_layout: str = "per-layer",
                       weight_quant: str = "none", quant_group: int = 128, decode_steps: int = 1,
                       mixed: bool | None = None, packed: bool | None = None,
-                      tensor_parallel: int = 1) -> af.Manifest:
+                      tensor_parallel: int = 1, projections: str | None = None) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -93,6 +97,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     tlaloc_jax/native; cpu only; the serving runtime builds it with its C compiler; ring layers keep plain ops) or
     "pallas" (the Pallas GPU kernel, lowered through Triton; cuda only). None: CPU_DECODE_ATTENTION on cpu where the
     model's attention fits it (else "xla"), CUDA_DECODE_ATTENTION on cuda. Prefill entries use plain ops either way.
+    projections: "native" (the C kernel, tlaloc_jax/native/projection.c; cpu only, one device) for the calls whose
+    rows and weight dtype it takes (kernels.projection_native.NATIVE_ROWS), or "xla" (XLA's forms); None:
+    CPU_PROJECTIONS on cpu with one device, else "xla".
     weight_quant "int8", "fp8" or "int4" (groups of quant_group input channels) stores the projections as codes
     and scales quantized from the checkpoint's f32 values (export/_quant.py); kv_dtype "float8_e4m3fn" stores the
     KV pools as e4m3fn codes.
@@ -115,6 +122,12 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     if decode_attention == "pallas" and platform != "cuda":
         raise ExportError(f"decode_attention 'pallas' lowers through Triton, which only the cuda plugin compiles; "
                           f"platform {platform!r} takes decode_attention 'xla'")
+    if projections not in (None, "native", "xla"):
+        raise ExportError(f"projections {projections!r} is not one of native, xla")
+    if projections == "native" and (platform != "cpu" or tensor_parallel > 1):
+        raise ExportError("projections 'native' is a C kernel for the CPU on one device; "
+                          f"platform {platform!r} with tensor_parallel {tensor_parallel} takes projections 'xla'")
+    projections = projections or (CPU_PROJECTIONS if platform == "cpu" and tensor_parallel == 1 else "xla")
     contexts = sorted_ladder(context_ladder, "context ladder")
     if block_size <= 0 or attention_block % block_size:
         raise ExportError(f"attention block {attention_block} is not a multiple of the block size {block_size}")
@@ -177,7 +190,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                                               all_positions=True),
                      head=functools.partial(logits_from_hidden, shard_cfg),
                      last=functools.partial(forward, shard_cfg, key_block=attention_block, ring_pages=ring,
-                                            decode_attention=decode_attention))
+                                            decode_attention=decode_attention, projections=projections))
     kv_heads, head_dim = (1, cfg.latent_width) if cfg.latent else (cfg.num_kv_heads, cfg.head_dim)
     model = ModelInfo(name=name, model_type=cfg.model_type, tokenizer_dir=checkpoint_dir, embedding_slot="embed",
                       eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, layers=cfg.num_layers,

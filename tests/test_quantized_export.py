@@ -58,6 +58,7 @@ def quant_logit_bound(checkpoint, scheme: str, group: int = 0, context: int = 64
 def test_manifest_records_each_quantized_weight(int8_artifact):
     m = af.load_manifest(int8_artifact)
     assert m.model.name.endswith(":qint8")
+    assert "tlaloc_projection_v1" in m.versions.custom_calls     # served through the C projection kernel
     by_slot = {w.slot: w for w in m.weights}
     # The per-layer layout (tlaloc_jax.layout): q|k|v and gate|up fused, then quantized, one file per layer.
     layers = m.model.layers

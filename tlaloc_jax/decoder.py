@@ -15,6 +15,7 @@ from jax import lax
 from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels import (MoeSpec, causal_conv1d, causal_conv1d_update, gated_delta_rule_chunked,
                                 gated_delta_rule_recurrent, kv_cache_write, moe, paged_attention)
+from tlaloc_jax.kernels.projection_native import native_projections
 
 from .config import DENSE, FULL, LINEAR, SLIDING, DecoderConfig
 from .inputs import StepInputs
@@ -42,6 +43,7 @@ def decode_key_block(key_block: int, page_size: int) -> int:
 # "pallas", the Pallas GPU kernel (kernels.paged_attention_gpu, lowered through Triton: cuda only);
 # "pallas-interpret", that kernel in Pallas' interpreter (any platform, slow: for tests). Prefill calls use "xla".
 DECODE_ATTENTION = ("xla", "native", "pallas", "pallas-interpret")
+PROJECTIONS = ("xla", "native")
 # Tokens per chunk of the gated delta rule's prefill form.
 DELTA_CHUNK = 64
 
@@ -461,10 +463,14 @@ def logits_from_hidden(cfg: DecoderConfig, weights: Weights, x: jax.Array) -> ja
 
 def forward(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs | tuple[StepInputs, ...], *,
             key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
-            decode_attention: str = "xla") -> tuple[jax.Array, Pools]:
+            decode_attention: str = "xla", projections: str = "xla") -> tuple[jax.Array, Pools]:
     """One call: -> (logits of each row's last token [B, V] f32, updated pools). A tuple of StepInputs: one call of
-    several groups of rows (final_hidden), logits of every group's rows in order."""
-    x, pools = final_hidden(cfg, weights, pools, inputs, key_block=key_block, ring_pages=ring_pages,
-                            decode_attention=decode_attention)
-    return logits_from_hidden(cfg, weights, x), pools
+    several groups of rows (final_hidden), logits of every group's rows in order. projections: one of PROJECTIONS,
+    "native" for the C kernel where it takes the call's rows and weight dtype (kernels/projection_native.py)."""
+    if projections not in PROJECTIONS:
+        raise ValueError(f"projections {projections!r} is not one of {', '.join(PROJECTIONS)}")
+    with native_projections(projections == "native"):
+        x, pools = final_hidden(cfg, weights, pools, inputs, key_block=key_block, ring_pages=ring_pages,
+                                decode_attention=decode_attention)
+        return logits_from_hidden(cfg, weights, x), pools
 

@@ -43,6 +43,7 @@ import numpy as np
 from jax import lax
 
 from tlaloc_jax.artifact import QUANT_CODE_DTYPES, QUANT_GROUPS, QuantScheme, numpy_dtype
+from . import projection_native
 
 HIGHEST = lax.Precision.HIGHEST
 # The largest code of each scheme: int8 keeps 127 steps a side, e4m3fn's largest finite value is 448,
@@ -236,6 +237,8 @@ def out_major_product(flat: jax.Array, w: jax.Array, *, reduce_one_row: bool) ->
     full read speed; a bf16 or int8 weight's dot would first widen it into a weight-sized f32 buffer (6.5x the f32
     step on the runtime's XLA, bench/decode_quant.py), hence reduce_one_row for those."""
     rows = flat.shape[0]
+    if projection_native.takes(rows, w.dtype):     # the C kernel, where the exporter turned it on (cpu bodies)
+        return projection_native.native_projection(flat, w)
 
     def dot(flat, w):
         return lax.dot_general(flat, w.astype(flat.dtype), (((1,), (1,)), ((), ())), precision=HIGHEST,

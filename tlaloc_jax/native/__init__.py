@@ -27,8 +27,11 @@ from pathlib import Path
 HERE = Path(__file__).parent
 HEADER = HERE / "xla_ffi_c_api.h"          # jaxlib's include/xla/ffi/api/c_api.h
 # custom-call target -> its C file; the handler is the C function of the target's name.
-KERNELS = {"tlaloc_decode_attention_v1": "decode_attention.c"}
-FLAGS = ("-O3", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")   # (OpenMP's simd pragmas only: no runtime)
+KERNELS = {"tlaloc_decode_attention_v1": "decode_attention.c", "tlaloc_projection_v1": "projection.c"}
+# The export option that stages a body without the kernel (the way out where it cannot be built).
+WITHOUT = {"tlaloc_decode_attention_v1": "--decode-attention xla", "tlaloc_projection_v1": "--projections xla"}
+# OpenMP's simd pragmas only (no runtime); a * b + c contracted into an FMA (one rounding, as a dot's).
+FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
 ENV_CACHE = "TLALOC_NATIVE_CACHE"
 # XLA's --xla_cpu_max_isa (which `make test-isa` sets) -> the same limit for the C kernels on x86-64.
 _X86_ISA = {"SSE4_2": "x86-64-v2", "AVX": "sandybridge", "AVX2": "haswell", "AVX512": "skylake-avx512"}
@@ -64,7 +67,7 @@ def library(target: str) -> Path:
     if target not in KERNELS:
         raise NativeKernelError(f"native kernel {target!r} is not one this runtime has (it has "
                                 f"{', '.join(sorted(KERNELS))}): serve the artifact with a tlaloc-jax that has it, "
-                                "or export it with --decode-attention xla")
+                                "or export it without the kernels it lacks (--decode-attention xla, --projections xla)")
     source = HERE / KERNELS[target]
     cc = _compiler()
     flags = [*FLAGS, march()]
@@ -73,8 +76,9 @@ def library(target: str) -> Path:
     except (OSError, subprocess.CalledProcessError) as e:
         raise NativeKernelError(f"native kernel {target!r} is built on the serving machine with a C compiler, and "
                                 f"{shlex.join(cc)} does not run ({e}): install gcc or clang (or set $CC), or export "
-                                "the artifact with --decode-attention xla") from e
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), HEADER.read_bytes(), " ".join(flags).encode(),
+                                f"the artifact with {WITHOUT[target]}") from e
+    headers = [h.read_bytes() for h in sorted(HERE.glob("*.h"))]
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(flags).encode(),
                                      version.encode()])).hexdigest()[:24]
     out = cache_dir() / f"{target}-{key}.so"
     if out.is_file():

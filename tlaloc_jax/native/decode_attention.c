@@ -11,16 +11,11 @@
    Operands: q [B, 1, H, D] f32; pool [L, 2, P, S, K, D] f32 or bf16; ints i32[2] = (layer, window);
    tables [B, M] i32; positions [B, 1] i32; seq_lens [B] i32; reals f32[2] = (scale, soft cap, 0 = none);
    optionally sinks [H] f32. Result [B, 1, H, D] f32. G <= MAX_GROUP, D <= MAX_HEAD_DIM. */
-#define _POSIX_C_SOURCE 200809L /* sched_yield */
+#include "ffi_common.h"
+
 #include <math.h>
-#include <sched.h>
-#include <stdatomic.h>
-#include <stdlib.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdio.h>
-
-#include "xla_ffi_c_api.h" /* XLA's xla/ffi/api/c_api.h, vendored */
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -142,77 +137,14 @@ static void attend(const Problem *a, int b, int kh) {
   }
 }
 
-/* The call's (row, KV head) items, shared by the calling thread and the tasks it schedules on XLA's intra-op thread
-   pool: each claims items until none are left. The caller waits only for items another thread has claimed; a task
-   that starts later finds none. The last of them to let go frees it. */
-typedef struct {
-  Problem a;
-  int items;
-  atomic_int next, done, holders;
-} Work;
-
-static void let_go(Work *w) {
-  if (atomic_fetch_sub(&w->holders, 1) == 1) free(w);
-}
-
-static void run_items(Work *w) {
-  for (int i; (i = atomic_fetch_add(&w->next, 1)) < w->items; atomic_fetch_add(&w->done, 1))
-    attend(&w->a, i / w->a.K, i % w->a.K);
-}
-
-static void task(void *data) {
-  run_items((Work *)data);
-  let_go((Work *)data);
-}
-
-static void run_all(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx, const Problem *a, int items) {
-  int64_t threads = 1;
-  XLA_FFI_ThreadPool_NumThreads_Args n = {XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE, NULL, ctx, &threads};
-  XLA_FFI_Error *err = api->XLA_FFI_ThreadPool_NumThreads(&n);
-  Work *w = err || threads < 2 || items < 2 ? NULL : malloc(sizeof(Work));
-  if (err) {
-    XLA_FFI_Error_Destroy_Args d = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
-    api->XLA_FFI_Error_Destroy(&d);
-  }
-  if (!w) {   /* no pool (or one thread, or one item): this thread runs them all */
-    for (int i = 0; i < items; i++) attend(a, i / a->K, i % a->K);
-    return;
-  }
-  const int helpers = (int)(threads < items ? threads : items) - 1;
-  w->a = *a;
-  w->items = items;
-  atomic_init(&w->next, 0);
-  atomic_init(&w->done, 0);
-  atomic_init(&w->holders, 1 + helpers);
-  for (int h = 0; h < helpers; h++) {
-    XLA_FFI_ThreadPool_Schedule_Args t = {XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE, NULL, ctx, task, w};
-    if ((err = api->XLA_FFI_ThreadPool_Schedule(&t))) {   /* not scheduled: its share falls to the others */
-      XLA_FFI_Error_Destroy_Args d = {XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, NULL, err};
-      api->XLA_FFI_Error_Destroy(&d);
-      let_go(w);
-    }
-  }
-  run_items(w);
-  while (atomic_load(&w->done) < items) sched_yield();
-  let_go(w);
-}
-
-static XLA_FFI_Error *refuse(const XLA_FFI_Api *api, const char *message) {
-  XLA_FFI_Error_Create_Args e = {XLA_FFI_Error_Create_Args_STRUCT_SIZE, NULL, message,
-                                 XLA_FFI_Error_Code_INVALID_ARGUMENT};
-  return api->XLA_FFI_Error_Create(&e);
+/* Item i: row i / K, KV head i % K. */
+static void item(const void *problem, int i) {
+  const Problem *a = problem;
+  attend(a, i / a->K, i % a->K);
 }
 
 XLA_FFI_Error *tlaloc_decode_attention_v1(XLA_FFI_CallFrame *frame) {
-  for (XLA_FFI_Extension_Base *ext = frame->extension_start; ext; ext = ext->next)
-    if (ext->type == XLA_FFI_Extension_Metadata) {   /* XLA asks once, when the handler is registered */
-      XLA_FFI_Metadata *md = ((XLA_FFI_Metadata_Extension *)ext)->metadata;
-      md->api_version.major_version = XLA_FFI_API_MAJOR;
-      md->api_version.minor_version = XLA_FFI_API_MINOR;
-      md->traits = 0;
-      return NULL;
-    }
-  if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
+  if (answered_metadata(frame) || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
   const XLA_FFI_Api *api = frame->api;
   const int64_t nargs = frame->args.size;
   if ((nargs != 7 && nargs != 8) || frame->rets.size != 1)
@@ -249,6 +181,6 @@ XLA_FFI_Error *tlaloc_decode_attention_v1(XLA_FFI_CallFrame *frame) {
       if (a.tables[(size_t)b * a.M + j / a.S] < 0 || a.tables[(size_t)b * a.M + j / a.S] >= a.P)
         return refuse(api, "tlaloc_decode_attention_v1: a block table names a page outside the pool");
   }
-  run_all(api, frame->ctx, &a, B * K);
+  run_parallel(api, frame->ctx, item, &a, B * K);
   return NULL;
 }

@@ -1,0 +1,64 @@
+"""Projections of out-major weights through a C kernel on CPU (tlaloc_jax/native/projection.c).
+
+The kernel is a typed XLA FFI handler, called as `stablehlo.custom_call @tlaloc_projection_v1`; a served body that
+holds it names it in its manifest for the runtime to build and register (as the native decode attention). It
+widens a bf16 or int8 weight in registers, where XLA's dot first writes a weight-sized f32 copy and XLA's
+multiply-reduce runs far below the read rate; for f32 weights XLA's own forms are as fast (0.96-0.97x at 1 and 4
+rows, slower from 8).
+
+`native_projections()` turns it on while a function is traced (the exporter does so for cpu bodies staged with
+projections "native"); `out_major_product` then takes it for the rows and dtypes of NATIVE_ROWS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+
+from .paged_attention import _refuse_derivative
+from .paged_attention_native import register_in_process
+
+NATIVE_PROJECTION = "tlaloc_projection_v1"
+# Weight dtype -> the most rows a projection takes the kernel for (bench/native_kernels.py; docs/cpu.md, "Kernels
+# outside XLA"). int8: every decode-sized call (XLA's dot widens the codes into a weight-sized f32 copy first);
+# bf16: the calls XLA runs as a multiply-reduce (NARROW_REDUCE_ROWS; past them its dot takes bf16 operands, which
+# CPUs with bf16 dot instructions run faster); f32: none (XLA's forms are as fast).
+NATIVE_ROWS = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.int8): 64}
+
+_active = contextvars.ContextVar("tlaloc_native_projections", default=False)
+
+
+@contextlib.contextmanager
+def native_projections(on: bool = True):
+    """While tracing in this context, out-major projections take the C kernel where NATIVE_ROWS says."""
+    token = _active.set(on)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+def takes(rows: int, dtype) -> bool:
+    """Whether a projection of `rows` rows of a `dtype` weight, traced now, takes the kernel."""
+    return _active.get() and 0 < rows <= NATIVE_ROWS.get(jnp.dtype(dtype), 0)
+
+
+def native_projection(flat: jax.Array, w: jax.Array) -> jax.Array:
+    """flat: [M, I] (any float dtype, read as f32), w: [O, I] f32, bf16 or int8 -> [M, O] f32: sum_i flat[m, i]
+    w[o, i], w widened exactly, products and sums in f32 (out_major_product's semantics), by the C kernel."""
+    if jnp.dtype(w.dtype) not in NATIVE_ROWS:
+        raise ValueError(f"native_projection (the C kernel) reads f32, bf16 or int8 weights, not {w.dtype}")
+    register_in_process(NATIVE_PROJECTION)
+    return _native_projection(flat.astype(jnp.float32), w)
+
+
+@jax.custom_jvp
+def _native_projection(flat, w):
+    call = jax.ffi.ffi_call(NATIVE_PROJECTION, jax.ShapeDtypeStruct((flat.shape[0], w.shape[0]), jnp.float32))
+    return call(flat, w)
+
+
+_native_projection.defjvp(_refuse_derivative("native_projection"))

@@ -1,0 +1,194 @@
+/* The projection of an out-major weight for the CPU, as a typed XLA FFI handler (stablehlo.custom_call, api_version 4).
+
+   y[m, o] = sum_i x[m, i] w[o, i], the products and their sum in f32 (a dot's arithmetic), w widened exactly in
+   registers: out_major_product's semantics (tlaloc_jax/kernels/quantized_matmul.py) without the weight-sized f32
+   copy XLA's dot makes of a narrow weight, and with the register tiling XLA's multiply-reduce lacks at a few dozen
+   rows. A tile of MR input rows by NR weight rows keeps MR x NR vector accumulators along i (the weight row's
+   inputs are contiguous), summed across lanes at its end. Items (a block of outputs, by a block of rows when there
+   are many) run on XLA's intra-op threads.
+
+   Operands: x [M, I] f32; w [O, I] f32, bf16 or s8. Result [M, O] f32. */
+#include "ffi_common.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));         /* an unaligned load */
+typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
+typedef int8_t vb_u __attribute__((vector_size(VL), aligned(1)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+enum { F32, BF16, S8 };
+#define OUT_BLOCK 48  /* outputs an item computes */
+#define ROW_BLOCK 48  /* rows an item computes when there are more (a multiple of every MR) */
+
+typedef struct {
+  const float *x;
+  const void *w;
+  float *y;
+  int M, O, I, kind, out_blocks;
+} Problem;
+
+/* VL weights from w's row at element i, as f32. x86 has one instruction that widens a narrow vector in place;
+   gcc's generic conversions split it into halves, so those widenings are written with the intrinsics. */
+static inline vf load_w(const void *w, size_t at, int kind) {
+  if (kind == F32) return (vf) * (const vf_u *)((const float *)w + at);
+#if defined(__AVX512F__)
+  if (kind == BF16)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at))), 16);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + at))));
+#elif defined(__AVX2__)
+  if (kind == BF16)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + at))), 16);
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + at))));
+#else
+  if (kind == BF16) return (vf)(__builtin_convertvector(*(const vh_u *)((const uint16_t *)w + at), vu) << 16);
+  return __builtin_convertvector(__builtin_convertvector(*(const vb_u *)((const int8_t *)w + at), vi), vf);
+#endif
+}
+
+static inline float load_w1(const void *w, size_t at, int kind) {
+  if (kind == F32) return ((const float *)w)[at];
+  if (kind == BF16) {
+    const uint32_t bits = (uint32_t)((const uint16_t *)w)[at] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+  }
+  return (float)((const int8_t *)w)[at];
+}
+
+/* The sum of a vector's lanes, halving it. */
+static inline float lanes_sum(vf v) {
+  typedef float v4 __attribute__((vector_size(16)));
+#if VL == 16
+  typedef float v8 __attribute__((vector_size(32)));
+  const v8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+#elif VL == 8
+  const v4 h4 = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#else
+  const v4 h4 = v;
+#endif
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+#define MAX_MR 3
+#define MAX_NR 8
+/* Rows [m, m + MR) by weight rows [o, o + NR): MR x NR accumulators along i, the tail of i past a whole vector
+   one element at a time. MR, NR and kind are constants where it is inlined (the arrays have fixed sizes so that
+   the unrolled tile keeps them in registers). */
+static inline __attribute__((always_inline)) void tile(const Problem *p, int m, int o, const int MR, const int NR,
+                                                       const int kind) {
+  const int I = p->I, whole = I - I % VL;
+  vf acc[MAX_MR][MAX_NR];
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < NR; c++) acc[r][c] = (vf){0};
+  const float *x = p->x + (size_t)m * I;
+  const size_t w0 = (size_t)o * I;
+  for (int i = 0; i < whole; i += VL) {
+    vf xv[MAX_MR];
+    for (int r = 0; r < MR; r++) xv[r] = (vf) * (const vf_u *)(x + (size_t)r * I + i);
+    for (int c = 0; c < NR; c++) {
+      const vf wv = load_w(p->w, w0 + (size_t)c * I + i, kind);
+      for (int r = 0; r < MR; r++) acc[r][c] += xv[r] * wv;
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    for (int c = 0; c < NR; c++) {
+      float s = lanes_sum(acc[r][c]);
+      for (int i = whole; i < I; i++) s += x[(size_t)r * I + i] * load_w1(p->w, w0 + (size_t)c * I + i, kind);
+      p->y[(size_t)(m + r) * p->O + o + c] = s;
+    }
+}
+
+/* Row m by weight row o, four accumulators along i: a single row reads the weights in one sequential pass, row
+   after row, which the hardware prefetcher follows (short strided streams, as a tile of rows reads them, it does
+   not: an int8 weight's row is a few cache lines). */
+static inline __attribute__((always_inline)) void row_dot(const Problem *p, int m, int o, const int kind) {
+  const int I = p->I, whole = I - I % (4 * VL);
+  const float *x = p->x + (size_t)m * I;
+  const size_t w0 = (size_t)o * I;
+  vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+  for (int i = 0; i < whole; i += 4 * VL) {
+    a0 += (vf) * (const vf_u *)(x + i) * load_w(p->w, w0 + i, kind);
+    a1 += (vf) * (const vf_u *)(x + i + VL) * load_w(p->w, w0 + i + VL, kind);
+    a2 += (vf) * (const vf_u *)(x + i + 2 * VL) * load_w(p->w, w0 + i + 2 * VL, kind);
+    a3 += (vf) * (const vf_u *)(x + i + 3 * VL) * load_w(p->w, w0 + i + 3 * VL, kind);
+  }
+  float s = lanes_sum((a0 + a1) + (a2 + a3));
+  for (int i = whole; i < I; i++) s += x[i] * load_w1(p->w, w0 + i, kind);
+  p->y[(size_t)m * p->O + o] = s;
+}
+
+/* Rows [m0, m1) by outputs [o0, o1): for each tile of TR rows (kept in L1), the block's weight rows TC at a time
+   (the block's weights stay in L2 across row tiles). A single row has only its weight rows to keep the FMA units
+   busy: 1 x 8. Smaller tiles at the edges. */
+#define TR 3
+#define TC 3
+#define TILES(kind)                                                                                         \
+  static void block_##kind(const Problem *p, int m0, int m1, int o0, int o1) {                             \
+    if (m1 - m0 == 1) {                                                                                    \
+      for (int o = o0; o < o1; o++) row_dot(p, m0, o, kind);                                                \
+      return;                                                                                              \
+    }                                                                                                      \
+    int m = m0;                                                                                            \
+    for (; m + TR <= m1; m += TR) {                                                                        \
+      int o = o0;                                                                                          \
+      for (; o + TC <= o1; o += TC) tile(p, m, o, TR, TC, kind);                                            \
+      for (; o < o1; o++) tile(p, m, o, TR, 1, kind);                                                       \
+    }                                                                                                      \
+    for (; m < m1; m++) {                                                                                  \
+      int o = o0;                                                                                          \
+      for (; o + 8 <= o1; o += 8) tile(p, m, o, 1, 8, kind);                                                \
+      for (; o < o1; o++) tile(p, m, o, 1, 1, kind);                                                        \
+    }                                                                                                      \
+  }
+TILES(F32)
+TILES(BF16)
+TILES(S8)
+
+static void item(const void *problem, int i) {
+  const Problem *p = problem;
+  const int ob = i % p->out_blocks, mb = i / p->out_blocks;
+  const int o0 = ob * OUT_BLOCK, o1 = o0 + OUT_BLOCK < p->O ? o0 + OUT_BLOCK : p->O;
+  const int m0 = mb * ROW_BLOCK, m1 = m0 + ROW_BLOCK < p->M ? m0 + ROW_BLOCK : p->M;
+  if (p->kind == F32) block_F32(p, m0, m1, o0, o1);
+  else if (p->kind == BF16) block_BF16(p, m0, m1, o0, o1);
+  else block_S8(p, m0, m1, o0, o1);
+}
+
+XLA_FFI_Error *tlaloc_projection_v1(XLA_FFI_CallFrame *frame) {
+  if (answered_metadata(frame) || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
+  const XLA_FFI_Api *api = frame->api;
+  if (frame->args.size != 2 || frame->rets.size != 1 || frame->args.types[0] != XLA_FFI_ArgType_BUFFER ||
+      frame->args.types[1] != XLA_FFI_ArgType_BUFFER)
+    return refuse(api, "tlaloc_projection_v1: takes two arrays and gives one");
+  XLA_FFI_Buffer *x = frame->args.args[0], *w = frame->args.args[1], *y = frame->rets.rets[0];
+  const int kind = w->dtype == XLA_FFI_DataType_F32 ? F32 : w->dtype == XLA_FFI_DataType_BF16 ? BF16
+                   : w->dtype == XLA_FFI_DataType_S8 ? S8 : -1;
+  if (x->rank != 2 || w->rank != 2 || y->rank != 2 || x->dtype != XLA_FFI_DataType_F32 || kind < 0 ||
+      y->dtype != XLA_FFI_DataType_F32)
+    return refuse(api, "tlaloc_projection_v1: operands differ from x [M, I] f32, w [O, I] f32, bf16 or s8");
+  const int M = (int)x->dims[0], I = (int)x->dims[1], O = (int)w->dims[0];
+  if (w->dims[1] != I || y->dims[0] != M || y->dims[1] != O)
+    return refuse(api, "tlaloc_projection_v1: x [M, I], w [O, I] and the result [M, O] do not agree");
+  const int out_blocks = (O + OUT_BLOCK - 1) / OUT_BLOCK, row_blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+  const Problem p = {x->data, w->data, y->data, M, O, I, kind, out_blocks};
+  run_parallel(api, frame->ctx, item, &p, out_blocks * row_blocks);
+  return NULL;
+}
