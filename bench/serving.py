@@ -243,7 +243,15 @@ async def run_cell(server: Server, model: str, a, cell: Cell, seed: int) -> dict
                 itl_p50=_pct(itl, 50), itl_p99=_pct(itl, 99), errors=len(errors), first_error=errors[:1],
                 preemptions=_metric(delta, "vllm:num_preemptions_total"),
                 prefix_hits=_metric(delta, "vllm:prefix_cache_hits_total"),
-                prefix_queries=_metric(delta, "vllm:prefix_cache_queries_total"), wall=wall)
+                prefix_queries=_metric(delta, "vllm:prefix_cache_queries_total"), wall=wall,
+                server_ttft=_mean(delta, "vllm:time_to_first_token_seconds"),
+                server_queue=_mean(delta, "vllm:request_queue_time_seconds"))
+
+
+def _mean(delta: dict, histogram: str) -> float:
+    """A histogram's mean over the cell, as the server measured it (both servers export vLLM's names)."""
+    n = delta.get(f"{histogram}_count", 0.0)
+    return delta.get(f"{histogram}_sum", 0.0) / n if n else float("nan")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -286,7 +294,8 @@ def fmt(r: dict) -> str:
     err = f", {r['errors']} errors {r['first_error']}" if r["errors"] else ""
     return (f"{r['tok_s']:7.1f} tok/s | TTFT p50 {r['ttft_p50'] * 1e3:6.0f} ms p99 {r['ttft_p99'] * 1e3:6.0f} ms | "
             f"ITL p50 {r['itl_p50'] * 1e3:5.1f} ms p99 {r['itl_p99'] * 1e3:6.1f} ms | preempt {r['preemptions']:.0f} | "
-            f"prefix hits {hit}{err}")
+            f"prefix hits {hit} | server: TTFT mean {r['server_ttft'] * 1e3:.0f} ms, queue "
+            f"{r['server_queue'] * 1e3:.0f} ms{err}")
 
 
 def main(argv=None) -> None:
@@ -358,7 +367,7 @@ def main(argv=None) -> None:
 def report(cells, servers, results, a, uncached=None) -> None:
     med = {k: {f: statistics.median(r[f] for r in rs) for f in ("tok_s", "ttft_p50", "ttft_p99", "itl_p50",
                                                                     "itl_p99", "preemptions", "prefix_hits",
-                                                                    "prefix_queries", "errors")}
+                                                                    "prefix_queries", "errors", "server_ttft", "server_queue")}
            for k, rs in results.items()}
     names = [s.name for s in servers]
     print("\n| cell | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | preemptions | prefix hits |")
