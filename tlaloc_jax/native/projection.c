@@ -136,8 +136,8 @@ static inline __attribute__((always_inline)) void row_dot(const Problem *p, int 
 }
 
 /* Rows [m0, m1) by outputs [o0, o1): for each tile of TR rows (kept in L1), the block's weight rows TC at a time
-   (the block's weights stay in L2 across row tiles). A single row has only its weight rows to keep the FMA units
-   busy: 1 x 8. Smaller tiles at the edges. */
+   (the block's weights stay in L2 across row tiles); a single row, row_dot over each weight row. A row left over
+   past the tiles of TR takes 1 x 8 tiles (8 weight rows to keep the FMA units busy), the last outputs 1 x 1. */
 #define TR 3
 #define TC 3
 #define TILES(kind)                                                                                         \
