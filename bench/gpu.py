@@ -125,6 +125,9 @@ def stage_packages(kit: Path) -> None:
     for dst, src in PACKAGES.items():
         shutil.copytree(ROOT / src, kit / "pkg" / dst, ignore=ignore, dirs_exist_ok=True)
     shutil.copytree(Path(pypjrt.__file__).parent, kit / "site" / "pypjrt", ignore=ignore)
+    # its metadata too: the runtime checks pypjrt's version (serve/runtime/pypjrt_compat.check_version)
+    for info in Path(pypjrt.__file__).parent.parent.glob("pypjrt-*.dist-info"):
+        shutil.copytree(info, kit / "site" / info.name, ignore=ignore)
 
 
 def make_kit(kit: Path, models, variants, platform: str, tensor_parallel=()) -> None:
@@ -207,65 +210,66 @@ def interleaved(fns: dict, steps: int, rounds: int = 3) -> dict:
 
 
 def stage_runtime(arts: list[Path], plugin: str | None, steps: int) -> None:
-    """The JAX-free runtime: every variant of a model loaded at once, each entry's variants alternated."""
+    """The JAX-free runtime: the variants of a model one after another (pypjrt keeps one accelerator client a
+    process), each entry timed and its logits kept, then every variant's logits compared with plain ops'."""
     import numpy as np
     from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine
-    engines = {}
+    logits, ms, plan = {}, {}, None
     for art in arts:   # a variant the plugin refuses (say, Triton IR it cannot read) is reported, the rest timed
         t0 = time.perf_counter()
         try:
-            engines[art.name] = Engine.load(art, plugin, cache_dir=f"/tmp/tlaloc-gpu-bench-cache/{art.name}",
-                                            progress=False, trust_weights=True, memory_fraction=0.9 / len(arts))
+            eng = Engine.load(art, plugin, cache_dir=f"/tmp/tlaloc-gpu-bench-cache/{art.name}", progress=False,
+                              trust_weights=True, memory_fraction=0.9)
         except Exception as e:
             result(stage="runtime", what="error", art=art.name, error=f"{type(e).__name__}: {e}"[:3000])
             continue
         result(stage="runtime", what="load", art=art.name, seconds=round(time.perf_counter() - t0, 1),
-               platform=engines[art.name].device.platform_name)
-    if not engines:
-        return
-    first = next(iter(engines.values()))
-    for entry, tokens, start in entry_plan(first.manifest):
-        inp = step_inputs(first.manifest, entry.batch, tokens, start)
-        # One step with logits from each variant: their agreement with plain ops' (same pools, same inputs).
-        logits = {k: np.asarray(e.runner.run(_entry(e, entry.name), inp, {Role.LOGITS})[Role.LOGITS], np.float32)
-                  for k, e in engines.items()}
-        ref = next((v for k, v in logits.items() if k.endswith("-xla")), next(iter(logits.values())))
+               platform=eng.device.platform_name)
+        plan = plan or list(entry_plan(eng.manifest))
+        for entry, tokens, start in plan:
+            # A fresh copy of the inputs for each variant: the same step (same pools' state, same inputs).
+            inp = step_inputs(eng.manifest, entry.batch, tokens, start)
+            e = _entry(eng, entry.name)
+            logits[art.name, entry.name] = np.asarray(eng.runner.run(e, inp, {Role.LOGITS})[Role.LOGITS], np.float32)
+            ms[art.name, entry.name] = interleaved({0: lambda: eng.runner.run(e, inp, {Role.NEXT_TOKEN})},
+                                                   steps if entry.kind == "decode" else max(3, steps // 3))[0]
+        eng.close()
+    names = [art.name for art in arts if any(k[0] == art.name for k in ms)]
+    for entry, tokens, start in plan or []:
+        ref_name = next((k for k in names if k.endswith("-xla")), names[0])
+        ref = logits[ref_name, entry.name]
         scale = float(np.max(np.abs(ref))) or 1.0
         ref_ids = ref.argmax(-1)
-        fns = {k: (lambda e=e: e.runner.run(_entry(e, entry.name), inp, {Role.NEXT_TOKEN})) for k, e in engines.items()}
-        ms = interleaved(fns, steps if entry.kind == "decode" else max(3, steps // 3))
-        for k in engines:
-            ids = logits[k].argmax(-1)
+        for k in names:
+            ids = logits[k, entry.name].argmax(-1)
             # Where a row's greedy id differs from plain ops', plain ops' own gap between the two (a near-tie is
             # one within twice the tolerance model's bound: judged by `verdict`).
             gaps = [float(ref[r, ref_ids[r]] - ref[r, ids[r]]) / scale for r in range(len(ids)) if ids[r] != ref_ids[r]]
             result(stage="runtime", art=k, entry=entry.name, kind=str(entry.kind), batch=entry.batch, tokens=tokens,
-                   position=start, ms=round(ms[k], 3),
-                   max_logit_diff=round(float(np.max(np.abs(logits[k] - ref))) / scale, 6), id_gaps=gaps)
-    for e in engines.values():
-        e.close()
+                   position=start, ms=round(ms[k, entry.name], 3),
+                   max_logit_diff=round(float(np.max(np.abs(logits[k, entry.name] - ref))) / scale, 6), id_gaps=gaps)
 
 
 def stage_serving(arts: list[Path], plugin: str | None, clients: list[int], output: int, prompt: int) -> None:
     """A serving load through the scheduler (Engine.add_request / step, JAX-free): `n` requests at once of a
     `prompt`-token prompt (a shared half, then ids of their own) and `output` greedy tokens each, for each n in
-    `clients`; the variants alternate by cell. Per cell: output tokens/s, time to first token p50 and p99, and
+    `clients`; the variants one after another. Per cell: output tokens/s, time to first token p50 and p99, and
     inter-token time p50 as the requests see them."""
     import numpy as np
     from tlaloc_jax.serve import Engine
-    engines = {}
-    for art in arts:
-        try:
-            engines[art.name] = Engine.load(art, plugin, cache_dir=f"/tmp/tlaloc-gpu-bench-cache/{art.name}",
-                                            progress=False, trust_weights=True, memory_fraction=0.9 / len(arts))
-        except Exception as e:
-            result(stage="serving", what="error", art=art.name, error=f"{type(e).__name__}: {e}"[:3000])
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 1000, prompt // 2).tolist()
-    for n in clients:
-        prompts = [shared + rng.integers(3, 1000, prompt - len(shared)).tolist() for _ in range(n)]
-        for name, eng in engines.items():
+    cells = [(n, [shared + rng.integers(3, 1000, prompt - len(shared)).tolist() for _ in range(n)]) for n in clients]
+    for art in arts:      # one at a time: pypjrt keeps one accelerator client a process
+        try:
+            eng = Engine.load(art, plugin, cache_dir=f"/tmp/tlaloc-gpu-bench-cache/{art.name}", progress=False,
+                              trust_weights=True, memory_fraction=0.9)
+        except Exception as e:
+            result(stage="serving", what="error", art=art.name, error=f"{type(e).__name__}: {e}"[:3000])
+            continue
+        name = art.name
+        for n, prompts in cells:
             t0 = time.perf_counter()
             rids = {eng.add_request(p, output): i for i, p in enumerate(prompts)}
             seen: dict[str, list[float]] = {r: [] for r in rids}
@@ -283,8 +287,7 @@ def stage_serving(arts: list[Path], plugin: str | None, clients: list[int], outp
                    tok_s=round(tokens / wall, 1), ttft_p50_ms=round(1e3 * ttft[len(ttft) // 2], 1),
                    ttft_p99_ms=round(1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 1),
                    itl_p50_ms=round(1e3 * gaps[len(gaps) // 2], 2) if gaps else None)
-    for e in engines.values():
-        e.close()
+        eng.close()
 
 
 def _entry(engine, name: str):
