@@ -14,6 +14,7 @@ Each kernel's result is checked against XLA's before it is timed.
 
     python bench/native_kernels.py
     python bench/native_kernels.py --rows 32 --keys 200 --skip-projections
+    python bench/native_kernels.py --rows 32 --keys 250 --shared 192 --skip-projections   # rows share a cached prefix
     python bench/native_kernels.py --skip-attention --dtypes bf16,int8 --projection-rows 1,8,16
 """
 
@@ -93,7 +94,7 @@ def projections(rows: list[int], dtypes: list[str], steps: int) -> None:
                   f"{t['c'] / t['xla']:6.2f}x | {nbytes / t['xla'] / 1e9:8.1f} | {nbytes / t['c'] / 1e9:6.1f}")
 
 
-def attention(rows: list[int], keys: list[int], context: int, steps: int) -> None:
+def attention(rows: list[int], keys: list[int], context: int, steps: int, shared: int = 0) -> None:
     import jax.numpy as jnp
 
     from plugin_run import device, on_runtime
@@ -111,7 +112,8 @@ def attention(rows: list[int], keys: list[int], context: int, steps: int) -> Non
         return [native_decode_attention(q, pool, layer, tables, positions, seq_lens, scale=0.125) for layer in range(L)]
 
     device().register_native(NATIVE_DECODE_ATTENTION)
-    print(f"\ndecode attention: {L} layers, {H} query / {K} KV heads of {D}, pages of {S}, context {context}")
+    print(f"\ndecode attention: {L} layers, {H} query / {K} KV heads of {D}, pages of {S}, context {context}"
+          + (f", the first {shared} keys of every row shared" if shared else ""))
     print(f"{'rows':>5} {'keys':>5} | {'XLA (_decode_cpu)':>17} | {'C kernel (native)':>17} | C / XLA")
     for B in rows:
         for n in keys:
@@ -119,6 +121,10 @@ def attention(rows: list[int], keys: list[int], context: int, steps: int) -> Non
             pool = rng.standard_normal((L, 2, P, S, K, D), np.float32)
             q = rng.standard_normal((B, 1, H, D), np.float32)
             tables = np.array([rng.permutation(P - 1)[:M] for _ in range(B)], np.int32)
+            if shared:     # every row's table starts with the same pages (a cached prefix), the rest its own
+                common = tables[0, :shared // S].copy()
+                tables = np.array([np.concatenate([common, [p for p in row if p not in common][:M - len(common)]])
+                                   for row in tables], np.int32)
             args = (pool, q, tables, np.full((B, 1), n - 1, np.int32), np.full((B,), n, np.int32))
             xla = on_runtime(xla_form, *args)
             body = on_runtime(native_form, *args, custom_calls=(NATIVE_DECODE_ATTENTION,))
@@ -135,6 +141,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", default="1,4,8,32")
     ap.add_argument("--projection-rows", default="1,4,8,32,64")
     ap.add_argument("--keys", default="88,200", help="keys each row has written")
+    ap.add_argument("--shared", type=int, default=0, help="keys every row's table shares (a cached prefix; whole pages)")
     ap.add_argument("--context", type=int, default=256, help="the entry's context bucket")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--skip-projections", action="store_true")
@@ -145,7 +152,8 @@ def main(argv=None) -> None:
     if not a.skip_projections:
         projections([int(r) for r in a.projection_rows.split(",")], a.dtypes.split(","), a.steps)
     if not a.skip_attention:
-        attention([int(r) for r in a.rows.split(",")], [int(k) for k in a.keys.split(",")], a.context, a.steps)
+        attention([int(r) for r in a.rows.split(",")], [int(k) for k in a.keys.split(",")], a.context, a.steps,
+                  a.shared)
 
 
 if __name__ == "__main__":
