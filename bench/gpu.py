@@ -28,8 +28,9 @@ the run times those on the machine's first N GPUs through the JAX-free runtime (
 the artifact refused by name), its floor the bytes one GPU reads. In-process JAX is not run on them.
 
 The run's stages are processes of their own: "runtime" (jax, jaxlib unimportable: the JAX-free path) loads the
-variants of a model one after another (pypjrt holds one accelerator client a process) and times each entry; "jax" runs the same bodies through jax.export.deserialize
-and measures the HBM copy rate. Each prints RESULT {json} lines; the run prints the table from them.
+variants of a model one after another (pypjrt holds one accelerator client a process) and times each entry; "jax"
+runs the same bodies through jax.export.deserialize, variants alternated, and measures the HBM copy rate. Each
+prints RESULT {json} lines; the run prints the table from them.
 """
 
 from __future__ import annotations

@@ -73,18 +73,16 @@ def projections(rows: list[int], dtypes: list[str], steps: int) -> None:
                 x = h + proj(jax.nn.silu(g[:, :F]) * g[:, F:], wd)
             return x
 
-        def xla_proj(a, w):    # as linear / quantized_matmul give it: a narrow float weight rounds its input
-            a = a.astype(w.dtype) if w.dtype == jnp.bfloat16 else a
-            return out_major_product(a, w, reduce_one_row=w.dtype != jnp.float32) * scale
+        def proj(product):     # as linear / quantized_matmul give it: a narrow float weight rounds its input
+            def run(a, w):
+                return product(a.astype(w.dtype) if w.dtype == jnp.bfloat16 else a, w) * scale
+            return run
 
-        def c_proj(a, w):
-            a = a.astype(w.dtype) if w.dtype == jnp.bfloat16 else a
-            return native_projection(a, w) * scale
-
+        xla_proj = proj(lambda a, w: out_major_product(a, w, reduce_one_row=w.dtype != jnp.float32))
         for B in rows:
             x = rng.standard_normal((B, E), np.float32)
             xla = on_runtime(lambda ws, x: chain(xla_proj, ws, x), W, x)
-            c = on_runtime(lambda ws, x: chain(c_proj, ws, x), W, x, custom_calls=(NATIVE_PROJECTION,))
+            c = on_runtime(lambda ws, x: chain(proj(native_projection), ws, x), W, x, custom_calls=(NATIVE_PROJECTION,))
             want, got = np.asarray(xla()[0]), np.asarray(c()[0])
             # (bf16: each projection rounds its input to bf16, where another summation order may round otherwise)
             rel = 5e-2 if name == "bf16" else 1e-3
@@ -141,7 +139,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", default="1,4,8,32")
     ap.add_argument("--projection-rows", default="1,4,8,32,64")
     ap.add_argument("--keys", default="88,200", help="keys each row has written")
-    ap.add_argument("--shared", type=int, default=0, help="keys every row's table shares (a cached prefix; whole pages)")
+    ap.add_argument("--shared", type=int, default=0,
+                    help="keys every row's table shares (a cached prefix; whole pages)")
     ap.add_argument("--context", type=int, default=256, help="the entry's context bucket")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--skip-projections", action="store_true")

@@ -365,10 +365,9 @@ def main(argv=None) -> None:
 
 
 def report(cells, servers, results, a, uncached=None) -> None:
-    med = {k: {f: statistics.median(r[f] for r in rs) for f in ("tok_s", "ttft_p50", "ttft_p99", "itl_p50",
-                                                                    "itl_p99", "preemptions", "prefix_hits",
-                                                                    "prefix_queries", "errors", "server_ttft", "server_queue")}
-           for k, rs in results.items()}
+    fields = ("tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "preemptions", "prefix_hits", "prefix_queries",
+              "errors", "server_ttft", "server_queue")
+    med = {k: {f: statistics.median(r[f] for r in rs) for f in fields} for k, rs in results.items()}
     names = [s.name for s in servers]
     print("\n| cell | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | preemptions | prefix hits |")
     print("|---|---|---|---|---|---|---|---|---|")

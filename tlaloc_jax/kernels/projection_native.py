@@ -3,8 +3,8 @@
 The kernel is a typed XLA FFI handler, called as `stablehlo.custom_call @tlaloc_projection_v1`; a served body that
 holds it names it in its manifest for the runtime to build and register (as the native decode attention). It
 widens a bf16 or int8 weight in registers, where XLA's dot first writes a weight-sized f32 copy and XLA's
-multiply-reduce runs far below the read rate; for f32 weights XLA's own forms are as fast (0.96-0.97x at 1 and 4
-rows, slower from 8).
+multiply-reduce runs far below the read rate; for f32 weights XLA's own forms are as fast (the kernel took 0.96-0.98x
+their time at 1 and 4 rows, more from 8).
 
 `native_projections()` turns it on while a function is traced (the exporter does so for cpu bodies staged with
 projections "native"); `out_major_product` then takes it for the rows and dtypes of NATIVE_ROWS.

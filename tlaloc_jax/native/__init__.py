@@ -8,7 +8,8 @@ include/xla/ffi/api/c_api.h, Apache-2.0), vendored so that a runtime without JAX
 check it against jaxlib's copy.
 
 Who registers a handler: the runtime with its plugin (tlaloc_jax.serve.runtime.Device.register_native), jax with
-`tlaloc_jax.kernels.paged_attention_native` for in-process calls. Standard library only.
+`tlaloc_jax.kernels.paged_attention_native.register_in_process` for in-process calls (the decode attention and
+projection wrappers call it when traced). Standard library only.
 """
 
 from __future__ import annotations

@@ -47,13 +47,13 @@ typedef struct {
 static inline vf load_w(const void *w, size_t at, int kind) {
   if (kind == F32) return (vf) * (const vf_u *)((const float *)w + at);
 #if defined(__AVX512F__)
-  if (kind == BF16)
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at))), 16);
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + at))));
+  const void *p = kind == BF16 ? (const void *)((const uint16_t *)w + at) : (const void *)((const int8_t *)w + at);
+  if (kind == BF16) return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 #elif defined(__AVX2__)
-  if (kind == BF16)
-    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + at))), 16);
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + at))));
+  const void *p = kind == BF16 ? (const void *)((const uint16_t *)w + at) : (const void *)((const int8_t *)w + at);
+  if (kind == BF16) return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 #else
   if (kind == BF16) return (vf)(__builtin_convertvector(*(const vh_u *)((const uint16_t *)w + at), vu) << 16);
   return __builtin_convertvector(__builtin_convertvector(*(const vb_u *)((const int8_t *)w + at), vi), vf);
