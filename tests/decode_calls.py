@@ -23,15 +23,16 @@ class Call(NamedTuple):
     seq_lens: jax.Array      # [B]
 
 
-def make_call(seed, lengths, *, H=4, K=2, layers=2, layer=1, dtype=np.float32, padding=(), head_dim=D) -> Call:
+def make_call(seed, lengths, *, H=4, K=2, layers=2, layer=1, dtype=np.float32, padding=(), head_dim=D,
+              page_size=S, width=M) -> Call:
     """Decode rows whose sequences hold lengths[b] keys, the last one this call's token (position length - 1).
 
     Rows in `padding` (and rows of length 0) are padding: position -1. Each row's pages are distinct pages
     drawn at random from P = B * M + 8; table entries past a row's pages point at random pages, free ones
     included."""
     rng = np.random.default_rng(seed)
+    S, M, D = page_size, width, head_dim
     B, P = len(lengths), len(lengths) * M + 8
-    D = head_dim
     pool = np.full((layers, 2, P, S, K, D), np.nan, np.float32)
     tables = rng.integers(0, P, (B, M), dtype=np.int32)
     own = iter(rng.permutation(P))

@@ -67,9 +67,10 @@ def test_decode_matches_reference(H, K, dtype):
     check(call._replace(positions=jnp.full_like(call.positions, -1)))   # no live row: all 0
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_head_sizes_the_kernel_unrolls(head_dim):
-    """Head sizes 64 and 128, which the kernel compiles as constants, f32 and bf16 pools."""
+@pytest.mark.parametrize("head_dim", [64, 128, 18])
+def test_head_sizes(head_dim):
+    """Head sizes 64 and 128, which the kernel compiles as constants, and 18, whole vectors on no instruction set
+    (its rows copied and padded with zeros); f32 and bf16 pools."""
     bound = tol.bound(tol.attention_roundings(head_dim, M * S))
     for dtype in (np.float32, jnp.bfloat16):
         call = make_call(head_dim, EDGES, H=6, K=2, dtype=dtype, padding=(6,), head_dim=head_dim)
@@ -78,6 +79,17 @@ def test_head_sizes_the_kernel_unrolls(head_dim):
             assert np.all(np.isfinite(got))
             assert_within(relative_error(got, reference(call, jnp.int32(window))), bound,
                           f"native decode, head size {head_dim}, {dtype}, window {window}")
+
+
+def test_pages_longer_than_a_chunk():
+    """Pages of 80 keys, which the kernel takes a chunk of 32 at a time (two whole and one part), from a page's
+    start and from within one (a window), G = 4."""
+    lengths = [1, 31, 32, 33, 80, 81, 200, 240]
+    bound = tol.bound(tol.attention_roundings(64, 240))
+    call = make_call(5, lengths, H=8, K=2, head_dim=64, page_size=80, width=3)
+    for window in (0, 45):
+        assert_within(relative_error(kernel(call, jnp.int32(window)), reference(call, jnp.int32(window))), bound,
+                      f"native decode, pages of 80, window {window}")
 
 
 def test_soft_cap_and_sinks():

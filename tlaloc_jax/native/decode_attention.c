@@ -12,6 +12,7 @@
    tables [B, M] i32; positions [B, 1] i32; seq_lens [B] i32; reals f32[2] = (scale, soft cap, 0 = none);
    optionally sinks [H] f32. Result [B, 1, H, D] f32. G <= MAX_GROUP, D <= MAX_HEAD_DIM. */
 #include "ffi_common.h"
+#include "vectors.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -19,6 +20,9 @@
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
+#define CHUNK 32       /* keys of one page scored, weighed and summed together */
+#define KEY_BLOCK 8    /* keys a query head scores at once (lanes_sums8's count) */
+#define VALUE_BLOCK 8  /* vectors of a head's output held in registers while a chunk's values are summed */
 
 /* e^x for x <= 0, to about 2 ulp: x = n ln2 + r, a degree-6 polynomial for e^r and 2^n from the exponent bits. Plain
    arithmetic, so gcc vectorizes the loops that call it (libm's expf is a call per element). */
@@ -35,17 +39,6 @@ static inline float exp_nonpositive(float x) {
   p = p * r + 1.0f;
   union { uint32_t i; float f; } scale = {.i = (uint32_t)((int32_t)n + 127) << 23};
   return p * scale.f;
-}
-
-/* One key or value of D elements as f32: an f32 pool's in place, a bf16 pool's widened into `room`. */
-static inline const float *as_f32(const void *src, int bf16, int D, float *room) {
-  if (!bf16) return (const float *)src;
-  const uint16_t *h = (const uint16_t *)src;
-  for (int d = 0; d < D; d++) {
-    union { uint32_t i; float f; } u = {.i = (uint32_t)h[d] << 16};
-    room[d] = u.f;
-  }
-  return room;
 }
 
 typedef struct {
@@ -65,64 +58,114 @@ static void key_range(const Problem *a, int b, int *first, int *end) {
   *end = p < 0 ? 0 : n < a->M * a->S ? n : a->M * a->S;
 }
 
-/* Row b, KV head kh: its G query heads' outputs. Inlined with the common head sizes as constants (attend), so
-   that gcc unrolls the loops over a head. */
+/* n rows of D elements, `stride` elements apart from src, as f32 rows of Dp (D rounded up to whole vectors): an
+   f32 pool's in place when D is whole vectors, otherwise widened or copied into room, zero past D. */
+static inline void rows_f32(const char *src, size_t stride, int n, int bf16, int D, int Dp, float *room,
+                            const float **rows) {
+  const size_t elem = bf16 ? 2 : 4;
+  for (int j = 0; j < n; j++) {
+    const char *at = src + (size_t)j * stride * elem;
+    if (!bf16 && D == Dp) {
+      rows[j] = (const float *)at;
+      continue;
+    }
+    float *r = room + (size_t)j * Dp;
+    if (bf16)
+      for (int d = 0; d < D; d++) {
+        union { uint32_t i; float f; } u = {.i = (uint32_t)((const uint16_t *)at)[d] << 16};
+        r[d] = u.f;
+      }
+    else
+      for (int d = 0; d < D; d++) r[d] = ((const float *)at)[d];
+    for (int d = D; d < Dp; d++) r[d] = 0.0f;
+    rows[j] = r;
+  }
+}
+
+/* s[j] = qg . k[j], j < n: KEY_BLOCK keys at a time, each with its own accumulator along the head, summed across
+   lanes together at the block's end (a lane sum per key would cost as much as its products). */
+static inline __attribute__((always_inline)) void score(const float *qg, const float *const *k, int n, const int Dp,
+                                                        float *s) {
+  for (int j = 0; j < n; j += KEY_BLOCK) {
+    const float *kb[KEY_BLOCK];
+    for (int i = 0; i < KEY_BLOCK; i++) kb[i] = k[j + i < n ? j + i : n - 1];
+    vf acc[KEY_BLOCK];
+    for (int i = 0; i < KEY_BLOCK; i++) acc[i] = (vf){0};
+    for (int d = 0; d < Dp; d += VL) {
+      const vf x = *(const vf_u *)(qg + d);
+      for (int i = 0; i < KEY_BLOCK; i++) acc[i] += x * *(const vf_u *)(kb[i] + d);
+    }
+    float sums[KEY_BLOCK];
+    lanes_sums8(acc, sums);
+    for (int i = 0; i < KEY_BLOCK && j + i < n; i++) s[j + i] = sums[i];
+  }
+}
+
+/* acc[0, Dp) = acc * rescale + sum_j w[j] v[j], j < n: VALUE_BLOCK vectors of the head held in registers across the
+   chunk's values. */
+static inline __attribute__((always_inline)) void weigh(float *acc, float rescale, const float *w,
+                                                        const float *const *v, int n, const int Dp) {
+  for (int d0 = 0; d0 < Dp; d0 += VALUE_BLOCK * VL) {
+    const int nv = (Dp - d0) / VL < VALUE_BLOCK ? (Dp - d0) / VL : VALUE_BLOCK;
+    vf a[VALUE_BLOCK];
+    for (int i = 0; i < nv; i++) a[i] = *(const vf_u *)(acc + d0 + i * VL) * rescale;
+    for (int j = 0; j < n; j++) {
+      const vf wj = (vf){0} + w[j];
+      for (int i = 0; i < nv; i++) a[i] += wj * *(const vf_u *)(v[j] + d0 + i * VL);
+    }
+    for (int i = 0; i < nv; i++) *(vf_u *)(acc + d0 + i * VL) = a[i];
+  }
+}
+
+/* Row b, KV head kh: its G query heads' outputs, a chunk of one page's keys at a time. Inlined with the common head
+   sizes as constants (attend), so that gcc unrolls the loops over a head. */
 static inline __attribute__((always_inline)) void attend_d(const Problem *a, int b, int kh, const int D) {
-  const int G = a->H / a->K, S = a->S;
+  const int G = a->H / a->K, S = a->S, Dp = (D + VL - 1) / VL * VL;
   const size_t elem = a->bf16 ? 2 : 4, row = (size_t)a->K * D, page = (size_t)S * row, half = (size_t)a->P * page;
   const char *keys = (const char *)a->pool + (a->layer * 2 * half + (size_t)kh * D) * elem;
   const char *values = keys + half * elem;
-  const float *q = a->q + ((size_t)b * a->H + (size_t)kh * G) * D;
   float *out = a->out + ((size_t)b * a->H + (size_t)kh * G) * D;
-  float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_HEAD_DIM], kv[MAX_HEAD_DIM], s[MAX_GROUP][64];
+  float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][CHUNK];
+  float room[CHUNK * MAX_HEAD_DIM];
+  const float *rows[CHUNK];
   for (int g = 0; g < G; g++) {
+    const float *qg = a->q + ((size_t)b * a->H + (size_t)kh * G + g) * D;
+    for (int d = 0; d < Dp; d++) q[g][d] = d < D ? qg[d] : 0.0f, acc[g][d] = 0.0f;
     m[g] = a->sinks ? a->sinks[kh * G + g] : -INFINITY;
     l[g] = a->sinks ? 1.0f : 0.0f;
-    for (int d = 0; d < D; d++) acc[g][d] = 0.0f;
   }
   int first, end;
   key_range(a, b, &first, &end);
   const int32_t *table = a->tables + (size_t)b * a->M;
   for (int j0 = first; j0 < end;) {
-    /* The keys of one page from j0, at most 64. */
+    /* The keys of one page from j0, at most CHUNK. */
     int n = end - j0;
     n = n < S - j0 % S ? n : S - j0 % S;
-    n = n < 64 ? n : 64;
-    const size_t at = (size_t)table[j0 / S] * page + (size_t)(j0 % S) * row;
-    float top[MAX_GROUP];
-    for (int g = 0; g < G; g++) top[g] = m[g];
-    for (int j = 0; j < n; j++) {
-      const float *k = as_f32(keys + (at + (size_t)j * row) * elem, a->bf16, D, kv);
-      for (int g = 0; g < G; g++) {
-        const float *qg = q + (size_t)g * D;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; d++) dot += qg[d] * k[d];
-        dot *= a->scale;
-        if (a->cap > 0) dot = a->cap * tanhf(dot / a->cap);
-        s[g][j] = dot;
-        top[g] = dot > top[g] ? dot : top[g];
-      }
-    }
+    n = n < CHUNK ? n : CHUNK;
+    const size_t at = ((size_t)table[j0 / S] * page + (size_t)(j0 % S) * row) * elem;
+    rows_f32(keys + at, row, n, a->bf16, D, Dp, room, rows);
+    float rescale[MAX_GROUP];
     for (int g = 0; g < G; g++) {
-      const float rescale = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - top[g]), t = top[g];
+      score(q[g], rows, n, Dp, s[g]);
+      float top = m[g];
+      for (int j = 0; j < n; j++) {
+        float x = s[g][j] * a->scale;
+        if (a->cap > 0) x = a->cap * tanhf(x / a->cap);
+        s[g][j] = x;
+        top = x > top ? x : top;
+      }
+      rescale[g] = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - top);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int j = 0; j < n; j++) {
-        s[g][j] = exp_nonpositive(s[g][j] - t);
+        s[g][j] = exp_nonpositive(s[g][j] - top);
         sum += s[g][j];
       }
-      l[g] = l[g] * rescale + sum;
-      m[g] = t;
-      for (int d = 0; d < D; d++) acc[g][d] *= rescale;
+      l[g] = l[g] * rescale[g] + sum;
+      m[g] = top;
     }
-    for (int j = 0; j < n; j++) {
-      const float *v = as_f32(values + (at + (size_t)j * row) * elem, a->bf16, D, kv);
-      for (int g = 0; g < G; g++) {
-        const float w = s[g][j];
-        for (int d = 0; d < D; d++) acc[g][d] += w * v[d];
-      }
-    }
+    rows_f32(values + at, row, n, a->bf16, D, Dp, room, rows);
+    for (int g = 0; g < G; g++) weigh(acc[g], rescale[g], s[g], rows, n, Dp);
     j0 += n;
   }
   for (int g = 0; g < G; g++)

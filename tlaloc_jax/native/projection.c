@@ -9,6 +9,7 @@
 
    Operands: x [M, I] f32; w [O, I] f32, bf16 or s8. Result [M, O] f32. */
 #include "ffi_common.h"
+#include "vectors.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -17,15 +18,6 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512F__)
-#define VL 16
-#elif defined(__AVX__)
-#define VL 8
-#else
-#define VL 4
-#endif
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));         /* an unaligned load */
 typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
 typedef int8_t vb_u __attribute__((vector_size(VL), aligned(1)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
@@ -69,22 +61,6 @@ static inline float load_w1(const void *w, size_t at, int kind) {
     return f;
   }
   return (float)((const int8_t *)w)[at];
-}
-
-/* The sum of a vector's lanes, halving it. */
-static inline float lanes_sum(vf v) {
-  typedef float v4 __attribute__((vector_size(16)));
-#if VL == 16
-  typedef float v8 __attribute__((vector_size(32)));
-  const v8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-#elif VL == 8
-  const v4 h4 = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-#else
-  const v4 h4 = v;
-#endif
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
 #define MAX_MR 3

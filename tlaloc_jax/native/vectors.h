@@ -1,0 +1,61 @@
+/* The vector of the instruction set a kernel is built for (gcc's generic vectors: one source for SSE, AVX and
+   AVX-512), and sums across its lanes. Included by each kernel's C file. */
+#ifndef TLALOC_VECTORS_H
+#define TLALOC_VECTORS_H
+
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));         /* an unaligned load */
+typedef float v4 __attribute__((vector_size(16)));
+
+/* The sum of a vector's lanes, halving it. */
+static inline float lanes_sum(vf v) {
+#if VL == 16
+  typedef float v8 __attribute__((vector_size(32)));
+  const v8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+#elif VL == 8
+  const v4 h4 = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#else
+  const v4 h4 = v;
+#endif
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+/* a's and b's neighbouring lanes summed: [a0 + a1, a2 + a3, ..., b0 + b1, ...]. */
+static inline vf pair_sums(vf a, vf b) {
+#if VL == 16
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif VL == 8
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6) + __builtin_shufflevector(a, b, 1, 3, 5, 7);
+#endif
+}
+
+/* out[i] = the sum of a[i]'s lanes, i < 8: pairs summed level by level, each vector's sum ending in its own lane
+   (one sum per lane rather than a lane sum per vector). */
+static inline void lanes_sums8(const vf a[8], float out[8]) {
+  const vf q0 = pair_sums(pair_sums(a[0], a[1]), pair_sums(a[2], a[3]));
+  const vf q1 = pair_sums(pair_sums(a[4], a[5]), pair_sums(a[6], a[7]));
+#if VL == 4
+  for (int i = 0; i < 4; i++) out[i] = q0[i], out[4 + i] = q1[i];
+#elif VL == 8
+  const vf r = pair_sums(q0, q1);
+  for (int i = 0; i < 8; i++) out[i] = r[i];
+#else
+  const vf r = pair_sums(q0, q1), s = pair_sums(r, r);
+  for (int i = 0; i < 8; i++) out[i] = s[i];
+#endif
+}
+
+#endif
