@@ -37,11 +37,12 @@ def reference(x, w) -> np.ndarray:
 kernel = jax.jit(native_projection)
 
 
-# Rows across the kernel's tiles (1 row alone, tiles of 3 rows, their tails, the 48-row item blocks and one past);
-# inputs a whole number of vectors and not (the scalar tail); outputs not a multiple of its 3- and 8-output tiles
-# nor of its 48-output items.
+# Rows across the kernel's tiles (1 row alone, tiles of 4 rows up to 8 and of 3 beyond, their tails of 2 and 1,
+# the 48-row item blocks and one past, fetching the next item's weights ahead from 12 rows); inputs a whole number
+# of vectors and not (the scalar tail); outputs not a multiple of its 2-, 4- and 8-output tiles nor of its
+# 48-output items.
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "int8"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 48, 50, 97])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 17, 48, 50, 97])
 def test_kernel_matches_reference(dtype, rows):
     rng = np.random.default_rng(rows)
     for O, I in ((101, 64), (50, 37), (7, 200)):

@@ -181,7 +181,8 @@ static void attend(const Problem *a, int b, int kh) {
 }
 
 /* Item i: row i / K, KV head i % K. */
-static void item(const void *problem, int i) {
+static void item(const void *problem, int i, int next) {
+  (void)next;
   const Problem *a = problem;
   attend(a, i / a->K, i % a->K);
 }

@@ -34,7 +34,9 @@ static void drop_error(const XLA_FFI_Api *api, XLA_FFI_Error *err) {
   api->XLA_FFI_Error_Destroy(&d);
 }
 
-typedef void (*item_fn)(const void *problem, int item);
+/* Runs one item; `next` is the item this thread runs after it (claimed already, so that the kernel can fetch its
+   data ahead), -1 if none. */
+typedef void (*item_fn)(const void *problem, int item, int next);
 
 /* A call's items, shared by the calling thread and the tasks it schedules: each claims items until none are left.
    The caller waits only for items another thread has claimed; a task that starts later finds none (and never
@@ -51,7 +53,11 @@ static void let_go(Work *w) {
 }
 
 static void run_items(Work *w) {
-  for (int i; (i = atomic_fetch_add(&w->next, 1)) < w->items; atomic_fetch_add(&w->done, 1)) w->fn(w->problem, i);
+  for (int i = atomic_fetch_add(&w->next, 1), next; i < w->items; i = next) {
+    next = atomic_fetch_add(&w->next, 1);
+    w->fn(w->problem, i, next < w->items ? next : -1);
+    atomic_fetch_add(&w->done, 1);
+  }
 }
 
 static void task(void *data) {
@@ -59,7 +65,7 @@ static void task(void *data) {
   let_go((Work *)data);
 }
 
-/* fn(problem, i) for i in [0, items), on the pool's threads and this one. */
+/* fn(problem, i, next) for i in [0, items), on the pool's threads and this one. */
 static void run_parallel(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx, item_fn fn, const void *problem,
                          int items) {
   int64_t threads = 1;
@@ -68,7 +74,7 @@ static void run_parallel(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx, 
   if (err) drop_error(api, err);
   Work *w = err || threads < 2 || items < 2 ? NULL : malloc(sizeof(Work));
   if (!w) {   /* no pool (or one thread, or one item): this thread runs them all */
-    for (int i = 0; i < items; i++) fn(problem, i);
+    for (int i = 0; i < items; i++) fn(problem, i, i + 1 < items ? i + 1 : -1);
     return;
   }
   const int helpers = (int)(threads < items ? threads : items) - 1;

@@ -63,7 +63,14 @@ static inline float load_w1(const void *w, size_t at, int kind) {
   return (float)((const int8_t *)w)[at];
 }
 
-#define MAX_MR 3
+/* gcc folds a load each FMA uses into the FMA, so a weight vector MR rows share would be read MR times (loads,
+   not FMAs, then bound the tile); an empty asm that claims to change it keeps it in a register. */
+#if defined(__x86_64__)
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define KEEP_IN_REGISTER(v) (void)0
+#endif
+#define MAX_MR 4
 #define MAX_NR 8
 /* Rows [m, m + MR) by weight rows [o, o + NR): MR x NR accumulators along i, the tail of i past a whole vector
    one element at a time. MR, NR and kind are constants where it is inlined (the arrays have fixed sizes so that
@@ -78,9 +85,13 @@ static inline __attribute__((always_inline)) void tile(const Problem *p, int m, 
   const size_t w0 = (size_t)o * I;
   for (int i = 0; i < whole; i += VL) {
     vf xv[MAX_MR];
-    for (int r = 0; r < MR; r++) xv[r] = (vf) * (const vf_u *)(x + (size_t)r * I + i);
+    for (int r = 0; r < MR; r++) {
+      xv[r] = (vf) * (const vf_u *)(x + (size_t)r * I + i);
+      KEEP_IN_REGISTER(xv[r]);
+    }
     for (int c = 0; c < NR; c++) {
-      const vf wv = load_w(p->w, w0 + (size_t)c * I + i, kind);
+      vf wv = load_w(p->w, w0 + (size_t)c * I + i, kind);
+      KEEP_IN_REGISTER(wv);
       for (int r = 0; r < MR; r++) acc[r][c] += xv[r] * wv;
     }
   }
@@ -111,41 +122,69 @@ static inline __attribute__((always_inline)) void row_dot(const Problem *p, int 
   p->y[(size_t)m * p->O + o] = s;
 }
 
-/* Rows [m0, m1) by outputs [o0, o1): for each tile of TR rows (kept in L1), the block's weight rows TC at a time
-   (the block's weights stay in L2 across row tiles); a single row, row_dot over each weight row. A row left over
-   past the tiles of TR takes 1 x 8 tiles (8 weight rows to keep the FMA units busy), the last outputs 1 x 1. */
-#define TR 3
-#define TC 3
+/* Rows [m0, m1) by outputs [o0, o1). A single row: row_dot over each weight row. More: tiles of rows (kept in L1)
+   by the block's weight rows a few at a time (the block's weights stay in L2 across row tiles): 3 x 4 tiles, or
+   4 x 2 where they cover the rows in fewer passes over the weights (4 and 8 rows); rows left over take 2 x 4 or
+   1 x 8 tiles (8 accumulators keep the FMA units busy), the last outputs one at a time. */
+/* The weights of the item a thread runs next, fetched into L2 a few lines after each tile while this item computes:
+   an item of many rows reads its weights from memory in its first row tile, which then waits on the read. */
+typedef struct {
+  const char *at, *end;
+  size_t lines;    /* a tile's share */
+} Ahead;
+
+static inline void fetch_ahead(Ahead *a) {
+  for (size_t k = 0; k < a->lines && a->at < a->end; k++, a->at += 64) __builtin_prefetch(a->at, 0, 2);
+}
+
+static inline __attribute__((always_inline)) void rows_by(const Problem *p, int m, int o0, int o1, const int MR,
+                                                          const int NR, const int kind, Ahead *ahead) {
+  int o = o0;
+  for (; o + NR <= o1; o += NR) {
+    tile(p, m, o, MR, NR, kind);
+    fetch_ahead(ahead);
+  }
+  for (; o < o1; o++) tile(p, m, o, MR, 1, kind);
+}
+
 #define TILES(kind)                                                                                         \
-  static void block_##kind(const Problem *p, int m0, int m1, int o0, int o1) {                             \
-    if (m1 - m0 == 1) {                                                                                    \
+  static void block_##kind(const Problem *p, int m0, int m1, int o0, int o1, Ahead *a) {                  \
+    const int n = m1 - m0;                                                                                 \
+    int m = m0;                                                                                            \
+    if (n == 1) {                                                                                          \
       for (int o = o0; o < o1; o++) row_dot(p, m0, o, kind);                                                \
       return;                                                                                              \
     }                                                                                                      \
-    int m = m0;                                                                                            \
-    for (; m + TR <= m1; m += TR) {                                                                        \
-      int o = o0;                                                                                          \
-      for (; o + TC <= o1; o += TC) tile(p, m, o, TR, TC, kind);                                            \
-      for (; o < o1; o++) tile(p, m, o, TR, 1, kind);                                                       \
-    }                                                                                                      \
-    for (; m < m1; m++) {                                                                                  \
-      int o = o0;                                                                                          \
-      for (; o + 8 <= o1; o += 8) tile(p, m, o, 1, 8, kind);                                                \
-      for (; o < o1; o++) tile(p, m, o, 1, 1, kind);                                                        \
-    }                                                                                                      \
+    if (n % 3 && n <= 8)                                                                                   \
+      for (; m + 4 <= m1; m += 4) rows_by(p, m, o0, o1, 4, 2, kind, a);                                        \
+    for (; m + 3 <= m1; m += 3) rows_by(p, m, o0, o1, 3, 4, kind, a);                                          \
+    if (m + 2 <= m1) rows_by(p, m, o0, o1, 2, 4, kind, a), m += 2;                                             \
+    if (m < m1) rows_by(p, m, o0, o1, 1, 8, kind, a);                                                          \
   }
 TILES(F32)
 TILES(BF16)
 TILES(S8)
 
-static void item(const void *problem, int i) {
+/* Item i: out block i % out_blocks of row block i / out_blocks. From AHEAD_ROWS rows the next item's weights are
+   fetched ahead (fewer rows read them at the rate memory gives them). */
+#define AHEAD_ROWS 12
+static void item(const void *problem, int i, int next) {
   const Problem *p = problem;
   const int ob = i % p->out_blocks, mb = i / p->out_blocks;
   const int o0 = ob * OUT_BLOCK, o1 = o0 + OUT_BLOCK < p->O ? o0 + OUT_BLOCK : p->O;
   const int m0 = mb * ROW_BLOCK, m1 = m0 + ROW_BLOCK < p->M ? m0 + ROW_BLOCK : p->M;
-  if (p->kind == F32) block_F32(p, m0, m1, o0, o1);
-  else if (p->kind == BF16) block_BF16(p, m0, m1, o0, o1);
-  else block_S8(p, m0, m1, o0, o1);
+  Ahead a = {NULL, NULL, 0};
+  if (next >= 0 && m1 - m0 >= AHEAD_ROWS) {
+    const int n0 = next % p->out_blocks * OUT_BLOCK, n1 = n0 + OUT_BLOCK < p->O ? n0 + OUT_BLOCK : p->O;
+    const size_t elem = p->kind == F32 ? 4 : p->kind == BF16 ? 2 : 1, row = (size_t)p->I * elem;
+    const size_t tiles = (size_t)((m1 - m0) / 3) * ((o1 - o0) / 4) + 1;
+    a.at = (const char *)p->w + n0 * row;
+    a.end = (const char *)p->w + n1 * row;
+    a.lines = ((size_t)(a.end - a.at) / 64 + tiles - 1) / tiles;
+  }
+  if (p->kind == F32) block_F32(p, m0, m1, o0, o1, &a);
+  else if (p->kind == BF16) block_BF16(p, m0, m1, o0, o1, &a);
+  else block_S8(p, m0, m1, o0, o1, &a);
 }
 
 XLA_FFI_Error *tlaloc_projection_v1(XLA_FFI_CallFrame *frame) {
