@@ -24,21 +24,20 @@
 #define KEY_BLOCK 8    /* keys a query head scores at once (lanes_sums8's count) */
 #define VALUE_BLOCK 8  /* vectors of a head's output held in registers while a chunk's values are summed */
 
-/* e^x for x <= 0, to about 2 ulp: x = n ln2 + r, a degree-6 polynomial for e^r and 2^n from the exponent bits. Plain
-   arithmetic, so gcc vectorizes the loops that call it (libm's expf is a call per element). */
-static inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = floorf(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693145752f - n * 1.42860677e-6f;
-  float p = 1.0f / 720;
+/* e^x for x <= 0, lane by lane, to about 2 ulp: x = n ln2 + r (n rounded to nearest by adding 1.5 * 2^23, which
+   leaves n in the low bits), a degree-6 polynomial for e^r, 2^n from the exponent bits. */
+static inline vf exp_nonpositive(vf x) {
+  x = select(x < -87.0f, (vf){0} - 87.0f, x);
+  const vf t = x * 1.44269504f + 12582912.0f, n = t - 12582912.0f;
+  const vf r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  vf p = (vf){0} + 1.0f / 720;
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
   p = p * r + 1.0f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  union { uint32_t i; float f; } scale = {.i = (uint32_t)((int32_t)n + 127) << 23};
-  return p * scale.f;
+  return p * (vf)((((vi)t - 0x4B400000) + 127) << 23);
 }
 
 typedef struct {
@@ -82,6 +81,13 @@ static inline void rows_f32(const char *src, size_t stride, int n, int bf16, int
   }
 }
 
+/* n rows of `bytes`, `stride` bytes apart from src, fetched into L1: a chunk's rows are a few lines every few
+   hundred bytes, from a page anywhere in the pool, which the hardware prefetcher does not foresee. */
+static inline void fetch_rows(const char *src, size_t stride, int n, size_t bytes) {
+  for (int j = 0; j < n; j++)
+    for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(src + (size_t)j * stride + b, 0, 3);
+}
+
 /* s[j] = qg . k[j], j < n: KEY_BLOCK keys at a time, each with its own accumulator along the head, summed across
    lanes together at the block's end (a lane sum per key would cost as much as its products). */
 static inline __attribute__((always_inline)) void score(const float *qg, const float *const *k, int n, const int Dp,
@@ -110,7 +116,7 @@ static inline __attribute__((always_inline)) void weigh(float *acc, float rescal
     vf a[VALUE_BLOCK];
     for (int i = 0; i < nv; i++) a[i] = *(const vf_u *)(acc + d0 + i * VL) * rescale;
     for (int j = 0; j < n; j++) {
-      const vf wj = (vf){0} + w[j];
+      const vf wj = broadcast(w[j]);
       for (int i = 0; i < nv; i++) a[i] += wj * *(const vf_u *)(v[j] + d0 + i * VL);
     }
     for (int i = 0; i < nv; i++) *(vf_u *)(acc + d0 + i * VL) = a[i];
@@ -125,7 +131,10 @@ static inline __attribute__((always_inline)) void attend_d(const Problem *a, int
   const char *keys = (const char *)a->pool + (a->layer * 2 * half + (size_t)kh * D) * elem;
   const char *values = keys + half * elem;
   float *out = a->out + ((size_t)b * a->H + (size_t)kh * G) * D;
-  float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][CHUNK];
+  float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+  vf s[MAX_GROUP][CHUNK / VL];   /* a chunk's scores, then weights */
+  vf lane;                       /* 0, 1, ..., VL - 1 */
+  for (int i = 0; i < VL; i++) lane[i] = (float)i;
   float room[CHUNK * MAX_HEAD_DIM];
   const float *rows[CHUNK];
   for (int g = 0; g < G; g++) {
@@ -143,29 +152,39 @@ static inline __attribute__((always_inline)) void attend_d(const Problem *a, int
     n = n < S - j0 % S ? n : S - j0 % S;
     n = n < CHUNK ? n : CHUNK;
     const size_t at = ((size_t)table[j0 / S] * page + (size_t)(j0 % S) * row) * elem;
+    if (j0 + n < end) {   /* the next chunk's keys and values, fetched while this one computes */
+      const int j1 = j0 + n, n1 = end - j1 < S - j1 % S ? end - j1 : S - j1 % S;
+      const size_t at1 = ((size_t)table[j1 / S] * page + (size_t)(j1 % S) * row) * elem;
+      fetch_rows(keys + at1, row * elem, n1 < CHUNK ? n1 : CHUNK, D * elem);
+      fetch_rows(values + at1, row * elem, n1 < CHUNK ? n1 : CHUNK, D * elem);
+    }
     rows_f32(keys + at, row, n, a->bf16, D, Dp, room, rows);
     float rescale[MAX_GROUP];
     for (int g = 0; g < G; g++) {
-      score(q[g], rows, n, Dp, s[g]);
-      float top = m[g];
-      for (int j = 0; j < n; j++) {
-        float x = s[g][j] * a->scale;
-        if (a->cap > 0) x = a->cap * tanhf(x / a->cap);
-        s[g][j] = x;
-        top = x > top ? x : top;
+      float *sg = (float *)s[g];
+      score(q[g], rows, n, Dp, sg);
+      if (a->cap > 0)
+        for (int j = 0; j < n; j++) sg[j] = a->cap * tanhf(sg[j] * a->scale / a->cap);
+      /* Lanes past n: -inf for the maximum, 0 after e^x. */
+      vf top = (vf){0} + m[g];
+      for (int v = 0; v < (n + VL - 1) / VL; v++) {
+        const vf x = a->cap > 0 ? s[g][v] : s[g][v] * a->scale;
+        s[g][v] = select(lane + (float)(v * VL) < (float)n, x, (vf){0} - INFINITY);
+        top = select(s[g][v] > top, s[g][v], top);
       }
-      rescale[g] = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - top);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < n; j++) {
-        s[g][j] = exp_nonpositive(s[g][j] - top);
-        sum += s[g][j];
+      float t = top[0];
+      for (int i = 1; i < VL; i++) t = top[i] > t ? top[i] : t;
+      vf sum = {0};
+      for (int v = 0; v < (n + VL - 1) / VL; v++) {
+        s[g][v] = select(lane + (float)(v * VL) < (float)n, exp_nonpositive(s[g][v] - t), (vf){0});
+        sum += s[g][v];
       }
-      l[g] = l[g] * rescale[g] + sum;
-      m[g] = top;
+      rescale[g] = m[g] == -INFINITY ? 0.0f : exp_nonpositive((vf){0} + (m[g] - t))[0];
+      l[g] = l[g] * rescale[g] + lanes_sum(sum);
+      m[g] = t;
     }
     rows_f32(values + at, row, n, a->bf16, D, Dp, room, rows);
-    for (int g = 0; g < G; g++) weigh(acc[g], rescale[g], s[g], rows, n, Dp);
+    for (int g = 0; g < G; g++) weigh(acc[g], rescale[g], (const float *)s[g], rows, n, Dp);
     j0 += n;
   }
   for (int g = 0; g < G; g++)

@@ -21,7 +21,6 @@
 typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
 typedef int8_t vb_u __attribute__((vector_size(VL), aligned(1)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 enum { F32, BF16, S8 };
 #define OUT_BLOCK 48  /* outputs an item computes */

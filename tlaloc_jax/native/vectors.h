@@ -2,6 +2,7 @@
    AVX-512), and sums across its lanes. Included by each kernel's C file. */
 #ifndef TLALOC_VECTORS_H
 #define TLALOC_VECTORS_H
+#include <stdint.h>
 
 #if defined(__AVX512F__)
 #define VL 16
@@ -13,6 +14,10 @@
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));         /* an unaligned load */
 typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));   /* a comparison's lanes: -1 true, 0 false */
+
+/* live ? a : b, lane by lane. */
+static inline vf select(vi live, vf a, vf b) { return (vf)(((vi)a & live) | ((vi)b & ~live)); }
 
 /* The sum of a vector's lanes, halving it. */
 static inline float lanes_sum(vf v) {
@@ -29,32 +34,43 @@ static inline float lanes_sum(vf v) {
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
-/* a's and b's neighbouring lanes summed: [a0 + a1, a2 + a3, ..., b0 + b1, ...]. */
+/* x in every lane. */
+static inline vf broadcast(float x) {
+  vf v;
+  for (int i = 0; i < VL; i++) v[i] = x;
+  return v;
+}
+
+/* a's and b's neighbouring lanes summed within each 128-bit lane: [a0 + a1, a2 + a3, b0 + b1, b2 + b3, a4 + a5, ...]
+   (x86's shufps, which does not cross 128-bit lanes). */
 static inline vf pair_sums(vf a, vf b) {
 #if VL == 16
-  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return __builtin_shufflevector(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
 #elif VL == 8
-  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
-         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
 #else
   return __builtin_shufflevector(a, b, 0, 2, 4, 6) + __builtin_shufflevector(a, b, 1, 3, 5, 7);
 #endif
 }
 
-/* out[i] = the sum of a[i]'s lanes, i < 8: pairs summed level by level, each vector's sum ending in its own lane
-   (one sum per lane rather than a lane sum per vector). */
+/* out[i] = the sum of a[i]'s lanes, i < 8: pairs summed twice within 128-bit lanes (each holding a[0..3]'s, or
+   a[4..7]'s, partial sums in order), then the 128-bit lanes added: one sum per lane rather than a lane sum per
+   vector. */
 static inline void lanes_sums8(const vf a[8], float out[8]) {
   const vf q0 = pair_sums(pair_sums(a[0], a[1]), pair_sums(a[2], a[3]));
   const vf q1 = pair_sums(pair_sums(a[4], a[5]), pair_sums(a[6], a[7]));
 #if VL == 4
   for (int i = 0; i < 4; i++) out[i] = q0[i], out[4 + i] = q1[i];
 #elif VL == 8
-  const vf r = pair_sums(q0, q1);
+  const vf r = __builtin_shufflevector(q0, q1, 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(q0, q1, 4, 5, 6, 7, 12, 13, 14, 15);
   for (int i = 0; i < 8; i++) out[i] = r[i];
 #else
-  const vf r = pair_sums(q0, q1), s = pair_sums(r, r);
-  for (int i = 0; i < 8; i++) out[i] = s[i];
+  const vf t = __builtin_shufflevector(q0, q1, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               __builtin_shufflevector(q0, q1, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 8; i++) out[i] = t[i] + t[8 + i];
 #endif
 }
 
