@@ -27,7 +27,7 @@
 /* e^x for x <= 0, lane by lane, to about 2 ulp: x = n ln2 + r (n rounded to nearest by adding 1.5 * 2^23, which
    leaves n in the low bits), a degree-6 polynomial for e^r, 2^n from the exponent bits. */
 static inline vf exp_nonpositive(vf x) {
-  x = select(x < -87.0f, (vf){0} - 87.0f, x);
+  x = pick(x < -87.0f, (vf){0} - 87.0f, x);
   const vf t = x * 1.44269504f + 12582912.0f, n = t - 12582912.0f;
   const vf r = x - n * 0.693145752f - n * 1.42860677e-6f;
   vf p = (vf){0} + 1.0f / 720;
@@ -169,14 +169,14 @@ static inline __attribute__((always_inline)) void attend_d(const Problem *a, int
       vf top = (vf){0} + m[g];
       for (int v = 0; v < (n + VL - 1) / VL; v++) {
         const vf x = a->cap > 0 ? s[g][v] : s[g][v] * a->scale;
-        s[g][v] = select(lane + (float)(v * VL) < (float)n, x, (vf){0} - INFINITY);
-        top = select(s[g][v] > top, s[g][v], top);
+        s[g][v] = pick(lane + (float)(v * VL) < (float)n, x, (vf){0} - INFINITY);
+        top = pick(s[g][v] > top, s[g][v], top);
       }
       float t = top[0];
       for (int i = 1; i < VL; i++) t = top[i] > t ? top[i] : t;
       vf sum = {0};
       for (int v = 0; v < (n + VL - 1) / VL; v++) {
-        s[g][v] = select(lane + (float)(v * VL) < (float)n, exp_nonpositive(s[g][v] - t), (vf){0});
+        s[g][v] = pick(lane + (float)(v * VL) < (float)n, exp_nonpositive(s[g][v] - t), (vf){0});
         sum += s[g][v];
       }
       rescale[g] = m[g] == -INFINITY ? 0.0f : exp_nonpositive((vf){0} + (m[g] - t))[0];

@@ -17,7 +17,7 @@ typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));   /* a comparison's lanes: -1 true, 0 false */
 
 /* live ? a : b, lane by lane. */
-static inline vf select(vi live, vf a, vf b) { return (vf)(((vi)a & live) | ((vi)b & ~live)); }
+static inline vf pick(vi live, vf a, vf b) { return (vf)(((vi)a & live) | ((vi)b & ~live)); }
 
 /* The sum of a vector's lanes, halving it. */
 static inline float lanes_sum(vf v) {
