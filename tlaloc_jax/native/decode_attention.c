@@ -27,10 +27,10 @@
 /* e^x for x <= 0, lane by lane, to about 2 ulp: x = n ln2 + r (n rounded to nearest by adding 1.5 * 2^23, which
    leaves n in the low bits), a degree-6 polynomial for e^r, 2^n from the exponent bits. */
 static inline vf exp_nonpositive(vf x) {
-  x = pick(x < -87.0f, (vf){0} - 87.0f, x);
+  x = pick(x < -87.0f, broadcast(-87.0f), x);
   const vf t = x * 1.44269504f + 12582912.0f, n = t - 12582912.0f;
   const vf r = x - n * 0.693145752f - n * 1.42860677e-6f;
-  vf p = (vf){0} + 1.0f / 720;
+  vf p = broadcast(1.0f / 720);
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
   p = p * r + 1.0f / 6;
@@ -166,10 +166,10 @@ static inline __attribute__((always_inline)) void attend_d(const Problem *a, int
       if (a->cap > 0)
         for (int j = 0; j < n; j++) sg[j] = a->cap * tanhf(sg[j] * a->scale / a->cap);
       /* Lanes past n: -inf for the maximum, 0 after e^x. */
-      vf top = (vf){0} + m[g];
+      vf top = broadcast(m[g]);
       for (int v = 0; v < (n + VL - 1) / VL; v++) {
         const vf x = a->cap > 0 ? s[g][v] : s[g][v] * a->scale;
-        s[g][v] = pick(lane + (float)(v * VL) < (float)n, x, (vf){0} - INFINITY);
+        s[g][v] = pick(lane + (float)(v * VL) < (float)n, x, broadcast(-INFINITY));
         top = pick(s[g][v] > top, s[g][v], top);
       }
       float t = top[0];
@@ -179,7 +179,7 @@ static inline __attribute__((always_inline)) void attend_d(const Problem *a, int
         s[g][v] = pick(lane + (float)(v * VL) < (float)n, exp_nonpositive(s[g][v] - t), (vf){0});
         sum += s[g][v];
       }
-      rescale[g] = m[g] == -INFINITY ? 0.0f : exp_nonpositive((vf){0} + (m[g] - t))[0];
+      rescale[g] = m[g] == -INFINITY ? 0.0f : exp_nonpositive(broadcast(m[g] - t))[0];
       l[g] = l[g] * rescale[g] + lanes_sum(sum);
       m[g] = t;
     }
