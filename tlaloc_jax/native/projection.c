@@ -121,10 +121,6 @@ static inline __attribute__((always_inline)) void row_dot(const Problem *p, int 
   p->y[(size_t)m * p->O + o] = s;
 }
 
-/* Rows [m0, m1) by outputs [o0, o1). A single row: row_dot over each weight row. More: tiles of rows (kept in L1)
-   by the block's weight rows a few at a time (the block's weights stay in L2 across row tiles): 3 x 4 tiles, or
-   4 x 2 where they cover the rows in fewer passes over the weights (4 and 8 rows); rows left over take 2 x 4 or
-   1 x 8 tiles (8 accumulators keep the FMA units busy), the last outputs one at a time. */
 /* The weights of the item a thread runs next, fetched into L2 a few lines after each tile while this item computes:
    an item of many rows reads its weights from memory in its first row tile, which then waits on the read. */
 typedef struct {
@@ -146,6 +142,10 @@ static inline __attribute__((always_inline)) void rows_by(const Problem *p, int 
   for (; o < o1; o++) tile(p, m, o, MR, 1, kind);
 }
 
+/* Rows [m0, m1) by outputs [o0, o1). A single row: row_dot over each weight row. More: tiles of rows (kept in L1)
+   by the block's weight rows a few at a time (the block's weights stay in L2 across row tiles): 3 x 4 tiles, or
+   4 x 2 where they cover the rows in fewer passes over the weights (4 and 8 rows); rows left over take 2 x 4 or
+   1 x 8 tiles (8 accumulators keep the FMA units busy), the last outputs one at a time. */
 #define TILES(kind)                                                                                         \
   static void block_##kind(const Problem *p, int m0, int m1, int o0, int o1, Ahead *a) {                  \
     const int n = m1 - m0;                                                                                 \
