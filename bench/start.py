@@ -15,6 +15,7 @@ the times include Python's imports.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -54,13 +55,16 @@ def first_completion(server, t0: float) -> dict:
     try:
         model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
         token = None
+        # Token ids in every chunk: random weights' tokens may detokenize to nothing, which a server need not send.
         with httpx.stream("POST", f"{server.url}/v1/completions", timeout=600, json={
                 "model": model, "prompt": list(range(5, 46)), "max_tokens": 32, "min_tokens": 32, "temperature": 0,
-                "ignore_eos": True, "stream": True}) as r:
+                "ignore_eos": True, "stream": True, "return_token_ids": True}) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if token is None and line.startswith("data: {"):
-                    token = time.perf_counter() - t0
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    if choices[0].get("token_ids") or choices[0].get("text"):
+                        token = time.perf_counter() - t0
         if token is None:
             raise RuntimeError("the first completion streamed no token")
         return dict(health=health, token=token, first=time.perf_counter() - t0)
