@@ -57,6 +57,12 @@ static void key_range(const Problem *a, int b, int *first, int *end) {
   *end = p < 0 ? 0 : n < a->M * a->S ? n : a->M * a->S;
 }
 
+/* The keys of the chunk from key j: to the end of j's page or of the row's keys, at most CHUNK. */
+static inline int chunk_keys(int j, int end, int S) {
+  const int n = end - j < S - j % S ? end - j : S - j % S;
+  return n < CHUNK ? n : CHUNK;
+}
+
 /* n rows of D elements, `stride` elements apart from src, as f32 rows of Dp (D rounded up to whole vectors): an
    f32 pool's in place when D is whole vectors, otherwise widened or copied into room, zero past D. */
 static inline void rows_f32(const char *src, size_t stride, int n, int bf16, int D, int Dp, float *room,
@@ -70,10 +76,7 @@ static inline void rows_f32(const char *src, size_t stride, int n, int bf16, int
     }
     float *r = room + (size_t)j * Dp;
     if (bf16)
-      for (int d = 0; d < D; d++) {
-        union { uint32_t i; float f; } u = {.i = (uint32_t)((const uint16_t *)at)[d] << 16};
-        r[d] = u.f;
-      }
+      for (int d = 0; d < D; d++) r[d] = bf16_to_f32(((const uint16_t *)at)[d]);
     else
       for (int d = 0; d < D; d++) r[d] = ((const float *)at)[d];
     for (int d = D; d < Dp; d++) r[d] = 0.0f;
@@ -147,16 +150,13 @@ static inline __attribute__((always_inline)) void attend_d(const Problem *a, int
   key_range(a, b, &first, &end);
   const int32_t *table = a->tables + (size_t)b * a->M;
   for (int j0 = first; j0 < end;) {
-    /* The keys of one page from j0, at most CHUNK. */
-    int n = end - j0;
-    n = n < S - j0 % S ? n : S - j0 % S;
-    n = n < CHUNK ? n : CHUNK;
+    const int n = chunk_keys(j0, end, S);
     const size_t at = ((size_t)table[j0 / S] * page + (size_t)(j0 % S) * row) * elem;
     if (j0 + n < end) {   /* the next chunk's keys and values, fetched while this one computes */
-      const int j1 = j0 + n, n1 = end - j1 < S - j1 % S ? end - j1 : S - j1 % S;
+      const int j1 = j0 + n, n1 = chunk_keys(j1, end, S);
       const size_t at1 = ((size_t)table[j1 / S] * page + (size_t)(j1 % S) * row) * elem;
-      fetch_rows(keys + at1, row * elem, n1 < CHUNK ? n1 : CHUNK, D * elem);
-      fetch_rows(values + at1, row * elem, n1 < CHUNK ? n1 : CHUNK, D * elem);
+      fetch_rows(keys + at1, row * elem, n1, D * elem);
+      fetch_rows(values + at1, row * elem, n1, D * elem);
     }
     rows_f32(keys + at, row, n, a->bf16, D, Dp, room, rows);
     float rescale[MAX_GROUP];

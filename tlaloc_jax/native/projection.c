@@ -13,7 +13,6 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -53,12 +52,7 @@ static inline vf load_w(const void *w, size_t at, int kind) {
 
 static inline float load_w1(const void *w, size_t at, int kind) {
   if (kind == F32) return ((const float *)w)[at];
-  if (kind == BF16) {
-    const uint32_t bits = (uint32_t)((const uint16_t *)w)[at] << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-  }
+  if (kind == BF16) return bf16_to_f32(((const uint16_t *)w)[at]);
   return (float)((const int8_t *)w)[at];
 }
 

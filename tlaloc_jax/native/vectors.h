@@ -1,5 +1,5 @@
 /* The vector of the instruction set a kernel is built for (gcc's generic vectors: one source for SSE, AVX and
-   AVX-512), and sums across its lanes. Included by each kernel's C file. */
+   AVX-512), sums across its lanes, and bf16 widened one value at a time. Included by each kernel's C file. */
 #ifndef TLALOC_VECTORS_H
 #define TLALOC_VECTORS_H
 #include <stdint.h>
@@ -15,6 +15,12 @@ typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));         /* an unaligned load */
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));   /* a comparison's lanes: -1 true, 0 false */
+
+/* A bf16 value as f32: its bits are the f32's upper half. */
+static inline float bf16_to_f32(uint16_t h) {
+  union { uint32_t i; float f; } u = {.i = (uint32_t)h << 16};
+  return u.f;
+}
 
 /* live ? a : b, lane by lane. */
 static inline vf pick(vi live, vf a, vf b) { return (vf)(((vi)a & live) | ((vi)b & ~live)); }
