@@ -106,20 +106,22 @@ def test_cuda_export_puts_the_triton_kernel_in_decode_bodies_only(checkpoint, tm
     each mixed body, whose decode rows attend with it) holds the Triton custom call (once, inside the layer scan,
     for the ring layer and the full one alike), prefill bodies none; the same checkpoint exported for cpu holds the
     native C kernel's call in the same bodies by default (its full layer; the ring layer keeps plain ops), and with
-    decode_attention 'xla' no custom call at all."""
+    decode_attention 'xla' no custom call at all (the cpu exports' projections kept in XLA's forms here, so that
+    only attention calls the kernels)."""
     ladder = dict(batch_ladder=(1,), context_ladder=(32,), block_size=S, progress=False)
     cuda = export_checkpoint(checkpoint, tmp_path / "cuda", platform="cuda", decode_attention="pallas", **ladder)
     assert cuda.versions.platform == "cuda"
     targets = _targets(tmp_path / "cuda", cuda)
     for e in cuda.entries:
         assert targets[e.name] == ({TRITON_CUSTOM_CALL} if e.kind in (af.EntryKind.DECODE, af.EntryKind.MIXED) else set()), e.name
-    cpu = export_checkpoint(checkpoint, tmp_path / "cpu", platform="cpu", **ladder)
+    cpu = export_checkpoint(checkpoint, tmp_path / "cpu", platform="cpu", projections="xla", **ladder)
     assert cpu.versions.custom_calls == (NATIVE_DECODE_ATTENTION,)
     targets = _targets(tmp_path / "cpu", cpu)
     for e in cpu.entries:
         assert targets[e.name] == ({NATIVE_DECODE_ATTENTION} if e.kind in (af.EntryKind.DECODE, af.EntryKind.MIXED)
                                    else set()), e.name
-    plain = export_checkpoint(checkpoint, tmp_path / "plain", platform="cpu", decode_attention="xla", **ladder)
+    plain = export_checkpoint(checkpoint, tmp_path / "plain", platform="cpu", decode_attention="xla", projections="xla",
+                              **ladder)
     assert plain.versions.custom_calls == () and all(t == set() for t in _targets(tmp_path / "plain", plain).values())
 
 

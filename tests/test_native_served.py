@@ -1,5 +1,6 @@
 """An artifact whose decode entries call the native C attention kernel (export decode_attention="native"), served by
-the JAX-free runtime: the manifest names the kernel, the runtime builds and registers it before compiling, and the
+the JAX-free runtime: the manifest names the kernel (and the projection kernel, which cpu exports use for f32 decode
+rows by default), the runtime builds and registers them before compiling, and the
 served ids are transformers' (near-tie rule, tests/oracle.py), alone and four at once, with a control that must fail.
 A runtime that lacks the kernel, or cannot build it, refuses the artifact at load, by the kernel's name."""
 
@@ -15,6 +16,7 @@ from tlaloc_jax import native
 from tlaloc_jax.checkpoint import load_checkpoint
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.paged_attention_native import NATIVE_DECODE_ATTENTION
+from tlaloc_jax.kernels.projection_native import NATIVE_PROJECTION
 
 pytestmark = pytest.mark.numeric
 
@@ -37,7 +39,7 @@ def test_served_gives_transformers_ids(exported, monkeypatch, serve_cache_dir):
     from tlaloc_jax.serve import Engine
     path, art = exported
     manifest = json.loads((art / "tlaloc-serving.json").read_text())
-    assert manifest["versions"]["custom_calls"] == [NATIVE_DECODE_ATTENTION]
+    assert manifest["versions"]["custom_calls"] == [NATIVE_DECODE_ATTENTION, NATIVE_PROJECTION]
     ref = load_hf_torch(path)
     want = [torch_greedy(ref, p, NEW) for p in PROMPTS]
     bound = tol.bound(tol.decoder_roundings_of(load_checkpoint(path)[0], context=64))
@@ -79,7 +81,7 @@ def test_pools_the_kernel_does_not_read_default_to_plain_ops(exported, tmp_path)
     from tlaloc_jax.export import ExportError, export_checkpoint
     path, _ = exported
     kw = dict(batch_ladder=(1,), context_ladder=(64,), block_size=8, kv_dtype="float8_e4m3fn", progress=False)
-    assert export_checkpoint(path, tmp_path / "default", **kw).versions.custom_calls == ()
+    assert NATIVE_DECODE_ATTENTION not in export_checkpoint(path, tmp_path / "default", **kw).versions.custom_calls
     with pytest.raises(ExportError, match="native decode-attention kernel cannot serve this model: a float8_e4m3fn "
                                           "pool: it reads f32 or bf16 pools"):
         export_checkpoint(path, tmp_path / "native", decode_attention="native", **kw)

@@ -61,7 +61,7 @@ def test_kernel_matches_reference(dtype, rows):
 
 def test_out_major_product_takes_the_kernel_where_turned_on():
     """Under native_projections(), out_major_product's body calls the kernel for the rows and dtypes of
-    NATIVE_ROWS (none for f32), and XLA's forms past them; without it never; the result within the bound."""
+    NATIVE_ROWS, and XLA's forms past them; without it never; the result within the bound."""
     rng = np.random.default_rng(0)
     I, O = 64, 24
     for dtype, most in NATIVE_ROWS.items():
@@ -89,18 +89,20 @@ def test_refusals():
         jax.grad(lambda x: native_projection(x, jnp.ones((4, 8), jnp.float32)).sum())(x)
 
 
-def test_export_stages_it_for_narrow_weights_on_cpu(tmp_path):
-    """A cpu export of int8 weights names the kernel in its manifest by default (its decode and prefill bodies call
-    it: one token or chunk of a row is within NATIVE_ROWS), of f32 weights not; --projections xla stages none;
-    native projections on cuda are refused by name."""
+def test_export_stages_it_on_cpu(tmp_path):
+    """A cpu export names the kernel in its manifest by default, for int8 and for f32 weights (its decode bodies
+    call it: one row is within NATIVE_ROWS); --projections xla stages none, and a cpu export whose calls all have
+    more rows than NATIVE_ROWS takes for f32 stages none either; native projections on cuda are refused by name."""
     from hf_models import build_checkpoint
     from tlaloc_jax.export import ExportError, export_checkpoint
     path = build_checkpoint(tmp_path / "ck", "llama", seed=3)
     kw = dict(batch_ladder=(1,), context_ladder=(32,), block_size=8, prefill_chunk=16, progress=False)
     assert NATIVE_PROJECTION in export_checkpoint(path, tmp_path / "int8", weight_quant="int8", **kw
                                                   ).versions.custom_calls
-    assert NATIVE_PROJECTION not in export_checkpoint(path, tmp_path / "f32", **kw).versions.custom_calls
+    assert NATIVE_PROJECTION in export_checkpoint(path, tmp_path / "f32", **kw).versions.custom_calls
     assert NATIVE_PROJECTION not in export_checkpoint(path, tmp_path / "xla", weight_quant="int8", projections="xla",
                                                       **kw).versions.custom_calls
+    wide = dict(kw, batch_ladder=(16,), prefill_max_batch=16)
+    assert NATIVE_PROJECTION not in export_checkpoint(path, tmp_path / "wide", **wide).versions.custom_calls
     with pytest.raises(ExportError, match="projections 'native' is a C kernel for the CPU on one device"):
         export_checkpoint(path, tmp_path / "cuda", platform="cuda", projections="native", **kw)

@@ -4,7 +4,7 @@
    registers: out_major_product's semantics (tlaloc_jax/kernels/quantized_matmul.py) without the weight-sized f32
    copy XLA's dot makes of a narrow weight, and with the register tiling XLA's multiply-reduce lacks at a few dozen
    rows. A tile of MR input rows by NR weight rows keeps MR x NR vector accumulators along i (the weight row's
-   inputs are contiguous), summed across lanes at its end. Items (a block of outputs, by a block of rows when there
+   inputs are contiguous), summed across lanes at its end; up to 8 rows a tile takes one weight row (one stream). Items (a block of outputs, by a block of rows when there
    are many) run on XLA's intra-op threads.
 
    Operands: x [M, I] f32; w [O, I] f32, bf16 or s8. Result [M, O] f32. */
@@ -63,8 +63,9 @@ static inline float load_w1(const void *w, size_t at, int kind) {
 #else
 #define KEEP_IN_REGISTER(v) (void)0
 #endif
-#define MAX_MR 4
+#define MAX_MR 3
 #define MAX_NR 8
+#define MAX_STREAM_ROWS 8  /* the most rows stream_rows takes (STREAM_ROWS calls go through it) */
 /* Rows [m, m + MR) by weight rows [o, o + NR): MR x NR accumulators along i, the tail of i past a whole vector
    one element at a time. MR, NR and kind are constants where it is inlined (the arrays have fixed sizes so that
    the unrolled tile keeps them in registers). */
@@ -115,6 +116,35 @@ static inline __attribute__((always_inline)) void row_dot(const Problem *p, int 
   p->y[(size_t)m * p->O + o] = s;
 }
 
+/* Rows [m, m + MR) by weight row o, for a few rows: the weight row read once, in one sequential pass (so the
+   block's weights are one stream the prefetcher follows, as row_dot's are), each vector of it multiplied into every
+   row. Two accumulators a row along i up to 4 rows, one from 5 (8 rows: 8 chains keep the FMA units busy); the
+   line a kilobyte ahead is fetched as the pass goes (memory, not arithmetic, bounds a few rows). */
+#define STREAM_AHEAD 1024
+static inline __attribute__((always_inline)) void stream_rows(const Problem *p, int m, int o, const int MR,
+                                                              const int kind) {
+  const int I = p->I, A = MR <= 4 ? 2 : 1, whole = I - I % (A * VL);
+  const size_t elem = kind == F32 ? 4 : kind == BF16 ? 2 : 1;
+  const float *x = p->x + (size_t)m * I;
+  const size_t w0 = (size_t)o * I;
+  const char *ahead = (const char *)p->w + w0 * elem + STREAM_AHEAD;
+  vf acc[MAX_STREAM_ROWS][2];
+  for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = (vf){0};
+  for (int i = 0; i < whole; i += A * VL) {
+    if ((i * elem) % 64 < A * VL * elem) __builtin_prefetch(ahead + i * elem, 0, 3);
+    for (int a = 0; a < A; a++) {
+      vf wv = load_w(p->w, w0 + i + a * VL, kind);
+      KEEP_IN_REGISTER(wv);
+      for (int r = 0; r < MR; r++) acc[r][a] += (vf) * (const vf_u *)(x + (size_t)r * I + i + a * VL) * wv;
+    }
+  }
+  for (int r = 0; r < MR; r++) {
+    float s = lanes_sum(A == 2 ? acc[r][0] + acc[r][1] : acc[r][0]);
+    for (int i = whole; i < I; i++) s += x[(size_t)r * I + i] * load_w1(p->w, w0 + i, kind);
+    p->y[(size_t)(m + r) * p->O + o] = s;
+  }
+}
+
 /* The weights of the item a thread runs next, fetched into L2 a few lines after each tile while this item computes:
    an item of many rows reads its weights from memory in its first row tile, which then waits on the read. */
 typedef struct {
@@ -136,10 +166,11 @@ static inline __attribute__((always_inline)) void rows_by(const Problem *p, int 
   for (; o < o1; o++) tile(p, m, o, MR, 1, kind);
 }
 
-/* Rows [m0, m1) by outputs [o0, o1). A single row: row_dot over each weight row. More: tiles of rows (kept in L1)
-   by the block's weight rows a few at a time (the block's weights stay in L2 across row tiles): 3 x 4 tiles, or
-   4 x 2 where they cover the rows in fewer passes over the weights (4 and 8 rows); rows left over take 2 x 4 or
-   1 x 8 tiles (8 accumulators keep the FMA units busy), the last outputs one at a time. */
+/* Rows [m0, m1) by outputs [o0, o1). A single row: row_dot over each weight row; up to STREAM_ROWS rows:
+   stream_rows over each weight row, 8, 4, 3 or 2 rows at a time (the block's weights stay in L2 for a second
+   pass). More: tiles of rows (kept in L1) by the block's weight rows a few at a time: 3 x 4 tiles, rows left over
+   in 2 x 4 or 1 x 8 tiles (8 accumulators keep the FMA units busy), the last outputs one at a time. */
+#define STREAM_ROWS 8
 #define TILES(kind)                                                                                         \
   static void block_##kind(const Problem *p, int m0, int m1, int o0, int o1, Ahead *a) {                  \
     const int n = m1 - m0;                                                                                 \
@@ -148,8 +179,19 @@ static inline __attribute__((always_inline)) void rows_by(const Problem *p, int 
       for (int o = o0; o < o1; o++) row_dot(p, m0, o, kind);                                                \
       return;                                                                                              \
     }                                                                                                      \
-    if (n % 3 && n <= 8)                                                                                   \
-      for (; m + 4 <= m1; m += 4) rows_by(p, m, o0, o1, 4, 2, kind, a);                                        \
+    if (n <= STREAM_ROWS) {                                                                                \
+      for (; m + 8 <= m1; m += 8)                                                                          \
+        for (int o = o0; o < o1; o++) stream_rows(p, m, o, 8, kind);                                       \
+      for (; m + 4 <= m1; m += 4)                                                                          \
+        for (int o = o0; o < o1; o++) stream_rows(p, m, o, 4, kind);                                       \
+      if (m + 3 == m1)                                                                                     \
+        for (int o = o0; o < o1; o++) stream_rows(p, m, o, 3, kind);                                       \
+      if (m + 2 == m1)                                                                                     \
+        for (int o = o0; o < o1; o++) stream_rows(p, m, o, 2, kind);                                       \
+      if (m + 1 == m1)                                                                                     \
+        for (int o = o0; o < o1; o++) row_dot(p, m, o, kind);                                              \
+      return;                                                                                              \
+    }                                                                                                      \
     for (; m + 3 <= m1; m += 3) rows_by(p, m, o0, o1, 3, 4, kind, a);                                          \
     if (m + 2 <= m1) rows_by(p, m, o0, o1, 2, 4, kind, a), m += 2;                                             \
     if (m < m1) rows_by(p, m, o0, o1, 1, 8, kind, a);                                                          \
