@@ -54,7 +54,7 @@ CUDA_DECODE_ATTENTION = "xla"
 # pools and head shapes it does not take get plain ops.
 CPU_DECODE_ATTENTION = "native"
 # The projections of cpu exports when none is asked for: the C kernel where NATIVE_ROWS takes a call's rows and
-# weight dtype (bf16 and int8 weights, which XLA's forms read far below the read rate; f32 up to 8 rows), measured
+# weight dtype (bf16 and int8 weights, which XLA's forms read far below the read rate; f32 up to 32 rows), measured
 # faster than XLA's forms through the runtime's plugin (docs/cpu.md, "Kernels outside XLA").
 CPU_PROJECTIONS = "native"
 

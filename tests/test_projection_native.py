@@ -37,15 +37,15 @@ def reference(x, w) -> np.ndarray:
 kernel = jax.jit(native_projection)
 
 
-# Rows across the kernel's tiles (1 row alone, tiles of 4 rows up to 8 and of 3 beyond, their tails of 2 and 1,
-# the 48-row item blocks and one past, fetching the next item's weights ahead from 12 rows); inputs a whole number
-# of vectors and not (the scalar tail); outputs not a multiple of its 2-, 4- and 8-output tiles nor of its
-# 48-output items.
+# Rows across the kernel's paths: 1 row alone; 2 to 8 in one stream, 8, 4, 3 and 2 rows a pass (6 = 4 + 2, 7 =
+# 4 + 3); from 9 in panels of 16 rows (32 with AVX-512), one partly filled (9, 17, 50), whole (16, 48), and past a
+# 48-row item block (50, 97); inputs a whole number of vectors and not (the scalar tail); outputs past whole 6-row
+# weight tiles by each of 1 to 5, and not a multiple of the 48-output items; inputs in blocks of 512 and a part.
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "int8"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 17, 48, 50, 97])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 48, 50, 97])
 def test_kernel_matches_reference(dtype, rows):
     rng = np.random.default_rng(rows)
-    for O, I in ((101, 64), (50, 37), (7, 200)):
+    for O, I in ((101, 64), (50, 37), (7, 200), (52, 24), (99, 16), (13, 1100)):
         x = rng.standard_normal((rows, I)).astype(np.float32)
         w = _weight(rng, O, I, dtype)
         got = np.asarray(kernel(jnp.asarray(x), jnp.asarray(w)))
@@ -91,8 +91,8 @@ def test_refusals():
 
 def test_export_stages_it_on_cpu(tmp_path):
     """A cpu export names the kernel in its manifest by default, for int8 and for f32 weights (its decode bodies
-    call it: one row is within NATIVE_ROWS); --projections xla stages none, and a cpu export whose calls all have
-    more rows than NATIVE_ROWS takes for f32 stages none either; native projections on cuda are refused by name."""
+    call it: one row is within NATIVE_ROWS); --projections xla stages none; native projections on cuda are refused
+    by name."""
     from hf_models import build_checkpoint
     from tlaloc_jax.export import ExportError, export_checkpoint
     path = build_checkpoint(tmp_path / "ck", "llama", seed=3)
@@ -102,7 +102,5 @@ def test_export_stages_it_on_cpu(tmp_path):
     assert NATIVE_PROJECTION in export_checkpoint(path, tmp_path / "f32", **kw).versions.custom_calls
     assert NATIVE_PROJECTION not in export_checkpoint(path, tmp_path / "xla", weight_quant="int8", projections="xla",
                                                       **kw).versions.custom_calls
-    wide = dict(kw, batch_ladder=(16,), prefill_max_batch=16)
-    assert NATIVE_PROJECTION not in export_checkpoint(path, tmp_path / "wide", **wide).versions.custom_calls
     with pytest.raises(ExportError, match="projections 'native' is a C kernel for the CPU on one device"):
         export_checkpoint(path, tmp_path / "cuda", platform="cuda", projections="native", **kw)

@@ -2,10 +2,11 @@
 
    y[m, o] = sum_i x[m, i] w[o, i], the products and their sum in f32 (a dot's arithmetic), w widened exactly in
    registers: out_major_product's semantics (tlaloc_jax/kernels/quantized_matmul.py) without the weight-sized f32
-   copy XLA's dot makes of a narrow weight, and with the register tiling XLA's multiply-reduce lacks at a few dozen
-   rows. A tile of MR input rows by NR weight rows keeps MR x NR vector accumulators along i (the weight row's
-   inputs are contiguous), summed across lanes at its end; up to 8 rows a tile takes one weight row (one stream). Items (a block of outputs, by a block of rows when there
-   are many) run on XLA's intra-op threads.
+   copy XLA's dot makes of a narrow weight. Up to 8 rows each weight row is read once, in one sequential pass, into
+   every row (memory bounds a few rows); more rows are copied into panels of 2 * VL rows laid out input by input, and
+   a tile broadcasts one input of 6 weight rows against a panel's two vectors: 12 FMAs for 2 vector loads and 6
+   broadcasts, no sums across lanes (arithmetic bounds many rows). Items (a block of outputs, by a block of rows when
+   there are many) run on XLA's intra-op threads.
 
    Operands: x [M, I] f32; w [O, I] f32, bf16 or s8. Result [M, O] f32. */
 #include "ffi_common.h"
@@ -13,6 +14,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -22,11 +24,15 @@ typedef int8_t vb_u __attribute__((vector_size(VL), aligned(1)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
 enum { F32, BF16, S8 };
-#define OUT_BLOCK 48  /* outputs an item computes */
-#define ROW_BLOCK 48  /* rows an item computes when there are more (a multiple of every MR) */
+#define OUT_BLOCK 48        /* outputs an item computes (a multiple of WEIGHT_ROWS) */
+#define PANEL (2 * VL)      /* rows a panel holds */
+#define ROW_BLOCK (3 * PANEL) /* rows an item computes when there are more */
+#define WEIGHT_ROWS 6       /* weight rows a panel tile broadcasts */
+#define STREAM_ROWS 8       /* up to this many rows, one stream of weights (stream_rows); panels past it */
 
 typedef struct {
   const float *x;
+  const float *panels;   /* x in panels (pack_panels), when M > STREAM_ROWS */
   const void *w;
   float *y;
   int M, O, I, kind, out_blocks;
@@ -63,39 +69,7 @@ static inline float load_w1(const void *w, size_t at, int kind) {
 #else
 #define KEEP_IN_REGISTER(v) (void)0
 #endif
-#define MAX_MR 3
-#define MAX_NR 8
-#define MAX_STREAM_ROWS 8  /* the most rows stream_rows takes (STREAM_ROWS calls go through it) */
-/* Rows [m, m + MR) by weight rows [o, o + NR): MR x NR accumulators along i, the tail of i past a whole vector
-   one element at a time. MR, NR and kind are constants where it is inlined (the arrays have fixed sizes so that
-   the unrolled tile keeps them in registers). */
-static inline __attribute__((always_inline)) void tile(const Problem *p, int m, int o, const int MR, const int NR,
-                                                       const int kind) {
-  const int I = p->I, whole = I - I % VL;
-  vf acc[MAX_MR][MAX_NR];
-  for (int r = 0; r < MR; r++)
-    for (int c = 0; c < NR; c++) acc[r][c] = (vf){0};
-  const float *x = p->x + (size_t)m * I;
-  const size_t w0 = (size_t)o * I;
-  for (int i = 0; i < whole; i += VL) {
-    vf xv[MAX_MR];
-    for (int r = 0; r < MR; r++) {
-      xv[r] = (vf) * (const vf_u *)(x + (size_t)r * I + i);
-      KEEP_IN_REGISTER(xv[r]);
-    }
-    for (int c = 0; c < NR; c++) {
-      vf wv = load_w(p->w, w0 + (size_t)c * I + i, kind);
-      KEEP_IN_REGISTER(wv);
-      for (int r = 0; r < MR; r++) acc[r][c] += xv[r] * wv;
-    }
-  }
-  for (int r = 0; r < MR; r++)
-    for (int c = 0; c < NR; c++) {
-      float s = lanes_sum(acc[r][c]);
-      for (int i = whole; i < I; i++) s += x[(size_t)r * I + i] * load_w1(p->w, w0 + (size_t)c * I + i, kind);
-      p->y[(size_t)(m + r) * p->O + o + c] = s;
-    }
-}
+#define MAX_STREAM_ROWS 8  /* the most rows stream_rows takes */
 
 /* Row m by weight row o, four accumulators along i: a single row reads the weights in one sequential pass, row
    after row, which the hardware prefetcher follows (short strided streams, as a tile of rows reads them, it does
@@ -145,34 +119,99 @@ static inline __attribute__((always_inline)) void stream_rows(const Problem *p, 
   }
 }
 
-/* The weights of the item a thread runs next, fetched into L2 a few lines after each tile while this item computes:
-   an item of many rows reads its weights from memory in its first row tile, which then waits on the read. */
-typedef struct {
-  const char *at, *end;
-  size_t lines;    /* a tile's share */
-} Ahead;
-
-static inline void fetch_ahead(Ahead *a) {
-  for (size_t k = 0; k < a->lines && a->at < a->end; k++, a->at += 64) __builtin_prefetch(a->at, 0, 2);
+/* x [M, I] -> panels of PANEL rows, each [I][PANEL] (row r of panel k at [i * PANEL + r]), rows past M zero. */
+static void pack_panels(const float *x, int M, int I, float *panels) {
+  for (int p0 = 0; p0 < M; p0 += PANEL) {
+    float *dst = panels + (size_t)p0 * I;
+    const int rows = M - p0 < PANEL ? M - p0 : PANEL;
+    for (int r = 0; r < rows; r++)
+      for (int i = 0; i < I; i++) dst[(size_t)i * PANEL + r] = x[(size_t)(p0 + r) * I + i];
+    for (int r = rows; r < PANEL; r++)
+      for (int i = 0; i < I; i++) dst[(size_t)i * PANEL + r] = 0.f;
+  }
 }
 
-static inline __attribute__((always_inline)) void rows_by(const Problem *p, int m, int o0, int o1, const int MR,
-                                                          const int NR, const int kind, Ahead *ahead) {
-  int o = o0;
-  for (; o + NR <= o1; o += NR) {
-    tile(p, m, o, MR, NR, kind);
-    fetch_ahead(ahead);
+/* Inputs [k0, k0 + kn) of the panel at row m by NW f32 weight rows (row j's input k0 + k at w[j * stride + k]),
+   outputs [o, o + NW): for each input, its value in each weight row broadcast and multiplied into the panel's two
+   vectors (2 * NW accumulators, one lane a row), added to y unless k0 is 0. NW is a constant where it is inlined. */
+static inline __attribute__((always_inline)) void panel_tile(const Problem *p, const float *w, size_t stride, int k0,
+                                                             int kn, int m, int o, const int NW) {
+  const float *panel = p->panels + (size_t)m * p->I + (size_t)k0 * PANEL;
+  vf lo[WEIGHT_ROWS], hi[WEIGHT_ROWS];
+  for (int j = 0; j < NW; j++) lo[j] = hi[j] = (vf){0};
+  for (int k = 0; k < kn; k++) {
+    vf x0 = *(const vf *)(panel + (size_t)k * PANEL), x1 = *(const vf *)(panel + (size_t)k * PANEL + VL);
+    KEEP_IN_REGISTER(x0);
+    KEEP_IN_REGISTER(x1);
+    for (int j = 0; j < NW; j++) {
+      const vf wb = broadcast(w[j * stride + k]);
+      lo[j] += x0 * wb;
+      hi[j] += x1 * wb;
+    }
   }
-  for (; o < o1; o++) tile(p, m, o, MR, 1, kind);
+  const int rows = p->M - m < PANEL ? p->M - m : PANEL;
+  for (int j = 0; j < NW; j++) {
+    float sums[PANEL] __attribute__((aligned(64)));   /* stored whole: a lane picked by a variable index would make
+                                                         gcc keep an accumulator in memory through the loop */
+    *(vf *)sums = lo[j];
+    *(vf *)(sums + VL) = hi[j];
+    for (int r = 0; r < rows; r++) {
+      float *out = p->y + (size_t)(m + r) * p->O + o + j;
+      *out = (k0 ? *out : 0.f) + sums[r];
+    }
+  }
+}
+
+/* Inputs [k0, k0 + kn) of weight rows [o, o + n) as f32 rows: w itself for f32 weights (row stride I), else widened
+   into `wide` (row stride kn). */
+static inline __attribute__((always_inline)) const float *f32_rows(const Problem *p, int o, int n, int k0, int kn,
+                                                                   float *wide, size_t *stride, const int kind) {
+  const size_t I = (size_t)p->I, whole = kn - kn % VL;
+  if (kind == F32) {
+    *stride = I;
+    return (const float *)p->w + (size_t)o * I + k0;
+  }
+  for (int j = 0; j < n; j++) {
+    const size_t from = (size_t)(o + j) * I + k0;
+    float *to = wide + (size_t)j * kn;
+    for (size_t k = 0; k < whole; k += VL) *(vf_u *)(to + k) = load_w(p->w, from + k, kind);
+    for (size_t k = whole; k < (size_t)kn; k++) to[k] = load_w1(p->w, from + k, kind);
+  }
+  *stride = kn;
+  return wide;
+}
+
+/* Rows [m0, m1) of the panels by outputs [o0, o1): WEIGHT_ROWS weight rows at a time (the last outputs of the block
+   fewer; in L1) against each panel of the block (in L2); narrow weights INPUT_BLOCK inputs at a time, widened once
+   for all the block's panels (f32 ones whole: a second pass would read and write the results again). */
+#define INPUT_BLOCK 512
+static inline __attribute__((always_inline)) void panels_by(const Problem *p, int m0, int m1, int o0, int o1,
+                                                            const int kind) {
+  float wide[WEIGHT_ROWS * INPUT_BLOCK];
+  const int kb = kind == F32 ? p->I : INPUT_BLOCK;
+  for (int o = o0; o < o1; o += WEIGHT_ROWS) {
+    const int nw = o1 - o < WEIGHT_ROWS ? o1 - o : WEIGHT_ROWS;
+    for (int k0 = 0; k0 < p->I; k0 += kb) {
+      const int kn = p->I - k0 < kb ? p->I - k0 : kb;
+      size_t stride;
+      const float *w = f32_rows(p, o, nw, k0, kn, wide, &stride, kind);
+      for (int m = m0; m < m1; m += PANEL) switch (nw) {
+          case 6: panel_tile(p, w, stride, k0, kn, m, o, 6); break;
+          case 5: panel_tile(p, w, stride, k0, kn, m, o, 5); break;
+          case 4: panel_tile(p, w, stride, k0, kn, m, o, 4); break;
+          case 3: panel_tile(p, w, stride, k0, kn, m, o, 3); break;
+          case 2: panel_tile(p, w, stride, k0, kn, m, o, 2); break;
+          default: panel_tile(p, w, stride, k0, kn, m, o, 1);
+        }
+    }
+  }
 }
 
 /* Rows [m0, m1) by outputs [o0, o1). A single row: row_dot over each weight row; up to STREAM_ROWS rows:
    stream_rows over each weight row, 8, 4, 3 or 2 rows at a time (the block's weights stay in L2 for a second
-   pass). More: tiles of rows (kept in L1) by the block's weight rows a few at a time: 3 x 4 tiles, rows left over
-   in 2 x 4 or 1 x 8 tiles (8 accumulators keep the FMA units busy), the last outputs one at a time. */
-#define STREAM_ROWS 8
-#define TILES(kind)                                                                                         \
-  static void block_##kind(const Problem *p, int m0, int m1, int o0, int o1, Ahead *a) {                  \
+   pass). More: panels_by. */
+#define BLOCK(kind)                                                                                          \
+  static void block_##kind(const Problem *p, int m0, int m1, int o0, int o1) {                              \
     const int n = m1 - m0;                                                                                 \
     int m = m0;                                                                                            \
     if (n == 1) {                                                                                          \
@@ -192,34 +231,22 @@ static inline __attribute__((always_inline)) void rows_by(const Problem *p, int 
         for (int o = o0; o < o1; o++) row_dot(p, m, o, kind);                                              \
       return;                                                                                              \
     }                                                                                                      \
-    for (; m + 3 <= m1; m += 3) rows_by(p, m, o0, o1, 3, 4, kind, a);                                          \
-    if (m + 2 <= m1) rows_by(p, m, o0, o1, 2, 4, kind, a), m += 2;                                             \
-    if (m < m1) rows_by(p, m, o0, o1, 1, 8, kind, a);                                                          \
+    panels_by(p, m0, m1, o0, o1, kind);                                                                    \
   }
-TILES(F32)
-TILES(BF16)
-TILES(S8)
+BLOCK(F32)
+BLOCK(BF16)
+BLOCK(S8)
 
-/* Item i: out block i % out_blocks of row block i / out_blocks. From AHEAD_ROWS rows the next item's weights are
-   fetched ahead (fewer rows read them at the rate memory gives them). */
-#define AHEAD_ROWS 12
+/* Item i: out block i % out_blocks of row block i / out_blocks. */
 static void item(const void *problem, int i, int next) {
+  (void)next;
   const Problem *p = problem;
   const int ob = i % p->out_blocks, mb = i / p->out_blocks;
   const int o0 = ob * OUT_BLOCK, o1 = o0 + OUT_BLOCK < p->O ? o0 + OUT_BLOCK : p->O;
   const int m0 = mb * ROW_BLOCK, m1 = m0 + ROW_BLOCK < p->M ? m0 + ROW_BLOCK : p->M;
-  Ahead a = {NULL, NULL, 0};
-  if (next >= 0 && m1 - m0 >= AHEAD_ROWS) {
-    const int n0 = next % p->out_blocks * OUT_BLOCK, n1 = n0 + OUT_BLOCK < p->O ? n0 + OUT_BLOCK : p->O;
-    const size_t elem = p->kind == F32 ? 4 : p->kind == BF16 ? 2 : 1, row = (size_t)p->I * elem;
-    const size_t tiles = (size_t)((m1 - m0) / 3) * ((o1 - o0) / 4) + 1;
-    a.at = (const char *)p->w + n0 * row;
-    a.end = (const char *)p->w + n1 * row;
-    a.lines = ((size_t)(a.end - a.at) / 64 + tiles - 1) / tiles;
-  }
-  if (p->kind == F32) block_F32(p, m0, m1, o0, o1, &a);
-  else if (p->kind == BF16) block_BF16(p, m0, m1, o0, o1, &a);
-  else block_S8(p, m0, m1, o0, o1, &a);
+  if (p->kind == F32) block_F32(p, m0, m1, o0, o1);
+  else if (p->kind == BF16) block_BF16(p, m0, m1, o0, o1);
+  else block_S8(p, m0, m1, o0, o1);
 }
 
 XLA_FFI_Error *tlaloc_projection_v1(XLA_FFI_CallFrame *frame) {
@@ -238,7 +265,15 @@ XLA_FFI_Error *tlaloc_projection_v1(XLA_FFI_CallFrame *frame) {
   if (w->dims[1] != I || y->dims[0] != M || y->dims[1] != O)
     return refuse(api, "tlaloc_projection_v1: x [M, I], w [O, I] and the result [M, O] do not agree");
   const int out_blocks = (O + OUT_BLOCK - 1) / OUT_BLOCK, row_blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
-  const Problem p = {x->data, w->data, y->data, M, O, I, kind, out_blocks};
+  float *panels = NULL;
+  if (M > STREAM_ROWS) {
+    const size_t bytes = (size_t)(M + PANEL - 1) / PANEL * PANEL * I * sizeof(float);
+    panels = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!panels) return refuse(api, "tlaloc_projection_v1: no memory for the rows' panels");
+    pack_panels(x->data, M, I, panels);
+  }
+  const Problem p = {x->data, panels, w->data, y->data, M, O, I, kind, out_blocks};
   run_parallel(api, frame->ctx, item, &p, out_blocks * row_blocks);
+  free(panels);
   return NULL;
 }

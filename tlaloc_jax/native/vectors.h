@@ -42,9 +42,8 @@ static inline float lanes_sum(vf v) {
 
 /* x in every lane. */
 static inline vf broadcast(float x) {
-  vf v;
-  for (int i = 0; i < VL; i++) v[i] = x;
-  return v;
+  const vf one = (vf){0} + 1.0f;   /* x * 1 is x exactly, so gcc emits a single broadcast (a lane loop it did not) */
+  return one * x;
 }
 
 /* a's and b's neighbouring lanes summed within each 128-bit lane: [a0 + a1, a2 + a3, b0 + b1, b2 + b3, a4 + a5, ...]
