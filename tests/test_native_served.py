@@ -81,7 +81,7 @@ def test_pools_the_kernel_does_not_read_default_to_plain_ops(exported, tmp_path)
     from tlaloc_jax.export import ExportError, export_checkpoint
     path, _ = exported
     kw = dict(batch_ladder=(1,), context_ladder=(64,), block_size=8, kv_dtype="float8_e4m3fn", progress=False)
-    assert NATIVE_DECODE_ATTENTION not in export_checkpoint(path, tmp_path / "default", **kw).versions.custom_calls
+    assert export_checkpoint(path, tmp_path / "default", **kw).versions.custom_calls == (NATIVE_PROJECTION,)
     with pytest.raises(ExportError, match="native decode-attention kernel cannot serve this model: a float8_e4m3fn "
                                           "pool: it reads f32 or bf16 pools"):
         export_checkpoint(path, tmp_path / "native", decode_attention="native", **kw)

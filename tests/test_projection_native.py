@@ -39,8 +39,9 @@ kernel = jax.jit(native_projection)
 
 # Rows across the kernel's paths: 1 row alone; 2 to 8 in one stream, 8, 4, 3 and 2 rows a pass (6 = 4 + 2, 7 =
 # 4 + 3); from 9 in panels of 16 rows (32 with AVX-512), one partly filled (9, 17, 50), whole (16, 48), and past a
-# 48-row item block (50, 97); inputs a whole number of vectors and not (the scalar tail); outputs past whole 6-row
-# weight tiles by each of 1 to 5, and not a multiple of the 48-output items; inputs in blocks of 512 and a part.
+# 48-row item block (50, 97; 96 rows with AVX-512); inputs a whole number of vectors and not (the scalar tail);
+# outputs past whole 6-row weight tiles by each of 1 to 5, and not a multiple of the 48-output items; inputs in
+# blocks of 512 and a part.
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "int8"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 48, 50, 97])
 def test_kernel_matches_reference(dtype, rows):

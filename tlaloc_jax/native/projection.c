@@ -28,7 +28,7 @@ enum { F32, BF16, S8 };
 #define PANEL (2 * VL)      /* rows a panel holds */
 #define ROW_BLOCK (3 * PANEL) /* rows an item computes when there are more */
 #define WEIGHT_ROWS 6       /* weight rows a panel tile broadcasts */
-#define STREAM_ROWS 8       /* up to this many rows, one stream of weights (stream_rows); panels past it */
+#define STREAM_ROWS 8       /* up to this many rows (stream_rows' most), one stream of weights; panels past */
 
 typedef struct {
   const float *x;
@@ -69,8 +69,6 @@ static inline float load_w1(const void *w, size_t at, int kind) {
 #else
 #define KEEP_IN_REGISTER(v) (void)0
 #endif
-#define MAX_STREAM_ROWS 8  /* the most rows stream_rows takes */
-
 /* Row m by weight row o, four accumulators along i: a single row reads the weights in one sequential pass, row
    after row, which the hardware prefetcher follows (short strided streams, as a tile of rows reads them, it does
    not: an int8 weight's row is a few cache lines). */
@@ -102,7 +100,7 @@ static inline __attribute__((always_inline)) void stream_rows(const Problem *p, 
   const float *x = p->x + (size_t)m * I;
   const size_t w0 = (size_t)o * I;
   const char *ahead = (const char *)p->w + w0 * elem + STREAM_AHEAD;
-  vf acc[MAX_STREAM_ROWS][2];
+  vf acc[STREAM_ROWS][2];
   for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = (vf){0};
   for (int i = 0; i < whole; i += A * VL) {
     if ((i * elem) % 64 < A * VL * elem) __builtin_prefetch(ahead + i * elem, 0, 3);
