@@ -9,7 +9,8 @@ and prints:
     runtime step as a multiple of its read floor (the weight bytes and the rows' KV bytes at the 2-thread read
     rate measured here) and of the batch-1 step;
   - prefill tokens/s of one call for the runtime and in-process JAX, and the runtime's FLOP rate as a fraction
-    of the best this CPU's XLA reaches on a large f32 matmul through the same plugin (and bf16's, for reference);
+    of the best this CPU's XLA reaches on a large f32 matmul through the same plugin (and bf16's, for reference)
+    and of the CPU's f32 FMA peak (bench/fma_peak.py);
   - the weight bytes a decode step reads, the memory bandwidth measured here, and the runtime's decode
     step time as a multiple of that floor;
   - what returning the argmax next to the logits saves per step (greedy pulls 4 bytes a row, not V * 4);
@@ -177,6 +178,7 @@ def main(argv=None) -> None:
 
     import jax
 
+    from fma_peak import fma_peak
     import tlaloc_jax
     from tlaloc_jax.artifact import Role
     from tlaloc_jax.decoder import StepInputs
@@ -278,10 +280,12 @@ def main(argv=None) -> None:
         print(f"prefill {args.prefill} tokens | runtime {args.prefill / t_rt_p:.0f} tok/s | in-process JAX "
               f"{args.prefill / t_jax_p:.0f} tok/s | runtime/JAX {t_jax_p / t_rt_p:.2f}x")
         peak = {dt: matmul_peak(engine.device, dt) for dt in ("float32", "bfloat16")}
+        fma = fma_peak()
         rate = prefill_flops(cfg, args.prefill) / t_rt_p
         print(f"prefill FLOP rate {rate / 1e9:.1f} GFLOP/s = {rate / peak['float32']:.2f}x the f32 matmul peak measured "
               f"through the plugin ({peak['float32'] / 1e9:.1f} GFLOP/s; bf16 operands {peak['bfloat16'] / 1e9:.1f} "
-              f"GFLOP/s, {peak['bfloat16'] / peak['float32']:.2f}x f32)")
+              f"GFLOP/s, {peak['bfloat16'] / peak['float32']:.2f}x f32) = {rate / fma:.2f}x the f32 FMA peak of "
+              f"{cores} cores ({fma / 1e9:.1f} GFLOP/s; bench/prefill_parts.py breaks the prefill down)")
 
         floor = step_bytes / bw
         t1 = rows[0][1]

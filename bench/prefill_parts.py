@@ -1,0 +1,134 @@
+"""Where a prefill's time goes: bench/decode.py's 100M Llama prefill of one prompt (tlaloc_jax.decoder.forward,
+per-layer weights, paged KV pool, f32) against three cut-down bodies, each compiled by the serving runtime's
+plugin and run interleaved in one process:
+
+  - the same prefill with its paged attention replaced by a copy of the queries (the difference is attention);
+  - the projections alone: every layer's four dots (q | k | v, o, gate | up, down) on the same weights and rows,
+    chained, and the head on the last row (the rest of the prefill is attention, norms, rope, the activation,
+    the KV write and the embedding);
+  - one projection shape (gate | up) repeated to fill the same FLOPs: the best rate the plugin's dot reaches on
+    this prefill's rows, the ceiling the projections can approach.
+
+The FLOP rates count the projections' and attention's multiply-adds (bench/decode.py's prefill_flops), against
+the f32 FMA peak of every core (bench/fma_peak.py) measured in the same run. "ceiling": how much faster the
+prefill could be at most in f32, were its projections to run at that peak and everything else to take no time.
+
+    python bench/prefill_parts.py                  # 128 tokens in a 256-position bucket
+    python bench/prefill_parts.py --tokens 64,256 --context 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="128", help="prompt lengths, one prefill call each")
+    ap.add_argument("--context", type=int, default=256, help="the entry's context bucket")
+    ap.add_argument("--steps", type=int, default=15)
+    a = ap.parse_args(argv)
+
+    import jax.numpy as jnp
+
+    from decode import MODEL_DEFAULTS, llama_config, matmul_peak, prefill_flops
+    from fma_peak import fma_peak
+    from plugin_run import device, on_runtime
+    from tlaloc_jax import decoder
+    from tlaloc_jax.checkpoint import random_weights
+    from tlaloc_jax.families import config_from_hf
+    from tlaloc_jax.inputs import StepInputs
+    from tlaloc_jax.layers import linear
+    from tlaloc_jax.layout import per_layer
+    from tlaloc_jax.paging import RowCall, build_step_inputs
+
+    shape = argparse.Namespace(**dict(MODEL_DEFAULTS, context=a.context))
+    fam, cfg = config_from_hf(llama_config(shape))
+    weights = per_layer(random_weights(cfg, fam, seed=0, std=0.02))
+    S = 16
+    M = a.context // S
+    rng = np.random.default_rng(0)
+    attention = decoder.paged_attention
+
+    def prefill(with_attention: bool):
+        def f(pools, weights, inputs):
+            # Traced once, when on_runtime exports it: the swap only lasts for that trace.
+            decoder.paged_attention = attention if with_attention else (lambda q, *args, **kw: q * 1.0001)
+            try:
+                logits, pools = decoder.forward(cfg, weights, pools, StepInputs(**inputs))
+            finally:
+                decoder.paged_attention = attention
+            return pools, jnp.argmax(logits, -1)
+        return f
+
+    def projections(pools, weights, inputs):
+        # The layer's dots in order, each fed by the last (shapes as in the layer; no norms, rope or attention).
+        h = jnp.take(weights["embed"], inputs["token_ids"], axis=0)
+        H = cfg.num_heads * cfg.head_dim
+        for i in range(cfg.num_layers):
+            qkv = linear(h, weights["attn.qkv_proj"][i])
+            h = h + linear(qkv[..., :H], weights["attn.o_proj"][i])
+            gu = linear(h, weights["layers.gate_up_proj"][i])
+            h = h + linear(gu[..., :cfg.intermediate_size], weights["layers.down_proj"][i])
+        return pools, jnp.argmax(linear(h[:, -1], weights["head"]), -1)
+
+    def same_dot(n):
+        # gate | up's dot n times on the prompt's rows: the rate one projection shape reaches, chained.
+        def f(pools, weights, inputs):
+            h = jnp.take(weights["embed"], inputs["token_ids"], axis=0)
+            outs = []
+            for i in range(n):
+                gu = linear(h, weights["layers.gate_up_proj"][i % cfg.num_layers])
+                outs.append(gu[..., :1])
+                h = h + gu[..., :cfg.hidden_size] * 1e-3
+            return pools, jnp.concatenate(outs, -1)
+        return f
+
+    big = matmul_peak(device(), "float32")
+    peak = fma_peak()
+    print(f"100M Llama prefill (12 layers, hidden 768, 12 / 4 heads of 64, MLP 2048, vocab 16000), f32, context "
+          f"{a.context}; the runtime plugin; medians of wall ms (CPU ms of every thread)")
+    print(f"f32 FMA peak of {os.cpu_count()} cores {peak / 1e9:.1f} GFLOP/s; the plugin's 8 x 512 x 2048 x 4096 "
+          f"matmuls {big / 1e9:.1f} GFLOP/s ({big / peak:.2f}x the peak)")
+    print(f"{'tokens':>6} | {'whole prefill':>17} | {'no attention':>17} | {'projections':>17} | "
+          f"{'one dot shape':>17} | attention | other | x FMA peak: prefill, projections, one shape | ceiling")
+    for T in (int(x) for x in a.tokens.split(",")):
+        P = M + 1
+        pool = rng.standard_normal((cfg.num_layers, 2, P, S, cfg.num_kv_heads, cfg.head_dim), np.float32) * 0.5
+        inputs = build_step_inputs([RowCall([7] * T, 0, list(range(M)))], batch=1, tokens=T, width=M, block_size=S)
+        inputs = {k: np.asarray(v) for k, v in inputs.items()}
+        inputs["token_ids"] = rng.integers(0, cfg.vocab_size, (1, T)).astype(np.int32)
+        flops_proj = prefill_flops(cfg, T) - 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * T * (T + 1) / 2
+        flops_gu = 2 * T * cfg.hidden_size * 2 * cfg.intermediate_size
+        n_same = max(1, round(flops_proj / flops_gu))
+        bodies = [prefill(True), prefill(False), projections, same_dot(n_same)]
+        runs = [on_runtime(f, {"kv": pool}, weights, inputs, donate=(0,)) for f in bodies]
+        walls, cpus = [[] for _ in runs], [[] for _ in runs]
+        for i in range(a.steps + 2):
+            for j, run in enumerate(runs):
+                t0, c0 = time.perf_counter(), time.process_time()
+                run()
+                if i >= 2:
+                    walls[j].append(time.perf_counter() - t0)
+                    cpus[j].append(time.process_time() - c0)
+        w = [statistics.median(x) for x in walls]
+        c = [statistics.median(x) for x in cpus]
+        rates = (prefill_flops(cfg, T) / w[0], flops_proj / w[2], n_same * flops_gu / w[3])
+        cells = " | ".join(f"{w[j] * 1e3:7.1f} ({c[j] * 1e3:6.1f})" for j in range(4))
+        print(f"{T:6d} | {cells} | {(w[0] - w[1]) / w[0]:9.0%} | {(w[1] - w[2]) / w[0]:5.0%} | "
+              f"{' / '.join(f'{r / peak:.2f}x' for r in rates):>42} | {w[0] / (flops_proj / peak):.2f}x")
+        print(f"{'':6} | {T / w[0]:.0f} tok/s")
+    print("attention: (whole - no attention) / whole; other: (no attention - projections) / whole (norms, rope, "
+          "activation, KV write, embedding)")
+
+
+if __name__ == "__main__":
+    main()
