@@ -2,9 +2,10 @@
 
 The kernel is a typed XLA FFI handler, called as `stablehlo.custom_call @tlaloc_projection_v1`; a served body that
 holds it names it in its manifest for the runtime to build and register (as the native decode attention). It
-widens a bf16 or int8 weight in registers, where XLA's dot first writes a weight-sized f32 copy and XLA's
-multiply-reduce runs far below the read rate; f32 weights up to 32 rows it reads in one stream (up to 8 rows) or
-runs as panels of rows against broadcast weights (0.75-0.95x XLA's time), and from 64 rows XLA's dot is as fast.
+widens a bf16 or int8 weight in registers (or in blocks that stay in cache), where XLA's dot first writes a
+weight-sized f32 copy and XLA's multiply-reduce runs far below the read rate; up to 8 rows it reads the weights in
+one stream, from 9 it runs panels of rows against broadcast weights; for f32 weights from 64 rows XLA's dot is as
+fast.
 
 `native_projections()` turns it on while a function is traced (the exporter does so for cpu bodies staged with
 projections "native"); `out_major_product` then takes it for the rows and dtypes of NATIVE_ROWS.
@@ -23,10 +24,10 @@ from .paged_attention_native import register_in_process
 
 NATIVE_PROJECTION = "tlaloc_projection_v1"
 # Weight dtype -> the most rows a projection takes the kernel for (bench/native_kernels.py; docs/cpu.md, "Kernels
-# outside XLA"). int8: every decode-sized call (XLA's dot widens the codes into a weight-sized f32 copy first);
+# outside XLA"). int8: every call, prefill too (XLA's dot widens the codes into a weight-sized f32 copy first);
 # bf16: the calls XLA runs as a multiply-reduce (NARROW_REDUCE_ROWS; past them its dot takes bf16 operands, which
 # CPUs with bf16 dot instructions run faster); f32: up to 32 rows (XLA's dot is as fast from 64).
-NATIVE_ROWS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.int8): 64}
+NATIVE_ROWS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.int8): float("inf")}
 
 _active = contextvars.ContextVar("tlaloc_native_projections", default=False)
 

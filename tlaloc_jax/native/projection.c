@@ -26,7 +26,9 @@ typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 enum { F32, BF16, S8 };
 #define OUT_BLOCK 48        /* outputs an item computes (a multiple of WEIGHT_ROWS) */
 #define PANEL (2 * VL)      /* rows a panel holds */
-#define ROW_BLOCK (3 * PANEL) /* rows an item computes when there are more */
+/* Rows an item computes when there are more: 3 panels for f32 weights; 8 for narrow ones, so that each block of
+   widened weights serves more panels. */
+#define ROW_BLOCK(kind) ((kind) == F32 ? 3 * PANEL : 8 * PANEL)
 #define WEIGHT_ROWS 6       /* weight rows a panel tile broadcasts */
 #define STREAM_ROWS 8       /* up to this many rows (stream_rows' most), one stream of weights; panels past */
 
@@ -181,8 +183,9 @@ static inline __attribute__((always_inline)) const float *f32_rows(const Problem
 
 /* Rows [m0, m1) of the panels by outputs [o0, o1): WEIGHT_ROWS weight rows at a time (the last outputs of the block
    fewer; in L1) against each panel of the block (in L2); narrow weights INPUT_BLOCK inputs at a time, widened once
-   for all the block's panels (f32 ones whole: a second pass would read and write the results again). */
-#define INPUT_BLOCK 512
+   for all the block's panels (f32 ones whole). Each block past the first reads and writes the tiles' results again
+   (scattered over y's rows), so the blocks are long: 48 KB of stack. */
+#define INPUT_BLOCK 2048
 static inline __attribute__((always_inline)) void panels_by(const Problem *p, int m0, int m1, int o0, int o1,
                                                             const int kind) {
   float wide[WEIGHT_ROWS * INPUT_BLOCK];
@@ -241,7 +244,7 @@ static void item(const void *problem, int i, int next) {
   const Problem *p = problem;
   const int ob = i % p->out_blocks, mb = i / p->out_blocks;
   const int o0 = ob * OUT_BLOCK, o1 = o0 + OUT_BLOCK < p->O ? o0 + OUT_BLOCK : p->O;
-  const int m0 = mb * ROW_BLOCK, m1 = m0 + ROW_BLOCK < p->M ? m0 + ROW_BLOCK : p->M;
+  const int rb = ROW_BLOCK(p->kind), m0 = mb * rb, m1 = m0 + rb < p->M ? m0 + rb : p->M;
   if (p->kind == F32) block_F32(p, m0, m1, o0, o1);
   else if (p->kind == BF16) block_BF16(p, m0, m1, o0, o1);
   else block_S8(p, m0, m1, o0, o1);
@@ -262,7 +265,7 @@ XLA_FFI_Error *tlaloc_projection_v1(XLA_FFI_CallFrame *frame) {
   const int M = (int)x->dims[0], I = (int)x->dims[1], O = (int)w->dims[0];
   if (w->dims[1] != I || y->dims[0] != M || y->dims[1] != O)
     return refuse(api, "tlaloc_projection_v1: x [M, I], w [O, I] and the result [M, O] do not agree");
-  const int out_blocks = (O + OUT_BLOCK - 1) / OUT_BLOCK, row_blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+  const int out_blocks = (O + OUT_BLOCK - 1) / OUT_BLOCK, row_blocks = (M + ROW_BLOCK(kind) - 1) / ROW_BLOCK(kind);
   float *panels = NULL;
   if (M > STREAM_ROWS) {
     const size_t bytes = (size_t)(M + PANEL - 1) / PANEL * PANEL * I * sizeof(float);
