@@ -20,7 +20,7 @@ ISA_SETTINGS := \
   "ATEN_CPU_CAPABILITY=default|taskset -c 0"
 endif
 
-.PHONY: setup demo test test-isa test-slow test-engines vllm-env test-vllm clean
+.PHONY: setup demo test test-isa test-slow test-engines vllm-env test-vllm peers-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -115,5 +115,26 @@ test-vllm: setup $(VLLM_STAMP)
 	TLALOC_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) JAX_PLATFORMS=cpu timeout 1500 $(PY) -m pytest -q -m "slow or not slow" \
 	  tests/test_vllm.py tests/test_vllm_runtime.py
 
+# `make peers-env`: what bench/peers.py needs, in .venv: llama.cpp built as a shared library alone, for this CPU,
+# from the vendored source of the llama-cpp-python sdist the peers extra pins (2-6 minutes on 2 cores, where the
+# sdist's own build takes about 30), then the extra's packages with the bindings' build turned off. bench/peers.py
+# finds the library in .peers/build/bin (LLAMA_CPP_LIB_PATH overrides it).
+PEERS_DIR   := .peers
+PEERS_STAMP := $(PEERS_DIR)/.installed-stamp
+LLAMA_CPP_PY := $(shell sed -n 's/.*"\(llama-cpp-python==[0-9.]*\)".*/\1/p' pyproject.toml)
+
+$(PEERS_STAMP): $(STAMP) pyproject.toml
+	rm -rf $(PEERS_DIR) && mkdir -p $(PEERS_DIR)/sdist
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(PEERS_DIR)/sdist $(LLAMA_CPP_PY)
+	tar -xzf $(PEERS_DIR)/sdist/*.tar.gz -C $(PEERS_DIR)/sdist
+	cmake -S $(PEERS_DIR)/sdist/llama_cpp_python-*/vendor/llama.cpp -B $(PEERS_DIR)/build -G Ninja \
+	  -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_COMMON=OFF \
+	  -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF > /dev/null
+	ninja -C $(PEERS_DIR)/build llama > /dev/null
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF" $(PY) -m pip install -q -e '.[peers]'
+	touch $(PEERS_STAMP)
+
+peers-env: $(PEERS_STAMP)
+
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(TRITON_VENV) $(VLLM_VENV) $(PEERS_DIR)

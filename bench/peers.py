@@ -25,15 +25,17 @@ counts as a near-tie when llama.cpp's own top-2 logit gap there is within twice 
 tlaloc_jax/kernels/tolerances.py); the two quantizations differ (llama.cpp also rounds each activation to Q8_0 in its
 quantized dots), so a quantized variant's ids are compared with the same system's f32 ids instead.
 
-Optional dependencies, not in `make test`: `pip install -e '.[peers]'` builds llama.cpp from the llama-cpp-python
-sdist (about 30 minutes on 2 cores). With llama.cpp already built as a shared library, install the bindings
-without building it and point them at the library:
+Optional dependencies, not in `make test`: `make peers-env` builds llama.cpp as a shared library alone (2-6
+minutes on 2 cores) into .peers/ and installs the bindings and gguf into .venv; this script finds the library
+there. `pip install -e '.[peers]'` builds llama.cpp from the llama-cpp-python sdist instead (about 30 minutes on 2
+cores). With llama.cpp already built as a shared library elsewhere, install the bindings without building it and
+point them at the library:
 
     CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install llama-cpp-python==0.3.36 gguf
     export LLAMA_CPP_LIB_PATH=/path/to/llama.cpp/build/bin      # the directory holding libllama.so
     python bench/peers.py                  # ~100M parameters, f32, Q8_0/int8 and Q4_0/int4, 2 rounds
     python bench/peers.py --variants f32,q8 --rounds 3
-    python bench/peers.py --hidden 256 --layers 2 --intermediate 512 --vocab 4096 --rounds 1   # a quick look
+    python bench/peers.py --hidden 256 --layers 2 --heads 4 --kv-heads 2 --intermediate 512 --vocab 4096 --rounds 1
 
 Only a quiet machine gives a fair table: the load average before and after each process is printed with it.
 """
@@ -52,6 +54,10 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The library `make peers-env` builds, unless LLAMA_CPP_LIB_PATH names another.
+_PEERS_LIB = Path(__file__).resolve().parent.parent / ".peers" / "build" / "bin"
+if _PEERS_LIB.is_dir():
+    os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(_PEERS_LIB))
 
 import numpy as np
 
@@ -63,8 +69,9 @@ SYSTEMS = ("llama.cpp", "tlaloc-jax")
 VARIANTS = {"f32": ("F32", "none", 128), "q8": ("Q8_0", "int8", 128), "q4": ("Q4_0", "int4", 32)}
 BATCHES = (1, 4)
 PROMPT_LEN, NEW_TOKENS, BLOCK = 32, 64, 16
-INSTALL = ("bench/peers.py needs llama-cpp-python and gguf (optional, not in `make test`): "
-           "pip install -e '.[peers]' (builds llama.cpp, ~30 min on 2 cores), or with llama.cpp already built as a "
+INSTALL = ("bench/peers.py needs llama-cpp-python and gguf (optional, not in `make test`): `make peers-env` "
+           "(builds libllama alone, 2-6 min on 2 cores), or pip install -e '.[peers]' (builds all of llama.cpp, ~30 "
+           "min on 2 cores), or with llama.cpp already built as a "
            "shared library: CMAKE_ARGS=\"-DLLAMA_BUILD=OFF\" pip install llama-cpp-python==0.3.36 gguf and "
            "LLAMA_CPP_LIB_PATH=<dir of libllama.so>")
 
