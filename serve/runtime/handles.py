@@ -33,11 +33,12 @@ class Buffer:
     buffer can no longer be read or passed to an execution.
     """
 
-    __slots__ = ("_h", "_shape", "_dtype", "_ready", "_dense", "__weakref__")
+    __slots__ = ("_h", "_shape", "_dtype", "_ready", "_dense", "_hot", "__weakref__")
 
     def __init__(self, handle: PjrtBuffer, shape: tuple[int, ...] | None = None,
-                 dtype: np.dtype | None = None, ready: bool = False):
+                 dtype: np.dtype | None = None, ready: bool = False, hot: compat.HotCalls | None = None):
         self._h = handle
+        self._hot = hot          # the owning Device's made calls (close without building a struct), if given
         self._shape = shape
         self._dtype = dtype
         self._ready = ready      # known defined: an output of an execution whose completion was awaited
@@ -75,11 +76,14 @@ class Buffer:
 
     def close(self) -> None:
         """Release the handle (and its device memory unless already consumed). Idempotent."""
-        self._h.close()
+        if self._hot is not None:
+            self._hot.close_buffer(self._h)
+        else:
+            self._h.close()
 
     def __del__(self):
         try:
-            self._h.close()
+            self.close()
         except Exception:
             pass
 

@@ -333,21 +333,21 @@ class Device:
         if code is None:
             raise TypeError(f"cannot upload dtype {arr.dtype}: no PJRT buffer type for it "
                             f"(supported: {', '.join(d.name for _, d in DTYPES)})")
-        p = self._plugin
         dims = (ctypes.c_int64 * max(arr.ndim, 1))(*arr.shape)
-        a = p.args(
-            "PJRT_Client_BufferFromHostBuffer_Args", client=self._client.address,
-            data=arr.ctypes.data if arr.size else ctypes.addressof(_EMPTY),
-            type=code, dims=ctypes.cast(dims, _VOIDP), num_dims=arr.ndim,
-            host_buffer_semantics=semantics, device=self._devices[device].address)
-        with self._client.diagnose_allocation():
-            p.call("PJRT_Client_BufferFromHostBuffer", a)
-        if a.done_with_host_buffer:
+        try:
+            ptr, done = self._hot.buffer_from_host(
+                client=self._client.address, data=arr.ctypes.data if arr.size else ctypes.addressof(_EMPTY),
+                type=code, dims=ctypes.cast(dims, _VOIDP), num_dims=arr.ndim, host_buffer_semantics=semantics,
+                device=self._devices[device].address)
+        except pjrt_errors.PjrtError as e:
+            with self._client.diagnose_allocation():     # an allocation failure gets the allocator's state
+                raise e
+        if done:
             # kImmutableOnlyDuringCall: the plugin holds no reference to `data` once the call returned, so the
             # event has nothing left to wait for; it is only destroyed (awaiting it cost ~20 us an upload).
             # Zero copy (adopt): the Device holds the memory until close, past any use the event would mark.
-            compat.destroy_event(p, a.done_with_host_buffer)
-        return self._own(Buffer(PjrtBuffer(p, a.buffer), tuple(arr.shape), arr.dtype))
+            self._hot.destroy_event(done)
+        return self._own(Buffer(PjrtBuffer(self._plugin, ptr), tuple(arr.shape), arr.dtype, hot=self._hot))
 
     def to_host(self, buffer: Buffer) -> np.ndarray:
         """Copy a device buffer into a new numpy array of its shape and dtype."""
@@ -516,7 +516,7 @@ class Device:
                     outputs.append(None)
                     continue
                 shape, dtype, dense = (None, None, None) if first else meta[j]
-                buf = Buffer(PjrtBuffer(plugin, ptr), shape, dtype, ready=ready)
+                buf = Buffer(PjrtBuffer(plugin, ptr), shape, dtype, ready=ready, hot=hot)
                 buf._dense = dense
                 outputs.append(self._own(buf))
             out_rows.append(outputs)

@@ -86,7 +86,8 @@ def consume_event(plugin: pypjrt.Plugin, event: int) -> None:
 
 class HotCalls:
     """The PJRT calls a step makes every time (Execute, Event_Await / Event_Destroy, Buffer_Destroy,
-    Buffer_IsDeleted, the device pointer) with each call's function pointer and argument struct made once.
+    Buffer_IsDeleted, the device pointer, the uploads of its inputs) with each call's function pointer and argument
+    struct made once (pypjrt builds a struct a call: a fifth of a small model's decode step went to its uploads).
 
     Each call holds pypjrt's process-wide PJRT lock, as pypjrt's own calls do (a buffer finalizer on another
     thread must not race an Execute); Execute is marked as a region XLA may re-enter; a ready event is awaited
@@ -96,7 +97,8 @@ class HotCalls:
         self.plugin = plugin
         self._structs = {}
         for name in ("PJRT_LoadedExecutable_Execute", "PJRT_Event_Await", "PJRT_Event_Destroy",
-                     "PJRT_Buffer_Destroy", "PJRT_Buffer_IsDeleted", "PJRT_Buffer_OpaqueDeviceMemoryDataPointer"):
+                     "PJRT_Buffer_Destroy", "PJRT_Buffer_IsDeleted", "PJRT_Buffer_OpaqueDeviceMemoryDataPointer",
+                     "PJRT_Client_BufferFromHostBuffer"):
             try:
                 fn = plugin.fn(name)
             except (pjrt_errors.Unimplemented, pjrt_errors.UnsupportedByPlugin):
@@ -134,6 +136,31 @@ class HotCalls:
 
     def destroy_buffer(self, buffer: int) -> None:
         self._call("PJRT_Buffer_Destroy", "buffer", buffer)
+
+    def destroy_event(self, event: int) -> None:
+        self._call("PJRT_Event_Destroy", "event", event)
+
+    def buffer_from_host(self, **fields) -> tuple[int, int]:
+        """PJRT_Client_BufferFromHostBuffer with `fields` set (the rest as the last call left them: every caller
+        sets the same ones) -> (the buffer, its done-with-host-buffer event, 0 for none)."""
+        fn, args, ref = self._structs["PJRT_Client_BufferFromHostBuffer"]
+        with _PJRT:
+            for name, value in fields.items():
+                setattr(args, name, value)
+            args.done_with_host_buffer = None
+            args.buffer = None
+            err = fn(ref)
+            if err:
+                raise self.plugin._to_exception(err)
+            return args.buffer, args.done_with_host_buffer or 0
+
+    def close_buffer(self, h: PjrtBuffer) -> None:
+        """pypjrt's Buffer.close (idempotent; a donated buffer's handle is still destroyed) through the made
+        struct."""
+        if h._state is State.CLOSED:
+            return
+        h._state = State.CLOSED
+        self.destroy_buffer(h._ptr)
 
     def is_deleted(self, buffer: int) -> bool:
         return bool(self._call("PJRT_Buffer_IsDeleted", "buffer", buffer).is_deleted)
