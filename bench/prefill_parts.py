@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +30,8 @@ import numpy as np  # noqa: E402
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", default="128", help="prompt lengths, one prefill call each")
+    ap.add_argument("--tokens", default="128", help="prompt lengths, one prefill call each (64 or more: shorter "
+                    "calls take the decode forms of the projections)")
     ap.add_argument("--context", type=int, default=256, help="the entry's context bucket")
     ap.add_argument("--steps", type=int, default=15)
     a = ap.parse_args(argv)
@@ -42,10 +41,9 @@ def main(argv=None) -> None:
     from decode import MODEL_DEFAULTS, llama_config, matmul_peak, prefill_flops
     from fma_peak import fma_peak
     from plugin_run import device, on_runtime
-    from tlaloc_jax import decoder
+    from step_parts import forward_body, interleaved_medians
     from tlaloc_jax.checkpoint import random_weights
     from tlaloc_jax.families import config_from_hf
-    from tlaloc_jax.inputs import StepInputs
     from tlaloc_jax.layers import linear
     from tlaloc_jax.layout import per_layer
     from tlaloc_jax.paging import RowCall, build_step_inputs
@@ -56,18 +54,6 @@ def main(argv=None) -> None:
     S = 16
     M = a.context // S
     rng = np.random.default_rng(0)
-    attention = decoder.paged_attention
-
-    def prefill(with_attention: bool):
-        def f(pools, weights, inputs):
-            # Traced once, when on_runtime exports it: the swap only lasts for that trace.
-            decoder.paged_attention = attention if with_attention else (lambda q, *args, **kw: q * 1.0001)
-            try:
-                logits, pools = decoder.forward(cfg, weights, pools, StepInputs(**inputs))
-            finally:
-                decoder.paged_attention = attention
-            return pools, jnp.argmax(logits, -1)
-        return f
 
     def projections(pools, weights, inputs):
         # The layer's dots in order, each fed by the last (shapes as in the layer; no norms, rope or attention).
@@ -109,18 +95,9 @@ def main(argv=None) -> None:
         flops_proj = prefill_flops(cfg, T) - 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * T * (T + 1) / 2
         flops_gu = 2 * T * cfg.hidden_size * 2 * cfg.intermediate_size
         n_same = max(1, round(flops_proj / flops_gu))
-        bodies = [prefill(True), prefill(False), projections, same_dot(n_same)]
+        bodies = [forward_body(cfg, True), forward_body(cfg, False), projections, same_dot(n_same)]
         runs = [on_runtime(f, {"kv": pool}, weights, inputs, donate=(0,)) for f in bodies]
-        walls, cpus = [[] for _ in runs], [[] for _ in runs]
-        for i in range(a.steps + 2):
-            for j, run in enumerate(runs):
-                t0, c0 = time.perf_counter(), time.process_time()
-                run()
-                if i >= 2:
-                    walls[j].append(time.perf_counter() - t0)
-                    cpus[j].append(time.process_time() - c0)
-        w = [statistics.median(x) for x in walls]
-        c = [statistics.median(x) for x in cpus]
+        w, c = interleaved_medians(runs, a.steps)
         rates = (prefill_flops(cfg, T) / w[0], flops_proj / w[2], n_same * flops_gu / w[3])
         cells = " | ".join(f"{w[j] * 1e3:7.1f} ({c[j] * 1e3:6.1f})" for j in range(4))
         print(f"{T:6d} | {cells} | {(w[0] - w[1]) / w[0]:9.0%} | {(w[1] - w[2]) / w[0]:5.0%} | "

@@ -10,6 +10,7 @@ costs; the rest is the projections, norms, rope, the KV write, the head and the 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -20,6 +21,40 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
 
+def forward_body(cfg, with_attention: bool):
+    """decoder.forward as a body for plugin_run.on_runtime: (pools, weights, inputs) -> (pools, each row's argmax);
+    without attention, its paged attention replaced by a copy of the queries."""
+    import jax.numpy as jnp
+
+    from tlaloc_jax import decoder
+    from tlaloc_jax.inputs import StepInputs
+    attention = decoder.paged_attention
+
+    def f(pools, weights, inputs):
+        # Traced once, when on_runtime exports it: the swap only lasts for that trace.
+        decoder.paged_attention = attention if with_attention else (lambda q, *args, **kw: q * 1.0001)
+        try:
+            logits, pools = decoder.forward(cfg, weights, pools, StepInputs(**inputs))
+        finally:
+            decoder.paged_attention = attention
+        return pools, jnp.argmax(logits, -1)
+    return f
+
+
+def interleaved_medians(runs, steps: int, warmup: int = 2) -> tuple[list[float], list[float]]:
+    """Each of `runs` called in turn, warmup + steps times -> (median wall seconds, median CPU seconds of every
+    thread) of each over the last `steps` rounds."""
+    walls, cpus = [[] for _ in runs], [[] for _ in runs]
+    for i in range(steps + warmup):
+        for j, run in enumerate(runs):
+            t0, c0 = time.perf_counter(), time.process_time()
+            run()
+            if i >= warmup:
+                walls[j].append(time.perf_counter() - t0)
+                cpus[j].append(time.process_time() - c0)
+    return [statistics.median(x) for x in walls], [statistics.median(x) for x in cpus]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,8,32")
@@ -28,14 +63,10 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=20)
     a = ap.parse_args(argv)
 
-    import jax.numpy as jnp
-
     from decode import llama_config
     from plugin_run import on_runtime
-    from tlaloc_jax import decoder
     from tlaloc_jax.checkpoint import random_weights
     from tlaloc_jax.families import config_from_hf
-    from tlaloc_jax.inputs import StepInputs
     from tlaloc_jax.layout import per_layer
 
     shape = argparse.Namespace(vocab=4096, hidden=768, intermediate=2048, layers=12, heads=12, kv_heads=4,
@@ -44,18 +75,7 @@ def main(argv=None) -> None:
     weights = per_layer(random_weights(cfg, fam, seed=0, std=0.02))
     S, M = 16, a.context // 16
     rng = np.random.default_rng(0)
-    attention = decoder.paged_attention
-
-    def step(with_attention: bool):
-        def f(pools, weights, inputs):
-            # Traced once, when on_runtime exports it: the swap only lasts for that trace.
-            decoder.paged_attention = attention if with_attention else (lambda q, *args, **kw: q * 1.0001)
-            try:
-                logits, pools = decoder.forward(cfg, weights, pools, StepInputs(**inputs))
-            finally:
-                decoder.paged_attention = attention
-            return pools, jnp.argmax(logits, -1)
-        return f
+    step = functools.partial(forward_body, cfg)
 
     print(f"82M Llama decode step (12 layers, 12 / 4 heads of 64), pages of {S}, context {a.context}; the runtime "
           "plugin; medians of wall ms (CPU ms of every thread)")
@@ -70,15 +90,7 @@ def main(argv=None) -> None:
                           positions=np.full((B, 1), n - 1, np.int32), block_tables=tables,
                           seq_lens=np.full((B,), n, np.int32), slot_mapping=slot.astype(np.int32)[:, None])
             runs = [on_runtime(step(w), {"kv": pool}, weights, inputs, donate=(0,)) for w in (True, False)]
-            walls, cpus = ([[], []], [[], []])
-            for i in range(a.steps + 2):
-                for j, run in enumerate(runs):
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    run()
-                    if i >= 2:
-                        walls[j].append(time.perf_counter() - t0)
-                        cpus[j].append(time.process_time() - c0)
-            (w_all, w_rest), (c_all, c_rest) = ([statistics.median(x) * 1e3 for x in ts] for ts in (walls, cpus))
+            (w_all, w_rest), (c_all, c_rest) = ([t * 1e3 for t in ts] for ts in interleaved_medians(runs, a.steps))
             print(f"{B:5d} {n:5d} | {w_all:7.2f} ({c_all:6.1f}) ms | {w_rest:7.2f} ({c_rest:6.1f}) ms | "
                   f"{(w_all - w_rest) / w_all:.0%}")
 
