@@ -87,7 +87,7 @@ def consume_event(plugin: pypjrt.Plugin, event: int) -> None:
 class HotCalls:
     """The PJRT calls a step makes every time (Execute, Event_Await / Event_Destroy, Buffer_Destroy,
     Buffer_IsDeleted, the device pointer, the uploads of its inputs) with each call's function pointer and argument
-    struct made once (pypjrt builds a struct a call: a fifth of a small model's decode step went to its uploads).
+    struct made once (pypjrt builds a new struct for every call).
 
     Each call holds pypjrt's process-wide PJRT lock, as pypjrt's own calls do (a buffer finalizer on another
     thread must not race an Execute); Execute is marked as a region XLA may re-enter; a ready event is awaited
