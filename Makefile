@@ -9,7 +9,7 @@ PYTEST  := JAX_PLATFORMS=cpu $(PY) -m pytest
 # generated code limited to an older instruction set (the runtime's plugin reads XLA_FLAGS too), torch's
 # kernels, MKL and oneDNN likewise, and (the second setting) one core, which changes how XLA and torch
 # split their sums across threads. On Arm the x86 settings do not apply: torch's default kernels and one
-# core are what change there.
+# core are what change there. The setting on every core runs two pytest workers, as `make test` does.
 ifeq ($(shell uname -m),x86_64)
 ISA_SETTINGS := \
   "XLA_FLAGS=--xla_cpu_max_isa=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2|" \
@@ -42,9 +42,9 @@ test: setup
 
 test-isa: setup
 	@for setting in $(ISA_SETTINGS); do \
-	  vars=$${setting%%|*}; wrap=$${setting#*|}; \
+	  vars=$${setting%%|*}; wrap=$${setting#*|}; par=; [ -n "$$wrap" ] || par="$(XDIST)"; \
 	  echo "== make test-isa: $$vars $$wrap"; \
-	  env $$vars TLALOC_TOLERANCE_REPORT=1 JAX_PLATFORMS=cpu $$wrap $(PY) -m pytest -q -m "numeric and not slow" || exit 1; \
+	  env $$vars TLALOC_TOLERANCE_REPORT=1 JAX_PLATFORMS=cpu $$wrap $(PY) -m pytest -q $$par -m "numeric and not slow" || exit 1; \
 	done
 
 test-slow: setup

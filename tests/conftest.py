@@ -39,6 +39,27 @@ def serve_cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("serve-executables")
 
 
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its tolerance records to the controller, which reports them (below)."""
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        import dataclasses
+
+        from margins import NEAR_TIES, RECORDS
+        out["tolerance_records"] = [list(r) for r in RECORDS]
+        out["near_ties"] = [dataclasses.asdict(t) for t in NEAR_TIES]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist: a worker's tolerance records join the controller's."""
+    from margins import NEAR_TIES, RECORDS
+    from oracle import NearTie
+    out = getattr(node, "workeroutput", {})
+    RECORDS.extend(tuple(r) for r in out.get("tolerance_records", ()))
+    NEAR_TIES.extend(NearTie(**t) for t in out.get("near_ties", ()))
+
+
 def pytest_terminal_summary(terminalreporter):
     """With TLALOC_TOLERANCE_REPORT=1: the checks that came closest to their tolerance-model bounds."""
     import os
