@@ -46,8 +46,11 @@ def pytest_sessionfinish(session):
         import dataclasses
 
         from margins import NEAR_TIES, RECORDS
-        out["tolerance_records"] = [list(r) for r in RECORDS]
-        out["near_ties"] = [dataclasses.asdict(t) for t in NEAR_TIES]
+        # execnet sends plain Python values only (numpy scalars become floats and ints).
+        out["tolerance_records"] = [[float(ratio), str(what), float(err), float(bound)]
+                                    for ratio, what, err, bound in RECORDS]
+        out["near_ties"] = [{k: v.item() if hasattr(v, "item") else v for k, v in dataclasses.asdict(t).items()}
+                            for t in NEAR_TIES]
 
 
 @pytest.hookimpl(optionalhook=True)
