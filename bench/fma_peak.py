@@ -9,6 +9,7 @@ never quite reaches (packing, loads and edges take the rest).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import subprocess
 import tempfile
@@ -27,7 +28,7 @@ typedef float vec __attribute__((vector_size(16)));
 
 int lanes(void) { return sizeof(vec) / sizeof(float); }
 
-/* n rounds of CHAINS independent a = a * m + c, each chain its own variable (kept in a register); -> a sum, so
+/* n rounds of ten independent a = a * m + c, each chain its own variable (kept in a register); -> a sum, so
    that nothing is dead. */
 float fma_rounds(long n, float m0, float c0) {
     vec m, c, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9;
@@ -48,13 +49,16 @@ float fma_rounds(long n, float m0, float c0) {
 """
 
 
+@functools.cache
 def _library() -> ctypes.CDLL:
+    """The loop built once a process (the library stays loaded from its temporary folder, removed after)."""
     from tlaloc_jax.native import _compiler, march
-    tmp = Path(tempfile.mkdtemp(prefix="fma_peak"))
-    (tmp / "fma.c").write_text(_SOURCE)
-    subprocess.run([*_compiler(), "-O2", "-ffp-contract=fast", "-shared", "-fPIC", march(), str(tmp / "fma.c"),
-                    "-o", str(tmp / "fma.so")], check=True)
-    lib = ctypes.CDLL(str(tmp / "fma.so"))
+    with tempfile.TemporaryDirectory(prefix="fma_peak") as tmp:
+        tmp = Path(tmp)
+        (tmp / "fma.c").write_text(_SOURCE)
+        subprocess.run([*_compiler(), "-O2", "-ffp-contract=fast", "-shared", "-fPIC", march(), str(tmp / "fma.c"),
+                        "-o", str(tmp / "fma.so")], check=True)
+        lib = ctypes.CDLL(str(tmp / "fma.so"))
     lib.fma_rounds.argtypes = (ctypes.c_long, ctypes.c_float, ctypes.c_float)
     lib.fma_rounds.restype = ctypes.c_float
     return lib

@@ -23,7 +23,7 @@ from pypjrt.client import State
 SUPPORTED_PYPJRT = ("0.1.1",)
 
 __all__ = ["SUPPORTED_PYPJRT", "check_version", "HotCalls", "PjrtBuffer", "PjrtEvent", "is_live", "is_closed",
-           "is_donated", "raw_pointer", "checked_pointer", "mark_donated", "handle_plugin", "destroy_event",
+           "is_donated", "raw_pointer", "checked_pointer", "mark_donated", "handle_plugin",
            "consume_event", "state_name", "register_ffi_handler"]
 
 
@@ -71,10 +71,6 @@ def mark_donated(h) -> None:
 
 def handle_plugin(h) -> pypjrt.Plugin:
     return h._plugin
-
-
-def destroy_event(plugin: pypjrt.Plugin, event: int) -> None:
-    PjrtEvent(plugin, event).close()
 
 
 def consume_event(plugin: pypjrt.Plugin, event: int) -> None:
