@@ -7,7 +7,9 @@ plugin and run interleaved in one process:
     chained, and the head on the last row (the rest of the prefill is attention, norms, rope, the activation,
     the KV write and the embedding);
   - one projection shape (gate | up) repeated to fill the same FLOPs: the best rate the plugin's dot reaches on
-    this prefill's rows, the ceiling the projections can approach.
+    this prefill's rows, the ceiling the projections can approach;
+  - the same prefill with its attention in one query tile (paged attention's query_block past the prompt): what
+    the tiles save, each folding only the key blocks its own tokens see ("untiled / tiled").
 
 The FLOP rates count the projections' and attention's multiply-adds (bench/decode.py's prefill_flops), against
 the f32 FMA peak of every core (bench/fma_peak.py) measured in the same run. "ceiling": how much faster the
@@ -85,7 +87,8 @@ def main(argv=None) -> None:
     print(f"f32 FMA peak of {os.cpu_count()} cores {peak / 1e9:.1f} GFLOP/s; the plugin's 8 x 512 x 2048 x 4096 "
           f"matmuls {big / 1e9:.1f} GFLOP/s ({big / peak:.2f}x the peak)")
     print(f"{'tokens':>6} | {'whole prefill':>17} | {'no attention':>17} | {'projections':>17} | "
-          f"{'one dot shape':>17} | attention | other | x FMA peak: prefill, projections, one shape | ceiling")
+          f"{'one dot shape':>17} | attention | other | x FMA peak: prefill, projections, one shape | ceiling | "
+          f"untiled / tiled")
     for T in (int(x) for x in a.tokens.split(",")):
         P = M + 1
         pool = rng.standard_normal((cfg.num_layers, 2, P, S, cfg.num_kv_heads, cfg.head_dim), np.float32) * 0.5
@@ -95,13 +98,15 @@ def main(argv=None) -> None:
         flops_proj = prefill_flops(cfg, T) - 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * T * (T + 1) / 2
         flops_gu = 2 * T * cfg.hidden_size * 2 * cfg.intermediate_size
         n_same = max(1, round(flops_proj / flops_gu))
-        bodies = [forward_body(cfg, True), forward_body(cfg, False), projections, same_dot(n_same)]
+        bodies = [forward_body(cfg, True), forward_body(cfg, False), projections, same_dot(n_same),
+                  forward_body(cfg, True, query_block=1 << 30)]
         runs = [on_runtime(f, {"kv": pool}, weights, inputs, donate=(0,)) for f in bodies]
         w, c = interleaved_medians(runs, a.steps)
         rates = (prefill_flops(cfg, T) / w[0], flops_proj / w[2], n_same * flops_gu / w[3])
         cells = " | ".join(f"{w[j] * 1e3:7.1f} ({c[j] * 1e3:6.1f})" for j in range(4))
         print(f"{T:6d} | {cells} | {(w[0] - w[1]) / w[0]:9.0%} | {(w[1] - w[2]) / w[0]:5.0%} | "
-              f"{' / '.join(f'{r / peak:.2f}x' for r in rates):>42} | {w[0] / (flops_proj / peak):.2f}x")
+              f"{' / '.join(f'{r / peak:.2f}x' for r in rates):>42} | {w[0] / (flops_proj / peak):.2f}x | "
+              f"{w[4] / w[0]:.2f}x")
         print(f"{'':6} | {T / w[0]:.0f} tok/s")
     print("attention: (whole - no attention) / whole; other: (no attention - projections) / whole (norms, rope, "
           "activation, KV write, embedding)")

@@ -21,18 +21,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
 
-def forward_body(cfg, with_attention: bool):
+def forward_body(cfg, with_attention: bool, query_block: int | None = None):
     """decoder.forward as a body for plugin_run.on_runtime: (pools, weights, inputs) -> (pools, each row's argmax);
-    without attention, its paged attention replaced by a copy of the queries."""
+    without attention, its paged attention replaced by a copy of the queries. query_block: paged attention's
+    query tile on CPU (None: its default)."""
+    import functools
+
     import jax.numpy as jnp
 
     from tlaloc_jax import decoder
     from tlaloc_jax.inputs import StepInputs
     attention = decoder.paged_attention
+    chosen = functools.partial(attention, query_block=query_block)
+    if not with_attention:
+        chosen = lambda q, *args, **kw: q * 1.0001  # noqa: E731
 
     def f(pools, weights, inputs):
         # Traced once, when on_runtime exports it: the swap only lasts for that trace.
-        decoder.paged_attention = attention if with_attention else (lambda q, *args, **kw: q * 1.0001)
+        decoder.paged_attention = chosen
         try:
             logits, pools = decoder.forward(cfg, weights, pools, StepInputs(**inputs))
         finally:

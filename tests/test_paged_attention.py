@@ -69,9 +69,10 @@ def make_call(seed, lengths, new_tokens, *, T=8, H=4, K=2, layers=2, layer=1, dt
 
 
 # window is always traced here (0 = none), as under a scan over layers; layer is traced by jit too.
-@functools.partial(jax.jit, static_argnames=("key_block", "soft_cap"))
-def fast(call, window, *, key_block, soft_cap=None, sinks=None):
-    return paged_attention(*call, scale=SCALE, window=window, soft_cap=soft_cap, key_block=key_block, sinks=sinks)
+@functools.partial(jax.jit, static_argnames=("key_block", "soft_cap", "query_block"))
+def fast(call, window, *, key_block, soft_cap=None, sinks=None, query_block=None):
+    return paged_attention(*call, scale=SCALE, window=window, soft_cap=soft_cap, key_block=key_block, sinks=sinks,
+                           query_block=query_block)
 
 
 @functools.partial(jax.jit, static_argnames=("soft_cap",))
@@ -308,11 +309,43 @@ def test_blockwise_edges(case):
             np.testing.assert_array_equal(out[b], 0.0)
 
 
+# Prompts whose tokens span several query tiles (T = 8 in tiles of 3 or 4) over three key blocks of 16:
+# (lengths, new tokens, window). Rows are right-aligned, so a short row's first tiles are all padding.
+QUERY_TILES = {
+    "whole prompts": ([8, 5, 3, 8], [8, 5, 3, 8], 0),
+    "chunks after context": ([48, 40, 21, 9], [8, 8, 8, 8], 0),
+    "mixed, windowed": ([48, 17, 3, 30], [8, 8, 3, 2], 6),
+    "a tile ends on a block's first key": ([17, 12], [8, 8], 0),
+}
+
+
+@pytest.mark.parametrize("query_block", [3, 4])
+@pytest.mark.parametrize("case", QUERY_TILES)
+def test_query_tiles(case, query_block):
+    """A call taken in query tiles, each tile folding only the key blocks up to its own last position, gives
+    the untiled call's output and the reference's (sinks too); padding tokens, whole tiles of them included,
+    see nothing."""
+    lengths, new_tokens, window = QUERY_TILES[case]
+    call = make_call(11, lengths, new_tokens)
+    sinks = jnp.asarray(np.random.default_rng(3).standard_normal(4), jnp.float32)
+    for extra in ({}, {"sinks": sinks}):
+        untiled = fast(call, jnp.int32(window), key_block=KEY_BLOCK, **extra)
+        tiled = fast(call, jnp.int32(window), key_block=KEY_BLOCK, query_block=query_block, **extra)
+        expected = reference(call, jnp.int32(window), **extra)
+        assert_within(relative_error(tiled, untiled), BOUND, "query tiles vs one tile")
+        assert_within(relative_error(tiled, expected), BOUND, "query tiles vs reference")
+        np.testing.assert_array_equal(np.asarray(tiled)[np.asarray(call.positions) < 0], 0.0)
+
+
 def test_key_block_range():
     positions = jnp.array([[-1, 20, 21], [-1, -1, 40]], jnp.int32)
     seq_lens = jnp.array([22, 41], jnp.int32)
     blocks = functools.partial(key_block_range, key_block=16, num_blocks=3)
     assert blocks(positions, seq_lens, jnp.int32(0)) == (0, 2)
+    # A query tile's tokens see no key past their own positions: its last block is that of its last position.
+    assert blocks(jnp.array([[2, 3, 4], [-1, 15, 16]], jnp.int32), seq_lens, jnp.int32(0)) == (0, 1)
+    assert blocks(jnp.array([[2, 3, 4], [-1, 14, 15]], jnp.int32), seq_lens, jnp.int32(0)) == (0, 0)
+    assert blocks(jnp.array([[-1, -1, -1], [-1, -1, -1]], jnp.int32), seq_lens, jnp.int32(0))[1] == -1
     assert blocks(positions, seq_lens, jnp.int32(5)) == (1, 2)   # earliest key 20 - 5 + 1 = 16
     assert blocks(positions, seq_lens, jnp.int32(30)) == (0, 2)
     first, last = blocks(jnp.full((2, 3), -1), jnp.zeros(2, jnp.int32), jnp.int32(0))

@@ -66,7 +66,8 @@ _kv_cache_write.defjvp(_refuse_derivative("kv_cache_write"))
 
 def paged_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.Array, positions: jax.Array,
                     seq_lens: jax.Array, *, scale: float, window=None, soft_cap: float | None = None,
-                    key_block: int = 2048, ring: bool = False, sinks: jax.Array | None = None) -> jax.Array:
+                    key_block: int = 2048, ring: bool = False, sinks: jax.Array | None = None,
+                    query_block: int | None = None) -> jax.Array:
     """Attention of the call's tokens over their sequences' pages.
 
     q: [B, T, H, D]; kv_pool: [L, 2, P, S, K, D]; layer: int or int32 scalar; block_tables: [B, M] int32;
@@ -78,7 +79,9 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.A
     -> [B, T, H, D] f32; 0 where nothing is seen.
 
     A call whose context M * S fits in key_block is scored in one pass; a longer one loops over key
-    blocks of key_block positions (a multiple of S) with an online softmax.
+    blocks of key_block positions (a multiple of S) with an online softmax. On CPU such a call of more than
+    query_block tokens a row (None: CPU_QUERY_BLOCK) is taken in tiles of query_block tokens, each folding
+    only the key blocks its own tokens can see, so a prompt's early tokens skip its late keys.
 
     ring: block_tables [B, R] is each row's ring of R pages (a sliding layer's windowed pool): logical
     block b of the sequence lives on ring page b % R, so position p is written over p - R * S. Only the
@@ -91,19 +94,23 @@ def paged_attention(q: jax.Array, kv_pool: jax.Array, layer, block_tables: jax.A
     if key_block % page_size:
         raise ValueError(f"paged_attention: key_block {key_block} is not a multiple of the page size S = {page_size}")
     args = (q, kv_pool, jnp.asarray(layer, jnp.int32), block_tables, positions, seq_lens, _window_array(window), sinks)
+    default = functools.partial(_paged_attention, scale, soft_cap, key_block, ring, None)
     if q.shape[1] == 1 and not ring:
         # A decode call: on CPU, small key blocks scored as multiply-reduces (see _decode_cpu); elsewhere the dots.
         cpu = functools.partial(_decode_cpu, scale, soft_cap, _whole_pages(CPU_DECODE_KEY_BLOCK, page_size, key_block),
                                 _whole_pages(CPU_SHARED_KEY_BLOCK, page_size, key_block))
-        return lax.platform_dependent(
-            *args, cpu=cpu,
-            default=functools.partial(_paged_attention, scale, soft_cap, key_block, ring))
+        return lax.platform_dependent(*args, cpu=cpu, default=default)
+    if ring:
+        return default(*args)
+    # On CPU a call of several tokens a row folds key blocks of at most CPU_KEY_BLOCK positions, its tokens in
+    # tiles of query_block.
+    query_block = query_block or CPU_QUERY_BLOCK
     cpu_block = _whole_pages(CPU_KEY_BLOCK, page_size, key_block)
-    if ring or cpu_block == key_block:
-        return _paged_attention(scale, soft_cap, key_block, ring, *args)
-    # On CPU a call of several tokens a row folds key blocks of at most CPU_KEY_BLOCK positions.
-    return lax.platform_dependent(*args, cpu=functools.partial(_paged_attention, scale, soft_cap, cpu_block, ring),
-                                  default=functools.partial(_paged_attention, scale, soft_cap, key_block, ring))
+    tiled = q.shape[1] > query_block and block_tables.shape[1] * page_size > cpu_block
+    if cpu_block == key_block and not tiled:
+        return default(*args)
+    cpu = functools.partial(_paged_attention, scale, soft_cap, cpu_block, ring, query_block if tiled else None)
+    return lax.platform_dependent(*args, cpu=cpu, default=default)
 
 
 def _whole_pages(keys: int, page_size: int, key_block: int) -> int:
@@ -117,6 +124,9 @@ def _whole_pages(keys: int, page_size: int, key_block: int) -> int:
 # chunk over 128-key blocks takes half the time of one pass over a 256-position bucket (bench/decode_attention.py --prefill 32).
 CPU_DECODE_KEY_BLOCK = 32
 CPU_KEY_BLOCK = 128
+# A CPU call of several tokens a row over more than one key block takes its tokens in tiles of CPU_QUERY_BLOCK,
+# each tile folding the key blocks up to its own last position (a causal prompt scores about half its square).
+CPU_QUERY_BLOCK = 128
 # Keys on pages every row of a decode call shares (a cached prefix) are scored for all rows as dots, in blocks of
 # CPU_SHARED_KEY_BLOCK: at 32 rows and 192 shared of 260 keys, half the time of each row reading them
 # (bench/decode_attention.py --shared 192).
@@ -224,21 +234,44 @@ def shared_prefix(block_tables: jax.Array, seq_lens: jax.Array, page_size: int) 
     return jnp.where(jnp.sum(live) >= 2, n, 0).astype(jnp.int32), table
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
-def _paged_attention(scale, soft_cap, key_block, ring, q, kv_pool, layer, block_tables, positions, seq_lens,
-                     window, sinks):
-    q = group_heads(q.astype(jnp.float32), kv_pool.shape[4])
-    fold = functools.partial(_fold_pages, q=q, kv_pool=kv_pool, layer=layer, positions=positions,
-                             seq_lens=seq_lens, window=window, scale=scale, soft_cap=soft_cap)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _paged_attention(scale, soft_cap, key_block, ring, query_block, q, kv_pool, layer, block_tables, positions,
+                     seq_lens, window, sinks):
     M, page_size = block_tables.shape[1], kv_pool.shape[3]
-    if ring:
-        state = fold(init_state(q, sinks), block_tables, ring_key_positions(seq_lens, M * page_size))
-    elif M * page_size <= key_block:
-        state = fold(init_state(q, sinks), block_tables, 0)
-    else:
-        state = _blockwise(fold, init_state(q, sinks), block_tables, positions, seq_lens, window, key_block,
-                           page_size)
-    return ungroup_heads(finish(state)[0])
+
+    def attend(q, positions):
+        # q: [B, T', K, G, D] and its tokens' positions [B, T'] -> out [B, T', K, G, D]
+        fold = functools.partial(_fold_pages, q=q, kv_pool=kv_pool, layer=layer, positions=positions,
+                                 seq_lens=seq_lens, window=window, scale=scale, soft_cap=soft_cap)
+        if ring:
+            state = fold(init_state(q, sinks), block_tables, ring_key_positions(seq_lens, M * page_size))
+        elif M * page_size <= key_block:
+            state = fold(init_state(q, sinks), block_tables, 0)
+        else:
+            state = _blockwise(fold, init_state(q, sinks), block_tables, positions, seq_lens, window, key_block,
+                               page_size)
+        return finish(state)[0]
+
+    q = group_heads(q.astype(jnp.float32), kv_pool.shape[4])
+    if query_block is None or q.shape[1] <= query_block:
+        return ungroup_heads(attend(q, positions))
+    return ungroup_heads(_query_tiles(attend, q, positions, query_block))
+
+
+def _query_tiles(attend, q: jax.Array, positions: jax.Array, query_block: int) -> jax.Array:
+    """attend(q, positions) over tiles of query_block tokens, one after another (lax.map): q [B, T, K, G, D] ->
+    [B, T, K, G, D]. A tile's loop ends at the key block of its own last position; padding tokens fill the last."""
+    B, T = positions.shape
+    n = -(-T // query_block)
+    pad = n * query_block - T
+    q = jnp.pad(q, ((0, 0), (0, pad)) + ((0, 0),) * 3)
+    positions = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-1)
+
+    def tiles(x):  # [B, n * query_block, ...] -> [n, B, query_block, ...]
+        return jnp.moveaxis(x.reshape(B, n, query_block, *x.shape[2:]), 1, 0)
+
+    out = lax.map(lambda tile: attend(*tile), (tiles(q), tiles(positions)))
+    return jnp.moveaxis(out, 0, 1).reshape(B, n * query_block, *out.shape[3:])[:, :T]
 
 
 _paged_attention.defjvp(_refuse_derivative("paged_attention"))
@@ -280,11 +313,12 @@ def key_block_range(positions: jax.Array, seq_lens: jax.Array, window: jax.Array
                     num_blocks: int) -> tuple[jax.Array, jax.Array]:
     """The key blocks the call must score: -> (first, last) int32, inclusive; first > last when there are none.
 
-    positions: [B, T]; seq_lens: [B]; window: int32 scalar (<= 0 = none). The last block holds the call's
-    last key (max(seq_lens) - 1); the first is 0, or with a window the block of the earliest key any live
-    token's window reaches.
+    positions: [B, T]; seq_lens: [B]; window: int32 scalar (<= 0 = none). The last block holds the last key
+    any token sees (the smaller of max(seq_lens) - 1 and the latest position); the first is 0, or with a
+    window the block of the earliest key any live token's window reaches.
     """
-    last = jnp.minimum((jnp.max(seq_lens) - 1) // key_block, num_blocks - 1)  # -1 when every row is empty
+    last_key = jnp.minimum(jnp.max(seq_lens) - 1, jnp.max(positions))
+    last = jnp.minimum(last_key // key_block, num_blocks - 1)  # -1 when every row is empty or every token padding
     window_start = jnp.maximum(positions - window + 1, 0)
     earliest = jnp.min(jnp.where(positions >= 0, window_start, num_blocks * key_block))
     first = jnp.where(window > 0, earliest // key_block, 0)
