@@ -169,10 +169,13 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="tlaloc-engine-loop", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, warn_every: float = 30.0) -> None:
+        """Fail what is pending and end the loop thread. Returns once the thread has ended (after the step or warm-up
+        it is in): until then it drives the Engine, and a later loop on the same Engine would be refused its steps."""
         if self._thread is not None:
             self._cmds.put(("stop",))
-            self._thread.join(timeout)
+            while self._thread.join(warn_every) or self._thread.is_alive():
+                log.warning("stopping: the engine loop is still in its step; waiting for it to end")
 
     @property
     def alive(self) -> bool:

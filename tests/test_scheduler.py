@@ -220,3 +220,51 @@ def test_a_step_of_new_prompts_waits_for_requests_being_read_or_just_come(http_a
         # Held, both requests share three steps; unheld, each takes its own three.
         assert loop.steps == (3 if held else 6)
         assert sum(u.token is not None for u in updates) == 6
+
+
+@pytest.mark.parametrize("wait_for_the_thread", [True, False], ids=["stop", "control-stop-that-gives-up"])
+def test_a_loop_stopped_mid_step_ends_before_the_next_loop_drives_the_engine(http_artifacts, serve_cache_dir,
+                                                                            monkeypatch, caplog, wait_for_the_thread):
+    """A server stopped while its loop is in a long call returns from stop only once the loop has ended, so a new
+    server on the same Engine serves at once. Control: a stop that gives up waiting (as one with a timeout did)
+    leaves the old loop driving, and the new loop's step is refused."""
+    with Engine.load(http_artifacts[1], cache_dir=serve_cache_dir, progress=False) as eng:
+        in_call, run = threading.Event(), eng.runner.run
+
+        def slow_run(*args, **kw):
+            if not in_call.is_set():
+                in_call.set()
+                time.sleep(1.0)         # inside Engine.step's hold on the runner
+            return run(*args, **kw)
+        monkeypatch.setattr(eng.runner, "run", slow_run)
+        spec = SeqSpec([5, 6, 7], 3, frozenset(), Sampling())
+        first = EngineLoop(eng, 8, Metrics("test"), warm_up=False)
+        first.start()
+        first.submit([spec], lambda updates: None, time.perf_counter()).result(10)
+        assert in_call.wait(30)
+        if wait_for_the_thread:
+            first.stop(warn_every=0.2)
+            assert not first.alive
+            assert "still in its step" in caplog.text
+        else:
+            first._cmds.put(("stop",))
+            first._thread.join(0.1)
+            assert first.alive
+        second, done, updates = EngineLoop(eng, 8, Metrics("test"), warm_up=False), threading.Event(), []
+
+        def sink(batch):
+            updates.extend(batch)
+            if any(u.finished for u in updates):
+                done.set()
+        second.start()
+        try:
+            second.submit([spec], sink, time.perf_counter()).result(10)
+            assert done.wait(30)
+        finally:
+            second.stop()
+            first.stop()
+        tokens = [u.token for u in updates if u.token is not None]
+        if wait_for_the_thread:
+            assert len(tokens) == 3 and second.failure is None
+        else:
+            assert len(tokens) < 3 and updates[-1].finished    # the step was refused: the sequence failed
