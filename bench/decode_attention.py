@@ -1,8 +1,9 @@
 """Paged attention on CPU, 12 layers of the bench Llama's heads, compiled by the serving runtime's plugin, the forms
 interleaved in one process. Decode (one token a row): the kernel's CPU form (32-key blocks scored as
 multiply-reduces) against its dot form (128-key blocks, batched dots: what other platforms compile). --prefill T
-(a chunk of T tokens a row after the keys already written): key blocks of CPU_KEY_BLOCK against one pass over the
-context bucket (the form of --attention-block 2048, other platforms' default).
+(a chunk of T tokens a row after the keys already written): key blocks of CPU_KEY_BLOCK (tokens in tiles of
+CPU_QUERY_BLOCK past that many) against one pass over the context bucket (the form of --attention-block 2048, other
+platforms' default).
 
     python bench/decode_attention.py                      # 8 and 32 rows, 88 and 260 keys
     python bench/decode_attention.py --rows 32 --keys 200 --context 256
@@ -58,11 +59,12 @@ def main(argv=None) -> None:
                 args = (q + layer, pool, jnp.int32(layer), tables, positions, seq_lens, jnp.int32(0), None)
                 if a.prefill:
                     block = pa.CPU_KEY_BLOCK if form == "cpu" else a.context
-                    out = out + pa._paged_attention(0.125, None, block, False, *args)
+                    tiles = pa.CPU_QUERY_BLOCK if form == "cpu" and T > pa.CPU_QUERY_BLOCK else None
+                    out = out + pa._paged_attention(0.125, None, block, False, tiles, *args)
                 elif form == "cpu":
                     out = out + pa._decode_cpu(0.125, None, pa.CPU_DECODE_KEY_BLOCK, pa.CPU_SHARED_KEY_BLOCK, *args)
                 else:
-                    out = out + pa._paged_attention(0.125, None, 128, False, *args)
+                    out = out + pa._paged_attention(0.125, None, 128, False, None, *args)
             return out
         return f
 
