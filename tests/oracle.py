@@ -106,11 +106,9 @@ def engine_next_token(engine) -> Callable[[list[int]], int]:
 def transposed_weight(model, slot: str = "attn.o_proj"):
     """An in-process Model with one stacked square projection read transposed (HF's [out, in] taken as
     [in, out], the classic checkpoint-reading bug); attn.o_proj is [H * D, E], square in the tiny models."""
-    import tlaloc_jax
     w = model.weights[slot]
     assert w.shape[-1] == w.shape[-2], f"{slot} {w.shape} is not square"
-    return tlaloc_jax.Model(model.config, {**model.weights, slot: w.swapaxes(-1, -2)}, block_size=model.block_size,
-                            key_block=model.key_block, kv_dtype=model.kv_dtype)
+    return model.with_weights({**model.weights, slot: w.swapaxes(-1, -2)})
 
 
 def kv_one_slot_off(monkeypatch) -> None:

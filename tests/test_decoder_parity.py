@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,6 +57,20 @@ def test_greedy_ids_and_first_logits_match_transformers(checkpoint):
     with pytest.raises(GreedyMismatch):
         check_greedy_batch(PROMPTS, broken.generate(PROMPTS, max_new_tokens=16), want, logit_bound=bound,
                            next_token=engine_next_token(broken))
+
+
+def test_with_weights_runs_what_the_model_compiled(tmp_path):
+    """Model.with_weights: other weights of the same shapes through the same jitted calls (no new compile), giving
+    the Model's own logits with its own weights and other logits with others."""
+    model = tlaloc_jax.load_hf(build_checkpoint(tmp_path / "c", model_type="llama", seed=6), dtype="float32")
+    want = model.first_logits(PROMPTS)
+    compiled = model._greedy._cache_size()
+    same = model.with_weights(dict(model.weights))
+    np.testing.assert_array_equal(same.first_logits(PROMPTS), want)
+    other = transposed_weight(model)
+    assert tol.relative_error(other.first_logits(PROMPTS), want) > 0.01
+    assert other._greedy is model._greedy and model._greedy._cache_size() == compiled
+    np.testing.assert_array_equal(model.first_logits(PROMPTS), want)     # the model's own weights are untouched
 
 
 def test_sharded_checkpoint_is_read(tmp_path):

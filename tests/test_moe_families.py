@@ -126,7 +126,7 @@ def oracle(store, tmp_path_factory, name):
 def rolled_experts(model):
     """Control: each expert's weights moved to the next expert's place (experts read one off along X)."""
     w = {k: jnp.roll(v, 1, axis=1) if k.startswith("layers.expert_") else v for k, v in model.weights.items()}
-    return tlaloc_jax.Model(model.config, w, block_size=model.block_size, key_block=model.key_block)
+    return model.with_weights(w)
 
 
 def in_process(name, store, tmp_path_factory):

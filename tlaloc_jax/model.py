@@ -35,6 +35,14 @@ class Model:
         self._step = jax.jit(step, donate_argnums=(1,))
         self._greedy = jax.jit(lambda w, p, i: _greedy(step, w, p, i), donate_argnums=(1,))
 
+    def with_weights(self, weights: dict) -> "Model":
+        """The same decoder with other weights of the same shapes and layout: it shares this Model's jitted calls,
+        so it runs what they have compiled (a test's control, a fine-tuned copy) instead of compiling again."""
+        other = object.__new__(Model)
+        other.__dict__.update(self.__dict__)
+        other.weights = {k: jax.tree.map(jnp.asarray, v) for k, v in weights.items()}
+        return other
+
     @property
     def has_state(self) -> bool:
         """Whether the model has linear-attention layers: its calls carry state slots."""
