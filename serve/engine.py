@@ -122,6 +122,7 @@ class Engine:
         self.sampler = m.sampler           # None: the host samples from pulled logits
         self.refused = {r.token_id: r.config_key for r in m.refused_tokens}
         self.last_step_calls = 0            # the calls the last step() ran (0: every sequence waited on its constraint)
+        self.serving_loop = None            # the server loop (serve.loop.EngineLoop) started last on this Engine
         self._ids = itertools.count()
         self._order = itertools.count()
         self._warm: set[str] = set()       # entries run once by warm_up

@@ -166,6 +166,13 @@ class EngineLoop:
     # called from other threads
 
     def start(self) -> None:
+        """Start the loop thread: refused while another loop runs on the same Engine (one thread drives an Engine;
+        two servers on one Engine would each have the other's steps refused mid-request)."""
+        other = self.engine.serving_loop
+        if other is not None and other is not self and other.alive:
+            raise RuntimeError("EngineLoop.start: another engine loop runs on this Engine (a server on it has not "
+                               "stopped); stop it first, or load the artifact again for a second server")
+        self.engine.serving_loop = self
         self._thread = threading.Thread(target=self._run, name="tlaloc-engine-loop", daemon=True)
         self._thread.start()
 

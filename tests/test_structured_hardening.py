@@ -48,6 +48,7 @@ def artifact(http_artifacts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(artifact, serve_cache_dir):
+    """The Engine the tests start servers of their own on, one at a time."""
     with Engine.load(artifact, cache_dir=serve_cache_dir, progress=False) as eng:
         yield eng
 
@@ -58,8 +59,10 @@ def solo(engine):
 
 
 @pytest.fixture(scope="module")
-def srv(engine, solo):
-    with InProcess(engine) as s:
+def srv(artifact, serve_cache_dir, solo):
+    """The module's server, on an Engine of its own: its loop drives that Engine (and warms it while idle) for the
+    whole module, while other tests start servers on `engine`."""
+    with Engine.load(artifact, cache_dir=serve_cache_dir, progress=False) as eng, InProcess(eng) as s:
         yield s
 
 
