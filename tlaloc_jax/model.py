@@ -38,7 +38,7 @@ class Model:
     def with_weights(self, weights: dict) -> "Model":
         """The same decoder with other weights of the same shapes and layout: it shares this Model's jitted calls,
         so it runs what they have compiled (a test's control, a fine-tuned copy) instead of compiling again."""
-        other = object.__new__(Model)
+        other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
         other.weights = {k: jax.tree.map(jnp.asarray, v) for k, v in weights.items()}
         return other
