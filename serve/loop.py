@@ -181,8 +181,10 @@ class EngineLoop:
         it is in): until then it drives the Engine, and a later loop on the same Engine would be refused its steps."""
         if self._thread is not None:
             self._cmds.put(("stop",))
-            while self._thread.join(warn_every) or self._thread.is_alive():
+            self._thread.join(warn_every)
+            while self._thread.is_alive():
                 log.warning("stopping: the engine loop is still in its step; waiting for it to end")
+                self._thread.join(warn_every)
 
     @property
     def alive(self) -> bool:
