@@ -27,7 +27,7 @@ class Model:
     def __init__(self, config: DecoderConfig, weights: dict, *, block_size: int = 16,
                  key_block: int = DEFAULT_KEY_BLOCK, kv_dtype=jnp.float32):
         self.config = config
-        self.weights = {k: jax.tree.map(jnp.asarray, v) for k, v in weights.items()}   # tuples, a QuantizedWeight too
+        self.weights = _on_device(weights)
         self.block_size = block_size
         self.key_block = key_block
         self.kv_dtype = kv_dtype
@@ -40,7 +40,7 @@ class Model:
         so it runs what they have compiled (a test's control, a fine-tuned copy) instead of compiling again."""
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
-        other.weights = {k: jax.tree.map(jnp.asarray, v) for k, v in weights.items()}
+        other.weights = _on_device(weights)
         return other
 
     @property
@@ -114,6 +114,11 @@ class Model:
                     out[b].append(int(t))
                     done[b] = int(t) in stops
         return out, first_logits
+
+
+def _on_device(weights: dict) -> dict:
+    """Each slot's arrays on the device (a slot may be a tuple or a QuantizedWeight)."""
+    return {k: jax.tree.map(jnp.asarray, v) for k, v in weights.items()}
 
 
 def _greedy(step, weights, pools, inputs):
