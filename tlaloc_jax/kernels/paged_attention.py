@@ -253,7 +253,7 @@ def _paged_attention(scale, soft_cap, key_block, ring, query_block, q, kv_pool, 
         return finish(state)[0]
 
     q = group_heads(q.astype(jnp.float32), kv_pool.shape[4])
-    if query_block is None or q.shape[1] <= query_block:
+    if query_block is None:     # the call's tokens in one tile (paged_attention decides when tiles pay)
         return ungroup_heads(attend(q, positions))
     return ungroup_heads(_query_tiles(attend, q, positions, query_block))
 
