@@ -9,9 +9,9 @@ from pathlib import PurePosixPath
 
 import pytest
 
-# Module -> the make target that builds its environment and runs it.
-RUN_ELSEWHERE = {"test_triton.py": "make test-engines", "test_ray_serve.py": "make test-engines",
-                 "test_vllm.py": "make test-vllm"}
+# Modules whose environment another target builds and runs them in: Triton and Ray Serve (`make test-engines`),
+# vLLM (`make test-vllm`).
+RUN_ELSEWHERE = frozenset({"test_triton.py", "test_ray_serve.py", "test_vllm.py"})
 
 
 def refused_skips(reports, strict: bool) -> list[str]:
@@ -35,11 +35,11 @@ def pytest_sessionfinish(session):
     if reporter is None:
         return
     refused = refused_skips(reporter.stats.get("skipped", []), os.environ.get("TLALOC_NO_SKIPS") == "1")
-    if refused and session.exitstatus == pytest.ExitCode.OK:
+    if not refused:
+        return
+    if session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if refused:
-        reporter.ensure_newline()
-        reporter.write_line(f"skip_policy: {len(refused)} skipped test(s) fail this run (tests/skip_policy.py):",
-                            red=True)
-        for line in refused:
-            reporter.write_line(f"  {line}", red=True)
+    reporter.ensure_newline()
+    reporter.write_line(f"skip_policy: {len(refused)} skipped test(s) fail this run (tests/skip_policy.py):", red=True)
+    for line in refused:
+        reporter.write_line(f"  {line}", red=True)
