@@ -11,7 +11,8 @@ PYTEST  := JAX_PLATFORMS=cpu $(PY) -m pytest
 # split their sums across threads. On Arm the x86 settings do not apply: torch's default kernels and one
 # core are what change there. Both settings run two pytest workers, as `make test` does; in the second each
 # worker is a process pinned to a core of its own (taskset, as pytest-xdist's --tx starts it), so every process
-# computes on one core as a lone `taskset -c 0 pytest` would, in half the time. One allowed core: one process.
+# computes on one core as a lone `taskset -c 0 pytest` would, in half the time (TLALOC_ONE_CORE=1: a test process
+# that may run on more cores stops the run, tests/conftest.py). One allowed core: one process.
 ifeq ($(shell uname -m),x86_64)
 ISA_WIDE   := XLA_FLAGS=--xla_cpu_max_isa=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 ISA_NARROW := XLA_FLAGS=--xla_cpu_max_isa=AVX ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX ONEDNN_MAX_CPU_ISA=AVX
@@ -53,7 +54,7 @@ test-isa: setup
 	@echo "== make test-isa: $(ISA_WIDE)"
 	env $(ISA_WIDE) $(ISA_PYTEST) $(PY) -m pytest -q $(XDIST) $(ISA_MARKS)
 	@echo "== make test-isa: $(ISA_NARROW), one core a process"
-	env $(ISA_NARROW) $(ISA_PYTEST) $(ONE_CORE_RUN) -q $(ISA_MARKS)
+	env $(ISA_NARROW) TLALOC_ONE_CORE=1 $(ISA_PYTEST) $(ONE_CORE_RUN) -q $(ISA_MARKS)
 
 test-slow: setup
 	$(PYTEST) -q -m slow

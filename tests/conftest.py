@@ -5,6 +5,20 @@ import pytest
 pytest_plugins = ["skip_policy", "pytester"]
 
 
+def pytest_configure(config):
+    """TLALOC_ONE_CORE=1 (`make test-isa`'s one-core setting): every process that runs tests must be pinned to one
+    core, or the setting would silently compute as the others do. pytest-xdist's controller runs no test."""
+    import os
+    if os.environ.get("TLALOC_ONE_CORE") != "1":
+        return
+    controller = not os.environ.get("PYTEST_XDIST_WORKER") and (config.getoption("numprocesses", None)
+                                                                or config.getoption("tx", None))
+    cores = sorted(os.sched_getaffinity(0))
+    if not controller and len(cores) != 1:
+        raise pytest.UsageError(f"TLALOC_ONE_CORE=1, but this pytest process may run on cores {cores}: start it "
+                                "under `taskset -c N` (make test-isa starts each pytest-xdist worker so)")
+
+
 def _all_eqns(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
