@@ -25,7 +25,7 @@ ISA_MARKS  := -m "numeric and not slow"
 # The first two cores this process may use (a container's cpuset need not start at 0).
 ONE_CORE_CPUS := $(shell python3 -c 'import os; print(*sorted(os.sched_getaffinity(0))[:2])')
 ifeq ($(words $(ONE_CORE_CPUS)),2)
-ONE_CORE_RUN := $(PY) -m pytest --dist loadfile $(foreach c,$(ONE_CORE_CPUS),--tx 'popen//python=taskset -c $(c) $(CURDIR)/$(PY)')
+ONE_CORE_RUN := $(PY) -m pytest --dist loadfile $(foreach c,$(ONE_CORE_CPUS),--tx 'popen//python=taskset -c $(c) $(abspath $(PY))')
 else
 ONE_CORE_RUN := taskset -c $(firstword $(ONE_CORE_CPUS)) $(PY) -m pytest
 endif
