@@ -20,15 +20,14 @@ else
 ISA_WIDE   := ATEN_CPU_CAPABILITY=default
 ISA_NARROW := ATEN_CPU_CAPABILITY=default
 endif
-ISA_PYTEST := TLALOC_TOLERANCE_REPORT=1 JAX_PLATFORMS=cpu
+ISA_ENV    := TLALOC_TOLERANCE_REPORT=1 JAX_PLATFORMS=cpu
 ISA_MARKS  := -m "numeric and not slow"
-# The first two cores this process may use (a container's cpuset need not start at 0).
-ONE_CORE_CPUS := $(shell python3 -c 'import os; print(*sorted(os.sched_getaffinity(0))[:2])')
-ifeq ($(words $(ONE_CORE_CPUS)),2)
-ONE_CORE_RUN := $(PY) -m pytest --dist loadfile $(foreach c,$(ONE_CORE_CPUS),--tx 'popen//python=taskset -c $(c) $(abspath $(PY))')
-else
-ONE_CORE_RUN := taskset -c $(firstword $(ONE_CORE_CPUS)) $(PY) -m pytest
-endif
+# The first two cores this process may use (a container's cpuset need not start at 0); `=`, so that only
+# test-isa's recipe asks.
+ONE_CORE_CPUS = $(shell python3 -c 'import os; print(*sorted(os.sched_getaffinity(0))[:2])')
+ONE_CORE_RUN = $(if $(word 2,$(ONE_CORE_CPUS)), \
+  $(PY) -m pytest --dist loadfile $(foreach c,$(ONE_CORE_CPUS),--tx 'popen//python=taskset -c $(c) $(abspath $(PY))'), \
+  taskset -c $(ONE_CORE_CPUS) $(PY) -m pytest)
 
 .PHONY: setup demo test test-isa test-slow test-engines vllm-env test-vllm peers-env clean
 
@@ -52,9 +51,9 @@ test: setup
 
 test-isa: setup
 	@echo "== make test-isa: $(ISA_WIDE)"
-	env $(ISA_WIDE) $(ISA_PYTEST) $(PY) -m pytest -q $(XDIST) $(ISA_MARKS)
+	env $(ISA_WIDE) $(ISA_ENV) $(PY) -m pytest -q $(XDIST) $(ISA_MARKS)
 	@echo "== make test-isa: $(ISA_NARROW), one core a process"
-	env $(ISA_NARROW) TLALOC_ONE_CORE=1 $(ISA_PYTEST) $(ONE_CORE_RUN) -q $(ISA_MARKS)
+	env $(ISA_NARROW) TLALOC_ONE_CORE=1 $(ISA_ENV) $(ONE_CORE_RUN) -q $(ISA_MARKS)
 
 test-slow: setup
 	$(PYTEST) -q -m slow
