@@ -29,7 +29,7 @@ ONE_CORE_RUN = $(if $(word 2,$(ONE_CORE_CPUS)), \
   $(PY) -m pytest --dist loadfile $(foreach c,$(ONE_CORE_CPUS),--tx 'popen//python=taskset -c $(c) $(abspath $(PY))'), \
   taskset -c $(ONE_CORE_CPUS) $(PY) -m pytest)
 
-.PHONY: setup demo test test-isa test-slow test-engines vllm-env test-vllm peers-env clean
+.PHONY: setup demo test test-isa test-time test-slow test-engines vllm-env test-vllm peers-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -54,6 +54,10 @@ test-isa: setup
 	env $(ISA_WIDE) $(ISA_ENV) $(PY) -m pytest -q $(XDIST) $(ISA_MARKS)
 	@echo "== make test-isa: $(ISA_NARROW), one core a process"
 	env $(ISA_NARROW) TLALOC_ONE_CORE=1 $(ISA_ENV) $(ONE_CORE_RUN) -q $(ISA_MARKS)
+
+# make test with a table of where its time went, per file: exports, tracing, lowering, XLA and PJRT compiles.
+test-time: setup
+	TLALOC_TIME_BREAKDOWN=1 $(PYTEST) -q $(XDIST)
 
 test-slow: setup
 	$(PYTEST) -q -m slow

@@ -1,8 +1,12 @@
+import os
+
 import jax
 import pytest
 
-# skip_policy: a skipped test fails the run (but for modules another make target runs); pytester: its own test.
-pytest_plugins = ["skip_policy", "pytester"]
+# skip_policy: a skipped test fails the run (but for modules another make target runs); pytester: its own test;
+# time_breakdown (TLALOC_TIME_BREAKDOWN=1): where the run's time went, per file.
+pytest_plugins = ["skip_policy", "pytester"] + (["time_breakdown"] if os.environ.get("TLALOC_TIME_BREAKDOWN") == "1"
+                                                else [])
 
 
 def pytest_configure(config):
