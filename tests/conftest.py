@@ -12,7 +12,6 @@ pytest_plugins = ["skip_policy", "pytester"] + (["time_breakdown"] if os.environ
 def pytest_configure(config):
     """TLALOC_ONE_CORE=1 (`make test-isa`'s one-core setting): every process that runs tests must be pinned to one
     core, or the setting would silently compute as the others do. pytest-xdist's controller runs no test."""
-    import os
     if os.environ.get("TLALOC_ONE_CORE") != "1":
         return
     controller = not os.environ.get("PYTEST_XDIST_WORKER") and (config.getoption("numprocesses", None)
@@ -52,7 +51,6 @@ def serve_cache_dir(tmp_path_factory):
     """A compiled-executable cache shared by the serving tests of the run, across pytest-xdist's workers too: the
     same tiny models' bodies are compiled once, not once a module and worker (the cache writes atomically). Tests
     that check compiling itself take a directory of their own."""
-    import os
     if os.environ.get("PYTEST_XDIST_WORKER"):       # the workers' base temp folders share the run's parent
         path = tmp_path_factory.getbasetemp().parent / "serve-executables"
         path.mkdir(exist_ok=True)
@@ -86,7 +84,6 @@ def pytest_testnodedown(node, error):
 
 def pytest_terminal_summary(terminalreporter):
     """With TLALOC_TOLERANCE_REPORT=1: the checks that came closest to their tolerance-model bounds."""
-    import os
 
     from margins import NEAR_TIES, RECORDS
     if os.environ.get("TLALOC_TOLERANCE_REPORT") != "1" or not RECORDS:
