@@ -1,8 +1,8 @@
 """Where the suite's time goes (TLALOC_TIME_BREAKDOWN=1, which `make test-time` sets): per test file, the time its
 tests took and how much of it was jax.export, JAX's tracing, lowering and XLA compiles (jax.monitoring's events),
 the runtime's PJRT compiles and loads from its cache (Device.compile), and waits on subprocesses. pytest-xdist's
-workers hand their sums to the controller, which prints one table. Times overlap (an export traces and lowers), so
-the columns do not add up."""
+workers hand their sums to the controller, which prints one table (the run's sums, then the TLALOC_TIME_ROWS
+slowest files, 30 by default). Times overlap (an export traces and lowers), so the columns do not add up."""
 
 from __future__ import annotations
 
