@@ -225,11 +225,12 @@ class LlamaCppGreedy:
     """Greedy generation for B sequences at once through llama.cpp's C API (llama-cpp-python's ctypes bindings):
     one llama_batch holds every sequence's prompt, then one token of each per llama_decode."""
 
-    def __init__(self, gguf_path: Path, threads: int, context: int):
+    def __init__(self, gguf_path: Path, threads: int, context: int, repack: bool = True):
         import llama_cpp as L
         self.L = L
         L.llama_backend_init()
         mp = L.llama_model_default_params()
+        mp.use_extra_bufts = repack        # llama.cpp's weight repacking (its AMX buffer, its CPU_REPACK)
         self.model = L.llama_model_load_from_file(str(gguf_path).encode(), mp)
         if not self.model:
             raise SystemExit(f"llama.cpp could not load {gguf_path}")
@@ -285,9 +286,21 @@ class LlamaCppGreedy:
         return out, info
 
 
+def llama_repack(a) -> bool:
+    """Whether llama.cpp repacks weights (--llama-repack; auto: not on a CPU with AMX-INT8, where its AMX buffer's
+    Q8_0 matmul crashed at the first decode: llama.cpp issue 20824, seen with 0.3.36's library; `--no-repack` in
+    its own tools)."""
+    if a.llama_repack != "auto":
+        return a.llama_repack == "on"
+    try:
+        return "amx_int8" not in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+
+
 def llama_worker(a, work: Path) -> None:
     import llama_cpp
-    gen = LlamaCppGreedy(work / f"model-{a.variant}.gguf", a.threads, a.context)
+    gen = LlamaCppGreedy(work / f"model-{a.variant}.gguf", a.threads, a.context, repack=llama_repack(a))
     decode_ms = {}
 
     def gen_record(ps, n, record=False):
@@ -332,7 +345,7 @@ def run_rounds(a, work: Path) -> list[dict]:
     base = [sys.executable, __file__, "--work", str(work)] + [f"--{k}={v}" for k, v in (
         ("hidden", a.hidden), ("layers", a.layers), ("heads", a.heads), ("kv-heads", a.kv_heads),
         ("intermediate", a.intermediate), ("vocab", a.vocab), ("context", a.context), ("threads", a.threads),
-        ("reps", a.reps))]
+        ("reps", a.reps), ("llama-repack", a.llama_repack))]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), JAX_PLATFORMS="cpu")
     for r in range(a.rounds):
         order = SYSTEMS[r % 2:] + SYSTEMS[:r % 2]
@@ -429,6 +442,8 @@ def main(argv=None) -> None:
     ap.add_argument("--work", default=None, help="where the checkpoint, GGUF and artifact are kept (default: a "
                     "directory under the system's temp dir named after the shape)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="weight variants, of " + ", ".join(VARIANTS))
+    ap.add_argument("--llama-repack", default="auto", choices=("auto", "on", "off"),
+                    help="llama.cpp's weight repacking (auto: off on CPUs with AMX-INT8, where it crashes)")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.variants = [v for v in a.variants.split(",") if v]
@@ -460,7 +475,8 @@ def main(argv=None) -> None:
     print(f"model: llama, hidden {a.hidden}, {a.layers} layers, {a.heads}/{a.kv_heads} heads, vocab {a.vocab}, f32; "
           f"{PROMPT_LEN}-token prompts, {NEW_TOKENS} greedy tokens, {a.threads} threads; llama-cpp-python "
           f"{llama_cpp.__version__}, jax {jax.__version__}, tlaloc-jax {a.weight_layout} layout; "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; llama.cpp weight repacking "
+          f"{'on' if llama_repack(a) else 'off'} (--llama-repack {a.llama_repack})", flush=True)
     summarize(a, run_rounds(a, work))
 
 
