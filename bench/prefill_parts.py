@@ -1,6 +1,7 @@
 """Where a prefill's time goes: bench/decode.py's 100M Llama prefill of one prompt (tlaloc_jax.decoder.forward,
 per-layer weights, paged KV pool, f32) against three cut-down bodies, each compiled by the serving runtime's
-plugin and run interleaved in one process:
+plugin and run interleaved in one process (f32 weights, or with --weight-dtype bfloat16 every weight in bf16 as
+`--weight-dtype bfloat16` exports them; the KV pool f32 either way, the export's default):
 
   - the same prefill with its paged attention replaced by a copy of the queries (the difference is attention);
   - the projections alone: every layer's four dots (q | k | v, o, gate | up, down) on the same weights and rows,
@@ -12,11 +13,14 @@ plugin and run interleaved in one process:
     the tiles save, each folding only the key blocks its own tokens see ("untiled / tiled").
 
 The FLOP rates count the projections' and attention's multiply-adds (bench/decode.py's prefill_flops), against
-the f32 FMA peak of every core (bench/fma_peak.py) measured in the same run. "ceiling": how much faster the
-prefill could be at most in f32, were its projections to run at that peak and everything else to take no time.
+the f32 FMA peak of every core (bench/fma_peak.py) measured in the same run; for bf16 weights, against the rate the
+plugin's bf16 dot reaches on large matmuls (AVX512-BF16 or AMX where the CPU has them: no simple vector peak
+bounds it). "ceiling": how much faster the prefill could be at most, were its projections to run at that peak and
+everything else to take no time.
 
     python bench/prefill_parts.py                  # 128 tokens in a 256-position bucket
     python bench/prefill_parts.py --tokens 64,256 --context 512
+    python bench/prefill_parts.py --weight-dtype bfloat16
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def main(argv=None) -> None:
                     "calls take the decode forms of the projections)")
     ap.add_argument("--context", type=int, default=256, help="the entry's context bucket")
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--weight-dtype", default="float32", choices=("float32", "bfloat16"))
     a = ap.parse_args(argv)
 
     import jax.numpy as jnp
@@ -52,7 +57,8 @@ def main(argv=None) -> None:
 
     shape = argparse.Namespace(**dict(MODEL_DEFAULTS, context=a.context))
     fam, cfg = config_from_hf(llama_config(shape))
-    weights = per_layer(random_weights(cfg, fam, seed=0, std=0.02))
+    weights = random_weights(cfg, fam, seed=0, std=0.02)
+    weights = per_layer({k: np.asarray(jnp.asarray(v, a.weight_dtype)) for k, v in weights.items()})
     S = 16
     M = a.context // S
     rng = np.random.default_rng(0)
@@ -81,13 +87,18 @@ def main(argv=None) -> None:
         return f
 
     big = matmul_peak(device(), "float32")
-    peak = fma_peak()
-    print(f"100M Llama prefill (12 layers, hidden 768, 12 / 4 heads of 64, MLP 2048, vocab 16000), f32, context "
-          f"{a.context}; the runtime plugin; medians of wall ms (CPU ms of every thread)")
-    print(f"f32 FMA peak of {os.cpu_count()} cores {peak / 1e9:.1f} GFLOP/s; the plugin's 8 x 512 x 2048 x 4096 "
-          f"matmuls {big / 1e9:.1f} GFLOP/s ({big / peak:.2f}x the peak)")
+    fma = fma_peak()
+    bf16 = a.weight_dtype == "bfloat16"
+    peak = matmul_peak(device(), "bfloat16") if bf16 else fma
+    print(f"100M Llama prefill (12 layers, hidden 768, 12 / 4 heads of 64, MLP 2048, vocab 16000), "
+          f"{'bf16' if bf16 else 'f32'} weights, context {a.context}; the runtime plugin; medians of wall ms (CPU ms "
+          f"of every thread)")
+    print(f"f32 FMA peak of {os.cpu_count()} cores {fma / 1e9:.1f} GFLOP/s; the plugin's 8 x 512 x 2048 x 4096 "
+          f"matmuls {big / 1e9:.1f} GFLOP/s in f32 ({big / fma:.2f}x the FMA peak)"
+          + (f", {peak / 1e9:.1f} GFLOP/s in bf16 ({peak / fma:.2f}x the f32 FMA peak; the peak below)" if bf16
+             else ""))
     print(f"{'tokens':>6} | {'whole prefill':>17} | {'no attention':>17} | {'projections':>17} | "
-          f"{'one dot shape':>17} | attention | other | x FMA peak: prefill, projections, one shape | ceiling | "
+          f"{'one dot shape':>17} | attention | other | x peak: prefill, projections, one shape | ceiling | "
           f"untiled / tiled")
     for T in (int(x) for x in a.tokens.split(",")):
         P = M + 1
