@@ -9,8 +9,8 @@ and prints:
     runtime step as a multiple of its read floor (the weight bytes and the rows' KV bytes at the 2-thread read
     rate measured here) and of the batch-1 step;
   - prefill tokens/s of one call for the runtime and in-process JAX, and the runtime's FLOP rate as a fraction
-    of the best this CPU's XLA reaches on a large f32 matmul through the same plugin (and bf16's, for reference)
-    and of the CPU's f32 FMA peak (bench/fma_peak.py);
+    of the best this CPU's XLA reaches on a large matmul of the weights' dtype through the same plugin (and the
+    other dtype's, for reference) and of the CPU's f32 FMA peak (bench/fma_peak.py);
   - the weight bytes a decode step reads, the memory bandwidth measured here, and the runtime's decode
     step time as a multiple of that floor;
   - what returning the argmax next to the logits saves per step (greedy pulls 4 bytes a row, not V * 4);
@@ -282,10 +282,13 @@ def main(argv=None) -> None:
         peak = {dt: matmul_peak(engine.device, dt) for dt in ("float32", "bfloat16")}
         fma = fma_peak()
         rate = prefill_flops(cfg, args.prefill) / t_rt_p
-        print(f"prefill FLOP rate {rate / 1e9:.1f} GFLOP/s = {rate / peak['float32']:.2f}x the f32 matmul peak measured "
-              f"through the plugin ({peak['float32'] / 1e9:.1f} GFLOP/s; bf16 operands {peak['bfloat16'] / 1e9:.1f} "
-              f"GFLOP/s, {peak['bfloat16'] / peak['float32']:.2f}x f32) = {rate / fma:.2f}x the f32 FMA peak of "
-              f"{cores} cores ({fma / 1e9:.1f} GFLOP/s; bench/prefill_parts.py breaks the prefill down)")
+        # Against the matmul rate of the weights' dtype: bf16 projections run bf16 dots (AVX512-BF16 or AMX).
+        dt, other = (("bfloat16", "float32") if args.weight_dtype == "bfloat16" else ("float32", "bfloat16"))
+        name = {"float32": "f32", "bfloat16": "bf16"}
+        print(f"prefill FLOP rate {rate / 1e9:.1f} GFLOP/s = {rate / peak[dt]:.2f}x the {name[dt]} matmul peak "
+              f"measured through the plugin ({peak[dt] / 1e9:.1f} GFLOP/s; {name[other]} operands "
+              f"{peak[other] / 1e9:.1f} GFLOP/s, {peak[other] / peak[dt]:.2f}x) = {rate / fma:.2f}x the f32 FMA peak "
+              f"of {cores} cores ({fma / 1e9:.1f} GFLOP/s; bench/prefill_parts.py breaks the prefill down)")
 
         floor = step_bytes / bw
         t1 = rows[0][1]
