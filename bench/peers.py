@@ -22,7 +22,8 @@ system and batch: tokens/s of the whole generation (B * 64 / wall time, prefill 
 ((T(64 tokens) - T(1 token)) / 63, so prefill cancels), and each system's bare step; then the ratio
 tlaloc-jax / llama.cpp of tokens/s per variant and the agreement of the greedy ids on f32 weights (a divergence
 counts as a near-tie when llama.cpp's own top-2 logit gap there is within twice the tolerance model's bound,
-tlaloc_jax/kernels/tolerances.py); the two quantizations differ (llama.cpp also rounds each activation to Q8_0 in its
+tlaloc_jax/kernels/tolerances.py; past that, Hugging Face's model run in float64 on the same ids says which of the
+two ids is right); the two quantizations differ (llama.cpp also rounds each activation to Q8_0 in its
 quantized dots), so a quantized variant's ids are compared with the same system's f32 ids instead.
 
 Optional dependencies, not in `make test`: `make peers-env` builds llama.cpp as a shared library alone (2-6
@@ -365,9 +366,10 @@ def run_rounds(a, work: Path) -> list[dict]:
     return results
 
 
-def agreement(a, llama: dict, tlaloc: dict) -> str:
+def agreement(a, work: Path, llama: dict, tlaloc: dict) -> str:
     """How the greedy ids of the two systems compare, row by row: equal, or where they part and whether
-    llama.cpp's own top-2 gap there is a near-tie under the tolerance model."""
+    llama.cpp's own top-2 gap there is a near-tie under the tolerance model (when not, which id the float64
+    reference picks)."""
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.kernels.tolerances import bound, decoder_roundings_of
 
@@ -381,12 +383,28 @@ def agreement(a, llama: dict, tlaloc: dict) -> str:
             continue
         gap, scale = llama["top2_gap"][s][k]
         tie = "a near-tie" if gap <= 2 * rel * scale else "NOT a near-tie"
+        if gap > 2 * rel * scale:
+            tie += "; " + reference_choice(work, prompts(a.vocab)[s] + x[:k], x[k], y[k])
         parts.append(f"row {s}: equal to step {k}, then llama.cpp {x[k]} vs tlaloc-jax {y[k]} (llama.cpp's top-2 gap "
                      f"{gap:.3g}, allowed {2 * rel * scale:.3g}: {tie})")
     return "; ".join(parts)
 
 
-def summarize(a, results: list[dict]) -> None:
+def reference_choice(work: Path, ids: list[int], llama_id: int, tlaloc_id: int) -> str:
+    """Which of two next ids Hugging Face's model in float64 prefers after `ids` (the arbiter of a divergence)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return "no float64 reference: transformers is not installed"
+    model = transformers.AutoModelForCausalLM.from_pretrained(work / "ck", torch_dtype=torch.float64)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    d = float(logits[tlaloc_id] - logits[llama_id])
+    return f"transformers in float64 prefers {tlaloc_id if d > 0 else llama_id} by {abs(d):.3g}"
+
+
+def summarize(a, work: Path, results: list[dict]) -> None:
     print()
     print(f"{'system':>10} | variant | batch | tokens/s median [min-max] | ms/step (T64-T1)/63 | bare step ms | runs")
     tps, by = {}, {}
@@ -423,7 +441,8 @@ def summarize(a, results: list[dict]) -> None:
     print()
     if "f32" in a.variants:
         for b in BATCHES:
-            print(f"greedy ids, f32, batch {b}: {agreement(a, by['llama.cpp', 'f32', b], by['tlaloc-jax', 'f32', b])}")
+            ids = agreement(a, work, by["llama.cpp", "f32", b], by["tlaloc-jax", "f32", b])
+            print(f"greedy ids, f32, batch {b}: {ids}")
         for v in [v for v in a.variants if v != "f32"]:
             for name in SYSTEMS:
                 same = [sum(x == y for x, y in zip(q, f)) for b in BATCHES
@@ -477,7 +496,7 @@ def main(argv=None) -> None:
           f"{llama_cpp.__version__}, jax {jax.__version__}, tlaloc-jax {a.weight_layout} layout; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; llama.cpp weight repacking "
           f"{'on' if llama_repack(a) else 'off'} (--llama-repack {a.llama_repack})", flush=True)
-    summarize(a, run_rounds(a, work))
+    summarize(a, work, run_rounds(a, work))
 
 
 if __name__ == "__main__":
