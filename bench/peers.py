@@ -44,6 +44,7 @@ Only a quiet machine gives a fair table: the load average before and after each 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -293,10 +294,8 @@ def llama_repack(a) -> bool:
     its own tools)."""
     if a.llama_repack != "auto":
         return a.llama_repack == "on"
-    try:
-        return "amx_int8" not in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
+    from tlaloc_jax.serve.runtime.compile_cache import host_cpu
+    return "amx_int8" not in host_cpu()
 
 
 def llama_worker(a, work: Path) -> None:
@@ -390,16 +389,23 @@ def agreement(a, work: Path, llama: dict, tlaloc: dict) -> str:
     return "; ".join(parts)
 
 
+@functools.cache
+def _float64_model(work: Path):
+    """The checkpoint as Hugging Face's model in float64, loaded once for every divergence it arbitrates."""
+    import torch
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(work / "ck", torch_dtype=torch.float64)
+
+
 def reference_choice(work: Path, ids: list[int], llama_id: int, tlaloc_id: int) -> str:
     """Which of two next ids Hugging Face's model in float64 prefers after `ids` (the arbiter of a divergence)."""
     try:
         import torch
-        import transformers
+        import transformers  # noqa: F401  (_float64_model's)
     except ImportError:
         return "no float64 reference: transformers is not installed"
-    model = transformers.AutoModelForCausalLM.from_pretrained(work / "ck", torch_dtype=torch.float64)
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, -1]
+        logits = _float64_model(work)(torch.tensor([ids])).logits[0, -1]
     d = float(logits[tlaloc_id] - logits[llama_id])
     return f"transformers in float64 prefers {tlaloc_id if d > 0 else llama_id} by {abs(d):.3g}"
 

@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     from fma_peak import fma_peak
     from plugin_run import device, on_runtime
     from step_parts import forward_body, interleaved_medians
-    from tlaloc_jax.checkpoint import random_weights
+    from tlaloc_jax.checkpoint import random_weights, weight_dtype
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.layers import linear
     from tlaloc_jax.layout import per_layer
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     shape = argparse.Namespace(**dict(MODEL_DEFAULTS, context=a.context))
     fam, cfg = config_from_hf(llama_config(shape))
     weights = random_weights(cfg, fam, seed=0, std=0.02)
-    weights = per_layer({k: np.asarray(jnp.asarray(v, a.weight_dtype)) for k, v in weights.items()})
+    weights = per_layer({k: v.astype(weight_dtype(a.weight_dtype)) for k, v in weights.items()})
     S = 16
     M = a.context // S
     rng = np.random.default_rng(0)
