@@ -6,7 +6,9 @@ artifact): decode batches 1 and 8, prefill batch 1, contexts 32 and 64, a pool o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import json
 import time
 from pathlib import Path
@@ -119,3 +121,28 @@ async def serving(engine, **kw):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost",
                                      timeout=60) as client:
             yield client, app.state.server
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """A latency check's window with the heap frozen, as `python -m tlaloc_jax.serve` freezes its own once loaded
+    (serve/__main__.py freeze_heap): a test worker holds a million objects from earlier tests, and one full
+    collection of them stops every thread of the process for 0.4-1.4 s, which is no request's doing."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+async def health_gaps(client, request: asyncio.Future) -> list[float]:
+    """Poll /health on the running event loop until `request` is done -> the seconds between answers."""
+    gaps, last = [], time.perf_counter()
+    while not request.done():
+        await asyncio.sleep(0.005)      # a poll that never suspends would starve the request's task
+        assert (await client.get("/health")).status_code == 200
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    return gaps

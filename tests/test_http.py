@@ -35,6 +35,8 @@ ALLOWED_ORIGIN = "https://app.example"
 SERVE = guarded(textwrap.dedent("""
     from tlaloc_jax.serve.__main__ import main
     rc = main(sys.argv[1:])
+    import gc
+    print(f"frozen objects: {gc.get_freeze_count()}")
     leaked = BANNED & {m.split(".")[0] for m in sys.modules}
     if leaked:
         print(f"the serving path imported {sorted(leaked)}", file=sys.stderr)
@@ -85,6 +87,8 @@ class Server:
             raise
         out = self.log.read_text()
         assert rc == 0 and "the serving path imported" not in out, (rc, out[-4000:])
+        # the loaded server's heap is frozen before it serves (serve/__main__.py freeze_heap)
+        assert re.search(r"frozen objects: [1-9]", out), out[-4000:]
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text

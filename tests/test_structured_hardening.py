@@ -13,7 +13,7 @@ import time
 import jsonschema
 import pytest
 
-from http_util import GOOD, STOP, TOOLS_TEMPLATE, InProcess, serving
+from http_util import GOOD, STOP, TOOLS_TEMPLATE, InProcess, frozen_heap, health_gaps, serving
 from tlaloc_jax.serve import Engine
 from tokenizers_util import EOS, VOCAB, write_tokenizer
 
@@ -92,16 +92,11 @@ def test_a_huge_patterned_schema_with_n_4_leaves_health_answering_and_names_the_
         async with serving(engine) as (client, _):
             t0 = time.perf_counter()
             request = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
-            gaps, last = [], time.perf_counter()
-            while not request.done():
-                await asyncio.sleep(0.005)
-                assert (await client.get("/health")).status_code == 200
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
+            gaps = await health_gaps(client, request)
             return await request, gaps, time.perf_counter() - t0
 
-    r, gaps, took = asyncio.run(main())
+    with frozen_heap():
+        r, gaps, took = asyncio.run(main())
     _error(r, "grammar_too_complex", "guided_json", r"guided_json: the grammar is past a limit of the grammar library "
                                                     r"after its first token .*Current row has \d+ items; max is 2000")
     assert len(gaps) >= 5, "the request was answered before /health was polled"
