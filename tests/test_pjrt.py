@@ -174,6 +174,25 @@ def test_upload_shapes_and_read_only_memory(dev, tmp_path):
         dev.upload(np.zeros(2, np.complex64))
 
 
+def test_an_input_written_over_is_what_the_next_execution_reads(dev):
+    """Device.overwrite puts a new value in a host-memory buffer: the next execution reads it, not the old one.
+    It refuses (False, nothing written) another shape or dtype, and a buffer an execution took by donation."""
+    exe = dev.compile(_export(lambda x: x * 2 + 1, S((2, 3), jnp.int32)).mlir_module_serialized)
+    x0, x1 = np.arange(6, dtype=np.int32).reshape(2, 3), np.arange(6, 12, dtype=np.int32).reshape(2, 3)
+    buf = dev.upload(x0)
+    np.testing.assert_array_equal(dev.to_host(dev.execute(exe, [buf])[0]), x0 * 2 + 1)
+    assert dev.overwrite(buf, x1)
+    np.testing.assert_array_equal(dev.to_host(dev.execute(exe, [buf])[0]), x1 * 2 + 1)
+    np.testing.assert_array_equal(dev.to_host(buf), x1)
+    assert not dev.overwrite(buf, x1.astype(np.int64)) and not dev.overwrite(buf, x1[:1])
+    assert not dev.overwrite(buf, x1.T.copy())
+    np.testing.assert_array_equal(dev.to_host(buf), x1)
+    pool = dev.upload(x0)
+    dev.execute(dev.compile(_export(lambda p: p + 1, S((2, 3), jnp.int32), donate=(0,)).mlir_module_serialized),
+                [pool], donate={0})
+    assert pool.consumed and not dev.overwrite(pool, x1)
+
+
 # --------------------------------------------------------------------------- donation
 
 

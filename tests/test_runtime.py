@@ -83,7 +83,10 @@ def test_llama_f32_gives_transformers_ids_alone_and_together(llama, llama_engine
     ref = load_hf_torch(llama[0])
     want = [torch_greedy(ref, p, 16) for p in PROMPTS]
     bound = logit_bound(llama[0], bf16=False)
+    written = llama_engine.runner.stats["inputs_overwritten"]
     check_served_ids(llama_engine, want, bound)
+    # The steps' new positions and slots were written over the entries' kept input buffers (Device.overwrite).
+    assert llama_engine.runner.stats["inputs_overwritten"] > written
     # Control: the same engine writing each token's KV one slot off fails the same check.
     kv_one_slot_off(monkeypatch)
     with pytest.raises(GreedyMismatch):

@@ -357,21 +357,38 @@ class Device:
         out = np.empty(buffer.shape, buffer.dtype)
         if not out.size:
             return out
-        if self._host_memory:
-            p = self._plugin
-            if not buffer._ready:
-                a = p.args("PJRT_Buffer_ReadyEvent_Args", buffer=compat.checked_pointer(buffer._h))
-                p.call("PJRT_Buffer_ReadyEvent", a)
-                if a.event:
-                    compat.consume_event(p, a.event)      # raises if the computation that defines it failed
-                buffer._ready = True
-            if buffer._dense is None:
-                buffer._dense = self._dense(buffer)
-            if buffer._dense:
-                ctypes.memmove(out.ctypes.data, self.device_address(buffer), out.nbytes)
-                return out
+        if self._host_memory and self._holds_densely(buffer):
+            ctypes.memmove(out.ctypes.data, self.device_address(buffer), out.nbytes)
+            return out
         buffer._h.to_host(host_bytes(out))
         return out
+
+    def overwrite(self, buffer: Buffer, array: np.ndarray) -> bool:
+        """Write `array` over `buffer`'s memory where that memory is host memory holding it densely (the CPU
+        plugin): a step input's next value in a microsecond, where a new buffer costs ~40 us. False where it
+        cannot (another device kind, another layout, shape or dtype): upload a new buffer instead.
+
+        Only for a buffer that no execution in flight reads (this runtime awaits each of its executions before
+        returning) and that no execution took by donation; never an adopted one (its memory is the caller's)."""
+        if (not self._host_memory or not compat.is_live(buffer._h) or array.shape != buffer.shape
+                or array.dtype != buffer.dtype or not self._holds_densely(buffer)):
+            return False
+        if array.size:
+            ctypes.memmove(self.device_address(buffer), np.ascontiguousarray(array).ctypes.data, array.nbytes)
+        return True
+
+    def _holds_densely(self, buffer: Buffer) -> bool:
+        """Whether a host-memory buffer, once defined (waited for here the first time), holds its array densely."""
+        if not buffer._ready:
+            p = self._plugin
+            a = p.args("PJRT_Buffer_ReadyEvent_Args", buffer=compat.checked_pointer(buffer._h))
+            p.call("PJRT_Buffer_ReadyEvent", a)
+            if a.event:
+                compat.consume_event(p, a.event)      # raises if the computation that defines it failed
+            buffer._ready = True
+        if buffer._dense is None:
+            buffer._dense = self._dense(buffer)
+        return buffer._dense
 
     def _dense(self, buffer: Buffer) -> bool:
         """Whether `to_host` may copy the buffer's memory itself: host memory (the CPU plugin) with a

@@ -20,7 +20,7 @@ import numpy as np
 from tlaloc_jax import artifact as mf
 
 from . import sharded
-from .handles import Executable
+from .handles import Buffer, Executable
 from .pjrt import Device
 
 log = logging.getLogger("tlaloc_jax.serve")
@@ -61,7 +61,8 @@ class Runner:
         self._arg_plans: dict[str, list[tuple[_ArgSource, object, mf.Role]]] = {}
         self._entries_checked: set[str] = set()
         self._deferred: dict[str, str] = {}  # entry -> "cached" | "pending": ready on first use (_compile_kinds)
-        self.stats = dict(executions=0, warm_ups=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={})
+        self.stats = dict(executions=0, warm_ups=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={},
+                          inputs_uploaded=0, inputs_overwritten=0)
         self._driver = threading.Lock()     # held by the thread running entries (driving)
         self._driver_name = ""
         try:
@@ -163,13 +164,20 @@ class Runner:
     # -- inputs --------------------------------------------------------------------------------------
 
     def _input_buffer(self, e: mf.Entry, key: str, value: np.ndarray) -> sharded.Placed:
-        """The device buffer of an input's host value: the one kept from the entry's previous call when the value is
-        the same (never donated, so it outlives the call), else a new upload that replaces it."""
+        """The device buffer of an input's host value: the one kept from the entry's previous call (never donated, so
+        it outlives the call), as it is when the value is the same, else with the new value written over it where
+        the device allows (host memory, one device: Device.overwrite); else a new upload that replaces it."""
         kept_key = (e.name, key)            # key: the input's in `inputs` (a role may appear once per row group)
         data = value.tobytes()            # the entry fixes the role's shape and dtype: the bytes say the value
         kept = self._kept_inputs.get(kept_key)
-        if kept is not None and kept[0] == data:
-            return kept[1]
+        if kept is not None:
+            if kept[0] == data:
+                return kept[1]
+            if isinstance(kept[1], Buffer) and self.device.overwrite(kept[1], value):
+                self._kept_inputs[kept_key] = (data, kept[1])
+                self.stats["inputs_overwritten"] += 1
+                return kept[1]
+        self.stats["inputs_uploaded"] += 1
         buf = sharded.upload_whole(self.device, value)
         if kept is not None:
             sharded.close(kept[1])
