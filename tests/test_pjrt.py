@@ -193,6 +193,45 @@ def test_an_input_written_over_is_what_the_next_execution_reads(dev):
     assert pool.consumed and not dev.overwrite(pool, x1)
 
 
+def _mapping(address: int) -> tuple[str, set[str]]:
+    """The /proc/self/smaps entry holding `address`: (its maps line, its VmFlags)."""
+    line, flags, found = "", set(), None
+    for text in open("/proc/self/smaps"):
+        head = text.split()
+        if "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            line = text
+            found = lo <= address < hi
+        elif found and head[0] == "VmFlags:":
+            return line, set(head[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_pools_and_large_weights_are_private_memory_marked_for_huge_pages(dev, tmp_path):
+    """A pool is private anonymous memory marked MADV_HUGEPAGE (a shared one, Python's mmap default, is shmem: no huge
+    pages unless shmem_enabled says so). A weight of 2 MiB or more is read into such memory where the kernel offers
+    huge pages, and adopted; a smaller one is its file's mapping (control: the file's pages, shared)."""
+    from tlaloc_jax import artifact as mf
+    from tlaloc_jax.serve.runtime import sharded
+    pool = sharded.zeros(dev, "float32", (1024, 1024), (), None)
+    line, flags = _mapping(dev.device_address(pool))
+    assert line.split()[1].endswith("p") and "hg" in flags, (line, flags)
+    big, small = np.arange(1 << 20, dtype=np.float32), np.arange(1024, dtype=np.float32)
+    for name, values in (("big", big), ("small", small)):
+        (tmp_path / f"{name}.bin").write_bytes(values.tobytes())
+    load = lambda name, values: sharded.upload_weight(   # noqa: E731
+        dev, tmp_path, mf.WeightFile(name, "float32", values.shape, values.nbytes, file=f"{name}.bin"), None)
+    for name, values in (("big", big), ("small", small)):
+        buf = load(name, values)
+        np.testing.assert_array_equal(dev.to_host(buf), values)
+        line, flags = _mapping(dev.device_address(buf))
+        in_file = line.rstrip().endswith(f"{name}.bin")
+        if name == "big" and sharded.huge_pages_offered():
+            assert not in_file and line.split()[1].endswith("p") and "hg" in flags, (line, flags)
+        else:
+            assert in_file, line
+
+
 # --------------------------------------------------------------------------- donation
 
 

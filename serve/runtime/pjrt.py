@@ -301,6 +301,11 @@ class Device:
 
     # -- buffers -------------------------------------------------------------------------------
 
+    @property
+    def host_memory(self) -> bool:
+        """Whether this device's memory is host memory (the CPU plugin): `adopt` then wraps an array's own pages."""
+        return self._host_memory
+
     def upload(self, array: Any, device: int = 0) -> Buffer:
         """Copy a host array to device `device` (any dtype in `DTYPES`, bf16 via ml_dtypes).
 

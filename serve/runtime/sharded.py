@@ -8,6 +8,7 @@ inputs are whole on every device; results other than the pools are whole too, an
 
 from __future__ import annotations
 
+import functools
 import mmap
 from pathlib import Path
 from typing import Sequence
@@ -20,6 +21,7 @@ from .handles import Buffer, Executable
 from .pjrt import Device
 
 Placed = Buffer | tuple[Buffer, ...]
+HUGE_PAGE = 2 << 20
 
 
 def device_count_mismatch(m: mf.Manifest, devices: int) -> str:
@@ -48,19 +50,42 @@ def zeros(device: Device, dtype: str, shape: tuple[int, ...], partition: mf.Part
 
 
 def host_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Zeros in fresh anonymous memory (page-aligned, no page touched yet), in huge pages where the kernel offers
-    them on request (transparent_hugepage 'madvise'): a pool's first writes then fault 2 MiB at a time."""
+    """Zeros in fresh private anonymous memory (page-aligned, no page touched yet), in huge pages where the kernel
+    offers them on request (transparent_hugepage 'madvise'): a pool's first writes then fault 2 MiB at a time. (A
+    shared anonymous mapping, Python's mmap default, is shmem, which takes huge pages only by shmem_enabled.)"""
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     if not nbytes:
         return np.zeros(shape, dtype)
-    memory = mmap.mmap(-1, nbytes)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(memory, dtype).reshape(shape)
 
 
+@functools.cache
+def huge_pages_offered() -> bool:
+    """Whether the kernel backs memory marked MADV_HUGEPAGE with 2 MiB pages (transparent_hugepage 'always' or
+    'madvise'; not 'never', nor a system without the setting)."""
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+def _in_huge_pages(array: np.ndarray) -> np.ndarray:
+    """A weight's host copy for a device whose memory is host memory: a decode step reads every weight once, and a
+    mapped file's 4 KiB pages cost it a page walk every 4 KiB where 2 MiB pages cost one per 2 MiB (the 100M
+    Llama's batch-1 step 1.06x faster on the Sapphire Rapids). The file's own mapping where no huge pages are offered,
+    or for a weight under one page of 2 MiB."""
+    if array.nbytes < HUGE_PAGE or not huge_pages_offered():
+        return array
+    copy = host_zeros(array.shape, array.dtype)
+    copy[...] = array
+    return copy
+
+
 def _read(path: Path, w: mf.WeightFile, shape: tuple[int, ...]) -> np.ndarray:
-    """A weight file mapped read-only (adopted, it is the weight's device memory on the CPU plugin)."""
+    """A weight file mapped read-only (on the CPU plugin, the weight's device memory, or read into huge pages)."""
     dtype = mf.numpy_dtype(w.dtype).newbyteorder("<")
     if not int(np.prod(shape, dtype=np.int64)):
         return np.zeros(shape, dtype)
@@ -68,12 +93,14 @@ def _read(path: Path, w: mf.WeightFile, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def upload_weight(device: Device, root: Path, w: mf.WeightFile, mesh: mf.Mesh | None) -> Placed:
-    """A weight from its file onto every device, or, split, device d's shard from shard file d."""
+    """A weight from its file onto every device, or, split, device d's shard from shard file d: on a device whose
+    memory is host memory, adopted (no copy by the plugin), in huge pages where the kernel offers them."""
+    host = _in_huge_pages if device.host_memory else (lambda array: array)
     if not w.shards:
-        array = _read(root / w.file, w, w.shape)
+        array = host(_read(root / w.file, w, w.shape))
         return _on_each(device, lambda d: device.adopt(array, d))
     shape = mesh.shard_shape(w.shape, w.partition)
-    return tuple(device.adopt(_read(root / s.file, w, shape), d) for d, s in enumerate(w.shards))
+    return tuple(device.adopt(host(_read(root / s.file, w, shape)), d) for d, s in enumerate(w.shards))
 
 
 def execute(device: Device, exe: Executable, args: Sequence[Placed], donate: set[int],
