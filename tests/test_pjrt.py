@@ -230,6 +230,9 @@ def test_pools_and_large_weights_are_private_memory_marked_for_huge_pages(dev, t
             assert not in_file and line.split()[1].endswith("p") and "hg" in flags, (line, flags)
         else:
             assert in_file, line
+    (tmp_path / "big.bin").write_bytes(big.tobytes()[:-4])       # a file shorter than its weight is refused
+    with pytest.raises((mf.ManifestError, ValueError), match="big.bin holds 4194300 bytes|mmap length"):
+        load("big", big)
 
 
 # --------------------------------------------------------------------------- donation

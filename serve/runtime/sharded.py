@@ -72,35 +72,35 @@ def huge_pages_offered() -> bool:
         return False
 
 
-def _in_huge_pages(array: np.ndarray) -> np.ndarray:
-    """A weight's host copy for a device whose memory is host memory: a decode step reads every weight once, and a
-    mapped file's 4 KiB pages cost it a page walk every 4 KiB where 2 MiB pages cost one per 2 MiB (the 100M
-    Llama's batch-1 step 1.06x faster on the Sapphire Rapids). The file's own mapping where no huge pages are offered,
-    or for a weight under one page of 2 MiB."""
-    if array.nbytes < HUGE_PAGE or not huge_pages_offered():
-        return array
-    copy = host_zeros(array.shape, array.dtype)
-    copy[...] = array
-    return copy
-
-
-def _read(path: Path, w: mf.WeightFile, shape: tuple[int, ...]) -> np.ndarray:
-    """A weight file mapped read-only (on the CPU plugin, the weight's device memory, or read into huge pages)."""
+def _read(path: Path, w: mf.WeightFile, shape: tuple[int, ...], host_memory: bool) -> np.ndarray:
+    """A weight file's array. For a device whose memory is host memory, in private memory marked for huge pages where
+    the kernel offers them (read with one call, not faulted in 4 KiB at a time through a mapping): a decode step
+    reads every weight, and a mapped file's 4 KiB pages cost it a page walk every 4 KiB (the 100M Llama's batch-1
+    step 1.06x faster on the Sapphire Rapids). Else, and for a weight under one huge page, the file mapped
+    read-only (on the CPU plugin, that mapping is the weight's device memory)."""
     dtype = mf.numpy_dtype(w.dtype).newbyteorder("<")
     if not int(np.prod(shape, dtype=np.int64)):
         return np.zeros(shape, dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if not (host_memory and nbytes >= HUGE_PAGE and huge_pages_offered()):
+        return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+    array = host_zeros(shape, dtype)
+    with open(path, "rb") as f:
+        got = f.readinto(memoryview(array.reshape(-1).view(np.uint8)))
+    if got != nbytes:
+        raise mf.ManifestError(f"weight file {path} holds {got} bytes where {w.slot} {list(shape)} {w.dtype} takes "
+                               f"{nbytes}")
+    return array
 
 
 def upload_weight(device: Device, root: Path, w: mf.WeightFile, mesh: mf.Mesh | None) -> Placed:
     """A weight from its file onto every device, or, split, device d's shard from shard file d: on a device whose
-    memory is host memory, adopted (no copy by the plugin), in huge pages where the kernel offers them."""
-    host = _in_huge_pages if device.host_memory else (lambda array: array)
+    memory is host memory, adopted (no copy by the plugin), in huge pages where the kernel offers them (_read)."""
     if not w.shards:
-        array = host(_read(root / w.file, w, w.shape))
+        array = _read(root / w.file, w, w.shape, device.host_memory)
         return _on_each(device, lambda d: device.adopt(array, d))
     shape = mesh.shard_shape(w.shape, w.partition)
-    return tuple(device.adopt(host(_read(root / s.file, w, shape)), d) for d, s in enumerate(w.shards))
+    return tuple(device.adopt(_read(root / s.file, w, shape, device.host_memory), d) for d, s in enumerate(w.shards))
 
 
 def execute(device: Device, exe: Executable, args: Sequence[Placed], donate: set[int],
