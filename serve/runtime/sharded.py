@@ -79,9 +79,9 @@ def _read(path: Path, w: mf.WeightFile, shape: tuple[int, ...], host_memory: boo
     step 1.06x faster on the Sapphire Rapids). Else, and for a weight under one huge page, the file mapped
     read-only (on the CPU plugin, that mapping is the weight's device memory)."""
     dtype = mf.numpy_dtype(w.dtype).newbyteorder("<")
-    if not int(np.prod(shape, dtype=np.int64)):
-        return np.zeros(shape, dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if not nbytes:
+        return np.zeros(shape, dtype)
     if not (host_memory and nbytes >= HUGE_PAGE and huge_pages_offered()):
         return np.memmap(path, dtype=dtype, mode="r", shape=shape)
     array = host_zeros(shape, dtype)
