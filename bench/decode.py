@@ -306,7 +306,7 @@ def main(argv=None) -> None:
         print(f"weight bytes a decode step reads: {step_bytes / 2**20:.1f} MiB (every weight, one embedding row)")
         print(f"read bandwidth measured between the batch-1 steps (numpy sum): {bw1 / 1e9:.2f} GB/s on one thread, "
               f"{bw / 1e9:.2f} GB/s on {cores} -> floor {floor * 1e3:.2f} ms (between the other batches' steps: "
-              f"{min(r[5] for r in rows) / 1e9:.2f}-{max(r[5] for r in rows) / 1e9:.2f} GB/s)")
+              f"{min(r for *_, r in rows) / 1e9:.2f}-{max(r for *_, r in rows) / 1e9:.2f} GB/s)")
         print(f"runtime decode step at batch 1: {t1 * 1e3:.2f} ms = {t1 / floor:.2f}x the floor")
         fastest = max(read1.rate(read1.best), read_all.rate(read_all.best))
         print(f"(the fastest read pass of the run, {fastest / 1e9:.2f} GB/s, would put the batch-1 step at "
