@@ -21,7 +21,7 @@ and prints:
     .exported files) for the single-step and the K-step entries.
 
     python bench/decode.py                       # ~100M parameters
-    python bench/decode.py --hidden 256 --layers 2 --vocab 4096 --steps 8    # a quick look
+    python bench/decode.py --hidden 256 --layers 2 --heads 4 --kv-heads 2 --intermediate 512 --vocab 4096 --steps 8  # quick
     python bench/decode.py --only-decode-steps     # the decode_steps comparison alone (tiny and ~100M)
 """
 
