@@ -37,7 +37,8 @@ def reference(x, w) -> np.ndarray:
 kernel = jax.jit(native_projection)
 
 
-# Rows across the kernel's paths: 1 row alone; 2 to 8 in one stream, 8, 4, 3 and 2 rows a pass (6 = 4 + 2, 7 =
+# Rows across the kernel's paths: 1 row alone (f32 weight rows 3 side by side, an item's last 1 or 2 alone: outputs
+# 101, 50, 52 and 7 leave each); 2 to 8 in one stream, 8, 4, 3 and 2 rows a pass (6 = 4 + 2, 7 =
 # 4 + 3); from 9 in panels of 16 rows (32 with AVX-512), one partly filled (9, 17, 50), whole (16, 48), and past an
 # item's block of rows (f32: 48 rows, 96 with AVX-512: 50, 97; narrow weights: 128, 256 with AVX-512: 130, 260);
 # inputs a whole number of vectors and not (the scalar tail); outputs past whole 6-row weight tiles by each of 1 to
