@@ -7,8 +7,8 @@ and prints:
 
   - decode tokens/s at batch 1, 4, 8, 32 for the runtime, in-process JAX and the host-copy control, and each
     runtime step as a multiple of its read floor (the weight bytes and the rows' KV bytes at the better of a
-    1-thread and an all-thread read rate, the median of passes timed between that batch's steps) and of the
-    batch-1 step;
+    1-thread and an all-thread read rate) and of the batch-1 step: steps back to back, as a decode loop runs
+    them, in rounds with read passes, each round's step against the read rate of its own round (the median);
   - prefill tokens/s of one call for the runtime and in-process JAX, and the runtime's FLOP rate as a fraction
     of the best this CPU's XLA reaches on a large matmul of the weights' dtype through the same plugin (and the
     other dtype's, for reference) and of the CPU's f32 FMA peak (bench/fma_peak.py);
@@ -72,8 +72,8 @@ def _step_fields(entry) -> list[str]:
 
 class _Reader:
     """One read pass over a buffer larger than the caches, split over `threads` threads (numpy releases the GIL in a
-    reduction): timed between the steps, its median is the floor's read rate at the same moments as theirs (a
-    shared VM's read rate drifts by a third between minutes). `best`: the fastest pass seen."""
+    reduction): timed in rounds with the steps (_steady_rounds), it gives the floor's read rate at the same moments
+    as theirs (a shared VM's read rate drifts by a third between minutes). `best`: the fastest pass seen."""
 
     def __init__(self, nbytes: int, threads: int):
         from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +89,29 @@ class _Reader:
 
     def rate(self, seconds: float) -> float:
         return self.array.nbytes / seconds
+
+
+def _steady_rounds(step, readers, steps: int, rounds: int) -> list[tuple[float, float]]:
+    """(seconds a step, read bytes/s) for each of `rounds` rounds: `steps` steps back to back, as a decode loop runs
+    them (each after an untimed one, so that the pool's threads are awake), then two passes of each reader back to
+    back (the better reader's rate). A step timed alone after other work starts with its threads asleep and its
+    translations evicted; a round's ratio compares the steady step with the read rate of the same moments."""
+    out = []
+    for _ in range(rounds):
+        step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        t_step = (time.perf_counter() - t0) / steps
+        rate = 0.0
+        for read in readers:
+            read()
+            t0 = time.perf_counter()
+            read()
+            read()
+            rate = max(rate, read.rate((time.perf_counter() - t0) / 2))
+        out.append((t_step, rate))
+    return out
 
 
 def matmul_peak(device, dtype: str, rows: int = 512, inner: int = 2048, cols: int = 4096,
@@ -165,6 +188,8 @@ def main(argv=None) -> None:
     add_model_args(ap)
     ap.add_argument("--prefill", type=int, default=128, help="tokens of the prefill call")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per measurement")
+    ap.add_argument("--floor-rounds", type=int, default=7,
+                    help="rounds of back-to-back steps and read passes for the x floor and x batch-1 columns")
     ap.add_argument("--plugin", default=None)
     ap.add_argument("--weight-dtype", default="float32", choices=("float32", "bfloat16"),
                     help="the artifact's weights (and in-process JAX's)")
@@ -262,21 +287,26 @@ def main(argv=None) -> None:
             def runtime_step_logits():
                 return engine.runner.run(entry, inputs, {Role.NEXT_TOKEN, Role.LOGITS})
 
-            t_rt, t_jax, t_host, t_logits, t_read1, t_read_all = _median_times(
-                [runtime_step, jax_step, host_copy_step, runtime_step_logits, read1, read_all], args.steps)
-            # The floor's read rate: the better of 1 and all threads, read between these steps.
-            rate1 = read1.rate(t_read1)
-            rows.append((b, t_rt, t_jax, t_host, rate1, max(rate1, read_all.rate(t_read_all))))
+            t_rt, t_jax, t_host, t_logits = _median_times(
+                [runtime_step, jax_step, host_copy_step, runtime_step_logits], args.steps)
+            # The floor: this batch's bytes at the better of 1 and all threads' read rate, in rounds with its steps.
+            steady = _steady_rounds(runtime_step, (read1, read_all), args.steps // 2, args.floor_rounds)
+            floor_bytes = step_bytes + b * kv_row
+            rows.append((b, t_rt, t_jax, t_host, steady, [t * rate / floor_bytes for t, rate in steady]))
             if b == 1:
                 t_rt_logits, t_rt_next = t_logits, t_rt
 
         print()
         print(f"{'decode':>8} | {'runtime tok/s':>13} | {'in-process JAX':>14} | {'host-copy ctrl':>14} | "
               f"{'runtime/JAX':>11} | {'runtime/ctrl':>12} | {'x floor':>7} | {'x batch-1':>9}")
-        for b, t_rt, t_jax, t_host, _, bw in rows:
-            floor = (step_bytes + b * kv_row) / bw
+        steady1 = statistics.median(t for t, _ in rows[0][4])
+        for b, t_rt, t_jax, t_host, steady, ratios in rows:
             print(f"batch {b:>2} | {b / t_rt:13.1f} | {b / t_jax:14.1f} | {b / t_host:14.1f} | "
-                  f"{t_jax / t_rt:10.2f}x | {t_host / t_rt:11.2f}x | {t_rt / floor:6.2f}x | {t_rt / rows[0][1]:8.2f}x")
+                  f"{t_jax / t_rt:10.2f}x | {t_host / t_rt:11.2f}x | {statistics.median(ratios):6.2f}x | "
+                  f"{statistics.median(t for t, _ in steady) / steady1:8.2f}x")
+        print(f"(tok/s and the ratios before the last two columns: single calls, the forms interleaved; x floor and x "
+              f"batch-1: steps back to back, medians of {args.floor_rounds} rounds, each against the read rate "
+              f"measured in its round)")
 
         pentry = m.entry(f"prefill_b1_c{args.context}")
         pin = step_inputs(1, tokens=args.prefill, start=0)
@@ -300,17 +330,22 @@ def main(argv=None) -> None:
               f"{peak[other] / 1e9:.1f} GFLOP/s, {peak[other] / peak[dt]:.2f}x) = {rate / fma:.2f}x the f32 FMA peak "
               f"of {cores} cores ({fma / 1e9:.1f} GFLOP/s; bench/prefill_parts.py breaks the prefill down)")
 
-        _, t1, _, _, bw1, bw = rows[0]
-        floor = step_bytes / bw
+        _, t1, _, _, steady, ratios = rows[0]
+        bw = statistics.median(rate for _, rate in steady)
+        floor = (step_bytes + kv_row) / bw
+        every = [rate for row in rows for _, rate in row[4]]
         print()
-        print(f"weight bytes a decode step reads: {step_bytes / 2**20:.1f} MiB (every weight, one embedding row)")
-        print(f"read bandwidth measured between the batch-1 steps (numpy sum): {bw1 / 1e9:.2f} GB/s on one thread, "
-              f"{bw / 1e9:.2f} GB/s on {cores} -> floor {floor * 1e3:.2f} ms (between the other batches' steps: "
-              f"{min(r for *_, r in rows) / 1e9:.2f}-{max(r for *_, r in rows) / 1e9:.2f} GB/s)")
-        print(f"runtime decode step at batch 1: {t1 * 1e3:.2f} ms = {t1 / floor:.2f}x the floor")
+        print(f"weight bytes a decode step reads: {step_bytes / 2**20:.1f} MiB (every weight, one embedding row), "
+              f"and {kv_row / 2**20:.1f} MiB of keys and values a row")
+        print(f"read bandwidth in the batch-1 rounds (numpy sum, the better of 1 and {cores} threads): median "
+              f"{bw / 1e9:.2f} GB/s -> floor {floor * 1e3:.2f} ms (every round of the run: {min(every) / 1e9:.2f}-"
+              f"{max(every) / 1e9:.2f} GB/s)")
+        print(f"runtime decode step at batch 1, back to back: {steady1 * 1e3:.2f} ms = {statistics.median(ratios):.2f}x "
+              f"the floor (rounds: {', '.join(f'{r:.2f}' for r in ratios)}); a single step timed between the other "
+              f"calls: {t1 * 1e3:.2f} ms")
         fastest = max(read1.rate(read1.best), read_all.rate(read_all.best))
         print(f"(the fastest read pass of the run, {fastest / 1e9:.2f} GB/s, would put the batch-1 step at "
-              f"{t1 * fastest / step_bytes:.2f}x)")
+              f"{steady1 * fastest / (step_bytes + kv_row):.2f}x)")
         # What the argmax output saves is the logits copy itself: time it alone, on the last step's outputs.
         exe = engine.executables[f"decode_b1_c{args.context}"]
         inputs = step_inputs(1)
