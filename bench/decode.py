@@ -92,13 +92,14 @@ class _Reader:
 
 
 def _steady_rounds(step, readers, steps: int, rounds: int) -> list[tuple[float, float]]:
-    """(seconds a step, read bytes/s) for each of `rounds` rounds: `steps` steps back to back, as a decode loop runs
-    them (each after an untimed one, so that the pool's threads are awake), then two passes of each reader back to
-    back (the better reader's rate). A step timed alone after other work starts with its threads asleep and its
-    translations evicted; a round's ratio compares the steady step with the read rate of the same moments."""
+    """(seconds a step, read bytes/s) for each of `rounds` rounds: 2 * `steps` steps back to back, as a decode loop
+    runs them, the last `steps` timed, then two passes of each reader back to back after an untimed one (the better
+    reader's rate). After the read passes (or any pause) the step takes about 20 steps to come back to its steady
+    time (docs/cpu.md); a round's ratio compares the steady step with the read rate of the same moments."""
     out = []
     for _ in range(rounds):
-        step()
+        for _ in range(steps):
+            step()
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
@@ -290,7 +291,7 @@ def main(argv=None) -> None:
             t_rt, t_jax, t_host, t_logits = _median_times(
                 [runtime_step, jax_step, host_copy_step, runtime_step_logits], args.steps)
             # The floor: this batch's bytes at the better of 1 and all threads' read rate, in rounds with its steps.
-            steady = _steady_rounds(runtime_step, (read1, read_all), args.steps // 2, args.floor_rounds)
+            steady = _steady_rounds(runtime_step, (read1, read_all), args.steps, args.floor_rounds)
             floor_bytes = step_bytes + b * kv_row
             rows.append((b, t_rt, t_jax, t_host, steady, [t * rate / floor_bytes for t, rate in steady]))
             if b == 1:
@@ -305,8 +306,8 @@ def main(argv=None) -> None:
                   f"{t_jax / t_rt:10.2f}x | {t_host / t_rt:11.2f}x | {statistics.median(ratios):6.2f}x | "
                   f"{statistics.median(t for t, _ in steady) / steady1:8.2f}x")
         print(f"(tok/s and the ratios before the last two columns: single calls, the forms interleaved; x floor and x "
-              f"batch-1: steps back to back, medians of {args.floor_rounds} rounds, each against the read rate "
-              f"measured in its round)")
+              f"batch-1: steps back to back, the last {args.steps} of {2 * args.steps} timed, medians of "
+              f"{args.floor_rounds} rounds, each against the read rate measured in its round)")
 
         pentry = m.entry(f"prefill_b1_c{args.context}")
         pin = step_inputs(1, tokens=args.prefill, start=0)
