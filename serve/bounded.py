@@ -120,7 +120,8 @@ class BoundedProgram:
             for p in tqdm(m.programs, desc="compile", unit="program", disable=not progress):
                 self.executables[tuple(p.sizes)] = self.device.compile(
                     (self.artifact_dir / p.serialized).read_bytes(), name=p.name)
-            self.weights = [sharded.upload_weight(self.device, self.artifact_dir, w, None) for w in m.weights]
+            placed = sharded.upload_weights(self.device, self.artifact_dir, m.weights, None)
+            self.weights = [placed[w.slot] for w in m.weights]
         except BaseException:
             self.close()
             raise

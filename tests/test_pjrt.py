@@ -209,30 +209,53 @@ def _mapping(address: int) -> tuple[str, set[str]]:
 
 def test_pools_and_large_weights_are_private_memory_marked_for_huge_pages(dev, tmp_path):
     """A pool is private anonymous memory marked MADV_HUGEPAGE (a shared one, Python's mmap default, is shmem: no huge
-    pages unless shmem_enabled says so). A weight of 2 MiB or more is read into such memory where the kernel offers
-    huge pages, and adopted; a smaller one is its file's mapping (control: the file's pages, shared)."""
+    pages unless shmem_enabled says so). Weights of 2 MiB or more are read, one after another, into one such mapping
+    from a 2 MiB boundary where the kernel offers huge pages, and adopted; a smaller one is its file's mapping
+    (control: the file's pages, shared)."""
     from tlaloc_jax import artifact as mf
     from tlaloc_jax.serve.runtime import sharded
     pool = sharded.zeros(dev, "float32", (1024, 1024), (), None)
     line, flags = _mapping(dev.device_address(pool))
     assert line.split()[1].endswith("p") and "hg" in flags, (line, flags)
-    big, small = np.arange(1 << 20, dtype=np.float32), np.arange(1024, dtype=np.float32)
-    for name, values in (("big", big), ("small", small)):
-        (tmp_path / f"{name}.bin").write_bytes(values.tobytes())
-    load = lambda name, values: sharded.upload_weight(   # noqa: E731
-        dev, tmp_path, mf.WeightFile(name, "float32", values.shape, values.nbytes, file=f"{name}.bin"), None)
-    for name, values in (("big", big), ("small", small)):
-        buf = load(name, values)
-        np.testing.assert_array_equal(dev.to_host(buf), values)
-        line, flags = _mapping(dev.device_address(buf))
-        in_file = line.rstrip().endswith(f"{name}.bin")
-        if name == "big" and sharded.huge_pages_offered():
-            assert not in_file and line.split()[1].endswith("p") and "hg" in flags, (line, flags)
+    values = {"big": np.arange(1 << 20, dtype=np.float32), "odd": np.arange(589_825, dtype=np.float32) * 2,
+              "small": np.arange(1024, dtype=np.float32)}       # odd: 2.25 MiB and 4 bytes, not a whole page
+    for name, v in values.items():
+        (tmp_path / f"{name}.bin").write_bytes(v.tobytes())
+    files = [mf.WeightFile(name, "float32", v.shape, v.nbytes, file=f"{name}.bin") for name, v in values.items()]
+    placed = sharded.upload_weights(dev, tmp_path, files, None)
+    assert list(placed) == list(values)
+    lines = {}
+    for name, v in values.items():
+        np.testing.assert_array_equal(dev.to_host(placed[name]), v)
+        line, flags = _mapping(dev.device_address(placed[name]))
+        lines[name] = line
+        if name != "small" and sharded.huge_pages_offered():
+            assert not line.rstrip().endswith(f"{name}.bin") and line.split()[1].endswith("p") and "hg" in flags, \
+                (line, flags)
         else:
-            assert in_file, line
-    (tmp_path / "big.bin").write_bytes(big.tobytes()[:-4])       # a file shorter than its weight is refused
+            assert line.rstrip().endswith(f"{name}.bin"), line
+    if sharded.huge_pages_offered():
+        big, odd = dev.device_address(placed["big"]), dev.device_address(placed["odd"])
+        assert lines["big"] == lines["odd"] and big % sharded.HUGE_PAGE == 0 and odd == big + (4 << 20)
+    (tmp_path / "big.bin").write_bytes(values["big"].tobytes()[:-4])    # a file shorter than its weight is refused
     with pytest.raises((mf.ManifestError, ValueError), match="big.bin holds 4194300 bytes|mmap length"):
-        load("big", big)
+        sharded.upload_weights(dev, tmp_path, files[:1], None)
+
+
+def test_host_arena_cuts_page_aligned_runs_from_a_2mib_boundary():
+    """host_arena: each run starts on a page after the one before, the first on a 2 MiB boundary; zero sizes give
+    empty runs; runs are writable and apart (control: writing one leaves its neighbour as it was)."""
+    import mmap
+    from tlaloc_jax.serve.runtime import sharded
+    runs = sharded.host_arena([5, 3 << 20, 0, 4096])
+    starts = [r.ctypes.data for r in runs]
+    assert [len(r) for r in runs] == [5, 3 << 20, 0, 4096]
+    assert starts[0] % sharded.HUGE_PAGE == 0
+    assert starts[1] == starts[0] + mmap.PAGESIZE and starts[3] == starts[1] + (3 << 20)
+    runs[1][:] = 7
+    runs[3][:] = 9
+    assert runs[0].sum() == 0 and (runs[1] == 7).all() and (runs[3] == 9).all()
+    assert [len(r) for r in sharded.host_arena([0, 0])] == [0, 0]
 
 
 # --------------------------------------------------------------------------- donation

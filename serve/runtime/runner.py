@@ -76,7 +76,7 @@ class Runner:
                 device.register_native(target)
             self._check_memory()
             self._compile_kinds(progress)
-            self.weights = {w.slot: sharded.upload_weight(device, self.artifact_dir, w, m.mesh) for w in m.weights}
+            self.weights = sharded.upload_weights(device, self.artifact_dir, m.weights, m.mesh)
             self.pools: dict[str, sharded.Placed] = {p.name: sharded.zeros(device, p.dtype, p.shape, p.partition,
                                                                            m.mesh) for p in m.pools}
         except BaseException:
