@@ -200,8 +200,7 @@ static void attend(const Problem *a, int b, int kh) {
 }
 
 /* Item i: row i / K, KV head i % K. */
-static void item(const void *problem, int i, int next) {
-  (void)next;
+static void item(const void *problem, int i) {
   const Problem *a = problem;
   attend(a, i / a->K, i % a->K);
 }

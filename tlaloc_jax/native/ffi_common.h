@@ -34,38 +34,48 @@ static void drop_error(const XLA_FFI_Api *api, XLA_FFI_Error *err) {
   api->XLA_FFI_Error_Destroy(&d);
 }
 
-/* Runs one item; `next` is the item this thread runs after it (claimed already, so that the kernel can fetch its
-   data ahead), -1 if none. */
-typedef void (*item_fn)(const void *problem, int item, int next);
+/* Runs one item. */
+typedef void (*item_fn)(const void *problem, int item);
 
-/* A call's items, shared by the calling thread and the tasks it schedules: each claims items until none are left.
-   The caller waits only for items another thread has claimed; a task that starts later finds none (and never
+/* A call's items, shared by the calling thread and the tasks it schedules, as `ranges` runs of consecutive items,
+   one a thread: each thread takes its own run's items from the front, in order (a projection's weights are then one
+   long stream a thread, which reads 3-7% faster than items alternating between threads: docs/cpu.md), then the
+   other runs' from the back. claimed[r] counts run r's items taken either way; stolen[r] those from the back. The
+   caller waits only for items another thread has claimed; a task that starts later finds none left (and never
    reads the problem, which lives on the caller's stack). The last of them to let go frees it. */
+#define MAX_RANGES 64
 typedef struct {
   item_fn fn;
   const void *problem;
-  int items;
-  atomic_int next, done, holders;
+  int items, ranges;
+  atomic_int joined, done, holders;
+  atomic_int claimed[MAX_RANGES], stolen[MAX_RANGES];
 } Work;
 
 static void let_go(Work *w) {
   if (atomic_fetch_sub(&w->holders, 1) == 1) free(w);
 }
 
-static void run_items(Work *w) {
-  for (int i = atomic_fetch_add(&w->next, 1), next; i < w->items; i = next) {
-    next = atomic_fetch_add(&w->next, 1);
-    w->fn(w->problem, i, next < w->items ? next : -1);
-    atomic_fetch_add(&w->done, 1);
+/* Thread `id`'s share: its own run (id), then the others'. */
+static void run_items(Work *w, int id) {
+  for (int pass = 0; pass < w->ranges; pass++) {
+    const int r = (id + pass) % w->ranges;
+    const int lo = (int)((long long)r * w->items / w->ranges), hi = (int)((long long)(r + 1) * w->items / w->ranges);
+    for (int own = 0; atomic_fetch_add(&w->claimed[r], 1) < hi - lo;) {
+      const int i = pass == 0 ? lo + own++ : hi - 1 - atomic_fetch_add(&w->stolen[r], 1);
+      w->fn(w->problem, i);
+      atomic_fetch_add(&w->done, 1);
+    }
   }
 }
 
 static void task(void *data) {
-  run_items((Work *)data);
-  let_go((Work *)data);
+  Work *w = data;
+  run_items(w, atomic_fetch_add(&w->joined, 1));
+  let_go(w);
 }
 
-/* fn(problem, i, next) for i in [0, items), on the pool's threads and this one. */
+/* fn(problem, i) for i in [0, items), on the pool's threads and this one. */
 static void run_parallel(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx, item_fn fn, const void *problem,
                          int items) {
   int64_t threads = 1;
@@ -74,24 +84,30 @@ static void run_parallel(const XLA_FFI_Api *api, XLA_FFI_ExecutionContext *ctx, 
   if (err) drop_error(api, err);
   Work *w = err || threads < 2 || items < 2 ? NULL : malloc(sizeof(Work));
   if (!w) {   /* no pool (or one thread, or one item): this thread runs them all */
-    for (int i = 0; i < items; i++) fn(problem, i, i + 1 < items ? i + 1 : -1);
+    for (int i = 0; i < items; i++) fn(problem, i);
     return;
   }
-  const int helpers = (int)(threads < items ? threads : items) - 1;
+  const int64_t most = threads < MAX_RANGES ? threads : MAX_RANGES;
+  const int helpers = (int)(most < items ? most : items) - 1;
   w->fn = fn;
   w->problem = problem;
   w->items = items;
-  atomic_init(&w->next, 0);
+  w->ranges = 1 + helpers;
+  atomic_init(&w->joined, 1);
   atomic_init(&w->done, 0);
   atomic_init(&w->holders, 1 + helpers);
+  for (int r = 0; r < w->ranges; r++) {
+    atomic_init(&w->claimed[r], 0);
+    atomic_init(&w->stolen[r], 0);
+  }
   for (int h = 0; h < helpers; h++) {
     XLA_FFI_ThreadPool_Schedule_Args t = {XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE, NULL, ctx, task, w};
-    if ((err = api->XLA_FFI_ThreadPool_Schedule(&t))) {   /* not scheduled: its share falls to the others */
+    if ((err = api->XLA_FFI_ThreadPool_Schedule(&t))) {   /* not scheduled: its run falls to the others */
       drop_error(api, err);
       let_go(w);
     }
   }
-  run_items(w);
+  run_items(w, 0);
   while (atomic_load(&w->done) < items) sched_yield();
   let_go(w);
 }

@@ -258,8 +258,7 @@ BLOCK(BF16)
 BLOCK(S8)
 
 /* Item i: out block i % out_blocks of row block i / out_blocks. */
-static void item(const void *problem, int i, int next) {
-  (void)next;
+static void item(const void *problem, int i) {
   const Problem *p = problem;
   const int ob = i % p->out_blocks, mb = i / p->out_blocks;
   const int o0 = ob * OUT_BLOCK, o1 = o0 + OUT_BLOCK < p->O ? o0 + OUT_BLOCK : p->O;
