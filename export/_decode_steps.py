@@ -106,7 +106,7 @@ def decode_steps_fn(step: Callable, treedef, inputs: Sequence[af.TensorSig], out
                 nxt = sampling_kernel.choose(x, sampler[Role.SAMPLING], sampler[Role.RNG_SEED],
                                              sampler[Role.RNG_STEP] + i)
             else:
-                nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                nxt = sampling_kernel.first_max(logits)
             nxt = jnp.where(alive, nxt, -1)
             out = lax.dynamic_update_slice(out, nxt[:, None], (0, i))
             stopped = jnp.any(nxt[:, None] == stop_ids, axis=1)

@@ -203,7 +203,7 @@ def _entry_fn(step: Callable, treedef, inputs: list[af.TensorSig], outputs: list
         logits = logits.astype(jnp.float32)
         # The argmax rides along so a greedy caller need not pull the whole logits vector each step.
         results = {(Role.LOGITS, ""): logits,
-                   (Role.NEXT_TOKEN, ""): jnp.argmax(logits, axis=-1).astype(jnp.int32)}
+                   (Role.NEXT_TOKEN, ""): sampling_kernel.first_max(logits)}
         if sampler:
             # The sampler runs on every entry, after the step: the host pulls a token per row (and its logprobs),
             # never the logits, whatever the row's sampling parameters.

@@ -160,3 +160,27 @@ def test_cpu_body_runs_few_row_projections_as_multiply_reduce(checkpoints, tmp_p
         counts[layout, batch] = _layer_projection_reduces(hlo, batch, model.config)
     layers = model.config.num_layers
     assert counts == {("per-layer", 4): 4 * layers, ("per-layer", 1): 0, ("stacked", 4): 0}, counts
+
+
+def test_decode_body_computes_cos_and_sin_once(checkpoints, tmp_path_factory, monkeypatch):
+    """The rope tables' cos and sin are computed once a call (layers.rope_tables doubles them after), where XLA fused
+    them into every layer's rotation of q and of k, once per head; the control, doubling the frequencies first,
+    computes them there."""
+    from tlaloc_jax import decoder, layers
+
+    def doubled_first(rope, head_dim, positions):
+        freqs = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * layers.rope_inv_freq(rope, head_dim)
+        freqs = jnp.concatenate([freqs, freqs], axis=-1)
+        return jnp.cos(freqs), jnp.sin(freqs)
+    path = _checkpoint(checkpoints, tmp_path_factory, "llama")
+    counts = {}
+    for doubled_after in (True, False):
+        if not doubled_after:
+            monkeypatch.setattr(decoder, "rope_tables", doubled_first)
+        model = tlaloc_jax.load_hf(path, block_size=8, weight_layout="per-layer")
+        inputs = build_step_inputs([RowCall([5], 3, [0, 1])], batch=1, tokens=1, width=2, block_size=8)
+        hlo = model._step.lower(model.weights, model.new_pools(8), StepInputs(
+            **{k: jnp.asarray(v) for k, v in inputs.items()})).compile().as_text()
+        counts[doubled_after] = len(re.findall(r" cosine\(", hlo)), len(re.findall(r" sine\(", hlo))
+    assert counts[True] == (1, 1), counts
+    assert min(counts[False]) >= 2 * model.config.num_layers, counts

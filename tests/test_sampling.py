@@ -154,6 +154,26 @@ def test_greedy_is_exactly_argmax_and_masks_pack_as_the_kernel_reads_them():
     np.testing.assert_array_equal(np.stack([host.unpack_mask(w, 70) for w in words]), allowed)
 
 
+def test_first_max_is_argmax_with_ties_nans_and_infinities():
+    """first_max (the greedy token in every body) gives jnp.argmax's index: the first of equal maxima, the first
+    NaN where a row has one, +inf over finite values, 0 for a row of -inf, -0.0 equal to 0.0. Control: the last of
+    equal maxima disagrees on the tied rows."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, (40, 33)).astype(np.float32)       # small integers: most rows tie at their maximum
+    x[1, [4, 9]] = np.nan
+    x[2] = -np.inf
+    x[3, 30], x[3, 2] = np.inf, np.inf
+    x[4] = 0.0
+    x[4, 0] = -0.0
+    x[5, 5], x[5, 6] = 7.0, np.nextafter(np.float32(7.0), np.float32(8))
+    got = np.asarray(jax.jit(S.first_max)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert list(got[1:6]) == [4, 0, 2, 0, 6]
+    last = x.shape[1] - 1 - np.argmax(x[:, ::-1], axis=-1)
+    assert (last != got).sum() > 10
+
+
 @pytest.mark.numeric
 def test_a_rows_token_is_the_same_in_any_batch():
     """Counter-based draws and row-wise work: each row's token is its own, alone or beside rows that make the

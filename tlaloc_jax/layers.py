@@ -158,10 +158,13 @@ def rope_tables(rope: RopeConfig, head_dim: int, positions: jax.Array) -> tuple[
     """positions: [B, T] -> (cos, sin) each [B, T, R] f32. Padding positions (-1) are clamped to 0."""
     inv = jnp.asarray(rope_inv_freq(rope, head_dim))
     freqs = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * inv
-    freqs = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
     if rope.attention_factor != 1.0:     # YaRN scales cos and sin (and so every score) by it
-        return jnp.cos(freqs) * jnp.float32(rope.attention_factor), jnp.sin(freqs) * jnp.float32(rope.attention_factor)
-    return jnp.cos(freqs), jnp.sin(freqs)
+        cos, sin = cos * jnp.float32(rope.attention_factor), sin * jnp.float32(rope.attention_factor)
+    # cos and sin of the R / 2 frequencies, then doubled: XLA's CPU backend keeps an expensive op out of a fusion
+    # that reads its elements more than once, which the doubling does. Doubled first, they were fused into each
+    # layer's rotation of q and of k and evaluated again for every head and layer.
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool = False) -> jax.Array:

@@ -13,6 +13,7 @@ import numpy as np
 from .checkpoint import load_checkpoint
 from .config import LINEAR, DecoderConfig
 from .decoder import DEFAULT_KEY_BLOCK, Pools, StepInputs, forward, init_pools
+from .kernels.sampling import first_max
 from .layout import in_layout
 from .paging import PageAllocator, RowCall, build_step_inputs, pages_for
 
@@ -123,7 +124,7 @@ def _on_device(weights: dict) -> dict:
 
 def _greedy(step, weights, pools, inputs):
     logits, pools = step(weights, pools, inputs)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, pools
+    return first_max(logits), logits, pools
 
 
 def load_hf(checkpoint_dir: str | os.PathLike, dtype: str = "float32", *, block_size: int = 16,

@@ -142,11 +142,20 @@ def kept_tokens(x, params):
     return _keep(tempered(x, params), params)
 
 
+def first_max(x: jax.Array) -> jax.Array:
+    """x [..., V] -> [...] int32: the first index of each row's largest value, a NaN counting as the largest (what
+    jnp.argmax gives), as two plain reductions, which XLA's CPU backend vectorizes where it runs argmax's
+    (value, index) reduce one element at a time: 59 against about 5 us for a row of 16000 logits."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    ids = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where((x == top) | jnp.isnan(x), ids, x.shape[-1]), axis=-1)
+
+
 def choose(x, params, seeds, steps):
     """x [B, V] (processed logits) -> the token of each row [B] int32: argmax for greedy rows; for the others
     the inverse CDF of the kept tokens' distribution, in token-id order, at the row's uniform draw."""
     temperature = params[:, _COL["temperature"]]
-    greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    greedy_ids = first_max(x)
 
     def draw(x):
         z = tempered(x, params)
