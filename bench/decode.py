@@ -7,8 +7,9 @@ and prints:
 
   - decode tokens/s at batch 1, 4, 8, 32 for the runtime, in-process JAX and the host-copy control, and each
     runtime step as a multiple of its read floor (the weight bytes and the rows' KV bytes at the better of a
-    1-thread and an all-thread read rate) and of the batch-1 step: steps back to back, as a decode loop runs
-    them, in rounds with read passes, each round's step against the read rate of its own round (the median);
+    1-thread and an all-thread read rate of the runtime's own weight memory) and of the batch-1 step: steps back
+    to back, as a decode loop runs them, in rounds with read passes, each round's step against the read rate of
+    its own round (the median);
   - prefill tokens/s of one call for the runtime and in-process JAX, and the runtime's FLOP rate as a fraction
     of the best this CPU's XLA reaches on a large matmul of the weights' dtype through the same plugin (and the
     other dtype's, for reference) and of the CPU's f32 FMA peak (bench/fma_peak.py);
@@ -71,31 +72,53 @@ def _step_fields(entry) -> list[str]:
 
 
 class _Reader:
-    """One read pass over a buffer larger than the caches, split over `threads` threads (numpy releases the GIL in a
-    reduction): timed in rounds with the steps (_steady_rounds), it gives the floor's read rate at the same moments
-    as theirs (a shared VM's read rate drifts by a third between minutes). `best`: the fastest pass seen."""
+    """One read pass over `arrays`, split over `threads` threads (numpy releases the GIL in a reduction; the bytes
+    summed as integers, which read faster than floats and never meet a denormal): timed in rounds with the steps
+    (_steady_rounds), it gives the floor's read rate at the same moments as theirs (a shared VM's read rate drifts by
+    a third between minutes). Given the runtime's own weights (weight_memory), it reads the very pages a step reads:
+    on a VM two allocations of the same size can read 25% apart. `best`: the fastest pass seen."""
 
-    def __init__(self, nbytes: int, threads: int):
+    def __init__(self, arrays: list[np.ndarray], threads: int):
         from concurrent.futures import ThreadPoolExecutor
-        self.array = np.ones(nbytes // 4, np.float32)
-        self.parts = np.array_split(self.array, threads)
+        words = [a.reshape(-1).view(np.uint8)[:a.nbytes // 8 * 8].view(np.uint64) for a in arrays]
+        self.nbytes = sum(w.nbytes for w in words)
+        self.parts = [[half for w in words for half in np.array_split(w, threads)[t:t + 1]] for t in range(threads)]
         self.pool = ThreadPoolExecutor(threads)
         self.best = float("inf")
 
     def __call__(self) -> None:
         t0 = time.perf_counter()
-        list(self.pool.map(lambda x: x.sum(dtype=np.float32), self.parts))
+        list(self.pool.map(lambda part: sum(int(w.sum(dtype=np.uint64)) for w in part), self.parts))
         self.best = min(self.best, time.perf_counter() - t0)
 
     def rate(self, seconds: float) -> float:
-        return self.array.nbytes / seconds
+        return self.nbytes / seconds
 
 
-def _steady_rounds(step, readers, steps: int, rounds: int) -> list[tuple[float, float]]:
-    """(seconds a step, read bytes/s) for each of `rounds` rounds: 2 * `steps` steps back to back, as a decode loop
-    runs them, the last `steps` timed, then two passes of each reader back to back after an untimed one (the better
-    reader's rate). After the read passes (or any pause) the step takes about 20 steps to come back to its steady
-    time (docs/cpu.md); a round's ratio compares the steady step with the read rate of the same moments."""
+def weight_memory(engine, skip: set[str]) -> list[np.ndarray]:
+    """The runtime's weights (but the slots in `skip`) as byte arrays over their device memory, which the CPU plugin
+    keeps in host memory; elsewhere a host buffer of the same size."""
+    import ctypes
+    dev, m = engine.runner.device, engine.manifest
+    if not dev.host_memory:
+        return [np.ones(sum(w.nbytes for w in m.weights if w.slot not in skip), np.uint8)]
+    return [np.ctypeslib.as_array((ctypes.c_uint8 * w.nbytes).from_address(dev.device_address(engine.runner.weights[w.slot])))
+            for w in m.weights if w.slot not in skip and w.nbytes]
+
+
+def _steady_rounds(step, readers, steps: int, rounds: int, fresh=None) -> list[tuple[float, float, float]]:
+    """(seconds a step, read bytes/s, `fresh`'s read bytes/s or 0) for each of `rounds` rounds: 2 * `steps` steps
+    back to back, as a decode loop runs them, the last `steps` timed, then two passes of each reader back to back
+    after an untimed one (the better of `readers`' rates; `fresh`'s apart). After the read passes (or any pause) the
+    step takes about 20 steps to come back to its steady time (docs/cpu.md); a round's ratio compares the steady
+    step with the read rate of the same moments."""
+    def rate_of(read) -> float:
+        read()
+        t0 = time.perf_counter()
+        read()
+        read()
+        return read.rate((time.perf_counter() - t0) / 2)
+
     out = []
     for _ in range(rounds):
         for _ in range(steps):
@@ -104,14 +127,7 @@ def _steady_rounds(step, readers, steps: int, rounds: int) -> list[tuple[float, 
         for _ in range(steps):
             step()
         t_step = (time.perf_counter() - t0) / steps
-        rate = 0.0
-        for read in readers:
-            read()
-            t0 = time.perf_counter()
-            read()
-            read()
-            rate = max(rate, read.rate((time.perf_counter() - t0) / 2))
-        out.append((t_step, rate))
+        out.append((t_step, max(rate_of(read) for read in readers), rate_of(fresh) if fresh else 0.0))
     return out
 
 
@@ -255,7 +271,10 @@ def main(argv=None) -> None:
         step_bytes = sum(w.nbytes for w in m.weights) - embed.nbytes + embed.nbytes // args.vocab
         kv_row = (pos + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4   # keys and values a row reads
         cores = os.cpu_count() or 1
-        read1, read_all = (_Reader(max(1 << 29, 2 * step_bytes), n) for n in (1, cores))
+        memory = weight_memory(engine, {"embed"})        # the floor reads the step's own weights
+        read1, read_all = (_Reader(memory, n) for n in (1, cores))
+        # and, for comparison, a buffer of the same size allocated now (the floor's memory before)
+        fresh = _Reader([np.ones(sum(a.nbytes for a in memory), np.uint8)], cores)
         rows = []
         jax_pools = model.new_pools(m.pool("kv").capacity)
         for b in batches:
@@ -291,20 +310,21 @@ def main(argv=None) -> None:
             t_rt, t_jax, t_host, t_logits = _median_times(
                 [runtime_step, jax_step, host_copy_step, runtime_step_logits], args.steps)
             # The floor: this batch's bytes at the better of 1 and all threads' read rate, in rounds with its steps.
-            steady = _steady_rounds(runtime_step, (read1, read_all), args.steps, args.floor_rounds)
+            steady = _steady_rounds(runtime_step, (read1, read_all), args.steps, args.floor_rounds,
+                                    fresh if b == 1 else None)
             floor_bytes = step_bytes + b * kv_row
-            rows.append((b, t_rt, t_jax, t_host, steady, [t * rate / floor_bytes for t, rate in steady]))
+            rows.append((b, t_rt, t_jax, t_host, steady, [t * rate / floor_bytes for t, rate, _ in steady]))
             if b == 1:
                 t_rt_logits, t_rt_next = t_logits, t_rt
 
         print()
         print(f"{'decode':>8} | {'runtime tok/s':>13} | {'in-process JAX':>14} | {'host-copy ctrl':>14} | "
               f"{'runtime/JAX':>11} | {'runtime/ctrl':>12} | {'x floor':>7} | {'x batch-1':>9}")
-        steady1 = statistics.median(t for t, _ in rows[0][4])
+        steady1 = statistics.median(t for t, _, _ in rows[0][4])
         for b, t_rt, t_jax, t_host, steady, ratios in rows:
             print(f"batch {b:>2} | {b / t_rt:13.1f} | {b / t_jax:14.1f} | {b / t_host:14.1f} | "
                   f"{t_jax / t_rt:10.2f}x | {t_host / t_rt:11.2f}x | {statistics.median(ratios):6.2f}x | "
-                  f"{statistics.median(t for t, _ in steady) / steady1:8.2f}x")
+                  f"{statistics.median(t for t, _, _ in steady) / steady1:8.2f}x")
         print(f"(tok/s and the ratios before the last two columns: single calls, the forms interleaved; x floor and x "
               f"batch-1: steps back to back, the last {args.steps} of {2 * args.steps} timed, medians of "
               f"{args.floor_rounds} rounds, each against the read rate measured in its round)")
@@ -332,13 +352,14 @@ def main(argv=None) -> None:
               f"of {cores} cores ({fma / 1e9:.1f} GFLOP/s; bench/prefill_parts.py breaks the prefill down)")
 
         _, t1, _, _, steady, ratios = rows[0]
-        bw = statistics.median(rate for _, rate in steady)
+        bw = statistics.median(rate for _, rate, _ in steady)
         floor = (step_bytes + kv_row) / bw
-        every = [rate for row in rows for _, rate in row[4]]
+        every = [rate for row in rows for _, rate, _ in row[4]]
         print()
         print(f"weight bytes a decode step reads: {step_bytes / 2**20:.1f} MiB (every weight, one embedding row), "
               f"and {kv_row / 2**20:.1f} MiB of keys and values a row")
-        print(f"read bandwidth in the batch-1 rounds (numpy sum, the better of 1 and {cores} threads): median "
+        print(f"read bandwidth in the batch-1 rounds (a numpy sum over the runtime's weights, the better of 1 and "
+              f"{cores} threads): median "
               f"{bw / 1e9:.2f} GB/s -> floor {floor * 1e3:.2f} ms (every round of the run: {min(every) / 1e9:.2f}-"
               f"{max(every) / 1e9:.2f} GB/s)")
         print(f"runtime decode step at batch 1, back to back: {steady1 * 1e3:.2f} ms = {statistics.median(ratios):.2f}x "
@@ -347,6 +368,10 @@ def main(argv=None) -> None:
         fastest = max(read1.rate(read1.best), read_all.rate(read_all.best))
         print(f"(the fastest read pass of the run, {fastest / 1e9:.2f} GB/s, would put the batch-1 step at "
               f"{steady1 * fastest / (step_bytes + kv_row):.2f}x)")
+        fresh_ratios = [t * rate / (step_bytes + kv_row) for t, _, rate in steady]
+        print(f"(against a buffer of the same size allocated at the start, read in the same rounds with {cores} threads "
+              f"at {statistics.median(r for _, _, r in steady) / 1e9:.2f} GB/s: the batch-1 step = "
+              f"{statistics.median(fresh_ratios):.2f}x that floor; rounds {', '.join(f'{r:.2f}' for r in fresh_ratios)})")
         # What the argmax output saves is the logits copy itself: time it alone, on the last step's outputs.
         exe = engine.executables[f"decode_b1_c{args.context}"]
         inputs = step_inputs(1)
