@@ -20,7 +20,9 @@ collapse when another process takes a core), the processes interleaved and their
 Each generation is a 32-token prompt per row and 64 greedy tokens, 2 threads per system (--threads). Printed per
 system and batch: tokens/s of the whole generation (B * 64 / wall time, prefill included), ms per decode step
 ((T(64 tokens) - T(1 token)) / 63, so prefill cancels), and each system's bare step; then the ratio
-tlaloc-jax / llama.cpp of tokens/s per variant and the agreement of the greedy ids on f32 weights (a divergence
+tlaloc-jax / llama.cpp of tokens/s per variant, how fast each worker's own weight pages read (the GGUF's pages
+for llama.cpp, which maps the file; the runtime's weight memory for tlaloc-jax), and the agreement of the greedy
+ids on f32 weights (a divergence
 counts as a near-tie when llama.cpp's own top-2 logit gap there is within twice the tolerance model's bound,
 tlaloc_jax/kernels/tolerances.py; past that, Hugging Face's model run in float64 on the same ids says which of the
 two ids is right); the two quantizations differ (llama.cpp also rounds each activation to Q8_0 in its
@@ -64,7 +66,7 @@ if _PEERS_LIB.is_dir():
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import add_model_args, llama_config  # noqa: E402
+from decode import add_model_args, llama_config, weight_memory  # noqa: E402
 
 SYSTEMS = ("llama.cpp", "tlaloc-jax")
 # variant: (GGUF file type of the layer projections, tlaloc-jax weight_quant, quant_group)
@@ -288,6 +290,17 @@ class LlamaCppGreedy:
         return out, info
 
 
+def weights_read_rate(arrays: list[np.ndarray], threads: int) -> float:
+    """GB/s of the best of three passes over `arrays` with `threads` threads (decode._Reader): how fast this
+    process's own weight pages read. On a VM two allocations of the same size can read 25% apart (docs/cpu.md),
+    so each worker reports its own."""
+    from decode import _Reader
+    read = _Reader(arrays, threads)
+    for _ in range(3):
+        read()
+    return read.rate(read.best) / 1e9
+
+
 def llama_repack(a) -> bool:
     """Whether llama.cpp repacks weights (--llama-repack; auto: not on a CPU with AMX-INT8, where its AMX buffer's
     Q8_0 matmul crashed at the first decode: llama.cpp issue 20824, seen with 0.3.36's library; `--no-repack` in
@@ -309,7 +322,10 @@ def llama_worker(a, work: Path) -> None:
             decode_ms[len(ps)] = info["decode_ms"]
         return out, info
     gen_record.vocab = gen.vocab
-    measure("llama.cpp", gen_record, a.reps, extra=lambda b: dict(version=llama_cpp.__version__, variant=a.variant))
+    gguf = work / f"model-{a.variant}.gguf"     # its pages are llama.cpp's weights (it maps the file)
+    rate = functools.cache(lambda: weights_read_rate([np.memmap(gguf, np.uint8, mode="r")], a.threads))
+    measure("llama.cpp", gen_record, a.reps,
+            extra=lambda b: dict(version=llama_cpp.__version__, variant=a.variant, read_gbs=rate()))
 
 
 def tlaloc_worker(a, work: Path) -> None:
@@ -332,7 +348,8 @@ def tlaloc_worker(a, work: Path) -> None:
         for _ in range(3):
             eng.runner.run(entry, inputs, {Role.NEXT_TOKEN})
         ts = [_timed(lambda: eng.runner.run(entry, inputs, {Role.NEXT_TOKEN}))[0] for _ in range(20)]
-        return dict(decode_ms=statistics.median(ts) * 1e3, variant=a.variant)
+        return dict(decode_ms=statistics.median(ts) * 1e3, variant=a.variant, read_gbs=rate())
+    rate = functools.cache(lambda: weights_read_rate(weight_memory(eng, {"embed"}), a.threads))
     measure("tlaloc-jax", gen, a.reps, extra=step_ms)
     eng.close()
 
@@ -438,6 +455,12 @@ def summarize(a, work: Path, results: list[dict]) -> None:
             print(f"{v} ({VARIANTS[v][0]} / {VARIANTS[v][1]}), batch {b}: tlaloc-jax / llama.cpp tokens/s = "
                   f"{tps['tlaloc-jax', v, b] / tps['llama.cpp', v, b]:.2f}x (rounds: "
                   f"{', '.join(f'{x:.2f}' for x in per_round)})")
+    for v in a.variants:
+        rounds = sorted({r["round"] for r in results})
+        reads = {name: [next(r["read_gbs"] for r in results if r["system"] == name and r["variant"] == v
+                             and r["round"] == k) for k in rounds] for name in SYSTEMS}
+        print(f"{v}: each worker's own weights read at (GB/s, 2-thread passes, by round): "
+              + "; ".join(f"{name} {', '.join(f'{x:.1f}' for x in reads[name])}" for name in SYSTEMS))
     for v in a.variants:
         for name in SYSTEMS:
             step = {b: statistics.median(r["decode_ms"] for r in results
