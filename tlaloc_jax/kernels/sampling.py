@@ -145,7 +145,7 @@ def kept_tokens(x, params):
 def first_max(x: jax.Array) -> jax.Array:
     """x [..., V] -> [...] int32: the first index of each row's largest value, a NaN counting as the largest (what
     jnp.argmax gives), as two plain reductions, which XLA's CPU backend vectorizes where it runs argmax's
-    (value, index) reduce one element at a time: 59 against about 5 us for a row of 16000 logits."""
+    (value, index) reduce one element at a time (59 us for a row of 16000 logits in a decode step; these two, a few)."""
     top = jnp.max(x, axis=-1, keepdims=True)
     ids = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     return jnp.min(jnp.where((x == top) | jnp.isnan(x), ids, x.shape[-1]), axis=-1)
