@@ -43,7 +43,7 @@ typedef void (*item_fn)(const void *problem, int item);
    other runs' from the back. claimed[r] counts run r's items taken either way; stolen[r] those from the back. The
    caller waits only for items another thread has claimed; a task that starts later finds none left (and never
    reads the problem, which lives on the caller's stack). The last of them to let go frees it. */
-#define MAX_RANGES 64
+#define MAX_RANGES 64   /* threads a call runs on at most (memory bounds the projections long before) */
 typedef struct {
   item_fn fn;
   const void *problem;
