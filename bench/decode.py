@@ -82,7 +82,7 @@ class _Reader:
         from concurrent.futures import ThreadPoolExecutor
         words = [a.reshape(-1).view(np.uint8)[:a.nbytes // 8 * 8].view(np.uint64) for a in arrays]
         self.nbytes = sum(w.nbytes for w in words)
-        self.parts = [[half for w in words for half in np.array_split(w, threads)[t:t + 1]] for t in range(threads)]
+        self.parts = [[np.array_split(w, threads)[t] for w in words] for t in range(threads)]   # a share a thread
         self.pool = ThreadPoolExecutor(threads)
         self.best = float("inf")
 
@@ -95,6 +95,14 @@ class _Reader:
         return self.nbytes / seconds
 
 
+def best_read_rate(arrays: list[np.ndarray], threads: int, passes: int = 3) -> float:
+    """Bytes/s of the fastest of `passes` passes over `arrays` with `threads` threads (_Reader)."""
+    read = _Reader(arrays, threads)
+    for _ in range(passes):
+        read()
+    return read.rate(read.best)
+
+
 def weight_memory(engine, skip: set[str]) -> list[np.ndarray]:
     """The runtime's weights (but the slots in `skip`) as byte arrays over their device memory, which the CPU plugin
     keeps in host memory; elsewhere a host buffer of the same size."""
@@ -102,8 +110,8 @@ def weight_memory(engine, skip: set[str]) -> list[np.ndarray]:
     dev, m = engine.runner.device, engine.manifest
     if not dev.host_memory:
         return [np.ones(sum(w.nbytes for w in m.weights if w.slot not in skip), np.uint8)]
-    return [np.ctypeslib.as_array((ctypes.c_uint8 * w.nbytes).from_address(dev.device_address(engine.runner.weights[w.slot])))
-            for w in m.weights if w.slot not in skip and w.nbytes]
+    return [np.ctypeslib.as_array((ctypes.c_uint8 * w.nbytes).from_address(
+        dev.device_address(engine.runner.weights[w.slot]))) for w in m.weights if w.slot not in skip and w.nbytes]
 
 
 def _steady_rounds(step, readers, steps: int, rounds: int, fresh=None) -> list[tuple[float, float, float]]:
@@ -369,9 +377,10 @@ def main(argv=None) -> None:
         print(f"(the fastest read pass of the run, {fastest / 1e9:.2f} GB/s, would put the batch-1 step at "
               f"{steady1 * fastest / (step_bytes + kv_row):.2f}x)")
         fresh_ratios = [t * rate / (step_bytes + kv_row) for t, _, rate in steady]
-        print(f"(against a buffer of the same size allocated at the start, read in the same rounds with {cores} threads "
-              f"at {statistics.median(r for _, _, r in steady) / 1e9:.2f} GB/s: the batch-1 step = "
-              f"{statistics.median(fresh_ratios):.2f}x that floor; rounds {', '.join(f'{r:.2f}' for r in fresh_ratios)})")
+        print(f"(against a buffer of the same size allocated at the start, read in the same rounds with {cores} "
+              f"threads at {statistics.median(r for _, _, r in steady) / 1e9:.2f} GB/s: the batch-1 step = "
+              f"{statistics.median(fresh_ratios):.2f}x that floor; rounds "
+              f"{', '.join(f'{r:.2f}' for r in fresh_ratios)})")
         # What the argmax output saves is the logits copy itself: time it alone, on the last step's outputs.
         exe = engine.executables[f"decode_b1_c{args.context}"]
         inputs = step_inputs(1)

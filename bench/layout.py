@@ -24,7 +24,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-from decode import _bandwidth, _median_times, add_model_args, llama_config  # noqa: E402
+from decode import _median_times, add_model_args, best_read_rate, llama_config, weight_memory  # noqa: E402
 
 LAYOUTS = ("stacked", "per-layer")
 
@@ -99,7 +99,8 @@ def main(argv=None) -> None:
         embed = next(w for w in m.weights if w.slot == "embed")
         step_bytes = sum(w.nbytes for w in m.weights) - embed.nbytes + embed.nbytes // args.vocab
         cores = os.cpu_count() or 1
-        bw = max(_bandwidth(max(1 << 29, 2 * step_bytes), 1), _bandwidth(max(1 << 29, 2 * step_bytes), cores))
+        memory = weight_memory(engines["per-layer"], {"embed"})      # the step's own weight pages (docs/cpu.md)
+        bw = max(best_read_rate(memory, n) for n in (1, cores))
         floor = step_bytes / bw
         print(f"weight bytes a decode step reads: {step_bytes / 2**20:.1f} MiB; read bandwidth here {bw / 1e9:.2f} GB/s "
               f"-> floor {floor * 1e3:.2f} ms")

@@ -66,7 +66,7 @@ if _PEERS_LIB.is_dir():
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import add_model_args, llama_config, weight_memory  # noqa: E402
+from decode import add_model_args, best_read_rate, llama_config, weight_memory  # noqa: E402
 
 SYSTEMS = ("llama.cpp", "tlaloc-jax")
 # variant: (GGUF file type of the layer projections, tlaloc-jax weight_quant, quant_group)
@@ -294,11 +294,7 @@ def weights_read_rate(arrays: list[np.ndarray], threads: int) -> float:
     """GB/s of the best of three passes over `arrays` with `threads` threads (decode._Reader): how fast this
     process's own weight pages read. On a VM two allocations of the same size can read 25% apart (docs/cpu.md),
     so each worker reports its own."""
-    from decode import _Reader
-    read = _Reader(arrays, threads)
-    for _ in range(3):
-        read()
-    return read.rate(read.best) / 1e9
+    return best_read_rate(arrays, threads) / 1e9
 
 
 def llama_repack(a) -> bool:
@@ -339,6 +335,8 @@ def tlaloc_worker(a, work: Path) -> None:
         return eng.generate(ps, n), {}
     gen.vocab = a.vocab
 
+    rate = functools.cache(lambda: weights_read_rate(weight_memory(eng, {"embed"}), a.threads))
+
     def step_ms(b):
         """The decode entry alone (batch b, context bucket a.context, position a.context // 2), median of 20."""
         width = a.context // BLOCK
@@ -349,7 +347,6 @@ def tlaloc_worker(a, work: Path) -> None:
             eng.runner.run(entry, inputs, {Role.NEXT_TOKEN})
         ts = [_timed(lambda: eng.runner.run(entry, inputs, {Role.NEXT_TOKEN}))[0] for _ in range(20)]
         return dict(decode_ms=statistics.median(ts) * 1e3, variant=a.variant, read_gbs=rate())
-    rate = functools.cache(lambda: weights_read_rate(weight_memory(eng, {"embed"}), a.threads))
     measure("tlaloc-jax", gen, a.reps, extra=step_ms)
     eng.close()
 

@@ -90,11 +90,16 @@ def host_arena(sizes: Sequence[int]) -> list[np.ndarray]:
     return [whole[skip + o:skip + o + n] for o, n in zip(offsets, sizes)]
 
 
+def _nbytes(w: mf.WeightFile, shape: tuple[int, ...]) -> int:
+    """The bytes of weight w's array of `shape` (the whole weight's, or a shard's)."""
+    return int(np.prod(shape, dtype=np.int64)) * mf.numpy_dtype(w.dtype).itemsize
+
+
 def _read(path: Path, w: mf.WeightFile, shape: tuple[int, ...], into: np.ndarray | None) -> np.ndarray:
     """A weight file's array: read with one call into `into` (its bytes, from host_arena), or, with no `into`, the
     file mapped read-only (on the CPU plugin, that mapping is the weight's device memory)."""
     dtype = mf.numpy_dtype(w.dtype).newbyteorder("<")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = _nbytes(w, shape)
     if not nbytes:
         return np.zeros(shape, dtype)
     if into is None:
@@ -120,7 +125,7 @@ def upload_weights(device: Device, root: Path, weights: Sequence[mf.WeightFile],
             files += [(w, root / s.file, mesh.shard_shape(w.shape, w.partition)) for s in w.shards]
         else:
             files.append((w, root / w.file, w.shape))
-    sizes = [int(np.prod(shape, dtype=np.int64)) * mf.numpy_dtype(w.dtype).itemsize for w, _, shape in files]
+    sizes = [_nbytes(w, shape) for w, _, shape in files]
     huge = device.host_memory and huge_pages_offered()
     read_in = [huge and n >= HUGE_PAGE for n in sizes]
     arena = iter(host_arena([n for n, r in zip(sizes, read_in) if r]))
