@@ -20,7 +20,7 @@ from tlaloc_jax.decoder import (DEFAULT_KEY_BLOCK, decoder_pools, final_hidden, 
                                 supports_mixed_calls)
 from tlaloc_jax.kernels import paged_attention_gpu, paged_attention_native
 from tlaloc_jax.layout import LAYOUTS, fuse_projections, out_major, unstack_layers
-from tlaloc_jax.paging import ring_pages_for
+from tlaloc_jax.serve.core.paging import ring_pages_for
 from tlaloc_jax.sharding import ShardingError, local_config, shard_decoder_weights
 
 from ._entries import ExportError

@@ -29,7 +29,7 @@ from tlaloc_jax import native
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import sampling as sampling_kernel
 from tlaloc_jax.kernels import scoring as scoring_kernel
-from tlaloc_jax.paging import ring_pages_for
+from tlaloc_jax.serve.core.paging import ring_pages_for
 from tlaloc_jax.pools import PagedKV, PoolSpec, RingKV, StateSlots
 
 from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entries

@@ -5,8 +5,16 @@ uploads the weights once and keeps the KV pool on the device, donated to every e
 `BoundedProgram.load(artifact_dir)` serves a bounded program (an embedding model, a scorer: tlaloc_jax.stage_bounded).
 """
 
-from .bounded import BoundedProgram, CallRefused
-from .engine import Engine, RequestRefused, StepEvent
-from .sampling import Sampling
+import importlib
 
-__all__ = ["BoundedProgram", "CallRefused", "Engine", "RequestRefused", "StepEvent", "Sampling"]
+# Imported when first named, so that the authoring side can use the JAX-free host paging (serve.core) without
+# loading the PJRT client.
+_EXPORTS = {"BoundedProgram": ".bounded", "CallRefused": ".bounded", "Engine": ".engine", "RequestRefused": ".engine",
+            "StepEvent": ".engine", "Sampling": ".sampling"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

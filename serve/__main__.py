@@ -50,7 +50,7 @@ def describe_pools(engine) -> str:
     """The engine's pools for the start-up log, each by its kind: "KV pool 64 pages of 16 positions", "state
     pool 4 slots"."""
     parts = []
-    for alloc in engine.scheduler.pools.values():
+    for alloc in engine.scheduler.kv.pools.values():
         size = f" of {engine.block_size} positions" if alloc.unit == "pages" else ""
         parts.append(f"{alloc.name} pool {alloc.num_units} {alloc.unit}{size}")
     return ", ".join(parts)

@@ -148,11 +148,11 @@ class Engine:
 
     @property
     def use_decode_steps(self) -> bool:
-        return self.scheduler.use_decode_steps
+        return self.scheduler.planner.use_decode_steps
 
     @use_decode_steps.setter
     def use_decode_steps(self, value: bool) -> None:
-        self.scheduler.use_decode_steps = bool(value)
+        self.scheduler.planner.use_decode_steps = bool(value)
 
     @property
     def executables(self):
@@ -206,7 +206,7 @@ class Engine:
             self._stats["requests_refused"] += 1
             raise
         seed = s.seed if s.seed is not None else int.from_bytes(os.urandom(8), "little")
-        sched.add(Request(rid, prompt, int(max_new_tokens), stop, s, rng, {kind: [] for kind in sched.pools},
+        sched.add(Request(rid, prompt, int(max_new_tokens), stop, s, rng, {kind: [] for kind in sched.kv.pools},
                           time.perf_counter(), order=next(self._order), priority=priority, seed=seed,
                           constraint=constraint, single_step=bool(single_step),
                           prompt_logprobs=[None] if s.prompt_logprobs is not None else None))
@@ -317,7 +317,7 @@ class Engine:
             events.extend(produced)
             if on_events is not None and produced:
                 on_events(produced)
-        snapshots = self.scheduler.snapshot_copies()
+        snapshots = self.scheduler.kv.snapshot_copies()
         if snapshots:
             self._copy_slots(snapshots)
         if events:
@@ -327,7 +327,7 @@ class Engine:
     def _copy_slots(self, copies: list) -> bool:
         """Run the copy_slots entry for state-slot copies (snapshots taken or restored); True if all ran. The
         scheduler records snapshots only once copied."""
-        e = self.scheduler.entries(mf.EntryKind.COPY_SLOTS)[0]
+        e = self.scheduler.planner.entries(mf.EntryKind.COPY_SLOTS)[0]
         ok = True
         try:
             for i in range(0, len(copies), e.batch):
@@ -341,7 +341,7 @@ class Engine:
         except Exception as err:   # noqa: BLE001 - a failed copy records no snapshot; restored sequences fail
             log.error("copying state slots failed: %s", err)
             ok = False
-        self.scheduler.commit_copies(copies, ok)
+        self.scheduler.kv.commit_copies(copies, ok)
         return ok
 
     def _execute(self, e: mf.Entry, inputs: dict, want: set[mf.Role]) -> dict[mf.Role, np.ndarray]:
@@ -398,7 +398,7 @@ class Engine:
             if e.kind == mf.EntryKind.MIXED:
                 # A mixed call stands for a decode call and a prefill call: run them apart, so that a failure fails
                 # only the sequences of the call it belongs to, as it would have without mixing.
-                return [ev for part in self.scheduler.unmix(call) for ev in self._run_call(part)]
+                return [ev for part in self.scheduler.planner.unmix(call) for ev in self._run_call(part)]
             return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]
         self._count_call(e.kind, len(call.seqs))
         now = time.perf_counter()
@@ -445,7 +445,8 @@ class Engine:
         n = len(call.seqs)
         try:
             inputs = call_inputs.step_inputs(call, self.manifest, self.ring_pages)
-            inputs.update(call_inputs.decode_steps_inputs(call, [self.scheduler.stop_ids(s) for s in call.seqs]))
+            stops = [self.scheduler.planner.stop_ids(s) for s in call.seqs]
+            inputs.update(call_inputs.decode_steps_inputs(call, stops))
             if self.sampler is not None:
                 inputs.update(call_inputs.sampler_inputs(self.runner, call, [True] * n, [None] * n))
             t0 = time.perf_counter()
@@ -498,10 +499,10 @@ class Engine:
         st = dict(self._stats, **run.stats)
         st.update(batch_sizes=dict(self._stats["batch_sizes"]), executions_by_entry=dict(run.stats["executions_by_entry"]))
         # The headline numbers are the first kind's in PoolKind order: paged KV pages when there are some.
-        first = sched.pools[self.manifest.pool_kinds[0]]
+        first = sched.kv.pools[self.manifest.pool_kinds[0]]
         pools = {}
         for p in self.manifest.pools:     # pools of one kind share their units (pages, or state slots)
-            u = sched.pools[p.kind]
+            u = sched.kv.pools[p.kind]
             pools[p.name] = dict(kind=str(p.kind), pages_in_use=u.in_use, pages_cached=u.cached_units,
                                  pages_free=u.free_units, num_pages=u.num_units)
         st.update(sched.stats, pages_in_use=first.in_use, pages_free=first.free_units, num_pages=first.num_units,

@@ -28,7 +28,7 @@ from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.paged_attention_gpu import TRITON_CUSTOM_CALL
-from tlaloc_jax.paging import RowCall, build_step_inputs
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
 
 # Gemma 2's shape in small: sliding layers (window 8, kept in rings) beside full ones, soft-capped scores, GQA 2.
 GEMMA2 = dict(model_type="gemma2", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,

@@ -16,7 +16,7 @@ from margins import assert_within
 from tlaloc_jax import decoder
 from tlaloc_jax.decoder import DECODE_KEY_BLOCK, StepInputs, decode_key_block
 from tlaloc_jax.kernels import tolerances as tol
-from tlaloc_jax.paging import RowCall, build_step_inputs
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
 
 
 def test_decode_key_block_is_whole_pages_under_the_cap():

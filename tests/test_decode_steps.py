@@ -16,8 +16,8 @@ from tlaloc_jax import artifact as af
 from tlaloc_jax.export import Sampler, export_checkpoint
 from tlaloc_jax.serve import Engine, Sampling
 from tlaloc_jax.serve.core import inputs as inputs_mod
-from tlaloc_jax.serve.core import scheduler as sched_mod
-from tlaloc_jax.serve.core.scheduler import ScheduledCall, Scheduler
+from tlaloc_jax.serve.core import call_plan as sched_mod
+from tlaloc_jax.serve.core.call_plan import CallPlanner, ScheduledCall
 
 K = 4
 # One batch bucket: three entries (decode, prefill, decode_steps) to compile; single steps and K-step calls of
@@ -170,7 +170,7 @@ def test_control_fails(llama, monkeypatch):
 
     def late(token_ids, start, held):
         return real(token_ids, start + 1, held)
-    monkeypatch.setattr(Scheduler, "_steps_call", _shifted(Scheduler._steps_call, late))
+    monkeypatch.setattr(CallPlanner, "_steps_call", _shifted(CallPlanner._steps_call, late))
     assert _run(llama, reqs, decode_steps=True)[0] != single
     monkeypatch.undo()
 
@@ -188,7 +188,7 @@ def test_control_fails(llama, monkeypatch):
 
 
 def _shifted(steps_call, row_fn):
-    """Scheduler._steps_call whose rows come from row_fn (a broken host for the control)."""
+    """CallPlanner._steps_call whose rows come from row_fn (a broken host for the control)."""
     def call(self, decoding):
         c = steps_call(self, decoding)
         if c is None:
@@ -230,7 +230,7 @@ def test_ring_pool_without_sampler(tmp_path, serve_cache_dir, monkeypatch):
         # The control: the ring slots of a row one position late.
         real = sched_mod.row_call
         with monkeypatch.context() as mp:
-            mp.setattr(Scheduler, "_steps_call", _shifted(Scheduler._steps_call,
+            mp.setattr(CallPlanner, "_steps_call", _shifted(CallPlanner._steps_call,
                                                        lambda t, start, held: real(t, start + 1, held)))
             assert _run(eng, reqs, decode_steps=True)[0] != single[0]
         # Plain greedy only without a sampler: a sampled request keeps single steps.

@@ -27,7 +27,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 8, 61], [42, 7], list(range(1, 30))]
 SERVED = textwrap.dedent("""
     import hashlib, json, sys
     import numpy as np
-    from tlaloc_jax.paging import RowCall, build_step_inputs, pack_step_inputs
+    from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs, pack_step_inputs
     from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine, Sampling
     prompts = json.loads(sys.argv[2])
@@ -40,7 +40,7 @@ SERVED = textwrap.dedent("""
         for kind, rows in (("prefill", [RowCall(p, 0, list(range(4 * i, 4 * i + 4))) for i, p in enumerate(prompts)]),
                            ("decode", [RowCall([p[-1]], len(p) - 1, list(range(4 * i, 4 * i + 4)))
                                        for i, p in enumerate(prompts)])):
-            entry = eng.scheduler.pick(kind, len(rows), 64, max(len(r.token_ids) for r in rows))
+            entry = eng.scheduler.planner.pick(kind, len(rows), 64, max(len(r.token_ids) for r in rows))
             inputs = build_step_inputs(rows, batch=entry.batch, tokens=entry.tokens_per_seq,
                                        width=entry.context // eng.block_size, block_size=eng.block_size)
             if entry.packed_tokens:

@@ -27,7 +27,8 @@ from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.export import ExportError, check_custom_calls, export_checkpoint
 from tlaloc_jax.export._entries import check_body
-from tlaloc_jax.paging import PageAllocator, RowCall, build_step_inputs, pages_for
+from tlaloc_jax.serve.core.kv_cache import UnitPool
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs, pages_for
 
 LADDER = dict(batch_ladder=(1, 2), context_ladder=(32, 64), block_size=8, prefill_chunk=16, prefill_long_chunk=0,
               progress=False)
@@ -56,7 +57,7 @@ def test_bodies_match_the_in_process_decoder(name, checkpoints, artifacts):
     for entry in m.entries:
         if entry.kind == "mixed":
             continue        # two row groups: tests/test_mixed.py compares them against the two calls they replace
-        alloc = PageAllocator(kv.capacity)
+        alloc = UnitPool(kv.capacity)
         rows = []
         for b in range(entry.batch):
             n = int(rng.integers(1, entry.tokens_per_seq + 1))
@@ -64,7 +65,7 @@ def test_bodies_match_the_in_process_decoder(name, checkpoints, artifacts):
             if entry.kind == "decode":
                 n = 1
             start = min(start, entry.context - n)
-            pages = alloc.alloc(pages_for(start + n, m.block_size))
+            pages = alloc.take(pages_for(start + n, m.block_size))
             rows.append(RowCall(rng.integers(0, m.model.vocab, n).tolist(), start, pages))
         inputs = build_step_inputs(rows, batch=entry.batch, tokens=entry.tokens_per_seq,
                                    width=entry.context // m.block_size, block_size=m.block_size)

@@ -20,7 +20,7 @@ from tlaloc_jax.kernels.quantized_matmul import NARROW_REDUCE_ROWS
 from tlaloc_jax.layers import REDUCE_ROWS, OutMajor, linear
 from tlaloc_jax.layout import (FUSED, LINEAR_SLOTS, fuse_projections, in_layout, is_per_layer, out_major,
                                unstack_layers, weight_slice_copies)
-from tlaloc_jax.paging import RowCall, build_step_inputs
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
 
 PROMPTS = [[3, 17, 91, 4, 200, 8, 33], [250, 1, 7]]
 NEW = 4

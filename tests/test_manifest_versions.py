@@ -21,7 +21,8 @@ from tlaloc_jax import artifact as af
 from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
-from tlaloc_jax.paging import PageAllocator, build_step_inputs, pool_rule, row_call
+from tlaloc_jax.serve.core.kv_cache import UnitPool
+from tlaloc_jax.serve.core.paging import build_step_inputs, pool_rule, row_call
 from tlaloc_jax.serve import Engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -51,7 +52,7 @@ def test_old_manifests_load_as_the_v4_model(case):
 
 def _random_call(m: af.Manifest, entry: af.Entry, rng):
     """Rows of random tokens at random positions, with what each sequence holds of each kind of pool."""
-    allocs = {k: PageAllocator(m.capacity(k)) for k in m.pool_kinds}
+    allocs = {k: UnitPool(m.capacity(k)) for k in m.pool_kinds}
     rules = {k: pool_rule(m.pools_of(k)[0], m.block_size) for k in m.pool_kinds}
     rows = []
     for _ in range(entry.batch):
@@ -59,7 +60,7 @@ def _random_call(m: af.Manifest, entry: af.Entry, rng):
         start = int(rng.integers(0, entry.context - n + 1))
         if m.ring:
             n = min(n, rules[af.PoolKind.RING_KV].call_limit(start))
-        held = {k: allocs[k].alloc(rules[k].units(start + n)) for k in m.pool_kinds}
+        held = {k: allocs[k].take(rules[k].units(start + n)) for k in m.pool_kinds}
         rows.append(row_call(rng.integers(0, m.model.vocab, n).tolist(), start, held))
     return build_step_inputs(rows, batch=entry.batch, tokens=entry.tokens_per_seq,
                              width=entry.context // m.block_size, block_size=m.block_size,

@@ -18,7 +18,7 @@ from tlaloc_jax.decoder import forward, supports_mixed_calls
 from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import tolerances as tol
-from tlaloc_jax.paging import RowCall, build_step_inputs
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.core import scheduler as scheduler_module
 
@@ -74,14 +74,14 @@ def engine(checkpoint, tmp_path_factory, serve_cache_dir):
 
 def _run(eng, mixed: bool) -> list[list[int]]:
     """Two prompts decoding, then four more arriving one a step (each read in chunks of 8 while the others decode)."""
-    eng.scheduler.use_mixed = mixed
+    eng.scheduler.planner.use_mixed = mixed
     rids = [eng.add_request(p, 12) for p in PROMPTS[:2]]
     eng.step()
     for p in PROMPTS[2:]:
         rids.append(eng.add_request(p, 12))
         eng.step()
     out = run_out(eng, rids)
-    eng.scheduler.use_mixed = True
+    eng.scheduler.planner.use_mixed = True
     return out
 
 

@@ -40,7 +40,7 @@ from tlaloc_jax.kernels.moe import router_margins
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.layers import rope_inv_freq
 from tlaloc_jax.artifact import Role
-from tlaloc_jax.paging import RowCall, build_step_inputs
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
 
 pytestmark = pytest.mark.numeric
 

@@ -24,7 +24,7 @@ from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
-from tlaloc_jax.paging import RowCall, build_step_inputs, pack_step_inputs
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs, pack_step_inputs
 from tlaloc_jax.serve import Engine
 
 pytestmark = pytest.mark.numeric
@@ -144,7 +144,7 @@ def test_decode_rows_ride_in_a_packed_prefill_call(checkpoint, packed_artifact, 
     position early in that call change their ids."""
     from dataclasses import replace
 
-    from tlaloc_jax.serve.core import scheduler as scheduler_module
+    from tlaloc_jax.serve.core import call_plan
     _, out = packed_artifact
     prompts = [[(i * 23 + j * 3) % 250 + 3 for j in range(5 + i)] for i in range(5)]
     with Engine.load(out, cache_dir=serve_cache_dir, progress=False) as eng:
@@ -163,12 +163,12 @@ def test_decode_rows_ride_in_a_packed_prefill_call(checkpoint, packed_artifact, 
         assert calls[0][0].startswith("prefill_b8_n") and calls[0][1] == 2, calls
         assert all(name.startswith("decode_") for name, _ in calls[1:]) and sum(n for _, n in calls[1:]) == 9, calls
         assert got == crowd_solo
-        joined = scheduler_module.Scheduler._joined
+        joined = call_plan.CallPlanner._joined
 
         def early(self, single, chunks):
             calls = joined(self, single, chunks)
             return calls and [replace(c, rows=tuple(replace(r, start=r.start - 1) if len(r.token_ids) == 1 else r
                                                     for r in c.rows)) for c in calls]
-        monkeypatch.setattr(scheduler_module.Scheduler, "_joined", early)
+        monkeypatch.setattr(call_plan.CallPlanner, "_joined", early)
         bad, calls = decode_then_arrive(eng, prompts[:3], prompts[3:], steps)
         assert calls[0][1] == 5 and bad[:3] != solo[:3]

@@ -10,7 +10,8 @@ from hf_models import build_checkpoint
 from margins import assert_within
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
-from tlaloc_jax.paging import PageAllocator, RowCall, build_step_inputs, pages_for
+from tlaloc_jax.serve.core.kv_cache import UnitPool
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs, pages_for
 
 pytestmark = pytest.mark.numeric
 
@@ -44,15 +45,15 @@ def _kv_of(pools, pages, length):
 
 
 def _solo(model, prompt, tokens=16):
-    alloc = PageAllocator(16)
-    pages = alloc.alloc(pages_for(len(prompt), S))
+    alloc = UnitPool(16)
+    pages = alloc.take(pages_for(len(prompt), S))
     logits, pools, _ = _call(model, model.new_pools(16), [RowCall(prompt, 0, pages)], tokens)
     return logits[0], _kv_of(pools, pages, len(prompt))
 
 
 def test_prompts_prefilled_together_give_their_solo_logits_and_kv(model):
-    alloc = PageAllocator(32)
-    pages = [alloc.alloc(pages_for(len(p), S)) for p in PROMPTS]
+    alloc = UnitPool(32)
+    pages = [alloc.take(pages_for(len(p), S)) for p in PROMPTS]
     logits, pools, _ = _call(model, model.new_pools(32), [RowCall(p, 0, pg) for p, pg in zip(PROMPTS, pages)], 16)
     for b, (p, pg) in enumerate(zip(PROMPTS, pages)):
         solo_logits, solo_kv = _solo(model, p)
@@ -61,8 +62,8 @@ def test_prompts_prefilled_together_give_their_solo_logits_and_kv(model):
 
 
 def _chunked(model, prompt, chunk, padding_writes_kv=False):
-    alloc = PageAllocator(16)
-    pages = alloc.alloc(pages_for(len(prompt), S))
+    alloc = UnitPool(16)
+    pages = alloc.take(pages_for(len(prompt), S))
     pools = model.new_pools(16)
     for start in range(0, len(prompt), chunk):
         piece = prompt[start:start + chunk]
@@ -90,8 +91,8 @@ def test_control_padding_that_writes_kv_breaks_chunked_prefill(model):
 
 
 def test_control_left_aligned_rows_break_batched_prefill(model):
-    alloc = PageAllocator(32)
-    pages = [alloc.alloc(pages_for(len(p), S)) for p in PROMPTS]
+    alloc = UnitPool(32)
+    pages = [alloc.take(pages_for(len(p), S)) for p in PROMPTS]
     rows = [RowCall(p, 0, pg) for p, pg in zip(PROMPTS, pages)]
     inputs = build_step_inputs(rows, batch=3, tokens=16, width=WIDTH, block_size=S)
     for key in ("token_ids", "positions", "slot_mapping"):   # move each row's tokens to the left

@@ -10,7 +10,7 @@ import pytest
 from hf_models import build_checkpoint
 from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.serve import Engine
-from tlaloc_jax.serve.core import scheduler as scheduler_module
+from tlaloc_jax.serve.core import call_plan
 
 LONG = "prefill_b1_t32_c64"
 SHARED = ("prefill_b4_n16_c64", "prefill_b4_n32_c64")     # packed prefills of 4 rows of 8 tokens
@@ -64,10 +64,10 @@ def test_a_lone_prompt_takes_the_long_chunk_and_prompts_together_share_short_one
 def test_control_long_rows_with_misplaced_tokens_are_caught(artifact, serve_cache_dir, monkeypatch):
     with Engine.load(artifact, cache_dir=serve_cache_dir, progress=False, enable_prefix_caching=False) as eng:
         want = _short_only(eng)
-        real = scheduler_module.row_call
+        real = call_plan.row_call
 
         def rotated(tokens, start, held):
             tokens = list(tokens)
             return real(tokens[1:] + tokens[:1] if len(tokens) > 8 else tokens, start, held)
-        monkeypatch.setattr(scheduler_module, "row_call", rotated)
+        monkeypatch.setattr(call_plan, "row_call", rotated)
         assert [eng.generate([p], 12)[0] for p in PROMPTS] != want

@@ -26,7 +26,8 @@ from tlaloc_jax.checkpoint import load_checkpoint, save_checkpoint
 from tlaloc_jax.config import FULL, LINEAR, ConfigError
 from tlaloc_jax.decoder import StepInputs, init_pools, pool_shapes
 from tlaloc_jax.families import config_from_hf
-from tlaloc_jax.paging import PageAllocator, RowCall, build_step_inputs, pages_for
+from tlaloc_jax.serve.core.kv_cache import UnitPool
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs, pages_for
 
 pytestmark = pytest.mark.numeric
 
@@ -206,7 +207,7 @@ def _state_of(pools, slot):
 
 
 def _solo(model, prompt):
-    pages = PageAllocator(64).alloc(pages_for(len(prompt), S))
+    pages = UnitPool(64).take(pages_for(len(prompt), S))
     inputs = build_step_inputs([RowCall(prompt, 0, pages, state_slot=1)], batch=1, tokens=T, width=WIDTH,
                                block_size=S, state_slots=True)
     logits, pools = model.step(_nan_pools(model, 2), inputs)
@@ -214,9 +215,9 @@ def _solo(model, prompt):
 
 
 def test_prompts_prefilled_together_give_their_solo_logits_and_states(model):
-    alloc = PageAllocator(64)
+    alloc = UnitPool(64)
     slots = [2, 0, 3]                       # slot 1 stays unused; row 3 is empty (slot -1)
-    rows = [RowCall(p, 0, alloc.alloc(pages_for(len(p), S)), state_slot=s) for p, s in zip(BATCH, slots)]
+    rows = [RowCall(p, 0, alloc.take(pages_for(len(p), S)), state_slot=s) for p, s in zip(BATCH, slots)]
     rows.append(RowCall([], 0, None))
     inputs = build_step_inputs(rows, batch=4, tokens=T, width=WIDTH, block_size=S, state_slots=True)
     assert inputs["state_slots"].tolist() == [2, 0, 3, -1]
@@ -233,7 +234,7 @@ def test_prompts_prefilled_together_give_their_solo_logits_and_states(model):
 
 
 def _chunked(model, prompt, chunk, padding_updates_state=False):
-    pages = PageAllocator(64).alloc(pages_for(len(prompt), S))
+    pages = UnitPool(64).take(pages_for(len(prompt), S))
     pools = _nan_pools(model, 1)
     for start in range(0, len(prompt), chunk):
         piece = prompt[start:start + chunk]
@@ -271,7 +272,7 @@ def test_control_padding_that_updates_the_state_breaks_chunked_prefill(model):
 def test_control_a_row_past_position_0_reads_its_slot(model):
     """The NaN fill bites: a row whose first token is past position 0 continues from its slot (here NaN), so
     only a row starting at position 0 may skip reading it."""
-    pages = PageAllocator(64).alloc(4)
+    pages = UnitPool(64).take(4)
     inputs = build_step_inputs([RowCall(LONG[1][16:32], 16, pages, state_slot=0)], batch=1, tokens=16,
                                width=WIDTH, block_size=S, state_slots=True)
     logits, _ = model.step(_nan_pools(model, 1), inputs)
@@ -394,7 +395,7 @@ def test_state_snapshots_give_exact_prefix_hits_and_queued_prompts_their_solo_id
     def no_restore(self, copies):
         if copies and copies[0].hash is None:           # restores: copy nothing, keep the slot's stale state
             restored.extend(copies)
-            self.scheduler.commit_copies(copies, True)
+            self.scheduler.kv.commit_copies(copies, True)
             return True
         return real(self, copies)
     with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False, max_num_seqs=16) as eng:

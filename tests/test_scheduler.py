@@ -17,6 +17,7 @@ from http_util import serving
 from tlaloc_jax.serve import Engine, Sampling
 from tlaloc_jax.serve.core import kv_cache
 from tlaloc_jax.serve.core import scheduler as scheduler_module
+from tlaloc_jax.serve.core.kv_cache_manager import KVCacheManager
 from tlaloc_jax.serve.loop import EngineLoop, SeqSpec
 from tlaloc_jax.serve.metrics import Metrics
 
@@ -65,7 +66,7 @@ def test_requests_that_arrive_together_compute_their_shared_prefix_once(engines,
     shared = [(i * 29 + 1 + 7 * in_flight) % 240 + 5 for i in range(32)]       # a prefix no earlier test cached
     prompts = [shared + t for t in TAILS]
     if not in_flight:
-        monkeypatch.setattr(scheduler_module.Scheduler, "_prefix_in_flight", lambda self, s, hit: False)
+        monkeypatch.setattr(KVCacheManager, "computing", lambda self, running, s, hit: False)
     before = cached.stats()["prefix_hits"]
     assert cached.generate(prompts, 12) == uncached.generate(prompts, 12)
     hits = cached.stats()["prefix_hits"] - before

@@ -20,7 +20,7 @@ from tlaloc_jax import artifact as af
 from tlaloc_jax.export._options import Options, resolve_options
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
-from tlaloc_jax.paging import RowCall, build_step_inputs
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.engine import RequestRefused
 

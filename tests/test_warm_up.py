@@ -16,7 +16,7 @@ import pytest
 from hf_models import build_checkpoint
 from tlaloc_jax import artifact as af
 from tlaloc_jax.export import export_checkpoint
-from tlaloc_jax.paging import RowCall, build_step_inputs
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.core import inputs as call_inputs
 from tlaloc_jax.serve.loop import EngineLoop, SeqSpec

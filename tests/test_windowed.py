@@ -17,7 +17,8 @@ from tlaloc_jax.decoder import StepInputs, forward, init_pools
 from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
-from tlaloc_jax.paging import PageAllocator, RowCall, build_step_inputs, pages_for, ring_call_limit
+from tlaloc_jax.serve.core.kv_cache import UnitPool
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs, pages_for, ring_call_limit
 from tlaloc_jax.serve import Engine
 
 pytestmark = pytest.mark.numeric
@@ -91,8 +92,8 @@ def test_windowed_and_full_artifacts_agree_over_several_windows(family):
     weights = {k: jnp.asarray(v) for k, v in model.weights.items()}
     pools = {name: {p.name: jnp.full(p.shape, jnp.nan, jnp.float32) for p in m.pools} for name, m in
              (("w", wm), ("f", fm))}
-    full_alloc, ring_alloc = PageAllocator(fm.pool("kv").capacity), PageAllocator(wm.pool("window_kv").capacity)
-    pages, ring = full_alloc.alloc(96 // S), ring_alloc.alloc(wm.ring.ring_pages)
+    full_alloc, ring_alloc = UnitPool(fm.pool("kv").capacity), UnitPool(wm.pool("window_kv").capacity)
+    pages, ring = full_alloc.take(96 // S), ring_alloc.take(wm.ring.ring_pages)
     tokens = [(i * 13 + 5) % 256 for i in range(70)]
     p0, worst, calls = 0, 0.0, 0
     while p0 < len(tokens):

@@ -27,5 +27,5 @@ class StepInputs(NamedTuple):
     state_slots: Any = None
     # A packed prefill (PACK_INDEX [B, T]): token_ids, positions, slot_mapping and window_slot_mapping are the rows'
     # tokens side by side, [1, N]; pack_index[b, t] is row b's token t's index in them (N: none); the other fields
-    # are per row as usual. tlaloc_jax.paging.pack_step_inputs builds it.
+    # are per row as usual. tlaloc_jax.serve.core.paging.pack_step_inputs builds it.
     pack_index: Any = None

@@ -15,7 +15,8 @@ from .config import LINEAR, DecoderConfig
 from .decoder import DEFAULT_KEY_BLOCK, Pools, StepInputs, forward, init_pools
 from .kernels.sampling import first_max
 from .layout import in_layout
-from .paging import PageAllocator, RowCall, build_step_inputs, pages_for
+from .serve.core.kv_cache import UnitPool
+from .serve.core.paging import RowCall, build_step_inputs, pages_for
 
 
 def _pow2(n: int) -> int:
@@ -87,12 +88,12 @@ class Model:
         S = self.block_size
         need = [pages_for(len(p) + max_new_tokens, S) for p in prompts]
         width = _pow2(max(need))
-        alloc = PageAllocator(_pow2(sum(need)))
-        pages = [alloc.alloc(n) for n in need]
+        alloc = UnitPool(_pow2(sum(need)))
+        pages = [alloc.take(n) for n in need]
         batch = len(prompts)
         # Prompt b holds state slot b for its life (with linear-attention layers).
         state = self.has_state
-        pools = self.new_pools(alloc.num_pages, batch if state else 0)
+        pools = self.new_pools(alloc.num_units, batch if state else 0)
 
         rows = [RowCall(list(p), 0, pg, state_slot=b) for b, (p, pg) in enumerate(zip(prompts, pages))]
         inputs = build_step_inputs(rows, batch=batch, tokens=_pow2(max(map(len, prompts))), width=width,

@@ -49,7 +49,7 @@ class RingKV:
     ring_pages pages (block b on ring page b % ring_pages), so its memory stops growing past the window. The
     step reads WINDOW_BLOCK_TABLES ([B, R]: the ring) and writes through WINDOW_SLOT_MAPPING; attend with
     `paged_attention(..., window=window, ring=True)`. ring_pages None: the pages a window plus the longest
-    call need (tlaloc_jax.paging.ring_pages_for)."""
+    call need (tlaloc_jax.serve.core.paging.ring_pages_for)."""
 
     layers: int
     kv_heads: int

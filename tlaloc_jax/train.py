@@ -307,7 +307,7 @@ def train(tc: TrainConfig, out_dir: Path, *, stdlib: str | Path | None = None, p
 def sample(model, prompt: Sequence[int], max_new_tokens: int, *, temperature: float, seed: int,
            stop_ids: Sequence[int] = ()) -> list[int]:
     """Temperature sampling of one prompt through the Model's paged step (prefill once, then decode)."""
-    from .paging import RowCall, build_step_inputs, pages_for
+    from .serve.core.paging import RowCall, build_step_inputs, pages_for
 
     S = model.block_size
     pages = list(range(pages_for(len(prompt) + max_new_tokens, S)))

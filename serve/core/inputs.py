@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tlaloc_jax import artifact as mf
-from tlaloc_jax.paging import RowCall, build_step_inputs, pack_step_inputs
+from .paging import RowCall, build_step_inputs, pack_step_inputs
 
 from ..runtime.runner import Runner
 from ..sampling import seed_words

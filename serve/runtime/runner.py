@@ -246,7 +246,7 @@ class Runner:
             if source is _ArgSource.STEP:
                 if key not in inputs:
                     raise KeyError(f"entry {e.name} takes {role} as {key!r}, which its inputs lack (a packed "
-                                   f"prefill's come from tlaloc_jax.paging.pack_step_inputs)")
+                                   f"prefill's come from tlaloc_jax.serve.core.paging.pack_step_inputs)")
                 value = inputs[key]
                 buf = self._input_buffer(e, key, value) if isinstance(value, np.ndarray) else value
             elif source is _ArgSource.POOL:

@@ -134,7 +134,7 @@ class BoundKind(enum.StrEnum):
     LENGTH = "length"
 
 
-# The integer inputs of a call, by role, and the field of tlaloc_jax.paging.build_step_inputs (and of the
+# The integer inputs of a call, by role, and the field of tlaloc_jax.serve.core.paging.build_step_inputs (and of the
 # decoder's StepInputs) each one is.
 STEP_FIELDS: dict[Role, str] = {
     Role.TOKEN_IDS: "token_ids", Role.POSITIONS: "positions", Role.SEQ_LENS: "seq_lens",

@@ -13,7 +13,8 @@ artifacts (a cached prefix would skip the positions that fill the ring and the s
 from __future__ import annotations
 
 from tlaloc_jax import artifact as af
-from tlaloc_jax.paging import PageAllocator, pool_rule
+from tlaloc_jax.serve.core.kv_cache import UnitPool
+from tlaloc_jax.serve.core.paging import pool_rule
 
 SIDE_KINDS = (af.PoolKind.RING_KV, af.PoolKind.STATE_SLOTS)
 
@@ -40,12 +41,17 @@ class SidePools:
     def take(self, req_id: str) -> None:
         """The request's ring and slot (kept if it holds them already)."""
         if self.free_lists and req_id not in self.held:
-            self.held[req_id] = {kind: a.alloc(per_sequence(self.manifest, kind))
-                                 for kind, a in self.free_lists.items()}
+            held = {kind: pool.take(per_sequence(self.manifest, kind)) for kind, pool in self.free_lists.items()}
+            if any(units is None for units in held.values()):
+                self.held[req_id] = {kind: units for kind, units in held.items() if units is not None}
+                self.give_back(req_id)
+                raise RuntimeError(f"request {req_id!r}: the side pools hold {max_sequences(self.manifest)} "
+                                   "sequences, all taken (vLLM's max_num_seqs should be capped at that)")
+            self.held[req_id] = held
 
     def give_back(self, req_id: str) -> None:
         for kind, units in self.held.pop(req_id, {}).items():
-            self.free_lists[kind].free(units)
+            self.free_lists[kind].release(units)
 
     def ring(self, req_id: str) -> list[int]:
         return self.held.get(req_id, {}).get(af.PoolKind.RING_KV, [])

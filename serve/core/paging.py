@@ -1,7 +1,7 @@
-"""Host-side paging: page allocation and the integer inputs of a call. JAX-free (stdlib + numpy).
+"""Host-side paging: how many units a pool kind gives a sequence, and the integer inputs of a call. JAX-free.
 
-The in-process Model and the JAX-free runtime (tlaloc_jax.serve) both build their calls here, so a
-block table or a slot mapping has one definition.
+The runtime's scheduler, the in-process Model and the exporter (ring sizes) all read these, so a block table or a
+slot mapping has one definition; the units themselves are kv_cache.UnitPool's.
 """
 
 from __future__ import annotations
@@ -12,71 +12,6 @@ from typing import Sequence
 import numpy as np
 
 from tlaloc_jax import artifact as af
-
-
-class PoolExhausted(RuntimeError):
-    """A pool has fewer free pages than a request needs. Nothing was allocated."""
-
-
-class PageAllocator:
-    """A free list over the P pages of one pool. Pages are handed out lowest first (deterministic).
-
-    A caller can reserve pages without taking them (`reserve`), then take them as a sequence grows
-    (`alloc(n, reserved=True)`): the pages a sequence will need are promised at admission, so it never
-    runs short later, while it holds only the pages it has reached.
-    """
-
-    def __init__(self, num_pages: int, name: str = "pool", unit: str = "pages"):
-        if num_pages <= 0:
-            raise ValueError(f"pool {name!r} needs at least one page, got {num_pages}")
-        self.name = name
-        self.unit = unit
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest page
-        self._held: set[int] = set()
-        self.reserved = 0
-
-    @property
-    def free_pages(self) -> int:
-        """Pages neither held nor promised."""
-        return len(self._free) - self.reserved
-
-    @property
-    def pages_in_use(self) -> int:
-        return len(self._held)
-
-    def _refuse(self, n: int) -> None:
-        raise PoolExhausted(f"{self.name} pool exhausted: {n} {self.unit} needed, {self.free_pages} of "
-                            f"{self.num_pages} free")
-
-    def reserve(self, n: int) -> None:
-        """Promise n pages, or PoolExhausted with nothing promised."""
-        if n > self.free_pages:
-            self._refuse(n)
-        self.reserved += n
-
-    def unreserve(self, n: int) -> None:
-        if not 0 <= n <= self.reserved:
-            raise ValueError(f"pool {self.name!r}: cannot release {n} of {self.reserved} reserved pages")
-        self.reserved -= n
-
-    def alloc(self, n: int, reserved: bool = False) -> list[int]:
-        """n pages (out of an earlier reservation when reserved), or PoolExhausted with nothing allocated."""
-        if reserved:
-            self.unreserve(n)
-        elif n > self.free_pages:
-            self._refuse(n)
-        pages = [self._free.pop() for _ in range(n)]
-        self._held.update(pages)
-        return pages
-
-    def free(self, pages: Sequence[int]) -> None:
-        for p in pages:
-            if p not in self._held:
-                raise ValueError(f"page {p} of pool {self.name!r} is not held")
-            self._held.remove(p)
-            self._free.append(p)
-        self._free.sort(reverse=True)
 
 
 def pages_for(length: int, block_size: int) -> int:

@@ -1,0 +1,210 @@
+"""Which of an artifact's entries run a step's work, and how rows group into calls.
+
+The scheduler decides what each sequence advances by (`Work`: positions [start, start + n)); this module lays that
+work onto the entries the artifact staged: scored prefills for prompts whose logprobs come from the scoring
+entries, a decode_steps call when every running sequence only decodes, and otherwise whichever of the plans below
+computes the fewest positions (`call_cost`): prompt chunks and decode rows apart, the first chunk riding with the
+decode rows in a mixed call, or every row packed into the chunks' prefill calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from tlaloc_jax import artifact as mf
+
+from .kv_cache_manager import KVCacheManager
+from .paging import RowCall, row_call
+from .request import Request
+
+
+@dataclass(frozen=True)
+class Work:
+    """A sequence's part of a step: positions [start, start + n)."""
+
+    seq: Request
+    start: int
+    n: int
+
+
+@dataclass(frozen=True)
+class ScheduledCall:
+    """One execution: the entry, its sequences and each one's row."""
+
+    entry: mf.Entry
+    seqs: tuple[Request, ...]
+    rows: tuple[RowCall, ...]
+    limits: tuple[int, ...] = ()         # decode_steps: the most tokens each row may produce in the call
+
+    @property
+    def out_rows(self) -> tuple[int, ...]:
+        """Each sequence's row of the outputs (and the sampler): in order, but a mixed call's chunk, which follows
+        the entry's `batch` decode rows."""
+        if self.entry.kind == mf.EntryKind.MIXED:
+            return tuple(range(len(self.seqs) - 1)) + (self.entry.batch,)
+        return tuple(range(len(self.seqs)))
+
+
+# What a call costs beyond the positions it computes, in positions: reading the weights once. On a CPU an f32
+# weight's bytes take about as long to read as the arithmetic of 16-20 positions (the FLOP rate over the read rate,
+# times 2 bytes a FLOP of a multiply-add's f32 weight); the planner compares ways of running a step by it.
+CALL_COST_POSITIONS = 16
+
+
+def call_cost(calls: Sequence[ScheduledCall]) -> int:
+    """The positions the calls compute, padding included, plus CALL_COST_POSITIONS each."""
+    return sum(CALL_COST_POSITIONS + c.entry.positions for c in calls)
+
+
+class CallPlanner:
+    """An artifact's entries by kind, and the calls that run a step's work on them."""
+
+    def __init__(self, m: mf.Manifest, kv: KVCacheManager, *, use_decode_steps: bool = True):
+        self.manifest = m
+        self.kv = kv
+        self.use_decode_steps = use_decode_steps
+        self.use_mixed = True               # run decode rows and a prompt chunk in one call where an entry holds them
+        self.scorer = m.scorer             # None: a prompt whose logprobs are asked is read a token a call
+        self._by_kind = {kind: sorted((e for e in m.entries if e.kind == kind), key=lambda e: e.size_key)
+                         for kind in mf.EntryKind}
+        self.max_decode_batch = max(e.batch for e in self._by_kind[mf.EntryKind.DECODE])
+
+    def entries(self, kind: str) -> list[mf.Entry]:
+        """The entries of `kind`, smallest first (by context, then batch)."""
+        return self._by_kind[kind]
+
+    def pick(self, kind: str, batch: int, context: int, tokens: int, total: int = 0) -> mf.Entry | None:
+        """The smallest entry of `kind` that holds `batch` rows of `tokens` tokens reaching `context` positions
+        (a packed prefill: `total` tokens in all)."""
+        return next((e for e in self.entries(kind) if e.holds(batch, context, tokens, total)), None)
+
+    def scored(self, s: Request) -> bool:
+        """Whether the sequence's prompt logprobs come from the scoring prefill entries (the artifact has them,
+        with as many top logprobs as the request asks) while it reads its prompt."""
+        return (s.prompt_logprobs is not None and not s.generated and self.scorer is not None
+                and s.sampling.prompt_logprobs <= self.scorer.top_logprobs)
+
+    def stop_ids(self, s: Request) -> list[int]:
+        """The stop ids a token can be (those inside the vocabulary), sorted."""
+        return s.stop_ids(self.manifest.model.vocab)
+
+    def plan(self, work: list[Work], everyone: bool) -> list[ScheduledCall]:
+        """The calls that run `work` (in scheduling order). `everyone`: the work covers every running sequence and
+        none waits, so a decode_steps call may take them all several tokens on."""
+        steps = self._steps_call(work) if everyone else None
+        if steps is not None:
+            return [steps]
+        scored = [w for w in work if self.scored(w.seq)]
+        single = [w for w in work if w not in scored and w.n == 1]
+        chunks = [w for w in work if w not in scored and w.n > 1]       # in scheduling order
+        calls = self._group(scored, mf.EntryKind.PREFILL_SCORED)
+        # Every chunk in prefill calls beside decode calls; or the first chunk riding with the decode rows in a mixed
+        # call; or decode rows riding in the chunks' packed prefill calls: whichever computes the fewest positions.
+        plans = []
+        mixed = self._mixed_call(single, chunks)
+        if mixed is not None:
+            plans.append([mixed] + self._apart(single[mixed.entry.batch:], chunks[1:]))
+        plans.append(self._apart(single, chunks))
+        joined = self._joined(single, chunks)
+        if joined is not None:
+            plans.append(joined)
+        return min(plans, key=call_cost) + calls
+
+    def _joined(self, single: list[Work], chunks: list[Work]) -> list[ScheduledCall] | None:
+        """The chunks' packed prefill calls with every one-token row riding in them (a packed call computes a
+        one-token row as one position); None without packed prefills, or when their rows cannot hold them all: the
+        rows that ride would save no decode call, and attend with a chunk's query slots (bench/serving.py, 32
+        clients with a shared prefix: 292 tok/s letting 8 - chunks of 32 decode rows ride, 333 tok/s without)."""
+        rows = max((e.batch for e in self.entries(mf.EntryKind.PREFILL) if e.packed_tokens), default=0)
+        if not (chunks and single and rows >= len(chunks) + len(single)):
+            return None
+        return self._group(sorted(chunks + single, key=lambda w: w.start + w.n), mf.EntryKind.PREFILL)
+
+    def _apart(self, single: list[Work], chunks: list[Work]) -> list[ScheduledCall]:
+        """The calls of prompt chunks (prefill entries, those that end near each other together) and one-token rows
+        (decode entries)."""
+        calls = self._group(sorted(chunks, key=lambda w: w.start + w.n), mf.EntryKind.PREFILL)
+        for i in range(0, len(single), self.max_decode_batch):
+            calls += self._group(single[i:i + self.max_decode_batch], mf.EntryKind.DECODE)
+        return calls
+
+    def _mixed_call(self, single: list[Work], chunks: list[Work]) -> ScheduledCall | None:
+        """The decode rows (as many as the largest mixed entry holds) and the first prompt chunk in one mixed call,
+        when the artifact has one that holds them (the decode rows then cost next to nothing beside the chunk)."""
+        mixed = self.entries(mf.EntryKind.MIXED)
+        if not (mixed and self.use_mixed and single and chunks):
+            return None
+        rows = single[:max(e.batch for e in mixed)]
+        chunk = chunks[0]
+        entry = self.pick(mf.EntryKind.MIXED, len(rows), max(w.start + w.n for w in rows + [chunk]), chunk.n)
+        if entry is None:
+            return None
+        work = rows + [chunk]
+        return ScheduledCall(entry, tuple(w.seq for w in work),
+                             tuple(row_call(w.seq.tokens[w.start:w.start + w.n], w.start, w.seq.held) for w in work))
+
+    def unmix(self, call: ScheduledCall) -> list[ScheduledCall]:
+        """A mixed call as the decode call and the prefill call it stands for."""
+        work = [Work(s, row.start, len(row.token_ids)) for s, row in zip(call.seqs, call.rows)]
+        return self._group(work[:-1], mf.EntryKind.DECODE) + self._group(work[-1:], mf.EntryKind.PREFILL)
+
+    def _group(self, work: list[Work], kind: mf.EntryKind) -> list[ScheduledCall]:
+        """The calls of entries of `kind` that run `work`: rows in order, as many a call as an entry holds."""
+        calls: list[ScheduledCall] = []
+        group: list[Work] = []
+        for w in work + [None]:
+            if w is not None:
+                trial = group + [w]
+                if self.pick(kind, len(trial), max(x.start + x.n for x in trial), max(x.n for x in trial),
+                             sum(x.n for x in trial)):
+                    group = trial
+                    continue
+            if group:
+                entry = self.pick(kind, len(group), max(x.start + x.n for x in group), max(x.n for x in group),
+                                  sum(x.n for x in group))
+                if entry is None:
+                    raise RuntimeError(f"no {kind} entry holds a row of {group[0].n} tokens reaching position "
+                                       f"{group[0].start + group[0].n}")
+                rows = tuple(row_call(x.seq.tokens[x.start:x.start + x.n], x.start, x.seq.held) for x in group)
+                calls.append(ScheduledCall(entry, tuple(x.seq for x in group), rows))
+            group = [w] if w is not None else []
+        return calls
+
+    def _multi_step_ok(self, s: Request) -> bool:
+        """Whether a decoding sequence's next tokens may come from one decode_steps call: nothing the host decides
+        between its tokens. Single steps keep a grammar or other constraint, a stop id masked until min_tokens,
+        penalties (the history grows each step), logprobs, stop strings (single_step), more stop ids than the
+        entry's STOP_IDS slots, and (an artifact without a sampler) any request that is not plain greedy."""
+        sp = s.sampling
+        return (s.constraint is None and not s.single_step and sp.logprobs is None and not sp.penalized
+                and not (s.stop and len(s.generated) < sp.min_tokens)
+                and (self.manifest.sampler is not None or sp.plain))
+
+    def _steps_call(self, work: list[Work]) -> ScheduledCall | None:
+        """One decode_steps call for every sequence of `work` when all are decoding and the units for their next
+        tokens are free (taken here); else None. Each row may produce up to K tokens, at most its remaining
+        max_new_tokens."""
+        multi = self.entries(mf.EntryKind.DECODE_STEPS)
+        if not (multi and self.use_decode_steps and work):
+            return None
+        if not all(w.seq.decoding and w.n == 1 and self._multi_step_ok(w.seq) for w in work):
+            return None
+        e0 = multi[0]
+        stop_slots = e0.inputs[e0.input_index(mf.Role.STOP_IDS)].shape[1]
+        if any(len(self.stop_ids(w.seq)) > stop_slots for w in work):
+            return None
+        limits = tuple(min(e0.steps, w.seq.max_new_tokens - len(w.seq.generated)) for w in work)
+        entry = self.pick(mf.EntryKind.DECODE_STEPS, len(work), max(w.start + n for w, n in zip(work, limits)), 1)
+        if entry is None or min(limits) < 1:
+            return None
+        taken = []
+        for w, n in zip(work, limits):
+            before = self.kv.held_counts(w.seq)
+            if not self.kv.allocate_slots(w.seq, w.start + n):
+                for s, counts in taken:         # give back what the longer call took; single steps run instead
+                    self.kv.truncate(s, counts)
+                return None
+            taken.append((w.seq, before))
+        rows = tuple(row_call([w.seq.generated[-1]], w.start, w.seq.held) for w in work)
+        return ScheduledCall(entry, tuple(w.seq for w in work), rows, limits)
