@@ -7,17 +7,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .config import DENSE, FULL, LINEAR, SLIDING, SPARSE, ConfigError, DecoderConfig, RopeConfig
-
-if TYPE_CHECKING:
-    from .families import Family
 
 
 # The HF config keys that name a multimodal checkpoint's placeholder ids; the text decoder cannot
 # embed them, so a server refuses them by name.
 PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "image_token_index", "video_token_index", "audio_token_id")
+
+
+class Family(Protocol):
+    """What a parser reads of its family's row (families.Family): this module does not import the table."""
+
+    name: str
+    qk_norm: bool
+    sliding: bool
+    tied_default: bool
+    experts: "Experts | None"
 
 
 def read_rope(hf: dict[str, Any], params: dict[str, Any] | None = None) -> RopeConfig:
@@ -105,7 +112,7 @@ def _refuse_flag(hf: dict[str, Any], key: str, family: str) -> None:
         raise ConfigError(f"{family} config key {key}={hf[key]!r} is not supported")
 
 
-def _common(family: "Family", hf: dict[str, Any]) -> dict[str, Any]:
+def _common(family: Family, hf: dict[str, Any]) -> dict[str, Any]:
     """The keys every decoder family shares."""
     quant = hf.get("quantization_config")
     if quant:
@@ -142,7 +149,7 @@ def _activation(hf: dict[str, Any], family: str, key: str) -> str:
     return names[act]
 
 
-def parse_dense(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+def parse_dense(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     """Llama-style dense decoders (llama, qwen3, mistral): SwiGLU MLP, RMSNorm, RoPE, GQA."""
     for key in ("attention_bias", "mlp_bias"):
         _refuse_flag(hf, key, family.name)
@@ -155,7 +162,7 @@ def parse_dense(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
     return DecoderConfig(rope=read_rope(hf), hidden_act=_activation(hf, family.name, "hidden_act"), **kw)
 
 
-def parse_qwen2(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+def parse_qwen2(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     """Qwen2 / Qwen2.5: Llama's layers with biases on q, k and v; with use_sliding_window, the layers from
     max_window_layers on (or as `layer_types` says) slide."""
     kw = _common(family, hf)
@@ -168,7 +175,7 @@ def parse_qwen2(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
                          sliding_window=int(window or 0), attention_bias=True, **kw)
 
 
-def parse_phi3(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+def parse_phi3(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     """Phi-3 / Phi-4-mini: Llama's layers with fused qkv_proj and gate_up_proj in the checkpoint (split by the
     table), a window on every layer when sliding_window is set, partial rotary, and LongRoPE (rope type
     "longrope"; older files say "su" or "yarn", which transformers reads as longrope for this family), whose
@@ -190,7 +197,7 @@ def parse_phi3(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
     return cfg
 
 
-def parse_olmo2(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+def parse_olmo2(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     """OLMo 2: no norms before attention and the MLP, a norm after each (before its residual add), and q/k norms
     over the whole q and k projections; attention_bias puts biases on q, k, v and o."""
     kw = _common(family, hf)
@@ -200,7 +207,7 @@ def parse_olmo2(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
                          output_bias=bias, **kw)
 
 
-def parse_granite(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+def parse_granite(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     """Granite: Llama's layers with scalars on the residual stream (embedding_multiplier, residual_multiplier,
     logits_scaling) and the scores' scale given (attention_multiplier); attention_bias puts biases on q, k, v
     and o."""
@@ -215,7 +222,7 @@ def parse_granite(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
                          attention_multiplier=float(hf.get("attention_multiplier", 1.0)), **kw)
 
 
-def parse_gemma(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+def parse_gemma(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     """Gemma 2 and Gemma 3 text decoders: (1 + w) norms around attention and MLP, GELU-tanh, scaled
     embeddings, query_pre_attn_scalar, soft-caps, sliding and full layers from `layer_types`."""
     _refuse_flag(hf, "attention_bias", family.name)
@@ -296,7 +303,7 @@ def _sparse_layers(spec: Experts | None, hf: dict[str, Any], layers: int) -> lis
     return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
 
 
-def _moe_keys(family: "Family", hf: dict[str, Any], layers: int) -> dict[str, Any]:
+def _moe_keys(family: Family, hf: dict[str, Any], layers: int) -> dict[str, Any]:
     """The DecoderConfig keys of a family's mixture-of-experts MLPs ({} when every MLP is dense)."""
     spec = family.experts
     sparse = _sparse_layers(spec, hf, layers)
@@ -329,7 +336,7 @@ def _moe_keys(family: "Family", hf: dict[str, Any], layers: int) -> dict[str, An
     return kw
 
 
-def parse_moe(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+def parse_moe(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     """Mixture-of-experts decoders with Llama-style attention: Qwen3-MoE (q/k norms; every layer sliding with
     use_sliding_window), Mixtral (every layer sliding when sliding_window is set)."""
     for key in ("attention_bias", "mlp_bias"):
@@ -347,7 +354,7 @@ def parse_moe(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
     return DecoderConfig(rope=read_rope(hf), **moe, **kw)
 
 
-def parse_gpt_oss(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+def parse_gpt_oss(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     """GPT-OSS: attention with biases and a sink per head, sliding and full layers (`layer_types`, else
     alternating from a sliding first layer), YaRN RoPE, and experts with a biased router (softmax over the
     chosen logits) and GPT-OSS's clamped SwiGLU with biases."""
@@ -363,7 +370,7 @@ def parse_gpt_oss(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
                          output_bias=bool(hf.get("attention_bias", True)), attn_sinks=True, **moe, **kw)
 
 
-def parse_deepseek(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+def parse_deepseek(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     """DeepSeek-V3: multi-head latent attention in every layer (one latent of kv_lora_rank and a rotated key of
     qk_rope_head_dim cached per position; queries through a q_lora_rank bottleneck, or one q_proj when it is
     null), YaRN or plain RoPE on the rotated part (pairs interleaved with rope_interleave), the scores scaled by
@@ -392,7 +399,7 @@ def parse_deepseek(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
                          attention_multiplier=scale, **moe, **kw)
 
 
-def parse_hybrid(family: "Family", hf: dict[str, Any]) -> DecoderConfig:
+def parse_hybrid(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     """Qwen3-Next and Qwen3.5 text decoders: Gated DeltaNet (LINEAR) layers between gated full-attention
     layers (`layer_types`, or every `full_attention_interval`-th layer full), (1 + w) norms, q/k norms,
     partial rotary (0.25 of the head unless the config says), dense SwiGLU MLPs, or (Qwen3-Next) a mixture
