@@ -1,24 +1,11 @@
-"""Routed experts (a sparse mixture of experts): the router, the experts in a gathered form for few tokens
-and a grouped form for many, a custom_vjp, and a dense reference.
+"""Routed experts (a sparse mixture of experts): the experts in a gathered form for few tokens and a grouped
+form for many, a custom_vjp, and a dense reference.
 
 Dimensions (docs/glossary.md): B, T, E as everywhere; X experts, J experts chosen per token (the router's
 top-k), F an expert's hidden size; in the grouped form, R rows in tiles of Tr rows. Einsum letters: n (a
 token of the flattened B * T), j, x, e, f, r.
 
-Routing. The router scores each token's experts, logits = x Wr (+ br), keeps the J largest and weighs them:
-
-    "softmax"       softmax over all X logits, the J chosen kept; renormalised to sum 1 with `normalize`
-                    (Qwen3-MoE and Qwen3-Next with norm_topk_prob; Mixtral always)
-    "topk_softmax"  softmax over the J chosen logits only (GPT-OSS): "softmax" renormalised, another way round
-    "sigmoid"       sigmoid of each chosen logit; renormalised with `normalize` (DeepSeek-V3, whose
-                    denominator adds 1e-20)
-
-Every scoring is monotone in the logit, so the choice is the J largest logits (lax.top_k) whatever the
-scoring: a rounding in the scores cannot reorder two experts that the logits order. DeepSeek-V3 chooses
-otherwise (`grouped_choice`): a correction bias [X] is added to the sigmoid scores for the choice only, the X
-experts form `groups` groups of which the `top_groups` with the largest sums of their two best biased scores
-are kept, and the J best biased scores of the kept groups are chosen; the weights are the chosen experts'
-unbiased scores. Every scoring's weights are then multiplied by `scale` (routed_scaling_factor; 1 elsewhere).
+Routing (the router's scores, the choice of J experts and their weights) is moe_routing.py's.
 
 Experts. Expert i maps a token x [E] to
 
@@ -54,66 +41,18 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+# MoeSpec and the router's functions are this module's API too (tlaloc_jax.kernels.moe names them).
+from .moe_routing import (HIGHEST, MoeSpec, as_f32, reference_choice, route, router_logits,  # noqa: F401
+                          router_margins, weight_dot)
 
-from .quantized_matmul import QuantizedWeight, quantized_matmul
-
-HIGHEST = lax.Precision.HIGHEST
-SCORINGS = ("softmax", "topk_softmax", "sigmoid")
-ACTIVATIONS = ("silu", "swiglu_clamped")
 # The grouped form's largest tile: [Tr, E] x [E, F] products of 64 rows keep CPU matmuls efficient while an
 # expert's last tile wastes at most 63 rows.
 MAX_TILE = 64
-
-
-@dataclass(frozen=True)
-class MoeSpec:
-    """The static shape of a mixture-of-experts layer (hashable: a static argument under jit)."""
-
-    experts: int                      # X
-    top_k: int                        # J
-    scoring: str = "softmax"          # SCORINGS
-    normalize: bool = False           # renormalise the J chosen weights to sum 1 ("softmax", "sigmoid")
-    activation: str = "silu"          # ACTIVATIONS
-    alpha: float = 1.702              # "swiglu_clamped": the sigmoid's gain
-    limit: float = 7.0                # "swiglu_clamped": the clamp
-    groups: int = 1                   # DeepSeek's n_group: the experts in `groups` groups of X / groups
-    top_groups: int = 1               # DeepSeek's topk_group: the groups whose experts may be chosen
-    scale: float = 1.0                # routed_scaling_factor: the weights' factor
-
-    def __post_init__(self):
-        if self.scoring not in SCORINGS:
-            raise ValueError(f"router scoring {self.scoring!r} is not one of {SCORINGS}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"expert activation {self.activation!r} is not one of {ACTIVATIONS}")
-        if not 1 <= self.top_k <= self.experts:
-            raise ValueError(f"top_k {self.top_k} must be between 1 and the {self.experts} experts")
-        if self.experts % self.groups or not 1 <= self.top_groups <= self.groups:
-            raise ValueError(f"{self.groups} groups must divide the {self.experts} experts and keep 1 to "
-                             f"{self.groups} of them, not {self.top_groups}")
-        if self.groups > 1 and (self.experts // self.groups < 2 or self.top_groups * self.experts // self.groups
-                                < self.top_k):
-            raise ValueError(f"{self.groups} groups of {self.experts // self.groups} experts (a group is scored by "
-                             f"its two best) keeping {self.top_groups} cannot offer top_k {self.top_k}")
-
-
-def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """A product with a weight: f32 at HIGHEST; a bf16 weight stays bf16 and the input is rounded to it
-    (as tlaloc_jax.layers.linear). A quantized weight (x @ W specs only) is read as its codes."""
-    if isinstance(w, QuantizedWeight):
-        return quantized_matmul(x, w)
-    if w.dtype != jnp.float32:
-        x = x.astype(w.dtype)
-    return jnp.einsum(spec, x, w, precision=HIGHEST, preferred_element_type=jnp.float32)
-
-
-def _f32(w):
-    return w.astype(jnp.float32)
 
 
 def activation(spec: MoeSpec, g: jax.Array, u: jax.Array) -> jax.Array:
@@ -123,74 +62,6 @@ def activation(spec: MoeSpec, g: jax.Array, u: jax.Array) -> jax.Array:
     g = jnp.minimum(g, spec.limit)
     u = jnp.clip(u, -spec.limit, spec.limit)
     return (u + 1.0) * (g * jax.nn.sigmoid(spec.alpha * g))
-
-
-# --- routing -----------------------------------------------------------------------------------------
-
-
-def router_logits(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """x: [..., E], weight: [E, X], bias: [X] or None -> logits [..., X] f32."""
-    logits = _dot("...e,ex->...x", x, weight)
-    return logits if bias is None else logits + _f32(bias)
-
-
-def grouped_choice(spec: MoeSpec, scores: jax.Array, correction: jax.Array | None) -> jax.Array:
-    """DeepSeek-V3's choice quantity: scores [..., X] (sigmoid) plus the correction bias [X], -inf outside the
-    top_groups groups whose two best biased scores sum highest. -> [..., X] f32."""
-    choice = scores if correction is None else scores + _f32(correction)
-    if spec.groups == 1:
-        return choice
-    grouped = choice.reshape(*choice.shape[:-1], spec.groups, spec.experts // spec.groups)
-    group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)                              # [..., groups]
-    kept = jnp.sum(jax.nn.one_hot(lax.top_k(group_scores, spec.top_groups)[1], spec.groups), axis=-2) > 0
-    return jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
-
-
-def route(spec: MoeSpec, logits: jax.Array, correction: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """logits: [..., X], correction: [X] or None (DeepSeek's bias for the choice, with "sigmoid") -> (idx
-    [..., J] int32, the chosen experts, in descending order of the choice; weights [..., J] f32).
-    Differentiable in the logits (through the chosen ones)."""
-    if spec.scoring == "sigmoid" and (correction is not None or spec.groups > 1):
-        scores = jax.nn.sigmoid(logits)
-        idx = lax.top_k(grouped_choice(spec, scores, correction), spec.top_k)[1]
-        return idx.astype(jnp.int32), _normalized(spec, jnp.take_along_axis(scores, idx, axis=-1))
-    top, idx = lax.top_k(logits, spec.top_k)
-    if spec.scoring == "topk_softmax":
-        return idx.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
-    if spec.scoring == "softmax":
-        # The chosen experts' probabilities: exp(top - max) / sum over all X (the max is the first chosen).
-        lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-        w = jnp.exp(top - lse)
-    else:
-        w = jax.nn.sigmoid(top)
-    return idx.astype(jnp.int32), _normalized(spec, w)
-
-
-def _normalized(spec: MoeSpec, w: jax.Array) -> jax.Array:
-    """The chosen weights [..., J] renormalised with `normalize` (sigmoid: over their sum + 1e-20, DeepSeek's
-    guard), times `scale`."""
-    if spec.normalize:
-        w = w / (jnp.sum(w, axis=-1, keepdims=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
-    return w * spec.scale if spec.scale != 1.0 else w
-
-
-def router_margins(spec: MoeSpec, logits: jax.Array, correction: jax.Array | None = None) -> jax.Array:
-    """logits: [..., X] -> [...]: the gap a rounding would have to close to change the choice (inf with J = X):
-    how far the J-th largest logit is above the (J + 1)-th; with DeepSeek's grouped choice, the least of that gap
-    in the choice quantity (grouped_choice) and of how far the last kept group's score is above the next one's."""
-    grouped = spec.scoring == "sigmoid" and (correction is not None or spec.groups > 1)
-    values = grouped_choice(spec, jax.nn.sigmoid(logits), correction) if grouped else logits
-    if spec.top_k == spec.experts:
-        gap = jnp.full(logits.shape[:-1], jnp.inf, jnp.float32)
-    else:
-        top, _ = lax.top_k(values, spec.top_k + 1)
-        gap = top[..., -2] - top[..., -1]
-    if grouped and spec.top_groups < spec.groups:
-        choice = jax.nn.sigmoid(logits) + (0.0 if correction is None else _f32(correction))
-        parts = choice.reshape(*choice.shape[:-1], spec.groups, spec.experts // spec.groups)
-        group_top, _ = lax.top_k(jnp.sum(lax.top_k(parts, 2)[0], axis=-1), spec.top_groups + 1)
-        gap = jnp.minimum(gap, group_top[..., -2] - group_top[..., -1])
-    return gap
 
 
 # --- the grouped form ---------------------------------------------------------------------------------
@@ -264,15 +135,15 @@ def _expert_weights(experts: dict, layer, i) -> dict:
 
 def _expert_pre(x: jax.Array, w: dict) -> tuple[jax.Array, jax.Array]:
     """x: [r, E] -> the gate and up projections [r, F] of one expert, biases added."""
-    g, u = _dot("re,ef->rf", x, w["gate"]), _dot("re,ef->rf", x, w["up"])
+    g, u = weight_dot("re,ef->rf", x, w["gate"]), weight_dot("re,ef->rf", x, w["up"])
     if "gate_bias" in w:
-        g, u = g + _f32(w["gate_bias"]), u + _f32(w["up_bias"])
+        g, u = g + as_f32(w["gate_bias"]), u + as_f32(w["up_bias"])
     return g, u
 
 
 def _expert_out(h: jax.Array, w: dict) -> jax.Array:
-    y = _dot("rf,fe->re", h, w["down"])
-    return y + _f32(w["down_bias"]) if "down_bias" in w else y
+    y = weight_dot("rf,fe->re", h, w["down"])
+    return y + as_f32(w["down_bias"]) if "down_bias" in w else y
 
 
 def _expert(spec: MoeSpec, x: jax.Array, w: dict) -> jax.Array:
@@ -400,14 +271,14 @@ def _routed_bwd(spec, residuals, d_out):
         xt = lax.dynamic_slice_in_dim(xr, i * Tr, Tr)
         dyt = lax.dynamic_slice_in_dim(dyr, i * Tr, Tr)
         h, act_vjp = jax.vjp(functools.partial(activation, spec), *_expert_pre(xt, w))
-        dg, du = act_vjp(jnp.einsum("re,fe->rf", dyt, _f32(w["down"]), precision=HIGHEST))
+        dg, du = act_vjp(jnp.einsum("re,fe->rf", dyt, as_f32(w["down"]), precision=HIGHEST))
         tile_grads = {"down": jnp.einsum("rf,re->fe", h, dyt, precision=HIGHEST),
                       "gate": jnp.einsum("re,rf->ef", xt, dg, precision=HIGHEST),
                       "up": jnp.einsum("re,rf->ef", xt, du, precision=HIGHEST),
                       "down_bias": jnp.sum(dyt, axis=0), "gate_bias": jnp.sum(dg, axis=0),
                       "up_bias": jnp.sum(du, axis=0)}
-        dxt = (jnp.einsum("rf,ef->re", dg, _f32(w["gate"]), precision=HIGHEST)
-               + jnp.einsum("rf,ef->re", du, _f32(w["up"]), precision=HIGHEST))
+        dxt = (jnp.einsum("rf,ef->re", dg, as_f32(w["gate"]), precision=HIGHEST)
+               + jnp.einsum("rf,ef->re", du, as_f32(w["up"]), precision=HIGHEST))
         at = e if layer is None else (layer, e)
         grads = {k: g.at[at].add(tile_grads[k]) for k, g in grads.items()}
         return lax.dynamic_update_slice_in_dim(dx_rows, dxt, i * Tr, axis=0), grads
@@ -429,9 +300,9 @@ _routed.defvjp(_routed_fwd, _routed_bwd)
 def shared_expert(x: jax.Array, shared: dict) -> jax.Array:
     """A shared expert: down(silu(x Wg) * (x Wu)), times sigmoid(x Ws) where it has a gate (Qwen3-Next; DeepSeek's
     has none). x: [..., E]; shared: "gate", "up" [E, Fs], "down" [Fs, E], and "gate_proj" [E, 1] or not -> [..., E]."""
-    h = jax.nn.silu(_dot("...e,ef->...f", x, shared["gate"])) * _dot("...e,ef->...f", x, shared["up"])
-    out = _dot("...f,fe->...e", h, shared["down"])
-    return jax.nn.sigmoid(_dot("...e,eo->...o", x, shared["gate_proj"])) * out if "gate_proj" in shared else out
+    h = jax.nn.silu(weight_dot("...e,ef->...f", x, shared["gate"])) * weight_dot("...e,ef->...f", x, shared["up"])
+    out = weight_dot("...f,fe->...e", h, shared["down"])
+    return jax.nn.sigmoid(weight_dot("...e,eo->...o", x, shared["gate_proj"])) * out if "gate_proj" in shared else out
 
 
 def moe(spec: MoeSpec, x: jax.Array, router: jax.Array, experts: dict, *, router_bias: jax.Array | None = None,
@@ -453,31 +324,16 @@ def moe(spec: MoeSpec, x: jax.Array, router: jax.Array, experts: dict, *, router
 # --- reference ----------------------------------------------------------------------------------------
 
 
-def _reference_choice(spec: MoeSpec, logits: jax.Array, correction: jax.Array | None) -> jax.Array:
-    """[B, T, X] -> [B, T, X] bool, the chosen experts, by sorting: the J largest logits; or DeepSeek's rule read
-    literally (biased sigmoid scores; each group scored by its two best; the experts of the best top_groups
-    groups ranked)."""
-    X, J = spec.experts, spec.top_k
-    rank = lambda v: jnp.argsort(jnp.argsort(-v, axis=-1, stable=True), axis=-1, stable=True)  # noqa: E731 (0 = best)
-    if not (spec.scoring == "sigmoid" and (correction is not None or spec.groups > 1)):
-        return rank(logits) < J
-    choice = jax.nn.sigmoid(logits) + (0.0 if correction is None else _f32(correction))
-    per_group = choice.reshape(*choice.shape[:-1], spec.groups, X // spec.groups)
-    best_two = jnp.sort(per_group, axis=-1)[..., -2:].sum(axis=-1)                          # [B, T, groups]
-    kept = jnp.repeat(rank(best_two) < spec.top_groups, X // spec.groups, axis=-1)         # [B, T, X]
-    return rank(jnp.where(kept, choice, -jnp.inf)) < J
-
-
 def moe_reference(spec: MoeSpec, x: jax.Array, router: jax.Array, experts: dict, *,
                   router_bias: jax.Array | None = None, correction: jax.Array | None = None,
                   shared: dict | None = None, valid: jax.Array | None = None) -> jax.Array:
     """Dense, for tests and the bench's baseline: every expert runs on every token, and a [B, T, X] weight that
     is zero off each token's J chosen experts sums them. Same arguments and result as moe."""
-    logits = jnp.einsum("bte,ex->btx", x, _f32(router), precision=HIGHEST)
+    logits = jnp.einsum("bte,ex->btx", x, as_f32(router), precision=HIGHEST)
     if router_bias is not None:
-        logits = logits + _f32(router_bias)
+        logits = logits + as_f32(router_bias)
     X = spec.experts
-    chosen = _reference_choice(spec, logits, correction)                                   # [B, T, X]
+    chosen = reference_choice(spec, logits, correction)                                   # [B, T, X]
     if spec.scoring == "sigmoid":
         dense = jnp.where(chosen, jax.nn.sigmoid(logits), 0.0)
     else:
@@ -487,7 +343,7 @@ def moe_reference(spec: MoeSpec, x: jax.Array, router: jax.Array, experts: dict,
         guard = 1e-20 if spec.scoring == "sigmoid" else 0.0
         dense = dense / (jnp.sum(dense, axis=-1, keepdims=True) + guard)
     dense = dense * spec.scale
-    f = {k: _f32(v) for k, v in experts.items()}
+    f = {k: as_f32(v) for k, v in experts.items()}
     # Every expert on every token: tokens broadcast along X, so each product is a batch of X plain matmuls
     # (contracting "bte,xef" directly makes XLA transpose all the experts' weights first on CPU).
     xs = jnp.broadcast_to(x[None], (X, *x.shape))                                              # [X, B, T, E]
@@ -500,7 +356,7 @@ def moe_reference(spec: MoeSpec, x: jax.Array, router: jax.Array, experts: dict,
         y = y + f["down_bias"][:, None, None]
     out = jnp.einsum("btx,xbte->bte", dense, y, precision=HIGHEST)
     if shared is not None:
-        s = {k: _f32(v) for k, v in shared.items()}
+        s = {k: as_f32(v) for k, v in shared.items()}
         h = jax.nn.silu(jnp.einsum("bte,ef->btf", x, s["gate"], precision=HIGHEST)) * jnp.einsum(
             "bte,ef->btf", x, s["up"], precision=HIGHEST)
         y = jnp.einsum("btf,fe->bte", h, s["down"], precision=HIGHEST)
