@@ -3,7 +3,7 @@
 The body runs the step function in a `lax.while_loop` of at most K iterations. Iteration i feeds each live row
 the token iteration i - 1 chose (the first: the row's TOKEN_IDS), at position POSITIONS + i, writing its key and
 value through the row's own block tables (the slot of position p is table[p // S] * S + p % S, as
-tlaloc_jax.paging.build_step_inputs computes it on the host), and chooses the next token as a decode entry
+tlaloc_jax.serve.core.paging.build_step_inputs computes it on the host), and chooses the next token as a decode entry
 does: the argmax of the logits, or, with the sampler staged, tlaloc_jax/kernels/sampling.py's choice with the random
 counter RNG_STEP + i, so that a seeded row draws what K single steps would. A row stops once it has produced
 one of its STOP_IDS or STEP_LIMIT tokens; a stopped row is an empty row for the remaining iterations (no

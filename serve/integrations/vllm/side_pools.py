@@ -35,7 +35,7 @@ class SidePools:
         self.manifest = m
         kinds = [kind for kind in SIDE_KINDS if kind in m.pool_kinds]
         self.rules = {kind: pool_rule(m.pools_of(kind)[0], m.block_size) for kind in kinds}
-        self.free_lists = {kind: PageAllocator(m.capacity(kind), str(kind)) for kind in kinds}
+        self.free_lists = {kind: UnitPool(m.capacity(kind), str(kind)) for kind in kinds}
         self.held: dict[str, dict[af.PoolKind, list[int]]] = {}
 
     def take(self, req_id: str) -> None:
