@@ -1,5 +1,6 @@
 """The tree's structure: each item of the artifact vocabulary is defined once (tlaloc_jax/artifact/vocabulary.py),
-and no module of tlaloc_jax.* takes part in an import cycle, counting the imports inside functions.
+no module of tlaloc_jax.* takes part in an import cycle (counting the imports inside functions and type-only ones),
+no module is over MAX_MODULE_LINES lines, and one class hands out pool units.
 
 Both read the source as text (ast), so they see every file, imported or not. Controls: each detector finds a
 second definition planted in a temporary file, and the cycle finder finds a cycle planted in a temporary package."""
@@ -139,25 +140,15 @@ def project_modules(root: Path, package_dir: dict[str, str]) -> dict[str, Path]:
     return modules
 
 
-def _in_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return True
-    return False
-
-
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules `name` imports anywhere in its file (functions included; TYPE_CHECKING blocks not).
+    """The project modules `name` imports anywhere in its file (functions and TYPE_CHECKING blocks included: a
+    type-only import couples two modules as much as any).
     `from package import x` is an import of package.x when that is a module, else of the package; importing a
     module does not count as importing its parent packages."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(tree):
-        if _in_type_checking(node, parents):
-            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 target = alias.name
@@ -234,7 +225,7 @@ def test_the_cycle_finder_finds_a_planted_cycle(tmp_path):
     (pkg / "sub" / "b.py").write_text("B = 1\ndef f():\n    from ..a import x   # inside a function: still an edge\n")
     (pkg / "c.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from . import a\n")
     graph = import_graph(tmp_path, {"pkg": "pkg"})
-    assert graph["pkg.sub"] == {"pkg.sub.b"} and graph["pkg.c"] == set()
+    assert graph["pkg.sub"] == {"pkg.sub.b"} and graph["pkg.c"] == {"pkg.a"}
     assert import_cycles(graph) == [["pkg.a", "pkg.sub.b"]]
 
 
@@ -268,3 +259,65 @@ def test_the_shadowing_check_finds_a_planted_folder(tmp_path):
     (tmp_path / "notes").mkdir()    # a folder without __init__.py is at most a namespace portion: never shadows
     installed = {"numpy": ["numpy"], "yaml": ["PyYAML"], "tlaloc_jax": ["tlaloc-jax"], "notes": ["notes"]}
     assert shadowing(tmp_path, installed, {"tlaloc-jax"}) == ["numpy", "yaml"]
+
+
+# -- modules of one job: none over MAX_MODULE_LINES lines ---------------------------------------------------------
+
+MAX_MODULE_LINES = 500
+SIZED_FOLDERS = ("tlaloc_jax/", "serve/", "export/")
+
+
+def long_modules(files: list[str], root: Path, most: int = MAX_MODULE_LINES) -> list[tuple[str, int]]:
+    """(file, lines) of each Python file under SIZED_FOLDERS longer than `most` lines."""
+    out = []
+    for rel in files:
+        if rel.startswith(SIZED_FOLDERS):
+            n = len((root / rel).read_text(encoding="utf-8").splitlines())
+            if n > most:
+                out.append((rel, n))
+    return out
+
+
+def test_no_module_of_the_packages_is_over_the_size_limit():
+    files = _python_files()
+    assert "serve/engine.py" in files and "tlaloc_jax/decoder.py" in files
+    assert long_modules(files, ROOT) == []
+
+
+def test_the_size_check_finds_a_long_module(tmp_path):
+    (tmp_path / "serve").mkdir()
+    (tmp_path / "serve" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (tmp_path / "serve" / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "long.py").write_text("x = 1\n" * 2000)     # tests are not sized
+    files = ["serve/long.py", "serve/short.py", "tests/long.py"]
+    assert long_modules(files, tmp_path) == [("serve/long.py", MAX_MODULE_LINES + 1)]
+
+
+# -- one page allocator ------------------------------------------------------------------------------------------
+
+ALLOCATOR = "serve/core/kv_cache.py:UnitPool"
+
+
+def allocators(path: Path, rel: str) -> list[str]:
+    """"file:Class" for each class that hands out and takes back units (a method named take or alloc, and one named
+    release or free)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+            if methods & {"take", "alloc", "allocate"} and methods & {"release", "free"}:
+                out.append(f"{rel}:{node.name}")
+    return out
+
+
+def test_one_class_hands_out_pool_units():
+    found = [a for rel in _python_files() if rel.startswith(SIZED_FOLDERS) for a in allocators(ROOT / rel, rel)]
+    assert found == [ALLOCATOR]
+
+
+def test_the_allocator_check_finds_a_second_allocator(tmp_path):
+    (tmp_path / "planted.py").write_text("class Pages:\n    def alloc(self, n): ...\n    def free(self, p): ...\n"
+                                         "class Ring:\n    def take(self, n): ...\n    def give_back(self, p): ...\n")
+    assert allocators(tmp_path / "planted.py", "planted.py") == ["planted.py:Pages"]
