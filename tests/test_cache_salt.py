@@ -1,5 +1,6 @@
 """Prefix-cache isolation (issue 55, finding 4): a request's cache_salt enters its first page's hash, so requests with
-different salts (or a salt and none) share no KV page and no state snapshot, while requests with the same salt do.
+different salts (or a salt and none) share no KV page and no state snapshot, while requests with the same salt do;
+and /metrics, whose prefix-cache counters show hits, needs the API key when the server has one.
 
 Each isolation check has its control: the same salt (or none on both sides) shares the prefix. The probe is the
 issue's: the same prefix from two clients over HTTP, with and without salts, read off vllm:prefix_cache_hits_total.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from starlette.testclient import TestClient
 
 from http_util import InProcess, loaded
 from tlaloc_jax import artifact as mf
@@ -19,6 +21,7 @@ from tlaloc_jax.serve.core.request import Request
 from tlaloc_jax.serve.sampling import GREEDY
 
 PAGED, STATE = mf.PoolKind.PAGED_KV, mf.PoolKind.STATE_SLOTS
+KEY = "sk-salt-test"
 # (first client's salt, second client's salt, whether the second shares the first's prefix pages)
 PAIRS = {"different salts": ("alice", "bob", False), "no salt, then a salt": (None, "bob", False),
          "a salt, then none": ("alice", None, False), "control: same salt": ("alice", "alice", True),
@@ -190,3 +193,47 @@ def test_a_bad_cache_salt_is_answered_400_naming_it(engines, route, salt):
         assert err["param"] == "cache_salt" and err["code"] == ("invalid_value" if salt == "" else "invalid_type")
         assert "'cache_salt'" in err["message"]
         assert srv.wait_idle() == {"running": 0, "waiting": 0, "kv_in_use": 0}
+
+
+@pytest.mark.parametrize("open_metrics", [False, True], ids=["metrics need the key", "--metrics-without-key"])
+def test_metrics_need_the_api_key_unless_left_open_and_health_never_does(engines, open_metrics):
+    cached, _ = engines
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with InProcess(cached, api_key=KEY, metrics_without_key=open_metrics) as srv:
+        assert srv.client.get("/health").status_code == 200
+        assert srv.client.get("/v1/models").status_code == 401
+        r = srv.client.get("/metrics", headers=auth)
+        assert r.status_code == 200 and "vllm:prefix_cache_hits_total" in r.text
+        for headers in (None, {"Authorization": "Bearer sk-wrong"}):
+            r = srv.client.get("/metrics", headers=headers)
+            if open_metrics:
+                assert r.status_code == 200 and "vllm:prefix_cache_hits_total" in r.text
+            else:
+                assert r.status_code == 401, r.text
+                assert r.json()["error"]["code"] == "invalid_api_key" and "vllm:" not in r.text
+    with InProcess(cached) as srv:           # no key: /metrics stays open
+        assert srv.client.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("flag", [False, True], ids=["--api-key", "--api-key --metrics-without-key"])
+def test_the_command_line_puts_metrics_behind_the_key(http_artifacts, serve_cache_dir, monkeypatch, flag):
+    """`python -m tlaloc_jax.serve --api-key KEY [--metrics-without-key]`: the app it would serve answers /metrics
+    401 without the key (200 with the flag) and /health 200."""
+    from tlaloc_jax.serve import __main__ as cli
+    answers = {}
+
+    class Answering:
+        """In place of uvicorn's server: asks the app, then ends as a clean shutdown would."""
+
+        def __init__(self, uvicorn, config):
+            self.app, self.started = config.app, True
+
+        def run(self):
+            with TestClient(self.app, base_url="http://localhost") as c:
+                answers.update({p: c.get(p).status_code for p in ("/metrics", "/health")})
+
+    monkeypatch.setattr(cli, "_uvicorn_server", Answering)
+    monkeypatch.setattr(cli, "freeze_heap", lambda: 0)
+    argv = [str(http_artifacts[0]), "--cache-dir", str(serve_cache_dir), "--no-progress", "--api-key", KEY]
+    assert cli.main(argv + ["--metrics-without-key"] * flag) == 0
+    assert answers == {"/metrics": 200 if flag else 401, "/health": 200}
