@@ -1,6 +1,6 @@
 """python -m tlaloc_jax.serve ARTIFACT_DIR [--host 127.0.0.1] [--port 8000] [--plugin PATH] [--max-num-seqs N]
-[--max-model-len N] [--api-key KEY] [--allowed-hosts HOST,...] [--allowed-origins ORIGIN,...] [--strict-fields]
-[--embedding-artifact DIR]"""
+[--max-model-len N] [--api-key KEY] [--metrics-without-key] [--allowed-hosts HOST,...] [--allowed-origins ORIGIN,...]
+[--strict-fields] [--embedding-artifact DIR]"""
 
 from __future__ import annotations
 
@@ -117,7 +117,12 @@ def main(argv=None) -> int:
                          "ignored, as vLLM does")
     ap.add_argument("--no-progress", action="store_true", help="no compile progress bar on load")
     ap.add_argument("--api-key", default=None,
-                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TLALOC_API_KEY, else no key)")
+                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $TLALOC_API_KEY, else "
+                         "no key)")
+    ap.add_argument("--metrics-without-key", action="store_true",
+                    help="answer /metrics without --api-key, for a scraper that cannot send one (its counters show "
+                         "when prompts hit the prefix cache: keep it on loopback); by default /metrics needs the "
+                         "key when one is set, and /health never does")
     ap.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST...]",
                     help="Host header names to answer besides localhost, 127.0.0.1 and [::1] when bound to loopback "
                          "(any other Host gets 421: DNS rebinding); on other addresses, the only names answered "
@@ -216,11 +221,14 @@ def main(argv=None) -> int:
                               allowed_hosts=allowed_hosts, allowed_origins=_names(args.allowed_origins),
                               embeddings=embeddings, strict_fields=args.strict_fields,
                               max_waiting=args.max_waiting or http.DEFAULT_MAX_WAITING,
-                              max_wait_seconds=args.max_wait_seconds)
+                              max_wait_seconds=args.max_wait_seconds, metrics_without_key=args.metrics_without_key)
         server = app.state.server
         if not _is_loopback(args.host) and not api_key:
             log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                         args.host)
+        elif api_key and args.metrics_without_key and not _is_loopback(args.host):
+            log.warning("listening on %s with --metrics-without-key: anyone who can reach this port can read /metrics, "
+                        "whose counters show when prompts hit the prefix cache", args.host)
         log.info("serving %r from %s on http://%s:%d (max batch %d, %s, context %d, %s, %s)",
                  server.model_name, args.artifact, args.host, args.port, server.loop.max_running,
                  describe_pools(engine), engine.max_context,

@@ -40,6 +40,7 @@ class SeqSpec:
     sampling: Sampling
     constraint: Constraint | None = None
     single_step: bool = False        # stop strings: the server checks each token (engine.add_request)
+    cache_salt: str | None = None    # shares cached prefixes only with the same salt (engine.add_request)
 
 
 @dataclass(frozen=True)
@@ -326,7 +327,8 @@ class EngineLoop:
                 for spec in adm.specs:
                     rids.append(self.engine.add_request(spec.prompt, spec.max_new_tokens, spec.stop_token_ids,
                                                         spec.sampling, constraint=spec.constraint,
-                                                        single_step=spec.single_step))
+                                                        single_step=spec.single_step,
+                                                        cache_salt=spec.cache_salt))
             except Exception as e:  # noqa: BLE001 - RequestRefused, or a bug: nothing of it stays admitted
                 for rid in rids:
                     self.engine.release(rid)

@@ -57,6 +57,7 @@ class Server:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self.key = args[args.index("--api-key") + 1] if "--api-key" in args else None    # /metrics needs it too
         self.proc = subprocess.Popen(
             [sys.executable, "-c", SERVE, str(artifact), "--port", str(self.port), "--cache-dir", str(cache_dir),
              "--log-level", "warning", *args],
@@ -91,7 +92,8 @@ class Server:
         assert re.search(r"frozen objects: [1-9]", out), out[-4000:]
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else None
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).raise_for_status().text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

@@ -87,6 +87,7 @@ class Request:
     order: int = 0                       # arrival order: ties between equal priorities go to the earlier
     priority: int = 0                    # lower runs first (vLLM's priority scheduling)
     seed: int = 0                        # the body's 64-bit seed (the request's, else a random one)
+    cache_salt: str | None = None        # shares cached pages only with requests of the same salt
     constraint: Constraint | None = None
     single_step: bool = False            # the caller checks each token (stop strings): no decode_steps calls
     prompt_logprobs: list | None = None  # filled while the prompt is read, when the request asked
@@ -146,6 +147,14 @@ def check_stop(stop_token_ids: Iterable[int]) -> frozenset[int]:
         if not isinstance(t, numbers.Integral) or isinstance(t, bool):
             raise RequestRefused("bad_request", f"stop_token_ids must be integer token ids, got {t!r}")
     return frozenset(int(t) for t in items)
+
+
+def check_cache_salt(salt) -> str | None:
+    """A request's cache_salt: None, or a non-empty string (vLLM's rule)."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise RequestRefused("bad_request", f"cache_salt must be a non-empty string, got {salt!r}; leave it out "
+                                            "(None) to share cached prefixes with every request without one")
+    return salt
 
 
 def check_sampling(sampling: Sampling | None) -> Sampling:

@@ -16,7 +16,8 @@ Errors are OpenAI-style JSON, {"error": {"message", "type", "param", "code"}}:
        bound, a grammar or schema that does not compile, passes a limit, admits no text or cannot meet min_tokens,
        a placeholder or out-of-vocabulary token id, a prompt longer than the largest context, max_tokens past it,
        a sequence that needs more pages (or state slots) than the whole pool
-  401  a missing or wrong API key (when the server has one)
+  401  a missing or wrong API key (when the server has one) on /v1/*, /tokenize, /detokenize and /metrics
+       (/metrics without one when metrics_without_key: a scraper's; /health and /version never need it)
   404  an unknown model or route
   413  a body over the size limit
   421  a Host header outside the allow-list (when the app has one: DNS rebinding)
@@ -72,7 +73,8 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Iterable[str] | None = None,
                allowed_origins: Iterable[str] = (), embeddings: Embeddings | None = None,
                strict_fields: bool = False, max_waiting: int = DEFAULT_MAX_WAITING,
-               max_wait_seconds: float | None = None, grammar_budget: GrammarBudget = GrammarBudget()) -> FastAPI:
+               max_wait_seconds: float | None = None, grammar_budget: GrammarBudget = GrammarBudget(),
+               metrics_without_key: bool = False) -> FastAPI:
     """The FastAPI app serving `engine`. The engine loop thread starts and stops with the app's lifespan.
 
     tokenizer: "auto" loads the artifact's (None when it has no tokenizer.json); max_batch: the most
@@ -85,7 +87,8 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     refuse (400) request fields the server does not know, instead of logging them as ignored (vLLM's way);
     max_waiting: the most sequences waiting to run before new requests get 503; max_wait_seconds: a sequence
     that waited this long without starting fails with 503 (None: no limit); grammar_budget: what one request's
-    structured output may cost (serve/structured.py).
+    structured output may cost (serve/structured.py); metrics_without_key: answer /metrics without the api_key
+    (a scraper that cannot send one; its counters show when prompts hit the prefix cache).
     """
     if api_key is not None and (problem := api_key_problem(api_key)) is not None:
         raise ValueError(f"api_key {problem}")
@@ -149,7 +152,9 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
         return APIError(503, problem, type="service_unavailable_error").response()
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if not metrics_without_key:
+            server.check_key(request)
         return await server.metrics_text()
 
     # Added innermost first: requests pass CountRequests, then the Host check, then CORS, then InternalErrors.

@@ -87,6 +87,16 @@ def string(name, v):
     return v
 
 
+def cache_salt(name, v):
+    """vLLM's cache_salt: a non-empty string (an empty one would read as no salt, sharing what the client meant to
+    keep apart)."""
+    string(name, v)
+    if not v:
+        raise bad_value(name, "must be a non-empty string; leave it out to share cached prefixes with requests "
+                              "that send none.")
+    return v
+
+
 def unsupported(*allowed):
     """A field OpenAI defines that this server serves only at its neutral value."""
     def check(name, v):

@@ -86,6 +86,7 @@ class GenerationRequest(Request):
     return_token_ids: Bool = None
     ignore_eos: Bool = None
     user: Str = None
+    cache_salt: Annotated[str | None, _opt(c.cache_salt)] = None
     presence_penalty: Penalty = None
     frequency_penalty: Penalty = None
     repetition_penalty: Annotated[float | None, _opt(c.number(0.0, 100.0, lo_open=True))] = None

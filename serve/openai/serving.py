@@ -231,7 +231,8 @@ class OpenAIServer:
         lengths = [m for m in lengths for _ in range(n)]
         length_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         return Generation(self.engine, self.loop, self.tokenizer, self.eos, prompts, n, lengths, frozenset(stop_ids),
-                           StopStrings(stop_strings) if stop_strings else None, sampling, arrival, length_param)
+                           StopStrings(stop_strings) if stop_strings else None, sampling, arrival, length_param,
+                           req.cache_salt)
 
     def check_sampler_fits(self, req: GenerationRequest, chat: bool, logprobs: int | None,
                            prompt_logprobs: int | None) -> None:
