@@ -66,15 +66,6 @@ def test_a_kernel_the_runtime_lacks_is_refused_at_load(exported, tmp_path):
         Engine.load(other, progress=False)
 
 
-def test_a_machine_without_a_compiler_is_told_so(monkeypatch, tmp_path):
-    """No C compiler where the kernel is built: the error names the kernel, the compiler and the way out."""
-    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
-    monkeypatch.setenv("CC", "no-such-cc")
-    with pytest.raises(native.NativeKernelError, match="built on the serving machine with a C compiler, and no-such-cc"
-                                                       " does not run.*--decode-attention xla"):
-        native.library(NATIVE_DECODE_ATTENTION)
-
-
 def test_pools_the_kernel_does_not_read_default_to_plain_ops(exported, tmp_path):
     """An fp8 KV pool (which the kernel does not read): a cpu export that does not ask gets plain ops; one that asks
     for the kernel is refused by name."""
@@ -86,9 +77,3 @@ def test_pools_the_kernel_does_not_read_default_to_plain_ops(exported, tmp_path)
                                           "pool: it reads f32 or bf16 pools"):
         export_checkpoint(path, tmp_path / "native", decode_attention="native", **kw)
 
-
-def test_an_unwritable_build_folder_is_named(monkeypatch, tmp_path):
-    (tmp_path / "a-file").write_text("")
-    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path / "a-file" / "native"))
-    with pytest.raises(native.NativeKernelError, match="cannot write its build to .*a-file/native.*TLALOC_NATIVE_CACHE"):
-        native.library(NATIVE_DECODE_ATTENTION)

@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import shlex
+import struct
 import subprocess
 import tempfile
 import threading
@@ -63,8 +64,34 @@ def _compiler() -> list[str]:
     return shlex.split(os.environ.get("CC") or "cc")
 
 
-def library(target: str) -> Path:
-    """The shared library holding `target`'s handler, built here unless the cache holds it."""
+def _way_out(target: str) -> str:
+    return f"install gcc or clang (or set $CC to one), or export the artifact with {WITHOUT[target]}"
+
+
+def _short(path: Path) -> bool:
+    """Whether `path` cannot be a whole shared library: shorter than an ELF header, or an ELF file that ends before
+    its section headers or a segment (the loader maps those pages; reading past the end crashes it with SIGBUS)."""
+    data = path.read_bytes()
+    if len(data) < 64:
+        return True
+    if data[:4] != b"\x7fELF":
+        return False                     # another format: the loader judges it
+    wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
+    head = struct.unpack_from(order + ("16xHHIQQQIHHHHHH" if wide else "16xHHIIIIIHHHHHH"), data)
+    phoff, shoff, phsize, phnum, shsize, shnum = head[4], head[5], head[8], head[9], head[10], head[11]
+    if max(phoff + phsize * phnum, shoff + shsize * shnum) > len(data):
+        return True
+    for i in range(phnum):
+        seg = struct.unpack_from(order + ("IIQQQQ" if wide else "IIIIII"), data, phoff + i * phsize)
+        offset, size = (seg[2], seg[5]) if wide else (seg[1], seg[4])
+        if offset + size > len(data):
+            return True
+    return False
+
+
+def library(target: str, rebuild: bool = False) -> Path:
+    """The shared library holding `target`'s handler, built here unless the cache holds it whole (`rebuild`: built
+    anew, replacing the cached copy)."""
     if target not in KERNELS:
         raise NativeKernelError(f"native kernel {target!r} is not one this runtime has (it has "
                                 f"{', '.join(sorted(KERNELS))}): serve the artifact with a tlaloc-jax that has it, "
@@ -76,13 +103,12 @@ def library(target: str) -> Path:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise NativeKernelError(f"native kernel {target!r} is built on the serving machine with a C compiler, and "
-                                f"{shlex.join(cc)} does not run ({e}): install gcc or clang (or set $CC), or export "
-                                f"the artifact with {WITHOUT[target]}") from e
+                                f"{shlex.join(cc)} does not run ({e}): {_way_out(target)}") from e
     headers = [h.read_bytes() for h in sorted(HERE.glob("*.h"))]
     key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(flags).encode(),
                                      version.encode()])).hexdigest()[:24]
     out = cache_dir() / f"{target}-{key}.so"
-    if out.is_file():
+    if out.is_file() and not rebuild and not _short(out):
         return out
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -92,13 +118,33 @@ def library(target: str) -> Path:
                                 f"${ENV_CACHE} to a writable folder") from e
     with tmp_dir as tmp:
         built = Path(tmp) / out.name
-        run = subprocess.run([*cc, *flags, f"-I{HERE}", str(source), "-o", str(built), "-lm"],
-                             capture_output=True, text=True)
+        command = [*cc, *flags, f"-I{HERE}", str(source), "-o", str(built), "-lm"]
+        run = subprocess.run(command, capture_output=True, text=True)
         if run.returncode:
             raise NativeKernelError(f"native kernel {target!r}: {shlex.join(cc)} failed on {source.name}:\n"
-                                    f"{run.stderr.strip()}")
+                                    f"{run.stderr.strip()}\n{_way_out(target)}")
+        if not built.is_file() or _short(built):
+            raise NativeKernelError(f"native kernel {target!r}: {shlex.join(cc)} exited 0 on {source.name} but wrote "
+                                    f"no whole library ({shlex.join(command)}): {_way_out(target)}")
         os.replace(built, out)           # atomic: another process building the same key finds it whole
     return out
+
+
+def _load(target: str) -> ctypes.CDLL:
+    """`target`'s library loaded; one that does not load is rebuilt once (replacing the cached copy atomically, as
+    other processes may read it), then named with the command that clears it."""
+    path = library(target)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        path = library(target, rebuild=True)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise NativeKernelError(f"native kernel {target!r}: {path}, rebuilt, does not load ({e}); clear it with "
+                                f"`rm {shlex.quote(str(path))}` (or the whole cache: `rm -r "
+                                f"{shlex.quote(str(path.parent))}`), set ${ENV_CACHE} to another folder, or export "
+                                f"the artifact with {WITHOUT[target]}") from e
 
 
 def handler(target: str) -> int:
@@ -106,5 +152,5 @@ def handler(target: str) -> int:
     kept for the life of the process."""
     with _lock:
         if target not in _loaded:
-            _loaded[target] = ctypes.CDLL(str(library(target)))
+            _loaded[target] = _load(target)
         return ctypes.cast(getattr(_loaded[target], target), ctypes.c_void_p).value
