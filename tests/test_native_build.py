@@ -132,3 +132,14 @@ def test_every_cut_of_a_library_is_found_short(tmp_path, cache):
     for n in [*range(0, len(whole), max(1, len(whole) // 64)), len(whole) - 1]:
         cut.write_bytes(whole[:n])
         assert native._short(cut), n
+
+
+def test_the_limits_come_from_the_build_and_key_it(monkeypatch, tmp_path, cache):
+    """decode_attention.c's limits are written once, in native.DEFINES: the C file does not compile without them, and
+    a changed limit is a new library in the cache."""
+    run = subprocess.run(["cc", *native.FLAGS, f"-I{native.SOURCES}", str(native.SOURCES / native.KERNELS[TARGET]),
+                          "-o", str(tmp_path / "no-limits.so")], capture_output=True, text=True)
+    assert run.returncode and "MAX_GROUP and MAX_HEAD_DIM come from tlaloc_jax/native.py's DEFINES" in run.stderr
+    first = native.library(TARGET)
+    monkeypatch.setitem(native.DEFINES[TARGET], "MAX_GROUP", native.DEFINES[TARGET]["MAX_GROUP"] // 2)
+    assert native.library(TARGET) != first and len(list(cache.glob("*.so"))) == 2

@@ -1,9 +1,11 @@
-"""C kernels that CPU bodies may call as typed XLA FFI custom calls (`stablehlo.custom_call`, api_version 4).
+"""Builds the C kernels that CPU bodies may call as typed XLA FFI custom calls (`stablehlo.custom_call`,
+api_version 4), and loads them.
 
-Each kernel is one C file here, its handler named as its custom-call target (the target carries a version: a
-changed operand contract is a new name). It is compiled on the machine that runs it, with the system C compiler
-(`$CC`, else `cc`), for that machine's instruction set, and kept in a cache folder keyed by the source, the flags and
-the compiler, as torch's inductor does for its CPU kernels. `xla_ffi_c_api.h` is XLA's FFI C API (jaxlib's
+Each kernel is one C file of the top-level `kernels/` folder (a wheel carries it as tlaloc_jax/csrc), its handler
+named as its custom-call target (the target carries a version: a changed operand contract is a new name). It is
+compiled on the machine that runs it, with the system C compiler (`$CC`, else `cc`), for that machine's instruction
+set, and kept in a cache folder keyed by the source, the headers, the flags (DEFINES' limits among them) and the
+compiler, as torch's inductor does for its CPU kernels. `xla_ffi_c_api.h` is XLA's FFI C API (jaxlib's
 include/xla/ffi/api/c_api.h, Apache-2.0), vendored so that a runtime without JAX can build the kernels; the tests
 check it against jaxlib's copy.
 
@@ -26,10 +28,16 @@ import tempfile
 import threading
 from pathlib import Path
 
-HERE = Path(__file__).parent
-HEADER = HERE / "xla_ffi_c_api.h"          # jaxlib's include/xla/ffi/api/c_api.h
+# The C sources and headers: kernels/ beside the package in a checkout (an editable install reads it there), which
+# a wheel installs as tlaloc_jax/csrc (pyproject's package-dir).
+_PACKAGE = Path(__file__).parent
+SOURCES = _PACKAGE / "csrc" if (_PACKAGE / "csrc").is_dir() else _PACKAGE.parent / "kernels"
+HEADER = SOURCES / "xla_ffi_c_api.h"          # jaxlib's include/xla/ffi/api/c_api.h
 # custom-call target -> its C file; the handler is the C function of the target's name.
 KERNELS = {"tlaloc_decode_attention_v1": "decode_attention.c", "tlaloc_projection_v1": "projection.c"}
+# Limits a kernel is compiled with (-DNAME=value) that its Python side also checks before a call: written here
+# only, and part of the cache key with the other flags.
+DEFINES = {"tlaloc_decode_attention_v1": {"MAX_GROUP": 16, "MAX_HEAD_DIM": 256}, "tlaloc_projection_v1": {}}
 # The export option that stages a body without the kernel (the way out where it cannot be built).
 WITHOUT = {"tlaloc_decode_attention_v1": "--decode-attention xla", "tlaloc_projection_v1": "--projections xla"}
 # OpenMP's simd pragmas only (no runtime); a * b + c contracted into an FMA (one rounding, as a dot's).
@@ -96,15 +104,15 @@ def library(target: str, rebuild: bool = False) -> Path:
         raise NativeKernelError(f"native kernel {target!r} is not one this runtime has (it has "
                                 f"{', '.join(sorted(KERNELS))}): serve the artifact with a tlaloc-jax that has it, "
                                 "or export it without the kernels it lacks (--decode-attention xla, --projections xla)")
-    source = HERE / KERNELS[target]
+    source = SOURCES / KERNELS[target]
     cc = _compiler()
-    flags = [*FLAGS, march()]
+    flags = [*FLAGS, march(), *(f"-D{name}={value}" for name, value in DEFINES[target].items())]
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise NativeKernelError(f"native kernel {target!r} is built on the serving machine with a C compiler, and "
                                 f"{shlex.join(cc)} does not run ({e}): {_way_out(target)}") from e
-    headers = [h.read_bytes() for h in sorted(HERE.glob("*.h"))]
+    headers = [h.read_bytes() for h in sorted(SOURCES.glob("*.h"))]
     key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(flags).encode(),
                                      version.encode()])).hexdigest()[:24]
     out = cache_dir() / f"{target}-{key}.so"
@@ -118,7 +126,7 @@ def library(target: str, rebuild: bool = False) -> Path:
                                 f"${ENV_CACHE} to a writable folder") from e
     with tmp_dir as tmp:
         built = Path(tmp) / out.name
-        command = [*cc, *flags, f"-I{HERE}", str(source), "-o", str(built), "-lm"]
+        command = [*cc, *flags, f"-I{SOURCES}", str(source), "-o", str(built), "-lm"]
         run = subprocess.run(command, capture_output=True, text=True)
         if run.returncode:
             raise NativeKernelError(f"native kernel {target!r}: {shlex.join(cc)} failed on {source.name}:\n"
