@@ -38,9 +38,11 @@ def builds(log: Path) -> int:
     return sum("-o" in line.split() for line in log.read_text().splitlines()) if log.exists() else 0
 
 
+LOAD = f"from tlaloc_jax import native; assert native.handler({TARGET!r})"
+
+
 def load_in_a_new_process() -> subprocess.CompletedProcess:
-    code = f"from tlaloc_jax import native; assert native.handler({TARGET!r})"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
+    return subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True)
 
 
 def test_a_machine_without_a_compiler_is_told_so(monkeypatch, cache):
@@ -102,25 +104,36 @@ def test_a_cached_library_that_does_not_load_is_rebuilt_once(monkeypatch, tmp_pa
     assert load_in_a_new_process().returncode == 0 and builds(log) == 2
 
 
+def test_three_processes_rebuild_one_damaged_library_at_once(monkeypatch, tmp_path, cache):
+    """Three servers starting on one cache whose library was cut short: each rebuilds it and loads a whole one."""
+    path = native.library(TARGET)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:len(whole) // 3])
+    runs = [subprocess.Popen([sys.executable, "-c", LOAD], stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    assert [(r.wait(), r.stderr.read()[-2000:]) for r in runs] == [(0, "")] * 3
+    assert path.read_bytes() == whole and [p.name for p in cache.iterdir()] == [path.name]
+
+
 def test_a_library_that_still_does_not_load_is_named_with_the_command_to_clear_it(monkeypatch, tmp_path, cache):
-    """The rebuilt library fails to load too (here: every load fails): one rebuild, then the file and the command
-    that clears it."""
+    """A cached library that does not load, nor does its rebuild (here: every load fails): one rebuild, then the
+    file and the command that clears it; a library built just now that does not load is named without a rebuild."""
     cc, log = logging_compiler(tmp_path)
     monkeypatch.setenv("CC", cc)
     monkeypatch.setattr(native, "_loaded", {})
+    path = native.library(TARGET)
 
     def no_load(path, *a, **k):
         raise OSError(f"{path}: failed to map segment from shared object")
 
     monkeypatch.setattr(native.ctypes, "CDLL", no_load)
-    with pytest.raises(native.NativeKernelError) as err:
-        native.handler(TARGET)
-    path = native.library(TARGET)
-    assert builds(log) == 2
-    message = str(err.value)
-    assert "'tlaloc_decode_attention_v1'" in message and "failed to map segment" in message
-    assert f"rm {path}" in message and "--decode-attention xla" in message
-
+    for runs in (2, 3):
+        with pytest.raises(native.NativeKernelError) as err:
+            native.handler(TARGET)
+        assert builds(log) == runs
+        message = str(err.value)
+        assert "'tlaloc_decode_attention_v1'" in message and "failed to map segment" in message
+        assert f"rm {path}" in message and f"rm -r {cache}" in message and "--decode-attention xla" in message
+        path.unlink()                   # the second time round nothing is cached: one build, no rebuild
 
 
 def test_every_cut_of_a_library_is_found_short(tmp_path, cache):

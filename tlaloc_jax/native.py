@@ -89,17 +89,22 @@ def _short(path: Path) -> bool:
     phoff, shoff, phsize, phnum, shsize, shnum = head[4], head[5], head[8], head[9], head[10], head[11]
     if max(phoff + phsize * phnum, shoff + shsize * shnum) > len(data):
         return True
-    for i in range(phnum):
-        seg = struct.unpack_from(order + ("IIQQQQ" if wide else "IIIIII"), data, phoff + i * phsize)
-        offset, size = (seg[2], seg[5]) if wide else (seg[1], seg[4])
-        if offset + size > len(data):
-            return True
-    return False
+    try:
+        segments = [struct.unpack_from(order + ("IIQQQQ" if wide else "IIIIII"), data, phoff + i * phsize)
+                    for i in range(phnum)]
+    except struct.error:                 # program headers that run past the end
+        return True
+    return any(s[2] + s[5] > len(data) if wide else s[1] + s[4] > len(data) for s in segments)
 
 
 def library(target: str, rebuild: bool = False) -> Path:
     """The shared library holding `target`'s handler, built here unless the cache holds it whole (`rebuild`: built
     anew, replacing the cached copy)."""
+    return _library(target, rebuild)[0]
+
+
+def _library(target: str, rebuild: bool) -> tuple[Path, bool]:
+    """library(), and whether this call built it."""
     if target not in KERNELS:
         raise NativeKernelError(f"native kernel {target!r} is not one this runtime has (it has "
                                 f"{', '.join(sorted(KERNELS))}): serve the artifact with a tlaloc-jax that has it, "
@@ -117,7 +122,7 @@ def library(target: str, rebuild: bool = False) -> Path:
                                      version.encode()])).hexdigest()[:24]
     out = cache_dir() / f"{target}-{key}.so"
     if out.is_file() and not rebuild and not _short(out):
-        return out
+        return out, False
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp_dir = tempfile.TemporaryDirectory(dir=out.parent)
@@ -135,24 +140,23 @@ def library(target: str, rebuild: bool = False) -> Path:
             raise NativeKernelError(f"native kernel {target!r}: {shlex.join(cc)} exited 0 on {source.name} but wrote "
                                     f"no whole library ({shlex.join(command)}): {_way_out(target)}")
         os.replace(built, out)           # atomic: another process building the same key finds it whole
-    return out
+    return out, True
 
 
 def _load(target: str) -> ctypes.CDLL:
-    """`target`'s library loaded; one that does not load is rebuilt once (replacing the cached copy atomically, as
-    other processes may read it), then named with the command that clears it."""
-    path = library(target)
-    try:
-        return ctypes.CDLL(str(path))
-    except OSError:
-        path = library(target, rebuild=True)
-    try:
-        return ctypes.CDLL(str(path))
-    except OSError as e:
-        raise NativeKernelError(f"native kernel {target!r}: {path}, rebuilt, does not load ({e}); clear it with "
-                                f"`rm {shlex.quote(str(path))}` (or the whole cache: `rm -r "
-                                f"{shlex.quote(str(path.parent))}`), set ${ENV_CACHE} to another folder, or export "
-                                f"the artifact with {WITHOUT[target]}") from e
+    """`target`'s library loaded; a cached one that does not load is rebuilt once (replacing it atomically, as other
+    processes may read it); one that still does not load is named with the command that clears it."""
+    path, built = _library(target, False)
+    while True:
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError as e:
+            if built:
+                raise NativeKernelError(
+                    f"native kernel {target!r}: {path}, built just now, does not load ({e}); clear it with "
+                    f"`rm {shlex.quote(str(path))}` (or the whole cache: `rm -r {shlex.quote(str(path.parent))}`), "
+                    f"set ${ENV_CACHE} to another folder, or export the artifact with {WITHOUT[target]}") from e
+        path, built = _library(target, True)
 
 
 def handler(target: str) -> int:
