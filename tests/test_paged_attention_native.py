@@ -130,7 +130,7 @@ def test_a_page_outside_the_pool_is_refused_not_read():
 
 @pytest.mark.parametrize("case, why", [
     (dict(T=2), "one token a row, not 2"),
-    (dict(H=5), "at most 16 query heads a KV head"),
+    (dict(H=5), f"at most {MAX_GROUP} query heads a KV head"),
     (dict(dtype=jnp.int8), "a int8 pool: it reads f32 or bf16 pools"),
 ])
 def test_refusals_name_the_reason(case, why):
