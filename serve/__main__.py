@@ -169,6 +169,7 @@ def main(argv=None) -> int:
 
     from tlaloc_jax.artifact.bounded import load_bounded
     from tlaloc_jax.artifact import ManifestError, load_manifest, load_remembering
+    from tlaloc_jax.native import NativeKernelError
 
     from .bounded import BoundedProgram
     from .embeddings import Embeddings, embedding_task, load_embedding_tokenizer
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
                              trust_weights=args.trust_weights, manifest=manifest, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=args.enable_prefix_caching)
-    except (ManifestError, OSError, CompileError, PluginNotFoundError, ValueError) as e:
+    except (ManifestError, OSError, CompileError, PluginNotFoundError, NativeKernelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     embeddings = None
