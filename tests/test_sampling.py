@@ -163,8 +163,8 @@ def hand_check(within=assert_within) -> None:
     row = params_row(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
     history, vocab = [1, 1, 2, 2, 3, 3], logits.shape[1]
     args = [logits, np.array([row], np.float32), np.zeros((1, 2), np.int32), np.array([3], np.int32),
-            np.full((1, af.mask_words(vocab)), -1, np.int32), np.full((1, 1), -1, np.int32), np.zeros((1, 1), np.float32),
-            np.array([history + [-1, -1]], np.int32), np.array([6], np.int32)]
+            np.full((1, af.mask_words(vocab)), -1, np.int32), np.full((1, 1), -1, np.int32),
+            np.zeros((1, 1), np.float32), np.array([history + [-1, -1]], np.int32), np.array([6], np.int32)]
     sampling = host.Sampling(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
     for name, got in (("kernel", np.asarray(_process(*args))[0]),
                       ("reference", S.reference_processed(logits[0], row, args[4][0], args[5][0], args[6][0],

@@ -1,7 +1,7 @@
 """The prefix cache (serve/core/prefix_cache.py over kv_cache's hashes and pool) alone, without a model: page hashes
 chained through every earlier page and the artifact, hits that share pages and count their holders, hits that never
-cover a prompt's last token, and pages evicted when the pool needs them. Sequences are driven as the scheduler
-drives them (lookup, take the rest, write, release last page first).
+cover a prompt's last token, pages evicted when the pool needs them, and a recurrent pool's state snapshots. Sequences
+are driven as the scheduler drives them (lookup, take the rest, write, release last page first).
 
 Control: a page hash that ignores its parent fails the chaining tests and the hit test, and all pass as they are."""
 
@@ -13,11 +13,11 @@ import pytest
 from tlaloc_jax import artifact as mf
 from tlaloc_jax.serve.core import kv_cache
 from tlaloc_jax.serve.core.kv_cache import UnitPool, artifact_seed, block_hash, extend_hashes
-from tlaloc_jax.serve.core.prefix_cache import PrefixCache
+from tlaloc_jax.serve.core.prefix_cache import Copy, PrefixCache
 from tlaloc_jax.serve.core.request import Request
 from tlaloc_jax.serve.sampling import GREEDY
 
-PAGED = mf.PoolKind.PAGED_KV
+PAGED, STATE = mf.PoolKind.PAGED_KV, mf.PoolKind.STATE_SLOTS
 BS = 4                                   # positions a page
 ROOT = artifact_seed("artifact A")
 
@@ -64,8 +64,9 @@ def test_block_hash_covers_its_parent_and_each_token_in_order():
 # -- the cache over a pool -------------------------------------------------------------------------------------
 
 
-def request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, list(tokens), 8, frozenset(), GREEDY, np.random.default_rng(0), {PAGED: []}, 0.0)
+def request(rid: str, tokens: list[int], state: bool = False) -> Request:
+    held = {PAGED: [], STATE: []} if state else {PAGED: []}
+    return Request(rid, list(tokens), 8, frozenset(), GREEDY, np.random.default_rng(0), held, 0.0)
 
 
 def start(cache: PrefixCache, pool: UnitPool, s: Request) -> int:
@@ -158,6 +159,35 @@ def test_cached_pages_are_evicted_least_recently_used_first_and_then_miss():
     hit = cache.lookup(request("old2", list(range(1, 10))))
     assert hit.length == 8
     cache.give_back(hit)
+
+
+def test_a_state_snapshot_is_recorded_once_copied_and_held_until_restored():
+    """A recurrent pool's state is shared through snapshots taken at page-aligned ends of a prompt's chunks: a copy
+    that failed records nothing; one that ran is found by a later prompt with that prefix, held by it until its
+    own copy of it ran, and the hit stops at the last snapshot even where more pages are cached (the junction,
+    where that prompt's first chunk stops to leave one)."""
+    paged, state = UnitPool(16, "kv", "pages"), UnitPool(4, "state", "slots")
+    cache = PrefixCache({PAGED: paged, STATE: state}, BS, ROOT, snapshots=True)
+    a = request("a", list(range(1, 11)), state=True)
+    assert cache.lookup(a).length == 0
+    a.held = {PAGED: paged.take(3), STATE: state.take(1)}
+    for ok in (False, True):
+        a.computed = 8
+        cache.written(a, 8, True)                                # the end of a page-aligned chunk of its prompt
+        (copy,) = cache.snapshot_copies()
+        assert (copy.src, copy.hash) == (a.held[STATE][0], a.hashes[1]) and state.holders(copy.dst) == 1
+        cache.commit([copy], ok)
+        assert state.holders(copy.dst) == 0 and state.lookup(a.hashes[1]) == (copy.dst if ok else None)
+    a.generated, a.computed = [11, 12], 12
+    cache.written(a, 12, False)                                  # a third page, written decoding: no snapshot
+    assert cache.snapshot_copies() == [] and paged.cached_units == 3
+    b = request("b", list(range(1, 13)) + [70], state=True)
+    hit = cache.lookup(b)
+    assert (hit.length, hit.snapshot, hit.junction) == (8, copy.dst, 12)
+    assert hit.pages == a.held[PAGED][:2] and state.holders(copy.dst) == 1
+    b.held = {PAGED: list(hit.pages), STATE: state.take(1)}
+    cache.commit([Copy(hit.snapshot, b.held[STATE][0], seq=b)], True)      # the restore ran
+    assert state.holders(copy.dst) == 0 and state.lookup(a.hashes[1]) == copy.dst
 
 
 # -- control ------------------------------------------------------------------------------------------------------
