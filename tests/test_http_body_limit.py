@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from http_util import loaded, solo_runner
+from http_util import loaded, solo_runner, stream_ids
 from tlaloc_jax.serve.http import DEFAULT_MAX_BODY_BYTES, create_app
 from tlaloc_jax.serve.openai import serving
 
@@ -70,18 +70,6 @@ def test_over_size_bodies_get_their_413_while_streams_run(url, want):
     async def main():
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
-            async def hold(prompt, started):
-                ids = []
-                async with http.stream("POST", "/v1/completions", json={
-                        "prompt": prompt, "max_tokens": 60, "temperature": 0, "stream": True,
-                        "ignore_eos": True, "return_token_ids": True}) as r:
-                    assert r.status_code == 200
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {"):
-                            ids += json.loads(line[6:])["choices"][0]["token_ids"]
-                            started.set()
-                return ids
-
             async def big(chunked):
                 try:
                     r = await http.post("/v1/completions", content=_over_size(chunked),
@@ -91,7 +79,9 @@ def test_over_size_bodies_get_their_413_while_streams_run(url, want):
                 return r.status_code, r.json()["error"]["code"]
 
             events = [asyncio.Event() for _ in HOLDERS]
-            streams = [asyncio.create_task(hold(p, e)) for p, e in zip(HOLDERS, events)]
+            streams = [asyncio.create_task(stream_ids(http, {"prompt": p, "max_tokens": 60, "temperature": 0,
+                                                             "ignore_eos": True}, e))
+                       for p, e in zip(HOLDERS, events)]
             await asyncio.gather(*(e.wait() for e in events))
             answers = await asyncio.gather(*(big(i % 2 == 1) for i in range(16)))
             return answers, await asyncio.gather(*streams)
