@@ -17,9 +17,9 @@ import uuid
 from typing import Any, TypeVar
 
 from fastapi import Request
-from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
 from ..embeddings import Embeddings
 from ..engine import Engine
