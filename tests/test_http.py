@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from http_util import CONTEXT, GOOD, STOP, loaded, serving, solo_runner
+from http_util import CONTEXT, GOOD, STOP, loaded, serving, solo_runner, stream_ids
 from import_guard import guarded
 from tlaloc_jax.serve import Sampling
 from tokenizers_util import EOS, IMAGE, VOCAB, build_tokenizer
@@ -468,19 +468,9 @@ def test_a_full_pool_queues_the_request_and_it_runs_when_pages_free(ids_server, 
 
     async def attempt():
         async with httpx.AsyncClient(base_url=ids_server.url, timeout=60) as http:
-            async def hold(prompt, started):
-                ids = []
-                async with http.stream("POST", "/v1/completions", json={
-                        "prompt": prompt, "max_tokens": 60, "temperature": 0, "stream": True}) as r:
-                    assert r.status_code == 200
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {"):
-                            ids += json.loads(line[6:])["choices"][0]["token_ids"]
-                            started.set()
-                return ids
-
             events = [asyncio.Event() for _ in holders]
-            tasks = [asyncio.create_task(hold(p, e)) for p, e in zip(holders, events)]
+            tasks = [asyncio.create_task(stream_ids(http, {"prompt": p, "max_tokens": 60, "temperature": 0}, e))
+                     for p, e in zip(holders, events)]
             await asyncio.gather(*(e.wait() for e in events))
             queued = await http.post("/v1/completions", json={"prompt": small, "max_tokens": 4, "temperature": 0})
             return queued, await asyncio.gather(*tasks)

@@ -19,7 +19,8 @@ Errors are OpenAI-style JSON, {"error": {"message", "type", "param", "code"}}:
   401  a missing or wrong API key (when the server has one) on /v1/*, /tokenize, /detokenize and /metrics
        (/metrics without one when metrics_without_key: a scraper's; /health and /version never need it)
   404  an unknown model or route
-  413  a body over the size limit
+  413  a body over the size limit (the rest of it read and dropped first, up to serving.DRAIN_BYTES, so that
+       the connection closes without a reset and the client reads the answer)
   421  a Host header outside the allow-list (when the app has one: DNS rebinding)
   500  a bug: the answer holds an error id, the server log the cause. A choice that fails through its own
        request (its grammar fails deep into the text, min_tokens leaves no token) is not one: it ends with

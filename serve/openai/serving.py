@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
 from ..embeddings import Embeddings
 from ..engine import Engine
@@ -42,8 +43,29 @@ log = logging.getLogger("tlaloc_jax.serve.http")
 R = TypeVar("R", bound=BodyModel)
 
 
+# A refused over-size body is read and dropped, up to this many bytes past the limit and for this long, before its
+# 413 is sent: closing the connection with the body partly unread resets it, and the client may never see the 413.
+DRAIN_BYTES = 64 << 20
+DRAIN_SECONDS = 10.0
+
+
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _drain(chunks, most: int) -> None:
+    """Read and drop what is left of a request body (`chunks`, its request.stream()), at most `most` bytes in
+    DRAIN_SECONDS; a client that hangs up or sends more is left to the connection's close."""
+    async def read():
+        n = 0
+        async for chunk in chunks:
+            n += len(chunk)
+            if n > most:
+                return
+    try:
+        await asyncio.wait_for(read(), DRAIN_SECONDS)
+    except (asyncio.TimeoutError, ClientDisconnect):
         pass
 
 
@@ -90,15 +112,21 @@ class OpenAIServer:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     async def read_json(self, request: Request) -> dict:
+        """The body, at most max_body_bytes, parsed (body.py). An over-size one is drained (_drain) and answered 413;
+        one declared past the drain's bound, or sent only after `Expect: 100-continue`, is answered at once."""
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
+            if int(declared) - limit <= DRAIN_BYTES and request.headers.get("expect", "").lower() != "100-continue":
+                await _drain(request.stream(), int(declared))
             raise APIError(413, f"Request body of {int(declared)} bytes is over the limit of {limit} bytes.",
                            code="request_too_large", headers={"Connection": "close"})
         body = bytearray()
-        async for chunk in request.stream():
+        chunks = request.stream()
+        async for chunk in chunks:
             body += chunk
             if len(body) > limit:
+                await _drain(chunks, DRAIN_BYTES)
                 raise APIError(413, f"Request body is over the limit of {limit} bytes.", code="request_too_large",
                                headers={"Connection": "close"})
         return parse_body(bytes(body))
