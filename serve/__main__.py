@@ -105,7 +105,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-waiting", type=_positive, default=None,
                     help="sequences that may wait to run; past it new requests get 503 (default 1024)")
     ap.add_argument("--max-wait-seconds", type=float, default=None,
-                    help="a sequence that waited this long without starting fails with 503 (default: no limit)")
+                    help="a request that waited this long before any of its sequences started fails with 503 "
+                         "(default: no limit)")
+    ap.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                    help="fcfs: first come, first served (a request's non-zero 'priority' is refused); priority: "
+                         "requests with a lower 'priority' run first, ties in arrival order (default fcfs, as vLLM)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the KV pages of prompt prefixes computed before (default: on, unless a pool cannot "
                          "be reused exactly, such as a sliding window's ring)")
@@ -216,7 +220,7 @@ def main(argv=None) -> int:
                               allowed_hosts=allowed_hosts, allowed_origins=_names(args.allowed_origins),
                               embeddings=embeddings, strict_fields=args.strict_fields,
                               max_waiting=args.max_waiting or http.DEFAULT_MAX_WAITING,
-                              max_wait_seconds=args.max_wait_seconds)
+                              max_wait_seconds=args.max_wait_seconds, scheduling_policy=args.scheduling_policy)
         server = app.state.server
         if not _is_loopback(args.host) and not api_key:
             log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",

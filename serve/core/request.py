@@ -17,8 +17,8 @@ class RequestRefused(ValueError):
     """A request the engine will not run; nothing of any sequence changed.
 
     kind: "empty_prompt", "placeholder_token", "out_of_vocabulary", "too_long", "bad_request",
-    "exceeds_pool" (more pages than the whole pool: never admitted), or "pool_exhausted" (retry after
-    other sequences end).
+    "exceeds_pool" (more pages than the whole pool: never admitted), "exceeds_queue" (more sequences than may wait:
+    never admitted), "queue_full" (retry once fewer wait), or "pool_exhausted" (retry after other sequences end).
     """
 
     def __init__(self, kind: str, message: str, pool: str | None = None):

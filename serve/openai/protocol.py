@@ -105,6 +105,7 @@ class GenerationRequest(Request):
     guided_decoding_backend: Ignored = None
     guided_whitespace_pattern: Ignored = None
     skip_special_tokens: Bool = None
+    priority: Annotated[int | None, _opt(c.integer(*c.INT64))] = None
 
 
 class CompletionRequest(GenerationRequest):
