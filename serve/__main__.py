@@ -110,6 +110,9 @@ def main(argv=None) -> int:
     ap.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                     help="fcfs: first come, first served (a request's non-zero 'priority' is refused); priority: "
                          "requests with a lower 'priority' run first, ties in arrival order (default fcfs, as vLLM)")
+    ap.add_argument("--return-tokens-as-token-ids", action="store_true",
+                    help="logprob tokens as 'token_id:N' strings unless a request's return_tokens_as_token_ids says "
+                         "otherwise (vLLM's flag)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the KV pages of prompt prefixes computed before (default: on, unless a pool cannot "
                          "be reused exactly, such as a sliding window's ring)")
@@ -220,7 +223,8 @@ def main(argv=None) -> int:
                               allowed_hosts=allowed_hosts, allowed_origins=_names(args.allowed_origins),
                               embeddings=embeddings, strict_fields=args.strict_fields,
                               max_waiting=args.max_waiting or http.DEFAULT_MAX_WAITING,
-                              max_wait_seconds=args.max_wait_seconds, scheduling_policy=args.scheduling_policy)
+                              max_wait_seconds=args.max_wait_seconds, scheduling_policy=args.scheduling_policy,
+                              return_tokens_as_token_ids=args.return_tokens_as_token_ids)
         server = app.state.server
         if not _is_loopback(args.host) and not api_key:
             log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",

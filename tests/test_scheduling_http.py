@@ -1,5 +1,5 @@
 """Issue 55, the scheduler's limits over HTTP: `n` against --max-waiting and --max-wait-seconds, `priority` with
---scheduling-policy, driven through create_app in this process (tests/http_util.py).
+--scheduling-policy, and return_tokens_as_token_ids, driven through create_app in this process (tests/http_util.py).
 The oracle for generated ids is Engine.generate of the prompt alone."""
 
 from __future__ import annotations
@@ -246,3 +246,57 @@ def test_priority_is_honoured_over_http(engine):
     assert _first_token_order(engine, "priority", {"B": 10, "C": 20}) == ["A", "B", "C"]
     assert _first_token_order(engine, "fcfs", {}) == ["A", "B", "C"]
     assert _first_token_order(engine, "priority", {"B": 10, "C": -5}, drop_priority=True) == ["A", "B", "C"]
+
+
+# -- also: return_tokens_as_token_ids --------------------------------------------------------------
+
+def _logprob_tokens(body: dict, chat: bool) -> tuple[list[str], list[str]]:
+    """(each logprob entry's token, the tokens of its top_logprobs) of a response body or chunk."""
+    tokens, tops = [], []
+    for c in body["choices"]:
+        lp = c.get("logprobs")
+        if not lp:
+            continue
+        if chat:
+            for e in lp["content"]:
+                tokens.append(e["token"])
+                tops += [t["token"] for t in e["top_logprobs"]]
+                assert all(x["bytes"] == list(x["token"].encode()) for x in [e, *e["top_logprobs"]]), e
+        else:
+            tokens += lp["tokens"]
+            tops += [t for top in lp["top_logprobs"] for t in top or ()]
+    return tokens, tops
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_return_tokens_as_token_ids_gives_token_id_strings(engine, path, stream):
+    """vLLM's request field and server flag: each logprob token (an echoed prompt's too) as "token_id:N", streamed
+    or not; without either, the tokens' text."""
+    chat = path == "/v1/chat/completions"
+    base = ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2} if chat
+            else {"prompt": PROMPT, "logprobs": 2, "echo": True})
+    base.update(max_tokens=5, temperature=0, return_token_ids=True, stream=stream)
+
+    def answer(srv, **kw) -> tuple[list[str], list[str], list[int]]:
+        """(logprob tokens, their top tokens, the generated ids)."""
+        r = srv.post(path, dict(base, **kw))
+        assert r.status_code == 200, r.text
+        chunks = _sse(r.text) if stream else [r.json()]
+        tokens, tops = [], []
+        for ch in chunks:
+            a, b = _logprob_tokens(ch, chat)
+            tokens, tops = tokens + a, tops + b
+        return tokens, tops, [t for ch in chunks for c in ch["choices"] for t in c.get("token_ids") or ()]
+
+    with InProcess(engine) as srv:
+        as_text = answer(srv)
+        as_ids = answer(srv, return_tokens_as_token_ids=True)
+    ids = as_text[2]
+    assert as_ids[2] == ids and len(ids) == 5
+    assert as_ids[0] == [f"token_id:{t}" for t in ([] if chat else PROMPT) + ids], as_ids[0]
+    assert as_ids[1] and all(re.fullmatch(r"token_id:\d+", t) for t in as_ids[1]), as_ids[1]
+    assert not any(t.startswith("token_id:") for t in as_text[0] + as_text[1]), as_text
+    with InProcess(engine, return_tokens_as_token_ids=True) as srv:
+        assert answer(srv) == as_ids
+        assert answer(srv, return_tokens_as_token_ids=False) == as_text

@@ -76,7 +76,7 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
                allowed_origins: Iterable[str] = (), embeddings: Embeddings | None = None,
                strict_fields: bool = False, max_waiting: int = DEFAULT_MAX_WAITING,
                max_wait_seconds: float | None = None, grammar_budget: GrammarBudget = GrammarBudget(),
-               scheduling_policy: str = "fcfs") -> FastAPI:
+               scheduling_policy: str = "fcfs", return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The FastAPI app serving `engine`. The engine loop thread starts and stops with the app's lifespan.
 
     tokenizer: "auto" loads the artifact's (None when it has no tokenizer.json); max_batch: the most
@@ -90,7 +90,8 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     max_waiting: the most sequences waiting to run before new requests get 503; max_wait_seconds: a sequence
     that waited this long before any sequence of its request started fails with 503 (None: no limit);
     grammar_budget: what one request's structured output may cost (serve/structured.py); scheduling_policy: vLLM's,
-    "fcfs" (a request's non-zero `priority` is refused) or "priority" (lower `priority` runs first).
+    "fcfs" (a request's non-zero `priority` is refused) or "priority" (lower `priority` runs first);
+    return_tokens_as_token_ids: logprob tokens as "token_id:N" unless a request says otherwise (vLLM's flag).
     """
     if api_key is not None and (problem := api_key_problem(api_key)) is not None:
         raise ValueError(f"api_key {problem}")
@@ -108,7 +109,7 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
                          f"{scheduling_policy!r}")
     server = OpenAIServer(engine, tokenizer, model_name or engine.manifest.model.name, api_key, int(max_batch),
                           int(max_body_bytes), embeddings, strict_fields, int(max_waiting), max_wait_seconds,
-                          grammar_budget, scheduling_policy)
+                          grammar_budget, scheduling_policy, bool(return_tokens_as_token_ids))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -54,7 +54,8 @@ class OpenAIServer:
     def __init__(self, engine: Engine, tokenizer: TextTokenizer | None, model_name: str, api_key: str | None,
                  max_batch: int, max_body_bytes: int, embeddings: Embeddings | None, strict_fields: bool = False,
                  max_waiting: int = 1024, max_wait_seconds: float | None = None,
-                 grammar_budget: GrammarBudget = GrammarBudget(), scheduling_policy: str = "fcfs"):
+                 grammar_budget: GrammarBudget = GrammarBudget(), scheduling_policy: str = "fcfs",
+                 return_tokens_as_token_ids: bool = False):
         self.engine = engine
         self.embeddings = embeddings
         self.tokenizer = tokenizer
@@ -76,7 +77,7 @@ class OpenAIServer:
         self.tools = tokenizer is not None and template_defines_tools(tokenizer.chat_template)
         self.grammar_budget = grammar_budget
         self._grammars: asyncio.Future | None = None    # the Grammars, made on first use off the event loop
-        self.responses = Responses(tokenizer, self.prompt_tokenizer, model_name)
+        self.responses = Responses(tokenizer, self.prompt_tokenizer, model_name, return_tokens_as_token_ids)
 
     # request plumbing
 
