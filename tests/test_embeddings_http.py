@@ -210,5 +210,6 @@ def test_python_m_serve_refuses_the_wrong_kind_of_artifact_by_name(http_artifact
     assert p.returncode == 2, p.stderr
     want = (r"no tlaloc-serving.json in the artifact directory: it holds a bounded program \(tlaloc-bounded.json\)"
             if which == "bounded-as-decoder" else
-            r"--embedding-artifact: no tlaloc-bounded.json in the artifact directory: it holds a decoder")
+            rf"--embedding-artifact: {re.escape(str(http_artifacts[0]))}: no tlaloc-bounded.json in the artifact "
+            r"directory: it holds a decoder")
     assert re.search(want, p.stderr), p.stderr
