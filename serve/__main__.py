@@ -8,8 +8,10 @@ import argparse
 import contextlib
 import gc
 import ipaddress
+import errno
 import logging
 import os
+import socket
 import sys
 
 
@@ -44,6 +46,29 @@ def _allowed_hosts(bind: str, extra: list[str], loopback_names: tuple[str, ...])
         return extra or None
     own = f"[{bind}]" if ":" in bind else bind
     return [*loopback_names, own, *extra]
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why uvicorn could not listen on host:port, or None: each address the host resolves to is bound as asyncio's
+    create_server binds it (SO_REUSEADDR; v6 only on IPv6), then let go. Checked before the model loads, which can
+    take minutes."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"--host {host} does not resolve ({e.strerror}); give an address or a name this machine knows"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return (f"port {port} on {host} is in use (another server?); stop what holds it, or pick a free "
+                            "one with --port")
+                return f"cannot listen on {host} port {port} ({e.strerror}); pick another --host or --port"
+    return None
 
 
 def describe_pools(engine) -> str:
@@ -161,6 +186,10 @@ def main(argv=None) -> int:
                                        http.LOOPBACK_HOSTS)
     except ValueError as e:
         print(f"error: --allowed-hosts: {e}", file=sys.stderr)
+        return 2
+
+    if (problem := port_problem(args.host, args.port)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -277,3 +277,22 @@ def test_a_checkpoint_folder_is_refused_with_the_export_command(http_artifacts, 
                                                r"artifact directory$"):
         Engine.load(http_artifacts[0].parent, cache_dir=None)
 
+
+def test_a_port_in_use_is_refused_before_anything_loads(artifact, capsys, monkeypatch):
+    """Issue 55: `python -m tlaloc_jax.serve --port P` with P taken exits 2 naming the port before it reads the
+    artifact (it found out only once the model had loaded); control: with the port free it goes on to load."""
+    import socket
+
+    def loading(*a, **k):
+        raise af.ManifestError("reached loading")
+    monkeypatch.setattr(af, "load_remembering", loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve_main([str(artifact), "--cache-dir", "none", "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: port {port} on 127.0.0.1 is in use") and "--port" in err, err
+        assert "reached loading" not in err
+    assert serve_main([str(artifact), "--cache-dir", "none", "--port", str(port)]) == 2
+    assert capsys.readouterr().err == "error: reached loading\n"
