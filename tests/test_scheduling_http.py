@@ -11,22 +11,16 @@ import threading
 
 import pytest
 
-from http_util import STOP, InProcess, loaded, serving, solo_runner
+from http_util import STOP, InProcess, serving, solo_runner
 from tlaloc_jax.serve.loop import EngineLoop
 
 PROMPT = [10, 20, 30, 40]
 
 
 @pytest.fixture(scope="module")
-def engine(http_artifacts, serve_cache_dir):
-    with loaded(http_artifacts[0], serve_cache_dir) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def solo(engine):
-    """Computed before any app starts its loop thread (the engine has one driver at a time)."""
-    run = solo_runner(engine, STOP)
+def solo(http_engine):
+    """Worked out before any app starts its loop thread (the engine has one driver at a time)."""
+    run = solo_runner(http_engine, STOP)
     run(PROMPT, 40)
     return run
 
@@ -46,11 +40,11 @@ def _sse(text: str) -> list[dict]:
 # -- finding 1: n past --max-waiting ---------------------------------------------------------------
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_n_past_max_waiting_is_a_400_naming_n_and_the_limit(engine, solo, path):
+def test_n_past_max_waiting_is_a_400_naming_n_and_the_limit(http_engine, solo, path):
     """An idle server with --max-waiting 2 and a request for 3 sequences: it could never be admitted, so 400 (not
     503 + Retry-After, which a client would retry forever); the limit's own size still runs."""
     body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
-    with InProcess(engine, max_waiting=2) as srv:
+    with InProcess(http_engine, max_waiting=2) as srv:
         r = srv.post(path, dict(body, max_tokens=4, temperature=0, n=3))
         err = _error(r, 400, "n", r"3 sequences.*--max-waiting is 2.*could never be admitted")
         assert "retry-after" not in r.headers and err["code"] == "invalid_value"
@@ -62,12 +56,12 @@ def test_n_past_max_waiting_is_a_400_naming_n_and_the_limit(engine, solo, path):
         assert srv.wait_idle() == {"running": 0, "waiting": 0, "kv_in_use": 0}
 
 
-def test_a_queue_full_now_is_still_a_503_with_retry_after(engine, solo):
+def test_a_queue_full_now_is_still_a_503_with_retry_after(http_engine, solo):
     """--max-waiting 1, --max-num-seqs 1: one request runs; a second, then a third, arrive together: the second
     waits, the third (which would fit an emptier queue) gets 503 queue_full with Retry-After, and the other two keep
     their solo ids."""
     async def attempt():
-        async with serving(engine, max_batch=1, max_waiting=1) as (http, server):
+        async with serving(http_engine, max_batch=1, max_waiting=1) as (http, server):
             running = await _one_running(server.loop, http.post("/v1/completions", json={
                 "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "return_token_ids": True}))
             later = await _arrive_together(server.loop, [
@@ -126,12 +120,12 @@ async def _arrive_together(loop: EngineLoop, posts) -> list[asyncio.Task]:
 # -- finding 2: a request's own choices and --max-wait-seconds -------------------------------------
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_requests_own_choices_do_not_time_out_behind_each_other(engine, solo, stream):
+def test_a_requests_own_choices_do_not_time_out_behind_each_other(http_engine, solo, stream):
     """--max-num-seqs 1 --max-wait-seconds: a request with n=2 runs its choices one after another; choice 1 waiting
     behind choice 0 of the same request is not a queue timeout (it was: 503 queue_timeout, or choice 0's tokens
     then an error event)."""
     async def attempt():
-        async with serving(engine, max_batch=1, max_wait_seconds=0.001) as (http, _):
+        async with serving(http_engine, max_batch=1, max_wait_seconds=0.001) as (http, _):
             return await http.post("/v1/completions", json={
                 "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "n": 2, "ignore_eos": True,
                 "return_token_ids": True, "stream": stream})
@@ -151,11 +145,11 @@ def test_a_requests_own_choices_do_not_time_out_behind_each_other(engine, solo, 
     assert len(engine_ids) == 40 and got == [want, want]
 
 
-def test_another_request_still_times_out_behind_a_running_one(engine, solo):
+def test_another_request_still_times_out_behind_a_running_one(http_engine, solo):
     """The wait limit still holds between requests: a request whose sequences all wait past --max-wait-seconds behind
     another request's gets 503 queue_timeout, and the running one keeps its ids."""
     async def attempt():
-        async with serving(engine, max_batch=1, max_wait_seconds=0.001) as (http, server):
+        async with serving(http_engine, max_batch=1, max_wait_seconds=0.001) as (http, server):
             running = await _one_running(server.loop, http.post("/v1/completions", json={
                 "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "return_token_ids": True}))
             second, = await _arrive_together(server.loop, [
@@ -177,32 +171,32 @@ def test_another_request_still_times_out_behind_a_running_one(engine, solo):
     (2**63, r"Invalid value for 'priority': must be <= 9223372036854775807"),
     (-2**63 - 1, r"Invalid value for 'priority': must be >= -9223372036854775808")])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_a_bad_priority_is_a_400_naming_it(engine, path, value, message):
+def test_a_bad_priority_is_a_400_naming_it(http_engine, path, value, message):
     body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
-    with InProcess(engine, scheduling_policy="priority") as srv:
+    with InProcess(http_engine, scheduling_policy="priority") as srv:
         _error(srv.post(path, dict(body, max_tokens=2, priority=value)), 400, "priority", message)
         r = srv.post(path, dict(body, max_tokens=2, priority=-2**63))
         assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_fcfs_refuses_a_non_zero_priority_by_the_flag(engine, path):
+def test_fcfs_refuses_a_non_zero_priority_by_the_flag(http_engine, path):
     body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
-    with InProcess(engine) as srv:
+    with InProcess(http_engine) as srv:
         _error(srv.post(path, dict(body, max_tokens=2, priority=-1)), 400, "priority",
                r"--scheduling-policy fcfs.*--scheduling-policy priority")
         for ok in (0, None):
             assert srv.post(path, dict(body, max_tokens=2, priority=ok)).status_code == 200
 
 
-def _first_token_order(engine, policy: str, priorities: dict, drop_priority: bool = False) -> list[str]:
+def _first_token_order(http_engine, policy: str, priorities: dict, drop_priority: bool = False) -> list[str]:
     """--max-num-seqs 1: request A runs; B then C arrive while the loop is held, so both wait together; -> the
     requests in the order their first token was made."""
     prompts = {"A": PROMPT, "B": [5, 6, 7], "C": [8, 9, 10]}
     order: list[str] = []
 
     async def attempt():
-        async with serving(engine, max_batch=1, scheduling_policy=policy) as (http, server):
+        async with serving(http_engine, max_batch=1, scheduling_policy=policy) as (http, server):
             loop = server.loop
             names = {tuple(p): k for k, p in prompts.items()}
             send = loop._send
@@ -229,23 +223,23 @@ def _first_token_order(engine, policy: str, priorities: dict, drop_priority: boo
                 assert r.status_code == 200, r.text
 
     if drop_priority:       # the bug: the field is read but never reaches the engine
-        add = engine.add_request
-        engine.add_request = lambda *a, priority=0, **kw: add(*a, **kw)
+        add = http_engine.add_request
+        http_engine.add_request = lambda *a, priority=0, **kw: add(*a, **kw)
     try:
         asyncio.run(attempt())
     finally:
         if drop_priority:
-            del engine.add_request
+            del http_engine.add_request
     return order
 
 
-def test_priority_is_honoured_over_http(engine):
+def test_priority_is_honoured_over_http(http_engine):
     """A later request of higher priority (lower number) starts before an earlier one of lower priority; control:
     the same requests in first come, first served order, and with the priority dropped on its way to the engine."""
-    assert _first_token_order(engine, "priority", {"B": 10, "C": -5}) == ["A", "C", "B"]
-    assert _first_token_order(engine, "priority", {"B": 10, "C": 20}) == ["A", "B", "C"]
-    assert _first_token_order(engine, "fcfs", {}) == ["A", "B", "C"]
-    assert _first_token_order(engine, "priority", {"B": 10, "C": -5}, drop_priority=True) == ["A", "B", "C"]
+    assert _first_token_order(http_engine, "priority", {"B": 10, "C": -5}) == ["A", "C", "B"]
+    assert _first_token_order(http_engine, "priority", {"B": 10, "C": 20}) == ["A", "B", "C"]
+    assert _first_token_order(http_engine, "fcfs", {}) == ["A", "B", "C"]
+    assert _first_token_order(http_engine, "priority", {"B": 10, "C": -5}, drop_priority=True) == ["A", "B", "C"]
 
 
 # -- also: return_tokens_as_token_ids --------------------------------------------------------------
@@ -270,7 +264,7 @@ def _logprob_tokens(body: dict, chat: bool) -> tuple[list[str], list[str]]:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_return_tokens_as_token_ids_gives_token_id_strings(engine, path, stream):
+def test_return_tokens_as_token_ids_gives_token_id_strings(http_engine, path, stream):
     """vLLM's request field and server flag: each logprob token (an echoed prompt's too) as "token_id:N", streamed
     or not; without either, the tokens' text."""
     chat = path == "/v1/chat/completions"
@@ -289,7 +283,7 @@ def test_return_tokens_as_token_ids_gives_token_id_strings(engine, path, stream)
             tokens, tops = tokens + a, tops + b
         return tokens, tops, [t for ch in chunks for c in ch["choices"] for t in c.get("token_ids") or ()]
 
-    with InProcess(engine) as srv:
+    with InProcess(http_engine) as srv:
         as_text = answer(srv)
         as_ids = answer(srv, return_tokens_as_token_ids=True)
     ids = as_text[2]
@@ -297,6 +291,6 @@ def test_return_tokens_as_token_ids_gives_token_id_strings(engine, path, stream)
     assert as_ids[0] == [f"token_id:{t}" for t in ([] if chat else PROMPT) + ids], as_ids[0]
     assert as_ids[1] and all(re.fullmatch(r"token_id:\d+", t) for t in as_ids[1]), as_ids[1]
     assert not any(t.startswith("token_id:") for t in as_text[0] + as_text[1]), as_text
-    with InProcess(engine, return_tokens_as_token_ids=True) as srv:
+    with InProcess(http_engine, return_tokens_as_token_ids=True) as srv:
         assert answer(srv) == as_ids
         assert answer(srv, return_tokens_as_token_ids=False) == as_text
