@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -294,3 +295,27 @@ def test_return_tokens_as_token_ids_gives_token_id_strings(http_engine, path, st
     with InProcess(http_engine, return_tokens_as_token_ids=True) as srv:
         assert answer(srv) == as_ids
         assert answer(srv, return_tokens_as_token_ids=False) == as_text
+
+
+def test_the_command_line_flags_reach_the_app(http_artifacts, monkeypatch):
+    """`python -m tlaloc_jax.serve --scheduling-policy priority --return-tokens-as-token-ids` hands both to
+    create_app; by default fcfs and text tokens, as vLLM's server."""
+    from tlaloc_jax.serve import engine as engine_module
+    from tlaloc_jax.serve import http
+    from tlaloc_jax.serve.__main__ import main
+
+    class Built(Exception):
+        pass
+    seen = []
+
+    def create_app(engine, **kw):
+        seen.append(kw)
+        raise Built
+    monkeypatch.setattr(http, "create_app", create_app)
+    monkeypatch.setattr(engine_module.Engine, "load", classmethod(lambda cls, *a, **k: SimpleNamespace(close=list)))
+    base = [str(http_artifacts[0]), "--port", "0", "--cache-dir", "none"]
+    for extra in (["--scheduling-policy", "priority", "--return-tokens-as-token-ids"], []):
+        with pytest.raises(Built):
+            main(base + extra)
+    assert [(kw["scheduling_policy"], kw["return_tokens_as_token_ids"]) for kw in seen] == \
+        [("priority", True), ("fcfs", False)]
