@@ -8,8 +8,10 @@ import argparse
 import contextlib
 import gc
 import ipaddress
+import errno
 import logging
 import os
+import socket
 import sys
 
 
@@ -44,6 +46,29 @@ def _allowed_hosts(bind: str, extra: list[str], loopback_names: tuple[str, ...])
         return extra or None
     own = f"[{bind}]" if ":" in bind else bind
     return [*loopback_names, own, *extra]
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why uvicorn could not listen on host:port, or None: each address the host resolves to is bound as asyncio's
+    create_server binds it (SO_REUSEADDR; v6 only on IPv6), then let go. Checked before the model loads, which can
+    take minutes."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"--host {host} does not resolve ({e.strerror}); give an address or a name this machine knows"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return (f"port {port} on {host} is in use (another server?); stop what holds it, or pick a free "
+                            "one with --port")
+                return f"cannot listen on {host} port {port} ({e.strerror}); pick another --host or --port"
+    return None
 
 
 def describe_pools(engine) -> str:
@@ -105,7 +130,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-waiting", type=_positive, default=None,
                     help="sequences that may wait to run; past it new requests get 503 (default 1024)")
     ap.add_argument("--max-wait-seconds", type=float, default=None,
-                    help="a sequence that waited this long without starting fails with 503 (default: no limit)")
+                    help="a request that waited this long before any of its sequences started fails with 503 "
+                         "(default: no limit)")
+    ap.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                    help="fcfs: first come, first served (a request's non-zero 'priority' is refused); priority: "
+                         "requests with a lower 'priority' run first, ties in arrival order (default fcfs, as vLLM)")
+    ap.add_argument("--return-tokens-as-token-ids", action="store_true",
+                    help="logprob tokens as 'token_id:N' strings unless a request's return_tokens_as_token_ids says "
+                         "otherwise (vLLM's flag)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the KV pages of prompt prefixes computed before (default: on, unless a pool cannot "
                          "be reused exactly, such as a sliding window's ring)")
@@ -159,6 +191,10 @@ def main(argv=None) -> int:
                                        http.LOOPBACK_HOSTS)
     except ValueError as e:
         print(f"error: --allowed-hosts: {e}", file=sys.stderr)
+        return 2
+
+    if (problem := port_problem(args.host, args.port)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -222,7 +258,9 @@ def main(argv=None) -> int:
                               allowed_hosts=allowed_hosts, allowed_origins=_names(args.allowed_origins),
                               embeddings=embeddings, strict_fields=args.strict_fields,
                               max_waiting=args.max_waiting or http.DEFAULT_MAX_WAITING,
-                              max_wait_seconds=args.max_wait_seconds, metrics_without_key=args.metrics_without_key)
+                              max_wait_seconds=args.max_wait_seconds, metrics_without_key=args.metrics_without_key,
+                              scheduling_policy=args.scheduling_policy,
+                              return_tokens_as_token_ids=args.return_tokens_as_token_ids)
         server = app.state.server
         if not _is_loopback(args.host) and not api_key:
             log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",

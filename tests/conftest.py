@@ -58,6 +58,14 @@ def serve_cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("serve-executables")
 
 
+@pytest.fixture(scope="module")
+def http_engine(http_artifacts, serve_cache_dir):
+    """The Engine on the HTTP tests' text artifact, loaded once per module; one app at a time drives it."""
+    from http_util import loaded
+    with loaded(http_artifacts[0], serve_cache_dir) as engine:
+        yield engine
+
+
 def pytest_sessionfinish(session):
     """A pytest-xdist worker hands its tolerance records to the controller, which reports them (below)."""
     out = getattr(session.config, "workeroutput", None)

@@ -482,9 +482,9 @@ def test_a_full_pool_queues_the_request_and_it_runs_when_pages_free(ids_server, 
     assert ids_server.metrics()["tlaloc_kv_pages_in_use"] == 0
 
 
-def test_a_full_waiting_queue_answers_503_and_nothing_else_changes(engine, solo):
-    """--max-waiting: with the queue full a new request is refused (503, queue_full, Retry-After) and the running
-    one keeps its ids; a request that waited past --max-wait-seconds fails with 503 (queue_timeout)."""
+def test_a_request_past_max_waiting_answers_400_and_nothing_else_changes(engine, solo):
+    """--max-waiting 1: a request for two sequences could never be admitted, a 400 naming n (not 503 + Retry-After)
+    and the running one keeps its ids. (A queue full now, and --max-wait-seconds: tests/test_scheduling_http.py.)"""
     async def attempt(**kw):
         """A 60-token stream runs alone (max_batch 1); a request for two sequences arrives after its first token."""
         async with serving(engine, max_batch=1, **kw) as (http, _):
@@ -503,12 +503,9 @@ def test_a_full_waiting_queue_answers_503_and_nothing_else_changes(engine, solo)
 
     ids, second = asyncio.run(attempt(max_waiting=1))
     assert ids == solo([10, 20, 30, 40], 60)
-    assert second.status_code == 503 and second.headers["retry-after"] == "1", second.text
+    assert second.status_code == 400 and "retry-after" not in second.headers, second.text
     err = second.json()["error"]
-    assert err["code"] == "queue_full" and re.search(r"0 sequences wait to run .*--max-waiting is 1", err["message"])
-    ids, second = asyncio.run(attempt(max_wait_seconds=0.001))
-    assert ids == solo([10, 20, 30, 40], 60)
-    assert second.status_code == 503 and second.json()["error"]["code"] == "queue_timeout", second.text
+    assert err["param"] == "n" and re.search(r"n is 2, 2 sequences .*--max-waiting is 1", err["message"])
     # Control: with room to wait, the same second request runs to its solo ids once the first ends.
     ids, second = asyncio.run(attempt())
     assert second.status_code == 200 and [c["token_ids"] for c in second.json()["choices"]] == [solo([5, 6, 7], 4)] * 2

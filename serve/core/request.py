@@ -17,8 +17,9 @@ class RequestRefused(ValueError):
     """A request the engine will not run; nothing of any sequence changed.
 
     kind: "empty_prompt", "placeholder_token", "out_of_vocabulary", "too_long", "bad_request",
-    "exceeds_pool" (more pages than the whole pool: never admitted), or "queue_full" (the HTTP loop's waiting
-    queue is full: retry once fewer wait). A request that fits the pool but finds it full waits, unrefused.
+    "exceeds_pool" (more pages than the whole pool: never admitted), "exceeds_queue" (more sequences than may wait:
+    never admitted), or "queue_full" (the HTTP loop's waiting queue is full: retry once fewer wait). A request that
+    fits the pool but finds it full waits, unrefused.
     """
 
     def __init__(self, kind: str, message: str, pool: str | None = None):

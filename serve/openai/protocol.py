@@ -106,6 +106,8 @@ class GenerationRequest(Request):
     guided_decoding_backend: Ignored = None
     guided_whitespace_pattern: Ignored = None
     skip_special_tokens: Bool = None
+    priority: Annotated[int | None, _opt(c.integer(*c.INT64))] = None
+    return_tokens_as_token_ids: Bool = None
 
 
 class CompletionRequest(GenerationRequest):

@@ -32,7 +32,7 @@ from ..structured import GrammarBudget, GrammarError, Grammars
 from ..tokenizer import ChatTemplateError, StopStrings, TextTokenizer, read_listed, read_listed_json
 from ..tool_calls import TOOL_OPEN, template_defines_tools, tool_call_grammar
 from .body import parse_body
-from .checks import bad_value, check_sequence_count
+from .checks import bad_value, check_priority, check_queue_room, check_sequence_count
 from .generation import Generation
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, GenerationRequest,
                        Request as BodyModel, TokenizeRequest)
@@ -76,7 +76,8 @@ class OpenAIServer:
     def __init__(self, engine: Engine, tokenizer: TextTokenizer | None, model_name: str, api_key: str | None,
                  max_batch: int, max_body_bytes: int, embeddings: Embeddings | None, strict_fields: bool = False,
                  max_waiting: int = 1024, max_wait_seconds: float | None = None,
-                 grammar_budget: GrammarBudget = GrammarBudget()):
+                 grammar_budget: GrammarBudget = GrammarBudget(), scheduling_policy: str = "fcfs",
+                 return_tokens_as_token_ids: bool = False):
         self.engine = engine
         self.embeddings = embeddings
         self.tokenizer = tokenizer
@@ -85,6 +86,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.strict_fields = strict_fields
+        self.scheduling_policy = scheduling_policy
         self.created = int(time.time())
         self.metrics = Metrics(model_name)
         self.step_work = StepWork()
@@ -97,7 +99,7 @@ class OpenAIServer:
         self.tools = tokenizer is not None and template_defines_tools(tokenizer.chat_template)
         self.grammar_budget = grammar_budget
         self._grammars: asyncio.Future | None = None    # the Grammars, made on first use off the event loop
-        self.responses = Responses(tokenizer, self.prompt_tokenizer, model_name)
+        self.responses = Responses(tokenizer, self.prompt_tokenizer, model_name, return_tokens_as_token_ids)
 
     # request plumbing
 
@@ -260,7 +262,7 @@ class OpenAIServer:
         length_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         return Generation(self.engine, self.loop, self.tokenizer, self.eos, prompts, n, lengths, frozenset(stop_ids),
                            StopStrings(stop_strings) if stop_strings else None, sampling, arrival, length_param,
-                           req.cache_salt)
+                           check_priority(req.priority, self.scheduling_policy), req.cache_salt)
 
     def check_sampler_fits(self, req: GenerationRequest, chat: bool, logprobs: int | None,
                            prompt_logprobs: int | None) -> None:
@@ -304,6 +306,8 @@ class OpenAIServer:
         kind, prompts = req.prompt
         n = req.n or 1
         check_sequence_count(len(prompts), n)
+        check_queue_room(len(prompts), n, self.loop.max_waiting)
+        check_priority(req.priority, self.scheduling_policy)
         texts = prompts if kind == "text" else None
         if kind == "text":
             if self.prompt_tokenizer is None:
@@ -319,6 +323,8 @@ class OpenAIServer:
     async def _chat(self, request: Request, ticket: Arrival) -> Response:
         arrival = time.perf_counter()
         req = await self.read_model_request(request, ChatRequest)
+        check_queue_room(1, req.n or 1, self.loop.max_waiting)
+        check_priority(req.priority, self.scheduling_policy)
         if self.prompt_tokenizer is None:
             raise APIError(400, "this artifact has no tokenizer, so no chat template: use /v1/completions with "
                                 "token ids", param="messages", code="invalid_value")
