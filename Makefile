@@ -29,7 +29,7 @@ ONE_CORE_RUN = $(if $(word 2,$(ONE_CORE_CPUS)), \
   $(PY) -m pytest --dist loadfile $(foreach c,$(ONE_CORE_CPUS),--tx 'popen//python=taskset -c $(c) $(abspath $(PY))'), \
   taskset -c $(ONE_CORE_CPUS) $(PY) -m pytest)
 
-.PHONY: setup demo test test-isa test-time test-slow test-engines vllm-env test-vllm peers-env clean
+.PHONY: setup demo test test-fast test-isa test-time test-slow test-engines vllm-env test-vllm peers-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,6 +48,10 @@ XDIST   := -n 2 --dist loadfile
 
 test: setup
 	$(PYTEST) -q $(XDIST)
+
+# The model-free unit tests alone (tests/unit: the page pool, the prefix cache), in seconds; `make test` runs them too.
+test-fast: setup
+	$(PYTEST) -q tests/unit
 
 test-isa: setup
 	@echo "== make test-isa: $(ISA_WIDE)"

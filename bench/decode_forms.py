@@ -1,5 +1,5 @@
 """The served decode step with each decode attention form (export decode_attention "xla" and "native", the C
-kernel of tlaloc_jax/native): one artifact of the same random Llama each (bench/decode.py's ~100M shape), loaded by
+kernel of kernels/): one artifact of the same random Llama each (bench/decode.py's ~100M shape), loaded by
 the JAX-free runtime side by side, their steps timed interleaved at batches 1, 4, 8 and 32 with every row's keys
 written to the given fraction of the context. Prints each form's step and native / xla, measured in one run.
 

@@ -1,14 +1,14 @@
-"""What kernels written outside XLA buy the CPU decode step: the package's C kernels (tlaloc_jax/native), each a
+"""What kernels written outside XLA buy the CPU decode step: the package's C kernels (kernels/), each a
 typed stablehlo.custom_call in a body the serving runtime's plugin compiled (the handler registered with it, as a
 served body has it), against the forms the decoder compiles otherwise, interleaved in one process. Two parts of
 the step:
 
   - the 100M Llama's 12 layers of projections (q|k|v, o, gate|up, down, weights out-major) at 1 to 64 rows, for
     f32, bf16 and int8 weights: XLA's form as the decoder writes it (out_major_product) against the projection
-    kernel (tlaloc_jax/native/projection.c);
+    kernel (kernels/projection.c);
   - decode paged attention over 12 layers of 12 / 4 heads of 64, pages of 16 (the serving bench's 82M Llama):
     tlaloc_jax.kernels.paged_attention._decode_cpu against the decode attention kernel
-    (tlaloc_jax/native/decode_attention.c).
+    (kernels/decode_attention.c).
 
 Each kernel's result is checked against XLA's before it is timed.
 

@@ -49,7 +49,7 @@ def tensor_parallel_decoder(cfg: DecoderConfig, weights: dict, n: int) -> tuple[
 # faster: plain ops until `bench/gpu.py run` records the Pallas kernel's verdict in docs/gpu.md (its test reads it).
 CUDA_DECODE_ATTENTION = "xla"
 # The decode attention of cpu exports when none is asked for, where the model's attention fits it: the C kernel
-# (tlaloc_jax/native), measured faster than plain ops in the served step at 4 to 32 rows and equal at one
+# (kernels/decode_attention.c), measured faster than plain ops in the served step at 4 to 32 rows and equal at one
 # (bench/decode_forms.py, docs/cpu.md); the serving machine then needs a C compiler. Latent attention, fp8 KV
 # pools and head shapes it does not take get plain ops.
 CPU_DECODE_ATTENTION = "native"
@@ -94,10 +94,10 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     prompt_logprobs: N adds a scoring prefill entry beside each prefill entry, returning per prompt position the
     next token's logprob and rank and the N top logprobs (see `stage`, PromptScorer); None adds none.
     decode_attention: how decode entries attend over their pages: "xla" (plain ops), "native" (a C kernel,
-    tlaloc_jax/native; cpu only; the serving runtime builds it with its C compiler; ring layers keep plain ops) or
+    kernels/decode_attention.c; cpu only; the serving runtime builds it with its C compiler; ring layers keep plain ops) or
     "pallas" (the Pallas GPU kernel, lowered through Triton; cuda only). None: CPU_DECODE_ATTENTION on cpu where the
     model's attention fits it (else "xla"), CUDA_DECODE_ATTENTION on cuda. Prefill entries use plain ops either way.
-    projections: "native" (the C kernel, tlaloc_jax/native/projection.c; cpu only, one device) for the calls whose
+    projections: "native" (the C kernel, kernels/projection.c; cpu only, one device) for the calls whose
     rows and weight dtype it takes (kernels.projection_native.NATIVE_ROWS), or "xla" (XLA's forms); None:
     CPU_PROJECTIONS on cpu with one device, else "xla".
     weight_quant "int8", "fp8" or "int4" (groups of quant_group input channels) stores the projections as codes

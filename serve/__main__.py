@@ -1,6 +1,6 @@
 """python -m tlaloc_jax.serve ARTIFACT_DIR [--host 127.0.0.1] [--port 8000] [--plugin PATH] [--max-num-seqs N]
-[--max-model-len N] [--api-key KEY] [--allowed-hosts HOST,...] [--allowed-origins ORIGIN,...] [--strict-fields]
-[--embedding-artifact DIR]"""
+[--max-model-len N] [--api-key KEY] [--metrics-without-key] [--allowed-hosts HOST,...] [--allowed-origins ORIGIN,...]
+[--strict-fields] [--embedding-artifact DIR]"""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import argparse
 import contextlib
 import gc
 import ipaddress
+import errno
 import logging
 import os
+import socket
 import sys
 
 
@@ -44,6 +46,29 @@ def _allowed_hosts(bind: str, extra: list[str], loopback_names: tuple[str, ...])
         return extra or None
     own = f"[{bind}]" if ":" in bind else bind
     return [*loopback_names, own, *extra]
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why uvicorn could not listen on host:port, or None: each address the host resolves to is bound as asyncio's
+    create_server binds it (SO_REUSEADDR; v6 only on IPv6), then let go. Checked before the model loads, which can
+    take minutes."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"--host {host} does not resolve ({e.strerror}); give an address or a name this machine knows"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return (f"port {port} on {host} is in use (another server?); stop what holds it, or pick a free "
+                            "one with --port")
+                return f"cannot listen on {host} port {port} ({e.strerror}); pick another --host or --port"
+    return None
 
 
 def describe_pools(engine) -> str:
@@ -105,7 +130,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-waiting", type=_positive, default=None,
                     help="sequences that may wait to run; past it new requests get 503 (default 1024)")
     ap.add_argument("--max-wait-seconds", type=float, default=None,
-                    help="a sequence that waited this long without starting fails with 503 (default: no limit)")
+                    help="a request that waited this long before any of its sequences started fails with 503 "
+                         "(default: no limit)")
+    ap.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                    help="fcfs: first come, first served (a request's non-zero 'priority' is refused); priority: "
+                         "requests with a lower 'priority' run first, ties in arrival order (default fcfs, as vLLM)")
+    ap.add_argument("--return-tokens-as-token-ids", action="store_true",
+                    help="logprob tokens as 'token_id:N' strings unless a request's return_tokens_as_token_ids says "
+                         "otherwise (vLLM's flag)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the KV pages of prompt prefixes computed before (default: on, unless a pool cannot "
                          "be reused exactly, such as a sliding window's ring)")
@@ -117,7 +149,12 @@ def main(argv=None) -> int:
                          "ignored, as vLLM does")
     ap.add_argument("--no-progress", action="store_true", help="no compile progress bar on load")
     ap.add_argument("--api-key", default=None,
-                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TLALOC_API_KEY, else no key)")
+                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $TLALOC_API_KEY, else "
+                         "no key)")
+    ap.add_argument("--metrics-without-key", action="store_true",
+                    help="answer /metrics without --api-key, for a scraper that cannot send one (its counters show "
+                         "when prompts hit the prefix cache: keep it on loopback); by default /metrics needs the "
+                         "key when one is set, and /health never does")
     ap.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST...]",
                     help="Host header names to answer besides localhost, 127.0.0.1 and [::1] when bound to loopback "
                          "(any other Host gets 421: DNS rebinding); on other addresses, the only names answered "
@@ -156,6 +193,10 @@ def main(argv=None) -> int:
         print(f"error: --allowed-hosts: {e}", file=sys.stderr)
         return 2
 
+    if (problem := port_problem(args.host, args.port)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("tlaloc_jax.serve")
 
@@ -164,6 +205,7 @@ def main(argv=None) -> int:
 
     from tlaloc_jax.artifact.bounded import load_bounded
     from tlaloc_jax.artifact import ManifestError, load_manifest, load_remembering
+    from tlaloc_jax.native import NativeKernelError
 
     from .bounded import BoundedProgram
     from .embeddings import Embeddings, embedding_task, load_embedding_tokenizer
@@ -196,7 +238,7 @@ def main(argv=None) -> int:
                              trust_weights=args.trust_weights, manifest=manifest, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=args.enable_prefix_caching)
-    except (ManifestError, OSError, CompileError, PluginNotFoundError, ValueError) as e:
+    except (ManifestError, OSError, CompileError, PluginNotFoundError, NativeKernelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     embeddings = None
@@ -216,11 +258,16 @@ def main(argv=None) -> int:
                               allowed_hosts=allowed_hosts, allowed_origins=_names(args.allowed_origins),
                               embeddings=embeddings, strict_fields=args.strict_fields,
                               max_waiting=args.max_waiting or http.DEFAULT_MAX_WAITING,
-                              max_wait_seconds=args.max_wait_seconds)
+                              max_wait_seconds=args.max_wait_seconds, metrics_without_key=args.metrics_without_key,
+                              scheduling_policy=args.scheduling_policy,
+                              return_tokens_as_token_ids=args.return_tokens_as_token_ids)
         server = app.state.server
         if not _is_loopback(args.host) and not api_key:
             log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                         args.host)
+        elif api_key and args.metrics_without_key and not _is_loopback(args.host):
+            log.warning("listening on %s with --metrics-without-key: anyone who can reach this port can read /metrics, "
+                        "whose counters show when prompts hit the prefix cache", args.host)
         log.info("serving %r from %s on http://%s:%d (max batch %d, %s, context %d, %s, %s)",
                  server.model_name, args.artifact, args.host, args.port, server.loop.max_running,
                  describe_pools(engine), engine.max_context,

@@ -39,8 +39,8 @@ from tlaloc_jax import artifact as mf
 
 from .core import inputs as call_inputs
 from .core import outputs
-from .core.request import (Constraint, Request, RequestRefused, StepEvent, check_sampler_fits, check_sampling,
-                           check_stop)
+from .core.request import (Constraint, Request, RequestRefused, StepEvent, check_cache_salt, check_sampler_fits,
+                           check_sampling, check_stop)
 from .core.scheduler import ScheduledCall, Scheduler
 from .runtime.native_log import native_stderr_to_log
 from .runtime.pjrt import Device, TooFewDevicesError
@@ -181,14 +181,17 @@ class Engine:
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int = 16, stop_token_ids: Iterable[int] = (),
                     sampling: Sampling | None = None, request_id: str | None = None,
-                    constraint: Constraint | None = None, single_step: bool = False, priority: int = 0) -> str:
+                    constraint: Constraint | None = None, single_step: bool = False, priority: int = 0,
+                    cache_salt: str | None = None) -> str:
         """Queue a request (it runs when there is room) or raise RequestRefused if it could never run or is bad;
         returns its id.
 
         constraint: the tokens it may choose at each step (structured output); applied before sampling.
         single_step: the caller looks at every token before the next is due (stop strings): the request never
         runs in a decode_steps call, which would compute tokens past the caller's stop.
-        priority: lower runs first, and is preempted last (ties: earlier arrival first)."""
+        priority: lower runs first, and is preempted last (ties: earlier arrival first).
+        cache_salt: a non-empty string; the request shares cached prefix pages (and state snapshots) only with
+        requests of the same salt (vLLM's cache_salt: one client's prompts stay unobservable to another's)."""
         sched = self.scheduler
         try:
             prompt = self._check_prompt(prompt, max_new_tokens)
@@ -197,6 +200,7 @@ class Engine:
             check_sampler_fits(self.sampler, s, self.vocab)
             if not isinstance(priority, int) or isinstance(priority, bool):
                 raise RequestRefused("bad_request", f"priority must be an integer, got {priority!r}")
+            cache_salt = check_cache_salt(cache_salt)
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in sched.requests:
                 raise RequestRefused("bad_request", f"request id {rid!r} is already in use")
@@ -208,6 +212,7 @@ class Engine:
         seed = s.seed if s.seed is not None else int.from_bytes(os.urandom(8), "little")
         sched.add(Request(rid, prompt, int(max_new_tokens), stop, s, rng, {kind: [] for kind in sched.kv.pools},
                           time.perf_counter(), order=next(self._order), priority=priority, seed=seed,
+                          cache_salt=cache_salt,
                           constraint=constraint, single_step=bool(single_step),
                           prompt_logprobs=[None] if s.prompt_logprobs is not None else None))
         return rid

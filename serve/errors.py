@@ -30,6 +30,7 @@ def refusal(e: RequestRefused, prompt_param: str) -> APIError:
     """The engine's refusal as an HTTP error; its message names the cause.
 
     queue_full is 503 + Retry-After (not now: the same request is queued once fewer wait);
+    exceeds_queue is 400 (never: the request alone holds more sequences than may wait);
     exceeds_pool is 400 (never: a sequence would not fit the pool even if it were empty), its advice and code
     those of the pool's kind: a sequence holds KV pages for its length, a state slot whatever its length.
     """
@@ -43,6 +44,8 @@ def refusal(e: RequestRefused, prompt_param: str) -> APIError:
                             param=prompt_param, code="exceeds_state_pool")
         return APIError(400, f"{msg}; send a shorter prompt or a lower max_tokens", param=prompt_param,
                         code="exceeds_kv_pool")
+    if e.kind == "exceeds_queue":
+        return APIError(400, f"{msg}; send fewer sequences (n, or prompts)", param="n", code="invalid_value")
     if e.kind == "too_long":
         return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
     code = {"placeholder_token": "placeholder_token", "out_of_vocabulary": "out_of_vocabulary",

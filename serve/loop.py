@@ -4,7 +4,8 @@ Request handlers hand it an admission (all of a request's sequences, queued toge
 later aborts, through a queue. Between steps the loop hands new requests to the engine, whose scheduler runs
 up to `max_running` sequences at once (the others wait their turn there), then runs `engine.step()`. Each
 step's tokens go back to their requests' sinks in one call per request. A request is refused (503) only when
-`max_waiting` sequences already wait, or fails when it waited longer than `max_wait_seconds` to start.
+`max_waiting` sequences already wait (for good, "exceeds_queue", when it alone holds more), or fails when it waited
+longer than `max_wait_seconds` before any of its sequences started.
 
 Work a sequence needs between its steps that can take long (a grammar advancing past the sampled token and
 computing the next mask) runs on StepWork's thread, not on the loop's: before a step the loop waits for it at
@@ -40,6 +41,8 @@ class SeqSpec:
     sampling: Sampling
     constraint: Constraint | None = None
     single_step: bool = False        # stop strings: the server checks each token (engine.add_request)
+    cache_salt: str | None = None    # shares cached prefixes only with the same salt (engine.add_request)
+    priority: int = 0                # lower runs first (engine.add_request)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class _Admission:
     sink: Sink
     arrival: float
     future: cf.Future
+    started: bool = False           # one of its sequences has started: the others no longer count as waiting
 
 
 @dataclass
@@ -124,6 +128,7 @@ class _Running:
     sink: Sink
     seq: int
     arrival: float
+    admission: _Admission
 
 
 class EngineLoop:
@@ -316,6 +321,11 @@ class EngineLoop:
             adm = self._waiting.popleft()
             if not adm.future.set_running_or_notify_cancel():
                 continue                    # the client went away while it waited
+            if len(adm.specs) > self.max_waiting:
+                adm.future.set_exception(RequestRefused(
+                    "exceeds_queue", f"{len(adm.specs)} sequences in one request, and the server's --max-waiting is "
+                                     f"{self.max_waiting}: it could never be admitted"))
+                continue
             waiting = len(self.engine.scheduler.waiting)
             if waiting + len(adm.specs) > self.max_waiting:
                 adm.future.set_exception(RequestRefused(
@@ -326,26 +336,34 @@ class EngineLoop:
                 for spec in adm.specs:
                     rids.append(self.engine.add_request(spec.prompt, spec.max_new_tokens, spec.stop_token_ids,
                                                         spec.sampling, constraint=spec.constraint,
-                                                        single_step=spec.single_step))
+                                                        single_step=spec.single_step, priority=spec.priority,
+                                                        cache_salt=spec.cache_salt))
             except Exception as e:  # noqa: BLE001 - RequestRefused, or a bug: nothing of it stays admitted
                 for rid in rids:
                     self.engine.release(rid)
                 adm.future.set_exception(e)
                 continue
             for i, rid in enumerate(rids):
-                self._running[rid] = _Running(adm.sink, i, adm.arrival)
+                self._running[rid] = _Running(adm.sink, i, adm.arrival, adm)
             adm.future.set_result(rids)
 
     def _expire(self) -> None:
         """Fail the sequences that waited past max_wait_seconds without starting (not while the loop itself holds
-        their first step for arrivals, at most arrival_wait_s)."""
+        their first step for arrivals, at most arrival_wait_s). The wait is the request's: once one of its sequences
+        has started, the others wait behind their own request, not the queue (n > --max-num-seqs runs its choices
+        one after another)."""
         if not self.max_wait_seconds or self._held_since is not None:
             return
+        sched = self.engine.scheduler
+        for s in (*sched.running, *sched.waiting):
+            run = self._running.get(s.rid)
+            if run is not None and s.first_scheduled is not None:
+                run.admission.started = True
         now = time.perf_counter()
         late: dict[int, tuple[Sink, list[Update]]] = {}
-        for s in list(self.engine.scheduler.waiting):
+        for s in list(sched.waiting):
             run = self._running.get(s.rid)
-            if run is None or s.first_scheduled is not None or now - run.arrival <= self.max_wait_seconds:
+            if run is None or run.admission.started or now - run.arrival <= self.max_wait_seconds:
                 continue
             self._end(s.rid, "timeout")
             late.setdefault(id(run.sink), (run.sink, []))[1].append(Update(
@@ -372,6 +390,7 @@ class EngineLoop:
             run = self._running.get(ev.request_id)
             if run is None:
                 continue
+            run.admission.started = True        # a sequence that started and ended between two _expire calls
             out.setdefault(id(run.sink), (run.sink, []))[1].append(
                 Update(run.seq, ev.token, ev.finished, ev.finish_reason, ev.error, ev.logprob, ev.top_logprobs,
                        ev.prompt_logprobs, ev.request_error))

@@ -1,6 +1,5 @@
 import os
 
-import jax
 import pytest
 
 # skip_policy: a skipped test fails the run (but for modules another make target runs); pytester: its own test;
@@ -36,6 +35,7 @@ def _all_eqns(jaxpr):
 @pytest.fixture
 def jaxpr_eqns():
     """(f, *args) -> every equation of f's jaxpr, those inside loops, jit and custom rules included."""
+    import jax          # here, not at the top: the model-free tests (tests/unit) import no JAX
     return lambda f, *args: list(_all_eqns(jax.make_jaxpr(f)(*args).jaxpr))
 
 
@@ -56,6 +56,14 @@ def serve_cache_dir(tmp_path_factory):
         path.mkdir(exist_ok=True)
         return path
     return tmp_path_factory.mktemp("serve-executables")
+
+
+@pytest.fixture(scope="module")
+def http_engine(http_artifacts, serve_cache_dir):
+    """The Engine on the HTTP tests' text artifact, loaded once per module; one app at a time drives it."""
+    from http_util import loaded
+    with loaded(http_artifacts[0], serve_cache_dir) as engine:
+        yield engine
 
 
 def pytest_sessionfinish(session):

@@ -136,6 +136,18 @@ def frozen_heap():
         gc.unfreeze()
 
 
+async def stream_ids(http: httpx.AsyncClient, body: dict, started: asyncio.Event) -> list[int]:
+    """A streamed completion's token ids (each chunk's choices[0].token_ids), `started` set at the first chunk."""
+    ids = []
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                ids += json.loads(line[6:])["choices"][0]["token_ids"]
+                started.set()
+    return ids
+
+
 async def health_gaps(client, request: asyncio.Future) -> list[float]:
     """Poll /health on the running event loop until `request` is done -> the seconds between answers."""
     gaps, last = [], time.perf_counter()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tlaloc_jax import artifact as af
+from tlaloc_jax.artifact.bounded import load_bounded
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve import engine as engine_module
 from tlaloc_jax.serve.__main__ import main as serve_main
@@ -257,3 +258,41 @@ def test_the_server_refuses_a_bad_artifact_with_an_error_line_and_status_2(artif
     assert err.startswith("error: ") and "Traceback" not in err
     if case == "corrupt-tokenizer":
         assert "tokenizer file 'tokenizer.json' does not load" in err
+
+
+def test_a_checkpoint_folder_is_refused_with_the_export_command(http_artifacts, capsys, no_device):
+    """Issue 55: a Hugging Face checkpoint given where an artifact belongs: the error names the folder and the
+    export command to run first (it said "no tlaloc-serving.json in the artifact directory")."""
+    ck = http_artifacts[0].parent / "ck"
+    assert (ck / "config.json").is_file() and not (ck / af.MANIFEST_NAME).exists()
+    assert serve_main([str(ck), "--cache-dir", "none", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {ck}: ") and "Traceback" not in err, err
+    assert f"a Hugging Face checkpoint (config.json), not an artifact; export it first: python -m tlaloc_jax.export " \
+           f"{ck} OUT_DIR, then serve OUT_DIR" in err, err
+    with pytest.raises(af.ManifestError, match=rf"{ck}: no tlaloc-bounded.json .*tlaloc_jax.stage_bounded"):
+        load_bounded(ck)
+    # Any other folder without a manifest is named too.
+    with pytest.raises(af.ManifestError, match=rf"^{http_artifacts[0].parent}: no tlaloc-serving.json in the "
+                                               r"artifact directory$"):
+        Engine.load(http_artifacts[0].parent, cache_dir=None)
+
+
+def test_a_port_in_use_is_refused_before_anything_loads(artifact, capsys, monkeypatch):
+    """Issue 55: `python -m tlaloc_jax.serve --port P` with P taken exits 2 naming the port before it reads the
+    artifact (it found out only once the model had loaded); control: with the port free it goes on to load."""
+    import socket
+
+    def loading(*a, **k):
+        raise af.ManifestError("reached loading")
+    monkeypatch.setattr(af, "load_remembering", loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve_main([str(artifact), "--cache-dir", "none", "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: port {port} on 127.0.0.1 is in use") and "--port" in err, err
+        assert "reached loading" not in err
+    assert serve_main([str(artifact), "--cache-dir", "none", "--port", str(port)]) == 2
+    assert capsys.readouterr().err == "error: reached loading\n"

@@ -205,10 +205,11 @@ def test_python_m_serve_hosts_a_decoder_and_an_embedding_program(http_artifacts,
 def test_python_m_serve_refuses_the_wrong_kind_of_artifact_by_name(http_artifacts, embedder, which):
     args = ([str(embedder[0])] if which == "bounded-as-decoder"
             else [str(http_artifacts[0]), "--embedding-artifact", str(http_artifacts[0])])
-    p = subprocess.run([sys.executable, "-c", SERVE, *args, "--port", "1"], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", SERVE, *args, "--port", "0"], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2, p.stderr
     want = (r"no tlaloc-serving.json in the artifact directory: it holds a bounded program \(tlaloc-bounded.json\)"
             if which == "bounded-as-decoder" else
-            r"--embedding-artifact: no tlaloc-bounded.json in the artifact directory: it holds a decoder")
+            rf"--embedding-artifact: {re.escape(str(http_artifacts[0]))}: no tlaloc-bounded.json in the artifact "
+            r"directory: it holds a decoder")
     assert re.search(want, p.stderr), p.stderr

@@ -3,6 +3,10 @@
 streaming beside it is never delayed by more than one step; afterwards no sequence runs, no page is held or
 promised, and a fixed prompt still gives its solo ids.
 
+A second server with tight queue limits (--max-num-seqs 1, --max-waiting 4, --max-wait-seconds) takes requests
+drawn around `n` (prompts x n below, at and past --max-waiting) and `priority` (fcfs: only 0 is served): each is
+answered 200 with all its choices, or 400 naming the limit or field it breaks, never 503 (nothing else waits).
+
 Bodies: mostly JSON objects holding the real field names, each with a value that passes the schema (so
 that many examples generate tokens) or a wild one (wrong types, huge, negative and float numbers, NaN,
 text with lone surrogates, nested values); structured output (schemas, regexes, choices and Lark grammars:
@@ -23,6 +27,7 @@ count would measure that, not a stall.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -137,6 +142,8 @@ VALID = {
     "min_tokens": st.integers(0, 12),
     "add_special_tokens": st.booleans(),
     "return_token_strs": st.booleans(),
+    "priority": st.integers(-3, 3) | st.sampled_from([-2**63, 2**63 - 1]),
+    "return_tokens_as_token_ids": st.booleans(),
 }
 WILD_PROMPT = TEXT | TOKEN_IDS | st.lists(TEXT, max_size=3) | st.lists(TOKEN_IDS, max_size=3)
 WILD_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["robot", "user"]) | TEXT},
@@ -150,7 +157,8 @@ WILD.update(prompt=WILD_PROMPT | ANY_JSON, messages=st.lists(WILD_MESSAGE, max_s
 COMMON = ["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
           "stream_options", "return_token_ids", "ignore_eos", "user", "presence_penalty", "frequency_penalty",
           "logit_bias", "logprobs", "response_format", "guided_json", "guided_regex", "guided_choice",
-          "guided_grammar", "structured_outputs", "min_tokens", "add_special_tokens"]
+          "guided_grammar", "structured_outputs", "min_tokens", "add_special_tokens", "priority",
+          "return_tokens_as_token_ids"]
 OWN_FIELDS = {"prompt": COMMON + ["echo", "suffix", "best_of"],
               "messages": COMMON + ["max_completion_tokens", "top_logprobs", "add_generation_prompt", "tools",
                                     "tool_choice", "parallel_tool_calls"],
@@ -246,12 +254,12 @@ class Probe:
 @pytest.fixture(scope="module")
 def served(http_artifacts, serve_cache_dir):
     """(in-process server, the fixed prompt's solo ids, the artifact's folder, the probe). The tokenizer's template
-    defines tools."""
+    defines tools; requests are scheduled by priority."""
     tokenizer = load_tokenizer(http_artifacts[0], mf.load_manifest(http_artifacts[0]))
     tokenizer.chat_template = TOOLS_TEMPLATE
     with Engine.load(http_artifacts[0], cache_dir=serve_cache_dir, progress=False) as engine:
         want = engine.generate([GOOD], 8, stop_token_ids=STOP)[0]
-        with InProcess(engine, tokenizer=tokenizer) as srv:
+        with InProcess(engine, tokenizer=tokenizer, scheduling_policy="priority") as srv:
             yield srv, want, str(http_artifacts[0].parent), Probe(srv.server)
             del engine.step            # the Engine's own step again
 
@@ -305,3 +313,108 @@ def test_any_body_is_answered_2xx_or_4xx_and_leaves_the_pool_empty(served, path,
 @given(data=st.data())
 def test_any_body_is_answered_2xx_or_4xx_and_leaves_the_pool_empty_long(served, path, data):
     _check(served, path, data.draw(BODIES[path], label="body"))
+
+
+# cache_salt (issue 55): a non-empty string, anything else refused naming it; null is the same as leaving it out.
+SALTS = _weighted((4, CLEAN_TEXT.filter(bool)), (1, st.just("")), (1, TEXT), (1, ANY_JSON))
+PLAIN = {"/v1/completions": {"prompt": GOOD, "max_tokens": 2}, "/v1/chat/completions": {
+    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+
+
+def _good_salt(salt) -> bool:
+    """null, or a non-empty string of Unicode characters (a lone surrogate is none: the body is refused)."""
+    return salt is None or isinstance(salt, str) and salt != "" and not any("\ud800" <= c <= "\udfff" for c in salt)
+
+
+@pytest.mark.parametrize("path", list(PLAIN))
+@settings(max_examples=30, **FUZZ)
+@given(data=st.data())
+def test_any_cache_salt_is_served_or_refused_by_name(served, path, data):
+    """A fuzzed body with a cache_salt passes the checks above; the salt beside a plain body is served (200) when it
+    is a non-empty string (or null), else refused 400 naming cache_salt."""
+    salt = data.draw(SALTS, label="cache_salt")
+    body = dict(data.draw(_request(ENDPOINTS[path]), label="body"), cache_salt=salt)
+    _check(served, path, json.dumps(body).encode())
+    r = served[0].post(path, json.dumps(dict(PLAIN[path], cache_salt=salt)).encode(),
+                       headers={"Content-Type": "application/json"})
+    if _good_salt(salt):
+        assert r.status_code == 200, r.text
+    else:
+        # A lone surrogate deep inside a wrong-typed salt is refused by where it sits: cache_salt[0], ...
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("cache_salt"), r.text
+    assert served[0].wait_idle() == IDLE
+
+
+# -- n and priority against the queue limits -------------------------------------------------------
+
+MAX_WAITING = 2
+PRIORITIES = _weighted((4, st.just(0)), (1, st.none()), (1, st.integers(-2**63, 2**63 - 1)),
+                       (1, st.sampled_from([2**63, -2**63 - 1, 1.0, -1e30, True, "high", [0]])))
+
+
+@st.composite
+def _limited_request(draw, chat: bool) -> dict:
+    if chat:
+        body = {"messages": [{"role": "user", "content": draw(CLEAN_TEXT)}]}
+    else:
+        body = {"prompt": draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
+                                        min_size=1, max_size=3) | st.lists(st.integers(0, VOCAB - 1), min_size=1))}
+    body.update(max_tokens=draw(st.integers(1, 12)), ignore_eos=True, stream=draw(st.booleans()),
+                return_token_ids=True)
+    if (n := draw(st.none() | st.integers(1, 6))) is not None:
+        body["n"] = n
+    if (priority := draw(PRIORITIES)) is not None or draw(st.booleans()):
+        body["priority"] = priority
+    return body
+
+
+@pytest.fixture(scope="module")
+def limited(http_artifacts, serve_cache_dir):
+    """An in-process server with --max-num-seqs 1, --max-waiting MAX_WAITING and a wait limit a few steps long
+    (each step lasts at least PROBE_STEP_S): a request whose own choices timed out behind each other would fail."""
+    with Engine.load(http_artifacts[0], cache_dir=serve_cache_dir, progress=False) as engine:
+        step = engine.step
+
+        def slow_step(**kw):
+            t0 = time.perf_counter()
+            events = step(**kw)
+            time.sleep(max(0.0, PROBE_STEP_S - (time.perf_counter() - t0)))
+            return events
+        engine.step = slow_step
+        with InProcess(engine, max_batch=1, max_waiting=MAX_WAITING, max_wait_seconds=3 * PROBE_STEP_S) as srv:
+            yield srv
+        del engine.step
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@settings(max_examples=40, **FUZZ)
+@given(data=st.data())
+def test_n_and_priority_against_the_queue_limits(limited, path, data):
+    body = data.draw(_limited_request(path.endswith("chat/completions")), label="body")
+    prompts = 1 if "messages" in body or not isinstance(body["prompt"][0], list) else len(body["prompt"])
+    sequences = prompts * body.get("n", 1)
+    priority = body.get("priority")
+    bad_priority = priority is not None and (type(priority) is not int or priority != 0)
+    r = limited.post(path, body)
+    if r.status_code == 400:
+        err = r.json()["error"]
+        event(f"400 ({err['param']})")
+        if err["param"] == "priority":
+            assert bad_priority and re.search(r"'priority'", err["message"]), err
+        else:
+            assert sequences > MAX_WAITING and err["param"] in ("n", "prompt"), err
+            assert f"--max-waiting is {MAX_WAITING}" in err["message"], err
+    else:
+        assert r.status_code == 200 and not bad_priority and sequences <= MAX_WAITING, r.text[-2000:]
+        event(f"200, {sequences} sequences")
+        if body["stream"]:
+            assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text, r.text[-2000:]
+            chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+            got = {}
+            for chunk in chunks:
+                for c in chunk["choices"]:
+                    got[c["index"]] = got.get(c["index"], 0) + len(c.get("token_ids") or ())
+        else:
+            got = {c["index"]: len(c["token_ids"]) for c in r.json()["choices"]}
+        assert got == {i: body["max_tokens"] for i in range(sequences)}, got
+    assert limited.wait_idle() == IDLE

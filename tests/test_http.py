@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from http_util import CONTEXT, GOOD, STOP, loaded, serving, solo_runner
+from http_util import CONTEXT, GOOD, STOP, loaded, serving, solo_runner, stream_ids
 from import_guard import guarded
 from tlaloc_jax.serve import Sampling
 from tokenizers_util import EOS, IMAGE, VOCAB, build_tokenizer
@@ -57,6 +57,7 @@ class Server:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self.key = args[args.index("--api-key") + 1] if "--api-key" in args else None    # /metrics needs it too
         self.proc = subprocess.Popen(
             [sys.executable, "-c", SERVE, str(artifact), "--port", str(self.port), "--cache-dir", str(cache_dir),
              "--log-level", "warning", *args],
@@ -91,7 +92,8 @@ class Server:
         assert re.search(r"frozen objects: [1-9]", out), out[-4000:]
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else None
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).raise_for_status().text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -466,19 +468,9 @@ def test_a_full_pool_queues_the_request_and_it_runs_when_pages_free(ids_server, 
 
     async def attempt():
         async with httpx.AsyncClient(base_url=ids_server.url, timeout=60) as http:
-            async def hold(prompt, started):
-                ids = []
-                async with http.stream("POST", "/v1/completions", json={
-                        "prompt": prompt, "max_tokens": 60, "temperature": 0, "stream": True}) as r:
-                    assert r.status_code == 200
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {"):
-                            ids += json.loads(line[6:])["choices"][0]["token_ids"]
-                            started.set()
-                return ids
-
             events = [asyncio.Event() for _ in holders]
-            tasks = [asyncio.create_task(hold(p, e)) for p, e in zip(holders, events)]
+            tasks = [asyncio.create_task(stream_ids(http, {"prompt": p, "max_tokens": 60, "temperature": 0}, e))
+                     for p, e in zip(holders, events)]
             await asyncio.gather(*(e.wait() for e in events))
             queued = await http.post("/v1/completions", json={"prompt": small, "max_tokens": 4, "temperature": 0})
             return queued, await asyncio.gather(*tasks)
@@ -490,9 +482,9 @@ def test_a_full_pool_queues_the_request_and_it_runs_when_pages_free(ids_server, 
     assert ids_server.metrics()["tlaloc_kv_pages_in_use"] == 0
 
 
-def test_a_full_waiting_queue_answers_503_and_nothing_else_changes(engine, solo):
-    """--max-waiting: with the queue full a new request is refused (503, queue_full, Retry-After) and the running
-    one keeps its ids; a request that waited past --max-wait-seconds fails with 503 (queue_timeout)."""
+def test_a_request_past_max_waiting_answers_400_and_nothing_else_changes(engine, solo):
+    """--max-waiting 1: a request for two sequences could never be admitted, a 400 naming n (not 503 + Retry-After)
+    and the running one keeps its ids. (A queue full now, and --max-wait-seconds: tests/test_scheduling_http.py.)"""
     async def attempt(**kw):
         """A 60-token stream runs alone (max_batch 1); a request for two sequences arrives after its first token."""
         async with serving(engine, max_batch=1, **kw) as (http, _):
@@ -511,12 +503,9 @@ def test_a_full_waiting_queue_answers_503_and_nothing_else_changes(engine, solo)
 
     ids, second = asyncio.run(attempt(max_waiting=1))
     assert ids == solo([10, 20, 30, 40], 60)
-    assert second.status_code == 503 and second.headers["retry-after"] == "1", second.text
+    assert second.status_code == 400 and "retry-after" not in second.headers, second.text
     err = second.json()["error"]
-    assert err["code"] == "queue_full" and re.search(r"0 sequences wait to run .*--max-waiting is 1", err["message"])
-    ids, second = asyncio.run(attempt(max_wait_seconds=0.001))
-    assert ids == solo([10, 20, 30, 40], 60)
-    assert second.status_code == 503 and second.json()["error"]["code"] == "queue_timeout", second.text
+    assert err["param"] == "n" and re.search(r"n is 2, 2 sequences .*--max-waiting is 1", err["message"])
     # Control: with room to wait, the same second request runs to its solo ids once the first ends.
     ids, second = asyncio.run(attempt())
     assert second.status_code == 200 and [c["token_ids"] for c in second.json()["choices"]] == [solo([5, 6, 7], 4)] * 2

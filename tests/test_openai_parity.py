@@ -287,6 +287,13 @@ def test_penalties_and_logit_bias_in_the_body_equal_the_host_fallback(engine, ho
     s = Sampling(repetition_penalty=1.6, presence_penalty=0.8, frequency_penalty=0.5, logit_bias=((65, 2.0),))
     assert _solo(engine, GOOD, 12, s) == _solo(host_engine, GOOD, 12, s)
     assert _solo(engine, GOOD, 12, s) != _solo(engine, GOOD, 12)       # control: they change the ids
+    # A prompt that holds the tokens greedy decoding picks next (the model's own continuation): presence and
+    # frequency penalties must skip them, so a side that counted the prompt would part from the other.
+    echo = GOOD + _solo(engine, GOOD, 12)
+    unpenalised = _solo(engine, echo, 12)
+    assert set(unpenalised) & set(echo), "the echo prompt's greedy ids repeat none of its tokens"
+    s = Sampling(presence_penalty=0.8, frequency_penalty=0.5)
+    assert _solo(engine, echo, 12, s) == _solo(host_engine, echo, 12, s)
     r = client.completions.create(model=MODEL, prompt=GOOD, max_tokens=5, temperature=0, logit_bias={"65": 100},
                                   extra_body={"return_token_ids": True, "ignore_eos": True})
     assert r.choices[0].model_extra["token_ids"] == [65] * 5

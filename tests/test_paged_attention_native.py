@@ -1,6 +1,6 @@
-"""The C decode attention kernel (tlaloc_jax/native/decode_attention.c, called through
+"""The C decode attention kernel (kernels/decode_attention.c, called through
 tlaloc_jax/kernels/paged_attention_native.py as an FFI custom call jax runs in process) against the naive reference,
-at the edge cases the other decode kernels' tests cover; its refusals; the vendored FFI header.
+at the edge cases the other decode kernels' tests cover; its refusals and limits; the vendored FFI header.
 
 Every pool is NaN wherever no key was written, so a read of such a slot that reaches an output shows up as a NaN.
 """
@@ -20,7 +20,9 @@ from margins import assert_within
 from tlaloc_jax import native
 from tlaloc_jax.kernels import paged_attention_reference
 from tlaloc_jax.kernels import tolerances as tol
-from tlaloc_jax.kernels.paged_attention_native import NATIVE_DECODE_ATTENTION, native_decode_attention
+from tlaloc_jax.kernels.paged_attention import _window_array
+from tlaloc_jax.kernels.paged_attention_native import (MAX_GROUP, MAX_HEAD_DIM, NATIVE_DECODE_ATTENTION, _native_decode,
+                                                       native_decode_attention, register_in_process)
 from tlaloc_jax.kernels.tolerances import relative_error
 
 pytestmark = pytest.mark.numeric
@@ -128,7 +130,7 @@ def test_a_page_outside_the_pool_is_refused_not_read():
 
 @pytest.mark.parametrize("case, why", [
     (dict(T=2), "one token a row, not 2"),
-    (dict(H=5), "at most 16 query heads a KV head"),
+    (dict(H=5), f"at most {MAX_GROUP} query heads a KV head"),
     (dict(dtype=jnp.int8), "a int8 pool: it reads f32 or bf16 pools"),
 ])
 def test_refusals_name_the_reason(case, why):
@@ -139,6 +141,22 @@ def test_refusals_name_the_reason(case, why):
     with pytest.raises(ValueError, match=why):
         jax.eval_shape(lambda q, p, t, pos, n: native_decode_attention(q, p, 0, t, pos, n, scale=1.0),
                        q, pool, *ints)
+
+
+@pytest.mark.parametrize("group, head_dim", [(MAX_GROUP + 1, 8), (1, MAX_HEAD_DIM + 8)])
+def test_the_c_kernel_holds_the_limits_the_python_side_checks(group, head_dim):
+    """The kernel is compiled with the limits refusal() checks (tlaloc_jax.native.DEFINES): a call past one of them,
+    sent around refusal(), is refused by the kernel naming both numbers; a call at both runs."""
+    def call(g, d):
+        q, pool = jnp.ones((1, 1, g, d), jnp.float32), jnp.ones((1, 2, 1, S, 1, d), jnp.float32)
+        ints = jnp.zeros((1, 1), jnp.int32)
+        return np.asarray(_native_decode(1.0, 0.0, q, pool, jnp.int32(0), ints, ints, jnp.ones((1,), jnp.int32),
+                                         _window_array(None), None))
+
+    register_in_process()
+    assert (call(min(group, MAX_GROUP), min(head_dim, MAX_HEAD_DIM)) == 1).all()
+    with pytest.raises(Exception, match=f"exceed {MAX_GROUP} query heads a KV head, {MAX_HEAD_DIM} a head"):
+        call(group, head_dim)
 
 
 def test_lowers_to_one_custom_call_per_layer():

@@ -1,8 +1,9 @@
 """tlaloc_jax/kernels/sampling.py: the sampler every staged entry runs, against its naive float64 form, and its draws
 against the filtered distribution (chi-square, fixed seeds).
 
-Controls: a kernel fed the columns in another order, or with the penalties zeroed, fails the comparison; the
-draws fail the chi-square test against the unfiltered distribution."""
+Controls: a kernel fed the columns in another order, or with the penalties zeroed, fails the comparison; one whose
+presence and frequency penalties count the prompt's tokens fails the prompt checks; the draws fail the chi-square
+test against the unfiltered distribution."""
 
 from __future__ import annotations
 
@@ -101,18 +102,22 @@ def compare(args, kernel_args=None, within=assert_within):
     np.testing.assert_array_equal(top_ids, want_ids)
 
 
-@pytest.mark.numeric
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_kernel_equals_the_reference(seed):
-    args = batch(seed)
-    # Preconditions that keep the comparison exact: no top-p cut and no draw within the tolerance model of a
-    # boundary (a nearer one may fall either way on another CPU, for both implementations are correct).
-    want_tokens, _, _, _, dists = S.sample_reference(*args, top_n=N)
+def no_draw_at_a_boundary(args, what: str) -> None:
+    """The precondition that keeps the comparison exact: no draw within the tolerance model of a CDF boundary (a
+    nearer one may fall either way on another CPU, for both implementations are correct)."""
+    _, _, _, _, dists = S.sample_reference(*args, top_n=N)
     u = np.asarray(S.uniforms(jnp.asarray(args[2]), jnp.asarray(args[3])), np.float64)
     for b, row in enumerate(args[1]):
         if row[0] > 0:
             cdf = np.cumsum(dists[b])
-            assert np.min(np.abs(cdf - u[b])) > 1e-4, f"seed {seed} row {b}: a draw at a CDF boundary"
+            assert np.min(np.abs(cdf - u[b])) > 1e-4, f"{what} row {b}: a draw at a CDF boundary"
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kernel_equals_the_reference(seed):
+    args = batch(seed)
+    no_draw_at_a_boundary(args, f"seed {seed}")
     compare(args)
 
 
@@ -130,6 +135,69 @@ def test_controls_fail():
     no_penalty[1][:, 4:7] = [0.0, 0.0, 1.0]
     with pytest.raises(AssertionError):
         compare(args, no_penalty, _unrecorded)
+
+
+def prompt_check(seed: int, within=assert_within) -> None:
+    """The kernel against the reference on rows whose first half of history is their prompt: presence and frequency
+    penalties count only the output half, the repetition penalty both (batch() draws steps near seq_lens: there
+    nearly every token is an output token)."""
+    args = batch(seed)
+    args[3] = (args[8] // 2).astype(np.int32)
+    assert (args[3] < args[8]).all()
+    no_draw_at_a_boundary(args, f"seed {seed}, prompt halves:")
+    compare(args, within=within)
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_penalties_leave_prompt_tokens_to_the_repetition_penalty(seed):
+    prompt_check(seed)
+
+
+def hand_check(within=assert_within) -> None:
+    """One row worked by hand through the kernel, the reference and the host sampler: prompt [1, 1, 2], output
+    [2, 3, 3]; repetition 2 divides (or, below zero, multiplies) tokens 1, 2 and 3, presence 0.5 and frequency
+    0.25 reach only 2 (once) and 3 (twice). Token 1, repeated in the prompt alone, is not charged for it."""
+    logits = np.array([[1.0, 3.0, 2.0, -1.0, 0.5, 4.0]], np.float32)
+    want = np.array([1.0, 3.0 / 2, 2.0 / 2 - 0.75, -1.0 * 2 - 1.0, 0.5, 4.0])
+    row = params_row(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    history, vocab = [1, 1, 2, 2, 3, 3], logits.shape[1]
+    args = [logits, np.array([row], np.float32), np.zeros((1, 2), np.int32), np.array([3], np.int32),
+            np.full((1, af.mask_words(vocab)), -1, np.int32), np.full((1, 1), -1, np.int32),
+            np.zeros((1, 1), np.float32), np.array([history + [-1, -1]], np.int32), np.array([6], np.int32)]
+    sampling = host.Sampling(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    for name, got in (("kernel", np.asarray(_process(*args))[0]),
+                      ("reference", S.reference_processed(logits[0], row, args[4][0], args[5][0], args[6][0],
+                                                          args[7][0], 6, 3)),
+                      ("host", host.processed(logits[0], sampling, history, 3, None))):
+        within(relative_error(got, want), tol.bound(3), f"{name}: penalised logits worked by hand")
+
+
+@pytest.mark.numeric
+def test_penalties_of_a_row_worked_by_hand():
+    hand_check()
+
+
+@pytest.mark.numeric
+def test_control_penalties_that_count_prompt_tokens_are_caught(monkeypatch):
+    """The planted bug: presence and frequency penalties over the whole history (every token an output token). Both
+    prompt checks pass on the kernel as it is and fail on it; the jit caches are cleared so that the kernel is
+    traced again with it, and after it."""
+    real = S._penalize
+    prompt_check(0, _unrecorded)
+    hand_check(_unrecorded)
+    monkeypatch.setattr(S, "_penalize", lambda x, params, history, seq_lens, steps: real(x, params, history,
+                                                                                          seq_lens, seq_lens))
+    jax.clear_caches()
+    try:
+        for seed in (0, 1, 2):
+            with pytest.raises(AssertionError):
+                prompt_check(seed, _unrecorded)
+        with pytest.raises(AssertionError, match="kernel: penalised logits"):
+            hand_check(_unrecorded)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
 
 
 def test_a_default_request_fills_the_neutral_row():

@@ -1,6 +1,7 @@
 """The tree's structure: each item of the artifact vocabulary is defined once (tlaloc_jax/artifact/vocabulary.py),
 no module of tlaloc_jax.* takes part in an import cycle (counting the imports inside functions and type-only ones),
-no module is over MAX_MODULE_LINES lines, and one class hands out pool units.
+no module is over MAX_MODULE_LINES lines, one class hands out pool units, and the C kernels' sources live in the
+top-level kernels/ folder only, which every wheel carries.
 
 Both read the source as text (ast), so they see every file, imported or not. Controls: each detector finds a
 second definition planted in a temporary file, and the cycle finder finds a cycle planted in a temporary package."""
@@ -76,10 +77,14 @@ def vocabulary_definitions(path: Path, rel: str) -> list[tuple[str, str]]:
     return found
 
 
-def _python_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+def _files(*patterns: str) -> list[str]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", *patterns], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout.split()
     return [f for f in out if (ROOT / f).is_file()]
+
+
+def _python_files() -> list[str]:
+    return _files("*.py")
 
 
 def test_each_vocabulary_item_is_defined_once():
@@ -321,3 +326,42 @@ def test_the_allocator_check_finds_a_second_allocator(tmp_path):
     (tmp_path / "planted.py").write_text("class Pages:\n    def alloc(self, n): ...\n    def free(self, p): ...\n"
                                          "class Ring:\n    def take(self, n): ...\n    def give_back(self, p): ...\n")
     assert allocators(tmp_path / "planted.py", "planted.py") == ["planted.py:Pages"]
+
+
+# -- the C kernels: sources in kernels/ only, and shipped -------------------------------------------------------------
+
+C_SUFFIXES = (".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".cuh")
+
+
+def misplaced_c_sources(files: list[str]) -> list[str]:
+    """The C, C++ and CUDA sources and headers among `files` that are not directly in kernels/ (the one folder
+    pyproject ships them from, and that tlaloc_jax.native builds from)."""
+    return sorted(f for f in files if f.endswith(C_SUFFIXES) and Path(f).parent != Path("kernels"))
+
+
+def test_c_sources_live_only_in_kernels():
+    files = _files()
+    assert {"kernels/decode_attention.c", "kernels/xla_ffi_c_api.h"} <= set(files)
+    assert misplaced_c_sources(files) == []
+    assert not [f for f in files if f.startswith("kernels/") and f.endswith(".py")]     # a folder, not a package
+
+
+def test_misplaced_c_sources_are_found():
+    files = ["kernels/a.c", "kernels/b.h", "tlaloc_jax/native/a.c", "bench/x.cu", "kernels/sub/y.cpp", "docs/a.md"]
+    assert misplaced_c_sources(files) == ["bench/x.cu", "kernels/sub/y.cpp", "tlaloc_jax/native/a.c"]
+
+
+def test_the_wheel_carries_every_kernel_file():
+    """pyproject maps kernels/ to a package whose package-data takes each of its files; a checkout builds from it."""
+    from fnmatch import fnmatch
+
+    from tlaloc_jax import native
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    [package] = [p for p, folder in setuptools["package-dir"].items() if folder == "kernels"]
+    assert package in setuptools["packages"]
+    patterns = setuptools["package-data"][package]
+    files = [Path(f).name for f in _files("kernels/")]
+    assert set(native.KERNELS.values()) <= set(files)
+    assert [f for f in files if not any(fnmatch(f, p) for p in patterns)] == []
+    assert native.SOURCES == ROOT / "kernels"

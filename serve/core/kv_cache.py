@@ -5,8 +5,9 @@ units by block hash. A unit whose count falls to zero goes to the back of the fr
 its hash until it is taken again (then its hash is forgotten): full KV pages of finished or preempted
 sequences, and state snapshots, are reused until the space is needed.
 
-`block_hashes` chains the hashes of a sequence's full pages: page i's hash covers the artifact, every token
-before the page and the page's own tokens, so equal hashes mean equal prefixes.
+`extend_hashes` chains the hashes of a sequence's full pages: page i's hash covers the artifact, the request's
+cache_salt (if any), every token before the page and the page's own tokens, so equal hashes mean equal prefixes
+of requests with the same salt.
 """
 
 from __future__ import annotations
@@ -108,7 +109,20 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
 
 
-def extend_hashes(hashes: list[bytes], tokens: Sequence[int], block_size: int, root: bytes) -> None:
-    """Append to `hashes` the hash of each full page of `tokens` it does not have yet."""
+def salted_root(root: bytes, salt: str | None) -> bytes:
+    """The parent of a request's first page: the artifact's root, mixed with the request's cache_salt when it has
+    one (vLLM's way: the salt enters the first page's hash, hence every later one), so that its pages and state
+    snapshots match only those of requests with the same salt."""
+    if salt is None:
+        return root
+    return hashlib.blake2b(root + salt.encode("utf-8", "surrogatepass"), digest_size=16,
+                           person=b"cache_salt").digest()
+
+
+def extend_hashes(hashes: list[bytes], tokens: Sequence[int], block_size: int, root: bytes,
+                  salt: str | None = None) -> None:
+    """Append to `hashes` the hash of each full page of `tokens` it does not have yet (salt: the request's
+    cache_salt, mixed into the first page's)."""
     for i in range(len(hashes), len(tokens) // block_size):
-        hashes.append(block_hash(hashes[-1] if hashes else root, tokens[i * block_size:(i + 1) * block_size]))
+        parent = hashes[-1] if hashes else salted_root(root, salt)
+        hashes.append(block_hash(parent, tokens[i * block_size:(i + 1) * block_size]))

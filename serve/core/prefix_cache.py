@@ -10,6 +10,8 @@ than the snapshots, its first chunk stops where its cached pages stop, and it le
 point where the two prompts part), so the next sequence with that prefix starts there.
 
 Snapshots and cached pages are held by nobody: they are the first units given up when a sequence needs one.
+Both are found by the sequence's chain of page hashes, which starts from its cache_salt (kv_cache.salted_root):
+requests with different salts, or a salt and none, share neither.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class PrefixCache:
         """The longest prefix of the sequence's tokens a later call may skip (at least its last token is computed),
         with its units held."""
         tokens = s.tokens
-        kv_cache.extend_hashes(s.hashes, tokens, self.block_size, self.root)
+        kv_cache.extend_hashes(s.hashes, tokens, self.block_size, self.root, s.cache_salt)
         limit = (len(tokens) - 1) // self.block_size
         k = limit
         if PAGED in self.pools:
@@ -89,7 +91,8 @@ class PrefixCache:
         inside its prompt is marked for a snapshot."""
         full = end // self.block_size
         if full > s.cached_pages:
-            kv_cache.extend_hashes(s.hashes, s.tokens[:full * self.block_size], self.block_size, self.root)
+            kv_cache.extend_hashes(s.hashes, s.tokens[:full * self.block_size], self.block_size, self.root,
+                                    s.cache_salt)
             if PAGED in self.pools:
                 pool, pages = self.pools[PAGED], s.held[PAGED]
                 for i in range(s.cached_pages, full):

@@ -17,8 +17,9 @@ class RequestRefused(ValueError):
     """A request the engine will not run; nothing of any sequence changed.
 
     kind: "empty_prompt", "placeholder_token", "out_of_vocabulary", "too_long", "bad_request",
-    "exceeds_pool" (more pages than the whole pool: never admitted), or "pool_exhausted" (retry after
-    other sequences end).
+    "exceeds_pool" (more pages than the whole pool: never admitted), "exceeds_queue" (more sequences than may wait:
+    never admitted), or "queue_full" (the HTTP loop's waiting queue is full: retry once fewer wait). A request that
+    fits the pool but finds it full waits, unrefused.
     """
 
     def __init__(self, kind: str, message: str, pool: str | None = None):
@@ -87,6 +88,7 @@ class Request:
     order: int = 0                       # arrival order: ties between equal priorities go to the earlier
     priority: int = 0                    # lower runs first (vLLM's priority scheduling)
     seed: int = 0                        # the body's 64-bit seed (the request's, else a random one)
+    cache_salt: str | None = None        # shares cached pages only with requests of the same salt
     constraint: Constraint | None = None
     single_step: bool = False            # the caller checks each token (stop strings): no decode_steps calls
     prompt_logprobs: list | None = None  # filled while the prompt is read, when the request asked
@@ -146,6 +148,14 @@ def check_stop(stop_token_ids: Iterable[int]) -> frozenset[int]:
         if not isinstance(t, numbers.Integral) or isinstance(t, bool):
             raise RequestRefused("bad_request", f"stop_token_ids must be integer token ids, got {t!r}")
     return frozenset(int(t) for t in items)
+
+
+def check_cache_salt(salt) -> str | None:
+    """A request's cache_salt: None, or a non-empty string (vLLM's rule)."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise RequestRefused("bad_request", f"cache_salt must be a non-empty string, got {salt!r}; leave it out "
+                                            "(None) to share cached prefixes with every request without one")
+    return salt
 
 
 def check_sampling(sampling: Sampling | None) -> Sampling:

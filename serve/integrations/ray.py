@@ -60,6 +60,7 @@ class RayServeArgs(BaseModel):
     max_model_len: int | None = Field(default=None, ge=1)
     served_model_name: str | None = None
     api_key: str | None = None
+    metrics_without_key: bool = False
     allowed_origins: list[str] = []
     strict_fields: bool = False
     cache_dir: str | None = None
@@ -129,7 +130,7 @@ class OpenAIReplica:
         try:
             self.openai_app = http.create_app(self.engine, model_name=a.served_model_name, api_key=_api_key(a),
                                        max_batch=a.max_batch, allowed_origins=a.allowed_origins,
-                                       strict_fields=a.strict_fields)
+                                       strict_fields=a.strict_fields, metrics_without_key=a.metrics_without_key)
         except BaseException:
             self.engine.close()
             raise

@@ -15,16 +15,20 @@ Errors are OpenAI-style JSON, {"error": {"message", "type", "param", "code"}}:
        strict_fields; otherwise it is logged as ignored), a field of the wrong type or value or a list past its
        bound, a grammar or schema that does not compile, passes a limit, admits no text or cannot meet min_tokens,
        a placeholder or out-of-vocabulary token id, a prompt longer than the largest context, max_tokens past it,
-       a sequence that needs more pages (or state slots) than the whole pool
-  401  a missing or wrong API key (when the server has one)
+       a sequence that needs more pages (or state slots) than the whole pool, more sequences in one request (n, or
+       prompts x n) than --max-waiting lets wait, a non-zero priority under --scheduling-policy fcfs
+  401  a missing or wrong API key (when the server has one) on /v1/*, /tokenize, /detokenize and /metrics
+       (/metrics without one when metrics_without_key: a scraper's; /health and /version never need it)
   404  an unknown model or route
-  413  a body over the size limit
+  413  a body over the size limit (the rest of it read and dropped first, up to serving.DRAIN_BYTES, so that
+       the connection closes without a reset and the client reads the answer)
   421  a Host header outside the allow-list (when the app has one: DNS rebinding)
   500  a bug: the answer holds an error id, the server log the cause. A choice that fails through its own
        request (its grammar fails deep into the text, min_tokens leaves no token) is not one: it ends with
        finish_reason "error" and an "error" object in a 200 answer, the other choices as they were
   503  the waiting queue is full (code "queue_full", Retry-After: 1), or the request waited past the
-       server's --max-wait-seconds without starting (code "queue_timeout"). Requests that could run later
+       server's --max-wait-seconds before any of its sequences started (code "queue_timeout"; once one has, the
+       others wait behind their own request, not the queue). Requests that could run later
        otherwise wait their turn. (503 rather than 429: the server is momentarily out of capacity, the
        client is not over a rate limit; the openai client retries both, honouring Retry-After.)
 Answers never name paths on disk: /v1/models' `root` is the model's name, and a 500 carries an id only.
@@ -46,6 +50,7 @@ from ..guards import HostAllowList, InternalErrors, allowed_host_names, api_key_
 from ..metrics import CountRequests
 from ..structured import GrammarBudget
 from ..tokenizer import TextTokenizer, load_tokenizer
+from .checks import SCHEDULING_POLICIES
 from .serving import OpenAIServer
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -72,7 +77,9 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Iterable[str] | None = None,
                allowed_origins: Iterable[str] = (), embeddings: Embeddings | None = None,
                strict_fields: bool = False, max_waiting: int = DEFAULT_MAX_WAITING,
-               max_wait_seconds: float | None = None, grammar_budget: GrammarBudget = GrammarBudget()) -> FastAPI:
+               max_wait_seconds: float | None = None, grammar_budget: GrammarBudget = GrammarBudget(),
+               metrics_without_key: bool = False, scheduling_policy: str = "fcfs",
+               return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The FastAPI app serving `engine`. The engine loop thread starts and stops with the app's lifespan.
 
     tokenizer: "auto" loads the artifact's (None when it has no tokenizer.json); max_batch: the most
@@ -84,8 +91,12 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     an embedding program to serve on /v1/embeddings beside the decoder (serve/embeddings.py); strict_fields:
     refuse (400) request fields the server does not know, instead of logging them as ignored (vLLM's way);
     max_waiting: the most sequences waiting to run before new requests get 503; max_wait_seconds: a sequence
-    that waited this long without starting fails with 503 (None: no limit); grammar_budget: what one request's
-    structured output may cost (serve/structured.py).
+    that waited this long before any sequence of its request started fails with 503 (None: no limit);
+    grammar_budget: what one request's structured output may cost (serve/structured.py); metrics_without_key: answer
+    /metrics without the api_key (a scraper that cannot send one; its counters show when prompts hit the prefix
+    cache); scheduling_policy: vLLM's, "fcfs" (a request's non-zero `priority` is refused) or "priority" (lower
+    `priority` runs first); return_tokens_as_token_ids: logprob tokens as "token_id:N" unless a request says
+    otherwise (vLLM's flag).
     """
     if api_key is not None and (problem := api_key_problem(api_key)) is not None:
         raise ValueError(f"api_key {problem}")
@@ -98,9 +109,12 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
         raise ValueError(f"max_batch must be positive, got {max_batch}")
     if max_waiting < 0:
         raise ValueError(f"max_waiting must not be negative, got {max_waiting}")
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                         f"{scheduling_policy!r}")
     server = OpenAIServer(engine, tokenizer, model_name or engine.manifest.model.name, api_key, int(max_batch),
-                     int(max_body_bytes), embeddings, strict_fields, int(max_waiting), max_wait_seconds,
-                     grammar_budget)
+                          int(max_body_bytes), embeddings, strict_fields, int(max_waiting), max_wait_seconds,
+                          grammar_budget, scheduling_policy, bool(return_tokens_as_token_ids))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -149,7 +163,9 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
         return APIError(503, problem, type="service_unavailable_error").response()
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if not metrics_without_key:
+            server.check_key(request)
         return await server.metrics_text()
 
     # Added innermost first: requests pass CountRequests, then the Host check, then CORS, then InternalErrors.

@@ -15,6 +15,8 @@ MAX_SEQS_PER_REQUEST = 64          # prompts x n
 MAX_EMBEDDING_INPUTS = 2048        # OpenAI's limit on the inputs of one /v1/embeddings request
 MAX_TOP_LOGPROBS = 20              # vLLM's default max_logprobs; OpenAI's top_logprobs allows 20 too
 MAX_SEED = 2**63 - 1               # OpenAI's int64; seed + j (choice j < 64) stays inside Sampling's [0, 2**64)
+INT64 = (-2**63, 2**63 - 1)        # vLLM's priority is an int64
+SCHEDULING_POLICIES = ("fcfs", "priority")      # vLLM's --scheduling-policy
 MAX_STOPS = 64                     # stop strings and ids in `stop`
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300               # OpenAI's limit on logit_bias entries
@@ -43,6 +45,26 @@ def check_sequence_count(prompts: int, n: int) -> None:
     """prompts x n, checked before any prompt is tokenized."""
     if prompts * n > MAX_SEQS_PER_REQUEST:
         raise bad_value("n", f"prompts x n is {prompts * n}, over the limit of {MAX_SEQS_PER_REQUEST}.")
+
+
+def check_queue_room(prompts: int, n: int, max_waiting: int) -> None:
+    """prompts x n against the server's --max-waiting: a request's sequences wait together, so one holding more than
+    may wait could never be admitted (a 400, not the 503 of a queue that is full now, which a client retries)."""
+    if prompts * n > max_waiting:
+        what = f"n is {n}" if prompts == 1 else f"prompts x n is {prompts} x {n}"
+        raise APIError(400, f"Invalid value for '{'n' if n > 1 else 'prompt'}': {what}, {prompts * n} sequences that "
+                            f"wait together, and the server's --max-waiting is {max_waiting}: it could never be "
+                            f"admitted; send at most {max_waiting} sequences, or start the server with a larger "
+                            "--max-waiting.", param="n" if n > 1 else "prompt", code="invalid_value")
+
+
+def check_priority(priority: int | None, policy: str) -> int:
+    """The request's priority (0 when not given); a non-zero one needs --scheduling-policy priority, as vLLM's."""
+    if priority and policy != "priority":
+        raise bad_value("priority", f"{priority} needs priority scheduling, and this server schedules first come, "
+                                    f"first served (--scheduling-policy {policy}); start it with --scheduling-policy "
+                                    "priority, or leave priority out.")
+    return priority or 0
 
 
 def _is_int(v: Any) -> bool:
@@ -84,6 +106,16 @@ def boolean(name, v):
 def string(name, v):
     if not isinstance(v, str):
         raise bad_type(name, "a string", v)
+    return v
+
+
+def cache_salt(name, v):
+    """vLLM's cache_salt: a non-empty string (an empty one would read as no salt, sharing what the client meant to
+    keep apart)."""
+    string(name, v)
+    if not v:
+        raise bad_value(name, "must be a non-empty string; leave it out to share cached prefixes with requests "
+                              "that send none.")
     return v
 
 

@@ -86,6 +86,7 @@ class GenerationRequest(Request):
     return_token_ids: Bool = None
     ignore_eos: Bool = None
     user: Str = None
+    cache_salt: Annotated[str | None, _opt(c.cache_salt)] = None
     presence_penalty: Penalty = None
     frequency_penalty: Penalty = None
     repetition_penalty: Annotated[float | None, _opt(c.number(0.0, 100.0, lo_open=True))] = None
@@ -105,6 +106,8 @@ class GenerationRequest(Request):
     guided_decoding_backend: Ignored = None
     guided_whitespace_pattern: Ignored = None
     skip_special_tokens: Bool = None
+    priority: Annotated[int | None, _opt(c.integer(*c.INT64))] = None
+    return_tokens_as_token_ids: Bool = None
 
 
 class CompletionRequest(GenerationRequest):

@@ -23,16 +23,26 @@ def sse(obj: Any) -> str:
 
 
 class Responses:
-    """The answers of one server: its model's name, and its tokenizer for the tokens' texts."""
+    """The answers of one server: its model's name, and its tokenizer for the tokens' texts (`tokens_as_ids`: logprob
+    tokens as "token_id:N" unless a request's return_tokens_as_token_ids says otherwise, vLLM's server flag)."""
 
-    def __init__(self, tokenizer: TextTokenizer | None, prompt_tokenizer: PromptTokenizer | None, model_name: str):
+    def __init__(self, tokenizer: TextTokenizer | None, prompt_tokenizer: PromptTokenizer | None, model_name: str,
+                 tokens_as_ids: bool = False):
         self.tokenizer = tokenizer
         self.prompt_tokenizer = prompt_tokenizer
         self.model_name = model_name
+        self.tokens_as_ids = tokens_as_ids
         self._token_texts: dict[int, str] = {}
 
-    def token_text(self, token_id: int) -> str:
-        """A token's text in logprobs (vLLM's "token_id:N" without a tokenizer)."""
+    def as_ids(self, req: GenerationRequest) -> bool:
+        """Whether the request's logprob tokens are "token_id:N" strings (its field, else the server's flag)."""
+        asked = req.return_tokens_as_token_ids
+        return self.tokens_as_ids if asked is None else asked
+
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        """A token's text in logprobs (vLLM's "token_id:N" without a tokenizer, or when asked)."""
+        if as_id:
+            return f"token_id:{token_id}"
         text = self._token_texts.get(token_id)
         if text is None:
             text = self.tokenizer.token_text(token_id) if self.tokenizer else f"token_id:{token_id}"
@@ -42,15 +52,16 @@ class Responses:
 
     # logprobs in OpenAI's shapes
 
-    def chat_logprobs(self, entries: list) -> dict:
+    def chat_logprobs(self, entries: list, as_ids: bool = False) -> dict:
         """[(id, logprob, top pairs, offset)] -> chat's {"content": [{token, logprob, bytes, top_logprobs}]}."""
         def one(t, lp):
-            text = self.token_text(t)
+            text = self.token_text(t, as_ids)
             return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
         return {"content": [dict(one(t, lp), top_logprobs=[one(a, b) for a, b in top]) for t, lp, top, _ in entries],
                 "refusal": None}
 
-    def completion_logprobs(self, entries: list, c: Choice, base: int, prompt: list | None = None) -> dict:
+    def completion_logprobs(self, entries: list, c: Choice, base: int, prompt: list | None = None,
+                            as_ids: bool = False) -> dict:
         """[(id, logprob, top pairs, offset in c.text)] -> completions' {tokens, token_logprobs, top_logprobs,
         text_offset}, each offset an index into the answer's text: `base` (the echoed prompt's length) plus the
         token's place in the choice's text (a stop string may have cut it); `prompt`: the echoed prompt's entries
@@ -58,9 +69,9 @@ class Responses:
         tokens, lps, tops, offsets = [], [], [], []
         generated = [(t, lp, top, base + min(o, len(c.text))) for t, lp, top, o in entries]
         for t, lp, top, offset in (prompt or []) + generated:
-            tokens.append(self.token_text(t))
+            tokens.append(self.token_text(t, as_ids))
             lps.append(None if lp is None else _finite(lp))
-            tops.append(None if top is None else {self.token_text(a): _finite(b) for a, b in top})
+            tops.append(None if top is None else {self.token_text(a, as_ids): _finite(b) for a, b in top})
             offsets.append(offset)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
@@ -114,14 +125,14 @@ class Responses:
             if chat:
                 message, finish = self.message(gen, c)
                 ch = {"index": c.index, "message": message,
-                      "logprobs": self.chat_logprobs(c.logprobs) if req.logprobs else None,
+                      "logprobs": self.chat_logprobs(c.logprobs, self.as_ids(req)) if req.logprobs else None,
                       "finish_reason": finish, "stop_reason": c.stop_reason}
             else:
                 prefix = self.echo_text(gen, c) if echo else ""
                 logprobs = None
                 if req.logprobs is not None:
                     prompt = await self.prompt_entries(gen, c, req.logprobs) if echo else None
-                    logprobs = self.completion_logprobs(c.logprobs, c, len(prefix), prompt)
+                    logprobs = self.completion_logprobs(c.logprobs, c, len(prefix), prompt, self.as_ids(req))
                 ch = {"index": c.index, "text": prefix + c.text, "logprobs": logprobs,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if ids:
@@ -145,6 +156,7 @@ class Responses:
         include_usage = bool(opts.get("include_usage"))
         continuous = include_usage and bool(opts.get("continuous_usage_stats"))
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+        as_ids = self.as_ids(req)
         echo = not chat and bool(req.echo)
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
@@ -183,7 +195,7 @@ class Responses:
                                 delta = {"content": text + c.text[c.sent_text:]}
                                 c.sent_text = len(c.text)
                         ch = {"index": c.index, "delta": delta,
-                              "logprobs": self.chat_logprobs(new_lps) if want_logprobs else None,
+                              "logprobs": self.chat_logprobs(new_lps, as_ids) if want_logprobs else None,
                               "finish_reason": finish}
                     else:
                         logprobs = None
@@ -194,7 +206,7 @@ class Responses:
                             echoed[c.index] = len(prefix)
                             prompt = await self.prompt_entries(gen, c, req.logprobs or 0) if want_logprobs else None
                         if want_logprobs:
-                            logprobs = self.completion_logprobs(new_lps, c, echoed[c.index], prompt)
+                            logprobs = self.completion_logprobs(new_lps, c, echoed[c.index], prompt, as_ids)
                         ch = {"index": c.index, "text": prefix + text, "logprobs": logprobs, "finish_reason": finish}
                         if ids and first[c.index]:
                             ch["prompt_token_ids"] = c.prompt

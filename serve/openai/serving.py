@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
 from ..embeddings import Embeddings
 from ..engine import Engine
@@ -31,7 +32,7 @@ from ..structured import GrammarBudget, GrammarError, Grammars
 from ..tokenizer import ChatTemplateError, StopStrings, TextTokenizer, read_listed, read_listed_json
 from ..tool_calls import TOOL_OPEN, template_defines_tools, tool_call_grammar
 from .body import parse_body
-from .checks import bad_value, check_sequence_count
+from .checks import bad_value, check_priority, check_queue_room, check_sequence_count
 from .generation import Generation
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, GenerationRequest,
                        Request as BodyModel, TokenizeRequest)
@@ -42,8 +43,29 @@ log = logging.getLogger("tlaloc_jax.serve.http")
 R = TypeVar("R", bound=BodyModel)
 
 
+# A refused over-size body is read and dropped, up to this many bytes past the limit and for this long, before its
+# 413 is sent: closing the connection with the body partly unread resets it, and the client may never see the 413.
+DRAIN_BYTES = 64 << 20
+DRAIN_SECONDS = 10.0
+
+
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _drain(chunks, most: int) -> None:
+    """Read and drop what is left of a request body (`chunks`, its request.stream()), at most `most` bytes in
+    DRAIN_SECONDS; a client that hangs up or sends more is left to the connection's close."""
+    async def read():
+        n = 0
+        async for chunk in chunks:
+            n += len(chunk)
+            if n > most:
+                return
+    try:
+        await asyncio.wait_for(read(), DRAIN_SECONDS)
+    except (asyncio.TimeoutError, ClientDisconnect):
         pass
 
 
@@ -54,7 +76,8 @@ class OpenAIServer:
     def __init__(self, engine: Engine, tokenizer: TextTokenizer | None, model_name: str, api_key: str | None,
                  max_batch: int, max_body_bytes: int, embeddings: Embeddings | None, strict_fields: bool = False,
                  max_waiting: int = 1024, max_wait_seconds: float | None = None,
-                 grammar_budget: GrammarBudget = GrammarBudget()):
+                 grammar_budget: GrammarBudget = GrammarBudget(), scheduling_policy: str = "fcfs",
+                 return_tokens_as_token_ids: bool = False):
         self.engine = engine
         self.embeddings = embeddings
         self.tokenizer = tokenizer
@@ -63,6 +86,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.strict_fields = strict_fields
+        self.scheduling_policy = scheduling_policy
         self.created = int(time.time())
         self.metrics = Metrics(model_name)
         self.step_work = StepWork()
@@ -75,7 +99,7 @@ class OpenAIServer:
         self.tools = tokenizer is not None and template_defines_tools(tokenizer.chat_template)
         self.grammar_budget = grammar_budget
         self._grammars: asyncio.Future | None = None    # the Grammars, made on first use off the event loop
-        self.responses = Responses(tokenizer, self.prompt_tokenizer, model_name)
+        self.responses = Responses(tokenizer, self.prompt_tokenizer, model_name, return_tokens_as_token_ids)
 
     # request plumbing
 
@@ -90,15 +114,21 @@ class OpenAIServer:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     async def read_json(self, request: Request) -> dict:
+        """The body, at most max_body_bytes, parsed (body.py). An over-size one is drained (_drain) and answered 413;
+        one declared past the drain's bound, or sent only after `Expect: 100-continue`, is answered at once."""
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
+            if int(declared) - limit <= DRAIN_BYTES and request.headers.get("expect", "").lower() != "100-continue":
+                await _drain(request.stream(), int(declared))
             raise APIError(413, f"Request body of {int(declared)} bytes is over the limit of {limit} bytes.",
                            code="request_too_large", headers={"Connection": "close"})
         body = bytearray()
-        async for chunk in request.stream():
+        chunks = request.stream()
+        async for chunk in chunks:
             body += chunk
             if len(body) > limit:
+                await _drain(chunks, DRAIN_BYTES)
                 raise APIError(413, f"Request body is over the limit of {limit} bytes.", code="request_too_large",
                                headers={"Connection": "close"})
         return parse_body(bytes(body))
@@ -231,7 +261,8 @@ class OpenAIServer:
         lengths = [m for m in lengths for _ in range(n)]
         length_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         return Generation(self.engine, self.loop, self.tokenizer, self.eos, prompts, n, lengths, frozenset(stop_ids),
-                           StopStrings(stop_strings) if stop_strings else None, sampling, arrival, length_param)
+                           StopStrings(stop_strings) if stop_strings else None, sampling, arrival, length_param,
+                           check_priority(req.priority, self.scheduling_policy), req.cache_salt)
 
     def check_sampler_fits(self, req: GenerationRequest, chat: bool, logprobs: int | None,
                            prompt_logprobs: int | None) -> None:
@@ -275,6 +306,8 @@ class OpenAIServer:
         kind, prompts = req.prompt
         n = req.n or 1
         check_sequence_count(len(prompts), n)
+        check_queue_room(len(prompts), n, self.loop.max_waiting)
+        check_priority(req.priority, self.scheduling_policy)
         texts = prompts if kind == "text" else None
         if kind == "text":
             if self.prompt_tokenizer is None:
@@ -290,6 +323,8 @@ class OpenAIServer:
     async def _chat(self, request: Request, ticket: Arrival) -> Response:
         arrival = time.perf_counter()
         req = await self.read_model_request(request, ChatRequest)
+        check_queue_room(1, req.n or 1, self.loop.max_waiting)
+        check_priority(req.priority, self.scheduling_policy)
         if self.prompt_tokenizer is None:
             raise APIError(400, "this artifact has no tokenizer, so no chat template: use /v1/completions with "
                                 "token ids", param="messages", code="invalid_value")

@@ -222,7 +222,8 @@ def load_bounded(artifact_dir: str | os.PathLike, *, verify_files: bool = True, 
     root = Path(artifact_dir)
     m = BoundedManifest.from_json(read_manifest_file(
         root, BOUNDED_NAME, MAX_BOUNDED_BYTES, MANIFEST_NAME,
-        f"a decoder ({MANIFEST_NAME}), not a bounded program; load it with tlaloc_jax.serve.Engine"))
+        f"a decoder ({MANIFEST_NAME}), not a bounded program; load it with tlaloc_jax.serve.Engine",
+        "stage a program over it first with tlaloc_jax.stage_bounded"))
     check(m)
     if verify_files:
         for p in m.programs:

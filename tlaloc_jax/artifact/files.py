@@ -48,14 +48,20 @@ def checked_file(root: Path, rel: str, digest: str | None, what: str,
     return p
 
 
-def read_manifest_file(root: Path, name: str, max_bytes: int, other: str, other_hint: str) -> bytes:
-    """The bytes of manifest `name` in artifact directory `root`; refused when absent (naming `other`, the other
-    schema's manifest, with `other_hint` when the directory holds that instead) or larger than max_bytes."""
+def read_manifest_file(root: Path, name: str, max_bytes: int, other: str, other_hint: str,
+                       checkpoint_hint: str = "") -> bytes:
+    """The bytes of manifest `name` in artifact directory `root`; refused, naming the directory, when absent (naming
+    `other`, the other schema's manifest, with `other_hint` when the directory holds that instead, and
+    `checkpoint_hint`, the way from a checkpoint to an artifact, when it holds a Hugging Face checkpoint) or larger
+    than max_bytes."""
     path = root / name
     if not path.is_file():
         if (root / other).is_file():
-            raise ManifestError(f"no {name} in the artifact directory: it holds {other_hint}")
-        raise ManifestError(f"no {name} in the artifact directory")
+            raise ManifestError(f"{root}: no {name} in the artifact directory: it holds {other_hint}")
+        if (root / "config.json").is_file():
+            raise ManifestError(f"{root}: no {name} in the artifact directory: it holds a Hugging Face checkpoint "
+                                f"(config.json), not an artifact; {checkpoint_hint}")
+        raise ManifestError(f"{root}: no {name} in the artifact directory")
     if path.stat().st_size > max_bytes:
         raise ManifestError(f"{name} is {path.stat().st_size} bytes, more than any manifest ({max_bytes})")
     return path.read_bytes()

@@ -44,7 +44,7 @@ Changelog:
     (one file per device, its block, hashed) instead of `file`. A manifest without a mesh has none of these
     fields (its JSON is as before); a runtime that predates them refuses a split weight (it has no `file`).
     v4 + native kernels (optional, still tlaloc-serving-v4): `versions.custom_calls` names the C kernels
-    (tlaloc_jax/native) the bodies call as typed FFI custom calls; a runtime builds and registers each before it
+    (kernels/) the bodies call as typed FFI custom calls; a runtime builds and registers each before it
     compiles, and refuses the artifact by the kernel's name when it cannot. A manifest without them has no such
     field; a runtime that predates it fails the first body's compile at load, naming the custom call.
 v2 and v3 manifests still load: `Manifest.from_json` upgrades them to the v4 model in memory (their

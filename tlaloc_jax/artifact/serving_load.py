@@ -31,7 +31,8 @@ def load_manifest(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
     m = Manifest.from_json(read_manifest_file(
         root, MANIFEST_NAME, MAX_MANIFEST_BYTES, BOUNDED_NAME,
         f"a bounded program ({BOUNDED_NAME}), not a decoder; load it with tlaloc_jax.serve.BoundedProgram "
-        "(python -m tlaloc_jax.serve --embedding-artifact DIR serves an embedding program)"))
+        "(python -m tlaloc_jax.serve --embedding-artifact DIR serves an embedding program)",
+        f"export it first: python -m tlaloc_jax.export {root} OUT_DIR, then serve OUT_DIR"))
     check_manifest(m)
     if verify_files:
         for e in m.entries:

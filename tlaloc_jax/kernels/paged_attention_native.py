@@ -1,4 +1,4 @@
-"""Decode paged attention through a C kernel on CPU (tlaloc_jax/native/decode_attention.c).
+"""Decode paged attention through a C kernel on CPU (kernels/decode_attention.c).
 
 The kernel is a typed XLA FFI handler, called as `stablehlo.custom_call @tlaloc_decode_attention_v1`: a body that
 holds it is served by a runtime that builds and registers the handler (the manifest names it, so a runtime without
@@ -19,6 +19,8 @@ from tlaloc_jax import native
 from .paged_attention import _refuse_derivative, _window_array
 
 NATIVE_DECODE_ATTENTION = "tlaloc_decode_attention_v1"
+# The most query heads a KV head and the largest head the kernel is compiled for (tlaloc_jax.native.DEFINES).
+MAX_GROUP, MAX_HEAD_DIM = (native.DEFINES[NATIVE_DECODE_ATTENTION][k] for k in ("MAX_GROUP", "MAX_HEAD_DIM"))
 
 
 @functools.cache
@@ -32,10 +34,10 @@ def refusal(tokens: int, heads: int, kv_heads: int, head_dim: int, pool_dtype) -
     """Why the kernel cannot take a call of this shape, or None."""
     if tokens != 1:
         return f"it takes one token a row, not {tokens}"
-    if heads % kv_heads or heads // kv_heads > 16:
-        return f"{heads} query heads over {kv_heads} KV heads: it takes at most 16 query heads a KV head"
-    if head_dim > 256:
-        return f"heads of {head_dim}: it takes heads of at most 256"
+    if heads % kv_heads or heads // kv_heads > MAX_GROUP:
+        return f"{heads} query heads over {kv_heads} KV heads: it takes at most {MAX_GROUP} query heads a KV head"
+    if head_dim > MAX_HEAD_DIM:
+        return f"heads of {head_dim}: it takes heads of at most {MAX_HEAD_DIM}"
     if jnp.dtype(pool_dtype) not in (jnp.float32, jnp.bfloat16):
         return f"a {jnp.dtype(pool_dtype).name} pool: it reads f32 or bf16 pools"
     return None

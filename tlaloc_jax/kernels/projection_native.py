@@ -1,4 +1,4 @@
-"""Projections of out-major weights through a C kernel on CPU (tlaloc_jax/native/projection.c).
+"""Projections of out-major weights through a C kernel on CPU (kernels/projection.c).
 
 The kernel is a typed XLA FFI handler, called as `stablehlo.custom_call @tlaloc_projection_v1`; a served body that
 holds it names it in its manifest for the runtime to build and register (as the native decode attention). It

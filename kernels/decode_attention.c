@@ -18,8 +18,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define MAX_GROUP 16
-#define MAX_HEAD_DIM 256
+/* Query heads a KV head and head size at most: tlaloc_jax/native.py's DEFINES passes them (-D), and the Python side
+   refuses larger calls by the same numbers. */
+#if !defined(MAX_GROUP) || !defined(MAX_HEAD_DIM)
+#error "MAX_GROUP and MAX_HEAD_DIM come from tlaloc_jax/native.py's DEFINES: build this file through tlaloc_jax.native"
+#endif
+#define STR_(x) #x
+#define STR(x) STR_(x)
 #define CHUNK 32       /* keys of one page scored, weighed and summed together */
 #define KEY_BLOCK 8    /* keys a query head scores at once (lanes_sums8's count) */
 #define VALUE_BLOCK 8  /* vectors of a head's output held in registers while a chunk's values are summed */
@@ -227,8 +232,8 @@ XLA_FFI_Error *tlaloc_decode_attention_v1(XLA_FFI_CallFrame *frame) {
     return refuse(api, "tlaloc_decode_attention_v1: the pool is f32 or bf16");
   const int B = (int)q->dims[0], H = (int)q->dims[2], D = (int)q->dims[3], K = (int)pool->dims[4];
   if (pool->dims[5] != D || K <= 0 || H % K || H / K > MAX_GROUP || D > MAX_HEAD_DIM || tables->dims[0] != B)
-    return refuse(api, "tlaloc_decode_attention_v1: heads, head size or rows do not agree (or exceed 16 query heads "
-                       "a KV head, 256 a head)");
+    return refuse(api, "tlaloc_decode_attention_v1: heads, head size or rows do not agree (or exceed " STR(MAX_GROUP)
+                       " query heads a KV head, " STR(MAX_HEAD_DIM) " a head)");
   const int32_t *iv = (const int32_t *)ints->data;
   const float *rv = (const float *)reals->data;
   if (iv[0] < 0 || iv[0] >= pool->dims[0]) return refuse(api, "tlaloc_decode_attention_v1: layer out of range");
