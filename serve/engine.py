@@ -9,15 +9,15 @@ or, driving the loop yourself (what the HTTP server does):
     while engine.has_unfinished():
         for event in engine.step(): ...
 
-The engine is a façade over three jobs: `core.scheduler` (which calls a step runs, what each sequence holds of
-the pools), `runtime.Runner` (the artifact's entries, weights and pools on the device) and `core.outputs` (each
-row's token from a call's outputs). New requests join between steps.
+The engine is a façade over three jobs: `core.scheduler` (which sequences a step advances, what each holds of
+the pools), `model_runner` (a step's calls run and their tokens emitted) and `runtime.Runner` (the artifact's
+entries, weights and pools on the device). New requests join between steps.
 
 The invariant, per request: whatever one request does (bad sampling parameters, a refused admission, a
-failure while its token is sampled, an exception anywhere on its path), its own pages, held and
-promised, are released, it alone fails, and every other sequence's ids are those of its solo run.
-  - Admission checks everything (prompt, lengths, stop ids, sampling, could-ever-fit) before it promises
-    a page: the promise is its last step, so a refused request leaves the pools as they were.
+failure while its token is sampled, an exception anywhere on its path), the pages it holds are released, it
+alone fails, and every other sequence's ids are those of its solo run.
+  - Admission checks everything (prompt, lengths, stop ids, sampling, could-ever-fit) before the request is
+    queued; it takes no page until it is scheduled, so a refused request leaves the pools as they were.
   - In a step, a failure sampling one sequence's token ends that sequence (finish_reason "error", a
     StepEvent naming the cause, its pages freed); the other sequences of the call keep their tokens.
   - A call that fails as a whole (building its inputs, or the execution) ends the sequences it held:
@@ -38,15 +38,15 @@ import numpy as np
 from tlaloc_jax import artifact as mf
 
 from .core import inputs as call_inputs
-from .core import outputs
 from .core.request import (Constraint, Request, RequestRefused, StepEvent, check_cache_salt, check_sampler_fits,
                            check_sampling, check_stop)
-from .core.scheduler import ScheduledCall, Scheduler
+from .core.scheduler import Scheduler
+from .model_runner import ModelRunner, new_stats
 from .runtime.native_log import native_stderr_to_log
 from .runtime.pjrt import Device, TooFewDevicesError
 from .runtime.runner import Runner
 from .runtime.sharded import device_count_mismatch
-from .sampling import Sampling, log_softmax
+from .sampling import Sampling
 
 __all__ = ["Constraint", "DEFAULT_CACHE_DIR", "Engine", "RequestRefused", "StepEvent"]
 
@@ -126,10 +126,8 @@ class Engine:
         self._ids = itertools.count()
         self._order = itertools.count()
         self._warm: set[str] = set()       # entries run once by warm_up
-        self._stats = dict(steps=0, prefill_calls=0, decode_calls=0, tokens_generated=0,
-                           prompt_tokens=0, requests_finished=0, requests_failed=0, requests_refused=0,
-                           decode_steps_calls=0, mixed_calls=0, logits_pulled=0, sampled_in_body=0, slot_copies=0,
-                           batch_sizes={})
+        self._stats = new_stats()
+        self.model_runner = ModelRunner(m, self.runner, self.scheduler, self._stats)
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s: %d entries (%s), weights %.1f MiB, pools %.1f MiB (%s; pages of %d), %.1f s",
                  self.artifact_dir, sum(self.runner.compile_report().values()),
@@ -244,14 +242,14 @@ class Engine:
         """End a request now (a client went away) and free its pages."""
         s = self.scheduler.requests.get(request_id)
         if s is not None and not s.finished:
-            self._finish(s, "aborted")
+            self.model_runner.finish(s, "aborted")
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (its output is no longer needed)."""
         s = self.scheduler.requests.get(request_id)
         if s is not None:
             if not s.finished:
-                self._finish(s, "aborted")
+                self.model_runner.finish(s, "aborted")
             del self.scheduler.requests[request_id]
 
     def output(self, request_id: str) -> list[int]:
@@ -279,17 +277,6 @@ class Engine:
             self.runner.run(e, call_inputs.warm_up_inputs(e, self.runner, self.ring_pages), set(), count=False)
         self._warm.add(e.name)
 
-    def _finish(self, s: Request, reason: str, error: str | None = None) -> None:
-        s.finish_reason = reason
-        s.error = error
-        self.scheduler.finish(s)
-        self._stats["requests_failed" if reason == "error" else "requests_finished"] += 1
-
-    def _fail(self, s: Request, error: str, request: bool = False) -> StepEvent:
-        """End a sequence with an error (request: through its own request's fault, its grammar or min_tokens)."""
-        self._finish(s, "error", error)
-        return StepEvent(s.rid, None, True, "error", error, request_error=request)
-
     # -- steps ------------------------------------------------------------------------------------
 
     def step(self, on_events: Callable[[list[StepEvent]], None] | None = None) -> list[StepEvent]:
@@ -303,12 +290,12 @@ class Engine:
 
     def _step(self, on_events: Callable[[list[StepEvent]], None] | None) -> list[StepEvent]:
         events: list[StepEvent] = [
-            self._fail(s, why, request=True) for s in list(self.scheduler.requests.values())
+            self.model_runner.fail(s, why, request=True) for s in list(self.scheduler.requests.values())
             if s.constraint is not None and not s.finished and (why := s.constraint.failure()) is not None]
         step = self.scheduler.schedule()
         self.last_step_calls = len(step.calls)
-        if step.restores and not self._copy_slots(step.restores):
-            events += [self._fail(c.seq, "restoring its cached state failed") for c in step.restores]
+        if step.restores and not self.model_runner.copy_slots(step.restores):
+            events += [self.model_runner.fail(c.seq, "restoring its cached state failed") for c in step.restores]
         if on_events is not None and events:
             on_events(list(events))
         for call in step.calls:
@@ -318,163 +305,15 @@ class Engine:
             for s in call.seqs:
                 if s.first_scheduled is None:
                     s.first_scheduled = now
-            produced = self._run_call(call)
+            produced = self.model_runner.run_call(call)
             events.extend(produced)
             if on_events is not None and produced:
                 on_events(produced)
         snapshots = self.scheduler.kv.snapshot_copies()
         if snapshots:
-            self._copy_slots(snapshots)
+            self.model_runner.copy_slots(snapshots)
         if events:
             self._stats["steps"] += 1
-        return events
-
-    def _copy_slots(self, copies: list) -> bool:
-        """Run the copy_slots entry for state-slot copies (snapshots taken or restored); True if all ran. The
-        scheduler records snapshots only once copied."""
-        e = self.scheduler.planner.entries(mf.EntryKind.COPY_SLOTS)[0]
-        ok = True
-        try:
-            for i in range(0, len(copies), e.batch):
-                part = copies[i:i + e.batch]
-                src = np.full(e.batch, -1, np.int32)
-                dst = np.full(e.batch, -1, np.int32)
-                src[:len(part)] = [c.src for c in part]
-                dst[:len(part)] = [c.dst for c in part]
-                self._execute(e, {mf.Role.COPY_SRC: src, mf.Role.COPY_DST: dst}, set())
-                self._stats["slot_copies"] += len(part)
-        except Exception as err:   # noqa: BLE001 - a failed copy records no snapshot; restored sequences fail
-            log.error("copying state slots failed: %s", err)
-            ok = False
-        self.scheduler.kv.commit_copies(copies, ok)
-        return ok
-
-    def _execute(self, e: mf.Entry, inputs: dict, want: set[mf.Role]) -> dict[mf.Role, np.ndarray]:
-        """Run one entry (the runner's job) and count what was pulled."""
-        out = self.runner.run(e, inputs, want)
-        if mf.Role.LOGITS in want:
-            self._stats["logits_pulled"] += 1
-        if mf.Role.SAMPLED_TOKEN in want:
-            self._stats["sampled_in_body"] += 1
-        return out
-
-    def _count_call(self, kind: mf.EntryKind, n: int) -> None:
-        key = {mf.EntryKind.MIXED: "mixed_calls", mf.EntryKind.DECODE: "decode_calls",
-               mf.EntryKind.DECODE_STEPS: "decode_calls"}.get(kind, "prefill_calls")
-        self._stats[key] += 1
-        bs = self._stats["batch_sizes"]
-        bs[n] = bs.get(n, 0) + 1
-
-    def _emit(self, s: Request, tok: int, now: float, logprob=None, top=None, prompt_logprobs=None) -> StepEvent:
-        """Append a generated token to its sequence, finish it on a stop id or its length, and report it."""
-        s.generated.append(tok)
-        s.token_times.append(now)
-        if s.first_token_time is None:
-            s.first_token_time = now
-        self._stats["tokens_generated"] += 1
-        reason = "stop" if tok in s.stop else "length" if len(s.generated) >= s.max_new_tokens else None
-        if reason:
-            self._finish(s, reason)
-        return StepEvent(s.rid, tok, reason is not None, reason, logprob=logprob, top_logprobs=top,
-                         prompt_logprobs=prompt_logprobs)
-
-    def _run_call(self, call: ScheduledCall) -> list[StepEvent]:
-        e = call.entry
-        if e.kind == mf.EntryKind.DECODE_STEPS:
-            return self._run_steps_call(call)
-        ends = [row.start + len(row.token_ids) for row in call.rows]
-        # The rows that write a sequence's last token get its next token.
-        producing = [end == s.length for s, end in zip(call.seqs, ends)]
-        scoring = e.kind == mf.EntryKind.PREFILL_SCORED
-        try:
-            inputs = call_inputs.step_inputs(call, self.manifest, self.ring_pages)
-            allowed = [outputs.allowed_mask(s, self.vocab) if p else None for s, p in zip(call.seqs, producing)]
-            if self.sampler is not None:
-                inputs.update(call_inputs.sampler_inputs(self.runner, call, producing, allowed))
-            if scoring:
-                inputs[mf.Role.SCORE_TARGETS] = call_inputs.score_targets(call, e.batch, e.tokens_per_seq)
-            t0 = time.perf_counter()
-            out = self._execute(e, inputs, outputs.wanted(call, producing, allowed, self.sampler))
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("call %s: %d rows, %d tokens, %.1f ms", e.name, len(call.seqs),
-                          sum(len(r.token_ids) for r in call.rows), 1e3 * (time.perf_counter() - t0))
-        except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
-            log.error("call of %s failed: %s", e.name, err)
-            if e.kind == mf.EntryKind.MIXED:
-                # A mixed call stands for a decode call and a prefill call: run them apart, so that a failure fails
-                # only the sequences of the call it belongs to, as it would have without mixing.
-                return [ev for part in self.scheduler.planner.unmix(call) for ev in self._run_call(part)]
-            return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]
-        self._count_call(e.kind, len(call.seqs))
-        now = time.perf_counter()
-        events = []
-        for i, (b, s, row, end) in enumerate(zip(call.out_rows, call.seqs, call.rows, ends)):
-            lsm = None
-            if scoring:
-                s.prompt_logprobs.extend(outputs.prompt_scores(out, b, s, row.start, len(row.token_ids),
-                                                               e.tokens_per_seq))
-            elif s.prompt_logprobs is not None and not s.generated:
-                # The distribution after this prompt token scores the next one (the last one's is the first
-                # generated token's, reported with it).
-                lsm = log_softmax(out[mf.Role.LOGITS][b])
-                entry = outputs.next_prompt_score(lsm, s, end)
-                if entry is not None:
-                    s.prompt_logprobs.append(entry)
-            if row.start < len(s.prompt):
-                self._stats["prompt_tokens"] += min(end, len(s.prompt)) - row.start
-            self.scheduler.written(s, end)
-            if not producing[i]:
-                continue      # more of the sequence to read; this call's logits are not a token yet
-            if allowed[i] is not None and not allowed[i].any():
-                why = "its grammar and" if s.constraint is not None else "its stop ids and"
-                events.append(self._fail(s, f"no token is allowed after {len(s.generated)} tokens: {why} min_tokens "
-                                            f"leave none (min_tokens {s.sampling.min_tokens})", request=True))
-                continue
-            try:
-                tok, logprob, top = outputs.row_token(out, b, s, allowed[i], lsm, self.sampler, self.vocab)
-                if s.constraint is not None and not s.constraint.accept(tok):
-                    raise ValueError(f"token {tok} is outside the request's grammar")
-            except Exception as err:   # noqa: BLE001 - this sequence fails; the call's others keep their tokens
-                log.error("sampling %s failed: %s", s.rid, err)
-                events.append(self._fail(s, f"sampling failed: {err}"))
-                continue
-            first = not s.generated
-            events.append(self._emit(s, tok, now, logprob, top,
-                                     tuple(s.prompt_logprobs) if first and s.prompt_logprobs else None))
-        return events
-
-    def _run_steps_call(self, call: ScheduledCall) -> list[StepEvent]:
-        """Run a decode_steps call: the pages for each row's tokens are taken before it; its tokens come back as
-        [B, K] (-1 past a row's stop) and are emitted in step order, each checked as a single step's would be."""
-        e = call.entry
-        n = len(call.seqs)
-        try:
-            inputs = call_inputs.step_inputs(call, self.manifest, self.ring_pages)
-            stops = [self.scheduler.planner.stop_ids(s) for s in call.seqs]
-            inputs.update(call_inputs.decode_steps_inputs(call, stops))
-            if self.sampler is not None:
-                inputs.update(call_inputs.sampler_inputs(self.runner, call, [True] * n, [None] * n))
-            t0 = time.perf_counter()
-            tokens = self._execute(e, inputs, {mf.Role.STEP_TOKENS})[mf.Role.STEP_TOKENS]
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("call %s: %d rows, %.1f ms", e.name, n, 1e3 * (time.perf_counter() - t0))
-        except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
-            log.error("call of %s failed: %s", e.name, err)
-            return [self._fail(s, f"{e.name} failed: {err}") for s in call.seqs]
-        self._count_call(e.kind, n)
-        self._stats["decode_steps_calls"] += 1
-        now = time.perf_counter()
-        events = []
-        for i in range(e.steps):
-            for b, s in enumerate(call.seqs):
-                tok = int(tokens[b, i])
-                if s.finished or tok < 0:
-                    continue
-                if not 0 <= tok < self.vocab:
-                    events.append(self._fail(s, f"{e.name} returned token {tok}, outside the vocabulary"))
-                    continue
-                self.scheduler.written(s, s.length)
-                events.append(self._emit(s, tok, now))
         return events
 
     # -- conveniences ----------------------------------------------------------------------------
@@ -502,7 +341,8 @@ class Engine:
     def stats(self) -> dict:
         sched, run = self.scheduler, self.runner
         st = dict(self._stats, **run.stats)
-        st.update(batch_sizes=dict(self._stats["batch_sizes"]), executions_by_entry=dict(run.stats["executions_by_entry"]))
+        st.update(batch_sizes=dict(self._stats["batch_sizes"]),
+                  executions_by_entry=dict(run.stats["executions_by_entry"]))
         # The headline numbers are the first kind's in PoolKind order: paged KV pages when there are some.
         first = sched.kv.pools[self.manifest.pool_kinds[0]]
         pools = {}

@@ -58,7 +58,7 @@ def _two_clients(cached, uncached, salt_a, salt_b, k: int) -> tuple[set[int], in
     common = set(pages_a) & set(pages_b)
     if common:
         assert pages_b[:4] == pages_a[:4] and common == set(pages_a[:4])
-        assert all(cached.scheduler.pools[PAGED].holders(u) == 2 for u in common)
+        assert all(cached.scheduler.kv.pools[PAGED].holders(u) == 2 for u in common)
     hits = cached.stats()["prefix_hits"] - hits
     while cached.has_unfinished():
         cached.step()

@@ -28,6 +28,7 @@ from tlaloc_jax.decoder import StepInputs, init_pools, pool_shapes
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.serve.core.kv_cache import UnitPool
 from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs, pages_for
+from tlaloc_jax.serve.model_runner import ModelRunner
 
 pytestmark = pytest.mark.numeric
 
@@ -389,7 +390,7 @@ def test_state_snapshots_give_exact_prefix_hits_and_queued_prompts_their_solo_id
         assert st["prefix_hits"] >= 4 * 40 and st["slot_copies"] > 0
         assert st["pools"]["recurrent"]["pages_in_use"] == 0
 
-    real = Engine._copy_slots
+    real = ModelRunner.copy_slots
     restored = []
 
     def no_restore(self, copies):
@@ -401,6 +402,6 @@ def test_state_snapshots_give_exact_prefix_hits_and_queued_prompts_their_solo_id
     with Engine.load(tmp_path / "art", cache_dir=serve_cache_dir, progress=False, max_num_seqs=16) as eng:
         assert eng.generate(prompts[5:], 12) == solo[5:]          # the slots hold other sequences' states
         assert eng.generate(prompts[:1], 12) == solo[:1]          # leaves snapshots of the shared prefix
-        monkeypatch.setattr(Engine, "_copy_slots", no_restore)
+        monkeypatch.setattr(ModelRunner, "copy_slots", no_restore)
         assert eng.generate(prompts[1:5], 12) != solo[1:5]
         assert restored
