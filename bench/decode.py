@@ -412,7 +412,7 @@ def _export_shape(root: Path, shape: dict, args, *, context: int, block: int):
     n_params = save_random_checkpoint(llama_config(argparse.Namespace(**shape, context=context)), root / "ck")
     export_checkpoint(root / "ck", root / "art", batch_ladder=(1, 2, 4), context_ladder=(context,),
                       prefill_max_batch=1, prefill_chunk=64, block_size=block, progress=False, sampler=Sampler(),
-                      decode_steps=args.decode_steps)
+                      decode_steps=args.decode_steps, exported=True)
     return n_params
 
 

@@ -104,8 +104,9 @@ def export_model(name: str, out: Path, *, platform: str, decode_attention: str, 
     tmp = out.with_name(out.name + ".full")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
+    # exported: the "jax" stage runs the same bodies through jax.export.deserialize.
     stage(step, weights, pools, tmp, platform=platform, progress=False, mesh=tensor_parallel,
-          weight_split_axes=split_axes,
+          weight_split_axes=split_axes, exported=True,
           ladders=Ladders(batch=spec["batches"], context=(spec["context"],), prefill_max_batch=1,
                           prefill_chunk=spec["prefill"]),
           capacity=Capacity(block_size=spec["block_size"], paged_kv=spec["num_blocks"]),

@@ -94,7 +94,7 @@ def test_cuda_default_is_the_recorded_verdict(checkpoint, tmp_path):
     the Pallas kernel correct and faster), and an export for cuda that names none holds no Triton call."""
     assert CUDA_DECODE_ATTENTION == recorded_verdict()
     cuda = export_checkpoint(checkpoint, tmp_path / "cuda", platform="cuda", batch_ladder=(1,), context_ladder=(32,),
-                             block_size=S, progress=False)
+                             block_size=S, progress=False, mlir=True)
     want = {TRITON_CUSTOM_CALL} if CUDA_DECODE_ATTENTION == "pallas" else set()
     targets = _targets(tmp_path / "cuda", cuda)
     for e in cuda.entries:
@@ -108,7 +108,7 @@ def test_cuda_export_puts_the_triton_kernel_in_decode_bodies_only(checkpoint, tm
     native C kernel's call in the same bodies by default (its full layer; the ring layer keeps plain ops), and with
     decode_attention 'xla' no custom call at all (the cpu exports' projections kept in XLA's forms here, so that
     only attention calls the kernels)."""
-    ladder = dict(batch_ladder=(1,), context_ladder=(32,), block_size=S, progress=False)
+    ladder = dict(batch_ladder=(1,), context_ladder=(32,), block_size=S, progress=False, mlir=True)
     cuda = export_checkpoint(checkpoint, tmp_path / "cuda", platform="cuda", decode_attention="pallas", **ladder)
     assert cuda.versions.platform == "cuda"
     targets = _targets(tmp_path / "cuda", cuda)
