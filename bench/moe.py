@@ -1,7 +1,7 @@
 """Mixture of experts: a decode step of a small MoE decoder against the same model with every expert computed
 densely, and the weight bytes each step reads. One run prints both.
 
-    JAX_PLATFORMS=cpu .venv/bin/python bench/moe.py [--experts 32] [--top-k 4] [--batch 1 4] ...
+    JAX_PLATFORMS=cpu .venv/bin/python -m bench.moe [--experts 32] [--top-k 4] [--batch 1 4] ...
 
 The model is the built-in decoder (tlaloc_jax.decoder.forward) on a Qwen3-MoE-shaped config with random
 weights: every layer's MLP a mixture of X experts of which each token uses J. The sparse step is the decoder

@@ -18,20 +18,17 @@ plugin's bf16 dot reaches on large matmuls (AVX512-BF16 or AMX where the CPU has
 bounds it). "ceiling": how much faster the prefill could be at most, were its projections to run at that peak and
 everything else to take no time.
 
-    python bench/prefill_parts.py                  # 128 tokens in a 256-position bucket
-    python bench/prefill_parts.py --tokens 64,256 --context 512
-    python bench/prefill_parts.py --weight-dtype bfloat16
+    python -m bench.prefill_parts                  # 128 tokens in a 256-position bucket
+    python -m bench.prefill_parts --tokens 64,256 --context 512
+    python -m bench.prefill_parts --weight-dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def main(argv=None) -> None:
@@ -45,10 +42,10 @@ def main(argv=None) -> None:
 
     import jax.numpy as jnp
 
-    from decode import MODEL_DEFAULTS, llama_config, matmul_peak, prefill_flops
-    from fma_peak import fma_peak
-    from plugin_run import device, on_runtime
-    from step_parts import forward_body, interleaved_medians
+    from bench.common import MODEL_DEFAULTS, llama_config, matmul_peak, prefill_flops
+    from bench.common import fma_peak
+    from bench.plugin_run import device, on_runtime
+    from bench.step_parts import forward_body, interleaved_medians
     from tlaloc_jax.checkpoint import random_weights, weight_dtype
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.layers import linear

@@ -3,7 +3,7 @@ token-a-call fallback (an artifact without them: one call per prompt token, log_
 logits), and a plain prefill that asks for none. Prints each one's calls and time for the prompt, and the ratios,
 measured in one run with the three interleaved.
 
-    python bench/prompt_logprobs.py [--tokens 256] [--top 5] [--reps 3]
+    python -m bench.prompt_logprobs [--tokens 256] [--top 5] [--reps 3]
 
 The model is the embedded demo model (tlaloc_jax/demo_model: 4 layers, vocabulary 4096), exported with one
 context of 256, prefill chunks of 128, the sampler and the scorer (--prompt-logprobs); the fallback is the same
