@@ -12,7 +12,7 @@ and prints:
     its own round (the median);
   - prefill tokens/s of one call for the runtime and in-process JAX, and the runtime's FLOP rate as a fraction
     of the best this CPU's XLA reaches on a large matmul of the weights' dtype through the same plugin (and the
-    other dtype's, for reference) and of the CPU's f32 FMA peak (bench/fma_peak.py);
+    other dtype's, for reference) and of the CPU's f32 FMA peak (bench/common.py's fma_peak);
   - the weight bytes a decode step reads, the memory bandwidth measured here, and the runtime's decode
     step time as a multiple of that floor;
   - what returning the argmax next to the logits saves per step (greedy pulls 4 bytes a row, not V * 4);

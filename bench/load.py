@@ -1,7 +1,7 @@
 """Load test of the HTTP server: requests/s, tokens/s, time to first token and inter-token latency at 1, 4 and 16
 clients, for greedy and for sampled decoding.
 
-    python -m bench.load                     # exports the tests' tiny model (sampler staged) into a temp dir
+    PYTHONPATH=tests python -m bench.load    # exports the tests' tiny model (sampler staged) into a temp dir
     python -m bench.load ARTIFACT_DIR [--requests-per-client 8] [--max-tokens 32] [--clients 1,4,16]
                                       [--modes greedy,sampled]
 

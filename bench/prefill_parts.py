@@ -13,7 +13,7 @@ plugin and run interleaved in one process (f32 weights, or with --weight-dtype b
     the tiles save, each folding only the key blocks its own tokens see ("untiled / tiled").
 
 The FLOP rates count the projections' and attention's multiply-adds (bench/decode.py's prefill_flops), against
-the f32 FMA peak of every core (bench/fma_peak.py) measured in the same run; for bf16 weights, against the rate the
+the f32 FMA peak of every core (bench/common.py's fma_peak) measured in the same run; for bf16 weights, against the rate the
 plugin's bf16 dot reaches on large matmuls (AVX512-BF16 or AMX where the CPU has them: no simple vector peak
 bounds it). "ceiling": how much faster the prefill could be at most, were its projections to run at that peak and
 everything else to take no time.

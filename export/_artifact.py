@@ -46,11 +46,11 @@ def tensor_parallel_decoder(cfg: DecoderConfig, weights: dict, n: int) -> tuple[
 
 
 # The decode attention of cuda exports when none is asked for. A default is what a GPU run has measured correct and
-# faster: plain ops until `bench/gpu.py run` records the Pallas kernel's verdict in docs/gpu.md (its test reads it).
+# faster: plain ops until `python -m bench.gpu run` records the Pallas kernel's verdict in docs/gpu.md (its test reads it).
 CUDA_DECODE_ATTENTION = "xla"
 # The decode attention of cpu exports when none is asked for, where the model's attention fits it: the C kernel
 # (tlaloc_jax/native), measured faster than plain ops in the served step at 4 to 32 rows and equal at one
-# (bench/decode_forms.py, docs/cpu.md); the serving machine then needs a C compiler. Latent attention, fp8 KV
+# (bench/decode_forms.py, deleted in 82403e3; docs/cpu.md); the serving machine then needs a C compiler. Latent attention, fp8 KV
 # pools and head shapes it does not take get plain ops.
 CPU_DECODE_ATTENTION = "native"
 # The projections of cpu exports when none is asked for: the C kernel where NATIVE_ROWS takes a call's rows and
