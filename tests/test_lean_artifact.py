@@ -16,22 +16,13 @@ from jax import export as jax_export
 from hf_models import build_checkpoint
 from tlaloc_jax import artifact as af
 from tlaloc_jax.export import export_checkpoint
+from test_artifact_refusals import no_device  # noqa: F401  (the fixture: any use of the device fails the test)
 from tlaloc_jax.serve import Engine
-from tlaloc_jax.serve import engine as engine_module
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LADDER = dict(batch_ladder=(1, 2), context_ladder=(32,), block_size=8, prefill_chunk=16, prefill_long_chunk=0,
               decode_steps=2, progress=False)
 DEBUG_FILES = ("*.mlir", "*.exported")
-
-
-@pytest.fixture
-def no_device(monkeypatch):
-    """Any use of the device fails the test: a refusal must come first."""
-    class Untouchable:
-        def __init__(self, *a, **k):
-            raise AssertionError("the device was touched before the artifact was refused")
-    monkeypatch.setattr(engine_module, "Device", Untouchable)
 
 
 def _copy_without_debug_files(src: Path, dst: Path) -> Path:
