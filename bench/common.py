@@ -1,5 +1,6 @@
 """What the benches share (run them as `python -m bench.NAME` from the repository root): interleaved timing, memory
-read rates, the CPU's matmul and FMA ceilings, and the random Llama most of them build.
+read rates, the CPU's matmul and FMA ceilings, the random Llama most of them build, and a JAX function run on the
+serving runtime's plugin (on_runtime).
 
     from bench.common import add_model_args, llama_config, median_times, save_random_checkpoint
 """
@@ -17,7 +18,9 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
+os.environ.setdefault("JAX_PLATFORMS", "cpu")     # in-process JAX as the benches compare it: on the CPU
+
+import numpy as np  # noqa: E402
 
 
 def median_time(fn, steps: int, warmup: int = 2) -> float:
@@ -186,6 +189,55 @@ def save_random_checkpoint(hf: dict, out: Path) -> int:
     weights = random_weights(cfg, fam, seed=0, std=0.02)
     save_checkpoint(out, hf, weights)
     return sum(w.size for w in weights.values())
+
+
+# -- a JAX function on the serving runtime's plugin --------------------------------------------------------------
+
+
+_DEVICE = None
+
+
+def device():
+    """One runtime Device for the process (no compile cache: a bench times fresh bodies): what on_runtime compiles
+    and runs on."""
+    global _DEVICE
+    if _DEVICE is None:
+        from tlaloc_jax.serve.runtime.pjrt import Device
+        _DEVICE = Device(None, cache_dir=None)
+    return _DEVICE
+
+
+def on_runtime(fn, *args, donate: tuple[int, ...] = (), custom_calls: tuple[str, ...] = ()):
+    """fn(*args) run as the serving runtime would: exported (jax.export) and compiled by the runtime's PJRT plugin
+    (whose XLA differs from in-process jaxlib's); -> a callable running it on the uploaded args. Donated args (by
+    position in `args`, each a pytree) are replaced by the outputs aliased to them after every run, as the runtime
+    does. custom_calls: FFI targets fn may call (registered with the plugin by the caller)."""
+    import jax
+    from jax import export as jax_export
+    leaves, tree = jax.tree_util.tree_flatten(list(args))
+    specs = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in leaves]
+    donated_leaves = []
+    for i in donate:
+        start = len(jax.tree_util.tree_leaves(list(args[:i])))
+        donated_leaves += list(range(start, start + len(jax.tree_util.tree_leaves(args[i]))))
+    exp = jax_export.export(jax.jit(lambda *xs: fn(*jax.tree_util.tree_unflatten(tree, list(xs))),
+                                    donate_argnums=tuple(donated_leaves)),
+                            disabled_checks=[jax_export.DisabledSafetyCheck.custom_call(t)
+                                             for t in custom_calls])(*specs)
+    kept = sorted(exp.module_kept_var_idx)
+    dev = device()
+    exe = dev.compile(exp.mlir_module_serialized)
+    bufs = [dev.upload(np.asarray(leaves[i])) for i in kept]
+    # Donated inputs alias the leading outputs, in order (the donated leaves come back as the first outputs
+    # only when fn returns them first: on_runtime's callers return their pools first).
+    donated = [kept.index(i) for i in donated_leaves if i in kept]
+
+    def run():
+        outs = dev.execute(exe, bufs, donate=set(donated))
+        for j, arg in enumerate(donated):
+            bufs[arg] = outs[j]
+        return [dev.to_host(o) for j, o in enumerate(outs) if j >= len(donated) and o is not None]
+    return run
 
 
 # -- the CPU's f32 FMA ceiling -----------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def main(argv=None) -> None:
 
     import jax.numpy as jnp
 
-    from bench.plugin_run import on_runtime
+    from bench.common import on_runtime
     pa = importlib.import_module("tlaloc_jax.kernels.paged_attention")
     L, S, H, K, D = a.layers, 16, a.heads, a.kv_heads, a.head_dim
     M = a.context // S

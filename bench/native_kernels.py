@@ -45,7 +45,7 @@ def projections(rows: list[int], dtypes: list[str], steps: int) -> None:
     import jax
     import jax.numpy as jnp
 
-    from bench.plugin_run import device, on_runtime
+    from bench.common import device, on_runtime
     from tlaloc_jax.kernels.projection_native import NATIVE_PROJECTION, native_projection
     from tlaloc_jax.kernels.quantized_matmul import out_major_product
     E, F, Q, L = 768, 2048, 768 + 2 * 256, 12
@@ -92,7 +92,7 @@ def projections(rows: list[int], dtypes: list[str], steps: int) -> None:
 def attention(rows: list[int], keys: list[int], context: int, steps: int, shared: int = 0) -> None:
     import jax.numpy as jnp
 
-    from bench.plugin_run import device, on_runtime
+    from bench.common import device, on_runtime
     from tlaloc_jax.kernels.paged_attention_native import NATIVE_DECODE_ATTENTION, native_decode_attention
     pa = importlib.import_module("tlaloc_jax.kernels.paged_attention")    # the package's name is the function
     L, S, H, K, D = 12, 16, 12, 4, 64

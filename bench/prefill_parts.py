@@ -44,7 +44,7 @@ def main(argv=None) -> None:
 
     from bench.common import MODEL_DEFAULTS, llama_config, matmul_peak, prefill_flops
     from bench.common import fma_peak
-    from bench.plugin_run import device, on_runtime
+    from bench.common import device, on_runtime
     from bench.step_parts import forward_body, interleaved_medians
     from tlaloc_jax.checkpoint import random_weights, weight_dtype
     from tlaloc_jax.families import config_from_hf

@@ -18,7 +18,7 @@ import numpy as np
 
 
 def forward_body(cfg, with_attention: bool, query_block: int | None = None):
-    """decoder.forward as a body for plugin_run.on_runtime: (pools, weights, inputs) -> (pools, each row's argmax);
+    """decoder.forward as a body for common.on_runtime: (pools, weights, inputs) -> (pools, each row's argmax);
     without attention, its paged attention replaced by a copy of the queries. query_block: paged attention's
     query tile on CPU (None: its default)."""
     import functools
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
 
     from bench.common import llama_config
-    from bench.plugin_run import on_runtime
+    from bench.common import on_runtime
     from tlaloc_jax.checkpoint import random_weights
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.layout import per_layer
