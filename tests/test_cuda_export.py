@@ -1,6 +1,6 @@
 """Decode entries for cuda: plain ops by default, the Pallas GPU kernel (tlaloc_jax/kernels/paged_attention_gpu.py) on request.
 
-The default is the verdict docs/gpu.md records from `bench/gpu.py run`; the decoder's decode step with the kernel
+The default is the verdict docs/gpu.md records from `python -m bench.gpu run`; the decoder's decode step with the kernel
 (in Pallas' interpreter, on CPU) against the plain-ops step; an export for cuda with the kernel on this CPU machine
 holds the GPU plugin's Triton custom call in its decode bodies and nowhere else, an export for cpu holds none; and
 the custom-call check allows that target on cuda only.
