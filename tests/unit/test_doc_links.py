@@ -2,7 +2,8 @@
 
 Two forms are read: Markdown links `[text](target)`, resolved from the linking file's folder as GitHub does, and
 paths written in the prose (`docs/cpu.md`, `bench/gpu.py`), resolved from the repository root as the docs write
-them; a path that starts with `../` leaves the repository whatever it names. Controls: a planted link out of the
+them; a path that starts with `../` leaves the repository whatever it names. A prose path to a file that is gone
+passes when the words after it on its line say in which commit (`deleted in 82403e3`). Controls: a planted link out of the
 repository, to a missing file, and a prose path of either kind are each reported; good links are not."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # A prose path: `../` steps or a top-level folder of the tree, then a file name with one of these extensions.
 PROSE_PATH = re.compile(r"(?<![\w./-])((?:\.\./)+[\w./-]*\w|(?:[\w-]+/)+[\w.-]+\.(?:md|py|c|h|ipynb|toml))(?![\w/])")
 PLACEHOLDER = re.compile(r"(^|/)[A-Z_]+(\.|/|$)")   # docs' stand-ins such as kernels/NAME.py
+DELETED = re.compile(r"deleted in [0-9a-f]{7,40}\b")
 
 
 def doc_files(root: Path) -> list[Path]:
@@ -43,7 +45,9 @@ def broken_links(root: Path) -> list[str]:
                     found.append((m.group(1), f.parent / target))
             for m in PROSE_PATH.finditer(MD_LINK.sub("", line)):
                 path = m.group(1)
-                if path.startswith("../") or (path.split("/", 1)[0] in tops and not PLACEHOLDER.search(path)):
+                gone = DELETED.search(line, m.end(), m.end() + 120) and not path.startswith("../")
+                if path.startswith("../") or (path.split("/", 1)[0] in tops and not PLACEHOLDER.search(path)
+                                              and not gone):
                     found.append((path, root / path))
             for text, target in found:
                 why = _resolves_inside(root, target)
@@ -69,11 +73,13 @@ def test_planted_bad_links_are_reported(tmp_path):
         "[design](../DESIGN.md)\n"
         "[gone](docs/gone.md#part)\n"
         "`../shared/DESIGN.md` has the architecture\n"
-        "see docs/missing.md and bench/gone.py\n")
+        "see docs/missing.md and bench/gone.py\n"
+        "`bench/old.py --flag` (deleted in 82403e3) and `bench/gone.py`, deleted in the end\n")
     assert broken_links(root) == [
         "README.md:2: ../DESIGN.md (leaves the repository)",
         "README.md:3: docs/gone.md#part (names no file)",
         "README.md:4: ../shared/DESIGN.md (leaves the repository)",
         "README.md:5: docs/missing.md (names no file)",
         "README.md:5: bench/gone.py (names no file)",
+        "README.md:6: bench/gone.py (names no file)",
     ]
