@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     from tlaloc_jax.native import NativeKernelError
 
     from .bounded import BoundedProgram
-    from .embeddings import Embeddings, embedding_task, load_embedding_tokenizer
+    from .openai.embeddings import Embeddings, embedding_task, load_embedding_tokenizer
     from .engine import DEFAULT_CACHE_DIR, Engine
     from .runtime import CompileError, PluginNotFoundError
     from .tokenizer import load_tokenizer

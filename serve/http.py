@@ -2,7 +2,7 @@
 `create_app(engine, ...)` (serve/openai/app.py) and the guards its command line checks. The server itself lives in
 serve/openai/ (protocol, serving, responses, app)."""
 
-from .guards import LOOPBACK_HOSTS, allowed_host_names, api_key_problem
+from .openai.guards import LOOPBACK_HOSTS, allowed_host_names, api_key_problem
 from .openai.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, create_app
 from .openai.responses import sse as _sse   # tests read the stream framing through this name
 

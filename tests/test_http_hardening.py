@@ -200,7 +200,7 @@ def test_the_character_bound_never_refuses_a_text_that_fits():
     from tokenizers import Tokenizer, pre_tokenizers
 
     from tlaloc_jax.demo import DEMO_MODEL
-    from tlaloc_jax.serve.prompts import max_prompt_chars
+    from tlaloc_jax.serve.openai.prompts import max_prompt_chars
     for tok in (TOK, Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))):
         per_token = max_prompt_chars(SimpleNamespace(tok=tok), 1)
         vocab = tok.get_vocab(with_added_tokens=True)

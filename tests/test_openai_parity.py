@@ -546,7 +546,7 @@ def test_the_serving_path_with_grammars_stays_jax_free(artifacts, tmp_path):
 import numpy as np
 from tlaloc_jax import artifact as af
 from tlaloc_jax.serve.loop import StepWork
-from tlaloc_jax.serve.structured import Grammars
+from tlaloc_jax.serve.openai.structured import Grammars
 from tlaloc_jax.serve.tokenizer import read_listed
 m = af.load_manifest({str(artifacts[0])!r})
 g = Grammars(read_listed(__import__("pathlib").Path({str(artifacts[0])!r}), m, "tokenizer.json"), m.model.vocab, [283],

@@ -1,7 +1,8 @@
 """The tree's structure: each item of the artifact vocabulary is defined once (tlaloc_jax/artifact/vocabulary.py),
 no module of tlaloc_jax.* takes part in an import cycle (counting the imports inside functions and type-only ones),
 no module is over MAX_MODULE_LINES lines, one class hands out pool units, and the C kernels' sources live in the
-top-level kernels/ folder only, which every wheel carries.
+top-level kernels/ folder only, which every wheel carries. Names and homes: the modules only the HTTP server uses
+live in serve/openai/.
 
 Both read the source as text (ast), so they see every file, imported or not. Controls: each detector finds a
 second definition planted in a temporary file, and the cycle finder finds a cycle planted in a temporary package."""
@@ -14,6 +15,7 @@ import tomllib
 from pathlib import Path
 
 from tlaloc_jax import artifact as af
+from tlaloc_jax import serve
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCABULARY = "tlaloc_jax/artifact/vocabulary.py"
@@ -232,6 +234,44 @@ def test_the_cycle_finder_finds_a_planted_cycle(tmp_path):
     graph = import_graph(tmp_path, {"pkg": "pkg"})
     assert graph["pkg.sub"] == {"pkg.sub.b"} and graph["pkg.c"] == {"pkg.a"}
     assert import_cycles(graph) == [["pkg.a", "pkg.sub.b"]]
+
+
+# -- homes: the modules only the HTTP server uses live in serve/openai/ ------------------------------------------
+
+HTTP_SERVER = ("tlaloc_jax.serve.openai", "tlaloc_jax.serve.http", "tlaloc_jax.serve.__main__")
+
+
+def http_only_modules(graph: dict[str, set[str]], public: set[str], package: str = "tlaloc_jax.serve") -> list[str]:
+    """The modules directly in serve/ that only the HTTP server imports (serve/openai/, the http facade and the
+    command line, or another such module): they belong in serve/openai/. `public`: modules whose names the serve
+    package exports to users (`tlaloc_jax.serve.BoundedProgram`), which serve more than the server."""
+    http = {m for m in graph if m.startswith(HTTP_SERVER)}
+    top = {m for m in graph if m.rpartition(".")[0] == package and m not in http | public}
+    found: set[str] = set()
+    while True:
+        more = {m for m in top - found if (users := {u for u, deps in graph.items() if m in deps})
+                and users <= http | found}
+        if not more:
+            return sorted(found)
+        found |= more
+
+
+def test_modules_only_the_http_server_uses_live_in_serve_openai():
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    graph = import_graph(ROOT, package_dir)
+    assert "tlaloc_jax.serve.openai.app" in graph and "tlaloc_jax.serve.metrics" in graph
+    public = {"tlaloc_jax.serve" + module for module in serve._EXPORTS.values()}
+    assert "tlaloc_jax.serve.engine" in public
+    assert http_only_modules(graph, public) == []
+
+
+def test_the_home_check_finds_a_module_only_the_http_server_uses():
+    graph = {"tlaloc_jax.serve.openai.app": {"tlaloc_jax.serve.grammar", "tlaloc_jax.serve.metrics"},
+             "tlaloc_jax.serve.grammar": {"tlaloc_jax.serve.words"},     # only grammar (itself HTTP-only) uses words
+             "tlaloc_jax.serve.words": set(), "tlaloc_jax.serve.loop": {"tlaloc_jax.serve.metrics"},
+             "tlaloc_jax.serve.metrics": set(), "tlaloc_jax.serve.unused": set()}
+    assert http_only_modules(graph, set()) == ["tlaloc_jax.serve.grammar", "tlaloc_jax.serve.words"]
+    assert http_only_modules(graph, {"tlaloc_jax.serve.grammar"}) == []      # a public module, and what only it uses
 
 
 # -- no folder on sys.path shadows an installed package ------------------------------------------------------------
