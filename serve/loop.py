@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .engine import Constraint, Engine, RequestRefused
+from .host_sampling import Sampling
 from .metrics import Metrics
-from .sampling import Sampling
 
 log = logging.getLogger("tlaloc_jax.serve.loop")
 

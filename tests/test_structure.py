@@ -2,7 +2,7 @@
 no module of tlaloc_jax.* takes part in an import cycle (counting the imports inside functions and type-only ones),
 no module is over MAX_MODULE_LINES lines, one class hands out pool units, and the C kernels' sources live in the
 top-level kernels/ folder only, which every wheel carries. Names and homes: the modules only the HTTP server uses
-live in serve/openai/.
+live in serve/openai/, and no two modules share a name (past SHARED_NAMES).
 
 Both read the source as text (ast), so they see every file, imported or not. Controls: each detector finds a
 second definition planted in a temporary file, and the cycle finder finds a cycle planted in a temporary package."""
@@ -91,7 +91,7 @@ def _python_files() -> list[str]:
 
 def test_each_vocabulary_item_is_defined_once():
     files = _python_files()
-    assert VOCABULARY in files and "serve/sampling.py" in files and len(files) > 100
+    assert VOCABULARY in files and "serve/host_sampling.py" in files and len(files) > 100
     found: dict[str, list[str]] = {}
     for rel in files:
         for item, where in vocabulary_definitions(ROOT / rel, rel):
@@ -217,9 +217,9 @@ def import_graph(root: Path, package_dir: dict[str, str]) -> dict[str, set[str]]
 def test_no_module_of_tlaloc_jax_is_in_an_import_cycle():
     package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     graph = import_graph(ROOT, package_dir)
-    assert {"tlaloc_jax.artifact.vocabulary", "tlaloc_jax.kernels.sampling", "tlaloc_jax.export._stage",
+    assert {"tlaloc_jax.artifact.vocabulary", "tlaloc_jax.kernels.in_body_sampler", "tlaloc_jax.export._stage",
             "tlaloc_jax.serve.engine"} <= set(graph)
-    assert "tlaloc_jax.artifact" in graph["tlaloc_jax.kernels.sampling"]
+    assert "tlaloc_jax.artifact" in graph["tlaloc_jax.kernels.in_body_sampler"]
     assert import_cycles(graph) == []
 
 
@@ -236,7 +236,34 @@ def test_the_cycle_finder_finds_a_planted_cycle(tmp_path):
     assert import_cycles(graph) == [["pkg.a", "pkg.sub.b"]]
 
 
-# -- homes: the modules only the HTTP server uses live in serve/openai/ ------------------------------------------
+# -- names and homes: one module a name, the HTTP server's modules in serve/openai/ ---------------------------------
+
+# Names two modules still share: the facades that keep documented import paths (`tlaloc_jax.serve.ray:app`,
+# `python -m tlaloc_jax.serve.triton`) over serve/integrations/, and pairs of the artifact and export packages.
+SHARED_NAMES = {"config", "errors", "files", "inputs", "mesh", "ray", "triton"}
+
+
+def shared_module_names(modules: dict[str, Path]) -> set[str]:
+    """The module names (a leading underscore dropped) that more than one module of the packages has."""
+    stems = [name.rpartition(".")[2].lstrip("_") for name, path in modules.items() if path.stem != "__init__"]
+    return {s for s in stems if stems.count(s) > 1 and s != "main__"}
+
+
+def test_no_two_modules_share_a_name():
+    """A name says what a module holds: the host sampler and the in-body sampler are not both `sampling`."""
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    modules = project_modules(ROOT, package_dir)
+    assert {"tlaloc_jax.serve.engine", "tlaloc_jax.export._stage"} <= set(modules)
+    assert shared_module_names(modules) == SHARED_NAMES
+
+
+def test_the_name_check_finds_a_planted_pair(tmp_path):
+    for rel in ("pkg/__init__.py", "pkg/sub/__init__.py", "pkg/sampling.py", "pkg/sub/_sampling.py", "pkg/__main__.py",
+                "pkg/sub/__main__.py", "pkg/engine.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    assert shared_module_names(project_modules(tmp_path, {"pkg": "pkg"})) == {"sampling"}
+
 
 HTTP_SERVER = ("tlaloc_jax.serve.openai", "tlaloc_jax.serve.http", "tlaloc_jax.serve.__main__")
 

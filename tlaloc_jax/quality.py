@@ -58,7 +58,7 @@ class Scored:
 def score(engine, ids: Sequence[int]) -> Scored:
     """Feed ids as a prompt read one token a call; -> the logprob of ids[1:] and the argmax after each of
     ids[:-1]."""
-    from tlaloc_jax.serve.sampling import Sampling
+    from tlaloc_jax.serve.host_sampling import Sampling
 
     rid = engine.add_request(list(ids), 1, sampling=Sampling(prompt_logprobs=1))
     try:

@@ -10,7 +10,7 @@ import numpy as np
 
 from tlaloc_jax import artifact as mf
 
-from ..sampling import GREEDY, Sampling
+from ..host_sampling import GREEDY, Sampling
 
 
 class RequestRefused(ValueError):

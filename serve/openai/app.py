@@ -1,5 +1,5 @@
 """An OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn; JAX-free): the app, its routes, middleware
-and lifespan (the routes' work is serving.py's).
+and lifespan (the routes' work is server.py's).
 
     app = create_app(Engine.load("artifact/"))          # or: python -m tlaloc_jax.serve artifact/
     uvicorn.run(app, host="127.0.0.1", port=8000)
@@ -50,7 +50,7 @@ from .checks import SCHEDULING_POLICIES
 from .embeddings import Embeddings
 from .errors import APIError
 from .guards import HostAllowList, InternalErrors, allowed_host_names, api_key_problem
-from .serving import OpenAIServer
+from .server import OpenAIServer
 from .structured import GrammarBudget
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from tlaloc_jax import artifact as mf
-from tlaloc_jax.artifact import bounded as bm
+from tlaloc_jax.artifact import bounded_manifest as bm
 
-from ..bounded import BoundedProgram
+from ..bounded_program import BoundedProgram
 from ..tokenizer import read_listed
 from .errors import APIError
 from .prompts import PromptTokenizer

@@ -22,9 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
 from ..engine import Engine
+from ..host_sampling import Sampling
 from ..loop import Arrival, EngineLoop, StepWork
 from ..metrics import Metrics
-from ..sampling import Sampling
 from ..tokenizer import ChatTemplateError, StopStrings, TextTokenizer, read_listed, read_listed_json
 from .body import parse_body
 from .checks import bad_value, check_priority, check_queue_room, check_sequence_count
