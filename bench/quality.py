@@ -1,4 +1,4 @@
-"""Quality tables of weight quantization and fp8 KV pools (python -m tlaloc_jax.quality, for many artifacts).
+"""Quality tables of weight quantization and fp8 KV pools (python -m tlaloc_jax.tools.quality, for many artifacts).
 
     python bench/quality.py demo OUT_DIR         # the demo model (trained on the standard library)
     python bench/quality.py llama OUT_DIR        # a tiny seeded Llama (tests/hf_models.py; hidden 128), byte ids
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     model, out = argv[0], Path(argv[1])
     tokens = int(argv[2]) if len(argv) > 2 else 480
     if model == "demo":
-        from tlaloc_jax.demo import DEMO_MODEL
+        from tlaloc_jax.tools.demo import DEMO_MODEL
         checkpoint, context, groups = Path(DEMO_MODEL), 256, (32, 64)     # hidden 192: 128 does not tile it
     elif model == "llama":
         from hf_models import build_checkpoint
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
             build_checkpoint(checkpoint, "llama", seed=0, hidden_size=128, intermediate_size=256, head_dim=32)
     else:
         raise SystemExit("model: demo or llama")
-    from tlaloc_jax.quality import compare, held_out_text, text_ids_for
     from tlaloc_jax.serve.engine import Engine
+    from tlaloc_jax.tools.quality import compare, held_out_text, text_ids_for
 
     path, text = held_out_text()
     ref = export(checkpoint, out / "none", context)

@@ -7,7 +7,7 @@ unequal the input channels' largest weights are, and the demo model's channels a
 each channel j of a norm that feeds q, k, v (or gate, up) is divided by f_j and the weight rows that read channel j
 are multiplied by f_j (SmoothQuant's migration run backwards; f log-normal, sigma 1.5, seeded). Then it exports the
 unquantized model, int8, and the wrong-axis int8 of both checkpoints and prints the quality check
-(tlaloc_jax.quality.compare) of each against the unquantized demo, on the held-out text.
+(tlaloc_jax.tools.quality.compare) of each against the unquantized demo, on the held-out text.
 
     python bench/quality_outliers.py OUT_DIR
 """
@@ -50,9 +50,9 @@ def with_outlier_channels(src: Path, dst: Path, sigma: float = 1.5, seed: int = 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     out = Path(argv[0])
-    from tlaloc_jax.demo import DEMO_MODEL
-    from tlaloc_jax.quality import compare, held_out_text, text_ids_for
     from tlaloc_jax.serve.engine import Engine
+    from tlaloc_jax.tools.demo import DEMO_MODEL
+    from tlaloc_jax.tools.quality import compare, held_out_text, text_ids_for
 
     demo = Path(DEMO_MODEL)
     outliers = with_outlier_channels(demo, out / "demo_outliers_checkpoint")

@@ -452,7 +452,7 @@ def test_greedy_logprobs_and_prompt_logprobs_equal_transformers_log_softmax(arti
 
 @pytest.fixture(scope="module")
 def demo_engine(tmp_path_factory, serve_cache_dir):
-    from tlaloc_jax.demo import export_demo
+    from tlaloc_jax.tools.demo import export_demo
     art = tmp_path_factory.mktemp("demo") / "artifact"
     export_demo(art)
     with loaded(art, serve_cache_dir) as eng:

@@ -2,7 +2,8 @@
 no module of tlaloc_jax.* takes part in an import cycle (counting the imports inside functions and type-only ones),
 no module is over MAX_MODULE_LINES lines, one class hands out pool units, and the C kernels' sources live in the
 top-level kernels/ folder only, which every wheel carries. Names and homes: the modules only the HTTP server uses
-live in serve/openai/, and no two modules share a name (past SHARED_NAMES).
+live in serve/openai/, no two modules share a name (past SHARED_NAMES), nothing in the library imports
+the tools (tlaloc_jax/tools/), and pyproject lists every package folder.
 
 Both read the source as text (ast), so they see every file, imported or not. Controls: each detector finds a
 second definition planted in a temporary file, and the cycle finder finds a cycle planted in a temporary package."""
@@ -299,6 +300,41 @@ def test_the_home_check_finds_a_module_only_the_http_server_uses():
              "tlaloc_jax.serve.metrics": set(), "tlaloc_jax.serve.unused": set()}
     assert http_only_modules(graph, set()) == ["tlaloc_jax.serve.grammar", "tlaloc_jax.serve.words"]
     assert http_only_modules(graph, {"tlaloc_jax.serve.grammar"}) == []      # a public module, and what only it uses
+
+
+TOOLS = "tlaloc_jax.tools"
+
+
+def tool_importers(graph: dict[str, set[str]]) -> list[str]:
+    """The modules outside tlaloc_jax.tools that import one of its modules: the tools sit above the library."""
+    def is_tool(m: str) -> bool:
+        return m == TOOLS or m.startswith(TOOLS + ".")
+
+    return sorted(m for m, deps in graph.items() if not is_tool(m) and any(is_tool(d) for d in deps))
+
+
+def test_nothing_in_the_library_imports_the_tools():
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    graph = import_graph(ROOT, package_dir)
+    assert {"tlaloc_jax.tools.demo", "tlaloc_jax.tools.train", "tlaloc_jax.tools.quality"} <= set(graph)
+    assert tool_importers(graph) == []
+
+
+def test_the_tools_check_finds_an_importer():
+    graph = {"tlaloc_jax.export.__main__": {"tlaloc_jax.tools.demo"}, "tlaloc_jax.toolsmith": {"tlaloc_jax.tools"},
+             "tlaloc_jax.tools.train": {"tlaloc_jax.tools.demo"}, "tlaloc_jax.tools.demo": {"tlaloc_jax.export"}}
+    assert tool_importers(graph) == ["tlaloc_jax.export.__main__", "tlaloc_jax.toolsmith"]
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """setuptools ships only the packages pyproject lists: a new subpackage left out is missing from the wheel."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for package, folder in setuptools["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            found.add(".".join([package, *init.parent.relative_to(ROOT / folder).parts]))
+    assert "tlaloc_jax.serve.openai" in found
+    assert sorted(found - set(setuptools["packages"])) == []
 
 
 # -- no folder on sys.path shadows an installed package ------------------------------------------------------------
