@@ -70,23 +70,18 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class ResidualConfig:
-    """The residual stream's norms and scalars.
+    """The residual stream's norms and scalars (Granite's: embeddings times embedding_multiplier, each attention
+    and MLP output times multiplier before its residual add, the logits divided by logits_scaling)."""
 
-    norm_offset: RMSNorm multiplies by (offset + w): 1 for Gemma. input_norms: norms before attention and the
-    MLP (False: OLMo 2 norms only their outputs, sandwich_norms); sandwich_norms: norms after attention and
-    after the MLP too (Gemma 2/3, OLMo 2). embed_scale: embeddings times sqrt(hidden) (Gemma). Granite's
-    scalars: the embeddings times embedding_multiplier, each attention and MLP output times multiplier before
-    its residual add, the logits divided by logits_scaling. final_softcap: logits -> cap * tanh(logits / cap).
-    """
-
-    norm_offset: float = 0.0
-    input_norms: bool = True
-    sandwich_norms: bool = False
-    embed_scale: bool = False
+    norm_offset: float = 0.0            # RMSNorm multiplies by (offset + w): 1 for Gemma
+    input_norms: bool = True            # norms before attention and the MLP; False: OLMo 2 norms only their
+                                        # outputs (sandwich_norms)
+    sandwich_norms: bool = False        # norms after attention and after the MLP too (Gemma 2/3, OLMo 2)
+    embed_scale: bool = False           # embeddings times sqrt(hidden) (Gemma)
     embedding_multiplier: float = 1.0
     multiplier: float = 1.0
     logits_scaling: float = 1.0
-    final_softcap: float = 0.0
+    final_softcap: float = 0.0          # logits -> cap * tanh(logits / cap); 0: off
 
 
 @dataclass(frozen=True)
