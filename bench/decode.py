@@ -12,7 +12,7 @@ and prints:
     its own round (the median);
   - prefill tokens/s of one call for the runtime and in-process JAX, and the runtime's FLOP rate as a fraction
     of the best this CPU's XLA reaches on a large matmul of the weights' dtype through the same plugin (and the
-    other dtype's, for reference) and of the CPU's f32 FMA peak (bench/fma_peak.py);
+    other dtype's, for reference) and of the CPU's f32 FMA peak (bench/common.py's fma_peak);
   - the weight bytes a decode step reads, the memory bandwidth measured here, and the runtime's decode
     step time as a multiple of that floor;
   - what returning the argmax next to the logits saves per step (greedy pulls 4 bytes a row, not V * 4);
@@ -21,9 +21,9 @@ and prints:
     and on the model above, and the runtime against in-process JAX running the same bodies (the artifact's
     .exported files) for the single-step and the K-step entries.
 
-    python bench/decode.py                       # ~100M parameters
-    python bench/decode.py --hidden 256 --layers 2 --heads 4 --kv-heads 2 --intermediate 512 --vocab 4096 --steps 8  # quick
-    python bench/decode.py --only-decode-steps     # the decode_steps comparison alone (tiny and ~100M)
+    python -m bench.decode                       # ~100M parameters
+    python -m bench.decode --hidden 256 --layers 2 --heads 4 --kv-heads 2 --intermediate 512 --vocab 4096 --steps 8  # quick
+    python -m bench.decode --only-decode-steps     # the decode_steps comparison alone (tiny and ~100M)
 """
 
 from __future__ import annotations
@@ -39,173 +39,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 
-
-def _median_time(fn, steps: int, warmup: int = 2) -> float:
-    return _median_times([fn], steps, warmup)[0]
-
-
-def _median_times(fns, steps: int, warmup: int = 2) -> list[float]:
-    """Median seconds of each function, the functions interleaved so that drift hits them alike."""
-    return [wall for wall, _ in _median_wall_cpu(fns, steps, warmup)]
-
-
-def _median_wall_cpu(fns, steps: int, warmup: int = 2) -> list[tuple[float, float]]:
-    """(median wall seconds, median CPU seconds of this process, every thread) of each function, interleaved. On a
-    loaded machine the CPU time is the steadier measure of the work a call does: waiting for a core adds none."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    times = [([], []) for _ in fns]
-    for _ in range(steps):
-        for fn, (ts, cs) in zip(fns, times):
-            c0, t0 = time.process_time(), time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-            cs.append(time.process_time() - c0)
-    return [(statistics.median(ts), statistics.median(cs)) for ts, cs in times]
-
-
-def _step_fields(entry) -> list[str]:
-    """The step inputs of an entry, by StepInputs field, in its signature order (a body takes them first)."""
-    from tlaloc_jax import artifact as af
-    return [af.STEP_FIELDS[s.role] for s in entry.inputs if s.role in af.STEP_FIELDS]
-
-
-class _Reader:
-    """One read pass over `arrays`, split over `threads` threads (numpy releases the GIL in a reduction; the bytes
-    summed as integers, which read faster than floats and never meet a denormal): timed in rounds with the steps
-    (_steady_rounds), it gives the floor's read rate at the same moments as theirs (a shared VM's read rate drifts by
-    a third between minutes). Given the runtime's own weights (weight_memory), it reads the very pages a step reads:
-    on a VM two allocations of the same size can read 25% apart. `best`: the fastest pass seen."""
-
-    def __init__(self, arrays: list[np.ndarray], threads: int):
-        from concurrent.futures import ThreadPoolExecutor
-        words = [a.reshape(-1).view(np.uint8)[:a.nbytes // 8 * 8].view(np.uint64) for a in arrays]
-        self.nbytes = sum(w.nbytes for w in words)
-        self.parts = [[np.array_split(w, threads)[t] for w in words] for t in range(threads)]   # a share a thread
-        self.pool = ThreadPoolExecutor(threads)
-        self.best = float("inf")
-
-    def __call__(self) -> None:
-        t0 = time.perf_counter()
-        list(self.pool.map(lambda part: sum(int(w.sum(dtype=np.uint64)) for w in part), self.parts))
-        self.best = min(self.best, time.perf_counter() - t0)
-
-    def rate(self, seconds: float) -> float:
-        return self.nbytes / seconds
-
-
-def best_read_rate(arrays: list[np.ndarray], threads: int, passes: int = 3) -> float:
-    """Bytes/s of the fastest of `passes` passes over `arrays` with `threads` threads (_Reader)."""
-    read = _Reader(arrays, threads)
-    for _ in range(passes):
-        read()
-    return read.rate(read.best)
-
-
-def weight_memory(engine, skip: set[str]) -> list[np.ndarray]:
-    """The runtime's weights (but the slots in `skip`) as byte arrays over their device memory, which the CPU plugin
-    keeps in host memory; elsewhere a host buffer of the same size."""
-    import ctypes
-    dev, m = engine.runner.device, engine.manifest
-    if not dev.host_memory:
-        return [np.ones(sum(w.nbytes for w in m.weights if w.slot not in skip), np.uint8)]
-    return [np.ctypeslib.as_array((ctypes.c_uint8 * w.nbytes).from_address(
-        dev.device_address(engine.runner.weights[w.slot]))) for w in m.weights if w.slot not in skip and w.nbytes]
-
-
-def _steady_rounds(step, readers, steps: int, rounds: int, fresh=None) -> list[tuple[float, float, float]]:
-    """(seconds a step, read bytes/s, `fresh`'s read bytes/s or 0) for each of `rounds` rounds: 2 * `steps` steps
-    back to back, as a decode loop runs them, the last `steps` timed, then two passes of each reader back to back
-    after an untimed one (the better of `readers`' rates; `fresh`'s apart). After the read passes (or any pause) the
-    step takes about 20 steps to come back to its steady time (docs/cpu.md); a round's ratio compares the steady
-    step with the read rate of the same moments."""
-    def rate_of(read) -> float:
-        read()
-        t0 = time.perf_counter()
-        read()
-        read()
-        return read.rate((time.perf_counter() - t0) / 2)
-
-    out = []
-    for _ in range(rounds):
-        for _ in range(steps):
-            step()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        t_step = (time.perf_counter() - t0) / steps
-        out.append((t_step, max(rate_of(read) for read in readers), rate_of(fresh) if fresh else 0.0))
-    return out
-
-
-def matmul_peak(device, dtype: str, rows: int = 512, inner: int = 2048, cols: int = 4096,
-                steps: int = 5) -> float:
-    """FLOP/s of a [rows, inner] x [inner, cols] matmul (operands in `dtype`, f32 accumulation, eight of them in one
-    body so that launch costs vanish), compiled and run by the runtime's PJRT device: the rate the plugin's XLA
-    reaches on this CPU with every thread, the ceiling a prefill of the same dtype can approach."""
-    import jax
-    import jax.numpy as jnp
-    from jax import export as jax_export
-    from jax import lax
-    dt = jnp.dtype(dtype)
-
-    def body(x, ws):
-        return [lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                preferred_element_type=jnp.float32) for w in ws]
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((rows, inner)).astype(dt)
-    ws = [rng.standard_normal((cols, inner)).astype(dt) for _ in range(8)]
-    exp = jax_export.export(jax.jit(body), platforms=["cpu"])(x, ws)
-    exe = device.compile(exp.mlir_module_serialized, name=f"matmul_peak_{dtype}")
-    bufs = [device.upload(a) for a in (x, *ws)]
-
-    def run():
-        for o in device.execute(exe, bufs, donate=()):
-            o.close()
-    t = _median_time(run, steps, warmup=1)
-    for b in bufs:
-        b.close()
-    return 2 * rows * inner * cols * len(ws) / t
-
-
-def prefill_flops(cfg, tokens: int) -> float:
-    """FLOPs of a prefill of `tokens` tokens from position 0: every layer projection once per token (2 per weight),
-    the head once (the last token's logits), and causal attention's scores and weighted sum (2 * 2 * D per head and
-    visible key)."""
-    proj = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    proj += cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    keys = tokens * (tokens + 1) / 2
-    return (2 * (tokens * proj * cfg.num_layers + cfg.hidden_size * cfg.vocab_size)
-            + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys)
-
-
-# The 100M-parameter Llama of the decode-speed issue, and the context.
-MODEL_DEFAULTS = dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=16000, context=256)
-
-
-def add_model_args(ap: argparse.ArgumentParser, **defaults: int) -> None:
-    """The random Llama's shape and the context: --hidden ... --context, MODEL_DEFAULTS unless `defaults` says."""
-    for name, value in dict(MODEL_DEFAULTS, **defaults).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=int, default=value)
-
-
-def llama_config(args) -> dict:
-    """The Hugging Face config of the random Llama that add_model_args describes."""
-    return dict(model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, max_position_embeddings=4 * args.context,
-                tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-
-
-def save_random_checkpoint(hf: dict, out: Path) -> int:
-    """A checkpoint of `hf`'s model with random weights (seed 0, std 0.02) written to `out`; its parameter count."""
-    from tlaloc_jax.checkpoint import random_weights, save_checkpoint
-    from tlaloc_jax.families import config_from_hf
-    fam, cfg = config_from_hf(hf)
-    weights = random_weights(cfg, fam, seed=0, std=0.02)
-    save_checkpoint(out, hf, weights)
-    return sum(w.size for w in weights.values())
+from bench.common import (Reader, add_model_args, fma_peak, llama_config, matmul_peak, median_times,
+                          prefill_flops, save_random_checkpoint, steady_rounds, step_fields, weight_memory)
 
 
 def main(argv=None) -> None:
@@ -230,20 +65,19 @@ def main(argv=None) -> None:
     if args.weight_quant:
         import sys
 
-        import decode_quant
+        from bench import decode_quant
         return decode_quant.main(sys.argv[1:] if argv is None else argv)
     if args.only_decode_steps:
         return decode_steps_bench(args)
 
     import jax
 
-    from fma_peak import fma_peak
     import tlaloc_jax
     from tlaloc_jax.artifact import Role
     from tlaloc_jax.decoder import StepInputs
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.families import config_from_hf
-    from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
     from tlaloc_jax.serve import Engine
 
     hf = llama_config(args)
@@ -280,9 +114,9 @@ def main(argv=None) -> None:
         kv_row = (pos + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4   # keys and values a row reads
         cores = os.cpu_count() or 1
         memory = weight_memory(engine, {"embed"})        # the floor reads the step's own weights
-        read1, read_all = (_Reader(memory, n) for n in (1, cores))
+        read1, read_all = (Reader(memory, n) for n in (1, cores))
         # and, for comparison, a buffer of the same size allocated now (the floor's memory before)
-        fresh = _Reader([np.ones(sum(a.nbytes for a in memory), np.uint8)], cores)
+        fresh = Reader([np.ones(sum(a.nbytes for a in memory), np.uint8)], cores)
         rows = []
         jax_pools = model.new_pools(m.pool("kv").capacity)
         for b in batches:
@@ -302,7 +136,7 @@ def main(argv=None) -> None:
 
             def host_copy_step():
                 nonlocal host_pool
-                bufs = [engine.device.upload(inputs[k]) for k in _step_fields(entry)]
+                bufs = [engine.device.upload(inputs[k]) for k in step_fields(entry)]
                 pool = engine.device.upload(host_pool)
                 outs = engine.device.execute(exe, bufs + [pool] + [engine.runner.weights[w.slot] for w in m.weights],
                                              donate=())
@@ -315,10 +149,10 @@ def main(argv=None) -> None:
             def runtime_step_logits():
                 return engine.runner.run(entry, inputs, {Role.NEXT_TOKEN, Role.LOGITS})
 
-            t_rt, t_jax, t_host, t_logits = _median_times(
+            t_rt, t_jax, t_host, t_logits = median_times(
                 [runtime_step, jax_step, host_copy_step, runtime_step_logits], args.steps)
             # The floor: this batch's bytes at the better of 1 and all threads' read rate, in rounds with its steps.
-            steady = _steady_rounds(runtime_step, (read1, read_all), args.steps, args.floor_rounds,
+            steady = steady_rounds(runtime_step, (read1, read_all), args.steps, args.floor_rounds,
                                     fresh if b == 1 else None)
             floor_bytes = step_bytes + b * kv_row
             rows.append((b, t_rt, t_jax, t_host, steady, [t * rate / floor_bytes for t, rate, _ in steady]))
@@ -344,7 +178,7 @@ def main(argv=None) -> None:
             nonlocal jax_pools
             nxt, _, jax_pools = model._greedy(model.weights, jax_pools, StepInputs(**pin))
             return np.asarray(nxt)
-        t_rt_p, t_jax_p = _median_times([lambda: engine.runner.run(pentry, pin, {Role.NEXT_TOKEN}), jax_prefill],
+        t_rt_p, t_jax_p = median_times([lambda: engine.runner.run(pentry, pin, {Role.NEXT_TOKEN}), jax_prefill],
                                         max(3, args.steps // 4))
         print(f"prefill {args.prefill} tokens | runtime {args.prefill / t_rt_p:.0f} tok/s | in-process JAX "
               f"{args.prefill / t_jax_p:.0f} tok/s | runtime/JAX {t_jax_p / t_rt_p:.2f}x")
@@ -384,10 +218,10 @@ def main(argv=None) -> None:
         # What the argmax output saves is the logits copy itself: time it alone, on the last step's outputs.
         exe = engine.executables[f"decode_b1_c{args.context}"]
         inputs = step_inputs(1)
-        bufs = [engine.device.upload(inputs[k]) for k in _step_fields(m.entry(f"decode_b1_c{args.context}"))]
+        bufs = [engine.device.upload(inputs[k]) for k in step_fields(m.entry(f"decode_b1_c{args.context}"))]
         pool = engine.device.upload(np.zeros(m.pool("kv").shape, np.float32))
         outs = engine.device.execute(exe, bufs + [pool] + [engine.runner.weights[w.slot] for w in m.weights], donate=())
-        t_logits_copy, t_next_copy = _median_times([lambda: engine.device.to_host(outs[0]),
+        t_logits_copy, t_next_copy = median_times([lambda: engine.device.to_host(outs[0]),
                                                     lambda: engine.device.to_host(outs[1])], 50)
         print(f"greedy argmax output (NEXT_TOKEN): copying the logits ({args.vocab * 4 / 1024:.0f} KiB) to the host "
               f"takes {t_logits_copy * 1e6:.0f} us, the argmax {t_next_copy * 1e6:.0f} us: it saves "
@@ -412,7 +246,7 @@ def _export_shape(root: Path, shape: dict, args, *, context: int, block: int):
     n_params = save_random_checkpoint(llama_config(argparse.Namespace(**shape, context=context)), root / "ck")
     export_checkpoint(root / "ck", root / "art", batch_ladder=(1, 2, 4), context_ladder=(context,),
                       prefill_max_batch=1, prefill_chunk=64, block_size=block, progress=False, sampler=Sampler(),
-                      decode_steps=args.decode_steps)
+                      decode_steps=args.decode_steps, exported=True)
     return n_params
 
 
@@ -443,7 +277,7 @@ def _entry_pair(engine, art: Path, entry, start: int):
     import jax.numpy as jnp
     from jax import export as jax_export
     from tlaloc_jax import artifact as af
-    from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
     m, B = engine.manifest, entry.batch
     width = entry.context // m.block_size
     rows = [RowCall([7], start, list(range(b * width, (b + 1) * width))) for b in range(B)]
@@ -520,7 +354,7 @@ def decode_steps_bench(args) -> None:
                 for kind in ("decode", "decode_steps"):
                     entry = engine.manifest.entry(f"{kind}_b{b}_c{context}")
                     rt, jx = _entry_pair(engine, tmp / "art", entry, context // 2 - K)
-                    t_rt, t_jax = _median_times([rt, jx], max(5, args.steps))
+                    t_rt, t_jax = median_times([rt, jx], max(5, args.steps))
                     ratios.append(t_jax / t_rt)
                 print(f"{b:>5} | {single:12.1f} | {multi:11.1f} | {multi / single:7.2f}x || {ratios[0]:17.2f}x | "
                       f"{ratios[1]:15.2f}x")

@@ -5,10 +5,10 @@ multiply-reduces) against its dot form (128-key blocks, batched dots: what other
 CPU_QUERY_BLOCK past that many) against one pass over the context bucket (the form of --attention-block 2048, other
 platforms' default).
 
-    python bench/decode_attention.py                      # 8 and 32 rows, 88 and 260 keys
-    python bench/decode_attention.py --rows 32 --keys 200 --context 256
-    python bench/decode_attention.py --prefill 32 --rows 8 --keys 224 --context 256
-    python bench/decode_attention.py --shared 192          # the first 192 keys on pages every row shares
+    python -m bench.decode_attention                      # 8 and 32 rows, 88 and 260 keys
+    python -m bench.decode_attention --rows 32 --keys 200 --context 256
+    python -m bench.decode_attention --prefill 32 --rows 8 --keys 224 --context 256
+    python -m bench.decode_attention --shared 192          # the first 192 keys on pages every row shares
 
 --shared N: the rows' first N keys sit on the same pages (a cached prefix), which the CPU form reads once for all
 rows; the last column times it on tables where every row has its own pages.
@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def main(argv=None) -> None:
@@ -44,7 +40,7 @@ def main(argv=None) -> None:
 
     import jax.numpy as jnp
 
-    from plugin_run import on_runtime
+    from bench.common import on_runtime
     pa = importlib.import_module("tlaloc_jax.kernels.paged_attention")
     L, S, H, K, D = a.layers, 16, a.heads, a.kv_heads, a.head_dim
     M = a.context // S

@@ -2,7 +2,7 @@
 bf16 and f32 (and a --prefill-token prefill's), all served by the JAX-free runtime in one run (calls interleaved),
 and what XLA's CPU backend does with a quantized projection (read from the optimized HLO of the decode step).
 
-    python bench/decode.py --weight-quant int8,fp8,int4          # or: python bench/decode_quant.py ...
+    python -m bench.decode --weight-quant int8,fp8,int4          # or: python -m bench.decode_quant ...
 
 One random Llama-shaped checkpoint (f32), exported as f32, bf16 and each scheme (quantized from the f32 values;
 the rest of the weights in bf16, the compute dtype the codes are widened to); KV pools f32 in all of them.
@@ -18,13 +18,9 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import sys
-
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode import (_median_times, _median_wall_cpu, add_model_args, llama_config,  # noqa: E402
-                    save_random_checkpoint)
+from bench.common import add_model_args, llama_config, median_times, median_wall_cpu, save_random_checkpoint
 
 
 def step_bytes(manifest, vocab: int) -> int:
@@ -43,7 +39,7 @@ def widening_report(cfg, weights, block: int, context: int) -> str:
 
     import tlaloc_jax
     from tlaloc_jax.decoder import StepInputs
-    from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
 
     model = tlaloc_jax.Model(cfg, weights, block_size=block)
     pools = model.new_pools(context // block)
@@ -91,7 +87,7 @@ def main(argv=None) -> None:
     from tlaloc_jax.checkpoint import load_checkpoint
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.export._quant import quantize_weights, scheme_label
-    from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
     from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine
 
@@ -121,7 +117,7 @@ def main(argv=None) -> None:
                                    width=width, block_size=block)
         entry = f"decode_b1_c{args.context}"
         fns = [(lambda e=e, m=m: e.runner.run(m.entry(entry), inputs, {Role.NEXT_TOKEN})) for e, m in zip(engines, manifests)]
-        wall_cpu = _median_wall_cpu(fns, args.steps)
+        wall_cpu = median_wall_cpu(fns, args.steps)
         times, cpu = [w for w, _ in wall_cpu], [c for _, c in wall_cpu]
         base_b, base_t = step_bytes(manifests[1], args.vocab), times[1]
         print()
@@ -135,7 +131,7 @@ def main(argv=None) -> None:
             pin = build_step_inputs([RowCall([7] * args.prefill, 0, list(range(width)))], batch=1,
                                     tokens=args.prefill, width=width, block_size=block)
             pentry = f"prefill_b1_c{args.context}"
-            pt = _median_times([(lambda e=e, m=m: e.runner.run(m.entry(pentry), pin, {Role.NEXT_TOKEN}))
+            pt = median_times([(lambda e=e, m=m: e.runner.run(m.entry(pentry), pin, {Role.NEXT_TOKEN}))
                                 for e, m in zip(engines, manifests)], max(3, args.steps // 3))
             print()
             print(f"prefill of {args.prefill} tokens: " + "; ".join(

@@ -1,7 +1,7 @@
 """Gated delta rule: prefill speed of the chunked form against the per-token recurrence, and the memory a
 sequence holds in the linear-attention state pools against a full KV cache. One run prints both.
 
-    JAX_PLATFORMS=cpu .venv/bin/python bench/gated_delta.py [--tokens 1024] [--value-heads 48] ...
+    JAX_PLATFORMS=cpu .venv/bin/python -m bench.gated_delta [--tokens 1024] [--value-heads 48] ...
 
 The default shape is Qwen3.5-27B-like (the seed's "Qwen3.8-27B"): 64 layers, every fourth one attention
 (48 Gated DeltaNet layers, 16 attention layers); linear layers with 16 key heads and 48 value heads of

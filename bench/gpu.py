@@ -3,17 +3,17 @@ runtime and through in-process JAX, each step printed as a multiple of the HBM f
 
 Here (the project's .venv, no GPU needed; about 3 minutes, most of it the Qwen3-0.6B-shape export):
 
-    .venv/bin/python bench/gpu.py kit                     # -> .gpu-bench/ (git-ignored, about 3 MiB)
+    .venv/bin/python -m bench.gpu kit                     # -> .gpu-bench/ (git-ignored, about 3 MiB)
 
 On the GPU machine, from the project root with .gpu-bench/ carried along (python3 with jax[cuda] and ml_dtypes;
 no pypjrt, no project install needed: the kit holds both), in under 5 minutes:
 
-    python3 bench/gpu.py run
+    python3 -m bench.gpu run
 
 On this CPU machine, the same stages on a tiny model exported for cpu (checks the script, measures nothing
 of the GPU):
 
-    .venv/bin/python bench/gpu.py dry-run
+    .venv/bin/python -m bench.gpu dry-run
 
 Models: "qwen3-0.6b" (Qwen3-0.6B's shape: 28 layers, hidden 1024, 16/8 heads of 128, vocab 151936, tied, bf16
 weights and KV; pool of 4,096 pages of 16; decode batches 1, 8, 32, 64 at context 1024, position 512; a
@@ -104,8 +104,9 @@ def export_model(name: str, out: Path, *, platform: str, decode_attention: str, 
     tmp = out.with_name(out.name + ".full")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
+    # exported: the "jax" stage runs the same bodies through jax.export.deserialize.
     stage(step, weights, pools, tmp, platform=platform, progress=False, mesh=tensor_parallel,
-          weight_split_axes=split_axes,
+          weight_split_axes=split_axes, exported=True,
           ladders=Ladders(batch=spec["batches"], context=(spec["context"],), prefill_max_batch=1,
                           prefill_chunk=spec["prefill"]),
           capacity=Capacity(block_size=spec["block_size"], paged_kv=spec["num_blocks"]),
@@ -180,7 +181,7 @@ def link_weights(src: Path, dst: Path) -> None:
 
 def step_inputs(m, batch: int, tokens: int, start: int):
     """Rows of `tokens` tokens from position `start`, row i on pages i * W .. (i + 1) * W - 1 (W: the context's)."""
-    from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
     ctx = m.buckets.context_ladder[-1]
     width = ctx // m.block_size
     rows = [RowCall([7 + i] * tokens, start, list(range(i * width, (i + 1) * width))) for i in range(batch)]
@@ -381,7 +382,6 @@ def run(kit: Path, plugin: str | None, steps: int, guard: bool = True, models_wa
     """Every model's stages in turn, the whole run held to `budget` seconds: a stage gets at most what is left
     (and its own STAGE_TIMEOUT), one with under 20 s left is skipped, and the table says so."""
     t_start = time.perf_counter()
-    sys.path[:0] = [str(kit / "pkg"), str(kit / "site")]      # the table and verdict read the kit's packages
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(kit / "pkg"), str(kit / "site"),
                                                          os.environ.get("PYTHONPATH", "")]),
                PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -421,8 +421,8 @@ def run(kit: Path, plugin: str | None, steps: int, guard: bool = True, models_wa
             if why:
                 print(f"{stage} stage failed ({why}):\n{out[-3000:]}\n{err[-6000:]}", flush=True)
     (kit / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    table(lines, kit)
-    print_verdict(lines)
+    # The table reads the manifests with the kit's packages: a process of its own, as the stages are.
+    subprocess.run([sys.executable, str(HERE), "_table", str(kit)], env=env, check=False)
     print(f"total {time.perf_counter() - t_start:.0f} s; RESULT lines in {kit / 'results.jsonl'}", flush=True)
 
 
@@ -577,6 +577,8 @@ def main(argv=None) -> int:
     d = sub.add_parser("dry-run", help="the whole flow on the tiny model for cpu, on this machine")
     d.add_argument("--kit", type=Path, default=ROOT / ".gpu-bench-dry")
     d.add_argument("--steps", type=int, default=3)
+    t = sub.add_parser("_table")
+    t.add_argument("kit", type=Path)
     for stage in ("_runtime", "_jax", "_serving"):
         s = sub.add_parser(stage)
         s.add_argument("arts", nargs="+", type=Path)
@@ -596,6 +598,10 @@ def main(argv=None) -> int:
         if a.guard:
             guard_jax_free()
         stage_runtime(a.arts, a.plugin or None, a.steps)
+    elif a.cmd == "_table":
+        lines = [json.loads(line) for line in (a.kit / "results.jsonl").read_text().splitlines() if line]
+        table(lines, a.kit)
+        print_verdict(lines)
     elif a.cmd == "_jax":
         stage_jax(a.arts, a.steps)
     elif a.cmd == "_serving":

@@ -1,7 +1,7 @@
 """What slow grammars cost the other clients of a server (issue 24), measured in one run against
 `python -m tlaloc_jax.serve` on the embedded demo model (exported here: batches 1, 4, 8, context 256, sampler).
 
-    python bench/grammar_load.py [--rounds 3] [--requests 4] [--max-tokens 32]
+    python -m bench.grammar_load [--rounds 3] [--requests 4] [--max-tokens 32]
 
 1. /health while a chat request with n 4 asks for a JSON object of 5,000 string properties, each with a pattern:
    the longest /health answer and gap between answers (polled every 10 ms) while it is compiled and checked, and
@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from load import SAMPLED, serving, stream_times
+from bench.load import SAMPLED, serving, stream_times
 
 PATTERNED = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]+$"}
                                               for i in range(5000)}}

@@ -1,7 +1,7 @@
 """KV bytes per token: DeepSeek-V3's latent pool against a GQA model of the same size, from the pools the exporter
 declares (export.decoder_pools) for each config, no weights needed.
 
-    python bench/latent_kv.py [--kv-dtype bfloat16]
+    python -m bench.latent_kv [--kv-dtype bfloat16]
 
 The latent pool keeps per token and layer the latent (kv_lora_rank) and the rotated key (qk_rope_head_dim); the
 GQA model has DeepSeek-V3's layers, hidden size and 128 query heads of 128 with 8 KV heads (keys and values, as

@@ -7,24 +7,21 @@ step at batch 1, 2, 4, the batch-1 step as a multiple of the weight-read floor (
 the read bandwidth measured here) and the batch-4 step over the batch-1 step; and, from the optimized CPU HLO
 of each layout's decode step, how many bytes of weight-sized copies (dynamic-slice fusions) it makes.
 
-    python bench/layout.py                                     # this CPU
-    XLA_FLAGS=--xla_cpu_max_isa=AVX2 python bench/layout.py    # as an AVX2-only CPU would run it
+    python -m bench.layout                                     # this CPU
+    XLA_FLAGS=--xla_cpu_max_isa=AVX2 python -m bench.layout    # as an AVX2-only CPU would run it
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).parent))
 
-
-from decode import _median_times, add_model_args, best_read_rate, llama_config, weight_memory  # noqa: E402
+from bench.common import add_model_args, best_read_rate, llama_config, median_times, weight_memory  # noqa: E402
 
 LAYOUTS = ("stacked", "per-layer")
 
@@ -45,7 +42,7 @@ def main(argv=None) -> None:
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.layout import weight_slice_copies
-    from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
     from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine
 
@@ -92,7 +89,7 @@ def main(argv=None) -> None:
             for layout in LAYOUTS:
                 entry = manifests[layout].entry(f"decode_b{b}_c{args.context}")
                 fns.append(lambda e=engines[layout], entry=entry: e.runner.run(entry, inputs, {Role.NEXT_TOKEN}))
-            for layout, t in zip(LAYOUTS, _median_times(fns, args.steps)):
+            for layout, t in zip(LAYOUTS, median_times(fns, args.steps)):
                 steps[layout, b] = t
 
         m = manifests["per-layer"]

@@ -1,8 +1,8 @@
 """What the load-time checks cost: `load_manifest` with and without hashing the weights (--trust-weights), on
 the embedded demo artifact and on a random Llama of about 400 MB of f32 weights, measured in one run.
 
-    python bench/load_check.py                 # demo + 400 MB
-    python bench/load_check.py --mb 100        # a smaller second artifact
+    python -m bench.load_check                 # demo + 400 MB
+    python -m bench.load_check --mb 100        # a smaller second artifact
 
 Every body, tokenizer and manifest check runs either way; only the weights' sha256 is skipped when trusted.
 It prints the median of 3 reads of each (the files are in the page cache after the first: a cold read from

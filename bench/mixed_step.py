@@ -1,6 +1,6 @@
 """Should a step's decode rows and a prompt chunk share one call? A prototype measured in one run.
 
-    python bench/mixed_step.py                     # the 82M Llama of bench/serving.py, 8 decode rows, a 64-token chunk
+    python -m bench.mixed_step                     # the 82M Llama of bench/serving.py, 8 decode rows, a 64-token chunk
 
 In-process JAX on the per-layer layout the artifact holds: the decoder's decode call (B rows of one token), its
 prefill call (one row of T tokens), and a prototype of one call that runs both groups, their token-wise work
@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
@@ -27,7 +25,7 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
 
     import tlaloc_jax
-    from decode import _median_times, add_model_args, llama_config
+    from bench.common import median_times, add_model_args, llama_config
     from tlaloc_jax.checkpoint import random_weights, save_checkpoint
     from tlaloc_jax.decoder import (DEFAULT_KEY_BLOCK, _layer_slice, decode_key_block, forward, layer_plan,
                                     logits_from_hidden, residual_mlp)
@@ -36,7 +34,7 @@ def main(argv=None) -> None:
     from tlaloc_jax.kernels import kv_cache_write, paged_attention
     from tlaloc_jax.kernels import tolerances as tol
     from tlaloc_jax.layers import apply_rope, embed, linear, rms_norm, rope_tables
-    from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -122,7 +120,7 @@ def main(argv=None) -> None:
     got = np.asarray(one())
     bound = tol.bound(tol.decoder_roundings_of(cfg, context=a.context))
     err = np.abs(got - want).max() / np.abs(want).max()
-    t_dec, t_pre, t_mix = _median_times([two_dec, two_pre, one], a.steps)
+    t_dec, t_pre, t_mix = median_times([two_dec, two_pre, one], a.steps)
     print(f"82M-shaped Llama, context {a.context}, jax {jax.__version__} ({jax.devices()[0].platform})")
     print(f"decode call, {a.rows} rows      {t_dec * 1e3:8.1f} ms")
     print(f"prefill call, {a.chunk} tokens  {t_pre * 1e3:8.1f} ms")

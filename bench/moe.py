@@ -1,7 +1,7 @@
 """Mixture of experts: a decode step of a small MoE decoder against the same model with every expert computed
 densely, and the weight bytes each step reads. One run prints both.
 
-    JAX_PLATFORMS=cpu .venv/bin/python bench/moe.py [--experts 32] [--top-k 4] [--batch 1 4] ...
+    JAX_PLATFORMS=cpu .venv/bin/python -m bench.moe [--experts 32] [--top-k 4] [--batch 1 4] ...
 
 The model is the built-in decoder (tlaloc_jax.decoder.forward) on a Qwen3-MoE-shaped config with random
 weights: every layer's MLP a mixture of X experts of which each token uses J. The sparse step is the decoder
@@ -38,7 +38,7 @@ from tlaloc_jax.decoder import StepInputs, forward, init_pools
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.kernels.moe import moe_reference, route, router_logits
 from tlaloc_jax.kernels.tolerances import relative_error
-from tlaloc_jax.paging import RowCall, build_step_inputs, pages_for
+from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs, pages_for
 
 MIB = 2**20
 BLOCK = 16

@@ -12,10 +12,10 @@ the step:
 
 Each kernel's result is checked against XLA's before it is timed.
 
-    python bench/native_kernels.py
-    python bench/native_kernels.py --rows 32 --keys 200 --skip-projections
-    python bench/native_kernels.py --rows 32 --keys 250 --shared 192 --skip-projections   # rows share a cached prefix
-    python bench/native_kernels.py --skip-attention --dtypes bf16,int8 --projection-rows 1,8,16
+    python -m bench.native_kernels
+    python -m bench.native_kernels --rows 32 --keys 200 --skip-projections
+    python -m bench.native_kernels --rows 32 --keys 250 --shared 192 --skip-projections   # rows share a cached prefix
+    python -m bench.native_kernels --skip-attention --dtypes bf16,int8 --projection-rows 1,8,16
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ import argparse
 import importlib
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def medians(fns: dict, steps: int) -> dict:
@@ -48,7 +45,7 @@ def projections(rows: list[int], dtypes: list[str], steps: int) -> None:
     import jax
     import jax.numpy as jnp
 
-    from plugin_run import device, on_runtime
+    from bench.common import device, on_runtime
     from tlaloc_jax.kernels.projection_native import NATIVE_PROJECTION, native_projection
     from tlaloc_jax.kernels.quantized_matmul import out_major_product
     E, F, Q, L = 768, 2048, 768 + 2 * 256, 12
@@ -95,7 +92,7 @@ def projections(rows: list[int], dtypes: list[str], steps: int) -> None:
 def attention(rows: list[int], keys: list[int], context: int, steps: int, shared: int = 0) -> None:
     import jax.numpy as jnp
 
-    from plugin_run import device, on_runtime
+    from bench.common import device, on_runtime
     from tlaloc_jax.kernels.paged_attention_native import NATIVE_DECODE_ATTENTION, native_decode_attention
     pa = importlib.import_module("tlaloc_jax.kernels.paged_attention")    # the package's name is the function
     L, S, H, K, D = 12, 16, 12, 4, 64

@@ -1,11 +1,11 @@
 """What does a packed prefill save over rows padded to the chunk? Measured in one run.
 
-    python bench/packed_prefill.py                 # the 82M Llama of bench/serving.py, 8 prompts of 24 tokens
-    python bench/packed_prefill.py --rows 4 --prompt 10
+    python -m bench.packed_prefill                 # the 82M Llama of bench/serving.py, 8 prompts of 24 tokens
+    python -m bench.packed_prefill --rows 4 --prompt 10
 
 In-process JAX on the per-layer layout the artifact holds: the decoder's prefill call of R rows of a 32-token chunk
 (each prompt right-aligned in its row, the rest padding) against the packed call of the same rows (their tokens side
-by side in the ladder's smallest N that holds them, tlaloc_jax.paging.pack_step_inputs). Prints both times (medians,
+by side in the ladder's smallest N that holds them, tlaloc_jax.serve.core.paging.pack_step_inputs). Prints both times (medians,
 interleaved), the ratio, and checks that the packed call's logits are the padded call's within the decoder's bound.
 """
 
@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
@@ -26,12 +24,12 @@ def main(argv=None) -> None:
     import jax
 
     import tlaloc_jax
-    from decode import _median_times, add_model_args, llama_config, save_random_checkpoint
+    from bench.common import median_times, add_model_args, llama_config, save_random_checkpoint
     from tlaloc_jax.export._entries import packed_token_ladder
     from tlaloc_jax.decoder import forward
     from tlaloc_jax.inputs import StepInputs
     from tlaloc_jax.kernels import tolerances as tol
-    from tlaloc_jax.paging import RowCall, build_step_inputs, pack_step_inputs
+    from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs, pack_step_inputs
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -70,7 +68,7 @@ def main(argv=None) -> None:
     want, got = np.asarray(padded_call())[:a.rows], np.asarray(packed_call())[:a.rows]
     bound = tol.bound(tol.decoder_roundings_of(cfg, context=a.context))
     err = np.abs(got - want).max() / np.abs(want).max()
-    t_plain, t_packed = _median_times([padded_call, packed_call], a.steps)
+    t_plain, t_packed = median_times([padded_call, packed_call], a.steps)
     print(f"82M-shaped Llama, {a.rows} prompts of {a.prompt} tokens, jax {jax.__version__} "
           f"({jax.devices()[0].platform})")
     print(f"padded call, {batch} rows of {a.chunk} ({batch * a.chunk} positions)  {t_plain * 1e3:8.1f} ms")

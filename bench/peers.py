@@ -36,9 +36,9 @@ point them at the library:
 
     CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install llama-cpp-python==0.3.36 gguf
     export LLAMA_CPP_LIB_PATH=/path/to/llama.cpp/build/bin      # the directory holding libllama.so
-    python bench/peers.py                  # ~100M parameters, f32, Q8_0/int8 and Q4_0/int4, 2 rounds
-    python bench/peers.py --variants f32,q8 --rounds 3
-    python bench/peers.py --hidden 256 --layers 2 --heads 4 --kv-heads 2 --intermediate 512 --vocab 4096 --rounds 1
+    python -m bench.peers                  # ~100M parameters, f32, Q8_0/int8 and Q4_0/int4, 2 rounds
+    python -m bench.peers --variants f32,q8 --rounds 3
+    python -m bench.peers --hidden 256 --layers 2 --heads 4 --kv-heads 2 --intermediate 512 --vocab 4096 --rounds 1
 
 Only a quiet machine gives a fair table: the load average before and after each process is printed with it.
 """
@@ -65,8 +65,7 @@ if _PEERS_LIB.is_dir():
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode import add_model_args, best_read_rate, llama_config, weight_memory  # noqa: E402
+from bench.common import add_model_args, best_read_rate, llama_config, weight_memory  # noqa: E402
 
 SYSTEMS = ("llama.cpp", "tlaloc-jax")
 # variant: (GGUF file type of the layer projections, tlaloc-jax weight_quant, quant_group)
@@ -325,7 +324,7 @@ def llama_worker(a, work: Path) -> None:
 
 
 def tlaloc_worker(a, work: Path) -> None:
-    from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
     from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine
 

@@ -1,7 +1,7 @@
 """Penalties' token counts: from a host-built history input (what tlaloc_jax/kernels/sampling.py does) or from a pool of
 per-sequence counts kept on the device and updated in the body. Prints each one's cost per decode step and memory.
 
-    python bench/penalties.py [--vocab 151936] [--batch 8] [--context 1024] [--slots 64]
+    python -m bench.penalties [--vocab 151936] [--batch 8] [--context 1024] [--slots 64]
 
 history: TOKEN_HISTORY [B, C] int32 uploaded each step (B C 4 bytes), scattered into [B, V] counts in the body.
 pool: a [slots, V] int32 pool (slots V 4 bytes of device memory, for every sequence the pools can hold), its rows

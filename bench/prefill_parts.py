@@ -13,25 +13,22 @@ plugin and run interleaved in one process (f32 weights, or with --weight-dtype b
     the tiles save, each folding only the key blocks its own tokens see ("untiled / tiled").
 
 The FLOP rates count the projections' and attention's multiply-adds (bench/decode.py's prefill_flops), against
-the f32 FMA peak of every core (bench/fma_peak.py) measured in the same run; for bf16 weights, against the rate the
+the f32 FMA peak of every core (bench/common.py's fma_peak) measured in the same run; for bf16 weights, against the rate the
 plugin's bf16 dot reaches on large matmuls (AVX512-BF16 or AMX where the CPU has them: no simple vector peak
 bounds it). "ceiling": how much faster the prefill could be at most, were its projections to run at that peak and
 everything else to take no time.
 
-    python bench/prefill_parts.py                  # 128 tokens in a 256-position bucket
-    python bench/prefill_parts.py --tokens 64,256 --context 512
-    python bench/prefill_parts.py --weight-dtype bfloat16
+    python -m bench.prefill_parts                  # 128 tokens in a 256-position bucket
+    python -m bench.prefill_parts --tokens 64,256 --context 512
+    python -m bench.prefill_parts --weight-dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def main(argv=None) -> None:
@@ -45,15 +42,15 @@ def main(argv=None) -> None:
 
     import jax.numpy as jnp
 
-    from decode import MODEL_DEFAULTS, llama_config, matmul_peak, prefill_flops
-    from fma_peak import fma_peak
-    from plugin_run import device, on_runtime
-    from step_parts import forward_body, interleaved_medians
+    from bench.common import MODEL_DEFAULTS, llama_config, matmul_peak, prefill_flops
+    from bench.common import fma_peak
+    from bench.common import device, on_runtime
+    from bench.step_parts import forward_body, interleaved_medians
     from tlaloc_jax.checkpoint import random_weights, weight_dtype
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.layers import linear
     from tlaloc_jax.layout import per_layer
-    from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
 
     shape = argparse.Namespace(**dict(MODEL_DEFAULTS, context=a.context))
     fam, cfg = config_from_hf(llama_config(shape))

@@ -3,7 +3,7 @@ token-a-call fallback (an artifact without them: one call per prompt token, log_
 logits), and a plain prefill that asks for none. Prints each one's calls and time for the prompt, and the ratios,
 measured in one run with the three interleaved.
 
-    python bench/prompt_logprobs.py [--tokens 256] [--top 5] [--reps 3]
+    python -m bench.prompt_logprobs [--tokens 256] [--top 5] [--reps 3]
 
 The model is the embedded demo model (tlaloc_jax/demo_model: 4 layers, vocabulary 4096), exported with one
 context of 256, prefill chunks of 128, the sampler and the scorer (--prompt-logprobs); the fallback is the same
@@ -48,19 +48,19 @@ def main(argv=None) -> int:
                           progress=False, sampler=Sampler(), prompt_logprobs=args.top)
         with Engine.load(art, cache_dir=Path(tmp) / "cache", progress=False) as engine:
             prompt = [(37 * k + 11) % (engine.vocab - 1) + 1 for k in range(args.tokens)]
-            scorer = engine.scheduler.scorer
+            scorer = engine.scheduler.planner.scorer
             asked = Sampling(prompt_logprobs=args.top)
 
             def scored():
-                engine.scheduler.scorer = scorer
+                engine.scheduler.planner.scorer = scorer
                 return run(engine, prompt, asked)
 
             def fallback():
-                engine.scheduler.scorer = None          # as an artifact without scoring entries is served
+                engine.scheduler.planner.scorer = None          # as an artifact without scoring entries is served
                 return run(engine, prompt, asked)
 
             def plain():
-                engine.scheduler.scorer = scorer
+                engine.scheduler.planner.scorer = scorer
                 return run(engine, prompt, Sampling())
 
             variants = {"scored in the body": scored, "token a call (fallback)": fallback, "plain prefill": plain}

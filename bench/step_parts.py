@@ -3,26 +3,22 @@ weights, paged KV pool) against the same step with its paged attention replaced 
 compiled by the serving runtime's plugin and run interleaved in one process. The difference is what attention
 costs; the rest is the projections, norms, rope, the KV write, the head and the argmax.
 
-    python bench/step_parts.py                       # 1, 8 and 32 rows, 150 keys each, a 256-position bucket
-    python bench/step_parts.py --rows 32 --keys 88,200
+    python -m bench.step_parts                       # 1, 8 and 32 rows, 150 keys each, a 256-position bucket
+    python -m bench.step_parts --rows 32 --keys 88,200
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def forward_body(cfg, with_attention: bool, query_block: int | None = None):
-    """decoder.forward as a body for plugin_run.on_runtime: (pools, weights, inputs) -> (pools, each row's argmax);
+    """decoder.forward as a body for common.on_runtime: (pools, weights, inputs) -> (pools, each row's argmax);
     without attention, its paged attention replaced by a copy of the queries. query_block: paged attention's
     query tile on CPU (None: its default)."""
     import functools
@@ -69,8 +65,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=20)
     a = ap.parse_args(argv)
 
-    from decode import llama_config
-    from plugin_run import on_runtime
+    from bench.common import llama_config
+    from bench.common import on_runtime
     from tlaloc_jax.checkpoint import random_weights
     from tlaloc_jax.families import config_from_hf
     from tlaloc_jax.layout import per_layer

@@ -1,8 +1,8 @@
 """Tensor parallelism on CPU devices: one random Llama exported for 1, 2 and 4 devices, each served by the JAX-free
 runtime (one PJRT client of N CPU devices), the decode steps of the three interleaved.
 
-    .venv/bin/python bench/tensor_parallel.py                 # hidden 512, 6 layers, 8/4 heads: about 4 minutes
-    .venv/bin/python bench/tensor_parallel.py --devices 1,2 --layers 12 --hidden 768 --heads 12 --kv-heads 4
+    .venv/bin/python -m bench.tensor_parallel                 # hidden 512, 6 layers, 8/4 heads: about 4 minutes
+    .venv/bin/python -m bench.tensor_parallel --devices 1,2 --layers 12 --hidden 768 --heads 12 --kv-heads 4
 
 Prints, per device count: the bytes each device holds (weights, pools), the load time with a warm compile cache
 (reading each device's weight shards and uploading them), the decode step's median time at batches 1 and 4 and
@@ -16,20 +16,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import decode  # noqa: E402  (bench/decode.py: the model's arguments, interleaved timing)
+from bench import common  # noqa: E402  (the model's arguments, interleaved timing)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    decode.add_model_args(ap)
+    common.add_model_args(ap)
     ap.set_defaults(hidden=512, layers=6, heads=8, kv_heads=4, intermediate=1536, vocab=8192)
     ap.add_argument("--devices", default="1,2,4", help="device counts to compare (the first is the baseline)")
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per engine and batch")
@@ -38,14 +36,14 @@ def main(argv=None) -> None:
 
     from tlaloc_jax import artifact as mf
     from tlaloc_jax.export import export_checkpoint
-    from tlaloc_jax.paging import RowCall, build_step_inputs
+    from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
     from tlaloc_jax.serve import Engine
 
-    hf = decode.llama_config(args)
+    hf = common.llama_config(args)
     block, batches = 16, (1, 4)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        params = decode.save_random_checkpoint(hf, tmp / "ck")
+        params = common.save_random_checkpoint(hf, tmp / "ck")
         engines, loads = {}, {}
         for n in counts:
             t0 = time.perf_counter()
@@ -72,7 +70,7 @@ def main(argv=None) -> None:
 
         ms = {}
         for b in batches:
-            times = decode._median_times([step(engines[n], b) for n in counts], args.steps)
+            times = common.median_times([step(engines[n], b) for n in counts], args.steps)
             ms.update({(n, b): t * 1e3 for n, t in zip(counts, times)})
         prompt = [3, 1, 4, 1, 5, 9, 2, 6]
         ids = {n: engines[n].generate([prompt], 16)[0] for n in counts}

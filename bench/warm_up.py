@@ -3,7 +3,7 @@ warm-up) and with rows that read a few pages and write nothing (Engine.warm_up's
 followed by three identical generate calls (8 prompts of 24 tokens, 8 out); prints each call's time. The first
 call's excess over the next two is the one-time cost the warm-up did not pay.
 
-    python bench/warm_up.py ARTIFACT [--cache-dir DIR] [--rounds 4]      # e.g. bench/serving.py's --work/art
+    python -m bench.warm_up ARTIFACT [--cache-dir DIR] [--rounds 4]      # e.g. bench/serving.py's --work/art
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ sequence of 4x, 16x and 64x the window it prints the KV bytes the sequence holds
 runtime's page allocators after the prompt is in (not computed from a formula), and the time of the
 prompt's last prefill chunk through each artifact.
 
-    python bench/window.py                     # window 64, pages of 16, chunks of 256
+    python -m bench.window                     # window 64, pages of 16, chunks of 256
 """
 
 from __future__ import annotations

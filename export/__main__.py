@@ -127,6 +127,12 @@ def main(argv=None) -> int:
     ap.add_argument("--allow-longer-context", action="store_true",
                     help="export a context ladder past the checkpoint's max_position_embeddings (refused otherwise; "
                          "with this flag it is a warning)")
+    ap.add_argument("--mlir", action="store_true",
+                    help="also write each body's textual StableHLO (bodies/*.mlir), for reading and debugging; the "
+                         "server needs only the manifest and the bytecode (bodies/*.mlirbc)")
+    ap.add_argument("--exported", action="store_true",
+                    help="also write jax's serialization of each body (bodies/*.exported), for jax callers that "
+                         "re-trace or run it (jax.export.deserialize); the server does not read it")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     if len(args.paths) != (1 if args.demo else 2):
@@ -167,7 +173,7 @@ def main(argv=None) -> int:
                               weight_quant=args.weight_quant, quant_group=args.quant_group,
                               decode_steps=args.decode_steps, mixed=False if args.no_mixed else None,
                               packed=False if args.no_packed else None,
-                              tensor_parallel=args.tensor_parallel)
+                              tensor_parallel=args.tensor_parallel, mlir=args.mlir, exported=args.exported)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -46,12 +46,12 @@ def tensor_parallel_decoder(cfg: DecoderConfig, weights: dict, n: int) -> tuple[
 
 
 # The decode attention of cuda exports when none is asked for. A default is what a GPU run has measured correct and
-# faster: plain ops until `bench/gpu.py run` records the Pallas kernel's verdict in docs/gpu.md (its test reads it).
+# faster: plain ops until `python -m bench.gpu run` records the Pallas kernel's verdict in docs/gpu.md (its test reads it).
 CUDA_DECODE_ATTENTION = "xla"
 # The decode attention of cpu exports when none is asked for, where the model's attention fits it: the C kernel
 # (kernels/decode_attention.c), measured faster than plain ops in the served step at 4 to 32 rows and equal at one
-# (bench/decode_forms.py, docs/cpu.md); the serving machine then needs a C compiler. Latent attention, fp8 KV
-# pools and head shapes it does not take get plain ops.
+# (bench/decode_forms.py, deleted in 82403e3; docs/cpu.md); the serving machine then needs a C compiler. Latent
+# attention, fp8 KV pools and head shapes it does not take get plain ops.
 CPU_DECODE_ATTENTION = "native"
 # The projections of cpu exports when none is asked for: the C kernel where NATIVE_ROWS takes a call's rows and
 # weight dtype (bf16 and int8 weights, which XLA's forms read far below the read rate; f32 up to 32 rows), measured
@@ -72,8 +72,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       decode_attention: str | None = None, weight_layout: str = "per-layer",
                       weight_quant: str = "none", quant_group: int = 128, decode_steps: int = 1,
                       mixed: bool | None = None, packed: bool | None = None,
-                      tensor_parallel: int = 1, projections: str | None = None) -> af.Manifest:
-    """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v4).
+                      tensor_parallel: int = 1, projections: str | None = None, mlir: bool = False,
+                      exported: bool = False) -> af.Manifest:
+    """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v5).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
     prefill_max_batch, tokens per call by prefill_chunk; one more one-row prefill entry of prefill_long_chunk tokens
@@ -111,6 +112,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     their padding (see `Features`); None: where the decoder runs them (as mixed), False: plain prefill entries.
     tensor_parallel: N > 1 stages every entry for N devices, each holding 1/N of the heads, KV heads, MLP width
     and experts (tlaloc_jax.sharding; docs/multi-device.md); a model whose counts do not divide is refused.
+    mlir, exported: also write each body's `.mlir` and `.exported` (see `stage`); the runtime needs neither.
     """
     asked = decode_attention
     decode_attention = decode_attention or (CUDA_DECODE_ATTENTION if platform == "cuda" else CPU_DECODE_ATTENTION)
@@ -204,4 +206,5 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                  features=Features(sampler=sampler, prompt_logprobs=prompt_logprobs, decode_steps=decode_steps,
                                    mixed=supports_mixed_calls(cfg) if mixed is None else mixed,
                                    packed=supports_mixed_calls(cfg) if packed is None else packed),
-                 mesh=tensor_parallel if tensor_parallel > 1 else None, weight_split_axes=split_axes)
+                 mesh=tensor_parallel if tensor_parallel > 1 else None, weight_split_axes=split_axes, mlir=mlir,
+                 exported=exported)

@@ -1,5 +1,5 @@
 """tlaloc_jax.stage_bounded: a function that is not a decoder (an embedding model, a reranker, a classifier, a
-scoring function) -> a bounded-program artifact (tlaloc-bounded-v1) that tlaloc_jax.serve.BoundedProgram serves.
+scoring function) -> a bounded-program artifact (tlaloc-bounded-v2) that tlaloc_jax.serve.BoundedProgram serves.
 
     manifest = tlaloc_jax.stage_bounded(embed, params, {"ids": ids}, "artifact/",
                                         bounds={"rows": Bound(max=8, axes=[("ids", 0)], batch=True),
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -33,7 +32,7 @@ from tlaloc_jax.artifact import bounded as bm
 from tlaloc_jax.bounded import Bound, Valid
 
 from ._entries import ExportError, check_custom_calls, export_fn
-from ._files import copy_tokenizer, write_body, write_file, write_weights
+from ._files import copy_tokenizer, write_body, write_weights
 from ._padding import check_padding
 from ._roundings import output_roundings
 from ._weights import flatten_weights, path_name
@@ -176,7 +175,8 @@ def _output_specs(body, bounds: tuple[bm.BoundSpec, ...], inputs: tuple[bm.Tenso
 
 def stage_bounded(fn: Callable, params: Any, example_args: Mapping[str, Any], out_dir, *,
                   bounds: Mapping[str, Bound], name: str = "program", embedding: bm.EmbeddingTask | None = None,
-                  tokenizer_dir=None, platform: str = "cpu", progress: bool = True) -> bm.BoundedManifest:
+                  tokenizer_dir=None, platform: str = "cpu", progress: bool = True, mlir: bool = False,
+                  exported: bool = False) -> bm.BoundedManifest:
     """Write the bounded-program artifact of `fn` to `out_dir` (empty or absent) and return its manifest.
 
     fn(params, inputs, valid) -> outputs: traced once per program; `params` has the structure given here (its
@@ -185,6 +185,7 @@ def stage_bounded(fn: Callable, params: Any, example_args: Mapping[str, Any], ou
     bounds: {name: Bound(max, axes=[(input, axis), ...], buckets=None, batch=False)}; at most one batch bound.
     embedding: an EmbeddingTask(tokens=input, output=output, vocab=V) when the program is an embedding model that
         /v1/embeddings serves; tokenizer_dir: a directory whose tokenizer files are copied in (for text input).
+    mlir, exported: also write each body's `.mlir` and `.exported` (as `stage`); the runtime needs neither.
     Refuses (ExportError) a program that reads padding, naming the output and the bucket; the export needs no
     accelerator and loads no PJRT plugin; the same inputs give the same bytes.
     """
@@ -230,17 +231,13 @@ def stage_bounded(fn: Callable, params: Any, example_args: Mapping[str, Any], ou
     programs, calling_convention = [], 0
     for pname, sizes, args, results, exp in planned:
         calling_convention = int(exp.calling_convention_version)
-        rel = f"programs/{pname}.json"
-        text = json.dumps({"program": pname, "sizes": {b.name: s for b, s in zip(bound_specs, sizes)},
-                           "inputs": bm.signature_json(args), "outputs": bm.signature_json(results)},
-                          indent=1, sort_keys=True) + "\n"
-        programs.append(bm.Program(name=pname, sizes=sizes, **dataclasses.asdict(write_body(out, exp)), program=rel,
-                                   program_sha256=write_file(out / rel, text.encode()), inputs=args, outputs=results,
-                                   kept_inputs=tuple(exp.module_kept_var_idx)))
+        files = write_body(out, exp, mlir=mlir, exported=exported)
+        programs.append(bm.Program(name=pname, sizes=sizes, **dataclasses.asdict(files), inputs=args,
+                                   outputs=results, kept_inputs=tuple(exp.module_kept_var_idx)))
     files = write_weights(out, flat, bar)
     bar.close()
     m = bm.BoundedManifest(
-        schema=bm.SCHEMA_V1, name=name, bounds=bound_specs, inputs=inputs, outputs=outputs, programs=tuple(programs),
+        schema=bm.SCHEMA_V2, name=name, bounds=bound_specs, inputs=inputs, outputs=outputs, programs=tuple(programs),
         weights=files, versions=af.Versions(jax=jax.__version__, jaxlib=jaxlib.__version__,
                                             calling_convention=calling_convention, platform=platform),
         tokenizer_files=copy_tokenizer(out, tokenizer_dir), embedding=embedding)
@@ -260,7 +257,9 @@ def _export(body, pname: str, args, results, platform: str):
         exp = export_fn(body, _avals(args), platform=platform, keep_unused=True)
     text = exp.mlir_module()
     check_custom_calls(pname, text, platform)
-    why = af.signature_mismatch(args, results, (), af.main_signature(text, f"program {pname!r} body"))
+    why = af.signature_mismatch(args, results, (),
+                                af.main_signature(exp.mlir_module_serialized, f"program {pname!r} body"))
     if why:
         raise ExportError(f"program {pname!r}: {why}")
     return exp
+

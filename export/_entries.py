@@ -122,7 +122,7 @@ def check_custom_calls(name: str, mlir_text: str, platform: str = "cpu") -> set[
 def check_body(name: str, exp: jax_export.Exported, inputs: list[af.TensorSig], outputs: list[af.TensorSig],
                donations: tuple[tuple[int, int], ...] = (), platform: str = "cpu", devices: int = 1) -> set[str]:
     """The body's @main against the entry's signature: kept args, custom calls, shapes, dtypes, the pool
-    aliases; the same reading of @main the runtime does at load (tlaloc_jax.artifact.signature_mismatch).
+    aliases, read from the portable bytecode as the runtime reads it at load (tlaloc_jax.artifact.main_signature).
     -> the custom-call targets the body holds."""
     if tuple(exp.module_kept_var_idx) != tuple(range(len(inputs))):
         dropped = sorted(set(range(len(inputs))) - set(exp.module_kept_var_idx))
@@ -132,7 +132,7 @@ def check_body(name: str, exp: jax_export.Exported, inputs: list[af.TensorSig], 
     targets = check_custom_calls(name, text, platform)
     try:
         why = af.signature_mismatch(tuple(inputs), tuple(outputs), tuple(donations),
-                                    af.main_signature(text, f"entry {name!r} body"), devices)
+                                    af.main_signature(exp.mlir_module_serialized, f"entry {name!r} body"), devices)
     except af.ManifestError as e:
         raise ExportError(str(e)) from None
     if why:
@@ -159,3 +159,4 @@ def export_fn(fn: Callable, avals, *, platform: str, donate: tuple[int, ...] = (
         return jax_export.export(jitted, platforms=[platform], disabled_checks=disabled)(*avals)
     finally:
         jax.config.update("jax_traceback_in_locations_limit", limit)
+

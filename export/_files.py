@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import shutil
 from pathlib import Path
 from typing import Mapping
@@ -27,28 +26,30 @@ def write_file(path: Path, data: bytes) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class BodyFiles:
-    """The three files of one exported body, named by the textual body's sha256 (field names as af.Entry's)."""
+    """The files of one exported body, named by its bytecode's sha256 (field names as af.Entry's): the portable
+    bytecode the runtime compiles, and when asked the textual StableHLO and jax's serialization (else "")."""
 
-    body: str
-    body_sha256: str
     serialized: str
     serialized_sha256: str
-    exported: str
-    exported_sha256: str
+    body: str = ""
+    body_sha256: str = ""
+    exported: str = ""
+    exported_sha256: str = ""
 
 
-def write_body(out: Path, exp: jax_export.Exported) -> BodyFiles:
-    """Write an exported body: its textual StableHLO, the portable bytecode the runtime compiles, and jax's own
-    serialization."""
-    text = exp.mlir_module().encode()
-    digest = hashlib.sha256(text).hexdigest()
-    body = f"bodies/{digest}.mlir"
-    write_file(out / body, text)
-    serialized = f"bodies/{digest}.mlirbc"
-    exported = f"bodies/{digest}.exported"
-    return BodyFiles(body=body, body_sha256=digest, serialized=serialized,
-                     serialized_sha256=write_file(out / serialized, exp.mlir_module_serialized),
-                     exported=exported, exported_sha256=write_file(out / exported, exp.serialize()))
+def write_body(out: Path, exp: jax_export.Exported, *, mlir: bool = False, exported: bool = False) -> BodyFiles:
+    """Write an exported body's portable bytecode and, for debugging (mlir) and re-tracing (exported), its
+    textual StableHLO and jax's own serialization beside it."""
+    code = exp.mlir_module_serialized
+    stem = f"bodies/{hashlib.sha256(code).hexdigest()}"
+    files = BodyFiles(serialized=f"{stem}.mlirbc", serialized_sha256=write_file(out / f"{stem}.mlirbc", code))
+    if mlir:
+        files = dataclasses.replace(files, body=f"{stem}.mlir",
+                                    body_sha256=write_file(out / f"{stem}.mlir", exp.mlir_module().encode()))
+    if exported:
+        files = dataclasses.replace(files, exported=f"{stem}.exported",
+                                    exported_sha256=write_file(out / f"{stem}.exported", exp.serialize()))
+    return files
 
 
 def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar,
@@ -78,13 +79,6 @@ def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar,
                                        sha256=write_file(out / rel, np.ascontiguousarray(w).tobytes())))
         bar.update()
     return tuple(files)
-
-
-def write_program(out: Path, entry: af.Entry) -> None:
-    """programs/<entry>.json: the entry's inputs and outputs with their roles."""
-    program = {"entry": entry.name, "inputs": [af.record_json(s) for s in entry.inputs],
-               "outputs": [af.record_json(s) for s in entry.outputs]}
-    write_file(out / entry.program, (json.dumps(program, indent=1, sort_keys=True) + "\n").encode())
 
 
 def copy_tokenizer(out: Path, tokenizer_dir) -> tuple[af.TokenizerFile, ...]:

@@ -7,7 +7,7 @@
 pytree given here, `pools` a dict of the declared pools' arrays, `inputs` a `StepInputs` holding the integer
 roles those pools need. `stage` exports it with `jax.export` once per (kind, batch, context) point of the
 ladders, each body taking its pools donated, and writes the bodies, the weights (raw, one file a leaf,
-hashed), the tokenizer files and a manifest (tlaloc-serving-v4) that says everything by role and pool
+hashed), the tokenizer files and a manifest (tlaloc-serving-v5) that says everything by role and pool
 kind. The built-in Hugging Face decoder is staged by the same function (`export_checkpoint`).
 """
 
@@ -35,7 +35,7 @@ from tlaloc_jax.pools import PagedKV, PoolSpec, RingKV, StateSlots
 from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entries
 from ._copy_slots import copy_slots_fn, copy_slots_signature
 from ._decode_steps import decode_steps_fn, decode_steps_signature
-from ._files import copy_tokenizer, write_body, write_program, write_weights
+from ._files import copy_tokenizer, write_body, write_weights
 from ._mesh import abstract_mesh, mesh_size, partition_of, pool_split_axis, sharded
 from ._options import (DEFAULT_POOL_SEQUENCES, DEFAULT_PREFILL_MAX_BATCH, Capacity, Features, Ladders, ModelInfo,
                        Options, SplitStep)
@@ -268,7 +268,8 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
     return exp, check_body(spec.name, exp, inputs, outputs, donations, platform, mesh_size(mesh))
 
 
-def _copy_slots_entry(out: Path, resolved: _ResolvedPools, batch: int, platform: str, mesh=None) -> af.Entry:
+def _copy_slots_entry(out: Path, resolved: _ResolvedPools, batch: int, platform: str, mesh=None,
+                      files: Mapping[str, bool] | None = None) -> af.Entry:
     """The entry that copies state slots (the runtime's state snapshots for prefix caching), `batch` pairs a call;
     on a mesh, each device copies within its blocks of the state pools."""
     name = f"copy_slots_n{batch}"
@@ -278,18 +279,16 @@ def _copy_slots_entry(out: Path, resolved: _ResolvedPools, batch: int, platform:
         fn, avals, out_shardings = sharded(fn, inputs, outputs, mesh)
     exp = export_fn(fn, avals, platform=platform, donate=tuple(i for _, i in donations), out_shardings=out_shardings)
     check_body(name, exp, inputs, outputs, donations, platform, mesh_size(mesh))
-    entry = af.Entry(name=name, kind=af.EntryKind.COPY_SLOTS, batch=batch, context=0, tokens_per_seq=0,
-                     **dataclasses.asdict(write_body(out, exp)), program=f"programs/{name}.json",
-                     inputs=tuple(inputs), outputs=tuple(outputs), donations=donations,
-                     kept_inputs=tuple(exp.module_kept_var_idx))
-    write_program(out, entry)
-    return entry
+    return af.Entry(name=name, kind=af.EntryKind.COPY_SLOTS, batch=batch, context=0, tokens_per_seq=0,
+                    **dataclasses.asdict(write_body(out, exp, **(files or {}))), inputs=tuple(inputs),
+                    outputs=tuple(outputs), donations=donations, kept_inputs=tuple(exp.module_kept_var_idx))
 
 
 def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, *, ladders: Ladders = Ladders(),
           capacity: Capacity = Capacity(), features: Features = Features(), model: ModelInfo = ModelInfo(),
           platform: str = "cpu", progress: bool = True, mesh=None,
-          weight_split_axes: Mapping[str, int | None] | None = None) -> af.Manifest:
+          weight_split_axes: Mapping[str, int | None] | None = None, mlir: bool = False,
+          exported: bool = False) -> af.Manifest:
     """Write the serving artifact of `step` to `out_dir` (empty or absent) and return its manifest.
 
     step(weights, pools, inputs) -> (logits [B, V], pools): one call, traced once per entry; it must return
@@ -306,9 +305,13 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         shards meet (lax.psum over the mesh axis). weight_split_axes: {slot: the axis of that weight split over
         the devices, or None}; unlisted weights are whole on every device. KV pools split over their KV heads,
         state pools over their `shard_axis`. None: one device.
+    mlir, exported: also write each body's textual StableHLO (`.mlir`, for reading and debugging) and jax's
+        serialization (`.exported`, for jax callers: jax.export.deserialize re-traces or runs it); the manifest
+        lists them, the runtime needs neither (it compiles the `.mlirbc`).
     The export needs no accelerator and loads no PJRT plugin; the same inputs give the same bytes.
     """
     opts = Options(ladders, capacity, features, model)
+    files = {"mlir": mlir, "exported": exported}
     if platform not in af.PLATFORMS:
         raise ExportError(f"platform {platform!r}: bodies are lowered for {' or '.join(af.PLATFORMS)}")
     if sys.byteorder != "little":
@@ -359,20 +362,19 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         calling_convention = int(exp.calling_convention_version)
         native_calls |= targets & set(native.KERNELS)
         entry = af.Entry(name=spec.name, kind=af.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
-                         tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp)),
-                         program=f"programs/{spec.name}.json", inputs=tuple(inputs), outputs=tuple(outputs),
-                         donations=donations, kept_inputs=tuple(exp.module_kept_var_idx), steps=spec.steps)
-        write_program(out, entry)
+                         tokens_per_seq=spec.tokens_per_seq, **dataclasses.asdict(write_body(out, exp, **files)),
+                         inputs=tuple(inputs), outputs=tuple(outputs), donations=donations,
+                         kept_inputs=tuple(exp.module_kept_var_idx), steps=spec.steps)
         entries.append(entry)
         bar.update()
 
     if any(p.kind == af.PoolKind.STATE_SLOTS for p in resolved.pools):
-        entries.append(_copy_slots_entry(out, resolved, buckets.batch_ladder[-1], platform, mesh))
+        entries.append(_copy_slots_entry(out, resolved, buckets.batch_ladder[-1], platform, mesh, files))
     files = write_weights(out, flat, bar, quant_records(weights), weight_parts, mesh_size(mesh))
     bar.close()
     dtypes = sorted({w.dtype.name for w in flat.values()})
     m = af.Manifest(
-        schema=af.SCHEMA_V4, block_size=block_size, pools=resolved.pools,
+        schema=af.SCHEMA_V5, block_size=block_size, pools=resolved.pools,
         model=af.ModelShape(name=info.name, model_type=info.model_type, vocab=vocab,
                             weight_dtype=info.weight_dtype or (dtypes[0] if len(dtypes) == 1 else "mixed"),
                             kv_dtype=info.kv_dtype or resolved.pools[0].dtype,

@@ -41,7 +41,8 @@ def entry_args(entry: af.Entry, step_inputs: dict, pools: dict, weights: dict) -
 
 def run_body(art: Path, entry: af.Entry, args: list) -> dict:
     """Call the entry's jax-serialized body; -> {"logits", "next_token", pool name: updated pool}."""
-    path = Path(art) / (entry.exported or entry.body.replace(".mlir", ".exported"))   # v2/v3 did not record it
+    # v2/v3 did not record it; v5 writes it when the export asks (exported=True)
+    path = Path(art) / (entry.exported or entry.serialized.replace(".mlirbc", ".exported"))
     stat = path.stat()
     outs = _compiled(str(path), stat.st_mtime_ns, stat.st_size)(*args)
     named = {}

@@ -72,7 +72,10 @@ def _bound(m: bm.BoundedManifest, output: str) -> float:
 
 def test_the_manifest_records_bounds_axes_and_one_program_per_bucket_pair(embed_setup, cross_setup):
     m, out, _, _ = embed_setup
-    assert m.schema == bm.SCHEMA_V1 and (out / bm.BOUNDED_NAME).is_file()
+    assert m.schema == bm.SCHEMA_V2 and (out / bm.BOUNDED_NAME).is_file()
+    # The runtime's files alone: each program's bytecode, no textual body, jax serialization or programs/ folder.
+    assert {f"bodies/{p.name}" for p in (out / "bodies").iterdir()} == {p.serialized for p in m.programs}
+    assert not (out / "programs").exists() and not any(p.body or p.exported or p.program for p in m.programs)
     assert [(b.name, b.kind, b.max, b.buckets) for b in m.bounds] == [
         ("rows", af.BoundKind.BATCH, 4, (1, 2, 4)), ("tokens", af.BoundKind.LENGTH, 16, (4, 8, 16))]
     assert [(s.name, s.axes) for s in m.outputs] == [("embedding", ("rows", "")), ("hidden", ("rows", "tokens", ""))]
@@ -252,7 +255,7 @@ def test_every_file_and_body_is_checked_at_load(embed_setup, tmp_path):
     bad = _copy(out, tmp_path / "main")
     raw = json.loads((bad / bm.BOUNDED_NAME).read_text())
     a, b = raw["programs"][0], raw["programs"][1]
-    a["body"], a["body_sha256"] = b["body"], b["body_sha256"]
+    a["serialized"], a["serialized_sha256"] = b["serialized"], b["serialized_sha256"]
     (bad / bm.BOUNDED_NAME).write_text(json.dumps(raw))
     with pytest.raises(af.ManifestError, match=rf"program '{a['name']}' body .* does not match the manifest: "
                                                r"argument 0 \(INPUT ids\) is int32\[1, 8\] in the body, the manifest "
@@ -284,7 +287,7 @@ def test_a_bounded_file_unchanged_since_a_load_is_not_hashed_again(embed_setup, 
         af.load_remembering(bm.load_bounded, art, cache_dir)
         counts.append(len(hashed))
     m = bm.load_bounded(art)
-    files = 4 * len(m.programs) + len(m.weights) + len(m.tokenizer_files)   # body, bytecode, exported, program
+    files = len(m.programs) + len(m.weights) + len(m.tokenizer_files)   # of the bodies, the bytecode alone
     assert counts == [files, 0, files, files], counts
 
     w = m.weights[0]

@@ -1,6 +1,6 @@
 """Decode entries for cuda: plain ops by default, the Pallas GPU kernel (tlaloc_jax/kernels/paged_attention_gpu.py) on request.
 
-The default is the verdict docs/gpu.md records from `bench/gpu.py run`; the decoder's decode step with the kernel
+The default is the verdict docs/gpu.md records from `python -m bench.gpu run`; the decoder's decode step with the kernel
 (in Pallas' interpreter, on CPU) against the plain-ops step; an export for cuda with the kernel on this CPU machine
 holds the GPU plugin's Triton custom call in its decode bodies and nowhere else, an export for cpu holds none; and
 the custom-call check allows that target on cuda only.
@@ -94,7 +94,7 @@ def test_cuda_default_is_the_recorded_verdict(checkpoint, tmp_path):
     the Pallas kernel correct and faster), and an export for cuda that names none holds no Triton call."""
     assert CUDA_DECODE_ATTENTION == recorded_verdict()
     cuda = export_checkpoint(checkpoint, tmp_path / "cuda", platform="cuda", batch_ladder=(1,), context_ladder=(32,),
-                             block_size=S, progress=False)
+                             block_size=S, progress=False, mlir=True)
     want = {TRITON_CUSTOM_CALL} if CUDA_DECODE_ATTENTION == "pallas" else set()
     targets = _targets(tmp_path / "cuda", cuda)
     for e in cuda.entries:
@@ -108,7 +108,7 @@ def test_cuda_export_puts_the_triton_kernel_in_decode_bodies_only(checkpoint, tm
     native C kernel's call in the same bodies by default (its full layer; the ring layer keeps plain ops), and with
     decode_attention 'xla' no custom call at all (the cpu exports' projections kept in XLA's forms here, so that
     only attention calls the kernels)."""
-    ladder = dict(batch_ladder=(1,), context_ladder=(32,), block_size=S, progress=False)
+    ladder = dict(batch_ladder=(1,), context_ladder=(32,), block_size=S, progress=False, mlir=True)
     cuda = export_checkpoint(checkpoint, tmp_path / "cuda", platform="cuda", decode_attention="pallas", **ladder)
     assert cuda.versions.platform == "cuda"
     targets = _targets(tmp_path / "cuda", cuda)

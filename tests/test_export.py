@@ -44,7 +44,8 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def artifacts(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("art")
-    return {k: (export_checkpoint(v, root / k, **LADDER), root / k) for k, v in checkpoints.items()}
+    return {k: (export_checkpoint(v, root / k, mlir=True, exported=True, **LADDER), root / k)
+            for k, v in checkpoints.items()}
 
 
 @pytest.mark.numeric
@@ -114,7 +115,7 @@ def _hash_tree(root: Path) -> dict[str, str]:
 
 def test_export_is_byte_identical_twice(checkpoints, artifacts, tmp_path):
     _, first = artifacts["qwen3-tied"]
-    export_checkpoint(checkpoints["qwen3-tied"], tmp_path / "again", **LADDER)
+    export_checkpoint(checkpoints["qwen3-tied"], tmp_path / "again", mlir=True, exported=True, **LADDER)
     a, b = _hash_tree(first), _hash_tree(tmp_path / "again")
     assert a == b and len(a) > 10
 
@@ -157,7 +158,8 @@ def test_manifest_refusals_name_the_fault(artifacts, tmp_path):
     cases = [
         (lambda r: r.update(schema="tlaloc-serving-v9"), r"unknown manifest schema version 'tlaloc-serving-v9'"),
         (lambda r: r["pools"][0].pop("capacity"), r"missing field manifest\.pools\[0\]\.capacity"),
-        (lambda r: r["entries"][0].update(body_sha256="0" * 64), r"entry 'decode_b1_c32' body .* has sha256"),
+        (lambda r: r["entries"][0].update(serialized_sha256="0" * 64),
+         r"entry 'decode_b1_c32' serialized body .* has sha256"),
         (lambda r: r["weights"][1].update(file="../../etc/passwd"), r"weight '\S+' file path '\.\./\.\./etc/passwd' "
                                                                      r"leaves the artifact directory"),
         (lambda r: r["weights"][1].update(file="/etc/passwd"), r"weight '\S+' file path '/etc/passwd' is not relative"),

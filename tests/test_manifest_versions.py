@@ -37,13 +37,13 @@ def case(request, tmp_path_factory):
     art, ck, schema = CASES[request.param]
     staged = tmp_path_factory.mktemp(request.param) / "v4"
     # The fixtures predate mixed entries, packed prefills and the long prefill chunk.
-    export_checkpoint(FIXTURES / ck, staged, mixed=False, packed=False, prefill_long_chunk=0, **LADDER)
+    export_checkpoint(FIXTURES / ck, staged, mixed=False, packed=False, prefill_long_chunk=0, exported=True, **LADDER)
     return af.load_manifest(FIXTURES / art), FIXTURES / art, af.load_manifest(staged), staged, FIXTURES / ck, schema
 
 
 def test_old_manifests_load_as_the_v4_model(case):
     old, _, new, _, _, schema = case
-    assert old.schema == schema and new.schema == af.SCHEMA_V4
+    assert old.schema == schema and new.schema == af.SCHEMA_V5
     assert {(p.name, p.kind, p.capacity, p.shape, p.window, p.ring_pages) for p in old.pools} == \
            {(p.name, p.kind, p.capacity, p.shape, p.window, p.ring_pages) for p in new.pools}
     assert sorted(e.name for e in old.entries) == sorted(e.name for e in new.entries)
@@ -102,10 +102,10 @@ def test_old_artifacts_serve_transformers_ids(case, tmp_path):
                            next_token=next_token)
 
 
-def test_a_v4_manifest_without_hashes_or_with_a_v3_pool_role_is_refused(case, tmp_path):
+def test_a_new_manifest_without_hashes_or_with_a_v3_pool_role_is_refused(case, tmp_path):
     _, _, _, new_art, _, _ = case
     for name, edit, message in (
-            ("nohash", lambda r: r["weights"][0].update(sha256=""), r"has no sha256 \(tlaloc-serving-v4"),
+            ("nohash", lambda r: r["weights"][0].update(sha256=""), r"has no sha256 \(tlaloc-serving-v5"),
             ("oldrole", lambda r: r["entries"][0]["inputs"][-1].update(role="KV_POOL_IN"),
              r"role is 'KV_POOL_IN', not a known Role")):
         bad = tmp_path / name

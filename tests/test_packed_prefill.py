@@ -76,7 +76,7 @@ def test_a_packed_call_gives_the_unpacked_calls_logits_and_pools(checkpoint):
 def packed_artifact(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("packed-art") / "art"
     m = export_checkpoint(checkpoint, out, batch_ladder=(1, 2, 4, 8), context_ladder=(CONTEXT,), block_size=BLOCK,
-                          prefill_chunk=8, prefill_long_chunk=0, progress=False, mixed=False)
+                          prefill_chunk=8, prefill_long_chunk=0, progress=False, mixed=False, exported=True)
     return m, out
 
 

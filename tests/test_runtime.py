@@ -298,7 +298,8 @@ def test_an_artifact_for_another_platform_is_refused_at_load(tmp_path, cache_dir
     """The export lowers for CUDA without a GPU (no custom_call in the bodies but the Pallas decode kernel's
     Triton call); the CPU plugin refuses that artifact by name before compiling anything."""
     from tlaloc_jax import artifact as af
-    _, art = _export(tmp_path, "cuda", "llama", seed=27, batch_ladder=(1,), context_ladder=(32,), platform="cuda")
+    _, art = _export(tmp_path, "cuda", "llama", seed=27, batch_ladder=(1,), context_ladder=(32,), platform="cuda",
+                     mlir=True)
     m = af.load_manifest(art)
     assert m.versions.platform == "cuda"
     from tlaloc_jax.export import custom_call_targets

@@ -98,7 +98,7 @@ def artifact(weights, tmp_path_factory):
 
 def test_manifest_describes_the_state_pool_by_kind(artifact):
     m, _ = artifact
-    assert m.schema == af.SCHEMA_V4 and m.model.vocab == V and m.model.model_type == "authored"
+    assert m.schema == af.SCHEMA_V5 and m.model.vocab == V and m.model.model_type == "authored"
     (pool,) = m.pools
     # A slot for each sequence of the pool, and the largest batch again as spares for state snapshots.
     assert (pool.name, pool.kind, pool.shape, pool.slot_axis) == ("state", af.PoolKind.STATE_SLOTS, (8, E), 0)

@@ -1,15 +1,19 @@
 """The tree's structure: each item of the artifact vocabulary is defined once (tlaloc_jax/artifact/vocabulary.py),
 no module of tlaloc_jax.* takes part in an import cycle (counting the imports inside functions and type-only ones),
-no module is over MAX_MODULE_LINES lines, one class hands out pool units, and the C kernels' sources live in the
-top-level kernels/ folder only, which every wheel carries.
+no module is over MAX_MODULE_LINES lines, one class hands out pool units, the C kernels' sources live in the
+top-level kernels/ folder only, which every wheel carries, and no bench edits sys.path (each runs as
+`python -m bench.NAME`, imports and the maintained ones answer --help).
 
-Both read the source as text (ast), so they see every file, imported or not. Controls: each detector finds a
-second definition planted in a temporary file, and the cycle finder finds a cycle planted in a temporary package."""
+They read the source as text (ast), so they see every file, imported or not. Controls: each detector finds a
+second definition planted in a temporary file, the cycle finder a cycle planted in a temporary package, and the
+sys.path check the edits planted in a temporary file."""
 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -365,3 +369,58 @@ def test_the_wheel_carries_every_kernel_file():
     assert set(native.KERNELS.values()) <= set(files)
     assert [f for f in files if not any(fnmatch(f, p) for p in patterns)] == []
     assert native.SOURCES == ROOT / "kernels"
+
+
+# -- bench/: run as `python -m bench.NAME`, no sys.path edits --------------------------------------------------------
+
+# The benches kept up to date; each must import and answer --help (the others must at least import).
+MAINTAINED_BENCHES = ("decode", "peers", "serving", "start", "gpu", "layout")
+
+
+def sys_path_edits(path: Path) -> list[int]:
+    """Lines of `path` that change sys.path: a call of one of its methods (insert, append, extend, ...), an
+    assignment or augmented assignment to it or to a slice of it."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+
+    def is_sys_path(node: ast.AST) -> bool:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        return isinstance(node, ast.Attribute) and node.attr == "path" and \
+            isinstance(node.value, ast.Name) and node.value.id == "sys"
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value):
+            lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            lines += [node.lineno for t in targets if is_sys_path(t)]
+    return sorted(lines)
+
+
+def test_no_bench_edits_sys_path():
+    """A bench imports what it shares from the bench package (bench/common.py), run from the repository root."""
+    found = {p.name: sys_path_edits(p) for p in sorted((ROOT / "bench").glob("*.py"))}
+    assert {name: lines for name, lines in found.items() if lines} == {}
+    assert len(found) > len(MAINTAINED_BENCHES)
+
+
+def test_the_sys_path_check_finds_planted_edits(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("import sys\nsys.path.insert(0, 'x')\nsys.path[:0] = ['y']\nsys.path += ['z']\n"
+                       "paths = [*sys.path]\nsys.path.index('x')\n")
+    # the read (line 5) is not an edit; a method call counts, whatever it does (line 6)
+    assert sys_path_edits(planted) == [2, 3, 4, 6]
+
+
+def test_every_bench_imports_and_the_maintained_ones_answer_help():
+    names = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module('bench.' + n)\n"
+    done = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {name: subprocess.Popen([sys.executable, "-m", f"bench.{name}", "--help"], cwd=ROOT, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for name in MAINTAINED_BENCHES}
+    for name, proc in runs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and out.startswith("usage:"), (name, err[-3000:])

@@ -24,7 +24,7 @@ from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.sharding import ShardingError, check_divisible, shard_major
 
 TINY_LADDER = dict(batch_ladder=(1,), context_ladder=(32,), prefill_chunk=8, prefill_long_chunk=0, block_size=8,
-                   progress=False)
+                   progress=False, mlir=True)
 
 
 # --- the split -------------------------------------------------------------------------------------------

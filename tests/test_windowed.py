@@ -25,7 +25,7 @@ pytestmark = pytest.mark.numeric
 
 WINDOW, S, CHUNK = 8, 8, 16
 LADDER = dict(batch_ladder=(1, 4), context_ladder=(32, 96), block_size=S, prefill_chunk=CHUNK, prefill_long_chunk=0,
-              progress=False)
+              progress=False, exported=True)
 PROMPTS = [[5, 17, 99, 3, 250, 8, 61], [(i * 37 + 11) % 256 for i in range(41)],
            [7, 7, 7, 1, 2, 3, 200, 100, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43], [9] * 25]
 FAMILIES = {"mistral": dict(seed=41), "gemma2": dict(seed=42, tied=True), "gemma3_text": dict(seed=43, tied=True)}
@@ -50,7 +50,7 @@ def family(request, tmp_path_factory):
 
 def test_manifests(family):
     _, _, (w, _), (f, _) = family
-    assert w.schema == f.schema == af.SCHEMA_V4
+    assert w.schema == f.schema == af.SCHEMA_V5
     win = w.pool("window_kv")
     assert win.kind == af.PoolKind.RING_KV and w.ring is win
     assert win.window == WINDOW and win.ring_pages == pages_for(WINDOW - 1 + CHUNK, S) == 3

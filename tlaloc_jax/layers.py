@@ -27,7 +27,7 @@ class OutMajor:
     Why: on XLA's CPU backend a projection of 2 to REDUCE_ROWS rows written as a multiply-reduce over an [O, I]
     weight streams the weight once, each row of it reused for every input row from cache, at about the speed of
     the batch-1 matrix-vector product; the dot of an [I, O] weight (a YNNPACK fusion walking 64-column strips)
-    takes 1.6-1.9x that (bench/dot_forms.py). A bf16 weight is widened in registers by that form at 1 row too.
+    takes 1.6-1.9x that (bench/dot_forms.py, deleted in 82403e3; docs/cpu.md). A bf16 weight is widened in registers by that form at 1 row too.
     Otherwise it is a dot that contracts both operands' last axes, which reads [O, I] in place
     (kernels.quantized_matmul.out_major_product)."""
 

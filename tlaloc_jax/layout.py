@@ -13,7 +13,7 @@ The decoder reads either form (`decoder.final_hidden`):
   [E, (H + 2K) * D] projection and gate | up into one [E, 2F] (split in the body): one matrix-vector kernel
   where there were three, or two. And it stores the projections that `layers.linear` reads (LINEAR_SLOTS,
   the output head too) [O, I], as torch does (layers.OutMajor; quantized codes likewise): on XLA's CPU backend a
-  projection of a few rows then runs as a multiply-reduce that streams the weight once (bench/dot_forms.py), and
+  projection of a few rows then runs as a multiply-reduce that streams the weight once (bench/dot_forms.py, deleted in 82403e3), and
   a bf16 or quantized one widens its values in registers instead of into a weight-sized f32 copy.
 """
 

@@ -5,11 +5,12 @@
     codec.py         a manifest's JSON <-> its frozen dataclasses
     files.py         paths inside the artifact, sha256, the body files and their @main
     digests.py       the sha256 of files unchanged since a load before, remembered (FileDigests, load_remembering)
-    stablehlo.py     a body's @main read from textual StableHLO
+    mlirbc.py        MLIR bytecode's container: strings, dialects, attribute and type tables, op properties
+    stablehlo.py     a body's @main read from its portable bytecode (.mlirbc)
     mesh.py          a multi-device artifact's mesh, and every partition checked against it
-    serving.py       the decoder's schema (tlaloc-serving-v4), upgrade.py reading v2 and v3 into it,
+    serving.py       the decoder's schema (tlaloc-serving-v5), upgrade.py reading v2 and v3 into it,
                      serving_load.py its cross-checks and load_manifest
-    bounded.py       the bounded program's schema (tlaloc-bounded-v1), its checks and load_bounded
+    bounded.py       the bounded program's schema (tlaloc-bounded-v2), its checks and load_bounded
 
 The decoder's names are here at the top (`from tlaloc_jax import artifact as af; af.Role`, `af.load_manifest`);
 the bounded program's stay in their module (`from tlaloc_jax.artifact import bounded`).
@@ -21,8 +22,8 @@ from .errors import ManifestError
 from .files import checked_file, resolve_inside, sha256_file
 from .mesh import Mesh, MeshAxis
 from .records import Partition, TensorSig, TokenizerFile, Versions, WeightFile, WeightQuant, WeightShard
-from .serving import (MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, SUPPORTED_SCHEMAS, Buckets, Entry, Manifest,
-                      ModelShape, Pool, RefusedToken, SamplerShape, ScorerShape)
+from .serving import (MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, SCHEMA_V5, SUPPORTED_SCHEMAS, Buckets, Entry,
+                      Manifest, ModelShape, Pool, RefusedToken, SamplerShape, ScorerShape)
 from .serving_load import artifact_file, check_manifest, load_manifest
 from .stablehlo import MainSignature, main_signature, signature_mismatch
 from .upgrade import SCHEMA_V2, SCHEMA_V3
@@ -35,7 +36,7 @@ from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, COPY_INPUTS, DECODE_STEP
 __all__ = [
     "FileDigests", "load_remembering", "ManifestError", "checked_file", "resolve_inside", "sha256_file", "record_json", "Mesh", "MeshAxis", "Partition",
     "TensorSig", "TokenizerFile", "Versions", "WeightFile", "WeightQuant", "WeightShard",
-    "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "SCHEMA_V2", "SCHEMA_V3", "SCHEMA_V4", "SUPPORTED_SCHEMAS", "Buckets",
+    "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "SCHEMA_V2", "SCHEMA_V3", "SCHEMA_V4", "SCHEMA_V5", "SUPPORTED_SCHEMAS", "Buckets",
     "Entry", "Manifest", "ModelShape", "Pool", "RefusedToken", "SamplerShape", "ScorerShape",
     "artifact_file", "check_manifest", "load_manifest", "MainSignature", "main_signature", "signature_mismatch",
     "BASE_STEP_INPUTS", "CHUNK_GROUP", "COPY_INPUTS", "DECODE_STEPS_INPUTS", "DECODE_STEPS_OUTPUTS", "DTYPES", "INPUT_ROLES", "MLIR_DTYPES",

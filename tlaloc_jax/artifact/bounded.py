@@ -14,6 +14,10 @@ Changelog:
     embedding task (which input takes token ids, which output is the embedding) for /v1/embeddings. sha256 of
     every file. A program's argument or result names its input, bound, weight or output in "name" (the `slot`
     of the TensorSig it is read into).
+  tlaloc-bounded-v2: a program needs only its portable bytecode (`serialized`, `.mlirbc`) beside its record;
+    `programs/*.json` is gone, and the textual StableHLO (`body`) and jax's serialization (`exported`) are written
+    only when the export asks for them (then listed with their sha256; the runtime opens neither). v1 manifests
+    still load; their `.mlir`, `.exported` and `programs/` files are not opened.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ from .vocabulary import NAME, BoundKind, Role, dtype_info
 
 BOUNDED_NAME = "tlaloc-bounded.json"
 SCHEMA_V1 = "tlaloc-bounded-v1"
+SCHEMA_V2 = "tlaloc-bounded-v2"
+SUPPORTED_BOUNDED = (SCHEMA_V1, SCHEMA_V2)
 MAX_BOUNDED_BYTES = 16 << 20
 
 
@@ -65,17 +71,19 @@ class Program:
 
     name: str
     sizes: tuple[int, ...]         # the bucket of each bound, in the manifest's bound order
-    body: str                      # bodies/<sha256>.mlir, textual StableHLO (its @main is checked at load)
-    body_sha256: str
     serialized: str                # bodies/<sha256>.mlirbc, portable StableHLO bytecode: what the runtime compiles
-    serialized_sha256: str
-    exported: str                  # bodies/<sha256>.exported, jax.export's serialization (for jax callers)
-    exported_sha256: str
-    program: str                   # programs/<name>.json: this program's own manifest (sizes and signature)
-    program_sha256: str
+    serialized_sha256: str         # (and reads @main from, checked against inputs and outputs at load)
     inputs: tuple[TensorSig, ...]
     outputs: tuple[TensorSig, ...]
     kept_inputs: tuple[int, ...]   # jax.export's module_kept_var_idx: all of them, checked at export
+    # Files the runtime never opens: the textual StableHLO and jax's serialization (v1 always; v2 when the export
+    # asks for them), and programs/<name>.json (v1).
+    body: str = ""                 # bodies/<sha256>.mlir
+    body_sha256: str = ""
+    exported: str = ""             # bodies/<sha256>.exported (for jax callers)
+    exported_sha256: str = ""
+    program: str = ""
+    program_sha256: str = ""
 
 
 @dataclass(frozen=True)
@@ -127,9 +135,9 @@ class BoundedManifest:
     @staticmethod
     def from_json(text: str | bytes) -> "BoundedManifest":
         raw = parse(text, BOUNDED_NAME)
-        if raw.get("schema") != SCHEMA_V1:
+        if raw.get("schema") not in SUPPORTED_BOUNDED:
             raise ManifestError(f"unknown bounded-program schema {raw.get('schema')!r} (this runtime reads "
-                                f"{SCHEMA_V1})")
+                                f"{', '.join(SUPPORTED_BOUNDED)})")
         return build(BoundedManifest, _slots_from_names(raw), "manifest")
 
 
@@ -215,8 +223,8 @@ def program_name(bounds: tuple[BoundSpec, ...], sizes: tuple[int, ...]) -> str:
 
 def load_bounded(artifact_dir: str | os.PathLike, *, verify_files: bool = True, verify_weights: bool = True,
                  digests: Callable[[Path], str] = sha256_file) -> BoundedManifest:
-    """Read and validate a bounded-program artifact: its manifest, and (verify_files) every file it lists, inside
-    the artifact and with its sha256 (the weights' hashes skipped when verify_weights is False; their sizes are
+    """Read and validate a bounded-program artifact: its manifest, and (verify_files) every file the runtime opens
+    (each body's bytecode, the weights, the tokenizer files), inside the artifact and with its sha256 (the weights' hashes skipped when verify_weights is False; their sizes are
     still checked), and each body's @main against its program's signature. digests: a file's sha256
     (FileDigests.sha256 remembers those of unchanged files)."""
     root = Path(artifact_dir)
@@ -227,8 +235,7 @@ def load_bounded(artifact_dir: str | os.PathLike, *, verify_files: bool = True, 
     check(m)
     if verify_files:
         for p in m.programs:
-            verify_body(root, p, p.inputs, p.outputs, (), f"program {p.name!r}", program_sha256=p.program_sha256,
-                        digests=digests)
+            verify_body(root, p, p.inputs, p.outputs, (), f"program {p.name!r}", digests=digests)
         verify_listed_files(root, m.weights, m.tokenizer_files, verify_weights, digests)
     return m
 
@@ -262,8 +269,8 @@ def check(m: BoundedManifest) -> None:
     for b in m.bounds:
         if not any(b.name in s.axes for s in m.inputs):
             raise ManifestError(f"bound {b.name!r} is on no input's axis: a call could not say its size")
-    check_weight_table(m.weights, SCHEMA_V1)
-    check_tokenizer_hashes(m.tokenizer_files, SCHEMA_V1)
+    check_weight_table(m.weights, m.schema)
+    check_tokenizer_hashes(m.tokenizer_files, m.schema)
     _check_programs(m)
     if m.embedding is not None:
         check_embedding(m.bounds, m.inputs, m.outputs, m.embedding)

@@ -68,21 +68,15 @@ def read_manifest_file(root: Path, name: str, max_bytes: int, other: str, other_
 
 
 def verify_body(root: Path, record, inputs: tuple[TensorSig, ...], outputs: tuple[TensorSig, ...],
-                donations: tuple[tuple[int, int], ...], what: str, program_sha256: str | None = None,
-                devices: int = 1, digests: Callable[[Path], str] = sha256_file) -> None:
-    """A body's files (`record`: an Entry or a Program, with body, serialized, exported and program paths and
-    their hashes) are present with their sha256, and its @main takes and returns `inputs` and `outputs`,
-    partitioned for `devices` devices."""
-    body = checked_file(root, record.body, record.body_sha256, f"{what} body", digests)
-    checked_file(root, record.serialized, record.serialized_sha256, f"{what} serialized body", digests)
-    if record.exported:
-        checked_file(root, record.exported, record.exported_sha256, f"{what} exported body", digests)
-    checked_file(root, record.program, program_sha256, f"{what} program", digests)
-    why = signature_mismatch(inputs, outputs, donations,
-                             main_signature(body.read_text(encoding="utf-8", errors="replace"), f"{what} body"),
-                             devices)
+                donations: tuple[tuple[int, int], ...], what: str, devices: int = 1,
+                digests: Callable[[Path], str] = sha256_file) -> None:
+    """A body's portable bytecode (`record`: an Entry or a Program, with its serialized path and sha256) is present
+    with its sha256, and its @main takes and returns `inputs` and `outputs`, partitioned for `devices` devices.
+    The other files an exporter may write beside it (textual StableHLO, jax's serialization) are not opened."""
+    body = checked_file(root, record.serialized, record.serialized_sha256, f"{what} serialized body", digests)
+    why = signature_mismatch(inputs, outputs, donations, main_signature(body.read_bytes(), f"{what} body"), devices)
     if why:
-        raise ManifestError(f"{what} body {record.body!r} does not match the manifest: {why}")
+        raise ManifestError(f"{what} body {record.serialized!r} does not match the manifest: {why}")
 
 
 def verify_listed_files(root: Path, weights: tuple[WeightFile, ...], tokenizer_files: tuple[TokenizerFile, ...],

@@ -47,8 +47,14 @@ Changelog:
     (kernels/) the bodies call as typed FFI custom calls; a runtime builds and registers each before it
     compiles, and refuses the artifact by the kernel's name when it cannot. A manifest without them has no such
     field; a runtime that predates it fails the first body's compile at load, naming the custom call.
-v2 and v3 manifests still load: `Manifest.from_json` upgrades them to the v4 model in memory (their
-weights and tokenizer files carry no hashes; the loader says so).
+  tlaloc-serving-v5: an entry needs only its portable bytecode (`serialized`, `.mlirbc`: what the runtime
+    compiles and reads @main's signature from) beside its record in the manifest; `programs/*.json` (a copy of
+    each entry's signature) is gone. The textual StableHLO (`body`, `.mlir`) and jax's serialization
+    (`exported`, `.exported`) are written only when the export asks for them (for debugging and re-tracing), and
+    then listed with their sha256; the runtime opens neither.
+v2, v3 and v4 manifests still load: `Manifest.from_json` upgrades v2 and v3 to the model in memory (their
+weights and tokenizer files carry no hashes; the loader says so). Their `.mlir`, `.exported` and `programs/`
+files are not opened either: every body is checked from its `.mlirbc`.
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ from .vocabulary import EntryKind, PoolKind, Role, nbytes
 
 MANIFEST_NAME = "tlaloc-serving.json"
 SCHEMA_V4 = "tlaloc-serving-v4"
-SUPPORTED_SCHEMAS = (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4)
+SCHEMA_V5 = "tlaloc-serving-v5"
+SUPPORTED_SCHEMAS = (SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, SCHEMA_V5)
 MAX_MANIFEST_BYTES = 64 << 20
 
 
@@ -79,18 +86,20 @@ class Entry:
     batch: int
     context: int
     tokens_per_seq: int
-    body: str                      # bodies/<sha256>.mlir, textual StableHLO (its @main is checked at load)
-    body_sha256: str
     serialized: str                # bodies/<sha256>.mlirbc, portable StableHLO bytecode: what the runtime compiles
-    serialized_sha256: str
-    program: str                   # programs/<name>.json
+    serialized_sha256: str         # (and reads @main from, checked against inputs, outputs and donations at load)
     inputs: tuple[TensorSig, ...]
     outputs: tuple[TensorSig, ...]
     donations: tuple[tuple[int, int], ...]   # (output index, input index it is written over)
     kept_inputs: tuple[int, ...]             # jax.export's module_kept_var_idx: all of them, checked at export
-    exported: str = ""             # bodies/<sha256>.exported, jax.export's serialization (v4; for jax callers)
-    exported_sha256: str = ""
     steps: int = 1                 # decode steps per call: K for a decode_steps entry, else 1
+    # Files the runtime never opens: the textual StableHLO and jax's serialization (v4 always; v5 when the export
+    # asks for them: --mlir, --exported), and programs/<name>.json (v2-v4).
+    body: str = ""                 # bodies/<sha256>.mlir
+    body_sha256: str = ""
+    exported: str = ""             # bodies/<sha256>.exported (for jax callers: tests, benches, re-tracing)
+    exported_sha256: str = ""
+    program: str = ""
 
     @property
     def rows(self) -> int:

@@ -11,7 +11,7 @@ from .errors import ManifestError
 from .files import checked_file, read_manifest_file, sha256_file, verify_body, verify_listed_files
 from .mesh import check_mesh
 from .records import TensorSig, WeightFile, check_platform, check_tokenizer_hashes, check_weight_table
-from .serving import MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, Entry, Manifest, Pool
+from .serving import MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, SCHEMA_V5, Entry, Manifest, Pool
 from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, INPUT_ROLES, OUTPUT_ROLES,
                          PACKED_TOKEN_INPUTS, POOL_KIND_INPUTS, SAMPLER_DTYPES, SAMPLER_INPUTS, SAMPLER_OUTPUTS, SAMPLING_COLUMNS,
                          SCORER_DTYPES, SCORER_INPUTS, SCORER_OUTPUTS, STEP_FIELDS, EntryKind, PoolKind, Role,
@@ -22,8 +22,9 @@ def load_manifest(artifact_dir: str | os.PathLike, *, verify_files: bool = True,
                   digests: Callable[[Path], str] = sha256_file) -> Manifest:
     """Read and validate an artifact directory's manifest.
 
-    verify_files: check every file the manifest lists (inside the artifact, present, the right size, and its
-    sha256 where the manifest has one) and each body's @main against its entry. verify_weights False skips
+    verify_files: check every file the runtime opens (each body's bytecode, the weights, the tokenizer files:
+    inside the artifact, present, the right size, and its sha256 where the manifest has one) and each body's @main
+    against its entry. The debugging files an export may list beside a body (.mlir, .exported) are not opened. verify_weights False skips
     hashing the weight files (their sizes are still checked): for very large artifacts whose weights are
     trusted (`--trust-weights`). digests: a file's sha256 (FileDigests.sha256 remembers those of unchanged files).
     """
@@ -54,12 +55,12 @@ def artifact_file(root: str | os.PathLike, manifest: Manifest, name: str) -> Pat
 def check_manifest(m: Manifest) -> None:
     """Checks that need no files: ladders, pools, weight sizes, roles, donations, hashes a v4 must carry, the mesh
     and every partition."""
-    v4 = m.schema == SCHEMA_V4
+    hashed = m.schema if m.schema in (SCHEMA_V4, SCHEMA_V5) else None     # v4 on: every file carries its sha256
     _check_buckets(m)
     pools = _check_pools(m)
-    slots = check_weight_table(m.weights, SCHEMA_V4 if v4 else None)
-    if v4:
-        check_tokenizer_hashes(m.tokenizer_files, SCHEMA_V4)
+    slots = check_weight_table(m.weights, hashed)
+    if hashed:
+        check_tokenizer_hashes(m.tokenizer_files, hashed)
     if m.model.embedding_slot:
         w = slots.get(m.model.embedding_slot)
         if w is None or not w.shape or w.shape[0] != m.model.vocab:
@@ -70,7 +71,7 @@ def check_manifest(m: Manifest) -> None:
     for kind in m.pool_kinds:
         step_roles.update(POOL_KIND_INPUTS[kind])
     for e in m.entries:
-        if v4 and not e.exported:
+        if m.schema == SCHEMA_V4 and not e.exported:
             raise ManifestError(f"entry {e.name!r} records no exported body ({SCHEMA_V4})")
         if e.kind == EntryKind.COPY_SLOTS:
             _check_copy_entry(m, e)

@@ -1,22 +1,30 @@
-"""A body's @main, read from textual StableHLO, and how it differs from the signature a manifest gives it."""
+"""A body's @main, read from its portable StableHLO bytecode (the `.mlirbc` the runtime compiles), and how it
+differs from the signature a manifest gives it."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from .errors import ManifestError
+from .mlirbc import Bytecode, Cursor, TableEntry, read_bytecode
 from .records import Partition, TensorSig
 from .vocabulary import MLIR_DTYPES
 
-_MAIN = re.compile(r"func\.func public @main\((.*?)\)\s*->\s*\((.*?)\)\s*\{", re.S)
-# An argument's or result's attributes may hold braces one level deep (a mesh body's sdy.sharding: [{}, {"tp"}]).
-_ARG = re.compile(r"%arg\d+: tensor<([^>]*)>(\s*\{(?:[^{}]|\{[^{}]*\})*\})?")
-_RESULT = re.compile(r"tensor<([^>]*)>(\s*\{(?:[^{}]|\{[^{}]*\})*\})?")
-_ALIAS = re.compile(r"tf\.aliasing_output = (\d+)")
-# A Shardy sharding (what jax.export writes for a mesh body): per dimension {} or {"axis"}.
-_SDY = re.compile(r"sdy\.sharding = #sdy\.sharding<@\w+, \[([^\[\]]*)\]")
-_PARTITIONS = re.compile(r"mhlo\.num_partitions = (\d+)")
+# The codes of the attributes and types @main's signature uses: VHLO's (stablehlo/dialect/VhloBytecode.cpp) and
+# the builtin dialect's (mlir/IR/BuiltinDialectBytecode.td), which hold the module's attributes.
+_V_ARRAY, _V_DICT, _V_INTEGER, _V_STRING, _V_TYPE = 1, 6, 9, 14, 17
+_V_FUNCTION, _V_TENSOR, _V_TENSOR_ENCODED = 8, 20, 21
+_V_ELEMENTS = {0: "i1", 2: "bf16", 3: "f16", 4: "f32", 5: "f64", 6: "f8E4M3FN", 7: "f8E5M2", 31: "i2", 10: "i4",
+               11: "i8", 12: "i16", 13: "i32", 14: "i64", 32: "ui2", 15: "ui4", 16: "ui8", 17: "ui16", 18: "ui32",
+               19: "ui64"}
+_V_INDEX = 9
+_B_DICT, _B_STRING, _B_INTEGER, _B_INTEGER_TYPE = 1, 2, 8, 0
+_MAX_TYPE_DEPTH = 4
+# vhlo.func_v1's properties, in the order its bytecode writes them (sorted by name).
+_FUNC_PROPERTIES = ("arg_attrs", "function_type", "res_attrs", "sym_name", "sym_visibility")
+# Shardy's (shardy/dialect/sdy/ir/bytecode.td): a tensor's sharding (three versions, each opening with its mesh and
+# its dimensions' shardings), a dimension's (its axes), an axis reference (its name).
+_SDY_TENSOR, _SDY_DIMENSION, _SDY_AXIS = (6, 15, 17), 5, 4
 
 
 @dataclass(frozen=True)
@@ -31,13 +39,154 @@ class MainSignature:
     result_partitions: tuple[Partition, ...] = ()
 
 
-def _partition(attrs: str) -> Partition:
-    """An argument's or result's partition from its attributes (a dimension split along several axes reads as the
-    names joined by ",", which no manifest names)."""
-    m = _SDY.search(attrs or "")
-    if not m:
+class _Opaque:
+    """An attribute or type of a kind @main's signature does not use."""
+
+
+@dataclass(frozen=True)
+class _Function:
+    inputs: tuple
+    results: tuple
+
+
+@dataclass(frozen=True)
+class _Sharding:
+    """A Shardy tensor sharding: per dimension, the mesh axes it is split along."""
+
+    dims: tuple[tuple[str, ...], ...]
+
+
+class _Tables:
+    """The entries of a body's attribute and type tables, decoded on demand into Python values: strings, ints,
+    lists, dicts, (dtype, shape) for a tensor type, an element type's StableHLO name, a _Function, a _Sharding."""
+
+    def __init__(self, bc: Bytecode, what: str):
+        self.bc, self.what = bc, what
+        self._attrs: dict[int, object] = {}
+        self._busy: set[int] = set()
+
+    def string(self, index: int) -> str:
+        if index >= len(self.bc.strings):
+            raise ManifestError(f"{self.what} refers to string {index} of {len(self.bc.strings)}: not the MLIR "
+                                "bytecode jax.export writes")
+        return self.bc.strings[index]
+
+    def _entry(self, table: tuple[TableEntry, ...], index: int, kind: str) -> tuple[Cursor, str]:
+        if index >= len(table):
+            raise ManifestError(f"{self.what} refers to {kind} {index} of {len(table)}: not the MLIR bytecode "
+                                "jax.export writes")
+        entry = table[index]
+        return Cursor(entry.data if entry.custom else b"", self.what), entry.dialect
+
+    def attr(self, index: int):
+        """Attribute `index`, decoded once (one that holds itself is refused)."""
+        if index not in self._attrs:
+            if index in self._busy:
+                raise ManifestError(f"{self.what} has an attribute that holds itself: not the MLIR bytecode "
+                                    "jax.export writes")
+            self._busy.add(index)
+            self._attrs[index] = self._decode_attr(index)
+            self._busy.discard(index)
+        return self._attrs[index]
+
+    def _decode_attr(self, index: int):
+        c, dialect = self._entry(self.bc.attrs, index, "attribute")
+        if c.done:
+            return _Opaque()
+        code = c.varint()
+        if dialect == "vhlo":
+            if code == _V_STRING:
+                return self.string(c.varint())
+            if code == _V_ARRAY:
+                return [self.attr(c.varint()) for _ in range(c.varint())]
+            if code == _V_DICT:
+                return {self.attr(k): self.attr(v) for k, v in ((c.varint(), c.varint()) for _ in range(c.varint()))}
+            if code == _V_INTEGER:
+                return self._integer(c, self.type(c.varint()))
+            if code == _V_TYPE:
+                return self.type(c.varint())
+        elif dialect == "builtin":
+            if code == _B_STRING:
+                return self.string(c.varint())
+            if code == _B_DICT:
+                return {self.attr(k): self.attr(v) for k, v in ((c.varint(), c.varint()) for _ in range(c.varint()))}
+            if code == _B_INTEGER:
+                return self._integer(c, self.type(c.varint()))
+        elif dialect == "sdy":
+            if code in _SDY_TENSOR:
+                c.varint()                          # the mesh
+                dims = [self.attr(c.varint()) for _ in range(c.varint())]
+                return _Sharding(tuple(tuple(str(a) for a in d) if isinstance(d, list) else () for d in dims))
+            if code == _SDY_DIMENSION:
+                return [self.attr(c.varint()) for _ in range(c.varint())]
+            if code == _SDY_AXIS:
+                return self.string(c.varint())
+        return _Opaque()
+
+    def type(self, index: int, depth: int = 0):
+        """Type `index`; a tensor's element type and a function's types are one level down, and no type of a
+        signature nests deeper than a few (a deeper one, or one that holds itself, is refused)."""
+        if depth > _MAX_TYPE_DEPTH:
+            raise ManifestError(f"{self.what} has types nested deeper than any signature's: not the MLIR bytecode "
+                                "jax.export writes")
+        c, dialect = self._entry(self.bc.types, index, "type")
+        if c.done:
+            return _Opaque()
+        code = c.varint()
+        if dialect == "builtin":
+            return f"i{c.varint() >> 2}" if code == _B_INTEGER_TYPE else _Opaque()
+        if dialect != "vhlo":
+            return _Opaque()
+        if code in _V_ELEMENTS:
+            return _V_ELEMENTS[code]
+        if code == _V_INDEX:
+            return "index"
+        if code == _V_FUNCTION:
+            return _Function(tuple(self.type(c.varint(), depth + 1) for _ in range(c.varint())),
+                             tuple(self.type(c.varint(), depth + 1) for _ in range(c.varint())))
+        if code in (_V_TENSOR, _V_TENSOR_ENCODED):
+            if code == _V_TENSOR_ENCODED:
+                c.varint()
+            shape = tuple(c.svarint() for _ in range(c.varint()))
+            element = self.type(c.varint(), depth + 1)
+            if not isinstance(element, str):
+                return _Opaque()
+            return MLIR_DTYPES.get(element, element), shape if all(d >= 0 for d in shape) else (-1,)
+        return _Opaque()
+
+    @staticmethod
+    def _integer(c: Cursor, dtype) -> int:
+        """An integer of `dtype` as MLIR writes it: a byte up to 8 bits, else a signed varint."""
+        bits = dtype.lstrip("ui") if isinstance(dtype, str) else ""
+        return c.take(1)[0] if bits.isdigit() and int(bits) <= 8 else c.svarint()
+
+
+def _main_properties(t: _Tables) -> dict:
+    """@main's properties by name: the one vhlo.func_v1 named "main" (its properties: a name, a function type)."""
+    found = []
+    for blob in t.bc.properties:
+        c = Cursor(blob, t.what)
+        values = []
+        while not c.done and len(values) <= len(_FUNC_PROPERTIES):
+            values.append(c.varint())
+        if len(values) != len(_FUNC_PROPERTIES) or not all(v < len(t.bc.attrs) for v in values):
+            continue
+        props = dict(zip(_FUNC_PROPERTIES, values))
+        if t.attr(props["sym_name"]) == "main" and t.attr(props["sym_visibility"]) == "public" and \
+                isinstance(t.attr(props["function_type"]), _Function):
+            found.append({k: t.attr(v) for k, v in props.items()})
+    if len(found) != 1:
+        raise ManifestError(f"{t.what} has {'no' if not found else len(found)} public @main")
+    return found[0]
+
+
+def _partition(attrs) -> Partition:
+    """An argument's or result's partition from its Shardy sharding (a dimension split along several axes reads as
+    the names joined by ",", which no manifest names)."""
+    sharding = attrs.get("sdy.sharding") if isinstance(attrs, dict) else None
+    if not isinstance(sharding, _Sharding):
         return ()
-    dims = tuple(",".join(re.findall(r'"([^"]+)"', d)) or None for d in re.findall(r"\{([^{}]*)\}", m.group(1)))
+    dims = tuple(",".join(str(a) for a in axes) or None for axes in sharding.dims)
     return dims if any(dims) else ()
 
 
@@ -46,29 +195,37 @@ def whole_or_split(partition: Partition) -> Partition:
     return tuple(partition) if any(partition) else ()
 
 
-def _parse_tensor(t: str) -> tuple[str, tuple[int, ...]]:
-    parts = t.split("x")
-    try:
-        shape = tuple(int(p) for p in parts[:-1])
-    except ValueError:
-        shape = (-1,)                       # a dynamic dimension: never equals a manifest shape
-    return MLIR_DTYPES.get(parts[-1], parts[-1]), shape
+def _tensor(t, what: str) -> tuple[str, tuple[int, ...]]:
+    if not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)):
+        raise ManifestError(f"{what} is not a ranked tensor")
+    return t
 
 
-def main_signature(mlir_text: str, what: str = "body") -> MainSignature:
-    m = _MAIN.search(mlir_text)
-    if not m:
-        raise ManifestError(f"{what} has no public @main")
-    args, arg_parts = [], []
-    for tensor, attrs in _ARG.findall(m.group(1)):
-        alias = _ALIAS.search(attrs or "")
-        args.append((*_parse_tensor(tensor), int(alias.group(1)) if alias else None))
-        arg_parts.append(_partition(attrs))
-    found = _RESULT.findall(m.group(2))
-    partitions = _PARTITIONS.search(mlir_text[:m.start()])
-    return MainSignature(tuple(args), tuple(_parse_tensor(r) for r, _ in found),
-                         int(partitions.group(1)) if partitions else 1, tuple(arg_parts),
-                         tuple(_partition(a) for _, a in found))
+def _num_partitions(t: _Tables) -> int:
+    """The module's mhlo.num_partitions (1 when absent)."""
+    for i, entry in enumerate(t.bc.attrs):
+        if entry.custom and entry.data[:1] in (bytes([_B_DICT << 1 | 1]), bytes([_V_DICT << 1 | 1])):
+            d = t.attr(i)
+            if isinstance(d, dict) and isinstance(d.get("mhlo.num_partitions"), int):
+                return d["mhlo.num_partitions"]
+    return 1
+
+
+def main_signature(bytecode: bytes, what: str = "body") -> MainSignature:
+    """@main of a portable StableHLO body (what jax.export's `mlir_module_serialized` holds)."""
+    t = _Tables(read_bytecode(bytecode, what), what)
+    main = _main_properties(t)
+    inputs, results = main["function_type"].inputs, main["function_type"].results
+    arg_attrs, res_attrs = main["arg_attrs"], main["res_attrs"]
+    arg_attrs = arg_attrs if isinstance(arg_attrs, list) and len(arg_attrs) == len(inputs) else [{}] * len(inputs)
+    res_attrs = res_attrs if isinstance(res_attrs, list) and len(res_attrs) == len(results) else [{}] * len(results)
+    args = []
+    for i, (ty, attrs) in enumerate(zip(inputs, arg_attrs)):
+        alias = attrs.get("tf.aliasing_output") if isinstance(attrs, dict) else None
+        args.append((*_tensor(ty, f"{what} @main argument {i}"), alias if isinstance(alias, int) else None))
+    return MainSignature(tuple(args), tuple(_tensor(ty, f"{what} @main result {i}") for i, ty in enumerate(results)),
+                         _num_partitions(t), tuple(_partition(a) for a in arg_attrs),
+                         tuple(_partition(a) for a in res_attrs))
 
 
 def signature_mismatch(inputs: tuple[TensorSig, ...], outputs: tuple[TensorSig, ...],

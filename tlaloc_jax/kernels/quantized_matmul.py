@@ -219,7 +219,7 @@ def dequantize(q: QuantizedWeight, dtype=np.float64) -> np.ndarray:
 
 # The most rows (tokens of a call, over its batch) an out-major projection computes as a multiply-reduce on CPU;
 # more rows are compute-bound and go to the dot. On the runtime's XLA the multiply-reduce of the 82M Llama's
-# projections is faster up to 64 rows and slower from 96 (`bench/dot_forms.py --runtime --batches 32,64,96`).
+# projections is faster up to 64 rows and slower from 96 (`bench/dot_forms.py --runtime --batches 32,64,96`, deleted in 82403e3).
 # A narrower weight keeps 16: from about 48 rows XLA rewrites its multiply-reduce into a dot in the weight's dtype,
 # which rounds the products (tests/test_layout.py's bf16 case).
 REDUCE_ROWS = 64
