@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	JAX_PLATFORMS=cpu $(PY) -m tlaloc_jax.demo
+	JAX_PLATFORMS=cpu $(PY) -m tlaloc_jax.tools.demo
 
 # Two pytest workers, each file on one of them (module fixtures export their artifacts once): exports and compiles
 # are mostly one-threaded, so two workers finish in about 0.55x the time of one on a 2-core machine.

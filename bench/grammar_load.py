@@ -39,8 +39,8 @@ SLOW_GRAMMARS = [
 
 
 def _artifact(out: Path) -> Path:
-    from tlaloc_jax.demo import DEMO_MODEL
     from tlaloc_jax.export import Sampler, export_checkpoint
+    from tlaloc_jax.tools.demo import DEMO_MODEL
     export_checkpoint(DEMO_MODEL, out, batch_ladder=(1, 4, 8), context_ladder=(256,), prefill_chunk=128,
                       block_size=16, progress=False, sampler=Sampler())
     return out

@@ -34,9 +34,9 @@ def main(argv=None) -> None:
 
     from tlaloc_jax import artifact as af
     from tlaloc_jax.checkpoint import random_weights, save_checkpoint
-    from tlaloc_jax.demo import export_demo
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.families import config_from_hf
+    from tlaloc_jax.tools.demo import export_demo
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

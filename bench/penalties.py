@@ -1,5 +1,6 @@
-"""Penalties' token counts: from a host-built history input (what tlaloc_jax/kernels/sampling.py does) or from a pool of
-per-sequence counts kept on the device and updated in the body. Prints each one's cost per decode step and memory.
+"""Penalties' token counts: from a host-built history input (what tlaloc_jax/kernels/in_body_sampler.py does) or
+from a pool of per-sequence counts kept on the device and updated in the body. Prints each one's cost per decode
+step and memory.
 
     python -m bench.penalties [--vocab 151936] [--batch 8] [--context 1024] [--slots 64]
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlaloc_jax import artifact as af
-from tlaloc_jax.kernels import sampling as S
+from tlaloc_jax.kernels import in_body_sampler as S
 
 
 def _time(fn, *args, reps=20) -> float:

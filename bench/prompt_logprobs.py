@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tlaloc_jax.demo import DEMO_MODEL
 from tlaloc_jax.export import Sampler, export_checkpoint
 from tlaloc_jax.serve import Engine, Sampling
+from tlaloc_jax.tools.demo import DEMO_MODEL
 
 
 def run(engine: Engine, prompt: list[int], sampling: Sampling) -> tuple[float, int, tuple | None]:

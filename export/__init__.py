@@ -6,10 +6,10 @@ from tlaloc_jax.decoder import decoder_pools
 from tlaloc_jax.pools import PagedKV, RingKV, StateSlots
 
 from ._artifact import export_checkpoint
-from ._bounded import stage_bounded
 from ._entries import ExportError, check_custom_calls, custom_call_targets, plan_entries
 from ._options import Capacity, Features, Ladders, ModelInfo, Sampler, SplitStep
 from ._stage import stage
+from ._stage_bounded import stage_bounded
 from ._weights import flatten_weights
 
 __all__ = ["stage", "Ladders", "Capacity", "Features", "ModelInfo", "Sampler", "SplitStep",

@@ -41,7 +41,8 @@ def main(argv=None) -> int:
                     help="checkpoint directory (config.json, model.safetensors or sharded files) and the artifact "
                          "directory to write (must be empty or absent); with --demo, OUT_DIR alone")
     ap.add_argument("--demo", action="store_true",
-                    help="export the embedded model (tlaloc_jax/demo_model, trained by python -m tlaloc_jax.train)")
+                    help="export the embedded model (tlaloc_jax/demo_model, trained by "
+                         "python -m tlaloc_jax.tools.train)")
     ap.add_argument("--batch-ladder", type=_ints, default=list(DEFAULT_BATCH_LADDER),
                     help=f"decode batch buckets (default {','.join(map(str, DEFAULT_BATCH_LADDER))})")
     ap.add_argument("--context-ladder", type=_ints, default=None,
@@ -66,7 +67,8 @@ def main(argv=None) -> int:
                     help="store the projections (q, k, v, o, output gate, gate, up, down, experts) as int8 or fp8 codes "
                          "with a scale per output channel, or int4 codes with a scale per --quant-group input channels, "
                          "quantized from the checkpoint's values; embedding, norms and head keep the weight dtype "
-                         "(default none). It changes the model's numerics: python -m tlaloc_jax.quality measures it")
+                         "(default none). It changes the model's numerics: python -m tlaloc_jax.tools.quality "
+                         "measures it")
     ap.add_argument("--quant-group", type=int, choices=QUANT_GROUPS, default=128,
                     help="input channels per int4 scale (default 128)")
     ap.add_argument("--attention-block", type=int, default=2048,
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
     if len(args.paths) != (1 if args.demo else 2):
         ap.error("expected OUT_DIR with --demo, else CHECKPOINT_DIR OUT_DIR")
     if args.demo:
-        from tlaloc_jax.demo import DEMO_MODEL
+        from tlaloc_jax.checkpoint import DEMO_MODEL
         args.checkpoint, args.out = str(DEMO_MODEL), args.paths[0]
     else:
         args.checkpoint, args.out = args.paths

@@ -4,8 +4,8 @@ The body runs the step function in a `lax.while_loop` of at most K iterations. I
 the token iteration i - 1 chose (the first: the row's TOKEN_IDS), at position POSITIONS + i, writing its key and
 value through the row's own block tables (the slot of position p is table[p // S] * S + p % S, as
 tlaloc_jax.serve.core.paging.build_step_inputs computes it on the host), and chooses the next token as a decode entry
-does: the argmax of the logits, or, with the sampler staged, tlaloc_jax/kernels/sampling.py's choice with the random
-counter RNG_STEP + i, so that a seeded row draws what K single steps would. A row stops once it has produced
+does: the argmax of the logits, or, with the sampler staged, tlaloc_jax/kernels/in_body_sampler.py's choice with the
+random counter RNG_STEP + i, so that a seeded row draws what K single steps would. A row stops once it has produced
 one of its STOP_IDS or STEP_LIMIT tokens; a stopped row is an empty row for the remaining iterations (no
 position, nothing written, state slot -1), and the loop ends early when every row has stopped. The pools
 are carried through the loop and donated, so XLA writes them in place as the steps go.
@@ -25,7 +25,7 @@ from jax import lax
 
 from tlaloc_jax import artifact as af
 from tlaloc_jax.inputs import StepInputs
-from tlaloc_jax.kernels import sampling as sampling_kernel
+from tlaloc_jax.kernels import in_body_sampler as sampling_kernel
 
 Role = af.Role
 

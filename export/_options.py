@@ -68,8 +68,8 @@ class Capacity:
 
 @dataclass(frozen=True)
 class Sampler:
-    """The sampler staged in every entry (tlaloc_jax/kernels/sampling.py): temperature, top-k, top-p, min-p, presence /
-    frequency / repetition penalties, logit bias and a token mask applied in the body, a counter-based random
+    """The sampler staged in every entry (tlaloc_jax/kernels/in_body_sampler.py): temperature, top-k, top-p, min-p,
+    presence / frequency / repetition penalties, logit bias and a token mask applied in the body, a counter-based random
     stream per row, and the logprobs an OpenAI response reports.
 
     top_logprobs: N, the largest logprobs each entry returns (with their ids) when a row asks; OpenAI allows

@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from tlaloc_jax import artifact as af
-from tlaloc_jax.artifact import bounded as bm
+from tlaloc_jax.artifact import bounded_manifest as bm
 from tlaloc_jax.kernels import tolerances as tol
 
 from ._entries import ExportError

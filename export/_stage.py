@@ -27,14 +27,14 @@ from jax import export as jax_export
 from tlaloc_jax import artifact as af
 from tlaloc_jax import native
 from tlaloc_jax.inputs import StepInputs
-from tlaloc_jax.kernels import sampling as sampling_kernel
+from tlaloc_jax.kernels import in_body_sampler as sampling_kernel
 from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.serve.core.paging import ring_pages_for
 from tlaloc_jax.pools import PagedKV, PoolSpec, RingKV, StateSlots
 
-from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entries
 from ._copy_slots import copy_slots_fn, copy_slots_signature
 from ._decode_steps import decode_steps_fn, decode_steps_signature
+from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entries
 from ._files import copy_tokenizer, write_body, write_weights
 from ._mesh import abstract_mesh, mesh_size, partition_of, pool_split_axis, sharded
 from ._options import (DEFAULT_POOL_SEQUENCES, DEFAULT_PREFILL_MAX_BATCH, Capacity, Features, Ladders, ModelInfo,

@@ -9,8 +9,8 @@ import importlib
 
 # Imported when first named, so that the authoring side can use the JAX-free host paging (serve.core) without
 # loading the PJRT client.
-_EXPORTS = {"BoundedProgram": ".bounded", "CallRefused": ".bounded", "Engine": ".engine", "RequestRefused": ".engine",
-            "StepEvent": ".engine", "Sampling": ".sampling"}
+_EXPORTS = {"BoundedProgram": ".bounded_program", "CallRefused": ".bounded_program", "Engine": ".engine",
+            "RequestRefused": ".engine", "StepEvent": ".engine", "Sampling": ".host_sampling"}
 __all__ = list(_EXPORTS)
 
 

@@ -203,12 +203,12 @@ def main(argv=None) -> int:
     import prometheus_client
     import uvicorn
 
-    from tlaloc_jax.artifact.bounded import load_bounded
+    from tlaloc_jax.artifact.bounded_manifest import load_bounded
     from tlaloc_jax.artifact import ManifestError, load_manifest, load_remembering
     from tlaloc_jax.native import NativeKernelError
 
-    from .bounded import BoundedProgram
-    from .embeddings import Embeddings, embedding_task, load_embedding_tokenizer
+    from .bounded_program import BoundedProgram
+    from .openai.embeddings import Embeddings, embedding_task, load_embedding_tokenizer
     from .engine import DEFAULT_CACHE_DIR, Engine
     from .runtime import CompileError, PluginNotFoundError
     from .tokenizer import load_tokenizer

@@ -41,12 +41,12 @@ from .core import inputs as call_inputs
 from .core.request import (Constraint, Request, RequestRefused, StepEvent, check_cache_salt, check_sampler_fits,
                            check_sampling, check_stop)
 from .core.scheduler import Scheduler
+from .host_sampling import Sampling
 from .model_runner import ModelRunner, new_stats
 from .runtime.native_log import native_stderr_to_log
 from .runtime.pjrt import Device, TooFewDevicesError
 from .runtime.runner import Runner
 from .runtime.sharded import device_count_mismatch
-from .sampling import Sampling
 
 __all__ = ["Constraint", "DEFAULT_CACHE_DIR", "Engine", "RequestRefused", "StepEvent"]
 

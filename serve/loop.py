@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .engine import Constraint, Engine, RequestRefused
+from .host_sampling import Sampling
 from .metrics import Metrics
-from .sampling import Sampling
 
 log = logging.getLogger("tlaloc_jax.serve.loop")
 
@@ -65,7 +65,7 @@ Sink = Callable[[list[Update]], None]
 
 
 class StepWork:
-    """A thread for work due before a sequence's next step (serve/structured.py submits each grammar step here).
+    """A thread for work due before a sequence's next step (serve/openai/structured.py submits each grammar step here).
     `wait(timeout)` returns once no job is pending or at the timeout; `on_done` runs when a job ends (the loop
     uses it to wake up when only sequences waiting on their work are running)."""
 

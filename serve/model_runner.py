@@ -20,8 +20,8 @@ from .core import inputs as call_inputs
 from .core import outputs
 from .core.request import Request, StepEvent
 from .core.scheduler import ScheduledCall, Scheduler
+from .host_sampling import log_softmax
 from .runtime.runner import Runner
-from .sampling import log_softmax
 
 log = logging.getLogger("tlaloc_jax.serve")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tlaloc_jax import artifact as af
-from tlaloc_jax.artifact.bounded import load_bounded
+from tlaloc_jax.artifact.bounded_manifest import load_bounded
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve import engine as engine_module
 from tlaloc_jax.serve.__main__ import main as serve_main

@@ -24,12 +24,12 @@ import tlaloc_jax
 from margins import assert_within
 from tlaloc_jax import artifact as af
 from tlaloc_jax import exact_valid
-from tlaloc_jax.artifact import bounded as bm
+from tlaloc_jax.artifact import bounded_manifest as bm
 from tlaloc_jax.export import ExportError
 from tlaloc_jax.export._roundings import output_roundings
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.serve import BoundedProgram, CallRefused, Engine
-from tlaloc_jax.serve import bounded as serve_bounded
+from tlaloc_jax.serve import bounded_program as serve_bounded
 
 V, MAX_TOKENS, MAX_ROWS = 40, 16, 4
 

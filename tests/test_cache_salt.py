@@ -18,7 +18,7 @@ from tlaloc_jax.serve import Engine, RequestRefused
 from tlaloc_jax.serve.core import kv_cache
 from tlaloc_jax.serve.core.prefix_cache import PrefixCache
 from tlaloc_jax.serve.core.request import Request
-from tlaloc_jax.serve.sampling import GREEDY
+from tlaloc_jax.serve.host_sampling import GREEDY
 
 PAGED, STATE = mf.PoolKind.PAGED_KV, mf.PoolKind.STATE_SLOTS
 KEY = "sk-salt-test"

@@ -10,14 +10,14 @@ import pytest
 
 from hf_models import load_hf_torch, torch_greedy
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token, kv_one_slot_off
-from tlaloc_jax.demo import DEMO_MODEL, export_demo
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.serve import Engine
+from tlaloc_jax.tools.demo import DEMO_MODEL, export_demo
 
 
 def test_demo_exports_serves_and_streams():
     env = dict(os.environ)
-    r = subprocess.run([sys.executable, "-m", "tlaloc_jax.demo", "--max-tokens", "24"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "tlaloc_jax.tools.demo", "--max-tokens", "24"], capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout

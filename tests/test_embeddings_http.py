@@ -27,7 +27,7 @@ from test_http import SERVE, Server
 from tlaloc_jax import exact_valid
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.serve import BoundedProgram, Engine
-from tlaloc_jax.serve.embeddings import Embeddings, load_embedding_tokenizer
+from tlaloc_jax.serve.openai.embeddings import Embeddings, load_embedding_tokenizer
 from tokenizers_util import VOCAB, build_tokenizer, write_tokenizer
 
 MAX_TOKENS = 32

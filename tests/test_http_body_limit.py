@@ -16,7 +16,7 @@ import uvicorn
 
 from http_util import loaded, solo_runner, stream_ids
 from tlaloc_jax.serve.http import DEFAULT_MAX_BODY_BYTES, create_app
-from tlaloc_jax.serve.openai import serving
+from tlaloc_jax.serve.openai import server
 
 LIMIT = DEFAULT_MAX_BODY_BYTES
 HOLDERS = [[10 + i, 20, 30] for i in range(8)]      # eight streams of 63 positions: the decode batch of 8
@@ -107,7 +107,7 @@ def test_a_body_that_is_not_coming_is_not_waited_for(url, monkeypatch):
     answered once that limit has passed."""
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n" % (2 * LIMIT))
-    monkeypatch.setattr(serving, "DRAIN_SECONDS", 600.0)
+    monkeypatch.setattr(server, "DRAIN_SECONDS", 600.0)
     assert _raw_answer(url, head + b"Expect: 100-continue\r\n\r\n") == b"HTTP/1.1 413 Request Entity Too Large"
-    monkeypatch.setattr(serving, "DRAIN_SECONDS", 0.5)
+    monkeypatch.setattr(server, "DRAIN_SECONDS", 0.5)
     assert _raw_answer(url, head + b"\r\n", b"{" * 1000) == b"HTTP/1.1 413 Request Entity Too Large"

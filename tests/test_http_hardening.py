@@ -199,8 +199,8 @@ def test_the_character_bound_never_refuses_a_text_that_fits():
     pre-tokenizer drops whitespace packs any number of characters into one token, and gets no bound."""
     from tokenizers import Tokenizer, pre_tokenizers
 
-    from tlaloc_jax.demo import DEMO_MODEL
-    from tlaloc_jax.serve.prompts import max_prompt_chars
+    from tlaloc_jax.serve.openai.prompts import max_prompt_chars
+    from tlaloc_jax.tools.demo import DEMO_MODEL
     for tok in (TOK, Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))):
         per_token = max_prompt_chars(SimpleNamespace(tok=tok), 1)
         vocab = tok.get_vocab(with_added_tokens=True)

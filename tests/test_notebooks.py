@@ -125,7 +125,7 @@ def test_embed_sentences_notebook_serves_its_in_process_embeddings(tmp_path, mon
     import re
 
     from margins import assert_within
-    from tlaloc_jax.artifact.bounded import load_bounded
+    from tlaloc_jax.artifact.bounded_manifest import load_bounded
     run_notebook("embed_sentences.ipynb", tmp_path, monkeypatch, EMBED_HANDOFF)
     r = json.loads((tmp_path / "handoff.json").read_text())
     try:

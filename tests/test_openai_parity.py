@@ -452,7 +452,7 @@ def test_greedy_logprobs_and_prompt_logprobs_equal_transformers_log_softmax(arti
 
 @pytest.fixture(scope="module")
 def demo_engine(tmp_path_factory, serve_cache_dir):
-    from tlaloc_jax.demo import export_demo
+    from tlaloc_jax.tools.demo import export_demo
     art = tmp_path_factory.mktemp("demo") / "artifact"
     export_demo(art)
     with loaded(art, serve_cache_dir) as eng:
@@ -546,7 +546,7 @@ def test_the_serving_path_with_grammars_stays_jax_free(artifacts, tmp_path):
 import numpy as np
 from tlaloc_jax import artifact as af
 from tlaloc_jax.serve.loop import StepWork
-from tlaloc_jax.serve.structured import Grammars
+from tlaloc_jax.serve.openai.structured import Grammars
 from tlaloc_jax.serve.tokenizer import read_listed
 m = af.load_manifest({str(artifacts[0])!r})
 g = Grammars(read_listed(__import__("pathlib").Path({str(artifacts[0])!r}), m, "tokenizer.json"), m.model.vocab, [283],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tlaloc_jax.serve.errors import APIError
+from tlaloc_jax.serve.openai.errors import APIError
 from tlaloc_jax.serve.openai import protocol as p
 
 MODELS = [p.CompletionRequest, p.ChatRequest, p.EmbeddingRequest, p.TokenizeRequest, p.DetokenizeRequest]

@@ -162,8 +162,8 @@ def test_fp8_kv_write_clamps_and_attention_widens():
 
 
 def _quality(checkpoint, tmp_path, context, variants):
-    from tlaloc_jax.quality import compare, held_out_text, text_ids_for
     from tlaloc_jax.serve.engine import Engine
+    from tlaloc_jax.tools.quality import compare, held_out_text, text_ids_for
 
     def export(name, wrong_axis=False, **kw):
         with wrong_axis_export() if wrong_axis else contextlib.nullcontext():
@@ -189,9 +189,9 @@ def test_quality_int8_keeps_fixture_ids_and_the_wrong_axis_is_caught(model, tmp_
     """int8 weights keep the unquantized model's fixture ids (near-tie rule against transformers) and its
     perplexity within a few percent; the wrong-axis control (codes per input channel under per-output-channel
     scales) loses the ids, the top-1 agreement and the perplexity, as the seed's check requires."""
-    from tlaloc_jax.demo import DEMO_MODEL
-    from tlaloc_jax.quality import fixture_prompts
     from tlaloc_jax.serve.engine import Engine
+    from tlaloc_jax.tools.demo import DEMO_MODEL
+    from tlaloc_jax.tools.quality import fixture_prompts
 
     checkpoint = DEMO_MODEL if model == "demo" else build_checkpoint(tmp_path / "ck", "llama", seed=0)
     context = 256 if model == "demo" else 512
@@ -199,7 +199,7 @@ def test_quality_int8_keeps_fixture_ids_and_the_wrong_axis_is_caught(model, tmp_
         "int8": dict(weight_quant="int8"), "wrong": dict(weight_quant="int8", wrong_axis=True)})
     good, wrong = reports["int8"], reports["wrong"]
     # The CLI over the same artifacts reports the same measures (its own text and fixtures: a shorter run).
-    from tlaloc_jax.quality import main as quality_main
+    from tlaloc_jax.tools.quality import main as quality_main
     assert quality_main([str(tmp_path / "none"), str(tmp_path / "int8"), "--tokens", "64", "--fixtures", "1",
                          "--json"]) == 0
     assert abs(good.perplexity_b / good.perplexity_a - 1) < 0.05, good

@@ -1,5 +1,5 @@
-"""tlaloc_jax/kernels/sampling.py: the sampler every staged entry runs, against its naive float64 form, and its draws
-against the filtered distribution (chi-square, fixed seeds).
+"""tlaloc_jax/kernels/in_body_sampler.py: the sampler every staged entry runs, against its naive float64 form, and its
+draws against the filtered distribution (chi-square, fixed seeds).
 
 Controls: a kernel fed the columns in another order, or with the penalties zeroed, fails the comparison; one whose
 presence and frequency penalties count the prompt's tokens fails the prompt checks; the draws fail the chi-square
@@ -16,10 +16,10 @@ import pytest
 
 from margins import assert_within
 from tlaloc_jax import artifact as af
-from tlaloc_jax.kernels import sampling as S
+from tlaloc_jax.kernels import in_body_sampler as S
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
-from tlaloc_jax.serve import sampling as host
+from tlaloc_jax.serve import host_sampling as host
 
 V, C, NB, N = 300, 48, 4, 5
 ALPHA = 1e-3          # the chi-square tests' significance: a correct sampler fails one in a thousand seeds

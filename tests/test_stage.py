@@ -206,7 +206,7 @@ def test_more_choices_than_state_slots_wait_and_the_start_up_log_names_the_state
     slot: what could run later is scheduled), each equal to its solo run; a refusal of the state pool names it,
     not KV pages or max_tokens; the server's start-up line counts slots."""
     from http_util import InProcess
-    from tlaloc_jax.serve.errors import refusal
+    from tlaloc_jax.serve.openai.errors import refusal
     with Engine.load(artifact[1], cache_dir=tmp_path, progress=False) as eng:
         slots = eng.manifest.capacity(af.PoolKind.STATE_SLOTS)
         with InProcess(eng, max_batch=slots + 1) as srv:     # the slots, not the running limit, hold it back

@@ -2,7 +2,9 @@
 no module of tlaloc_jax.* takes part in an import cycle (counting the imports inside functions and type-only ones),
 no module is over MAX_MODULE_LINES lines, one class hands out pool units, the C kernels' sources live in the
 top-level kernels/ folder only, which every wheel carries, and no bench edits sys.path (each runs as
-`python -m bench.NAME`, imports and the maintained ones answer --help).
+`python -m bench.NAME`, imports and the maintained ones answer --help). Names and homes: the modules only the HTTP
+server uses live in serve/openai/, no two modules share a name (past SHARED_NAMES), nothing in the library imports
+the tools (tlaloc_jax/tools/), and pyproject lists every package folder.
 
 They read the source as text (ast), so they see every file, imported or not. Controls: each detector finds a
 second definition planted in a temporary file, the cycle finder a cycle planted in a temporary package, and the
@@ -18,6 +20,7 @@ import tomllib
 from pathlib import Path
 
 from tlaloc_jax import artifact as af
+from tlaloc_jax import serve
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCABULARY = "tlaloc_jax/artifact/vocabulary.py"
@@ -93,7 +96,7 @@ def _python_files() -> list[str]:
 
 def test_each_vocabulary_item_is_defined_once():
     files = _python_files()
-    assert VOCABULARY in files and "serve/sampling.py" in files and len(files) > 100
+    assert VOCABULARY in files and "serve/host_sampling.py" in files and len(files) > 100
     found: dict[str, list[str]] = {}
     for rel in files:
         for item, where in vocabulary_definitions(ROOT / rel, rel):
@@ -219,9 +222,9 @@ def import_graph(root: Path, package_dir: dict[str, str]) -> dict[str, set[str]]
 def test_no_module_of_tlaloc_jax_is_in_an_import_cycle():
     package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     graph = import_graph(ROOT, package_dir)
-    assert {"tlaloc_jax.artifact.vocabulary", "tlaloc_jax.kernels.sampling", "tlaloc_jax.export._stage",
+    assert {"tlaloc_jax.artifact.vocabulary", "tlaloc_jax.kernels.in_body_sampler", "tlaloc_jax.export._stage",
             "tlaloc_jax.serve.engine"} <= set(graph)
-    assert "tlaloc_jax.artifact" in graph["tlaloc_jax.kernels.sampling"]
+    assert "tlaloc_jax.artifact" in graph["tlaloc_jax.kernels.in_body_sampler"]
     assert import_cycles(graph) == []
 
 
@@ -236,6 +239,106 @@ def test_the_cycle_finder_finds_a_planted_cycle(tmp_path):
     graph = import_graph(tmp_path, {"pkg": "pkg"})
     assert graph["pkg.sub"] == {"pkg.sub.b"} and graph["pkg.c"] == {"pkg.a"}
     assert import_cycles(graph) == [["pkg.a", "pkg.sub.b"]]
+
+
+# -- names and homes: one module a name, the HTTP server's modules in serve/openai/ ---------------------------------
+
+# Names two modules still share: the facades that keep documented import paths (`tlaloc_jax.serve.ray:app`,
+# `python -m tlaloc_jax.serve.triton`) over serve/integrations/, and pairs of the artifact and export packages.
+SHARED_NAMES = {"config", "errors", "files", "inputs", "mesh", "ray", "triton"}
+
+
+def shared_module_names(modules: dict[str, Path]) -> set[str]:
+    """The module names (a leading underscore dropped) that more than one module of the packages has."""
+    stems = [name.rpartition(".")[2].lstrip("_") for name, path in modules.items() if path.stem != "__init__"]
+    return {s for s in stems if stems.count(s) > 1 and s != "main__"}
+
+
+def test_no_two_modules_share_a_name():
+    """A name says what a module holds: the host sampler and the in-body sampler are not both `sampling`."""
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    modules = project_modules(ROOT, package_dir)
+    assert {"tlaloc_jax.serve.engine", "tlaloc_jax.export._stage"} <= set(modules)
+    assert shared_module_names(modules) == SHARED_NAMES
+
+
+def test_the_name_check_finds_a_planted_pair(tmp_path):
+    for rel in ("pkg/__init__.py", "pkg/sub/__init__.py", "pkg/sampling.py", "pkg/sub/_sampling.py", "pkg/__main__.py",
+                "pkg/sub/__main__.py", "pkg/engine.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    assert shared_module_names(project_modules(tmp_path, {"pkg": "pkg"})) == {"sampling"}
+
+
+HTTP_SERVER = ("tlaloc_jax.serve.openai", "tlaloc_jax.serve.http", "tlaloc_jax.serve.__main__")
+
+
+def http_only_modules(graph: dict[str, set[str]], public: set[str], package: str = "tlaloc_jax.serve") -> list[str]:
+    """The modules directly in serve/ that only the HTTP server imports (serve/openai/, the http facade and the
+    command line, or another such module): they belong in serve/openai/. `public`: modules whose names the serve
+    package exports to users (`tlaloc_jax.serve.BoundedProgram`), which serve more than the server."""
+    http = {m for m in graph if m.startswith(HTTP_SERVER)}
+    top = {m for m in graph if m.rpartition(".")[0] == package and m not in http | public}
+    found: set[str] = set()
+    while True:
+        more = {m for m in top - found if (users := {u for u, deps in graph.items() if m in deps})
+                and users <= http | found}
+        if not more:
+            return sorted(found)
+        found |= more
+
+
+def test_modules_only_the_http_server_uses_live_in_serve_openai():
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    graph = import_graph(ROOT, package_dir)
+    assert "tlaloc_jax.serve.openai.app" in graph and "tlaloc_jax.serve.metrics" in graph
+    public = {"tlaloc_jax.serve" + module for module in serve._EXPORTS.values()}
+    assert "tlaloc_jax.serve.engine" in public
+    assert http_only_modules(graph, public) == []
+
+
+def test_the_home_check_finds_a_module_only_the_http_server_uses():
+    graph = {"tlaloc_jax.serve.openai.app": {"tlaloc_jax.serve.grammar", "tlaloc_jax.serve.metrics"},
+             "tlaloc_jax.serve.grammar": {"tlaloc_jax.serve.words"},     # only grammar (itself HTTP-only) uses words
+             "tlaloc_jax.serve.words": set(), "tlaloc_jax.serve.loop": {"tlaloc_jax.serve.metrics"},
+             "tlaloc_jax.serve.metrics": set(), "tlaloc_jax.serve.unused": set()}
+    assert http_only_modules(graph, set()) == ["tlaloc_jax.serve.grammar", "tlaloc_jax.serve.words"]
+    assert http_only_modules(graph, {"tlaloc_jax.serve.grammar"}) == []      # a public module, and what only it uses
+
+
+TOOLS = "tlaloc_jax.tools"
+
+
+def tool_importers(graph: dict[str, set[str]]) -> list[str]:
+    """The modules outside tlaloc_jax.tools that import one of its modules: the tools sit above the library."""
+    def is_tool(m: str) -> bool:
+        return m == TOOLS or m.startswith(TOOLS + ".")
+
+    return sorted(m for m, deps in graph.items() if not is_tool(m) and any(is_tool(d) for d in deps))
+
+
+def test_nothing_in_the_library_imports_the_tools():
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    graph = import_graph(ROOT, package_dir)
+    assert {"tlaloc_jax.tools.demo", "tlaloc_jax.tools.train", "tlaloc_jax.tools.quality"} <= set(graph)
+    assert tool_importers(graph) == []
+
+
+def test_the_tools_check_finds_an_importer():
+    graph = {"tlaloc_jax.export.__main__": {"tlaloc_jax.tools.demo"}, "tlaloc_jax.toolsmith": {"tlaloc_jax.tools"},
+             "tlaloc_jax.tools.train": {"tlaloc_jax.tools.demo"}, "tlaloc_jax.tools.demo": {"tlaloc_jax.export"}}
+    assert tool_importers(graph) == ["tlaloc_jax.export.__main__", "tlaloc_jax.toolsmith"]
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """setuptools ships only the packages pyproject lists: a new subpackage left out is missing from the wheel."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for package, folder in setuptools["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            found.add(".".join([package, *init.parent.relative_to(ROOT / folder).parts]))
+    assert "tlaloc_jax.serve.openai" in found
+    assert sorted(found - set(setuptools["packages"])) == []
 
 
 # -- no folder on sys.path shadows an installed package ------------------------------------------------------------

@@ -272,7 +272,7 @@ def test_max_completion_tokens_past_the_context_is_named(srv):
 def test_the_grammar_budget_names_each_limit(engine, solo):
     """A server's GrammarBudget: the grammar's size and its compile time refused at admission (400 naming the
     limit), the CPU time of one token's grammar work ending that sequence alone (finish_reason "error")."""
-    from tlaloc_jax.serve.structured import GrammarBudget
+    from tlaloc_jax.serve.openai.structured import GrammarBudget
     schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(50)}}
     for budget, message in ((GrammarBudget(max_grammar_size=100), r"grammar size \(number of symbols\) too big "
                                                                    r"\(limit for this grammar: 100\)"),

@@ -1,4 +1,4 @@
-"""Training (tlaloc_jax.train, tlaloc_jax.dense) and the embedded demo model it produced."""
+"""Training (tlaloc_jax.tools.train, tlaloc_jax.dense) and the embedded demo model it produced."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.kernels import causal_attention_reference
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
-from tlaloc_jax.train import (DEMO_MODEL_DIR, EOT, TrainConfig, corpus_files, loss_and_grads,
-                              split_files, train, train_tokenizer)
+from tlaloc_jax.tools.train import (DEMO_MODEL_DIR, EOT, TrainConfig, corpus_files, loss_and_grads,
+                                    split_files, train, train_tokenizer)
 
 # Dimensions chosen apart from each other and from T (37) and its key-block padding (48), so that a
 # [T, T] tensor in a jaxpr can be told from the others by its shape.

@@ -22,7 +22,7 @@ from tlaloc_jax.serve.core import inputs as call_inputs
 from tlaloc_jax.serve.loop import EngineLoop, SeqSpec
 from tlaloc_jax.serve.metrics import Metrics
 from tlaloc_jax.serve.runtime import sharded
-from tlaloc_jax.serve.sampling import Sampling
+from tlaloc_jax.serve.host_sampling import Sampling
 
 PROMPTS = [[5, 17, 99, 3, 250, 8, 61, 4, 4, 9, 10], [42, 7], [8] * 20]
 

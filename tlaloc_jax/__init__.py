@@ -28,10 +28,10 @@ def __getattr__(name):
         from . import pools
         return getattr(pools, name)
     if name in ("Bound", "Valid", "exact_valid"):
-        from . import bounded
-        return getattr(bounded, name)
+        from . import bounds
+        return getattr(bounds, name)
     if name == "EmbeddingTask":
-        from .artifact.bounded import EmbeddingTask
+        from .artifact.bounded_manifest import EmbeddingTask
         return EmbeddingTask
     if name == "StepInputs":
         from .inputs import StepInputs

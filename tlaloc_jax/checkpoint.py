@@ -14,6 +14,9 @@ from . import artifact as af
 from .config import ConfigError, DecoderConfig
 from .families import Family, Tensor, config_from_hf, split_rows, stack_layers
 
+# The embedded demo model (a checkpoint shipped as package data): what `export --demo` and the tools read.
+DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
+
 # The dtypes a checkpoint is read into (weights and KV pools); their names and numpy types come from the
 # project's one dtype table (tlaloc_jax.artifact.DTYPES).
 WEIGHT_DTYPES = ("float32", "bfloat16")

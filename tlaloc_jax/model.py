@@ -13,7 +13,7 @@ import numpy as np
 from .checkpoint import load_checkpoint
 from .config import LINEAR, DecoderConfig
 from .decoder import DEFAULT_KEY_BLOCK, Pools, StepInputs, forward, init_pools
-from .kernels.sampling import first_max
+from .kernels.in_body_sampler import first_max
 from .layout import in_layout
 from .serve.core.kv_cache import UnitPool
 from .serve.core.paging import RowCall, build_step_inputs, pages_for

@@ -8,8 +8,8 @@ import numpy as np
 from tlaloc_jax import artifact as mf
 from .paging import RowCall, build_step_inputs, pack_step_inputs
 
+from ..host_sampling import seed_words
 from ..runtime.runner import Runner
-from ..sampling import seed_words
 from .scheduler import ScheduledCall
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from tlaloc_jax import artifact as mf
 
-from ..sampling import log_softmax, sample, top_logprobs, unpack_mask
+from ..host_sampling import log_softmax, sample, top_logprobs, unpack_mask
 from .request import Request
 from .scheduler import ScheduledCall
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from tlaloc_jax import artifact as mf
 
-from ..sampling import GREEDY, Sampling
+from ..host_sampling import GREEDY, Sampling
 
 
 class RequestRefused(ValueError):
@@ -49,7 +49,7 @@ class StepEvent:
 
 
 class Constraint:
-    """What a structured-output request asks of each token (serve/structured.py implements it with a grammar).
+    """What a structured-output request asks of each token (serve/openai/structured.py implements it with a grammar).
 
     fill(words): clear, in `words` (the packed mask: [ceil(V / 32)] int32, bit t % 32 of word t // 32, all ones
     on entry), the tokens the constraint forbids now. accept(token): advance past the chosen token; False if

@@ -43,9 +43,9 @@ import numpy as np
 
 from ..__main__ import _positive
 from ..engine import Engine
+from ..host_sampling import Sampling
 from ..loop import EngineLoop, Inbox, SeqSpec
 from ..metrics import Metrics
-from ..sampling import Sampling
 
 log = logging.getLogger("tlaloc_jax.serve.triton")
 

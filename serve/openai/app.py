@@ -1,5 +1,5 @@
 """An OpenAI-compatible HTTP server over one Engine (FastAPI + uvicorn; JAX-free): the app, its routes, middleware
-and lifespan (the routes' work is serving.py's).
+and lifespan (the routes' work is server.py's).
 
     app = create_app(Engine.load("artifact/"))          # or: python -m tlaloc_jax.serve artifact/
     uvicorn.run(app, host="127.0.0.1", port=8000)
@@ -8,7 +8,7 @@ Endpoints: POST /v1/completions and POST /v1/chat/completions (`stream: true` an
 events in OpenAI's chunk format; logprobs, structured output and tool calls in OpenAI's shapes), GET /v1/models
 and /v1/models/{id}, POST /tokenize and /detokenize, GET /version, GET /health, GET /metrics (Prometheus text
 format, under tlaloc_* and vLLM's vllm:* names), and, when an embedding program is served beside the decoder,
-POST /v1/embeddings (serve/embeddings.py).
+POST /v1/embeddings (embeddings.py).
 
 Errors are OpenAI-style JSON, {"error": {"message", "type", "param", "code"}}:
   400  malformed JSON, JSON nested deeper than 64, a lone surrogate anywhere, an unknown field (only with
@@ -43,15 +43,15 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from ..embeddings import Embeddings
 from ..engine import Engine
-from ..errors import APIError
-from ..guards import HostAllowList, InternalErrors, allowed_host_names, api_key_problem
 from ..metrics import CountRequests
-from ..structured import GrammarBudget
 from ..tokenizer import TextTokenizer, load_tokenizer
 from .checks import SCHEDULING_POLICIES
-from .serving import OpenAIServer
+from .embeddings import Embeddings
+from .errors import APIError
+from .guards import HostAllowList, InternalErrors, allowed_host_names, api_key_problem
+from .server import OpenAIServer
+from .structured import GrammarBudget
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_WAITING = 1024    # sequences waiting to run before a new request gets 503
@@ -88,11 +88,11 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     refuse every request); allowed_hosts: the Host header names answered (any port; "*": any host), others
     get 421 (default None: every Host; `python -m tlaloc_jax.serve` passes LOOPBACK_HOSTS when bound to
     loopback); allowed_origins: browser origins CORS lets read the answers ("*": any; default none); embeddings:
-    an embedding program to serve on /v1/embeddings beside the decoder (serve/embeddings.py); strict_fields:
+    an embedding program to serve on /v1/embeddings beside the decoder (embeddings.py); strict_fields:
     refuse (400) request fields the server does not know, instead of logging them as ignored (vLLM's way);
     max_waiting: the most sequences waiting to run before new requests get 503; max_wait_seconds: a sequence
     that waited this long before any sequence of its request started fails with 503 (None: no limit);
-    grammar_budget: what one request's structured output may cost (serve/structured.py); metrics_without_key: answer
+    grammar_budget: what one request's structured output may cost (structured.py); metrics_without_key: answer
     /metrics without the api_key (a scraper that cannot send one; its counters show when prompts hit the prefix
     cache); scheduling_policy: vLLM's, "fcfs" (a request's non-zero `priority` is refused) or "priority" (lower
     `priority` runs first); return_tokens_as_token_ids: logprob tokens as "token_id:N" unless a request says

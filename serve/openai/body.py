@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import APIError
+from .errors import APIError
 
 MAX_JSON_DEPTH = 64
 

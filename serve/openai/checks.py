@@ -9,7 +9,7 @@ import json
 import math
 from typing import Any
 
-from ..errors import APIError
+from .errors import APIError
 
 MAX_SEQS_PER_REQUEST = 64          # prompts x n
 MAX_EMBEDDING_INPUTS = 2048        # OpenAI's limit on the inputs of one /v1/embeddings request

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from ..engine import Constraint, Engine, RequestRefused
-from ..errors import RETRY_AFTER_S, APIError, refusal
-from ..guards import new_error_id
+from ..host_sampling import Sampling
 from ..loop import Arrival, EngineLoop, Inbox, SeqSpec, Update
-from ..sampling import Sampling
 from ..tokenizer import IncrementalDetokenizer, StopStrings, TextTokenizer
+from .errors import RETRY_AFTER_S, APIError, refusal
+from .guards import new_error_id
 
 log = logging.getLogger("tlaloc_jax.serve.http")
 

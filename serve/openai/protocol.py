@@ -12,8 +12,8 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationInfo, model_validator
 
-from ..errors import APIError
 from . import checks as c
+from .errors import APIError
 
 Prompts = tuple[Literal["text"], list[str]] | tuple[Literal["ids"], list[list[int]]]
 Structured = tuple[str, Any] | None     # (grammar kind, its spec), or None: plain text

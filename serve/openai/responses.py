@@ -7,11 +7,11 @@ import json
 import time
 from typing import Any, AsyncIterator
 
-from ..prompts import PromptTokenizer
 from ..tokenizer import TextTokenizer
-from ..tool_calls import parse_tool_calls
 from .generation import Choice, Generation
+from .prompts import PromptTokenizer
 from .protocol import GenerationRequest
+from .tool_calls import parse_tool_calls
 
 # Characters JSON leaves raw that line-splitting clients (Python's str.splitlines, httpx's aiter_lines) read as line
 # breaks, cutting an event in two: written as escapes.

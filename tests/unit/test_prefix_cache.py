@@ -15,7 +15,7 @@ from tlaloc_jax.serve.core import kv_cache
 from tlaloc_jax.serve.core.kv_cache import UnitPool, artifact_seed, block_hash, extend_hashes
 from tlaloc_jax.serve.core.prefix_cache import Copy, PrefixCache
 from tlaloc_jax.serve.core.request import Request
-from tlaloc_jax.serve.sampling import GREEDY
+from tlaloc_jax.serve.host_sampling import GREEDY
 
 PAGED, STATE = mf.PoolKind.PAGED_KV, mf.PoolKind.STATE_SLOTS
 BS = 4                                   # positions a page

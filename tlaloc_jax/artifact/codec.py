@@ -1,5 +1,6 @@
 """A manifest's JSON and its frozen dataclasses: written deterministically, read with every missing or mistyped
-field named by its path. Both schemas (serving.py, bounded.py) read and write through these functions."""
+field named by its path. Both schemas (decoder_manifest.py, bounded_manifest.py) read and write through these
+functions."""
 
 from __future__ import annotations
 

@@ -72,8 +72,8 @@ class FileDigests:
 
 def load_remembering(load: Callable[..., T], artifact_dir: str | os.PathLike[str],
                      cache_dir: str | os.PathLike[str] | None, **kwargs) -> T:
-    """load(artifact_dir, digests=..., **kwargs) (load_manifest or bounded.load_bounded) with the sha256 of files
-    unchanged since a load before taken from `cache_dir` (FileDigests), and what it hashed remembered once it
+    """load(artifact_dir, digests=..., **kwargs) (load_manifest or bounded_manifest.load_bounded) with the sha256 of
+    files unchanged since a load before taken from `cache_dir` (FileDigests), and what it hashed remembered once it
     passed; cache_dir None: every file hashed."""
     if cache_dir is None:
         return load(artifact_dir, digests=sha256_file, **kwargs)

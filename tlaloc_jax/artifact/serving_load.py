@@ -6,12 +6,12 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from .bounded import BOUNDED_NAME
+from .bounded_manifest import BOUNDED_NAME
+from .decoder_manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, SCHEMA_V5, Entry, Manifest, Pool
 from .errors import ManifestError
 from .files import checked_file, read_manifest_file, sha256_file, verify_body, verify_listed_files
 from .mesh import check_mesh
 from .records import TensorSig, WeightFile, check_platform, check_tokenizer_hashes, check_weight_table
-from .serving import MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, SCHEMA_V5, Entry, Manifest, Pool
 from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, INPUT_ROLES, OUTPUT_ROLES,
                          PACKED_TOKEN_INPUTS, POOL_KIND_INPUTS, SAMPLER_DTYPES, SAMPLER_INPUTS, SAMPLER_OUTPUTS, SAMPLING_COLUMNS,
                          SCORER_DTYPES, SCORER_INPUTS, SCORER_OUTPUTS, STEP_FIELDS, EntryKind, PoolKind, Role,

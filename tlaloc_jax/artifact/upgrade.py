@@ -1,4 +1,4 @@
-"""tlaloc-serving-v2 and v3 manifests as the v4 model reads them (serving.py's changelog says what changed)."""
+"""tlaloc-serving-v2 and v3 manifests as the v4 model reads them (decoder_manifest.py's changelog says what changed)."""
 
 from __future__ import annotations
 

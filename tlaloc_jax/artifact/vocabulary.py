@@ -42,7 +42,7 @@ class Role(enum.StrEnum):
     POOL_OUT = "POOL_OUT"
     # A weight (slot: its name in the weight table).
     WEIGHT = "WEIGHT"
-    # The sampler's per-row inputs (manifest `sampler`; tlaloc_jax/kernels/sampling.py): SAMPLING [B, P] f32 (the
+    # The sampler's per-row inputs (manifest `sampler`; tlaloc_jax/kernels/in_body_sampler.py): SAMPLING [B, P] f32 (the
     # SAMPLING_COLUMNS the manifest lists), RNG_SEED [B, 2] i32 (a 64-bit seed's low and high words), RNG_STEP [B]
     # i32 (tokens generated before the call: the random stream's counter), TOKEN_MASK [B, W] i32 (allowed
     # tokens, bit t % 32 of word t // 32), LOGIT_BIAS_IDS [B, NB] i32 (-1: empty) and LOGIT_BIAS [B, NB] f32,

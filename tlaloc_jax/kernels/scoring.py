@@ -15,9 +15,9 @@ Per position t of row b of a call (docs/glossary.md names B, T, E, V; N the top 
   logprob [B, T] f32     log_softmax(head(hidden))[target]; 0 where target is -1
   rank    [B, T] i32     1 + the number of tokens whose logprob is larger than the target's (vLLM's rank, the
                          host fallback's); 0 where target is -1
-  top     [B, T, N] f32  the N largest logprobs, largest first, and their ids [B, T, N] i32 (tlaloc_jax/kernels/sampling.py
-                         `top_logprobs`, the decode sampler's own: of equal values the smaller id first); zeros
-                         where target is -1
+  top     [B, T, N] f32  the N largest logprobs, largest first, and their ids [B, T, N] i32
+                         (tlaloc_jax/kernels/in_body_sampler.py `top_logprobs`, the decode sampler's own: of equal
+                         values the smaller id first); zeros where target is -1
 
 The logits of a whole call are T x V per row: a 512-token chunk of a 150k vocabulary is 300 MiB of f32 per row.
 So the positions are scored in blocks, a `lax.map` over blocks of at most `max_elements` logits (vLLM scores
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .sampling import top_logprobs
+from .in_body_sampler import top_logprobs
 
 # The most logits one block materializes: 16 Mi f32 = 64 MiB.
 MAX_BLOCK_ELEMENTS = 1 << 24

@@ -21,9 +21,9 @@ from tlaloc_jax import artifact as af
 from ...core.inputs import sampler_inputs, step_inputs
 from ...core.scheduler import ScheduledCall
 from ...engine import DEFAULT_CACHE_DIR
+from ...host_sampling import Sampling
 from ...runtime.pjrt import Device
 from ...runtime.runner import Runner
-from ...sampling import Sampling
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ request's recomputation. Each request's part is cut into pieces the artifact's e
 chunk), and the pieces of every request run in rounds: round k runs the k-th piece of each, one-token pieces on the
 decode entries and longer ones on the prefill entries, as many rows a call as the smallest entry that holds them
 (rows right-aligned, as the entries expect). The row that reaches the end of a request's known tokens gives its
-next token (sampling.py says where it is chosen); earlier chunks give none, as in vLLM's own runner.
+next token (token_choice.py says where it is chosen); earlier chunks give none, as in vLLM's own runner.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .config import TORCH_DTYPES
 from .platform import ArtifactRefused
 from .runtime import ArtifactRuntime, Row
 from .side_pools import SidePools
-from .sampling import HostRow, HostSampler, allowed_words, body_sampling, logprobs_lists, request_seed
+from .token_choice import HostRow, HostSampler, allowed_words, body_sampling, logprobs_lists, request_seed
 
 log = logging.getLogger("tlaloc_jax.serve.vllm")
 
@@ -46,7 +46,7 @@ class _Request:
     params: SamplingParams
     pages: list[int]                 # vLLM's block ids of the KV cache group: the pool's pages, in position order
     computed: int                    # vLLM's num_computed_tokens
-    body: object                     # the in-body Sampling, or None: vLLM's sampler chooses (sampling.py)
+    body: object                     # the in-body Sampling, or None: vLLM's sampler chooses (token_choice.py)
     seed: int
     generator: torch.Generator | None
     output: list[int] = field(default_factory=list)

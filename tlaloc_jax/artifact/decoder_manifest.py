@@ -19,8 +19,8 @@ Changelog:
     v4 + sampler (optional, still tlaloc-serving-v4): top-level `sampler` (its SAMPLING columns, N top
     logprobs, NB logit-bias slots) and, in every entry, the sampler's inputs SAMPLING, RNG_SEED, RNG_STEP,
     TOKEN_MASK, LOGIT_BIAS_IDS, LOGIT_BIAS, TOKEN_HISTORY and outputs SAMPLED_TOKEN, TOKEN_LOGPROB,
-    TOP_LOGPROBS, TOP_IDS (tlaloc_jax/kernels/sampling.py). A manifest without them is served as before (the host
-    samples from pulled logits); a runtime that predates them refuses the new roles by name.
+    TOP_LOGPROBS, TOP_IDS (tlaloc_jax/kernels/in_body_sampler.py). A manifest without them is served as before
+    (the host samples from pulled logits); a runtime that predates them refuses the new roles by name.
     v4 + scorer (optional, still tlaloc-serving-v4): top-level `scorer` (N top logprobs per prompt position)
     and entries of kind prefill_scored: a prefill that also scores every position of the call against the
     token that follows it (input SCORE_TARGETS; outputs PROMPT_LOGPROB, PROMPT_RANK, PROMPT_TOP_LOGPROBS,
@@ -205,8 +205,8 @@ class RefusedToken:
 
 @dataclass(frozen=True)
 class SamplerShape:
-    """The sampler every entry runs after the step (tlaloc_jax/kernels/sampling.py): the SAMPLING columns in order, the
-    N top logprobs it returns, the NB logit-bias slots it takes, the W words of its token mask."""
+    """The sampler every entry runs after the step (tlaloc_jax/kernels/in_body_sampler.py): the SAMPLING columns in
+    order, the N top logprobs it returns, the NB logit-bias slots it takes, the W words of its token mask."""
 
     columns: tuple[str, ...]
     top_logprobs: int

@@ -1,5 +1,5 @@
-"""A request's sampling parameters, what the engine feeds an in-body sampler (tlaloc_jax/kernels/sampling.py: the artifact's
-SAMPLING row, its seed words, token mask and logit bias), and the host-side sampler that serves artifacts
+"""A request's sampling parameters, what the engine feeds an in-body sampler (tlaloc_jax/kernels/in_body_sampler.py: the
+artifact's SAMPLING row, its seed words, token mask and logit bias), and the host-side sampler that serves artifacts
 without one (numpy only).
 
 The host path applies the same steps in the same order as the body's sampler (logit bias, the repetition

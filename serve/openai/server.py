@@ -1,7 +1,7 @@
 """The OpenAI-compatible routes' work over one Engine (JAX-free): a request is checked (body, fields: protocol.py;
-then prompts x n and the prompt's length), tokenized on a worker thread (serve/prompts.py), checked against the
+then prompts x n and the prompt's length), tokenized on a worker thread (prompts.py), checked against the
 context and the pool's size (requests that could never fit are refused here), its grammar compiled and checked on
-the grammar thread (serve/structured.py), then handed to the engine loop thread (serve/loop.py), which admits all of
+the grammar thread (structured.py), then handed to the engine loop thread (serve/loop.py), which admits all of
 a request's sequences or none between steps (generation.py). Each step's tokens come back to the request's asyncio
 queue. A client that disconnects, or a choice that meets a stop string, aborts its sequences and frees their pages
 at the next step boundary."""
@@ -21,22 +21,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
-from ..embeddings import Embeddings
 from ..engine import Engine
-from ..errors import APIError
+from ..host_sampling import Sampling
 from ..loop import Arrival, EngineLoop, StepWork
 from ..metrics import Metrics
-from ..prompts import PromptTokenizer
-from ..sampling import Sampling
-from ..structured import GrammarBudget, GrammarError, Grammars
 from ..tokenizer import ChatTemplateError, StopStrings, TextTokenizer, read_listed, read_listed_json
-from ..tool_calls import TOOL_OPEN, template_defines_tools, tool_call_grammar
 from .body import parse_body
 from .checks import bad_value, check_priority, check_queue_room, check_sequence_count
+from .embeddings import Embeddings
+from .errors import APIError
 from .generation import Generation
+from .prompts import PromptTokenizer
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, GenerationRequest,
                        Request as BodyModel, TokenizeRequest)
 from .responses import Responses
+from .structured import GrammarBudget, GrammarError, Grammars
+from .tool_calls import TOOL_OPEN, template_defines_tools, tool_call_grammar
 
 log = logging.getLogger("tlaloc_jax.serve.http")
 

@@ -1,7 +1,7 @@
 """`make demo`: the whole path on the embedded model, in about a minute.
 
 The embedded model (tlaloc_jax/demo_model) is a small Llama-architecture decoder that this project
-trained itself on the Python standard library's sources (`python -m tlaloc_jax.train`). The demo
+trained itself on the Python standard library's sources (`python -m tlaloc_jax.tools.train`). The demo
 
   1. exports it to a serving artifact (jax.export, one StableHLO body per entry, pools donated),
   2. starts `python -m tlaloc_jax.serve` on a free loopback port (a process with no JAX in it),
@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
+from ..checkpoint import DEMO_MODEL
+
 DEFAULT_PROMPT = "def read_config(path):\n    "
 MODEL_NAME = "tlaloc-demo"
 
@@ -35,7 +36,7 @@ def free_port() -> int:
 
 def export_demo(out_dir: Path, quiet: bool = True):
     """Export the embedded model with a small ladder (what the demo and its test serve)."""
-    from .export import Sampler, export_checkpoint
+    from ..export import Sampler, export_checkpoint
     return export_checkpoint(DEMO_MODEL, out_dir, batch_ladder=(1, 4), context_ladder=(256,), prefill_chunk=128,
                              block_size=16, progress=not quiet, sampler=Sampler())
 
@@ -94,14 +95,14 @@ def stream_completion(port: int, prompt: str, max_tokens: int, temperature: floa
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tlaloc_jax.demo", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tlaloc_jax.tools.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args(argv)
     if not (DEMO_MODEL / "config.json").is_file():
-        print(f"error: the embedded model is missing ({DEMO_MODEL}); train it with python -m tlaloc_jax.train",
+        print(f"error: the embedded model is missing ({DEMO_MODEL}); train it with python -m tlaloc_jax.tools.train",
               file=sys.stderr)
         return 2
 

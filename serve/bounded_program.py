@@ -30,13 +30,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tlaloc_jax import artifact as mf
-from tlaloc_jax.artifact import bounded as bm
+from tlaloc_jax.artifact import bounded_manifest as bm
 
 from .engine import DEFAULT_CACHE_DIR
-from .runtime.native_log import native_stderr_to_log
 from .runtime import Buffer, Device, Executable, sharded
+from .runtime.native_log import native_stderr_to_log
 
-log = logging.getLogger("tlaloc_jax.serve.bounded")
+log = logging.getLogger("tlaloc_jax.serve.bounded_program")
 
 
 class CallRefused(ValueError):

@@ -1,6 +1,6 @@
 """Bounded programs, the author's side: `Bound` marks input axes whose size is known only at run time (at most a
 maximum), and `Valid` is what the function receives for each bound. `tlaloc_jax.stage_bounded` exports the
-function (export/_bounded.py); `tlaloc_jax.serve.BoundedProgram` serves it.
+function (export/_stage_bounded.py); `tlaloc_jax.serve.BoundedProgram` serves it.
 
     def embed(params, inputs, valid):          # inputs: {"ids": [B, T]}; valid: {"rows": Valid, "tokens": Valid}
         mask = valid["tokens"].mask            # [B, T]: True where a row has a token

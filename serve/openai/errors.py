@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from .engine import RequestRefused
+from ..engine import RequestRefused
 
 RETRY_AFTER_S = 1
 

@@ -1,4 +1,4 @@
-"""python -m tlaloc_jax.quality ART_A ART_B --text FILE: how far artifact B (say, int8 weights) is from A (the
+"""python -m tlaloc_jax.tools.quality ART_A ART_B --text FILE: how far artifact B (say, int8 weights) is from A (the
 unquantized model), both served by the JAX-free runtime (tlaloc_jax.serve.engine).
 
 Three measures:
@@ -9,7 +9,7 @@ Three measures:
   a text longer than the artifacts' largest context is scored in consecutive windows of that many tokens.
 * top-1 agreement: at each position of the text, whether B's most likely next token is A's.
 
-Text: a Python standard-library source the demo model was not trained on. tlaloc_jax/train.py holds out every
+Text: a Python standard-library source the demo model was not trained on. tlaloc_jax/tools/train.py holds out every
 20th file of the sorted standard library (`held_out_files`); `--held-out NAME` picks one of them by its path
 relative to the library (default difflib.py). Other checkpoints were not trained on this text either, or on
 anything we know of; for them it is just code to score.
@@ -30,8 +30,8 @@ DEFAULT_HELD_OUT = "difflib.py"
 
 
 def held_out_files(val_every: int = 20) -> list[Path]:
-    """The standard-library files tlaloc_jax.train keeps out of the demo model's training corpus."""
-    from tlaloc_jax.train import corpus_files, split_files
+    """The standard-library files tlaloc_jax.tools.train keeps out of the demo model's training corpus."""
+    from tlaloc_jax.tools.train import corpus_files, split_files
     return split_files(corpus_files(), val_every)[1]
 
 
@@ -58,7 +58,7 @@ class Scored:
 def score(engine, ids: Sequence[int]) -> Scored:
     """Feed ids as a prompt read one token a call; -> the logprob of ids[1:] and the argmax after each of
     ids[:-1]."""
-    from tlaloc_jax.serve.sampling import Sampling
+    from tlaloc_jax.serve.host_sampling import Sampling
 
     rid = engine.add_request(list(ids), 1, sampling=Sampling(prompt_logprobs=1))
     try:
@@ -155,7 +155,7 @@ def text_ids_for(artifact: str, text: str, tokens: int) -> list[int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tlaloc_jax.quality", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tlaloc_jax.tools.quality", description=__doc__.split("\n\n")[0])
     ap.add_argument("a", metavar="ART_A", help="the reference artifact (e.g. unquantized)")
     ap.add_argument("b", metavar="ART_B", help="the artifact compared with it (e.g. --weight-quant int8)")
     src = ap.add_mutually_exclusive_group()

@@ -28,7 +28,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, build_logitsprocs
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from ...sampling import Sampling, pack_mask
+from ...host_sampling import Sampling, pack_mask
 
 GREEDY_EPS = 1e-5          # vLLM's: a temperature below it is greedy
 

@@ -1,4 +1,4 @@
-"""`python -m tlaloc_jax.train`: train the small Llama-architecture model that `make demo` embeds.
+"""`python -m tlaloc_jax.tools.train`: train the small Llama-architecture model that `make demo` embeds.
 
 The corpus is text every machine has offline: the .py files of the running Python's standard library,
 so the model learns to complete Python code. A byte-level BPE tokenizer is trained on the same files
@@ -31,12 +31,12 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from .checkpoint import save_checkpoint
-from .config import DecoderConfig
-from .decoder import Weights
-from .dense import Attention, next_token_loss, training_attention
+from ..checkpoint import save_checkpoint
+from ..config import DecoderConfig
+from ..decoder import Weights
+from ..dense import Attention, next_token_loss, training_attention
+from ..families import Family, config_from_hf
 from .demo import DEMO_MODEL as DEMO_MODEL_DIR
-from .families import Family, config_from_hf
 
 EOT = "<|endoftext|>"
 
@@ -307,7 +307,7 @@ def train(tc: TrainConfig, out_dir: Path, *, stdlib: str | Path | None = None, p
 def sample(model, prompt: Sequence[int], max_new_tokens: int, *, temperature: float, seed: int,
            stop_ids: Sequence[int] = ()) -> list[int]:
     """Temperature sampling of one prompt through the Model's paged step (prefill once, then decode)."""
-    from .serve.core.paging import RowCall, build_step_inputs, pages_for
+    from ..serve.core.paging import RowCall, build_step_inputs, pages_for
 
     S = model.block_size
     pages = list(range(pages_for(len(prompt) + max_new_tokens, S)))
@@ -336,7 +336,7 @@ def print_samples(checkpoint_dir: Path, prompts: Sequence[str] = SAMPLE_PROMPTS,
     """Greedy completions (load_hf(...).generate) and sampled ones, decoded with the shipped tokenizer."""
     from tokenizers import Tokenizer
 
-    from .model import load_hf
+    from ..model import load_hf
 
     tok = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
     model = load_hf(checkpoint_dir)
@@ -351,7 +351,7 @@ def print_samples(checkpoint_dir: Path, prompts: Sequence[str] = SAMPLE_PROMPTS,
 
 def main(argv=None) -> None:
     defaults = TrainConfig()
-    ap = argparse.ArgumentParser(prog="python -m tlaloc_jax.train", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tlaloc_jax.tools.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEMO_MODEL_DIR, help="checkpoint directory (default: %(default)s)")
     for field, value in asdict(defaults).items():

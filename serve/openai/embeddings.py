@@ -2,7 +2,7 @@
 HTTP server beside its decoder, in OpenAI's shapes.
 
 A request's inputs (text, or token ids) are checked (serve/openai/protocol.py EmbeddingRequest), text is tokenized with
-the embedding artifact's own tokenizer on worker threads (serve/prompts.py, its character bound checked first),
+the embedding artifact's own tokenizer on worker threads (prompts.py, its character bound checked first),
 each input's ids are checked against the program's largest bucket and vocabulary, and all of them run in one
 `BoundedProgram.run_many` on the program's own thread (a BoundedProgram has one caller at a time): inputs of one
 request share bodies as the program's batch bound allows. Requests are not batched with each other.
@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 
 from tlaloc_jax import artifact as mf
-from tlaloc_jax.artifact import bounded as bm
+from tlaloc_jax.artifact import bounded_manifest as bm
 
-from .bounded import BoundedProgram
+from ..bounded_program import BoundedProgram
+from ..tokenizer import read_listed
 from .errors import APIError
-from .openai.protocol import EmbeddingRequest
 from .prompts import PromptTokenizer
-from .tokenizer import read_listed
+from .protocol import EmbeddingRequest
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from tlaloc_jax import artifact as af
-from tlaloc_jax.artifact import bounded as bm
-from tlaloc_jax.bounded import Bound, Valid
+from tlaloc_jax.artifact import bounded_manifest as bm
+from tlaloc_jax.bounds import Bound, Valid
 
 from ._entries import ExportError, check_custom_calls, export_fn
 from ._files import copy_tokenizer, write_body, write_weights

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Callable
 
 from .codec import build, dumps, parse
+from .decoder_manifest import MANIFEST_NAME
 from .errors import ManifestError
 from .files import read_manifest_file, sha256_file, verify_body, verify_listed_files
-from .serving import MANIFEST_NAME
 from .records import TensorSig, TokenizerFile, Versions, WeightFile, check_platform, check_tokenizer_hashes, \
     check_weight_table
 from .vocabulary import NAME, BoundKind, Role, dtype_info

@@ -14,8 +14,8 @@ import os
 
 from tokenizers.pre_tokenizers import ByteLevel
 
+from ..tokenizer import TextTokenizer
 from .errors import APIError
-from .tokenizer import TextTokenizer
 
 # NFC and NFKC compose at most four code points into one (U+1F87: alpha and three marks).
 _MOST_COMPOSED = 4

@@ -33,8 +33,8 @@ import numpy as np
 
 from tlaloc_jax.artifact import mask_words
 
-from .engine import Constraint
-from .loop import StepWork
+from ..engine import Constraint
+from ..loop import StepWork
 
 # A choice is a regex alternation of literals (llguidance's lexer, not a parser row per option: a row holds at
 # most max_items_in_row items). These characters are escaped (the Rust regex crate's meta characters).
