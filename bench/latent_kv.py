@@ -49,7 +49,7 @@ def main() -> None:
     gqa = bytes_per_token(GQA, args.kv_dtype)
     _, cfg = config_from_hf(DEEPSEEK_V3)
     item = af.numpy_dtype(args.kv_dtype).itemsize
-    expanded = cfg.num_layers * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * item
+    expanded = cfg.num_layers * cfg.num_heads * (cfg.qk_head_dim + cfg.mla.v_head_dim) * item
     print(f"KV bytes per token ({args.kv_dtype}), 61 layers:")
     print(f"  DeepSeek-V3 latent pool (512 + 64 per layer)      {latent:>10,}")
     print(f"  GQA, 8 KV heads of 128 (keys and values)          {gqa:>10,}   {gqa / latent:5.2f}x the latent pool")

@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     pre = StepInputs(**build_step_inputs([RowCall(list(range(3, 3 + a.chunk)), 0, pages[a.rows])], batch=1,
                                          tokens=a.chunk, width=width, block_size=block))
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    eps, off = cfg.rms_norm_eps, cfg.residual.norm_offset
 
     def mixed(weights, pools, groups):
         """Both groups in one call: token-wise work on their rows together, attention per group."""

@@ -130,8 +130,8 @@ def main(argv=None):
     fam, cfg = config_from_hf(hf_config(args))
     weights = {k: jnp.asarray(v) for k, v in random_weights(cfg, fam, seed=0).items()}
     expert_mib = sum(weights[f"layers.expert_{k}"].nbytes for k in ("gate", "up", "down")) / MIB
-    print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts of "
-          f"{cfg.moe_intermediate_size} ({expert_mib:.1f} MiB of experts), top-{cfg.experts_per_token}; "
+    print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.experts.num_experts} experts of "
+          f"{cfg.experts.intermediate_size} ({expert_mib:.1f} MiB of experts), top-{cfg.experts.experts_per_token}; "
           f"decode at context {args.context}, {jax.devices()[0].platform}")
     for batch in args.batch:
         inputs, pages = decode_inputs(batch, args.context, cfg.vocab_size, seed=batch)
@@ -144,9 +144,9 @@ def main(argv=None):
         err = relative_error(sparse_logits, dense_logits)
         assert err < 1e-4, f"the sparse and dense steps disagree: relative error {err:.3g}"
         pairs, distinct = chosen_experts(cfg, weights, init_pools(cfg, pages, BLOCK), inputs)
-        assert pairs == batch * cfg.experts_per_token * cfg.num_layers
+        assert pairs == batch * cfg.experts.experts_per_token * cfg.num_layers
         b_sparse = step_bytes(cfg, weights, batch, pairs)
-        b_dense = step_bytes(cfg, weights, batch, cfg.num_layers * cfg.num_experts)
+        b_dense = step_bytes(cfg, weights, batch, cfg.num_layers * cfg.experts.num_experts)
         print(f"batch {batch}: decode step {t_sparse * 1e3:.2f} ms sparse, {t_dense * 1e3:.2f} ms dense "
               f"(dense / sparse {t_dense / t_sparse:.2f}x); weights read {b_sparse / MIB:.1f} MiB sparse "
               f"({pairs} (token, expert) pairs over {cfg.num_layers} layers; {distinct} distinct experts, "

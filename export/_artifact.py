@@ -93,7 +93,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     sampler: `Sampler()` stages the sampler in every entry (see `stage`). A context ladder past the
     checkpoint's max_position_embeddings is refused unless allow_longer_context, which warns instead.
     prompt_logprobs: N adds a scoring prefill entry beside each prefill entry, returning per prompt position the
-    next token's logprob and rank and the N top logprobs (see `stage`, PromptScorer); None adds none.
+    next token's logprob and rank and the N top logprobs (see `stage`, SplitStep); None adds none.
     decode_attention: how decode entries attend over their pages: "xla" (plain ops), "native" (a C kernel,
     kernels/decode_attention.c; cpu only; the serving runtime builds it with its C compiler; ring layers keep plain ops) or
     "pallas" (the Pallas GPU kernel, lowered through Triton; cuda only). None: CPU_DECODE_ATTENTION on cpu where the

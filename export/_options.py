@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 from tlaloc_jax import artifact as af
 
@@ -164,60 +163,8 @@ class SplitStep:
 
 
 @dataclass(frozen=True)
-class PromptScorer:
-    """Deprecated: give `stage` a SplitStep(hidden, head, last=step) and Features(prompt_logprobs=N)."""
-
-    hidden: Callable
-    head: Callable
-    top_logprobs: int = 20
-
-
-# The keywords `stage` took before the groups, and where each one went.
-_LEGACY: dict[str, tuple[str, str]] = {
-    "batch_ladder": ("ladders", "batch"), "context_ladder": ("ladders", "context"),
-    "prefill_chunk": ("ladders", "prefill_chunk"), "prefill_max_batch": ("ladders", "prefill_max_batch"),
-    "prefill_long_chunk": ("ladders", "prefill_long_chunk"),
-    "block_size": ("capacity", "block_size"), "num_blocks": ("capacity", "paged_kv"),
-    "ring_blocks": ("capacity", "ring_kv"), "state_slots": ("capacity", "state_slots"),
-    "sampler": ("features", "sampler"), "prompt_logprobs": ("features", "prompt_logprobs"),
-    "decode_steps": ("features", "decode_steps"),
-    **{k: ("model", k) for k in ("name", "model_type", "eos_token_ids", "refused_tokens", "tokenizer_dir",
-                                 "embedding_slot", "attention_block")},
-    "describe": ("model", ""),
-}
-
-
-@dataclass(frozen=True)
 class Options:
     ladders: Ladders = field(default_factory=Ladders)
     capacity: Capacity = field(default_factory=Capacity)
     features: Features = field(default_factory=Features)
     model: ModelInfo = field(default_factory=ModelInfo)
-
-
-def resolve_options(step: Callable, groups: Options, legacy: Mapping[str, Any]) -> tuple[Callable, Options]:
-    """(step, options) from the groups `stage` was given and the flat keywords it took before them (each moved into
-    its group, with a DeprecationWarning; a PromptScorer becomes a SplitStep around `step`)."""
-    unknown = sorted(set(legacy) - set(_LEGACY))
-    if unknown:
-        raise TypeError(f"stage() got unexpected keyword arguments {unknown}")
-    if not legacy:
-        return step, groups
-    moved: dict[str, dict[str, Any]] = {}
-    for key, value in legacy.items():
-        group, name = _LEGACY[key]
-        if getattr(groups, group) != getattr(Options(), group):
-            raise TypeError(f"stage() got both {group}= and {key}=; give {key} inside {group}")
-        if key == "describe":
-            moved.setdefault(group, {}).update(value or {})
-        else:
-            moved.setdefault(group, {})[name] = value
-    warnings.warn(f"stage({', '.join(f'{k}=' for k in legacy)}...) is the old form: pass ladders=Ladders(...), "
-                  "capacity=Capacity(...), features=Features(...), model=ModelInfo(...) (docs/staging.md)",
-                  DeprecationWarning, stacklevel=3)
-    scorer = moved.get("features", {}).get("prompt_logprobs")
-    if isinstance(scorer, PromptScorer):
-        step = SplitStep(scorer.hidden, scorer.head, last=step)
-        moved["features"]["prompt_logprobs"] = scorer.top_logprobs
-    return step, dataclasses.replace(groups, **{g: dataclasses.replace(getattr(groups, g), **kw)
-                                                for g, kw in moved.items()})

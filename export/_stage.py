@@ -38,7 +38,7 @@ from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entrie
 from ._files import copy_tokenizer, write_body, write_weights
 from ._mesh import abstract_mesh, mesh_size, partition_of, pool_split_axis, sharded
 from ._options import (DEFAULT_POOL_SEQUENCES, DEFAULT_PREFILL_MAX_BATCH, Capacity, Features, Ladders, ModelInfo,
-                       Options, SplitStep, resolve_options)
+                       Options, SplitStep)
 from ._quant import quant_records
 from ._weights import flatten_weights
 
@@ -287,8 +287,8 @@ def _copy_slots_entry(out: Path, resolved: _ResolvedPools, batch: int, platform:
 def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, *, ladders: Ladders = Ladders(),
           capacity: Capacity = Capacity(), features: Features = Features(), model: ModelInfo = ModelInfo(),
           platform: str = "cpu", progress: bool = True, mesh=None,
-          weight_split_axes: Mapping[str, int | None] | None = None, mlir: bool = False, exported: bool = False,
-          **legacy) -> af.Manifest:
+          weight_split_axes: Mapping[str, int | None] | None = None, mlir: bool = False,
+          exported: bool = False) -> af.Manifest:
     """Write the serving artifact of `step` to `out_dir` (empty or absent) and return its manifest.
 
     step(weights, pools, inputs) -> (logits [B, V], pools): one call, traced once per entry; it must return
@@ -298,8 +298,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     pools: {name: PagedKV | RingKV | StateSlots}.
     ladders: the entries' batches, contexts and prefill calls; capacity: the block size and the pools' sizes;
         features: the sampler, prompt scoring, decode steps; model: what the manifest says of the model
-        (export/_options.py documents each field). The keywords stage took before these groups (batch_ladder=,
-        num_blocks=, sampler=, name=, ...) still work, with a DeprecationWarning.
+        (export/_options.py documents each field).
     platform: "cpu" or "cuda", lowered without the device.
     mesh: N (or a 1-D jax Mesh / AbstractMesh) stages every entry for N devices (tensor parallelism,
         docs/multi-device.md): `step` runs under jax.shard_map on each device's shards and all-reduces where its
@@ -311,7 +310,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         lists them, the runtime needs neither (it compiles the `.mlirbc`).
     The export needs no accelerator and loads no PJRT plugin; the same inputs give the same bytes.
     """
-    step, opts = resolve_options(step, Options(ladders, capacity, features, model), legacy)
+    opts = Options(ladders, capacity, features, model)
     files = {"mlir": mlir, "exported": exported}
     if platform not in af.PLATFORMS:
         raise ExportError(f"platform {platform!r}: bodies are lowered for {' or '.join(af.PLATFORMS)}")

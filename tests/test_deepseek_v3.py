@@ -19,7 +19,7 @@ from margins import assert_within
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
 from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint
-from tlaloc_jax.config import DENSE, SPARSE, ConfigError
+from tlaloc_jax.config import DENSE, SPARSE, ConfigError, LatentConfig
 from tlaloc_jax.decoder import moe_spec, pool_shapes
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.kernels import tolerances as tol
@@ -40,12 +40,14 @@ def checkpoint(tmp_path_factory):
 def test_config_keys(checkpoint):
     cfg = load_checkpoint(checkpoint)[0]
     attn = load_hf_torch(checkpoint).model.layers[0].self_attn
-    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim) == (32, 48, 16, 8, 12)
+    assert cfg.mla == LatentConfig(kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, v_head_dim=12)
+    assert cfg.head_dim == 8
     assert cfg.latent_width == 40 and cfg.rope.interleaved and cfg.rope.rope_type == "yarn"
     assert cfg.mlp_types == (DENSE, SPARSE, SPARSE)
-    assert (cfg.router_scoring, cfg.router_normalize, cfg.router_correction) == ("sigmoid", True, True)
-    assert (cfg.router_groups, cfg.router_top_groups, cfg.routed_scaling) == (4, 2, 2.5)
-    assert cfg.shared_expert and not cfg.shared_expert_gate and cfg.shared_expert_intermediate_size == 32
+    e = cfg.experts
+    assert (e.router_scoring, e.router_normalize, e.router_correction) == ("sigmoid", True, True)
+    assert (cfg.experts.router_groups, cfg.experts.router_top_groups, cfg.experts.routed_scaling) == (4, 2, 2.5)
+    assert cfg.shared_expert and not cfg.shared_expert_gate and cfg.experts.shared_intermediate_size == 32
     # The scores' scale: qk_head_dim^-1/2 times YaRN's mscale(factor, mscale_all_dim)^2, as transformers has it.
     assert cfg.query_scale == pytest.approx(attn.scaling, rel=1e-15) and cfg.query_scale != 24 ** -0.5
 
@@ -107,9 +109,9 @@ def test_moe_block_matches_transformers(checkpoint):
     shared = {k: layer[f"shared_{k}"] for k in ("gate", "up", "down")}
     correction = layer["router_correction"]
     logits = router_logits(xj, layer["router"])
-    bound = tol.bound(tol.moe_roundings(hidden=cfg.hidden_size, expert_hidden=cfg.moe_intermediate_size,
-                                        experts=cfg.num_experts, top_k=cfg.experts_per_token,
-                                        shared_hidden=cfg.shared_expert_intermediate_size))
+    bound = tol.bound(tol.moe_roundings(hidden=cfg.hidden_size, expert_hidden=cfg.experts.intermediate_size,
+                                        experts=cfg.experts.num_experts, top_k=cfg.experts.experts_per_token,
+                                        shared_hidden=cfg.experts.shared_intermediate_size))
     ratio = float(jnp.min(router_margins(spec, logits, correction))) / (2 * bound * float(jnp.max(jnp.abs(logits))))
     assert ratio > 1, "a routing choice within rounding of a tie: choose another input seed"
     idx = np.sort(np.asarray(route(spec, logits, correction)[0]).reshape(-1, spec.top_k), axis=-1)
@@ -178,13 +180,13 @@ def test_kv_pool_holds_the_latent_only(checkpoint, int8_artifact):
     m = af.load_manifest(int8_artifact)
     assert [(p.name, p.kind) for p in m.pools] == [("kv", af.PoolKind.PAGED_KV)]
     (pool,) = m.pools
-    assert pool.shape == (cfg.num_layers, 1, pool.capacity, 8, 1, cfg.kv_lora_rank + cfg.head_dim)
+    assert pool.shape == (cfg.num_layers, 1, pool.capacity, 8, 1, cfg.mla.kv_lora_rank + cfg.head_dim)
     per_token = kv_bytes_per_token(m)
-    assert per_token == cfg.num_layers * (cfg.kv_lora_rank + cfg.head_dim) * 4 == 3 * 160
-    gqa = cfg.replace(kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, v_head_dim=0, num_kv_heads=2, head_dim=16)
+    assert per_token == cfg.num_layers * (cfg.mla.kv_lora_rank + cfg.head_dim) * 4 == 3 * 160
+    gqa = cfg.replace(mla=LatentConfig(), num_kv_heads=2, head_dim=16)
     shape = pool_shapes(gqa, 1, 1)["kv"]
     assert per_token * 1.6 == np.prod(shape) * 4 == cfg.num_layers * 256
-    expanded = cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * 4 * cfg.num_layers
+    expanded = cfg.num_heads * (cfg.qk_head_dim + cfg.mla.v_head_dim) * 4 * cfg.num_layers
     assert expanded == 3 * 576
 
 

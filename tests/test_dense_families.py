@@ -74,9 +74,9 @@ def without_quirk(name, model):
     elif name == "phi3":       # the other factor set
         cfg = cfg.replace(rope=cfg.rope.__class__(**{**cfg.rope.__dict__, "long_factors": not cfg.rope.long_factors}))
     elif name == "olmo2":      # the norms after attention and the MLP dropped
-        cfg = cfg.replace(sandwich_norms=False)
+        cfg = cfg.replace(residual=dict(sandwich_norms=False))
     else:
-        cfg = cfg.replace(residual_multiplier=1.0)
+        cfg = cfg.replace(residual=dict(multiplier=1.0))
     return tlaloc_jax.Model(cfg, w, block_size=model.block_size)
 
 
@@ -145,15 +145,16 @@ BASE = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_laye
 
 def test_config_keys_and_refusals():
     q = config_from_hf(dict(BASE, model_type="qwen2"))[1]
-    assert q.attention_bias and not q.output_bias and q.layer_types == (FULL,) * 4
+    assert q.attention.bias and not q.attention.output_bias and q.layer_types == (FULL,) * 4
     # use_sliding_window: the layers from max_window_layers on slide, as transformers builds them.
     q = config_from_hf(dict(BASE, model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2))[1]
     assert q.layer_types == (FULL, FULL, SLIDING, SLIDING) and q.sliding_window == 8
     o = config_from_hf(dict(BASE, model_type="olmo2"))[1]
-    assert (o.input_norms, o.sandwich_norms, o.qk_norm, o.qk_norm_whole, o.attention_bias) == (False, True, True, True,
-                                                                                                False)
+    assert (o.residual.input_norms, o.residual.sandwich_norms) == (False, True)
+    assert (o.attention.qk_norm, o.attention.qk_norm_whole, o.attention.bias) == (True, True, False)
     g = config_from_hf(dict(BASE, model_type="granite", attention_multiplier=0.25, embedding_multiplier=12.0))[1]
-    assert (g.query_scale, g.embedding_multiplier, g.residual_multiplier, g.logits_scaling) == (0.25, 12.0, 1.0, 1.0)
+    assert g.query_scale == 0.25
+    assert (g.residual.embedding_multiplier, g.residual.multiplier, g.residual.logits_scaling) == (12.0, 1.0, 1.0)
     with pytest.raises(ConfigError, match="granite config key mlp_bias=True is not supported"):
         config_from_hf(dict(BASE, model_type="granite", mlp_bias=True))
     longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}

@@ -133,7 +133,7 @@ def in_process(name, store, tmp_path_factory):
     path = checkpoint(store, tmp_path_factory, name)
     want = oracle(store, tmp_path_factory, name)
     model = tlaloc_jax.load_hf(path, block_size=8)
-    assert model.config.num_experts == 8 and model.config.experts_per_token == 2
+    assert model.config.experts.num_experts == 8 and model.config.experts.experts_per_token == 2
     bound = logit_bound(model.config)
     check_greedy_batch(PROMPTS, model.generate(PROMPTS, NEW), want, logit_bound=bound,
                        next_token=engine_next_token(model))
@@ -153,7 +153,7 @@ def test_in_process_gives_transformers_ids_and_first_logits(name, store, tmp_pat
     model, want, bound = in_process(name, store, tmp_path_factory)
     if name == "gpt_oss":
         # Control: the attention sinks dropped (a softmax without its sink term).
-        no_sinks = tlaloc_jax.Model(model.config.replace(attn_sinks=False), model.weights, block_size=8)
+        no_sinks = tlaloc_jax.Model(model.config.replace(attention=dict(sinks=False)), model.weights, block_size=8)
         with pytest.raises(GreedyMismatch):
             check_greedy_batch(PROMPTS, no_sinks.generate(PROMPTS, NEW), want, logit_bound=bound,
                                next_token=engine_next_token(no_sinks))
@@ -203,7 +203,7 @@ def test_served_gives_transformers_ids(name, store, tmp_path_factory, tmp_path, 
                           progress=False)
     cfg = load_checkpoint(path)[0]
     weights = {w.slot: w for w in m.weights}
-    X, E, FX, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.mlp_types.count(SPARSE)
+    X, E, FX, L = cfg.experts.num_experts, cfg.hidden_size, cfg.experts.intermediate_size, cfg.mlp_types.count(SPARSE)
     for i in range(L):
         assert weights[f"layers.expert_gate.{i}"].shape == (X, E, FX)
         assert weights[f"layers.expert_down.{i}"].shape == (X, FX, E)
@@ -247,7 +247,7 @@ def test_decode_step_copies_no_layer_of_experts(store, tmp_path_factory, layout)
     weight. Control: a step that slices a layer's experts out of the stack whole is caught by the same check."""
     model = tlaloc_jax.load_hf(checkpoint(store, tmp_path_factory, "qwen3_moe"), block_size=8, weight_layout=layout)
     cfg = model.config
-    X, E, FX = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    X, E, FX = cfg.experts.num_experts, cfg.hidden_size, cfg.experts.intermediate_size
     pools = model.new_pools(16)
     inputs = build_step_inputs([RowCall([3], 5, [0, 1]), RowCall([4], 2, [2]), RowCall([], 0, None),
                                 RowCall([9], 0, [3])], batch=4, tokens=1, width=2, block_size=8)
@@ -311,14 +311,16 @@ def test_moe_decoder_trains_through_the_dense_forward(monkeypatch):
 def test_config_keys(store, tmp_path_factory):
     cfgs = {name: load_checkpoint(checkpoint(store, tmp_path_factory, name))[0] for name in CASES}
     q, mx, g, nx = cfgs["qwen3_moe"], cfgs["mixtral"], cfgs["gpt_oss"], cfgs["qwen3_next"]
-    assert (q.router_scoring, q.router_normalize, q.qk_norm, q.moe_intermediate_size) == ("softmax", False, True, 32)
-    assert (mx.router_scoring, mx.router_normalize, mx.moe_intermediate_size) == ("softmax", True, 32)
+    assert q.attention.qk_norm
+    assert (q.experts.router_scoring, q.experts.router_normalize, q.experts.intermediate_size) == ("softmax", False, 32)
+    assert (mx.experts.router_scoring, mx.experts.router_normalize,
+            mx.experts.intermediate_size) == ("softmax", True, 32)
     assert mx.layer_types == (SLIDING,) * 3 and mx.sliding_window == 8
-    assert (g.router_scoring, g.expert_activation, g.router_bias, g.expert_bias) == ("topk_softmax",
-                                                                                      "swiglu_clamped", True, True)
-    assert g.attention_bias and g.attn_sinks and g.swiglu_limit == 0.6 and g.swiglu_alpha == 1.702
+    assert (g.experts.router_scoring, g.experts.activation, g.experts.router_bias,
+            g.experts.expert_bias) == ("topk_softmax", "swiglu_clamped", True, True)
+    assert g.attention.bias and g.attention.sinks and g.experts.swiglu_limit == 0.6 and g.experts.swiglu_alpha == 1.702
     assert g.layer_types == (SLIDING, FULL, SLIDING, FULL) and g.rope.rope_type == "yarn"
-    assert nx.router_normalize and nx.shared_expert_intermediate_size == 48 and nx.attn_output_gate
+    assert nx.experts.router_normalize and nx.experts.shared_intermediate_size == 48 and nx.attention.output_gate
     assert not any(c.shared_expert for c in (q, mx, g))
 
 
@@ -340,7 +342,7 @@ def test_weights_read_as_transformers_holds_them(name, store, tmp_path_factory):
         np.testing.assert_array_equal(w["layers.router_bias"][k], mlp.router.bias.detach().numpy())
     else:
         gate_up = experts.gate_up_proj.detach().numpy()                      # [X, 2 FX, E], [out, in]
-        FX = cfg.moe_intermediate_size
+        FX = cfg.experts.intermediate_size
         np.testing.assert_array_equal(w["layers.expert_gate"][k], gate_up[:, :FX].swapaxes(1, 2))
         np.testing.assert_array_equal(w["layers.expert_up"][k], gate_up[:, FX:].swapaxes(1, 2))
         np.testing.assert_array_equal(w["layers.expert_down"][k], experts.down_proj.detach().numpy().swapaxes(1, 2))

@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from tlaloc_jax.config import DENSE, FULL, LINEAR, SLIDING, SPARSE, DecoderConfig, RopeConfig
+from tlaloc_jax.config import (DENSE, FULL, LINEAR, SLIDING, SPARSE, DecoderConfig, LinearAttentionConfig, MoeConfig,
+                               RopeConfig)
 from tlaloc_jax.decoder import pool_shapes
 from tlaloc_jax.families import stack_layers
 from tlaloc_jax.plan import Stacked, layer_plan
@@ -17,11 +18,12 @@ MIXES = [(F,) * 3, (S,) * 3, (S, F) * 2, (S, F, S, S), (X, X, X, F) * 2, (S, F, 
 
 
 def config(types: tuple[str, ...], mlps: tuple[str, ...] = ()) -> DecoderConfig:
-    moe = dict(num_experts=4, experts_per_token=2, moe_intermediate_size=4) if SPARSE in mlps else {}
+    moe = dict(experts=MoeConfig(num_experts=4, experts_per_token=2, intermediate_size=4)) if SPARSE in mlps else {}
     return DecoderConfig(model_type="test", vocab_size=16, hidden_size=8, intermediate_size=8, num_layers=len(types),
                          num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, rope=RopeConfig(),
-                         layer_types=types, sliding_window=4, linear_key_heads=1, linear_key_dim=4,
-                         linear_value_heads=2, linear_value_dim=4, linear_conv_kernel=4, mlp_types=mlps, **moe)
+                         layer_types=types, sliding_window=4, mlp_types=mlps, **moe,
+                         linear=LinearAttentionConfig(key_heads=1, key_dim=4, value_heads=2, value_dim=4,
+                                                      conv_kernel=4))
 
 
 def by_hand(types: tuple[str, ...], windowed: bool) -> dict[str, list[int]]:

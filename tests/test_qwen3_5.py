@@ -107,7 +107,7 @@ def test_qwen3_next_interleaved_projections_split_as_transformers_does(checkpoin
     for slot, want in (("in_qkv", want_qkv), ("in_z", z.reshape(1, 5, -1).numpy()), ("in_b", b.numpy()),
                        ("in_a", a.numpy())):
         assert_within(relative_error(xn @ w[f"linear.{slot}"][1], want), bound, f"split {slot}")
-    contiguous = xn @ attn.in_proj_qkvz.weight.numpy().T[:, :cfg.conv_channels]
+    contiguous = xn @ attn.in_proj_qkvz.weight.numpy().T[:, :cfg.linear.conv_channels]
     assert np.abs(contiguous - want_qkv).max() > 1e-2
 
 
@@ -141,8 +141,9 @@ def test_hybrid_config_keys():
     _, cfg = config_from_hf(base)
     assert cfg.layer_types == (LINEAR, LINEAR, LINEAR, FULL) * 2
     assert cfg.rope.partial_rotary_factor == 0.25          # transformers' default for these families
-    assert cfg.norm_offset == 1.0 and cfg.qk_norm and cfg.attn_output_gate and cfg.linear_conv_kernel == 4
-    assert cfg.conv_channels == 2 * 2 * 4 + 4 * 4 and cfg.linear_group == 2
+    assert cfg.residual.norm_offset == 1.0 and cfg.linear.conv_kernel == 4
+    assert cfg.attention.qk_norm and cfg.attention.output_gate
+    assert cfg.linear.conv_channels == 2 * 2 * 4 + 4 * 4 and cfg.linear.group == 2
     _, cfg = config_from_hf(dict(base, full_attention_interval=2, rope_parameters={
         "rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}))
     assert cfg.layer_types == (LINEAR, FULL) * 4 and cfg.rope.partial_rotary_factor == 0.5
@@ -156,9 +157,9 @@ def test_mixture_of_experts_config_keys_and_refusals():
                 linear_key_head_dim=4, linear_value_head_dim=4)
     moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=20)
     _, cfg = config_from_hf(dict(base, **moe))
-    assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size) == (8, 2, 12)
-    assert cfg.router_normalize and cfg.shared_expert and cfg.shared_expert_intermediate_size == 20
-    assert not config_from_hf(dict(base, **moe, norm_topk_prob=False))[1].router_normalize
+    assert (cfg.experts.num_experts, cfg.experts.experts_per_token, cfg.experts.intermediate_size) == (8, 2, 12)
+    assert cfg.experts.router_normalize and cfg.shared_expert and cfg.experts.shared_intermediate_size == 20
+    assert not config_from_hf(dict(base, **moe, norm_topk_prob=False))[1].experts.router_normalize
     # Dense layers among the sparse ones, as transformers builds them.
     assert config_from_hf(dict(base, **moe, decoder_sparse_step=2))[1].mlp_types == ("dense", "sparse") * 2
     assert config_from_hf(dict(base, **moe, mlp_only_layers=[1]))[1].mlp_types == ("sparse", "dense", "sparse", "sparse")
@@ -285,8 +286,8 @@ def test_state_pools_need_slots_and_step_inputs_need_state_slots(model):
     with pytest.raises(ValueError, match="6 linear-attention layers: its pools need state_slots >= 1"):
         pool_shapes(cfg, 4, S)
     shapes = pool_shapes(cfg, 4, S, state_slots=3)
-    assert shapes["conv"] == (6, 3, cfg.conv_channels, 3)
-    assert shapes["recurrent"] == (6, 3, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim)
+    assert shapes["conv"] == (6, 3, cfg.linear.conv_channels, 3)
+    assert shapes["recurrent"] == (6, 3, cfg.linear.value_heads, cfg.linear.key_dim, cfg.linear.value_dim)
     assert shapes["kv"][0] == 2
     pools = init_pools(cfg, 4, S, state_slots=3)
     assert all(str(pools[k].dtype) == "float32" for k in ("conv", "recurrent"))

@@ -5,7 +5,6 @@ Also stage's option groups: the keywords it took before them, and a step given a
 
 from __future__ import annotations
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +14,8 @@ from jax import lax
 
 import tlaloc_jax
 from margins import assert_within
-from tlaloc_jax import Capacity, Features, Ladders, ModelInfo, PromptScorer, Sampler, SplitStep
+from tlaloc_jax import Capacity, Features, Ladders, ModelInfo, Sampler, SplitStep
 from tlaloc_jax import artifact as af
-from tlaloc_jax.export._options import Options, resolve_options
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
@@ -285,29 +283,14 @@ def test_a_split_step_is_its_head_on_the_last_hidden_state(weights):
     assert not np.allclose(_call(backwards, weights, pool, rows, 8)[0], want[0])
 
 
-def test_stage_takes_its_old_keywords_into_the_groups():
-    """The keywords stage took before the option groups land in their fields with a DeprecationWarning; a
-    PromptScorer becomes a SplitStep around the step. Both forms at once, or an unknown keyword, are refused."""
-    with pytest.warns(DeprecationWarning, match=r"stage\(batch_ladder=, .*\) is the old form"):
-        step, opts = resolve_options(toy_step, Options(), dict(
-            batch_ladder=(1, 4), context_ladder=(32,), prefill_chunk=8, prefill_long_chunk=0, prefill_max_batch=2,
-            block_size=8,
-            num_blocks=9, ring_blocks=3, state_slots=2, sampler=Sampler(4, 2), decode_steps=3, name="toy",
-            model_type="toy_type", eos_token_ids=(1,), refused_tokens=((2, "k"),), tokenizer_dir="tok",
-            embedding_slot="embed", attention_block=16, describe={"layers": 2, "kv_dtype": "bfloat16"}))
-    assert step is toy_step and opts == Options(
-        Ladders(batch=(1, 4), context=(32,), prefill_chunk=8, prefill_long_chunk=0, prefill_max_batch=2),
-        Capacity(block_size=8, paged_kv=9, ring_kv=3, state_slots=2), Features(Sampler(4, 2), None, 3),
-        ModelInfo(name="toy", model_type="toy_type", tokenizer_dir="tok", embedding_slot="embed",
-                  eos_token_ids=(1,), refused_tokens=((2, "k"),), layers=2, kv_dtype="bfloat16", attention_block=16))
-    with pytest.warns(DeprecationWarning):
-        step, opts = resolve_options(toy_step, Options(), {"prompt_logprobs": PromptScorer(toy_hidden, toy_head, 5)})
-    assert step == SplitStep(toy_hidden, toy_head, last=toy_step) and opts.features.prompt_logprobs == 5
-    with pytest.raises(TypeError, match=r"both ladders= and batch_ladder="), warnings.catch_warnings():
-        warnings.simplefilter("error")
-        resolve_options(toy_step, Options(ladders=Ladders(batch=(2,))), {"batch_ladder": (1,)})
-    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['batch'\]"):
-        tlaloc_jax.stage(toy_step, {}, {}, "unused", batch=(1,))
+def test_stage_refuses_the_old_flat_keywords():
+    """The keywords stage took before the option groups (batch_ladder=, num_blocks=, sampler=, name=, ...) are gone:
+    Python refuses each as an unexpected keyword, and the deprecated PromptScorer is no longer exported."""
+    for key, value in (("batch_ladder", (1,)), ("num_blocks", 9), ("sampler", Sampler()), ("name", "toy"),
+                       ("prompt_logprobs", 2), ("describe", {})):
+        with pytest.raises(TypeError, match=rf"unexpected keyword argument '{key}'"):
+            tlaloc_jax.stage(toy_step, {}, {}, "unused", **{key: value})
+    assert not hasattr(tlaloc_jax, "PromptScorer") and not hasattr(tlaloc_jax.export, "PromptScorer")
 
 
 def test_prompt_scoring_needs_a_split_step(weights, tmp_path):

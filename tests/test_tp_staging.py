@@ -57,14 +57,13 @@ def test_refusals_name_the_count(llama_tp2, tmp_path):
     with pytest.raises(ShardingError, match="num_attention_heads=4 .* 3 tensor-parallel"):
         check_divisible(cfg.replace(num_kv_heads=1), 3)
     with pytest.raises(ShardingError, match="num_experts=6"):
-        check_divisible(cfg.replace(num_kv_heads=4, num_experts=6, experts_per_token=2, moe_intermediate_size=8,
-                                    mlp_types=()), 4)
+        check_divisible(cfg.replace(num_kv_heads=4, mlp_types=(),
+                                    experts=dict(num_experts=6, experts_per_token=2, intermediate_size=8)), 4)
     with pytest.raises(ShardingError, match="linear_num_key_heads=2"):
-        check_divisible(cfg.replace(num_kv_heads=4, layer_types=(LINEAR,) * 3, linear_key_heads=2,
-                                    linear_value_heads=4, linear_key_dim=8, linear_value_dim=8,
-                                    linear_conv_kernel=4), 4)
+        check_divisible(cfg.replace(num_kv_heads=4, layer_types=(LINEAR,) * 3,
+                                    linear=dict(key_heads=2, value_heads=4, key_dim=8, value_dim=8, conv_kernel=4)), 4)
     with pytest.raises(ShardingError, match="latent attention"):
-        check_divisible(cfg.replace(kv_lora_rank=8, head_dim=4, v_head_dim=4, qk_nope_head_dim=4), 2)
+        check_divisible(cfg.replace(head_dim=4, mla=dict(kv_lora_rank=8, v_head_dim=4, qk_nope_head_dim=4)), 2)
     with pytest.raises(ExportError, match="num_key_value_heads=2"):
         export_checkpoint(ck, tmp_path / "out", tensor_parallel=4, **TINY_LADDER)
     assert not (tmp_path / "out").exists(), "a refused export wrote files"

@@ -9,8 +9,7 @@ The in-process API and the staging API are loaded on first use:
     tlaloc_jax.stage_bounded(fn, params, {"ids": ids}, "artifact/", bounds={"tokens": tlaloc_jax.Bound(...)})
 """
 
-_STAGING = ("stage", "Ladders", "Capacity", "Features", "ModelInfo", "Sampler", "SplitStep", "PromptScorer",
-            "stage_bounded")
+_STAGING = ("stage", "Ladders", "Capacity", "Features", "ModelInfo", "Sampler", "SplitStep", "stage_bounded")
 __all__ = ["load_hf", "Model", "DecoderConfig", *_STAGING, "PagedKV", "RingKV", "StateSlots", "StepInputs", "Bound",
            "Valid", "exact_valid", "EmbeddingTask"]
 

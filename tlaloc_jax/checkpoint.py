@@ -106,7 +106,7 @@ def _read_slot(index: _TensorIndex, fam: Family, spec: Tensor, cfg: DecoderConfi
                dtype: np.dtype) -> np.ndarray:
     if spec.per_expert:
         return np.stack([_read_one(index, spec.hf.format(p=fam.prefix, i=layer, e=e), spec, cfg, dtype)
-                         for e in range(cfg.num_experts)])
+                         for e in range(cfg.experts.num_experts)])
     return _read_one(index, spec.hf.format(p=fam.prefix, i=layer), spec, cfg, dtype)
 
 
@@ -158,7 +158,7 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike, hf_config: dict[str, Any]
         layers = stack_layers(spec.slot, cfg)
         per_layer = list(zip(layers, arr)) if layers else [(None, arr)]
         for i, a in per_layer:
-            per_expert = ([(spec.hf.format(p=fam.prefix, i=i, e=e), a[e]) for e in range(cfg.num_experts)]
+            per_expert = ([(spec.hf.format(p=fam.prefix, i=i, e=e), a[e]) for e in range(cfg.experts.num_experts)]
                           if spec.per_expert else [(spec.hf.format(p=fam.prefix, i=i), a)])
             for name, t in per_expert:
                 _write_one(tensors, covered, name, t, spec, cfg)

@@ -66,10 +66,10 @@ def decoder_pools(cfg: DecoderConfig, *, windowed: bool, kv_dtype: str, ring_pag
         elif name == "window_kv":
             specs[name] = RingKV(len(ids), K, D, cfg.sliding_window, kv_dtype, ring_pages=ring_pages, layer_ids=ids)
         elif name == "conv":
-            specs[name] = StateSlots((cfg.conv_channels, cfg.linear_conv_kernel - 1), "float32", len(ids), ids,
+            specs[name] = StateSlots((cfg.linear.conv_channels, cfg.linear.conv_kernel - 1), "float32", len(ids), ids,
                                      shard_axis=0)
         elif name == "recurrent":
-            specs[name] = StateSlots((cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim), "float32",
+            specs[name] = StateSlots((cfg.linear.value_heads, cfg.linear.key_dim, cfg.linear.value_dim), "float32",
                                      len(ids), ids, shard_axis=0)
         else:
             raise ValueError(f"the decoder's layer plan names pool {name!r}, which decoder_pools cannot declare")
@@ -132,20 +132,20 @@ def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Ar
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if "qkv_proj" in w:             # fused at export (tlaloc_jax.layout): one projection, split here
         qkv = linear(x, w["qkv_proj"])
-        if cfg.attention_bias:
+        if cfg.attention.bias:
             qkv = qkv + w["qkv_bias"]
         q, k, v = jnp.split(qkv, (H * D, (H + K) * D), axis=-1)
     else:
         q, k, v = linear(x, w["q_proj"]), linear(x, w["k_proj"]), linear(x, w["v_proj"])
-        if cfg.attention_bias:
+        if cfg.attention.bias:
             q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
-    if cfg.qk_norm and cfg.qk_norm_whole:       # OLMo 2: over the whole projection
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    if cfg.attention.qk_norm and cfg.attention.qk_norm_whole:       # OLMo 2: over the whole projection
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.residual.norm_offset)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.residual.norm_offset)
     q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
-    if cfg.qk_norm and not cfg.qk_norm_whole:
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    if cfg.attention.qk_norm and not cfg.attention.qk_norm_whole:
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.residual.norm_offset)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.residual.norm_offset)
     cos, sin = rope
     return apply_rope(q, cos, sin, cfg.rope.interleaved), apply_rope(k, cos, sin, cfg.rope.interleaved), v
 
@@ -160,10 +160,10 @@ def attention_output(cfg: DecoderConfig, w: Weights, x: jax.Array, o: jax.Array)
     """o: [B, T, H, D] attention of the layer input x [B, T, E] -> [B, T, E]: gated (Qwen3.5) and projected."""
     B, T, H, D = o.shape
     o = o.reshape(B, T, H * D)
-    if cfg.attn_output_gate:
+    if cfg.attention.output_gate:
         o = o * jax.nn.sigmoid(linear(x, w["gate_proj"]))
     o = reduce_shards(cfg, linear(o, w["o_proj"]))
-    return o + w["o_bias"] if cfg.output_bias else o
+    return o + w["o_bias"] if cfg.attention.output_bias else o
 
 
 # A mixture-of-experts layer's expert slots ("layers.expert_<name>"), as kernels.moe names them.
@@ -171,10 +171,11 @@ EXPERT_SLOTS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 
 
 def moe_spec(cfg: DecoderConfig) -> MoeSpec:
-    return MoeSpec(experts=cfg.num_experts, top_k=cfg.experts_per_token, scoring=cfg.router_scoring,
-                   normalize=cfg.router_normalize, activation=cfg.expert_activation, alpha=cfg.swiglu_alpha,
-                   limit=cfg.swiglu_limit, groups=cfg.router_groups, top_groups=cfg.router_top_groups,
-                   scale=cfg.routed_scaling)
+    e = cfg.experts
+    return MoeSpec(experts=e.num_experts, top_k=e.experts_per_token, scoring=e.router_scoring,
+                   normalize=e.router_normalize, activation=e.activation, alpha=e.swiglu_alpha,
+                   limit=e.swiglu_limit, groups=e.router_groups, top_groups=e.router_top_groups,
+                   scale=e.routed_scaling)
 
 
 def stacked_experts(weights: Weights) -> dict[str, jax.Array]:
@@ -217,34 +218,34 @@ def embed_tokens(cfg: DecoderConfig, weights: Weights, token_ids: jax.Array) -> 
     """token_ids: [B, T] -> the residual stream's start [B, T, E] f32: embeddings, times sqrt(E) (Gemma) or the
     embedding multiplier (Granite)."""
     h = embed(weights["embed"], token_ids)
-    if cfg.embed_scale:
+    if cfg.residual.embed_scale:
         h = h * jnp.float32(cfg.hidden_size ** 0.5)
-    if cfg.embedding_multiplier != 1.0:
-        h = h * jnp.float32(cfg.embedding_multiplier)
+    if cfg.residual.embedding_multiplier != 1.0:
+        h = h * jnp.float32(cfg.residual.embedding_multiplier)
     return h
 
 
 def _residual(cfg: DecoderConfig, h: jax.Array, y: jax.Array) -> jax.Array:
     """h + y, y scaled by the residual multiplier (Granite's; 1 elsewhere)."""
-    return h + (y * jnp.float32(cfg.residual_multiplier) if cfg.residual_multiplier != 1.0 else y)
+    return h + (y * jnp.float32(cfg.residual.multiplier) if cfg.residual.multiplier != 1.0 else y)
 
 
 def attention_input(cfg: DecoderConfig, lw: Weights, h: jax.Array) -> jax.Array:
     """What a layer's attention reads of the residual stream h: h normed (h itself without input norms: OLMo 2)."""
-    return rms_norm(h, lw["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset) if cfg.input_norms else h
+    return rms_norm(h, lw["attn_norm"], cfg.rms_norm_eps, cfg.residual.norm_offset) if cfg.residual.input_norms else h
 
 
 def residual_mlp(cfg: DecoderConfig, lw: Weights, h: jax.Array, a: jax.Array, *, kind: str | None = None,
                  valid: jax.Array | None = None, experts: dict | None = None, layer=None) -> jax.Array:
     """The rest of a layer after its attention a: h + a (a normed first with sandwich norms), then the
     MLP's residual (feed_forward, whose arguments the keywords are). h, a: [B, T, E] -> [B, T, E]."""
-    eps, off = cfg.rms_norm_eps, cfg.norm_offset
-    if cfg.sandwich_norms:
+    eps, off = cfg.rms_norm_eps, cfg.residual.norm_offset
+    if cfg.residual.sandwich_norms:
         a = rms_norm(a, lw["post_attn_norm"], eps, off)
     h = _residual(cfg, h, a)
-    x = rms_norm(h, lw["mlp_norm"], eps, off) if cfg.input_norms else h
+    x = rms_norm(h, lw["mlp_norm"], eps, off) if cfg.residual.input_norms else h
     m = feed_forward(cfg, lw, x, kind=kind, valid=valid, experts=experts, layer=layer)
-    if cfg.sandwich_norms:
+    if cfg.residual.sandwich_norms:
         m = rms_norm(m, lw["post_mlp_norm"], eps, off)
     return _residual(cfg, h, m)
 
@@ -264,8 +265,8 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
     """
     q, k, v = project_qkv(cfg, w, x, rope)
     kv = kv_cache_write(kv, k, v, inputs.window_slot_mapping if ring_pages else inputs.slot_mapping, layer)
-    common = dict(scale=cfg.query_scale, window=window or None, soft_cap=cfg.attn_softcap or None,
-                  ring=bool(ring_pages), sinks=w["sinks"] if cfg.attn_sinks else None)
+    common = dict(scale=cfg.query_scale, window=window or None, soft_cap=cfg.attention.softcap or None,
+                  ring=bool(ring_pages), sinks=w["sinks"] if cfg.attention.sinks else None)
 
     def attend(q, g: StepInputs):
         tables = g.window_block_tables[:, :ring_pages] if ring_pages else g.block_tables
@@ -337,7 +338,7 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
     states back with one scatter per pool into the stacked pool, so a donated pool is updated in place.
     """
     B, T, _ = x.shape
-    Kh, Dk, Hv, Dv = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_heads, cfg.linear_value_dim
+    Kh, Dk, Hv, Dv = cfg.linear.key_heads, cfg.linear.key_dim, cfg.linear.value_heads, cfg.linear.value_dim
     live = inputs.positions >= 0
     # -1 (an empty row) -> one past the last slot: its reads give zeros and its writes are dropped.
     slots = inputs.state_slots
@@ -401,7 +402,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     if cfg.latent and decode_attention != "xla":
         raise ValueError(f"{cfg.model_type} has latent attention, which decode_attention {decode_attention!r} has no "
                          "kernel for: use 'xla'")
-    eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    eps, off = cfg.rms_norm_eps, cfg.residual.norm_offset
     h = embed_tokens(cfg, weights, inputs.token_ids)
     tables = {FULL: rope_tables(cfg.rope, cfg.head_dim, inputs.positions)}
     tables[SLIDING] = (rope_tables(cfg.rope_sliding, cfg.head_dim, inputs.positions)
@@ -456,9 +457,9 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
 def logits_from_hidden(cfg: DecoderConfig, weights: Weights, x: jax.Array) -> jax.Array:
     """x: [B, E] -> logits [B, V] f32."""
     logits = tied_head(x, weights["embed"]) if cfg.tie_word_embeddings else linear(x, weights["head"])
-    if cfg.logits_scaling != 1.0:      # Granite divides its logits by logits_scaling
-        logits = logits / jnp.float32(cfg.logits_scaling)
-    return soft_cap(logits, cfg.final_softcap)
+    if cfg.residual.logits_scaling != 1.0:      # Granite divides its logits by logits_scaling
+        logits = logits / jnp.float32(cfg.residual.logits_scaling)
+    return soft_cap(logits, cfg.residual.final_softcap)
 
 
 def forward(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs | tuple[StepInputs, ...], *,

@@ -38,7 +38,7 @@ def _per_layer(cfg: DecoderConfig, weights: Weights) -> Weights:
     if linear_layers:
         raise ConfigError(f"the dense forward has no linear-attention layers (layers {linear_layers} of "
                           f"{cfg.model_type} are {cfg.layer_types[linear_layers[0]]!r})")
-    if cfg.attn_sinks:
+    if cfg.attention.sinks:
         raise ConfigError(f"the dense forward has no attention sinks ({cfg.model_type} config); its training "
                           "attention (kernels.causal_attention) would drop them")
     if cfg.latent:
@@ -55,13 +55,13 @@ def dense_hidden(cfg: DecoderConfig, weights: Weights, token_ids: jax.Array, *,
     """token_ids: [B, T], every row at positions 0..T-1 -> final-normed hidden states [B, T, E] f32."""
     B, T = token_ids.shape
     D = cfg.head_dim
-    eps, off = cfg.rms_norm_eps, cfg.norm_offset
+    eps, off = cfg.rms_norm_eps, cfg.residual.norm_offset
     h = embed_tokens(cfg, weights, token_ids)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     full_rope = rope_tables(cfg.rope, D, positions)
     sliding_rope = rope_tables(cfg.rope_sliding, D, positions) if cfg.rope_sliding is not None else None
     windows = jnp.asarray([cfg.layer_window(i) for i in range(cfg.num_layers)], jnp.int32)
-    soft_cap = cfg.attn_softcap or None
+    soft_cap = cfg.attention.softcap or None
 
     def layer(h, xs):
         w, window = xs

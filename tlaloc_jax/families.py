@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from operator import attrgetter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,8 +39,8 @@ class Split:
 
 
 def _size(name: str, cfg: DecoderConfig) -> int:
-    """A size: a DecoderConfig attribute, a number, or a product "a*b" of them."""
-    return math.prod(int(n) if n.isdigit() else int(getattr(cfg, n)) for n in name.split("*"))
+    """A size: a DecoderConfig attribute (a group's as "group.name"), a number, or a product "a*b" of them."""
+    return math.prod(int(n) if n.isdigit() else int(attrgetter(n)(cfg)) for n in name.split("*"))
 
 
 def split_rows(split: Split, cfg: DecoderConfig) -> tuple[np.ndarray, int]:
@@ -62,7 +63,7 @@ class Tensor:
     shape: the slot's shape in one layer, linears [in, out], experts' [X, in, out]; each size names a
         DecoderConfig attribute, a number, or a product "a*b" of them (as in Split).
     transpose: the checkpoint stores a linear [out, in] (its last two axes); the slot holds [in, out].
-    when: a DecoderConfig flag the slot needs ("qk_norm"), or "untied_head".
+    when: a DecoderConfig flag the slot needs ("moe", a group's as "attention.qk_norm"), or "untied_head".
     split: the checkpoint tensor holds this slot and others, interleaved along its first axis (Split).
     squeeze: an axis of size 1 that the checkpoint has and the slot drops (a depthwise conv's [C, 1, W]).
     """
@@ -116,7 +117,7 @@ def _wanted(when: str | None, cfg: DecoderConfig) -> bool:
         return True
     if when == "untied_head":
         return not cfg.tie_word_embeddings
-    return bool(getattr(cfg, when))
+    return bool(attrgetter(when)(cfg))
 
 
 def stack_layers(slot: str, cfg: DecoderConfig) -> tuple[int, ...]:
@@ -130,18 +131,18 @@ def stack_layers(slot: str, cfg: DecoderConfig) -> tuple[int, ...]:
 # Slot names: "embed", "final_norm", "head" are whole tensors; "layers.*" are stacked over every layer,
 # "attn.*" over the attention layers (full and sliding), "linear.*" over the linear-attention layers, in
 # layer order.
-# Slot sizes (docs/glossary.md), as the DecoderConfig attributes that hold them.
+# Slot sizes (docs/glossary.md), as the DecoderConfig attributes that hold them ("group.name" inside a group).
 E, F, V, D = "hidden_size", "intermediate_size", "vocab_size", "head_dim"
 HD, KD = "num_heads*head_dim", "num_kv_heads*head_dim"
 # A linear layer's: C conv channels (q | k | v), W conv taps, Hv value heads of Dv.
-C, W, Hv, Dv, HvDv = ("conv_channels", "linear_conv_kernel", "linear_value_heads", "linear_value_dim",
-                      "linear_value_heads*linear_value_dim")
+C, W, Hv, Dv, HvDv = ("linear.conv_channels", "linear.conv_kernel", "linear.value_heads", "linear.value_dim",
+                      "linear.value_heads*linear.value_dim")
 _ATTN = (
     Tensor("attn.q_proj", "{p}layers.{i}.self_attn.q_proj.weight", (E, HD), transpose=True),
     Tensor("attn.k_proj", "{p}layers.{i}.self_attn.k_proj.weight", (E, KD), transpose=True),
     Tensor("attn.v_proj", "{p}layers.{i}.self_attn.v_proj.weight", (E, KD), transpose=True),
-    Tensor("attn.q_norm", "{p}layers.{i}.self_attn.q_norm.weight", (D,), when="qk_norm"),
-    Tensor("attn.k_norm", "{p}layers.{i}.self_attn.k_norm.weight", (D,), when="qk_norm"),
+    Tensor("attn.q_norm", "{p}layers.{i}.self_attn.q_norm.weight", (D,), when="attention.qk_norm"),
+    Tensor("attn.k_norm", "{p}layers.{i}.self_attn.k_norm.weight", (D,), when="attention.qk_norm"),
     Tensor("attn.o_proj", "{p}layers.{i}.self_attn.o_proj.weight", (HD, E), transpose=True),
 )
 _MLP = (
@@ -170,7 +171,7 @@ _GATED_ATTN = (
     Tensor("attn.q_proj", _GATED_Q, (E, HD), transpose=True,
            split=Split("num_heads", ("head_dim", "head_dim"), (0,))),
     Tensor("attn.gate_proj", _GATED_Q, (E, HD), transpose=True,
-           split=Split("num_heads", ("head_dim", "head_dim"), (1,)), when="attn_output_gate"),
+           split=Split("num_heads", ("head_dim", "head_dim"), (1,)), when="attention.output_gate"),
     *_ATTN[1:],
 )
 # Gated DeltaNet. The conv runs over the channels q | k | v (in_qkv's outputs); z gates the output norm.
@@ -190,18 +191,18 @@ _DELTANET = (       # Qwen3.5: one projection per input
 )
 # Qwen3-Next: in_proj_qkvz holds, per key head, q [Dk], k [Dk], then v and z of its value heads [group * Dv]
 # each; in_proj_ba, per key head, b then a of its value heads [group] each.
-_QKVZ = ("linear_key_dim", "linear_key_dim", "linear_group*linear_value_dim", "linear_group*linear_value_dim")
-_BA = ("linear_group", "linear_group")
+_QKVZ = ("linear.key_dim", "linear.key_dim", "linear.group*linear.value_dim", "linear.group*linear.value_dim")
+_BA = ("linear.group", "linear.group")
 _QKVZ_HF, _BA_HF = "{p}layers.{i}.linear_attn.in_proj_qkvz.weight", "{p}layers.{i}.linear_attn.in_proj_ba.weight"
 _DELTANET_INTERLEAVED = (
-    Tensor("linear.in_qkv", _QKVZ_HF, (E, C), transpose=True, split=Split("linear_key_heads", _QKVZ, (0, 1, 2))),
-    Tensor("linear.in_z", _QKVZ_HF, (E, HvDv), transpose=True, split=Split("linear_key_heads", _QKVZ, (3,))),
-    Tensor("linear.in_b", _BA_HF, (E, Hv), transpose=True, split=Split("linear_key_heads", _BA, (0,))),
-    Tensor("linear.in_a", _BA_HF, (E, Hv), transpose=True, split=Split("linear_key_heads", _BA, (1,))),
+    Tensor("linear.in_qkv", _QKVZ_HF, (E, C), transpose=True, split=Split("linear.key_heads", _QKVZ, (0, 1, 2))),
+    Tensor("linear.in_z", _QKVZ_HF, (E, HvDv), transpose=True, split=Split("linear.key_heads", _QKVZ, (3,))),
+    Tensor("linear.in_b", _BA_HF, (E, Hv), transpose=True, split=Split("linear.key_heads", _BA, (0,))),
+    Tensor("linear.in_a", _BA_HF, (E, Hv), transpose=True, split=Split("linear.key_heads", _BA, (1,))),
     *_DELTANET_TAIL,
 )
 # Mixture-of-experts MLPs: X experts of hidden FX stacked [X, in, out] per layer, a router [E, X].
-X, FX, FS = "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"
+X, FX, FS = "experts.num_experts", "experts.intermediate_size", "experts.shared_intermediate_size"
 _QWEN_EXPERTS = (   # Qwen3-MoE, Qwen3-Next: one tensor per expert
     Tensor("layers.router", "{p}layers.{i}.mlp.gate.weight", (E, X), transpose=True, when="moe"),
     Tensor("layers.expert_gate", "{p}layers.{i}.mlp.experts.{e}.gate_proj.weight", (X, E, FX), transpose=True,
@@ -235,26 +236,26 @@ _GATE_UP, _GATE_UP_BIAS = "{p}layers.{i}.mlp.experts.gate_up_proj", "{p}layers.{
 _ALTERNATE = (FX, ("1", "1"))
 _GPT_OSS_EXPERTS = (
     Tensor("layers.router", "{p}layers.{i}.mlp.router.weight", (E, X), transpose=True),
-    Tensor("layers.router_bias", "{p}layers.{i}.mlp.router.bias", (X,), when="router_bias"),
+    Tensor("layers.router_bias", "{p}layers.{i}.mlp.router.bias", (X,), when="experts.router_bias"),
     Tensor("layers.expert_gate", _GATE_UP, (X, E, FX), split=Split(*_ALTERNATE, (0,), axis=2)),
     Tensor("layers.expert_up", _GATE_UP, (X, E, FX), split=Split(*_ALTERNATE, (1,), axis=2)),
     Tensor("layers.expert_down", "{p}layers.{i}.mlp.experts.down_proj", (X, FX, E)),
     Tensor("layers.expert_gate_bias", _GATE_UP_BIAS, (X, FX), split=Split(*_ALTERNATE, (0,), axis=1),
-           when="expert_bias"),
+           when="experts.expert_bias"),
     Tensor("layers.expert_up_bias", _GATE_UP_BIAS, (X, FX), split=Split(*_ALTERNATE, (1,), axis=1),
-           when="expert_bias"),
-    Tensor("layers.expert_down_bias", "{p}layers.{i}.mlp.experts.down_proj_bias", (X, E), when="expert_bias"),
+           when="experts.expert_bias"),
+    Tensor("layers.expert_down_bias", "{p}layers.{i}.mlp.experts.down_proj_bias", (X, E), when="experts.expert_bias"),
 )
 # Biases on q, k and v (Qwen2, GPT-OSS; OLMo 2 and Granite with attention_bias), on o (GPT-OSS, OLMo 2, Granite).
 _QKV_BIASES = (
-    Tensor("attn.q_bias", "{p}layers.{i}.self_attn.q_proj.bias", (HD,), when="attention_bias"),
-    Tensor("attn.k_bias", "{p}layers.{i}.self_attn.k_proj.bias", (KD,), when="attention_bias"),
-    Tensor("attn.v_bias", "{p}layers.{i}.self_attn.v_proj.bias", (KD,), when="attention_bias"),
+    Tensor("attn.q_bias", "{p}layers.{i}.self_attn.q_proj.bias", (HD,), when="attention.bias"),
+    Tensor("attn.k_bias", "{p}layers.{i}.self_attn.k_proj.bias", (KD,), when="attention.bias"),
+    Tensor("attn.v_bias", "{p}layers.{i}.self_attn.v_proj.bias", (KD,), when="attention.bias"),
 )
-_O_BIAS = Tensor("attn.o_bias", "{p}layers.{i}.self_attn.o_proj.bias", (E,), when="output_bias")
+_O_BIAS = Tensor("attn.o_bias", "{p}layers.{i}.self_attn.o_proj.bias", (E,), when="attention.output_bias")
 _ATTN_BIASES_SINKS = (
     *_QKV_BIASES, _O_BIAS,
-    Tensor("attn.sinks", "{p}layers.{i}.self_attn.sinks", ("num_heads",), when="attn_sinks"),
+    Tensor("attn.sinks", "{p}layers.{i}.self_attn.sinks", ("num_heads",), when="attention.sinks"),
 )
 _NORMS = (
     Tensor("layers.attn_norm", "{p}layers.{i}.input_layernorm.weight", (E,)),
@@ -298,10 +299,10 @@ _OLMO2_LAYER = (
 )
 # DeepSeek-V3's latent attention: CL = the latent and the rotated key (kv_a_proj_with_mqa's outputs); kv_b_proj
 # holds per head the key's part expanded from the latent (Dn) and then the value (Dv), split into two slots.
-QL, CL, C = "q_lora_rank", "latent_width", "kv_lora_rank"
-HQ, HDn, HDv = "num_heads*qk_head_dim", "num_heads*qk_nope_head_dim", "num_heads*v_head_dim"
+QL, CL, C = "mla.q_lora_rank", "latent_width", "mla.kv_lora_rank"
+HQ, HDn, HDv = "num_heads*qk_head_dim", "num_heads*mla.qk_nope_head_dim", "num_heads*mla.v_head_dim"
 _KV_B_HF = "{p}layers.{i}.self_attn.kv_b_proj.weight"
-_KV_B_PARTS = ("num_heads", ("qk_nope_head_dim", "v_head_dim"))
+_KV_B_PARTS = ("num_heads", ("mla.qk_nope_head_dim", "mla.v_head_dim"))
 _LATENT_ATTN = (
     Tensor("attn.q_proj", "{p}layers.{i}.self_attn.q_proj.weight", (E, HQ), transpose=True, when="q_direct"),
     Tensor("attn.q_a_proj", "{p}layers.{i}.self_attn.q_a_proj.weight", (E, QL), transpose=True, when="q_lora"),
@@ -316,7 +317,7 @@ _LATENT_ATTN = (
 _DEEPSEEK_LAYER = (
     *_NORMS, *_LATENT_ATTN, *_DENSE_MLP, *_QWEN_EXPERTS,
     Tensor("layers.router_correction", "{p}layers.{i}.mlp.gate.e_score_correction_bias", (X,),
-           when="router_correction"),
+           when="experts.router_correction"),
     *_shared_expert("shared_experts"),
 )
 _TOP = (

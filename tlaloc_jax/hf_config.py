@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .config import DENSE, FULL, LINEAR, SLIDING, SPARSE, ConfigError, DecoderConfig, RopeConfig
+from .config import (DENSE, FULL, LINEAR, SLIDING, SPARSE, AttentionConfig, ConfigError, DecoderConfig,
+                     LatentConfig, LinearAttentionConfig, MoeConfig, ResidualConfig, RopeConfig)
 
 
 # The HF config keys that name a multimodal checkpoint's placeholder ids; the text decoder cannot
@@ -132,13 +133,17 @@ def _common(family: Family, hf: dict[str, Any]) -> dict[str, Any]:
         head_dim=int(hf.get("head_dim") or hidden // heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.tied_default)),
-        qk_norm=family.qk_norm,
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         name=str(hf.get("_name_or_path", "") or ""),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos(hf),
         refused_tokens=tuple((int(hf[k]), k) for k in PLACEHOLDER_KEYS if hf.get(k) is not None),
     )
+
+
+def _attention(family: Family, **kw) -> AttentionConfig:
+    """The family's attention group: its q/k norms and the parser's other steps."""
+    return AttentionConfig(qk_norm=family.qk_norm, **kw)
 
 
 def _activation(hf: dict[str, Any], family: str, key: str) -> str:
@@ -159,7 +164,8 @@ def parse_dense(family: Family, hf: dict[str, Any]) -> DecoderConfig:
         raise ConfigError("qwen3 config key use_sliding_window=true is not supported")
     if window:
         kw.update(layer_types=(SLIDING,) * kw["num_layers"], sliding_window=int(window))
-    return DecoderConfig(rope=read_rope(hf), hidden_act=_activation(hf, family.name, "hidden_act"), **kw)
+    return DecoderConfig(rope=read_rope(hf), hidden_act=_activation(hf, family.name, "hidden_act"),
+                         attention=_attention(family), **kw)
 
 
 def parse_qwen2(family: Family, hf: dict[str, Any]) -> DecoderConfig:
@@ -172,7 +178,7 @@ def parse_qwen2(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     # A sliding layer without a window (use_sliding_window false) attends to everything, as in transformers.
     types = tuple(t if window else FULL for t in types)
     return DecoderConfig(rope=read_rope(hf), hidden_act=_activation(hf, family.name, "hidden_act"), layer_types=types,
-                         sliding_window=int(window or 0), attention_bias=True, **kw)
+                         sliding_window=int(window or 0), attention=_attention(family, bias=True), **kw)
 
 
 def parse_phi3(family: Family, hf: dict[str, Any]) -> DecoderConfig:
@@ -203,8 +209,8 @@ def parse_olmo2(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     kw = _common(family, hf)
     bias = bool(hf.get("attention_bias"))
     return DecoderConfig(rope=read_rope(hf), hidden_act=_activation(hf, family.name, "hidden_act"),
-                         input_norms=False, sandwich_norms=True, qk_norm_whole=True, attention_bias=bias,
-                         output_bias=bias, **kw)
+                         residual=ResidualConfig(input_norms=False, sandwich_norms=True),
+                         attention=_attention(family, qk_norm_whole=True, bias=bias, output_bias=bias), **kw)
 
 
 def parse_granite(family: Family, hf: dict[str, Any]) -> DecoderConfig:
@@ -215,11 +221,11 @@ def parse_granite(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     kw = _common(family, hf)
     bias = bool(hf.get("attention_bias"))
     return DecoderConfig(rope=read_rope(hf), hidden_act=_activation(hf, family.name, "hidden_act"),
-                         attention_bias=bias, output_bias=bias,
-                         embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
-                         residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
-                         logits_scaling=float(hf.get("logits_scaling", 1.0)),
-                         attention_multiplier=float(hf.get("attention_multiplier", 1.0)), **kw)
+                         attention=_attention(family, bias=bias, output_bias=bias,
+                                              multiplier=float(hf.get("attention_multiplier", 1.0))),
+                         residual=ResidualConfig(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+                                                 multiplier=float(hf.get("residual_multiplier", 1.0)),
+                                                 logits_scaling=float(hf.get("logits_scaling", 1.0))), **kw)
 
 
 def parse_gemma(family: Family, hf: dict[str, Any]) -> DecoderConfig:
@@ -242,11 +248,11 @@ def parse_gemma(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     return DecoderConfig(
         rope=rope, rope_sliding=rope_sliding, layer_types=tuple(types),
         sliding_window=int(hf.get("sliding_window") or 0),
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0.0),
-        attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
-        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
-        norm_offset=1.0, hidden_act=_activation(hf, family.name, "hidden_activation"), embed_scale=True,
-        sandwich_norms=True, **kw)
+        attention=_attention(family, query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0.0),
+                             softcap=float(hf.get("attn_logit_softcapping") or 0.0)),
+        residual=ResidualConfig(norm_offset=1.0, embed_scale=True, sandwich_norms=True,
+                                final_softcap=float(hf.get("final_logit_softcapping") or 0.0)),
+        hidden_act=_activation(hf, family.name, "hidden_activation"), **kw)
 
 
 @dataclass(frozen=True)
@@ -304,7 +310,8 @@ def _sparse_layers(spec: Experts | None, hf: dict[str, Any], layers: int) -> lis
 
 
 def _moe_keys(family: Family, hf: dict[str, Any], layers: int) -> dict[str, Any]:
-    """The DecoderConfig keys of a family's mixture-of-experts MLPs ({} when every MLP is dense)."""
+    """The DecoderConfig keys of a family's mixture-of-experts MLPs, `experts` and `mlp_types` ({} when every MLP
+    is dense)."""
     spec = family.experts
     sparse = _sparse_layers(spec, hf, layers)
     if not sparse:
@@ -320,20 +327,19 @@ def _moe_keys(family: Family, hf: dict[str, Any], layers: int) -> dict[str, Any]
                           "(SwiGLU experts take silu)")
     normalize = bool(hf.get(spec.normalize, spec.normalize_default)) if spec.normalize else spec.normalize_default
     kw = dict(num_experts=_num_experts(hf), experts_per_token=int(hf["num_experts_per_tok"]),
-              moe_intermediate_size=int(hf[spec.hidden_key]), router_scoring=spec.scoring,
+              intermediate_size=int(hf[spec.hidden_key]), router_scoring=spec.scoring,
               router_normalize=normalize, router_bias=spec.biases, expert_bias=spec.biases,
-              expert_activation=spec.activation,
-              mlp_types=tuple(SPARSE if i in sparse else DENSE for i in range(layers)))
+              activation=spec.activation)
     if spec.activation == "swiglu_clamped":
         kw.update(swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
     if spec.shared_key:
-        kw["shared_expert_intermediate_size"] = math.prod(int(hf.get(k) or 0) for k in spec.shared_key.split("*"))
-        kw["shared_expert_gated"] = spec.shared_gated
+        kw["shared_intermediate_size"] = math.prod(int(hf.get(k) or 0) for k in spec.shared_key.split("*"))
+        kw["shared_gated"] = spec.shared_gated
     if spec.grouped:
         kw.update(router_correction=True, router_groups=int(hf.get("n_group") or 1),
                   router_top_groups=int(hf.get("topk_group") or 1),
                   routed_scaling=float(hf.get("routed_scaling_factor", 1.0)))
-    return kw
+    return dict(experts=MoeConfig(**kw), mlp_types=tuple(SPARSE if i in sparse else DENSE for i in range(layers)))
 
 
 def parse_moe(family: Family, hf: dict[str, Any]) -> DecoderConfig:
@@ -351,7 +357,7 @@ def parse_moe(family: Family, hf: dict[str, Any]) -> DecoderConfig:
     moe = _moe_keys(family, hf, kw["num_layers"])
     if not moe:
         raise ConfigError(f"{family.name} config has no experts (config key num_experts / num_local_experts)")
-    return DecoderConfig(rope=read_rope(hf), **moe, **kw)
+    return DecoderConfig(rope=read_rope(hf), attention=_attention(family), **moe, **kw)
 
 
 def parse_gpt_oss(family: Family, hf: dict[str, Any]) -> DecoderConfig:
@@ -366,8 +372,9 @@ def parse_gpt_oss(family: Family, hf: dict[str, Any]) -> DecoderConfig:
         raise ConfigError(f"{family.name} config has no experts (config key num_local_experts)")
     # transformers' default window (128) where the config leaves it out.
     return DecoderConfig(rope=read_rope(hf), layer_types=tuple(types), sliding_window=int(hf.get("sliding_window") or 128),
-                         attention_bias=bool(hf.get("attention_bias", True)),
-                         output_bias=bool(hf.get("attention_bias", True)), attn_sinks=True, **moe, **kw)
+                         attention=_attention(family, bias=bool(hf.get("attention_bias", True)),
+                                              output_bias=bool(hf.get("attention_bias", True)), sinks=True),
+                         **moe, **kw)
 
 
 def parse_deepseek(family: Family, hf: dict[str, Any]) -> DecoderConfig:
@@ -394,9 +401,11 @@ def parse_deepseek(family: Family, hf: dict[str, Any]) -> DecoderConfig:
         m = 0.1 * float(params["mscale_all_dim"]) * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
         scale *= m * m
     return DecoderConfig(rope=rope, hidden_act=_activation(hf, family.name, "hidden_act"),
-                         kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=int(hf.get("q_lora_rank") or 0),
-                         qk_nope_head_dim=int(hf["qk_nope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
-                         attention_multiplier=scale, **moe, **kw)
+                         mla=LatentConfig(kv_lora_rank=int(hf["kv_lora_rank"]),
+                                          q_lora_rank=int(hf.get("q_lora_rank") or 0),
+                                          qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+                                          v_head_dim=int(hf["v_head_dim"])),
+                         attention=_attention(family, multiplier=scale), **moe, **kw)
 
 
 def parse_hybrid(family: Family, hf: dict[str, Any]) -> DecoderConfig:
@@ -422,10 +431,12 @@ def parse_hybrid(family: Family, hf: dict[str, Any]) -> DecoderConfig:
         # transformers' default for these families: a quarter of the head rotates.
         rope = dataclasses.replace(rope, partial_rotary_factor=0.25)
     return DecoderConfig(
-        rope=rope, layer_types=tuple(types), norm_offset=1.0, hidden_act=act, attn_output_gate=True,
-        linear_key_heads=int(hf["linear_num_key_heads"]), linear_key_dim=int(hf["linear_key_head_dim"]),
-        linear_value_heads=int(hf["linear_num_value_heads"]), linear_value_dim=int(hf["linear_value_head_dim"]),
-        linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), **moe, **kw)
+        rope=rope, layer_types=tuple(types), hidden_act=act, residual=ResidualConfig(norm_offset=1.0),
+        attention=_attention(family, output_gate=True),
+        linear=LinearAttentionConfig(key_heads=int(hf["linear_num_key_heads"]), key_dim=int(hf["linear_key_head_dim"]),
+                                     value_heads=int(hf["linear_num_value_heads"]),
+                                     value_dim=int(hf["linear_value_head_dim"]),
+                                     conv_kernel=int(hf.get("linear_conv_kernel_dim", 4))), **moe, **kw)
 
 
 def text_keys(hf: dict[str, Any]) -> dict[str, Any]:

@@ -30,21 +30,21 @@ def latent_queries(cfg: DecoderConfig, w: dict, x: jax.Array) -> tuple[jax.Array
     else:
         q = linear(x, w["q_proj"])
     q = q.reshape(B, T, cfg.num_heads, cfg.qk_head_dim)
-    return q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+    return q[..., :cfg.mla.qk_nope_head_dim], q[..., cfg.mla.qk_nope_head_dim:]
 
 
 def latent_keys(cfg: DecoderConfig, w: dict, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x: [B, T, E] (normed) -> each position's normed latent [B, T, C] and its key's rotated part [B, T, R] (not
     yet rotated)."""
     kv = linear(x, w["kv_a_proj"])
-    C = cfg.kv_lora_rank
+    C = cfg.mla.kv_lora_rank
     return rms_norm(kv[..., :C], w["kv_a_norm"], LATENT_NORM_EPS), kv[..., C:]
 
 
 def expansions(cfg: DecoderConfig, w: dict) -> tuple[jax.Array, jax.Array]:
     """(Wk [C, H, Dn], Wv [C, H, Dv]) from the k_b_proj and v_b_proj slots."""
-    C, H = cfg.kv_lora_rank, cfg.num_heads
-    return w["k_b_proj"].reshape(C, H, cfg.qk_nope_head_dim), w["v_b_proj"].reshape(C, H, cfg.v_head_dim)
+    C, H = cfg.mla.kv_lora_rank, cfg.num_heads
+    return w["k_b_proj"].reshape(C, H, cfg.mla.qk_nope_head_dim), w["v_b_proj"].reshape(C, H, cfg.mla.v_head_dim)
 
 
 def latent_attention(cfg: DecoderConfig, w: dict, x: jax.Array, pool: jax.Array, layer, inputs: StepInputs,

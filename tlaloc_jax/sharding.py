@@ -65,8 +65,8 @@ def fused_parts(cfg: DecoderConfig, slot: str) -> tuple[int, ...] | None:
     if slot == "layers.gate_up_proj":
         return (cfg.intermediate_size, cfg.intermediate_size)
     if slot in ("linear.in_qkv", "linear.conv"):
-        q = cfg.linear_key_heads * cfg.linear_key_dim
-        return (q, q, cfg.linear_value_heads * cfg.linear_value_dim)
+        q = cfg.linear.key_heads * cfg.linear.key_dim
+        return (q, q, cfg.linear.value_heads * cfg.linear.value_dim)
     return None
 
 
@@ -81,12 +81,12 @@ def check_divisible(cfg: DecoderConfig, n: int) -> None:
     if cfg.dense_mlp:
         counts["intermediate_size"] = cfg.intermediate_size
     if cfg.moe:
-        counts["num_experts"] = cfg.num_experts
+        counts["num_experts"] = cfg.experts.num_experts
         if cfg.shared_expert:
-            counts["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+            counts["shared_expert_intermediate_size"] = cfg.experts.shared_intermediate_size
     if LINEAR in cfg.layer_types:
-        counts["linear_num_key_heads"] = cfg.linear_key_heads
-        counts["linear_num_value_heads"] = cfg.linear_value_heads
+        counts["linear_num_key_heads"] = cfg.linear.key_heads
+        counts["linear_num_value_heads"] = cfg.linear.value_heads
     for key, count in counts.items():
         if count % n:
             raise ShardingError(f"{cfg.model_type}: {key}={count} is not a multiple of the {n} tensor-parallel "
@@ -97,11 +97,11 @@ def local_config(cfg: DecoderConfig, n: int, axis: str = TP_AXIS) -> DecoderConf
     """The config one device's shard runs: 1/n of the heads, KV heads and MLP width (the experts are found from
     the weights' shapes), its row-parallel projections all-reduced over `axis`."""
     check_divisible(cfg, n)
-    return dataclasses.replace(
-        cfg, num_heads=cfg.num_heads // n, num_kv_heads=cfg.num_kv_heads // n,
+    return cfg.replace(
+        num_heads=cfg.num_heads // n, num_kv_heads=cfg.num_kv_heads // n,
         intermediate_size=cfg.intermediate_size // n if cfg.dense_mlp else cfg.intermediate_size,
-        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // n,
-        linear_key_heads=cfg.linear_key_heads // n, linear_value_heads=cfg.linear_value_heads // n,
+        experts=dict(shared_intermediate_size=cfg.experts.shared_intermediate_size // n),
+        linear=dict(key_heads=cfg.linear.key_heads // n, value_heads=cfg.linear.value_heads // n),
         shard_axis=axis)
 
 

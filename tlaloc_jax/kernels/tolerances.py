@@ -150,38 +150,38 @@ def decoder_roundings(*, hidden: int, intermediate: int, heads: int, head_dim: i
 
 
 def decoder_roundings_of(cfg, context: int) -> int:
-    """decoder_roundings for a DecoderConfig (or anything with its field names) whose calls reach `context`
+    """decoder_roundings for a DecoderConfig whose calls reach `context`
     positions: a full attention layer reads them all, a sliding one at most its window, a linear-attention
     layer runs its conv and carries its state over all of them. Attention sinks add a term to each softmax's
     sum; projection biases and YaRN's scaled rotation add a rounding each, Granite's multipliers a few; latent
     attention counts latent_attention_roundings and its projections; mixture-of-experts MLPs count
     moe_roundings instead of the gated MLP's (the longer of the two where dense layers mix with them)."""
     mixers = []
-    sinks = 1 if getattr(cfg, "attn_sinks", False) else 0
-    extra = (2 * int(getattr(cfg, "attention_bias", False)) + int(getattr(cfg.rope, "attention_factor", 1.0) != 1.0)
-             + 3 * int(getattr(cfg, "residual_multiplier", 1.0) != 1.0 or getattr(cfg, "embedding_multiplier", 1.0) != 1.0))
+    sinks = 1 if cfg.attention.sinks else 0
+    extra = (2 * int(cfg.attention.bias) + int(cfg.rope.attention_factor != 1.0)
+             + 3 * int(cfg.residual.multiplier != 1.0 or cfg.residual.embedding_multiplier != 1.0))
     for layer_type in cfg.layer_types:
         if layer_type == "linear_attention":
-            conv = cfg.linear_conv_kernel + 1 + TRANSCENDENTAL_ULPS + 2
-            mixers.append(conv + gated_delta_roundings(context, cfg.linear_key_dim)
-                          + rms_norm_roundings(cfg.linear_value_dim) + TRANSCENDENTAL_ULPS + 2)
-        elif getattr(cfg, "kv_lora_rank", 0):
+            conv = cfg.linear.conv_kernel + 1 + TRANSCENDENTAL_ULPS + 2
+            mixers.append(conv + gated_delta_roundings(context, cfg.linear.key_dim)
+                          + rms_norm_roundings(cfg.linear.value_dim) + TRANSCENDENTAL_ULPS + 2)
+        elif cfg.mla.kv_lora_rank:
             # Latent attention: the query's bottleneck (a dot and a norm), the latent's norm, the op, and the
             # output projection's heads * v_head_dim inputs.
-            q = cfg.q_lora_rank + rms_norm_roundings(cfg.q_lora_rank) if cfg.q_lora_rank else 0
-            mixers.append(q + rms_norm_roundings(cfg.kv_lora_rank) + cfg.num_heads * cfg.v_head_dim + extra
-                          + latent_attention_roundings(latent=cfg.kv_lora_rank, rope=cfg.head_dim,
-                                                       nope=cfg.qk_nope_head_dim, keys=context))
+            q = cfg.mla.q_lora_rank + rms_norm_roundings(cfg.mla.q_lora_rank) if cfg.mla.q_lora_rank else 0
+            mixers.append(q + rms_norm_roundings(cfg.mla.kv_lora_rank) + cfg.num_heads * cfg.mla.v_head_dim + extra
+                          + latent_attention_roundings(latent=cfg.mla.kv_lora_rank, rope=cfg.head_dim,
+                                                       nope=cfg.mla.qk_nope_head_dim, keys=context))
         else:
             keys = min(context, cfg.sliding_window) if layer_type == "sliding_attention" else context
             mixers.append(attention_roundings(cfg.head_dim, keys + sinks) + extra)
     mlp = None
-    if getattr(cfg, "num_experts", 0):
+    if cfg.experts.num_experts:
         # Sigmoid scoring (and DeepSeek's routed_scaling_factor) rounds less than the softmax counted here.
-        mlp = moe_roundings(hidden=cfg.hidden_size, expert_hidden=cfg.moe_intermediate_size,
-                            experts=cfg.num_experts, top_k=cfg.experts_per_token,
-                            shared_hidden=cfg.shared_expert_intermediate_size)
-        if "dense" in getattr(cfg, "mlp_types", ()):     # dense layers among them: the longer of the two paths
+        mlp = moe_roundings(hidden=cfg.hidden_size, expert_hidden=cfg.experts.intermediate_size,
+                            experts=cfg.experts.num_experts, top_k=cfg.experts.experts_per_token,
+                            shared_hidden=cfg.experts.shared_intermediate_size)
+        if "dense" in cfg.mlp_types:     # dense layers among them: the longer of the two paths
             mlp = max(mlp, 2 * cfg.hidden_size + TRANSCENDENTAL_ULPS + 1 + cfg.intermediate_size)
     return decoder_roundings(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, heads=cfg.num_heads,
                              head_dim=cfg.head_dim, mixers=mixers, mlp=mlp)

@@ -164,7 +164,7 @@ def init_weights(cfg: DecoderConfig, fam: Family, key: jax.Array) -> Weights:
     for k, spec in zip(jax.random.split(key, len(specs)), specs):
         shape = spec.slot_shape(cfg)
         if spec.slot.endswith("norm"):
-            out[spec.slot] = jnp.full(shape, 1.0 - cfg.norm_offset, jnp.float32)
+            out[spec.slot] = jnp.full(shape, 1.0 - cfg.residual.norm_offset, jnp.float32)
             continue
         std = 0.02 / math.sqrt(2 * cfg.num_layers) if spec.slot.endswith(("o_proj", "down_proj")) else 0.02
         out[spec.slot] = std * jax.random.normal(k, shape, jnp.float32)
