@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     counts = [int(n) for n in args.devices.split(",")]
 
-    from tlaloc_jax import artifact as mf
+    from tlaloc_jax import artifact as af
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
     from tlaloc_jax.serve import Engine
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
             rows = [RowCall([7] * 1, pos, list(range(i * width, (i + 1) * width))) for i in range(b)]
             inputs = build_step_inputs(rows, batch=b, tokens=1, width=width, block_size=block)
             entry = eng.manifest.entry(f"decode_b{b}_c{args.context}")
-            return lambda: eng.runner.run(entry, inputs, {mf.Role.NEXT_TOKEN})
+            return lambda: eng.runner.run(entry, inputs, {af.Role.NEXT_TOKEN})
 
         ms = {}
         for b in batches:

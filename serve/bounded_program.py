@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.artifact import bounded_manifest as bm
 
 from .engine import DEFAULT_CACHE_DIR
@@ -71,7 +71,7 @@ def valid_inputs(bounds: tuple[bm.BoundSpec, ...], bucket: Mapping[str, int],
                  calls: Sequence[_Call]) -> list[np.ndarray]:
     """Each bound's VALID_LENGTH and VALID_MASK for `calls` sharing one body of sizes `bucket`: with a batch bound
     the live rows, and each row its own call's lengths (0 in padding rows); without one, the call's sizes."""
-    batch = next((b for b in bounds if b.kind == mf.BoundKind.BATCH), None)
+    batch = next((b for b in bounds if b.kind == af.BoundKind.BATCH), None)
     out = []
     for b in bounds:
         n = bucket[b.name]
@@ -103,7 +103,7 @@ class BoundedProgram:
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
-        self.manifest = m = manifest or mf.load_remembering(bm.load_bounded, self.artifact_dir, cache_dir,
+        self.manifest = m = manifest or af.load_remembering(bm.load_bounded, self.artifact_dir, cache_dir,
                                                             verify_weights=not trust_weights)
         if trust_weights:
             log.warning("--trust-weights: the weight files of %s are not hashed", self.artifact_dir)
@@ -146,11 +146,11 @@ class BoundedProgram:
         m = self.manifest
         want = {"cpu": ("cpu",), "cuda": ("cuda", "gpu")}[m.versions.platform]
         if self.device.platform_name.lower() not in want:
-            raise mf.ManifestError(f"artifact was exported for {m.versions.platform}, the plugin "
+            raise af.ManifestError(f"artifact was exported for {m.versions.platform}, the plugin "
                                    f"{self.device.plugin_path} is {self.device.platform_name}")
         free = self.device.memory_available()
         if free is not None and self.weight_bytes > free:
-            raise mf.ManifestError(f"the program's weights need {self.weight_bytes / 2**20:.1f} MiB on the device, "
+            raise af.ManifestError(f"the program's weights need {self.weight_bytes / 2**20:.1f} MiB on the device, "
                                    f"and {self.device.platform_name} has {free / 2**20:.1f} MiB free")
 
     # -- calls -----------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ class BoundedProgram:
                               f"{'lacks ' + str(missing) if missing else 'has unknown ' + str(unknown)}")
         inputs, sizes, seen = {}, {}, {}
         for spec in m.inputs:
-            arr = _as_dtype(spec.name, call[spec.name], mf.numpy_dtype(spec.dtype))
+            arr = _as_dtype(spec.name, call[spec.name], af.numpy_dtype(spec.dtype))
             if arr.ndim != len(spec.shape):
                 raise CallRefused(f"input {spec.name!r} has {arr.ndim} axes, the program takes {len(spec.shape)} "
                                   f"({_axes(spec)})")
@@ -230,7 +230,7 @@ class BoundedProgram:
         offsets = list(itertools.accumulate((c.sizes[batch.name] for c in calls), initial=0)) if batch else [0]
         host = []
         for spec in m.inputs:
-            arr = np.zeros(bm.shape_at(spec, bucket), mf.numpy_dtype(spec.dtype))
+            arr = np.zeros(bm.shape_at(spec, bucket), af.numpy_dtype(spec.dtype))
             for c, start in zip(calls, offsets):
                 arr[_region(spec, c.sizes, batch, start)] = c.inputs[spec.name]
             host.append(arr)

@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 
 from .core import inputs as call_inputs
 from .core.request import (Constraint, Request, RequestRefused, StepEvent, check_cache_salt, check_sampler_fits,
@@ -62,7 +62,7 @@ class Engine:
     def __init__(self, artifact_dir: str | Path, plugin: str | None = None, *,
                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR, memory_fraction: float = 0.75,
                  donate: bool = True, progress: bool = True, trust_weights: bool = False,
-                 manifest: mf.Manifest | None = None, max_model_len: int | None = None,
+                 manifest: af.Manifest | None = None, max_model_len: int | None = None,
                  use_decode_steps: bool = True, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None):
         """Load an artifact: validate it all (files, hashes, every body's @main against its entry, the memory its
@@ -72,7 +72,7 @@ class Engine:
 
         trust_weights: skip hashing the weight files (their sizes are still checked), for very large
         artifacts whose weights are known good; the log says so.
-        manifest: this artifact's manifest as `mf.load_manifest` returned it, when the caller has validated it
+        manifest: this artifact's manifest as `af.load_manifest` returned it, when the caller has validated it
         already (the server does, to read the tokenizer before anything compiles): it is not read again.
         max_model_len: the longest sequence (prompt plus new tokens) served, at most the artifact's largest
         context (default: that context).
@@ -91,7 +91,7 @@ class Engine:
         if manifest is None:
             # Refuses a bad artifact before anything runs. A file unchanged since a load before is not hashed
             # again: its digest is kept in the cache directory (FileDigests).
-            manifest = mf.load_remembering(mf.load_manifest, self.artifact_dir, cache_dir,
+            manifest = af.load_remembering(af.load_manifest, self.artifact_dir, cache_dir,
                                            verify_weights=not trust_weights)
         self.manifest = m = manifest
         if trust_weights:
@@ -112,7 +112,7 @@ class Engine:
             with native_stderr_to_log():    # the plugin's start-up lines go to the log, not into a notebook
                 device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir, devices=m.devices)
         except TooFewDevicesError as e:
-            raise mf.ManifestError(device_count_mismatch(m, e.available)) from None
+            raise af.ManifestError(device_count_mismatch(m, e.available)) from None
         self.runner = Runner(self.artifact_dir, m, device, progress=progress, donate=donate)
         self.device = self.runner.device
         self.block_size = m.block_size
@@ -156,7 +156,7 @@ class Engine:
     def executables(self):
         """Every entry's executable but the scoring prefills' (those still in the compile cache loaded now)."""
         for e in self.manifest.entries:
-            if e.kind != mf.EntryKind.PREFILL_SCORED:
+            if e.kind != af.EntryKind.PREFILL_SCORED:
                 self.runner.executable(e)
         return self.runner.executables
 
@@ -264,12 +264,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return any(not s.finished for s in self.scheduler.requests.values())
 
-    def cold_entries(self) -> list[mf.Entry]:
+    def cold_entries(self) -> list[af.Entry]:
         """The entries never run yet, in the manifest's order (smallest context first)."""
         ran = self.runner.stats["executions_by_entry"]
         return [e for e in self.manifest.entries if e.name not in ran and e.name not in self._warm]
 
-    def warm_up(self, e: mf.Entry) -> None:
+    def warm_up(self, e: af.Entry) -> None:
         """Run entry `e` once with rows that read a few pages and write nothing (call_inputs.warm_up_inputs; the pools
         stay as they were): an executable's first run pays one-time costs (50-200 ms an entry on a 2-core CPU) that a
         server's first requests should not."""

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 
 from .core import inputs as call_inputs
 from .core import outputs
@@ -36,7 +36,7 @@ def new_stats() -> dict:
 class ModelRunner:
     """Runs scheduled calls on an artifact's entries and emits their tokens; counts into `stats`."""
 
-    def __init__(self, m: mf.Manifest, runner: Runner, scheduler: Scheduler, stats: dict):
+    def __init__(self, m: af.Manifest, runner: Runner, scheduler: Scheduler, stats: dict):
         self.manifest = m
         self.runner = runner
         self.scheduler = scheduler
@@ -59,7 +59,7 @@ class ModelRunner:
     def copy_slots(self, copies: list) -> bool:
         """Run the copy_slots entry for state-slot copies (snapshots taken or restored); True if all ran. The
         scheduler records snapshots only once copied."""
-        e = self.scheduler.planner.entries(mf.EntryKind.COPY_SLOTS)[0]
+        e = self.scheduler.planner.entries(af.EntryKind.COPY_SLOTS)[0]
         ok = True
         try:
             for i in range(0, len(copies), e.batch):
@@ -68,7 +68,7 @@ class ModelRunner:
                 dst = np.full(e.batch, -1, np.int32)
                 src[:len(part)] = [c.src for c in part]
                 dst[:len(part)] = [c.dst for c in part]
-                self._execute(e, {mf.Role.COPY_SRC: src, mf.Role.COPY_DST: dst}, set())
+                self._execute(e, {af.Role.COPY_SRC: src, af.Role.COPY_DST: dst}, set())
                 self.stats["slot_copies"] += len(part)
         except Exception as err:   # noqa: BLE001 - a failed copy records no snapshot; restored sequences fail
             log.error("copying state slots failed: %s", err)
@@ -76,18 +76,18 @@ class ModelRunner:
         self.scheduler.kv.commit_copies(copies, ok)
         return ok
 
-    def _execute(self, e: mf.Entry, inputs: dict, want: set[mf.Role]) -> dict[mf.Role, np.ndarray]:
+    def _execute(self, e: af.Entry, inputs: dict, want: set[af.Role]) -> dict[af.Role, np.ndarray]:
         """Run one entry (the runner's job) and count what was pulled."""
         out = self.runner.run(e, inputs, want)
-        if mf.Role.LOGITS in want:
+        if af.Role.LOGITS in want:
             self.stats["logits_pulled"] += 1
-        if mf.Role.SAMPLED_TOKEN in want:
+        if af.Role.SAMPLED_TOKEN in want:
             self.stats["sampled_in_body"] += 1
         return out
 
-    def _count_call(self, kind: mf.EntryKind, n: int) -> None:
-        key = {mf.EntryKind.MIXED: "mixed_calls", mf.EntryKind.DECODE: "decode_calls",
-               mf.EntryKind.DECODE_STEPS: "decode_calls"}.get(kind, "prefill_calls")
+    def _count_call(self, kind: af.EntryKind, n: int) -> None:
+        key = {af.EntryKind.MIXED: "mixed_calls", af.EntryKind.DECODE: "decode_calls",
+               af.EntryKind.DECODE_STEPS: "decode_calls"}.get(kind, "prefill_calls")
         self.stats[key] += 1
         bs = self.stats["batch_sizes"]
         bs[n] = bs.get(n, 0) + 1
@@ -107,19 +107,19 @@ class ModelRunner:
 
     def run_call(self, call: ScheduledCall) -> list[StepEvent]:
         e = call.entry
-        if e.kind == mf.EntryKind.DECODE_STEPS:
+        if e.kind == af.EntryKind.DECODE_STEPS:
             return self._run_steps_call(call)
         ends = [row.start + len(row.token_ids) for row in call.rows]
         # The rows that write a sequence's last token get its next token.
         producing = [end == s.length for s, end in zip(call.seqs, ends)]
-        scoring = e.kind == mf.EntryKind.PREFILL_SCORED
+        scoring = e.kind == af.EntryKind.PREFILL_SCORED
         try:
             inputs = call_inputs.step_inputs(call, self.manifest, self.ring_pages)
             allowed = [outputs.allowed_mask(s, self.vocab) if p else None for s, p in zip(call.seqs, producing)]
             if self.sampler is not None:
                 inputs.update(call_inputs.sampler_inputs(self.runner, call, producing, allowed))
             if scoring:
-                inputs[mf.Role.SCORE_TARGETS] = call_inputs.score_targets(call, e.batch, e.tokens_per_seq)
+                inputs[af.Role.SCORE_TARGETS] = call_inputs.score_targets(call, e.batch, e.tokens_per_seq)
             t0 = time.perf_counter()
             out = self._execute(e, inputs, outputs.wanted(call, producing, allowed, self.sampler))
             if log.isEnabledFor(logging.DEBUG):
@@ -127,7 +127,7 @@ class ModelRunner:
                           sum(len(r.token_ids) for r in call.rows), 1e3 * (time.perf_counter() - t0))
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
             log.error("call of %s failed: %s", e.name, err)
-            if e.kind == mf.EntryKind.MIXED:
+            if e.kind == af.EntryKind.MIXED:
                 # A mixed call stands for a decode call and a prefill call: run them apart, so that a failure fails
                 # only the sequences of the call it belongs to, as it would have without mixing.
                 return [ev for part in self.scheduler.planner.unmix(call) for ev in self.run_call(part)]
@@ -143,7 +143,7 @@ class ModelRunner:
             elif s.prompt_logprobs is not None and not s.generated:
                 # The distribution after this prompt token scores the next one (the last one's is the first
                 # generated token's, reported with it).
-                lsm = log_softmax(out[mf.Role.LOGITS][b])
+                lsm = log_softmax(out[af.Role.LOGITS][b])
                 entry = outputs.next_prompt_score(lsm, s, end)
                 if entry is not None:
                     s.prompt_logprobs.append(entry)
@@ -182,7 +182,7 @@ class ModelRunner:
             if self.sampler is not None:
                 inputs.update(call_inputs.sampler_inputs(self.runner, call, [True] * n, [None] * n))
             t0 = time.perf_counter()
-            tokens = self._execute(e, inputs, {mf.Role.STEP_TOKENS})[mf.Role.STEP_TOKENS]
+            tokens = self._execute(e, inputs, {af.Role.STEP_TOKENS})[af.Role.STEP_TOKENS]
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("call %s: %d rows, %.1f ms", e.name, n, 1e3 * (time.perf_counter() - t0))
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving

@@ -23,7 +23,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 
 # Prompt ids an incremental detokenizer decodes with the first new tokens, so that a token whose text
 # depends on what precedes it (a SentencePiece word start, a byte-level continuation) reads right.
@@ -42,30 +42,30 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def read_listed(root: Path, manifest: mf.Manifest, name: str) -> str | None:
+def read_listed(root: Path, manifest: af.Manifest, name: str) -> str | None:
     """The text of a tokenizer file the manifest lists (inside the artifact, its sha256 checked), or None when it
     lists none by that name: a file the exporter did not copy is never read, whatever lies in the directory."""
-    path = mf.artifact_file(root, manifest, name)
+    path = af.artifact_file(root, manifest, name)
     if path is None:
         return None
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise mf.ManifestError(f"tokenizer file {name!r} cannot be read as UTF-8 text: {e}") from None
+        raise af.ManifestError(f"tokenizer file {name!r} cannot be read as UTF-8 text: {e}") from None
 
 
-def read_listed_json(root: Path, manifest: mf.Manifest, name: str) -> dict:
+def read_listed_json(root: Path, manifest: af.Manifest, name: str) -> dict:
     text = read_listed(root, manifest, name)
     if text is None:
         return {}
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as e:
-        raise mf.ManifestError(f"tokenizer file {name!r} is not valid JSON: {e}") from None
+        raise af.ManifestError(f"tokenizer file {name!r} is not valid JSON: {e}") from None
     return data if isinstance(data, dict) else {}
 
 
-def _chat_template(root: Path, manifest: mf.Manifest, config: dict) -> str | None:
+def _chat_template(root: Path, manifest: af.Manifest, config: dict) -> str | None:
     """The checkpoint's chat template: chat_template.jinja, chat_template.json, then tokenizer_config.json."""
     jinja = read_listed(root, manifest, "chat_template.jinja")
     if jinja is not None:
@@ -80,16 +80,16 @@ def _chat_template(root: Path, manifest: mf.Manifest, config: dict) -> str | Non
 class TextTokenizer:
     """An artifact's tokenizer. Encode and decode are the `tokenizers` library's, on tokenizer.json."""
 
-    def __init__(self, root: Path, manifest: mf.Manifest):
+    def __init__(self, root: Path, manifest: af.Manifest):
         from tokenizers import Tokenizer
         self.root = root
         text = read_listed(root, manifest, "tokenizer.json")
         if text is None:
-            raise mf.ManifestError("the manifest lists no tokenizer.json")
+            raise af.ManifestError("the manifest lists no tokenizer.json")
         try:
             self.tok = Tokenizer.from_str(text)
         except Exception as e:   # noqa: BLE001 - tokenizers raises its own Exception type for a corrupt file
-            raise mf.ManifestError(f"tokenizer file 'tokenizer.json' does not load: {e}") from None
+            raise af.ManifestError(f"tokenizer file 'tokenizer.json' does not load: {e}") from None
         config = read_listed_json(root, manifest, "tokenizer_config.json")
         self.special_tokens = {k: t for k in ("bos_token", "eos_token", "unk_token", "pad_token")
                                if (t := _token_text(config.get(k))) is not None}
@@ -180,7 +180,7 @@ def _compile(source: str):
         raise ChatTemplateError(f"the artifact's chat template does not compile: {e}") from None
 
 
-def load_tokenizer(artifact_dir: str | os.PathLike, manifest: mf.Manifest) -> TextTokenizer | None:
+def load_tokenizer(artifact_dir: str | os.PathLike, manifest: af.Manifest) -> TextTokenizer | None:
     """The artifact's tokenizer, or None when the exporter copied no tokenizer.json. Reads only the files the
     manifest lists, each checked like every other file of the artifact; a corrupt one is a ManifestError."""
     if not any(t.file == "tokenizer.json" for t in manifest.tokenizer_files):

@@ -13,14 +13,14 @@ import pytest
 from starlette.testclient import TestClient
 
 from http_util import InProcess, loaded
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.serve import Engine, RequestRefused
 from tlaloc_jax.serve.core import kv_cache
 from tlaloc_jax.serve.core.prefix_cache import PrefixCache
 from tlaloc_jax.serve.core.request import Request
 from tlaloc_jax.serve.host_sampling import GREEDY
 
-PAGED, STATE = mf.PoolKind.PAGED_KV, mf.PoolKind.STATE_SLOTS
+PAGED, STATE = af.PoolKind.PAGED_KV, af.PoolKind.STATE_SLOTS
 KEY = "sk-salt-test"
 # (first client's salt, second client's salt, whether the second shares the first's prefix pages)
 PAIRS = {"different salts": ("alice", "bob", False), "no salt, then a salt": (None, "bob", False),

@@ -59,7 +59,7 @@ def test_served_embedded_model_gives_transformers_greedy_ids(tmp_path, monkeypat
 def test_export_demo_with_the_default_contexts_works(tmp_path):
     """`python -m tlaloc_jax.export --demo OUT` with its default context ladder: the rungs of 64, 256, 1024 within
     the demo model's 256 positions."""
-    from tlaloc_jax import artifact as mf
+    from tlaloc_jax import artifact as af
     from tlaloc_jax.export.__main__ import main
     assert main(["--demo", str(tmp_path / "a"), "--batch-ladder", "1", "--quiet"]) == 0
-    assert mf.load_manifest(tmp_path / "a").buckets.context_ladder == (64, 256)
+    assert af.load_manifest(tmp_path / "a").buckets.context_ladder == (64, 256)

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from http_util import GOOD, STOP, TOOLS_TEMPLATE, InProcess
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.tokenizer import load_tokenizer
 from tokenizers_util import VOCAB
@@ -255,7 +255,7 @@ class Probe:
 def served(http_artifacts, serve_cache_dir):
     """(in-process server, the fixed prompt's solo ids, the artifact's folder, the probe). The tokenizer's template
     defines tools; requests are scheduled by priority."""
-    tokenizer = load_tokenizer(http_artifacts[0], mf.load_manifest(http_artifacts[0]))
+    tokenizer = load_tokenizer(http_artifacts[0], af.load_manifest(http_artifacts[0]))
     tokenizer.chat_template = TOOLS_TEMPLATE
     with Engine.load(http_artifacts[0], cache_dir=serve_cache_dir, progress=False) as engine:
         want = engine.generate([GOOD], 8, stop_token_ids=STOP)[0]

@@ -212,7 +212,7 @@ def test_pools_and_large_weights_are_private_memory_marked_for_huge_pages(dev, t
     pages unless shmem_enabled says so). Weights of 2 MiB or more are read, one after another, into one such mapping
     from a 2 MiB boundary where the kernel offers huge pages, and adopted; a smaller one is its file's mapping
     (control: the file's pages, shared)."""
-    from tlaloc_jax import artifact as mf
+    from tlaloc_jax import artifact as af
     from tlaloc_jax.serve.runtime import sharded
     pool = sharded.zeros(dev, "float32", (1024, 1024), (), None)
     line, flags = _mapping(dev.device_address(pool))
@@ -221,7 +221,7 @@ def test_pools_and_large_weights_are_private_memory_marked_for_huge_pages(dev, t
               "small": np.arange(1024, dtype=np.float32)}       # odd: 2.25 MiB and 4 bytes, not a whole page
     for name, v in values.items():
         (tmp_path / f"{name}.bin").write_bytes(v.tobytes())
-    files = [mf.WeightFile(name, "float32", v.shape, v.nbytes, file=f"{name}.bin") for name, v in values.items()]
+    files = [af.WeightFile(name, "float32", v.shape, v.nbytes, file=f"{name}.bin") for name, v in values.items()]
     placed = sharded.upload_weights(dev, tmp_path, files, None)
     assert list(placed) == list(values)
     lines = {}
@@ -238,7 +238,7 @@ def test_pools_and_large_weights_are_private_memory_marked_for_huge_pages(dev, t
         big, odd = dev.device_address(placed["big"]), dev.device_address(placed["odd"])
         assert lines["big"] == lines["odd"] and big % sharded.HUGE_PAGE == 0 and odd == big + (4 << 20)
     (tmp_path / "big.bin").write_bytes(values["big"].tobytes()[:-4])    # a file shorter than its weight is refused
-    with pytest.raises((mf.ManifestError, ValueError), match="big.bin holds 4194300 bytes|mmap length"):
+    with pytest.raises((af.ManifestError, ValueError), match="big.bin holds 4194300 bytes|mmap length"):
         sharded.upload_weights(dev, tmp_path, files[:1], None)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from hf_models import build_checkpoint, load_hf_torch, torch_greedy
 from oracle import GreedyMismatch, check_greedy_batch, engine_next_token
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint
 from tlaloc_jax.export import export_checkpoint
 from test_tp_staging import check_collectives
@@ -83,13 +83,13 @@ def check_engine(eng, want, bound):
 @pytest.mark.parametrize("name,n", CASES)
 def test_served_on_n_devices_gives_transformers_ids(name, n, store, tmp_path_factory, serve_cache_dir):
     art = artifact(store, tmp_path_factory, name, n)
-    m = mf.load_manifest(art)
+    m = af.load_manifest(art)
     assert m.devices == n and all(e.inputs for e in m.entries)
     split = [w for w in m.weights if w.shards]
     assert split and all(len(w.shards) == n for w in split)
     for e in m.entries:       # one all-reduce per attention and MLP, nothing else (tests/test_tp_staging.py)
         text = (art / e.body).read_text()
-        if e.kind == mf.EntryKind.COPY_SLOTS:
+        if e.kind == af.EntryKind.COPY_SLOTS:
             assert not any(collective_counts(text).values()), e.name
         else:
             check_collectives(text, layers=m.model.layers)
@@ -101,7 +101,7 @@ def test_served_on_n_devices_gives_transformers_ids(name, n, store, tmp_path_fac
         assert all(len(eng.runner.pools[p.name]) == n for p in m.pools)
         assert st["pool_address_checks"] > 0 and st["pool_in_place"] == st["pool_address_checks"]
         assert st["bytes_per_device"] < st["weight_bytes"] + st["pool_bytes"]
-        if any(e.kind == mf.EntryKind.COPY_SLOTS for e in m.entries):
+        if any(e.kind == af.EntryKind.COPY_SLOTS for e in m.entries):
             # State snapshots were taken and restored (prefix caching) by the copy_slots entry on every device.
             assert st["slot_copies"] > 0
 
@@ -119,10 +119,10 @@ def test_too_few_devices_is_refused_before_anything_is_allocated(store, tmp_path
     monkeypatch.setattr(pjrt.Device, "upload", lambda *a, **k: touched.append("upload"))
     monkeypatch.setattr(pjrt.Device, "compile", lambda *a, **k: touched.append("compile"))
     refusal = r"the artifact runs on 2 device\(s\) \(mesh tp=2\); the client has 1: nothing was compiled"
-    with pytest.raises(mf.ManifestError, match=refusal):
+    with pytest.raises(af.ManifestError, match=refusal):
         Engine.load(art, cache_dir=None, progress=False)
-    with pytest.raises(mf.ManifestError, match=refusal):
-        Runner(art, mf.load_manifest(art), one_device, progress=False)
+    with pytest.raises(af.ManifestError, match=refusal):
+        Runner(art, af.load_manifest(art), one_device, progress=False)
     assert touched == []
 
 
@@ -263,18 +263,18 @@ def test_a_mesh_manifest_that_misstates_its_split_is_refused_at_load(change, ref
     import shutil
     art = tmp_path / "art"
     shutil.copytree(artifact(store, tmp_path_factory, "llama", 2), art)
-    raw = json.loads((art / mf.MANIFEST_NAME).read_text())
+    raw = json.loads((art / af.MANIFEST_NAME).read_text())
     change(raw)
-    (art / mf.MANIFEST_NAME).write_text(json.dumps(raw))
-    with pytest.raises(mf.ManifestError, match=refusal):
-        mf.load_manifest(art, verify_weights=False)
+    (art / af.MANIFEST_NAME).write_text(json.dumps(raw))
+    with pytest.raises(af.ManifestError, match=refusal):
+        af.load_manifest(art, verify_weights=False)
 
 
 def test_a_body_partitioned_for_other_devices_than_the_manifest_says_is_named(store, tmp_path_factory):
     art = artifact(store, tmp_path_factory, "llama", 2)
-    m = mf.load_manifest(art, verify_weights=False)
+    m = af.load_manifest(art, verify_weights=False)
     e = m.entries[0]
-    sig = mf.main_signature((art / e.serialized).read_bytes())
-    assert sig.partitions == 2 and mf.signature_mismatch(e.inputs, e.outputs, e.donations, sig, 2) is None
+    sig = af.main_signature((art / e.serialized).read_bytes())
+    assert sig.partitions == 2 and af.signature_mismatch(e.inputs, e.outputs, e.donations, sig, 2) is None
     assert "partitioned for 2 devices, the manifest's mesh has 1" in \
-        mf.signature_mismatch(e.inputs, e.outputs, e.donations, sig, 1)
+        af.signature_mismatch(e.inputs, e.outputs, e.donations, sig, 1)

@@ -14,7 +14,7 @@ import pytest
 
 from hf_models import build_checkpoint
 from margins import assert_within
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.config import LINEAR
 from tlaloc_jax.export import ExportError, export_checkpoint
 from tlaloc_jax.export._mesh import collective_counts
@@ -134,8 +134,8 @@ def llama_tp2(tmp_path_factory):
 
 def test_each_body_all_reduces_once_per_attention_and_mlp(llama_tp2):
     root, _, m = llama_tp2
-    assert {e.kind for e in m.entries} == {mf.EntryKind.DECODE, mf.EntryKind.PREFILL, mf.EntryKind.DECODE_STEPS,
-                                          mf.EntryKind.MIXED}
+    assert {e.kind for e in m.entries} == {af.EntryKind.DECODE, af.EntryKind.PREFILL, af.EntryKind.DECODE_STEPS,
+                                          af.EntryKind.MIXED}
     for e in m.entries:
         text = (root / "tp2" / e.body).read_text()
         assert re.search(r"mhlo\.num_partitions = 2 ", text)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 
 from .kv_cache_manager import KVCacheManager
 from .paging import RowCall, row_call
@@ -32,7 +32,7 @@ class Work:
 class ScheduledCall:
     """One execution: the entry, its sequences and each one's row."""
 
-    entry: mf.Entry
+    entry: af.Entry
     seqs: tuple[Request, ...]
     rows: tuple[RowCall, ...]
     limits: tuple[int, ...] = ()         # decode_steps: the most tokens each row may produce in the call
@@ -41,7 +41,7 @@ class ScheduledCall:
     def out_rows(self) -> tuple[int, ...]:
         """Each sequence's row of the outputs (and the sampler): in order, but a mixed call's chunk, which follows
         the entry's `batch` decode rows."""
-        if self.entry.kind == mf.EntryKind.MIXED:
+        if self.entry.kind == af.EntryKind.MIXED:
             return tuple(range(len(self.seqs) - 1)) + (self.entry.batch,)
         return tuple(range(len(self.seqs)))
 
@@ -60,21 +60,21 @@ def call_cost(calls: Sequence[ScheduledCall]) -> int:
 class CallPlanner:
     """An artifact's entries by kind, and the calls that run a step's work on them."""
 
-    def __init__(self, m: mf.Manifest, kv: KVCacheManager, *, use_decode_steps: bool = True):
+    def __init__(self, m: af.Manifest, kv: KVCacheManager, *, use_decode_steps: bool = True):
         self.manifest = m
         self.kv = kv
         self.use_decode_steps = use_decode_steps
         self.use_mixed = True               # run decode rows and a prompt chunk in one call where an entry holds them
         self.scorer = m.scorer             # None: a prompt whose logprobs are asked is read a token a call
         self._by_kind = {kind: sorted((e for e in m.entries if e.kind == kind), key=lambda e: e.size_key)
-                         for kind in mf.EntryKind}
-        self.max_decode_batch = max(e.batch for e in self._by_kind[mf.EntryKind.DECODE])
+                         for kind in af.EntryKind}
+        self.max_decode_batch = max(e.batch for e in self._by_kind[af.EntryKind.DECODE])
 
-    def entries(self, kind: str) -> list[mf.Entry]:
+    def entries(self, kind: str) -> list[af.Entry]:
         """The entries of `kind`, smallest first (by context, then batch)."""
         return self._by_kind[kind]
 
-    def pick(self, kind: str, batch: int, context: int, tokens: int, total: int = 0) -> mf.Entry | None:
+    def pick(self, kind: str, batch: int, context: int, tokens: int, total: int = 0) -> af.Entry | None:
         """The smallest entry of `kind` that holds `batch` rows of `tokens` tokens reaching `context` positions
         (a packed prefill: `total` tokens in all)."""
         return next((e for e in self.entries(kind) if e.holds(batch, context, tokens, total)), None)
@@ -98,7 +98,7 @@ class CallPlanner:
         scored = [w for w in work if self.scored(w.seq)]
         single = [w for w in work if w not in scored and w.n == 1]
         chunks = [w for w in work if w not in scored and w.n > 1]       # in scheduling order
-        calls = self._group(scored, mf.EntryKind.PREFILL_SCORED)
+        calls = self._group(scored, af.EntryKind.PREFILL_SCORED)
         # Every chunk in prefill calls beside decode calls; or the first chunk riding with the decode rows in a mixed
         # call; or decode rows riding in the chunks' packed prefill calls: whichever computes the fewest positions.
         plans = []
@@ -116,28 +116,28 @@ class CallPlanner:
         one-token row as one position); None without packed prefills, or when their rows cannot hold them all: the
         rows that ride would save no decode call, and attend with a chunk's query slots (bench/serving.py, 32
         clients with a shared prefix: 292 tok/s letting 8 - chunks of 32 decode rows ride, 333 tok/s without)."""
-        rows = max((e.batch for e in self.entries(mf.EntryKind.PREFILL) if e.packed_tokens), default=0)
+        rows = max((e.batch for e in self.entries(af.EntryKind.PREFILL) if e.packed_tokens), default=0)
         if not (chunks and single and rows >= len(chunks) + len(single)):
             return None
-        return self._group(sorted(chunks + single, key=lambda w: w.start + w.n), mf.EntryKind.PREFILL)
+        return self._group(sorted(chunks + single, key=lambda w: w.start + w.n), af.EntryKind.PREFILL)
 
     def _apart(self, single: list[Work], chunks: list[Work]) -> list[ScheduledCall]:
         """The calls of prompt chunks (prefill entries, those that end near each other together) and one-token rows
         (decode entries)."""
-        calls = self._group(sorted(chunks, key=lambda w: w.start + w.n), mf.EntryKind.PREFILL)
+        calls = self._group(sorted(chunks, key=lambda w: w.start + w.n), af.EntryKind.PREFILL)
         for i in range(0, len(single), self.max_decode_batch):
-            calls += self._group(single[i:i + self.max_decode_batch], mf.EntryKind.DECODE)
+            calls += self._group(single[i:i + self.max_decode_batch], af.EntryKind.DECODE)
         return calls
 
     def _mixed_call(self, single: list[Work], chunks: list[Work]) -> ScheduledCall | None:
         """The decode rows (as many as the largest mixed entry holds) and the first prompt chunk in one mixed call,
         when the artifact has one that holds them (the decode rows then cost next to nothing beside the chunk)."""
-        mixed = self.entries(mf.EntryKind.MIXED)
+        mixed = self.entries(af.EntryKind.MIXED)
         if not (mixed and self.use_mixed and single and chunks):
             return None
         rows = single[:max(e.batch for e in mixed)]
         chunk = chunks[0]
-        entry = self.pick(mf.EntryKind.MIXED, len(rows), max(w.start + w.n for w in rows + [chunk]), chunk.n)
+        entry = self.pick(af.EntryKind.MIXED, len(rows), max(w.start + w.n for w in rows + [chunk]), chunk.n)
         if entry is None:
             return None
         work = rows + [chunk]
@@ -147,9 +147,9 @@ class CallPlanner:
     def unmix(self, call: ScheduledCall) -> list[ScheduledCall]:
         """A mixed call as the decode call and the prefill call it stands for."""
         work = [Work(s, row.start, len(row.token_ids)) for s, row in zip(call.seqs, call.rows)]
-        return self._group(work[:-1], mf.EntryKind.DECODE) + self._group(work[-1:], mf.EntryKind.PREFILL)
+        return self._group(work[:-1], af.EntryKind.DECODE) + self._group(work[-1:], af.EntryKind.PREFILL)
 
-    def _group(self, work: list[Work], kind: mf.EntryKind) -> list[ScheduledCall]:
+    def _group(self, work: list[Work], kind: af.EntryKind) -> list[ScheduledCall]:
         """The calls of entries of `kind` that run `work`: rows in order, as many a call as an entry holds."""
         calls: list[ScheduledCall] = []
         group: list[Work] = []
@@ -185,17 +185,17 @@ class CallPlanner:
         """One decode_steps call for every sequence of `work` when all are decoding and the units for their next
         tokens are free (taken here); else None. Each row may produce up to K tokens, at most its remaining
         max_new_tokens."""
-        multi = self.entries(mf.EntryKind.DECODE_STEPS)
+        multi = self.entries(af.EntryKind.DECODE_STEPS)
         if not (multi and self.use_decode_steps and work):
             return None
         if not all(w.seq.decoding and w.n == 1 and self._multi_step_ok(w.seq) for w in work):
             return None
         e0 = multi[0]
-        stop_slots = e0.inputs[e0.input_index(mf.Role.STOP_IDS)].shape[1]
+        stop_slots = e0.inputs[e0.input_index(af.Role.STOP_IDS)].shape[1]
         if any(len(self.stop_ids(w.seq)) > stop_slots for w in work):
             return None
         limits = tuple(min(e0.steps, w.seq.max_new_tokens - len(w.seq.generated)) for w in work)
-        entry = self.pick(mf.EntryKind.DECODE_STEPS, len(work), max(w.start + n for w, n in zip(work, limits)), 1)
+        entry = self.pick(af.EntryKind.DECODE_STEPS, len(work), max(w.start + n for w, n in zip(work, limits)), 1)
         if entry is None or min(limits) < 1:
             return None
         taken = []

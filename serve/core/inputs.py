@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 from .paging import RowCall, build_step_inputs, pack_step_inputs
 
 from ..host_sampling import seed_words
@@ -13,19 +13,19 @@ from ..runtime.runner import Runner
 from .scheduler import ScheduledCall
 
 
-def step_inputs(call: ScheduledCall, m: mf.Manifest, ring_pages: int) -> dict[str, np.ndarray]:
+def step_inputs(call: ScheduledCall, m: af.Manifest, ring_pages: int) -> dict[str, np.ndarray]:
     """The rows' token ids, positions, block tables, slots (and ring tables, state slots) for `call`'s entry; a
     mixed entry's decode rows under their field names and its prompt chunk's under "chunk.<field>"; a packed
     prefill's per-token fields flat, with its pack_index."""
     e = call.entry
     kw = dict(width=e.context // m.block_size, block_size=m.block_size, ring_pages=ring_pages,
-              state_slots=mf.PoolKind.STATE_SLOTS in m.pool_kinds)
-    if e.kind == mf.EntryKind.MIXED:
+              state_slots=af.PoolKind.STATE_SLOTS in m.pool_kinds)
+    if e.kind == af.EntryKind.MIXED:
         out = build_step_inputs(call.rows[:-1], batch=e.batch, tokens=1, **kw)
         chunk = build_step_inputs(call.rows[-1:], batch=1, tokens=e.tokens_per_seq, **kw)
-        out.update({f"{mf.CHUNK_GROUP}.{k}": v for k, v in chunk.items()})
+        out.update({f"{af.CHUNK_GROUP}.{k}": v for k, v in chunk.items()})
         return out
-    tokens = 1 if e.kind == mf.EntryKind.DECODE_STEPS else e.tokens_per_seq
+    tokens = 1 if e.kind == af.EntryKind.DECODE_STEPS else e.tokens_per_seq
     rows = build_step_inputs(call.rows, batch=e.batch, tokens=tokens, **kw)
     return pack_step_inputs(rows, e.packed_tokens) if e.packed_tokens else rows
 
@@ -38,7 +38,7 @@ def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], a
     seqs = call.seqs
     at = call.out_rows
     out: dict = {}
-    neutral = np.array([mf.SAMPLING_NEUTRAL[c] for c in sp.columns], np.float32)
+    neutral = np.array([af.SAMPLING_NEUTRAL[c] for c in sp.columns], np.float32)
     params = np.array([neutral] * B, np.float32)
     seeds = np.zeros((B, 2), np.int32)
     steps = np.zeros(B, np.int32)
@@ -47,20 +47,20 @@ def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], a
             params[b] = s.sampling.row(sp.columns)
             seeds[b] = seed_words(s.seed)
             steps[b] = len(s.generated)
-    out[mf.Role.SAMPLING], out[mf.Role.RNG_SEED], out[mf.Role.RNG_STEP] = params, seeds, steps
+    out[af.Role.SAMPLING], out[af.Role.RNG_SEED], out[af.Role.RNG_STEP] = params, seeds, steps
     if not params[:, sp.columns.index("temperature")].any():
         # No row draws: no row reads its seed (a greedy row is argmax of the processed logits).
-        del out[mf.Role.RNG_SEED]
+        del out[af.Role.RNG_SEED]
         if (params == neutral).all():
             # Nor its counter, which presence and frequency penalties also read (the generated tokens are the
             # history's last `step`): only when no row is penalised.
-            del out[mf.Role.RNG_STEP], out[mf.Role.SAMPLING]
+            del out[af.Role.RNG_STEP], out[af.Role.SAMPLING]
     if any(a is not None for a in allowed):
         mask = np.full((B, sp.mask_words), -1, np.int32)
         for b, a in zip(at, allowed):
             if a is not None:
                 mask[b] = a
-        out[mf.Role.TOKEN_MASK] = mask
+        out[af.Role.TOKEN_MASK] = mask
     if any(p and s.sampling.logit_bias for s, p in zip(seqs, producing)):
         ids = np.full((B, sp.logit_bias), -1, np.int32)
         vals = np.zeros((B, sp.logit_bias), np.float32)
@@ -69,15 +69,15 @@ def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], a
                 pairs = s.sampling.logit_bias
                 ids[b, :len(pairs)] = [t for t, _ in pairs]
                 vals[b, :len(pairs)] = [v for _, v in pairs]
-        out[mf.Role.LOGIT_BIAS_IDS], out[mf.Role.LOGIT_BIAS] = ids, vals
+        out[af.Role.LOGIT_BIAS_IDS], out[af.Role.LOGIT_BIAS] = ids, vals
     if any(p and s.sampling.penalized for s, p in zip(seqs, producing)):
         history = np.full((B, C), -1, np.int32)
         for b, s, row, p in zip(at, seqs, call.rows, producing):
             if p:
                 tokens = (s.prompt + s.generated)[:row.start + len(row.token_ids)]
                 history[b, :len(tokens)] = tokens
-        out[mf.Role.TOKEN_HISTORY] = history
-    for role in mf.SAMPLER_INPUTS:
+        out[af.Role.TOKEN_HISTORY] = history
+    for role in af.SAMPLER_INPUTS:
         if role not in out:
             out[role] = runner.neutral_buffer(e, role)
     return out
@@ -99,18 +99,18 @@ def decode_steps_inputs(call: ScheduledCall, stop_ids: list[list[int]]) -> dict:
     e = call.entry
     limit = np.zeros(e.batch, np.int32)
     limit[:len(call.limits)] = call.limits
-    stop = np.full(e.inputs[e.input_index(mf.Role.STOP_IDS)].shape, -1, np.int32)
+    stop = np.full(e.inputs[e.input_index(af.Role.STOP_IDS)].shape, -1, np.int32)
     for b, ids in enumerate(stop_ids):
         stop[b, :len(ids)] = ids
-    return {mf.Role.STEP_LIMIT: limit, mf.Role.STOP_IDS: stop}
+    return {af.Role.STEP_LIMIT: limit, af.Role.STOP_IDS: stop}
 
 
-def empty_call_inputs(e: mf.Entry, runner: Runner, ring_pages: int) -> dict:
+def empty_call_inputs(e: af.Entry, runner: Runner, ring_pages: int) -> dict:
     """The inputs of a call of `e` whose rows are all empty, as a call's padding rows are (no token, no slot: the
     call writes nothing): what a warm-up run takes."""
-    if e.kind == mf.EntryKind.COPY_SLOTS:
+    if e.kind == af.EntryKind.COPY_SLOTS:
         none = np.full(e.batch, -1, np.int32)
-        return {mf.Role.COPY_SRC: none, mf.Role.COPY_DST: none}
+        return {af.Role.COPY_SRC: none, af.Role.COPY_DST: none}
     call = ScheduledCall(e, (), ())
     return _with_rowless_roles(call, runner, step_inputs(call, runner.manifest, ring_pages))
 
@@ -121,9 +121,9 @@ def _with_rowless_roles(call: ScheduledCall, runner: Runner, out: dict) -> dict:
     e = call.entry
     if runner.manifest.sampler is not None:
         out.update(sampler_inputs(runner, call, [], []))
-    if e.kind == mf.EntryKind.PREFILL_SCORED:
-        out[mf.Role.SCORE_TARGETS] = score_targets(call, e.batch, e.tokens_per_seq)
-    if e.kind == mf.EntryKind.DECODE_STEPS:
+    if e.kind == af.EntryKind.PREFILL_SCORED:
+        out[af.Role.SCORE_TARGETS] = score_targets(call, e.batch, e.tokens_per_seq)
+    if e.kind == af.EntryKind.DECODE_STEPS:
         out.update(decode_steps_inputs(call, []))
     return out
 
@@ -133,18 +133,18 @@ def _with_rowless_roles(call: ScheduledCall, runner: Runner, out: dict) -> dict:
 WARM_UP_KEYS = 48
 
 
-def warm_up_inputs(e: mf.Entry, runner: Runner, ring_pages: int) -> dict:
+def warm_up_inputs(e: af.Entry, runner: Runner, ring_pages: int) -> dict:
     """A warm-up call's inputs: every row reads a few pages (the first one shared by all rows) and writes nothing (no
     slot, no state slot), so that the body's loops over keys run as a request's would; an executable's first run of
     a loop body pays one-time costs that a run of empty rows, whose loops run no iteration, leaves to the first
     request. decode_steps and copy_slots entries, which write where no slot input says, get every row empty."""
-    if e.kind in (mf.EntryKind.DECODE_STEPS, mf.EntryKind.COPY_SLOTS):
+    if e.kind in (af.EntryKind.DECODE_STEPS, af.EntryKind.COPY_SLOTS):
         return empty_call_inputs(e, runner, ring_pages)
     m = runner.manifest
     chunk = e.tokens_per_seq
-    if e.kind == mf.EntryKind.DECODE:
+    if e.kind == af.EntryKind.DECODE:
         counts = [1] * e.batch
-    elif e.kind == mf.EntryKind.MIXED:
+    elif e.kind == af.EntryKind.MIXED:
         counts = [1] * e.batch + [chunk]
     elif e.packed_tokens:         # the rows' tokens side by side: at most packed_tokens in all
         n = max(1, min(chunk, e.packed_tokens // e.batch))
@@ -152,8 +152,8 @@ def warm_up_inputs(e: mf.Entry, runner: Runner, ring_pages: int) -> dict:
     else:
         counts = [chunk] * e.batch
     width = e.context // m.block_size
-    kv = m.capacity(mf.PoolKind.PAGED_KV) if mf.PoolKind.PAGED_KV in m.pool_kinds else 0
-    ring = m.capacity(mf.PoolKind.RING_KV) if ring_pages else 0
+    kv = m.capacity(af.PoolKind.PAGED_KV) if af.PoolKind.PAGED_KV in m.pool_kinds else 0
+    ring = m.capacity(af.PoolKind.RING_KV) if ring_pages else 0
     rows = []
     for b, n in enumerate(counts):
         end = min(e.context, max(n, WARM_UP_KEYS))

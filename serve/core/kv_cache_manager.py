@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 
 from . import kv_cache
 from .paging import pool_rule
@@ -20,35 +20,35 @@ from .request import Request, RequestRefused
 log = logging.getLogger("tlaloc_jax.serve")
 
 # How refusals and logs name each kind's units.
-KIND_NAMES = {mf.PoolKind.PAGED_KV: ("KV", "pages"), mf.PoolKind.RING_KV: ("windowed KV", "pages"),
-              mf.PoolKind.STATE_SLOTS: ("state", "slots")}
+KIND_NAMES = {af.PoolKind.PAGED_KV: ("KV", "pages"), af.PoolKind.RING_KV: ("windowed KV", "pages"),
+              af.PoolKind.STATE_SLOTS: ("state", "slots")}
 
 
 class KVCacheManager:
     """The units of each of an artifact's pool kinds, who holds them, and (when on) the prefix cache over them."""
 
-    def __init__(self, m: mf.Manifest, *, prefix_caching: bool | None = None, identity: str = ""):
+    def __init__(self, m: af.Manifest, *, prefix_caching: bool | None = None, identity: str = ""):
         self.manifest = m
         self.block_size = m.block_size
         self.rules = {kind: pool_rule(m.pools_of(kind)[0], m.block_size) for kind in m.pool_kinds}
         self.pools = {kind: kv_cache.UnitPool(m.capacity(kind), *KIND_NAMES.get(kind, (str(kind), "units")))
                       for kind in m.pool_kinds}
-        copies = any(e.kind == mf.EntryKind.COPY_SLOTS for e in m.entries)
+        copies = any(e.kind == af.EntryKind.COPY_SLOTS for e in m.entries)
         self.prefix_caching = self._caching(prefix_caching, copies)
         self.prefix = PrefixCache(self.pools, m.block_size, kv_cache.artifact_seed(identity), snapshots=copies) \
             if self.prefix_caching else None
         # While others run, a new sequence leaves this many KV pages free for their next tokens.
-        self.watermark = max(1, self.pools[mf.PoolKind.PAGED_KV].num_units // 100) \
-            if mf.PoolKind.PAGED_KV in self.pools else 0
+        self.watermark = max(1, self.pools[af.PoolKind.PAGED_KV].num_units // 100) \
+            if af.PoolKind.PAGED_KV in self.pools else 0
 
     def _caching(self, asked: bool | None, copies: bool) -> bool:
         """Prefix caching, unless a pool's content cannot be reused exactly (refused by name when asked for)."""
-        blocking = [p for p in self.manifest.pools if p.kind == mf.PoolKind.RING_KV
-                    or (p.kind == mf.PoolKind.STATE_SLOTS and not copies)]
+        blocking = [p for p in self.manifest.pools if p.kind == af.PoolKind.RING_KV
+                    or (p.kind == af.PoolKind.STATE_SLOTS and not copies)]
         if asked is False:
             return False
         if blocking:
-            why = ", ".join(f"{p.name} ({p.kind}{'' if p.kind == mf.PoolKind.RING_KV else ', no copy_slots entry'})"
+            why = ", ".join(f"{p.name} ({p.kind}{'' if p.kind == af.PoolKind.RING_KV else ', no copy_slots entry'})"
                             for p in blocking)
             if asked:
                 raise ValueError(f"prefix caching cannot reuse pool {why} exactly: a later sequence would need what "
@@ -64,7 +64,7 @@ class KVCacheManager:
         for kind, pool in self.pools.items():
             need = self.rules[kind].units(prompt_len + max_new_tokens - 1)
             if need > pool.num_units:
-                size = "" if kind == mf.PoolKind.STATE_SLOTS else \
+                size = "" if kind == af.PoolKind.STATE_SLOTS else \
                     f" of {prompt_len} prompt tokens plus max_new_tokens {max_new_tokens}"
                 raise RequestRefused("exceeds_pool", f"a sequence{size} needs {need} {pool.name} {pool.unit}, and "
                                                      f"the pool holds {pool.num_units}: it could never run",
@@ -92,7 +92,7 @@ class KVCacheManager:
             return None
         hit = self.prefix.lookup(s)
         if hit.pages:
-            s.held[mf.PoolKind.PAGED_KV] = list(hit.pages)
+            s.held[af.PoolKind.PAGED_KV] = list(hit.pages)
         s.computed = hit.length
         s.cached_pages = len(hit.pages)
         s.junction = hit.junction
@@ -112,13 +112,13 @@ class KVCacheManager:
         once)."""
         for kind, pool in self.pools.items():
             left = pool.free_units - max(0, self.rules[kind].units(end) - len(s.held[kind]))
-            if left < 0 or (others_running and kind == mf.PoolKind.PAGED_KV and left < self.watermark):
+            if left < 0 or (others_running and kind == af.PoolKind.PAGED_KV and left < self.watermark):
                 return False
         return True
 
     def allocate_slots(self, s: Request, end: int) -> bool:
         """Take what the sequence's positions up to `end` hold of each kind of pool; all or nothing."""
-        got: dict[mf.PoolKind, list[int]] = {}
+        got: dict[af.PoolKind, list[int]] = {}
         for kind, pool in self.pools.items():
             need = self.rules[kind].units(end) - len(s.held[kind])
             if need > 0:
@@ -132,10 +132,10 @@ class KVCacheManager:
             s.held[kind].extend(units)
         return True
 
-    def held_counts(self, s: Request) -> dict[mf.PoolKind, int]:
+    def held_counts(self, s: Request) -> dict[af.PoolKind, int]:
         return {kind: len(units) for kind, units in s.held.items()}
 
-    def truncate(self, s: Request, counts: dict[mf.PoolKind, int]) -> None:
+    def truncate(self, s: Request, counts: dict[af.PoolKind, int]) -> None:
         """Give back what the sequence took past `counts` units of each kind (held_counts before a trial)."""
         for kind, count in counts.items():
             extra = s.held[kind][count:]

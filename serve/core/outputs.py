@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 
 from ..host_sampling import log_softmax, sample, top_logprobs, unpack_mask
 from .request import Request
@@ -17,11 +17,11 @@ def allowed_mask(s: Request, vocab: int) -> np.ndarray | None:
     token before min_tokens), or None when it may choose any."""
     words = None
     if s.constraint is not None:
-        words = np.full(mf.mask_words(vocab), -1, np.int32)
+        words = np.full(af.mask_words(vocab), -1, np.int32)
         s.constraint.fill(words)
     if len(s.generated) < s.sampling.min_tokens and s.stop:
         if s.stop_mask is None:     # made once per sequence: a request may carry many stop ids
-            bits = np.zeros(mf.mask_words(vocab) * 32, bool)      # no bit past the vocabulary
+            bits = np.zeros(af.mask_words(vocab) * 32, bool)      # no bit past the vocabulary
             bits[:vocab] = True
             bits[np.array(s.stop_ids(vocab), np.int64)] = False
             s.stop_mask = np.packbits(bits, bitorder="little").view(np.int32)
@@ -29,47 +29,47 @@ def allowed_mask(s: Request, vocab: int) -> np.ndarray | None:
     return words
 
 
-def wanted(call: ScheduledCall, producing: list[bool], allowed: list, sampler: mf.Sampler | None) -> set[mf.Role]:
+def wanted(call: ScheduledCall, producing: list[bool], allowed: list, sampler: af.Sampler | None) -> set[af.Role]:
     """The outputs to pull to the host for this call."""
     want = set()
-    if call.entry.kind == mf.EntryKind.PREFILL_SCORED:
-        want |= set(mf.SCORER_OUTPUTS) if any(s.sampling.prompt_logprobs for s in call.seqs) else \
-            {mf.Role.PROMPT_LOGPROB, mf.Role.PROMPT_RANK}
+    if call.entry.kind == af.EntryKind.PREFILL_SCORED:
+        want |= set(af.SCORER_OUTPUTS) if any(s.sampling.prompt_logprobs for s in call.seqs) else \
+            {af.Role.PROMPT_LOGPROB, af.Role.PROMPT_RANK}
     elif any(s.prompt_logprobs is not None and not s.generated for s in call.seqs):
-        want.add(mf.Role.LOGITS)
+        want.add(af.Role.LOGITS)
     if sampler is not None:
-        want.add(mf.Role.SAMPLED_TOKEN)
+        want.add(af.Role.SAMPLED_TOKEN)
         if any(s.sampling.logprobs is not None for s in call.seqs):
-            want.add(mf.Role.TOKEN_LOGPROB)
+            want.add(af.Role.TOKEN_LOGPROB)
         if any(s.sampling.logprobs for s in call.seqs):
-            want |= {mf.Role.TOP_LOGPROBS, mf.Role.TOP_IDS}
+            want |= {af.Role.TOP_LOGPROBS, af.Role.TOP_IDS}
         return want
-    want.add(mf.Role.NEXT_TOKEN)
+    want.add(af.Role.NEXT_TOKEN)
     if any(p and (not s.sampling.plain or s.sampling.logprobs is not None or a is not None)
            for s, p, a in zip(call.seqs, producing, allowed)):
-        want.add(mf.Role.LOGITS)
+        want.add(af.Role.LOGITS)
     return want
 
 
 def row_token(out: dict, b: int, s: Request, allowed: np.ndarray | None, lsm: np.ndarray | None,
-              sampler: mf.Sampler | None, vocab: int):
+              sampler: af.Sampler | None, vocab: int):
     """Row b's token, its logprob and top logprobs (None unless asked), from the body's sampler or, without one,
     sampled here from the pulled logits."""
     n = s.sampling.logprobs
     if sampler is not None:
-        tok = int(out[mf.Role.SAMPLED_TOKEN][b])
+        tok = int(out[af.Role.SAMPLED_TOKEN][b])
         if allowed is not None and not (int(allowed.view(np.uint32)[tok // 32]) >> (tok % 32)) & 1:
             raise ValueError(f"the sampler chose token {tok}, which the mask forbids (no allowed token left?)")
         if n is None:
             return tok, None, None
-        top = tuple(zip(out[mf.Role.TOP_IDS][b][:n].tolist(), out[mf.Role.TOP_LOGPROBS][b][:n].tolist())) \
+        top = tuple(zip(out[af.Role.TOP_IDS][b][:n].tolist(), out[af.Role.TOP_LOGPROBS][b][:n].tolist())) \
             if n else ()
-        return tok, float(out[mf.Role.TOKEN_LOGPROB][b]), top
-    if mf.Role.LOGITS not in out:
-        return int(out[mf.Role.NEXT_TOKEN][b]), None, None
-    logits = out[mf.Role.LOGITS][b]
+        return tok, float(out[af.Role.TOKEN_LOGPROB][b]), top
+    if af.Role.LOGITS not in out:
+        return int(out[af.Role.NEXT_TOKEN][b]), None, None
+    logits = out[af.Role.LOGITS][b]
     if s.sampling.plain and allowed is None:
-        tok = int(out[mf.Role.NEXT_TOKEN][b])
+        tok = int(out[af.Role.NEXT_TOKEN][b])
     else:
         extra = {}
         if s.sampling.penalized:
@@ -90,10 +90,10 @@ def prompt_scores(out: dict, b: int, s: Request, start: int, n: int, tokens: int
     scored = min(n, len(s.prompt) - 1 - start)
     k = s.sampling.prompt_logprobs
     cols = range(tokens - n, tokens - n + scored)
-    lp, rank = out[mf.Role.PROMPT_LOGPROB][b], out[mf.Role.PROMPT_RANK][b]
+    lp, rank = out[af.Role.PROMPT_LOGPROB][b], out[af.Role.PROMPT_RANK][b]
     if not k:
         return [(float(lp[c]), int(rank[c]), ()) for c in cols]
-    ids, vals = out[mf.Role.PROMPT_TOP_IDS][b], out[mf.Role.PROMPT_TOP_LOGPROBS][b]
+    ids, vals = out[af.Role.PROMPT_TOP_IDS][b], out[af.Role.PROMPT_TOP_LOGPROBS][b]
     return [(float(lp[c]), int(rank[c]), tuple(zip(ids[c, :k].tolist(), vals[c, :k].tolist()))) for c in cols]
 
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 
 from . import kv_cache
 from .request import Request
 
-PAGED, STATE = mf.PoolKind.PAGED_KV, mf.PoolKind.STATE_SLOTS
+PAGED, STATE = af.PoolKind.PAGED_KV, af.PoolKind.STATE_SLOTS
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Hit:
 
 
 class PrefixCache:
-    def __init__(self, pools: dict[mf.PoolKind, kv_cache.UnitPool], block_size: int, root: bytes,
+    def __init__(self, pools: dict[af.PoolKind, kv_cache.UnitPool], block_size: int, root: bytes,
                  snapshots: bool):
         self.pools = pools
         self.block_size = block_size

@@ -8,7 +8,7 @@ from typing import Iterable
 
 import numpy as np
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 
 from ..host_sampling import GREEDY, Sampling
 
@@ -25,7 +25,7 @@ class RequestRefused(ValueError):
     def __init__(self, kind: str, message: str, pool: str | None = None):
         super().__init__(message)
         self.kind = kind
-        self.pool = pool            # exceeds_pool: the kind of pool (mf.PoolKind) the sequences would not fit
+        self.pool = pool            # exceeds_pool: the kind of pool (af.PoolKind) the sequences would not fit
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Request:
     stop: frozenset[int]
     sampling: Sampling
     rng: np.random.Generator
-    held: dict[mf.PoolKind, list[int]]   # pages (or state slots) the sequence holds, per kind of pool
+    held: dict[af.PoolKind, list[int]]   # pages (or state slots) the sequence holds, per kind of pool
     arrival: float
     order: int = 0                       # arrival order: ties between equal priorities go to the earlier
     priority: int = 0                    # lower runs first (vLLM's priority scheduling)
@@ -171,7 +171,7 @@ def check_sampling(sampling: Sampling | None) -> Sampling:
     return sampling
 
 
-def check_sampler_fits(sampler: mf.Sampler | None, s: Sampling, vocab: int) -> None:
+def check_sampler_fits(sampler: af.Sampler | None, s: Sampling, vocab: int) -> None:
     """What the artifact's sampler cannot carry is refused by name (the host fallback carries anything)."""
     if sampler is None:
         return

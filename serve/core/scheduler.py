@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 
 from .call_plan import CallPlanner, ScheduledCall, Work
 from .kv_cache_manager import KVCacheManager
@@ -44,7 +44,7 @@ class Step:
 class Scheduler:
     """The requests an engine holds, the queues they wait and run in, and what each step advances."""
 
-    def __init__(self, m: mf.Manifest, max_context: int, *, use_decode_steps: bool = True,
+    def __init__(self, m: af.Manifest, max_context: int, *, use_decode_steps: bool = True,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  prefix_caching: bool | None = None, identity: str = ""):
         self.manifest = m
@@ -53,7 +53,7 @@ class Scheduler:
         self.kv = KVCacheManager(m, prefix_caching=prefix_caching, identity=identity)
         self.planner = CallPlanner(m, self.kv, use_decode_steps=use_decode_steps)
         self.max_num_seqs = max_num_seqs or self.planner.max_decode_batch
-        prefill = self.planner.entries(mf.EntryKind.PREFILL)
+        prefill = self.planner.entries(af.EntryKind.PREFILL)
         # A prompt read alone takes the longest chunk an entry holds; prompts read side by side take the longest
         # chunk of the entries of several rows, so that they share calls.
         self.chunk_cap = max(e.tokens_per_seq for e in prefill)
@@ -199,7 +199,7 @@ class Scheduler:
                 self.stats["prefix_queries"] += s.length
                 self.stats["prefix_hits"] += hit.length
                 if hit.snapshot is not None:
-                    restores.append(Copy(hit.snapshot, s.held[mf.PoolKind.STATE_SLOTS][0], seq=s))
+                    restores.append(Copy(hit.snapshot, s.held[af.PoolKind.STATE_SLOTS][0], seq=s))
             s.running = True
             bisect.insort(self.running, s, key=lambda r: r.key)
             work.append(Work(s, s.computed, n))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.artifact import bounded_manifest as bm
 
 from ..bounded_program import BoundedProgram
@@ -49,7 +49,7 @@ def load_embedding_tokenizer(root: str | Path, manifest: bm.BoundedManifest) -> 
     try:
         tok = Tokenizer.from_str(text)
     except Exception as e:   # noqa: BLE001 - tokenizers raises its own Exception type for a corrupt file
-        raise mf.ManifestError(f"tokenizer file 'tokenizer.json' does not load: {e}") from None
+        raise af.ManifestError(f"tokenizer file 'tokenizer.json' does not load: {e}") from None
     tok.no_padding()
     tok.no_truncation()
     return EmbeddingTokenizer(tok)
@@ -57,7 +57,7 @@ def load_embedding_tokenizer(root: str | Path, manifest: bm.BoundedManifest) -> 
 
 def embedding_task(m: bm.BoundedManifest) -> bm.EmbeddingTask:
     if m.embedding is None:
-        raise mf.ManifestError(f"bounded program {m.name!r} names no embedding task (stage_bounded(..., "
+        raise af.ManifestError(f"bounded program {m.name!r} names no embedding task (stage_bounded(..., "
                                "embedding=EmbeddingTask(tokens, output, vocab))): it cannot serve /v1/embeddings")
     return m.embedding
 

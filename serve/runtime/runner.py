@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 
 from . import sharded
 from .handles import Buffer, Executable
@@ -42,7 +42,7 @@ class Runner:
     then a tuple of N buffers, serve/runtime/sharded.py, and one execution a call for all of them). Not
     thread-safe: one caller runs entries."""
 
-    def __init__(self, artifact_dir: str | Path, manifest: mf.Manifest, device: Device, *, progress: bool = True,
+    def __init__(self, artifact_dir: str | Path, manifest: af.Manifest, device: Device, *, progress: bool = True,
                  donate: bool = True):
         """Check the device has room, compile every entry but the scoring prefills (compiled on first use),
         upload the weights and allocate zeroed pools. Closes the device if any of it fails. A device of another
@@ -54,11 +54,11 @@ class Runner:
         self.device = device
         self.donate = donate
         self.executables: dict[str, Executable] = {}
-        self._neutral: dict[tuple[str, mf.Role], sharded.Placed] = {}
+        self._neutral: dict[tuple[str, af.Role], sharded.Placed] = {}
         # The last host value of each (entry, input role) and its device buffer: an input equal to the previous
         # call's (block tables, seeds, stop ids, ...) is not uploaded again.
         self._kept_inputs: dict[tuple[str, str], tuple[bytes, sharded.Placed]] = {}
-        self._arg_plans: dict[str, list[tuple[_ArgSource, object, mf.Role]]] = {}
+        self._arg_plans: dict[str, list[tuple[_ArgSource, object, af.Role]]] = {}
         self._entries_checked: set[str] = set()
         self._deferred: dict[str, str] = {}  # entry -> "cached" | "pending": ready on first use (_compile_kinds)
         self.stats = dict(executions=0, warm_ups=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={},
@@ -68,10 +68,10 @@ class Runner:
         try:
             want = {"cpu": "cpu", "cuda": "cuda"}[m.versions.platform]
             if device.platform_name.lower() not in (want, "gpu" if want == "cuda" else want):
-                raise mf.ManifestError(f"artifact was exported for {m.versions.platform}, the plugin "
+                raise af.ManifestError(f"artifact was exported for {m.versions.platform}, the plugin "
                                        f"{device.plugin_path} is {device.platform_name}")
             if device.devices != m.devices:
-                raise mf.ManifestError(sharded.device_count_mismatch(m, device.devices))
+                raise af.ManifestError(sharded.device_count_mismatch(m, device.devices))
             for target in m.versions.custom_calls:     # before any body that calls them compiles
                 device.register_native(target)
             self._check_memory()
@@ -93,9 +93,9 @@ class Runner:
         the cache stands for its kind (it compiled here before). The scoring prefills, which only requests for
         prompt logprobs run, are compiled on first use too."""
         from tqdm.auto import tqdm
-        entries = [e for e in self.manifest.entries if e.kind != mf.EntryKind.PREFILL_SCORED]
+        entries = [e for e in self.manifest.entries if e.kind != af.EntryKind.PREFILL_SCORED]
         bar = tqdm(entries, desc="compile", unit="entry", disable=not progress)
-        proven: set[mf.EntryKind] = set()
+        proven: set[af.EntryKind] = set()
         for e in bar:
             bar.set_postfix_str(e.name)
             if self.device.compiled_before(self._body(e)):
@@ -106,10 +106,10 @@ class Runner:
                 self.executable(e)
             proven.add(e.kind)
 
-    def _body(self, e: mf.Entry) -> bytes:
+    def _body(self, e: af.Entry) -> bytes:
         return (self.artifact_dir / e.serialized).read_bytes()
 
-    def executable(self, e: mf.Entry) -> Executable:
+    def executable(self, e: af.Entry) -> Executable:
         """The entry's executable, compiled (or loaded from the compile cache) on first use."""
         exe = self.executables.get(e.name)
         if exe is None:
@@ -117,7 +117,7 @@ class Runner:
             exe = self.device.compile(self._body(e), name=e.name)
             self.executables[e.name] = exe
             self._deferred.pop(e.name, None)
-            if e.kind == mf.EntryKind.PREFILL_SCORED:
+            if e.kind == af.EntryKind.PREFILL_SCORED:
                 log.info("compiled %s on first use (%s), %.1f s", e.name, exe.cache, time.perf_counter() - t0)
         return exe
 
@@ -136,7 +136,7 @@ class Runner:
             if free is not None and need > free:
                 names = ", ".join(f"{p.name} {p.nbytes / 2**20:.1f} MiB" for p in self.manifest.pools)
                 where = f"device {d}" if each else "the device"
-                raise mf.ManifestError(f"the artifact needs {need / 2**20:.1f} MiB on {where} (weights "
+                raise af.ManifestError(f"the artifact needs {need / 2**20:.1f} MiB on {where} (weights "
                                        f"{weights * copies / 2**20:.1f} MiB; pools {names}), and "
                                        f"{self.device.platform_name} has {free / 2**20:.1f} MiB free")
 
@@ -163,7 +163,7 @@ class Runner:
 
     # -- inputs --------------------------------------------------------------------------------------
 
-    def _input_buffer(self, e: mf.Entry, key: str, value: np.ndarray) -> sharded.Placed:
+    def _input_buffer(self, e: af.Entry, key: str, value: np.ndarray) -> sharded.Placed:
         """The device buffer of an input's host value: the one kept from the entry's previous call (never donated, so
         it outlives the call), as it is when the value is the same, else with the new value written over it where
         the device allows (host memory, one device: Device.overwrite); else a new upload that replaces it."""
@@ -184,32 +184,32 @@ class Runner:
         self._kept_inputs[kept_key] = (data, buf)
         return buf
 
-    def neutral_buffer(self, e: mf.Entry, role: mf.Role) -> sharded.Placed:
+    def neutral_buffer(self, e: af.Entry, role: af.Role) -> sharded.Placed:
         """A device buffer, kept per (entry, role), holding the role's neutral value in every row (no mask, no bias,
         no history, neutral sampling parameters): what a call passes when no row needs that input."""
         key = (e.name, role)
         if key not in self._neutral:
             sig = e.inputs[e.input_index(role)]
-            fill = {mf.Role.TOKEN_MASK: -1, mf.Role.LOGIT_BIAS_IDS: -1, mf.Role.TOKEN_HISTORY: -1}.get(role, 0)
-            if role == mf.Role.SAMPLING:
-                fill = np.array([mf.SAMPLING_NEUTRAL[c] for c in self.manifest.sampler.columns], np.float32)
+            fill = {af.Role.TOKEN_MASK: -1, af.Role.LOGIT_BIAS_IDS: -1, af.Role.TOKEN_HISTORY: -1}.get(role, 0)
+            if role == af.Role.SAMPLING:
+                fill = np.array([af.SAMPLING_NEUTRAL[c] for c in self.manifest.sampler.columns], np.float32)
             self._neutral[key] = sharded.upload_whole(
-                self.device, np.broadcast_to(fill, sig.shape).astype(mf.numpy_dtype(sig.dtype)))
+                self.device, np.broadcast_to(fill, sig.shape).astype(af.numpy_dtype(sig.dtype)))
         return self._neutral[key]
 
-    def _arg_plan(self, e: mf.Entry) -> list[tuple[_ArgSource, object, mf.Role]]:
+    def _arg_plan(self, e: af.Entry) -> list[tuple[_ArgSource, object, af.Role]]:
         """Where each of the entry's arguments comes from, in signature order (made once per entry)."""
         plan = self._arg_plans.get(e.name)
         if plan is None:
             plan = []
             for sig in e.inputs:
-                if (sig.role in mf.STEP_FIELDS or sig.role in mf.SAMPLER_INPUTS or sig.role in mf.SCORER_INPUTS
-                        or sig.role in mf.DECODE_STEPS_INPUTS or sig.role in mf.COPY_INPUTS):
-                    key = mf.STEP_FIELDS.get(sig.role, sig.role)
+                if (sig.role in af.STEP_FIELDS or sig.role in af.SAMPLER_INPUTS or sig.role in af.SCORER_INPUTS
+                        or sig.role in af.DECODE_STEPS_INPUTS or sig.role in af.COPY_INPUTS):
+                    key = af.STEP_FIELDS.get(sig.role, sig.role)
                     if sig.slot:            # a mixed entry's prompt chunk: its step inputs under "chunk.<field>"
                         key = f"{sig.slot}.{key}"
                     plan.append((_ArgSource.STEP, key, sig.role))
-                elif sig.role == mf.Role.POOL_IN:
+                elif sig.role == af.Role.POOL_IN:
                     plan.append((_ArgSource.POOL, sig.slot, sig.role))
                 else:
                     plan.append((_ArgSource.WEIGHT, sig.slot, sig.role))
@@ -231,7 +231,7 @@ class Runner:
         finally:
             self._driver.release()
 
-    def run(self, e: mf.Entry, inputs: dict, want: set[mf.Role], count: bool = True) -> dict[mf.Role, np.ndarray]:
+    def run(self, e: af.Entry, inputs: dict, want: set[af.Role], count: bool = True) -> dict[af.Role, np.ndarray]:
         """Run entry `e`; -> the outputs whose roles are in `want`, pulled to the host.
 
         inputs: the step inputs by StepInputs field name (paging.build_step_inputs) and the sampler's, scorer's
@@ -281,7 +281,7 @@ class Runner:
             sharded.close(outs[i])
         return pulled
 
-    def _check_in_place(self, e: mf.Entry, before: dict[str, int | tuple[int, ...]], run: int) -> None:
+    def _check_in_place(self, e: af.Entry, before: dict[str, int | tuple[int, ...]], run: int) -> None:
         self._entries_checked.add(e.name)
         moved = {n: (a, sharded.address(self.device, self.pools[n])) for n, a in before.items()}
         moved = {n: ab for n, ab in moved.items() if ab[0] != ab[1]}

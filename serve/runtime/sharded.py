@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 
 from .handles import Buffer, Executable
 from .pjrt import Device
@@ -24,7 +24,7 @@ Placed = Buffer | tuple[Buffer, ...]
 HUGE_PAGE = 2 << 20
 
 
-def device_count_mismatch(m: mf.Manifest, devices: int) -> str:
+def device_count_mismatch(m: af.Manifest, devices: int) -> str:
     """Why an artifact cannot run on a client of `devices` devices (its mesh asks for another count)."""
     mesh = ", ".join(f"{a.name}={a.size}" for a in m.mesh.axes) if m.mesh else "none"
     return (f"the artifact runs on {m.devices} device(s) (mesh {mesh}); the client has {devices}: nothing was "
@@ -42,11 +42,11 @@ def upload_whole(device: Device, array: np.ndarray) -> Placed:
     return _on_each(device, lambda d: device.upload(array, d))
 
 
-def zeros(device: Device, dtype: str, shape: tuple[int, ...], partition: mf.Partition, mesh: mf.Mesh | None) -> Placed:
+def zeros(device: Device, dtype: str, shape: tuple[int, ...], partition: af.Partition, mesh: af.Mesh | None) -> Placed:
     """A zeroed array of `shape` split as `partition` says: each device's block (a pool), adopted where the device
     can (the CPU plugin): its pages are zeroed by the OS when first written, not all at load."""
     block = shape if device.devices == 1 else mesh.shard_shape(shape, partition)
-    return _on_each(device, lambda d: device.adopt(host_zeros(block, mf.numpy_dtype(dtype)), d))
+    return _on_each(device, lambda d: device.adopt(host_zeros(block, af.numpy_dtype(dtype)), d))
 
 
 def host_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -90,15 +90,15 @@ def host_arena(sizes: Sequence[int]) -> list[np.ndarray]:
     return [whole[skip + o:skip + o + n] for o, n in zip(offsets, sizes)]
 
 
-def _nbytes(w: mf.WeightFile, shape: tuple[int, ...]) -> int:
+def _nbytes(w: af.WeightFile, shape: tuple[int, ...]) -> int:
     """The bytes of weight w's array of `shape` (the whole weight's, or a shard's)."""
-    return int(np.prod(shape, dtype=np.int64)) * mf.numpy_dtype(w.dtype).itemsize
+    return int(np.prod(shape, dtype=np.int64)) * af.numpy_dtype(w.dtype).itemsize
 
 
-def _read(path: Path, w: mf.WeightFile, shape: tuple[int, ...], into: np.ndarray | None) -> np.ndarray:
+def _read(path: Path, w: af.WeightFile, shape: tuple[int, ...], into: np.ndarray | None) -> np.ndarray:
     """A weight file's array: read with one call into `into` (its bytes, from host_arena), or, with no `into`, the
     file mapped read-only (on the CPU plugin, that mapping is the weight's device memory)."""
-    dtype = mf.numpy_dtype(w.dtype).newbyteorder("<")
+    dtype = af.numpy_dtype(w.dtype).newbyteorder("<")
     nbytes = _nbytes(w, shape)
     if not nbytes:
         return np.zeros(shape, dtype)
@@ -107,13 +107,13 @@ def _read(path: Path, w: mf.WeightFile, shape: tuple[int, ...], into: np.ndarray
     with open(path, "rb") as f:
         got = f.readinto(memoryview(into))
     if got != nbytes:
-        raise mf.ManifestError(f"weight file {path} holds {got} bytes where {w.slot} {list(shape)} {w.dtype} takes "
+        raise af.ManifestError(f"weight file {path} holds {got} bytes where {w.slot} {list(shape)} {w.dtype} takes "
                                f"{nbytes}")
     return into.view(dtype).reshape(shape)
 
 
-def upload_weights(device: Device, root: Path, weights: Sequence[mf.WeightFile],
-                   mesh: mf.Mesh | None) -> dict[str, Placed]:
+def upload_weights(device: Device, root: Path, weights: Sequence[af.WeightFile],
+                   mesh: af.Mesh | None) -> dict[str, Placed]:
     """The weights from their files, by slot: each onto every device, or, split, device d's shard from shard file d.
     On a device whose memory is host memory, each is adopted (no copy by the plugin), and every array of 2 MiB or
     more is read into one host_arena where the kernel offers huge pages: a decode step reads every weight, and 4 KiB
@@ -168,8 +168,8 @@ def close(placed: Placed) -> None:
         b.close()
 
 
-def bytes_per_device(m: mf.Manifest) -> tuple[int, int]:
+def bytes_per_device(m: af.Manifest) -> tuple[int, int]:
     """(weight bytes, pool bytes) one device holds: a split array's block, a whole one entire."""
-    def share(nbytes: int, partition: mf.Partition) -> int:
+    def share(nbytes: int, partition: af.Partition) -> int:
         return nbytes // m.mesh.shards(partition) if m.mesh and any(partition) else nbytes
     return (sum(share(w.nbytes, w.partition) for w in m.weights), sum(share(p.nbytes, p.partition) for p in m.pools))

@@ -10,14 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tlaloc_jax import artifact as mf
+from tlaloc_jax import artifact as af
 from tlaloc_jax.serve.core import kv_cache
 from tlaloc_jax.serve.core.kv_cache import UnitPool, artifact_seed, block_hash, extend_hashes
 from tlaloc_jax.serve.core.prefix_cache import Copy, PrefixCache
 from tlaloc_jax.serve.core.request import Request
 from tlaloc_jax.serve.host_sampling import GREEDY
 
-PAGED, STATE = mf.PoolKind.PAGED_KV, mf.PoolKind.STATE_SLOTS
+PAGED, STATE = af.PoolKind.PAGED_KV, af.PoolKind.STATE_SLOTS
 BS = 4                                   # positions a page
 ROOT = artifact_seed("artifact A")
 
