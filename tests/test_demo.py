@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +27,10 @@ def test_demo_exports_serves_and_streams():
     completion = out.split("---\n", 1)[1].rsplit("\n---", 1)[0]
     assert completion.startswith("def read_config(path):") and len(completion) > len("def read_config(path):") + 10
     assert "time to first token" in out and "tokens/s" in out
+    # README.md shows what `make demo` prints: its entry count is the one the demo prints now.
+    entries = re.compile(r"to (\d+) StableHLO entries")
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    assert entries.search(readme)[1] == entries.search(out)[1], "README.md's `make demo` output is stale"
 
 
 @pytest.mark.numeric
