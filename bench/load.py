@@ -1,7 +1,7 @@
 """Load test of the HTTP server: requests/s, tokens/s, time to first token and inter-token latency at 1, 4 and 16
 clients, for greedy and for sampled decoding.
 
-    PYTHONPATH=tests python -m bench.load    # exports the tests' tiny model (sampler staged) into a temp dir
+    PYTHONPATH=tests/support python -m bench.load    # exports the tests' tiny model (sampler staged) into a temp dir
     python -m bench.load ARTIFACT_DIR [--requests-per-client 8] [--max-tokens 32] [--clients 1,4,16]
                                       [--modes greedy,sampled]
 
@@ -35,12 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tiny_artifact(out: Path) -> Path:
-    try:        # the tests' helpers: their folder is on the path when run as PYTHONPATH=tests python -m bench.load
+    try:        # the tests' helpers: their folder is on the path when run as PYTHONPATH=tests/support python -m bench.load
         from hf_models import build_checkpoint
         from tokenizers_util import EOS, VOCAB, write_tokenizer
     except ImportError as e:
-        raise SystemExit(f"bench.load builds the tests' tiny model with tests/hf_models.py ({e}): run it as "
-                         "`PYTHONPATH=tests python -m bench.load`, or pass an ARTIFACT_DIR") from None
+        raise SystemExit(f"bench.load builds the tests' tiny model with tests/support/hf_models.py ({e}): run it as "
+                         "`PYTHONPATH=tests/support python -m bench.load`, or pass an ARTIFACT_DIR") from None
 
     from tlaloc_jax.export import Sampler, export_checkpoint
 

@@ -41,7 +41,7 @@ def jaxpr_eqns():
 
 @pytest.fixture(scope="session")
 def http_artifacts(tmp_path_factory):
-    """(text artifact, ids artifact) that the HTTP tests serve (tests/http_util.py), exported once per session."""
+    """(text artifact, ids artifact) that the HTTP tests serve (tests/support/http_util.py), exported once per session."""
     from http_util import export_http_artifacts
     return export_http_artifacts(tmp_path_factory.mktemp("http-artifacts"))
 

@@ -1,4 +1,4 @@
-"""tests/skip_policy.py: a skipped test fails the run, but for a module another make target runs, and not even
+"""tests/support/skip_policy.py: a skipped test fails the run, but for a module another make target runs, and not even
 that one where the target sets TLALOC_NO_SKIPS=1."""
 
 from __future__ import annotations

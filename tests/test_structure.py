@@ -359,7 +359,10 @@ def test_no_folder_of_the_checkout_shadows_an_installed_package():
     installed = md.packages_distributions()
     own = {tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"]}
     assert "numpy" in installed and "transformers" in installed
-    assert [(f.name, shadowing(f, installed, own)) for f in (ROOT, ROOT / "tests")] == [(ROOT.name, []), ("tests", [])]
+    pythonpath = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["pythonpath"]
+    folders = [ROOT, ROOT / "tests", *(ROOT / f for f in pythonpath)]     # pytest puts each on sys.path
+    assert "tests/support" in pythonpath and all(f.is_dir() for f in folders)
+    assert {f.name: shadowing(f, installed, own) for f in folders} == {f.name: [] for f in folders}
 
 
 def test_the_shadowing_check_finds_a_planted_folder(tmp_path):

@@ -1,4 +1,4 @@
-"""tests/time_breakdown.py (`make test-time`): the table charges each file's exports and compiles to that file."""
+"""tests/support/time_breakdown.py (`make test-time`): the table charges each file's exports and compiles to that file."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _row(lines: list[str], name: str) -> dict[str, float]:
 
 
 def test_exports_and_compiles_are_charged_to_their_file(pytester, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent / "support"))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     pytester.makepyfile(test_exports=EXPORTS, test_plain=PLAIN)
     result = pytester.runpytest_subprocess("-p", "time_breakdown", "-p", "no:cacheprovider")

@@ -1,6 +1,6 @@
 """The tests of this folder need no model: they, tests/conftest.py that pytest loads for them, and the modules they
 test import no JAX (tlaloc_jax.export would), so `make test-fast` starts no compiler or PJRT client. Checked in a
-subprocess under the serving path's import guard (tests/import_guard.py); control: the same subprocess fails on an
+subprocess under the serving path's import guard (tests/support/import_guard.py); control: the same subprocess fails on an
 import of the export package."""
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ included) runs as a multiply-reduce that widens each code in registers as it str
 used) and the float weight the straight-through one (x^T dy, as if rounding were the identity).
 
 On XLA's CPU backend the dot is a library call: in-major codes are widened by a separate pass into a
-weight-sized buffer before it; out-major ones at few rows are not (tests/test_quantized_matmul.py reads the
+weight-sized buffer before it; out-major ones at few rows are not (tests/ops/test_quantized_matmul.py reads the
 optimized HLO and says so). XLA's GPU backend fuses the widening into the dot. The stored and loaded bytes are
 the codes' either way.
 """
@@ -221,7 +221,7 @@ def dequantize(q: QuantizedWeight, dtype=np.float64) -> np.ndarray:
 # more rows are compute-bound and go to the dot. On the runtime's XLA the multiply-reduce of the 82M Llama's
 # projections is faster up to 64 rows and slower from 96 (`bench/dot_forms.py --runtime --batches 32,64,96`, deleted in 82403e3).
 # A narrower weight keeps 16: from about 48 rows XLA rewrites its multiply-reduce into a dot in the weight's dtype,
-# which rounds the products (tests/test_layout.py's bf16 case).
+# which rounds the products (tests/models/test_layout.py's bf16 case).
 REDUCE_ROWS = 64
 NARROW_REDUCE_ROWS = 16
 

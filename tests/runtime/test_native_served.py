@@ -1,7 +1,7 @@
 """An artifact whose decode entries call the native C attention kernel (export decode_attention="native"), served by
 the JAX-free runtime: the manifest names the kernel (and the projection kernel, which cpu exports use for f32 decode
 rows by default), the runtime builds and registers them before compiling, and the
-served ids are transformers' (near-tie rule, tests/oracle.py), alone and four at once, with a control that must fail.
+served ids are transformers' (near-tie rule, tests/support/oracle.py), alone and four at once, with a control that must fail.
 A runtime that lacks the kernel, or cannot build it, refuses the artifact at load, by the kernel's name."""
 
 from __future__ import annotations

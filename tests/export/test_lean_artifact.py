@@ -19,7 +19,7 @@ from tlaloc_jax.export import export_checkpoint
 from test_artifact_refusals import no_device  # noqa: F401  (the fixture: any use of the device fails the test)
 from tlaloc_jax.serve import Engine
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 LADDER = dict(batch_ladder=(1, 2), context_ladder=(32,), block_size=8, prefill_chunk=16, prefill_long_chunk=0,
               decode_steps=2, progress=False)
 DEBUG_FILES = ("*.mlir", "*.exported")

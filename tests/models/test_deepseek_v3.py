@@ -1,4 +1,4 @@
-"""DeepSeek-V3 beyond the mixture-of-experts checks it shares (tests/test_moe_families.py: greedy ids in process and
+"""DeepSeek-V3 beyond the mixture-of-experts checks it shares (tests/models/test_moe_families.py: greedy ids in process and
 served, its table's tensors): its config keys and refusals, its MoE block (grouped routing with a correction bias,
 routed_scaling_factor, a shared expert) against transformers' own, its interleaved rotation, and its artifact:
 a KV pool that holds the latent and the rotated key only, int8 for the latent attention's projections.
@@ -29,7 +29,7 @@ from tlaloc_jax.layers import apply_rope
 
 pytestmark = pytest.mark.numeric
 
-SEED = 69          # tests/test_moe_families.py's deepseek_v3 case
+SEED = 69          # tests/models/test_moe_families.py's deepseek_v3 case
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 gate|up fused in the checkpoint, LongRoPE), olmo2 (norms after attention and the MLP only, q/k norms over the
 whole projection), granite (multipliers on the residual stream and the scores' scale given).
 
-Greedy ids (near-tie rule, tests/oracle.py) and first logits in process, then served by the JAX-free runtime
+Greedy ids (near-tie rule, tests/support/oracle.py) and first logits in process, then served by the JAX-free runtime
 alone and 4 at once; each family with a control that must fail: its quirk left out.
 
 LongRoPE. transformers rotates every position of a sequence longer than original_max_position_embeddings (64

@@ -29,7 +29,7 @@ def test_demo_exports_serves_and_streams():
     assert "time to first token" in out and "tokens/s" in out
     # README.md shows what `make demo` prints: its entry count is the one the demo prints now.
     entries = re.compile(r"to (\d+) StableHLO entries")
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     assert entries.search(readme)[1] == entries.search(out)[1], "README.md's `make demo` output is stale"
 
 

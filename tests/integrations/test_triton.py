@@ -29,7 +29,7 @@ from tlaloc_jax.serve import Sampling
 from tokenizers_util import EOS
 from tritonclient.utils import InferenceServerException
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRITON_PYTHON = Path(os.environ.get("TLALOC_TRITON_PYTHON", ROOT / ".venv-triton" / "bin" / "python"))
 if not TRITON_PYTHON.exists():
     pytest.skip(f"no PyTriton environment at {TRITON_PYTHON} (`make test-engines` builds .venv-triton; "
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow        # starts a Triton server: ~40 s; `make test
 MODEL = "ck"
 PROMPTS = [[5, 17, 99, 3], [250, 8, 61], [1, 2, 3, 4, 5, 6, 7], [42], [100, 200, 7, 9, 11], [77, 78]]
 BAD_ID = 99999
-STOP = [EOS]            # the checkpoint's eos (tests/http_util.py): the model stops on it, so the oracle does too
+STOP = [EOS]            # the checkpoint's eos (tests/support/http_util.py): the model stops on it, so the oracle does too
 
 
 def _free_ports(n: int) -> list[int]:

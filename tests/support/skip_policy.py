@@ -40,6 +40,6 @@ def pytest_sessionfinish(session):
     if session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     reporter.ensure_newline()
-    reporter.write_line(f"skip_policy: {len(refused)} skipped test(s) fail this run (tests/skip_policy.py):", red=True)
+    reporter.write_line(f"skip_policy: {len(refused)} skipped test(s) fail this run (tests/support/skip_policy.py):", red=True)
     for line in refused:
         reporter.write_line(f"  {line}", red=True)

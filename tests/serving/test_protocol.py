@@ -1,7 +1,7 @@
 """The request models of the HTTP server (serve/openai/protocol.py): every field refuses a bad value with the API's own
 error (an APIError 400 naming the field), never with pydantic's ValidationError; the fields are checked in the order
 the model declares them; unknown fields are returned as ignored, or refused with strict. The messages themselves are
-pinned by tests/test_http*.py and tests/test_openai_parity.py over HTTP. Control: a model with a field typed the
+pinned by tests/test_http*.py and tests/serving/test_openai_parity.py over HTTP. Control: a model with a field typed the
 plain pydantic way fails the first check."""
 
 from __future__ import annotations

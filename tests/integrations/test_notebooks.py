@@ -2,7 +2,7 @@
 
 author_a_model.ipynb asserts its own results in plain equality (its prompts' greedy steps are far from any
 near-tie, and it prints the closest); the test reads them back out of the kernel and applies the suite's
-rule for greedy ids (tests/oracle.py: equal up to near-ties the tolerance model allows), including to the
+rule for greedy ids (tests/support/oracle.py: equal up to near-ties the tolerance model allows), including to the
 notebook's control, which must fail it."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from nbclient import NotebookClient
 from oracle import GreedyMismatch, OracleRun, check_greedy_batch
 from tlaloc_jax.kernels import tolerances as tol
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def run_notebook(name: str, tmp_path: Path, monkeypatch, *extra_cells: str) -> nbformat.NotebookNode:

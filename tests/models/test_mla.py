@@ -32,7 +32,7 @@ BOUND = tol.bound(tol.latent_attention_roundings(latent=C, rope=R, nope=Dn, keys
 
 def make_call(seed, lengths, new_tokens, *, T=8):
     """Rows whose sequences hold lengths[b] positions, the last new_tokens[b] of them this call's tokens: the pages,
-    tables and positions of tests/test_paged_attention.py's calls (distinct pages per row, table entries past a
+    tables and positions of tests/ops/test_paged_attention.py's calls (distinct pages per row, table entries past a
     row's pages at random pages, NaN wherever nothing was written), each position's keys and values side by side
     as its latent and rotated key [C + R], in layer 1 of 2."""
     call = tpa.make_call(seed, lengths, new_tokens, T=T, H=1, K=1)

@@ -1,6 +1,6 @@
 """Bounded programs (issue 16): tlaloc_jax.stage_bounded and the JAX-free BoundedProgram.
 
-Two programs (tests/bounded_models.py): an embedder with a batch bound and a length bound, and a scorer with two
+Two programs (tests/support/bounded_models.py): an embedder with a batch bound and a length bound, and a scorer with two
 length bounds. Served at 1, one below, at and one above each bucket edge, and the maximum, each result equals the
 in-process one (the same function at the exact size) within the tolerance model's bound for the output's longest
 path, which the exporter counts on the largest body and records in the manifest (export/_roundings.py, checked

@@ -57,7 +57,7 @@ def test_bodies_match_the_in_process_decoder(name, checkpoints, artifacts):
     kv = m.pool("kv")
     for entry in m.entries:
         if entry.kind == "mixed":
-            continue        # two row groups: tests/test_mixed.py compares them against the two calls they replace
+            continue        # two row groups: tests/serving/test_mixed.py compares them against the two calls they replace
         alloc = UnitPool(kv.capacity)
         rows = []
         for b in range(entry.batch):

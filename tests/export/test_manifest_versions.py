@@ -25,7 +25,7 @@ from tlaloc_jax.serve.core.kv_cache import UnitPool
 from tlaloc_jax.serve.core.paging import build_step_inputs, pool_rule, row_call
 from tlaloc_jax.serve import Engine
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CASES = {"v2": ("artifact_v2", "ck_llama", af.SCHEMA_V2), "v3": ("artifact_v3", "ck_gemma3", af.SCHEMA_V3)}
 PROMPTS = [[5, 17, 33, 3, 25, 8, 61, 2, 9, 11, 40], [42], [7, 7, 7, 1, 2, 3, 20, 10]]
 

@@ -1,5 +1,5 @@
 """Issues 12 and 24, the request path: what a hostile-but-realistic client found, driven through create_app in this
-process (tests/http_util.py). The oracle for generated ids is Engine.generate of the prompt alone."""
+process (tests/support/http_util.py). The oracle for generated ids is Engine.generate of the prompt alone."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """decode_steps entries (export/_decode_steps.py) served by the engine: K tokens per call, the same ids as single steps.
 
 The oracle of every check is the same engine on the same artifact with its decode_steps entries turned off
-(`use_decode_steps = False`): single decode steps, whose parity with HF transformers tests/test_runtime.py
+(`use_decode_steps = False`): single decode steps, whose parity with HF transformers tests/runtime/test_runtime.py
 checks. Ids must be equal, not near: both paths run the same step function on the same inputs.
 """
 

@@ -1,6 +1,6 @@
 """The C projection kernel (kernels/projection.c, called through tlaloc_jax/kernels/projection_native.py
 as an FFI custom call jax runs in process) against the float64 reference at its tiles' edges, for f32, bf16 and
-int8 weights; where out_major_product takes it; its refusals. Served bodies that call it: tests/test_native_served.py.
+int8 weights; where out_major_product takes it; its refusals. Served bodies that call it: tests/runtime/test_native_served.py.
 """
 
 from __future__ import annotations

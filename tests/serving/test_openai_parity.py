@@ -3,8 +3,8 @@ top_logprobs (completions and chat, streamed or not), echo and prompt_logprobs, 
 logit_bias, structured output (response_format, structured_outputs, guided_*), tool calls, unknown fields,
 stop_token_ids' text, /tokenize, /detokenize, /version, /v1/models/{id}, vLLM's metric names.
 
-The artifact: tests/http_util.py's checkpoint and ladder, exported with the sampler in every entry ("sampled");
-tests/http_util.py's text artifact (no sampler) is the host-side fallback. The oracle for ids is the Engine on
+The artifact: tests/support/http_util.py's checkpoint and ladder, exported with the sampler in every entry ("sampled");
+tests/support/http_util.py's text artifact (no sampler) is the host-side fallback. The oracle for ids is the Engine on
 the same artifact; for logprobs, transformers."""
 
 from __future__ import annotations

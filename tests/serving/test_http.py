@@ -25,7 +25,7 @@ from import_guard import guarded
 from tlaloc_jax.serve import Sampling
 from tokenizers_util import EOS, IMAGE, VOCAB, build_tokenizer
 
-# The artifacts of tests/http_util.py: decode batches of 1 and 8 (eight clients share one call), prefill batch 1,
+# The artifacts of tests/support/http_util.py: decode batches of 1 and 8 (eight clients share one call), prefill batch 1,
 # contexts 32 and 64: six entries.
 KEY = "sk-tlaloc-test"
 BODY_LIMIT = 65536
@@ -371,7 +371,7 @@ def test_a_client_that_disconnects_frees_its_pages(text_server, stream):
 BAD = {
     "malformed-json": (b'{"prompt": [1, 2', {}, 400, "invalid_json", r"The request body is not valid JSON: "),
     "not-an-object": (b'[1, 2]', {}, 400, "invalid_json", r"The request body must be a JSON object"),
-    # An unknown top-level field is ignored (vLLM's way; tests/test_openai_parity.py), inside stream_options not.
+    # An unknown top-level field is ignored (vLLM's way; tests/serving/test_openai_parity.py), inside stream_options not.
     "unknown-field": ({"prompt": [1, 2], "max_tokens": 4, "stream_options": {"bogus": True}}, {}, 400,
                       "unknown_parameter", r"Unrecognized request argument supplied: stream_options.bogus"),
     "wrong-type": ({"prompt": [1, 2], "max_tokens": "four"}, {}, 400, "invalid_type",
@@ -484,7 +484,7 @@ def test_a_full_pool_queues_the_request_and_it_runs_when_pages_free(ids_server, 
 
 def test_a_request_past_max_waiting_answers_400_and_nothing_else_changes(engine, solo):
     """--max-waiting 1: a request for two sequences could never be admitted, a 400 naming n (not 503 + Retry-After)
-    and the running one keeps its ids. (A queue full now, and --max-wait-seconds: tests/test_scheduling_http.py.)"""
+    and the running one keeps its ids. (A queue full now, and --max-wait-seconds: tests/serving/test_scheduling_http.py.)"""
     async def attempt(**kw):
         """A 60-token stream runs alone (max_batch 1); a request for two sequences arrives after its first token."""
         async with serving(engine, max_batch=1, **kw) as (http, _):

@@ -1,7 +1,7 @@
 """/v1/embeddings (issue 16): an embedding program served beside the decoder, by one app (in this process, through
 create_app) and by `python -m tlaloc_jax.serve --embedding-artifact` (a subprocess under the import guard), driven by
 the official openai client. The oracle is the embedder run in process at each input's exact size
-(tests/bounded_models.py), within the tolerance model's bound the artifact records; bad input is a 400 that names
+(tests/support/bounded_models.py), within the tolerance model's bound the artifact records; bad input is a 400 that names
 it, in the decoder endpoints' words."""
 
 from __future__ import annotations

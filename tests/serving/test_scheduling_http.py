@@ -1,5 +1,5 @@
 """Issue 55, the scheduler's limits over HTTP: `n` against --max-waiting and --max-wait-seconds, `priority` with
---scheduling-policy, and return_tokens_as_token_ids, driven through create_app in this process (tests/http_util.py).
+--scheduling-policy, and return_tokens_as_token_ids, driven through create_app in this process (tests/support/http_util.py).
 The oracle for generated ids is Engine.generate of the prompt alone."""
 
 from __future__ import annotations

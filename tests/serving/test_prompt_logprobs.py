@@ -111,7 +111,7 @@ def test_score_reference_on_hand_worked_cases():
 
 @pytest.fixture(scope="module")
 def checkpoint(http_artifacts):
-    return http_artifacts[0].parent / "ck"          # seeded llama with a tokenizer (tests/http_util.py)
+    return http_artifacts[0].parent / "ck"          # seeded llama with a tokenizer (tests/support/http_util.py)
 
 
 @pytest.fixture(scope="module")

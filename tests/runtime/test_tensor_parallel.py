@@ -87,7 +87,7 @@ def test_served_on_n_devices_gives_transformers_ids(name, n, store, tmp_path_fac
     assert m.devices == n and all(e.inputs for e in m.entries)
     split = [w for w in m.weights if w.shards]
     assert split and all(len(w.shards) == n for w in split)
-    for e in m.entries:       # one all-reduce per attention and MLP, nothing else (tests/test_tp_staging.py)
+    for e in m.entries:       # one all-reduce per attention and MLP, nothing else (tests/export/test_tp_staging.py)
         text = (art / e.body).read_text()
         if e.kind == af.EntryKind.COPY_SLOTS:
             assert not any(collective_counts(text).values()), e.name
@@ -160,7 +160,7 @@ def test_http_serves_the_engines_ids_on_n_devices(name, n, store, tmp_path_facto
 
 
 def test_an_authored_step_on_two_devices(tmp_path, serve_cache_dir):
-    """tests/test_stage.py's authored recurrence split over its channels: `mix`'s output columns, `decay` and the
+    """tests/export/test_stage.py's authored recurrence split over its channels: `mix`'s output columns, `decay` and the
     state pool per device, the head's rows too, and the one thing the author adds, the all-reduce of the head's
     partial logits. Served, it gives the in-process reference's ids, alone and batched."""
     import jax

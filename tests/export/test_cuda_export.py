@@ -79,7 +79,7 @@ def _targets(art, m: af.Manifest) -> dict[str, set[str]]:
     return {e.name: custom_call_targets((art / e.body).read_text()) for e in m.entries}
 
 
-GPU_DOC = Path(__file__).resolve().parents[1] / "docs" / "gpu.md"
+GPU_DOC = Path(__file__).resolve().parents[2] / "docs" / "gpu.md"
 
 
 def recorded_verdict() -> str:

@@ -1,7 +1,7 @@
 """Drives vLLM (LLM.generate) on a tlaloc artifact as a JSON spec says and writes what it saw as JSON. Runs in the
-vLLM environment (.venv-vllm: vLLM and torch, no JAX), started by tests/test_vllm.py:
+vLLM environment (.venv-vllm: vLLM and torch, no JAX), started by tests/integrations/test_vllm.py:
 
-    VLLM_PLUGINS=tlaloc python tests/vllm_driver.py SPEC.json OUT.json
+    VLLM_PLUGINS=tlaloc python tests/support/vllm_driver.py SPEC.json OUT.json
 
 spec: {"artifact": dir, "llm": LLM keyword arguments, "refusals": [engine-argument dicts, each expected to be
 refused at start-up], "runs": [{"name", "requests": [{"prompt": ids, "max_tokens": n, "sampling": {...}}],

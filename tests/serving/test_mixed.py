@@ -110,7 +110,7 @@ def test_a_step_reads_its_chunks_the_cheaper_way(checkpoint, tmp_path, monkeypat
     new prompts are read in one prefill call of 4 rows beside a decode call, which computes fewer positions
     (scheduler.call_cost) than a mixed call with one of them plus a prefill call of the other three. The ids are
     the solo runs' either way. (Plain prefill entries: with packed ones the decode rows ride in the prefill call,
-    tests/test_packed_prefill.py.)"""
+    tests/serving/test_packed_prefill.py.)"""
     out = tmp_path / "art"
     export_checkpoint(checkpoint, out, batch_ladder=(1, 2, 4), context_ladder=(CONTEXT,), block_size=BLOCK,
                       prefill_chunk=8, prefill_long_chunk=0, prefill_max_batch=4, progress=False, packed=False)
