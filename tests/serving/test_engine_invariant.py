@@ -8,7 +8,7 @@ import pytest
 
 import tlaloc_jax.serve.core.inputs as inputs_module
 import tlaloc_jax.serve.core.outputs as outputs_module
-from http_util import CONTEXT, GOOD, NUM_PAGES, loaded, solo_runner
+from http_util import CONTEXT, GOOD, NUM_PAGES, solo_runner
 from tlaloc_jax.serve import RequestRefused, Sampling
 
 OTHER = [7, 7, 7, 1, 2, 3, 200, 100, 11, 13]
@@ -17,9 +17,8 @@ SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=5)
 
 
 @pytest.fixture(scope="module")
-def engine(http_artifacts, serve_cache_dir):
-    with loaded(http_artifacts[0], serve_cache_dir) as eng:
-        yield eng
+def engine(http_engine):
+    return http_engine
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from http_util import CONTEXT, GOOD, STOP, InProcess, frozen_heap, health_gaps, loaded, serving, solo_runner
+from http_util import CONTEXT, GOOD, STOP, InProcess, frozen_heap, health_gaps, serving, solo_runner
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.http import create_app
 from tokenizers_util import build_tokenizer
@@ -27,9 +27,8 @@ IDLE = {"running": 0, "waiting": 0, "kv_in_use": 0}
 
 
 @pytest.fixture(scope="module")
-def engine(http_artifacts, serve_cache_dir):
-    with loaded(http_artifacts[0], serve_cache_dir) as eng:
-        yield eng
+def engine(http_engine):
+    return http_engine
 
 
 @pytest.fixture(scope="module")
