@@ -267,11 +267,8 @@ def tlaloc_worker(a, work: Path) -> None:
     from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine
 
-    from tlaloc_jax.serve.runtime.host_memory import RESIDENT_OVERHEAD
-
     eng = Engine.load(work / f"art-{a.variant}", cache_dir=work / "compile-cache", progress=False)
-    load = dict(load_s=eng.load_seconds, rss_load=eng.resident_at_load,
-                bound=eng.runner.bytes_per_device + RESIDENT_OVERHEAD)
+    load = dict(load_s=eng.load_seconds, rss_load=eng.resident_at_load, bound=eng.resident_bound)
 
     def gen(ps, n, record=False):
         return eng.generate(ps, n), {}

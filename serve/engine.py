@@ -137,17 +137,25 @@ class Engine:
                  self.runner.weight_bytes / 2**20, self.runner.pool_bytes / 2**20,
                  ", ".join(f"{p.name} ({p.kind}) {p.capacity}" for p in m.pools), self.block_size, self.load_seconds,
                  self._resident_line())
+        if (self.resident_at_load or 0) > self.resident_bound:
+            log.warning("the resident set at load, %.1f MiB, passes its bound of %.1f MiB (weights + pools + the "
+                        "runtime's stated overhead)", self.resident_at_load / 2**20, self.resident_bound / 2**20)
+
+    @property
+    def resident_bound(self) -> int:
+        """The most this process holds resident serving the artifact: its weights and pools, plus the runtime's
+        stated overhead (host_memory.RESIDENT_OVERHEAD)."""
+        return self.runner.bytes_per_device + host_memory.RESIDENT_OVERHEAD
 
     def _resident_line(self) -> str:
-        """The resident set at load against its bound: weights + pools (untouched pool pages are not resident
-        yet) + the runtime's stated overhead; the runtime's own share is the resident set before the weights."""
+        """The resident set at load against its bound (untouched pool pages are not resident yet); the runtime's
+        own share is the resident set before the weights."""
         if self.resident_at_load is None:
             return "resident set unknown (no /proc/self/status)"
-        bound = self.runner.bytes_per_device + host_memory.RESIDENT_OVERHEAD
         own = self.runner.resident_before_weights
         return (f"resident set {self.resident_at_load / 2**20:.1f} MiB (the runtime's before the weights "
                 f"{(own or 0) / 2**20:.1f} MiB), at most weights + pools + "
-                f"{host_memory.RESIDENT_OVERHEAD / 2**30:.1f} GiB = {bound / 2**20:.1f} MiB")
+                f"{host_memory.RESIDENT_OVERHEAD / 2**30:.1f} GiB = {self.resident_bound / 2**20:.1f} MiB")
 
     @classmethod
     def load(cls, artifact_dir: str | Path, plugin: str | None = None, **kwargs) -> "Engine":
