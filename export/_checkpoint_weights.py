@@ -1,0 +1,157 @@
+"""A checkpoint's weights as the artifact stores them: streamed (each weight file read, converted, quantized and
+written a layer's tensor at a time) or loaded (the whole model in host memory first).
+
+Both give the same slots, order, dtypes and bytes: the per-layer layout fuses q | k | v and gate | up and stores the
+projections [O, I] (tlaloc_jax/layout.py), a quantization replaces the projections by codes and scales
+(export/_quant.py), computed from each tensor's values in f32; everything else is cast to the weight dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from tlaloc_jax import artifact as af
+from tlaloc_jax.checkpoint import _read_slot, _TensorIndex, load_weights, weight_dtype
+from tlaloc_jax.config import DecoderConfig
+from tlaloc_jax.families import Family, stack_layers
+from tlaloc_jax.kernels.quantized_matmul import QuantError, QuantizedWeight, check_scheme, quantize, quantize_array, to_out_major
+from tlaloc_jax.layers import OutMajor
+from tlaloc_jax.layout import FUSED, LAYER_GROUPS, LINEAR_SLOTS, fuse_projections, out_major, unstack_layers
+
+from ._entries import ExportError
+from ._lazy import LazyWeight
+from ._quant import QUANTIZED_SLOTS, WEIGHT_QUANT, quantize_weights
+
+
+def loaded_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderConfig, *, dtype: str,
+                   layout: str, quant: str, group: int) -> dict[str, Any]:
+    """Every weight read into host memory, then fused, quantized and laid out: the model's size several times over
+    (f32 when quantized, and stacked). Kept for tensor-parallel staging, which splits host arrays, and as the
+    reference the streamed weights are tested against."""
+    quantized = quant != "none"
+    weights = load_weights(checkpoint_dir, fam, cfg, "float32" if quantized else dtype)
+    if layout == "per-layer":
+        weights = fuse_projections(weights)     # before quantizing: the fused projection gets its own scales
+    if quantized:
+        weights = quantize_weights(weights, quant, group, compute=dtype)
+    if layout == "per-layer":
+        weights = out_major(unstack_layers(weights))
+    return weights
+
+
+class _LastQuantized:
+    """Quantizes one layer's tensor and keeps it until its scales are taken (codes and scales are adjacent weight
+    files): one tensor's codes in memory, plus the scales of a stacked slot still to be written (small)."""
+
+    def __init__(self, read: Callable[[int | None], np.ndarray], scheme: str, group: int, compute: str, flip: bool):
+        self.read, self.scheme, self.group, self.compute, self.flip = read, scheme, group, compute, flip
+        self.key, self.value, self.scales = None, None, {}
+
+    def codes(self, i: int | None) -> np.ndarray:
+        if self.key != i or self.value is None:
+            self.value = None
+            q = quantize_array(self.read(i), self.scheme, self.group, compute=self.compute)
+            self.key, self.value = i, to_out_major(q) if self.flip else q
+            self.scales[i] = self.value.scales
+        return self.value.codes
+
+    def take_scales(self, i: int | None) -> np.ndarray:
+        if i not in self.scales:
+            self.codes(i)
+        if i == self.key:
+            self.value = None
+        return self.scales.pop(i)
+
+
+def _quantized_shapes(shape: tuple[int, ...], scheme: str, group: int, compute: str, flip: bool):
+    """The codes' and scales' (shape, dtype) of one tensor, from an abstract evaluation (no values)."""
+    q = jax.eval_shape(functools.partial(quantize, scheme=scheme, group=group, compute=compute),
+                       jax.ShapeDtypeStruct(shape, np.float32))
+    codes, scales = tuple(q.codes.shape), tuple(q.scales.shape)
+    if flip:        # to_out_major: codes [..., O, I or I/2], int4's group scales [..., O, G]
+        codes = (*codes[:-2], codes[-1], codes[-2])
+        scales = (*scales[:-2], scales[-1], scales[-2]) if scheme == af.QuantScheme.INT4 else scales
+    return (codes, np.dtype(q.codes.dtype)), (scales, np.dtype(q.scales.dtype))
+
+
+# A leaf maker takes where the weight file comes from: a layer index (one layer's tensor), None (a whole tensor) or a
+# tuple of layer indices (a stacked slot, written a layer at a time).
+def _float_leaf(shape: tuple[int, ...], read: Callable, dtype: np.dtype, flip: bool) -> Callable:
+    def load(i):
+        a = read(i).astype(dtype, copy=False)
+        return np.ascontiguousarray(np.swapaxes(a, -1, -2)) if flip else a
+
+    def make(at):
+        if isinstance(at, tuple):
+            return LazyWeight((len(at), *shape), dtype, parts=lambda: (load(i)[None] for i in at))
+        if flip:        # stored [O, I] (tlaloc_jax/layout.py)
+            return OutMajor(LazyWeight((*shape[:-2], shape[-1], shape[-2]), dtype, loader=lambda: load(at)))
+        return LazyWeight(shape, dtype, loader=lambda: load(at))
+    return make
+
+
+def _quantized_leaf(slot: str, layers: tuple[int, ...], shape: tuple[int, ...], read: Callable, scheme: str,
+                    group: int, compute: str, flip: bool) -> Callable:
+    try:
+        check_scheme(scheme, group, shape[-2])
+    except QuantError as e:
+        raise ExportError(f"weight {slot!r} {list((len(layers), *shape) if layers else shape)}: {e}") from None
+    (cs, cd), (ss, sd) = _quantized_shapes(shape, scheme, group, compute, flip)
+    q = _LastQuantized(read, scheme, group, compute, flip)
+
+    def make(at):
+        if isinstance(at, tuple):
+            codes = LazyWeight((len(at), *cs), cd, parts=lambda: (q.codes(i)[None] for i in at))
+            scales = LazyWeight((len(at), *ss), sd, parts=lambda: (q.take_scales(i)[None] for i in at))
+        else:
+            codes = LazyWeight(cs, cd, loader=lambda: q.codes(at))
+            scales = LazyWeight(ss, sd, loader=lambda: q.take_scales(at))
+        return QuantizedWeight(codes, scales, scheme, group, compute, out_major=flip)
+    return make
+
+
+def streamed_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderConfig, *, dtype: str,
+                     layout: str, quant: str, group: int) -> dict[str, Any]:
+    """The same weights as loaded_weights as LazyWeight leaves: each weight file is read from the checkpoint (a
+    layer's tensor, or one layer of a stacked slot at a time), converted, quantized and laid out when written, so the
+    export holds about one tensor at a time. Shapes come from the family table, dtypes and quantized shapes from an
+    abstract evaluation: tracing needs no values."""
+    if quant not in WEIGHT_QUANT:
+        raise ExportError(f"weight quantization {quant!r} is not one of {', '.join(WEIGHT_QUANT)}")
+    index, np_dtype, per_layer = _TensorIndex(Path(checkpoint_dir)), weight_dtype(dtype), layout == "per-layer"
+    quantized = quant != "none"
+    q_group = group if quant == af.QuantScheme.INT4 else 0
+
+    def read_dtype(slot: str) -> np.dtype:
+        return np.dtype(np.float32) if quantized and slot in QUANTIZED_SLOTS else np_dtype
+
+    # slot -> (the layers it stacks, or (); one layer's shape; read(layer) in the dtype the slot is read in)
+    sources: dict[str, tuple[tuple[int, ...], tuple[int, ...], Callable]] = {}
+    fused_parts = {p for parts in FUSED.values() for p in parts} if per_layer else set()
+    for spec in fam.slots(cfg):
+        fused = next((f for f, parts in FUSED.items() if spec.slot in parts), spec.slot) if per_layer else spec.slot
+        dt = read_dtype(fused if spec.slot in fused_parts else spec.slot)
+        read = functools.partial(lambda i, spec, dt: _read_slot(index, fam, spec, cfg, i, dt), spec=spec, dt=dt)
+        sources[spec.slot] = (stack_layers(spec.slot, cfg), spec.layer_shape(cfg), read)
+    if per_layer:
+        for fused, parts in FUSED.items():
+            if all(p in sources for p in parts):
+                srcs = [sources.pop(p) for p in parts]
+                shape = (*srcs[0][1][:-1], sum(s[1][-1] for s in srcs))
+                sources[fused] = (srcs[0][0], shape, functools.partial(
+                    lambda i, reads: np.concatenate([r(i) for r in reads], axis=-1), reads=[s[2] for s in srcs]))
+
+    out: dict[str, Any] = {}
+    for slot, (layers, shape, read) in sources.items():
+        flip = per_layer and slot in LINEAR_SLOTS
+        make = (_quantized_leaf(slot, layers, shape, read, quant, q_group, dtype, flip)
+                if quantized and slot in QUANTIZED_SLOTS else _float_leaf(shape, read, np_dtype, flip))
+        unstack = per_layer and layers and slot.split(".", 1)[0] in LAYER_GROUPS
+        out[slot] = tuple(make(i) for i in layers) if unstack else make(layers or None)
+    return out
