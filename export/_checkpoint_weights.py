@@ -14,19 +14,23 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import _read_slot, _TensorIndex, load_weights, weight_dtype
 from tlaloc_jax.config import DecoderConfig
 from tlaloc_jax.families import Family, stack_layers
-from tlaloc_jax.kernels.quantized_matmul import QuantError, QuantizedWeight, check_scheme, quantize, quantize_array, to_out_major
+from tlaloc_jax.kernels.quantized_matmul import (QuantError, QuantizedWeight, check_scheme, quantize, quantize_array,
+                                                 to_out_major, unpack_int4)
 from tlaloc_jax.layers import OutMajor
 from tlaloc_jax.layout import FUSED, LAYER_GROUPS, LINEAR_SLOTS, fuse_projections, out_major, unstack_layers
 
 from ._entries import ExportError
 from ._lazy import LazyWeight
 from ._quant import QUANTIZED_SLOTS, WEIGHT_QUANT, quantize_weights
+from ._timing import timed
 
 
 def loaded_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderConfig, *, dtype: str,
@@ -56,8 +60,17 @@ class _LastQuantized:
     def codes(self, i: int | None) -> np.ndarray:
         if self.key != i or self.value is None:
             self.value = None
-            q = quantize_array(self.read(i), self.scheme, self.group, compute=self.compute)
-            self.key, self.value = i, to_out_major(q) if self.flip else q
+            fast = self.scheme in _STORED_SCHEMES
+            w = self.read(i, out_major=fast)        # as stored [O, I]: XLA transposes it, faster than numpy
+            with timed("quantize"):
+                if fast:
+                    codes, scales = _quantize_stored(w, self.scheme, self.group, self.compute, self.flip)
+                    q = QuantizedWeight(np.asarray(codes), np.asarray(scales), self.scheme, self.group,
+                                        self.compute, out_major=self.flip)
+                else:
+                    q = quantize_array(w, self.scheme, self.group, compute=self.compute)
+                    q = to_out_major(q) if self.flip else q
+                self.key, self.value = i, q
             self.scales[i] = self.value.scales
         return self.value.codes
 
@@ -67,6 +80,37 @@ class _LastQuantized:
         if i == self.key:
             self.value = None
         return self.scales.pop(i)
+
+
+def _timed_read(index, fam: Family, spec, cfg: DecoderConfig, i: int | None, *, dtype: np.dtype,
+                out_major: bool = False) -> np.ndarray:
+    with timed("read"):
+        return _read_slot(index, fam, spec, cfg, i, dtype, out_major)
+
+
+def _joined(reads: list[Callable], i: int | None, out_major: bool = False) -> np.ndarray:
+    """Fused parts of one layer joined along the output axis (the last, or the first of [O, I])."""
+    parts = [r(i, out_major=out_major) for r in reads]
+    with timed("convert"):
+        return np.concatenate(parts, axis=-2 if out_major else -1)
+
+
+_STORED_SCHEMES = (af.QuantScheme.INT8, af.QuantScheme.FP8, af.QuantScheme.INT4)
+
+
+@functools.partial(jax.jit, static_argnames=("scheme", "group", "compute", "flip"))
+def _quantize_stored(w_oi, scheme: str, group: int, compute: str, flip: bool):
+    """quantize_array of a weight given as stored, [..., O, I], and with flip to_out_major of the result, in one
+    XLA program: the same codes and scales, without numpy's slow transposes of a whole tensor."""
+    q = quantize(jnp.swapaxes(w_oi, -1, -2), scheme, group, compute=compute)
+    if not flip:
+        return q.codes, q.scales
+    if scheme != af.QuantScheme.INT4:
+        return jnp.swapaxes(q.codes, -1, -2), q.scales
+    c = jnp.moveaxis(unpack_int4(q.codes, group), -1, -4)                           # [..., O, G, 2, g/2]
+    low, high = (lax.bitcast_convert_type(c[..., k, :], jnp.uint8) for k in (0, 1))
+    codes = lax.bitcast_convert_type((low & 0x0F) | (high << 4), jnp.int8).reshape(*c.shape[:-3], -1)
+    return codes, jnp.swapaxes(q.scales, -1, -2)
 
 
 def _quantized_shapes(shape: tuple[int, ...], scheme: str, group: int, compute: str, flip: bool):
@@ -84,8 +128,9 @@ def _quantized_shapes(shape: tuple[int, ...], scheme: str, group: int, compute: 
 # tuple of layer indices (a stacked slot, written a layer at a time).
 def _float_leaf(shape: tuple[int, ...], read: Callable, dtype: np.dtype, flip: bool) -> Callable:
     def load(i):
-        a = read(i).astype(dtype, copy=False)
-        return np.ascontiguousarray(np.swapaxes(a, -1, -2)) if flip else a
+        a = read(i, out_major=flip)         # a linear stored [O, I] is read as the checkpoint holds it
+        with timed("convert"):
+            return np.ascontiguousarray(a.astype(dtype, copy=False))
 
     def make(at):
         if isinstance(at, tuple):
@@ -137,15 +182,14 @@ def streamed_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: Decode
     for spec in fam.slots(cfg):
         fused = next((f for f, parts in FUSED.items() if spec.slot in parts), spec.slot) if per_layer else spec.slot
         dt = read_dtype(fused if spec.slot in fused_parts else spec.slot)
-        read = functools.partial(lambda i, spec, dt: _read_slot(index, fam, spec, cfg, i, dt), spec=spec, dt=dt)
+        read = functools.partial(_timed_read, index, fam, spec, cfg, dtype=dt)
         sources[spec.slot] = (stack_layers(spec.slot, cfg), spec.layer_shape(cfg), read)
     if per_layer:
         for fused, parts in FUSED.items():
             if all(p in sources for p in parts):
                 srcs = [sources.pop(p) for p in parts]
                 shape = (*srcs[0][1][:-1], sum(s[1][-1] for s in srcs))
-                sources[fused] = (srcs[0][0], shape, functools.partial(
-                    lambda i, reads: np.concatenate([r(i) for r in reads], axis=-1), reads=[s[2] for s in srcs]))
+                sources[fused] = (srcs[0][0], shape, functools.partial(_joined, [s[2] for s in srcs]))
 
     out: dict[str, Any] = {}
     for slot, (layers, shape, read) in sources.items():

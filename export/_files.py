@@ -14,6 +14,7 @@ from jax import export as jax_export
 from tlaloc_jax import artifact as af
 
 from ._lazy import LazyWeight
+from ._timing import timed
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json")
@@ -60,10 +61,11 @@ def write_blocks(path: Path, blocks) -> tuple[int, str]:
     digest, n = hashlib.sha256(), 0
     with open(path, "wb") as f:
         for block in blocks:
-            data = np.ascontiguousarray(block).reshape(-1).view(np.uint8)   # bytes of any dtype (bf16 too)
-            f.write(data)
-            digest.update(data)
-            n += data.nbytes
+            with timed("write"):
+                data = np.ascontiguousarray(block).reshape(-1).view(np.uint8)   # bytes of any dtype (bf16 too)
+                f.write(data)
+                digest.update(data)
+                n += data.nbytes
     return n, digest.hexdigest()
 
 

@@ -37,6 +37,7 @@ from ._decode_steps import decode_steps_fn, decode_steps_signature
 from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entries
 from ._files import copy_tokenizer, write_body, write_weights
 from ._progress import progress_bar
+from ._timing import timed
 from ._mesh import abstract_mesh, mesh_size, partition_of, pool_split_axis, sharded
 from ._options import (DEFAULT_POOL_SEQUENCES, DEFAULT_PREFILL_MAX_BATCH, Capacity, Features, Ladders, ModelInfo,
                        Options, SplitStep)
@@ -353,8 +354,10 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
                                                      weight_parts)
         if spec.kind == af.EntryKind.DECODE_STEPS:
             inputs, outputs, donations = decode_steps_signature(inputs, outputs, batch=spec.batch, steps=spec.steps)
-        exp, targets = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=resolved.ring_pages,
-                                    platform=platform, block_size=block_size, mesh=mesh)
+        with timed("entries"):
+            exp, targets = export_entry(step, treedef, spec, inputs, outputs, donations,
+                                        ring_pages=resolved.ring_pages, platform=platform, block_size=block_size,
+                                        mesh=mesh)
         calling_convention = int(exp.calling_convention_version)
         native_calls |= targets & set(native.KERNELS)
         entry = af.Entry(name=spec.name, kind=af.EntryKind(spec.kind), batch=spec.batch, context=spec.context,

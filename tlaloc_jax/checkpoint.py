@@ -135,7 +135,10 @@ def checkpoint_tensors(fam: Family, cfg: DecoderConfig) -> dict[str, tuple[int, 
     return out
 
 
-def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, dtype: np.dtype) -> np.ndarray:
+def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, dtype: np.dtype,
+              out_major: bool = False) -> np.ndarray:
+    """One checkpoint tensor as its slot holds it ([..., I, O] for a linear), or with out_major its last two axes
+    swapped (a linear [O, I], as the checkpoint stores it: no transposed copy)."""
     arr = index.get(name)
     hf_shape = _hf_shape(spec, cfg)
     if tuple(arr.shape) != hf_shape:
@@ -145,17 +148,18 @@ def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, 
         arr = arr.squeeze(spec.squeeze)
     if spec.split is not None:
         arr = np.take(arr, split_rows(spec.split, cfg)[0], axis=spec.split.axis)
-    if spec.transpose:
+    if spec.transpose != out_major:
         arr = arr.swapaxes(-1, -2)
     return np.ascontiguousarray(arr.astype(np.float32).astype(dtype) if arr.dtype != dtype else arr)
 
 
 def _read_slot(index: _TensorIndex, fam: Family, spec: Tensor, cfg: DecoderConfig, layer: int | None,
-               dtype: np.dtype) -> np.ndarray:
+               dtype: np.dtype, out_major: bool = False) -> np.ndarray:
+    """One layer's tensor of a slot (`layer` None: a whole slot's), read in `dtype`; out_major as _read_one."""
     if spec.per_expert:
-        return np.stack([_read_one(index, spec.hf.format(p=fam.prefix, i=layer, e=e), spec, cfg, dtype)
+        return np.stack([_read_one(index, spec.hf.format(p=fam.prefix, i=layer, e=e), spec, cfg, dtype, out_major)
                          for e in range(cfg.experts.num_experts)])
-    return _read_one(index, spec.hf.format(p=fam.prefix, i=layer), spec, cfg, dtype)
+    return _read_one(index, spec.hf.format(p=fam.prefix, i=layer), spec, cfg, dtype, out_major)
 
 
 def load_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderConfig,
