@@ -50,36 +50,31 @@ def loaded_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderC
 
 
 class _LastQuantized:
-    """Quantizes one layer's tensor and keeps it until its scales are taken (codes and scales are adjacent weight
-    files): one tensor's codes in memory, plus the scales of a stacked slot still to be written (small)."""
+    """Quantizes one layer's tensor and keeps its parts (codes, scales, zero points) until their files take them
+    (a weight's parts are adjacent files): one tensor's codes in memory, plus the small scales and zero points of a
+    stacked slot still to be written."""
 
-    def __init__(self, read: Callable[[int | None], np.ndarray], scheme: str, group: int, compute: str, flip: bool):
+    def __init__(self, read: Callable[..., np.ndarray], scheme: str, group: int, compute: str, flip: bool):
         self.read, self.scheme, self.group, self.compute, self.flip = read, scheme, group, compute, flip
-        self.key, self.value, self.scales = None, None, {}
+        self.pending: dict[tuple[int | None, str], np.ndarray] = {}
 
-    def codes(self, i: int | None) -> np.ndarray:
-        if self.key != i or self.value is None:
-            self.value = None
-            fast = self.scheme in _STORED_SCHEMES
-            w = self.read(i, out_major=fast)        # as stored [O, I]: XLA transposes it, faster than numpy
-            with timed("quantize"):
-                if fast:
-                    codes, scales = _quantize_stored(w, self.scheme, self.group, self.compute, self.flip)
-                    q = QuantizedWeight(np.asarray(codes), np.asarray(scales), self.scheme, self.group,
-                                        self.compute, out_major=self.flip)
-                else:
-                    q = quantize_array(w, self.scheme, self.group, compute=self.compute)
-                    q = to_out_major(q) if self.flip else q
-                self.key, self.value = i, q
-            self.scales[i] = self.value.scales
-        return self.value.codes
+    def _quantize(self, i: int | None) -> QuantizedWeight:
+        fast = self.scheme in _STORED_SCHEMES
+        w = self.read(i, out_major=fast)        # as stored [O, I]: XLA transposes it, faster than numpy
+        with timed("quantize"):
+            if fast:
+                codes, scales = _quantize_stored(w, self.scheme, self.group, self.compute, self.flip)
+                return QuantizedWeight(np.asarray(codes), np.asarray(scales), self.scheme, self.group,
+                                       self.compute, out_major=self.flip)
+            q = quantize_array(w, self.scheme, self.group, compute=self.compute)
+            return to_out_major(q) if self.flip else q
 
-    def take_scales(self, i: int | None) -> np.ndarray:
-        if i not in self.scales:
-            self.codes(i)
-        if i == self.key:
-            self.value = None
-        return self.scales.pop(i)
+    def take(self, part: str, i: int | None) -> np.ndarray:
+        if (i, part) not in self.pending:
+            self.pending = {k: v for k, v in self.pending.items() if k[0] != i}
+            q = self._quantize(i)
+            self.pending.update({(i, p): getattr(q, p) for p in af.QUANT_PARTS[self.scheme]})
+        return self.pending.pop((i, part))
 
 
 def _timed_read(index, fam: Family, spec, cfg: DecoderConfig, i: int | None, *, dtype: np.dtype,
@@ -114,14 +109,18 @@ def _quantize_stored(w_oi, scheme: str, group: int, compute: str, flip: bool):
 
 
 def _quantized_shapes(shape: tuple[int, ...], scheme: str, group: int, compute: str, flip: bool):
-    """The codes' and scales' (shape, dtype) of one tensor, from an abstract evaluation (no values)."""
+    """{part: (shape, dtype)} of one tensor's codes, scales (and zero points), from an abstract evaluation."""
     q = jax.eval_shape(functools.partial(quantize, scheme=scheme, group=group, compute=compute),
                        jax.ShapeDtypeStruct(shape, np.float32))
-    codes, scales = tuple(q.codes.shape), tuple(q.scales.shape)
-    if flip:        # to_out_major: codes [..., O, I or I/2], int4's group scales [..., O, G]
-        codes = (*codes[:-2], codes[-1], codes[-2])
-        scales = (*scales[:-2], scales[-1], scales[-2]) if scheme == af.QuantScheme.INT4 else scales
-    return (codes, np.dtype(q.codes.dtype)), (scales, np.dtype(q.scales.dtype))
+    out = {}
+    for part in af.QUANT_PARTS[scheme]:
+        a = getattr(q, part)
+        s = tuple(a.shape)
+        # to_out_major: codes [..., O, I or I/2]; grouped schemes' scales and zero points [..., O, G]
+        if flip and (part == "codes" or scheme in af.GROUPED_SCHEMES):
+            s = (*s[:-2], s[-1], s[-2])
+        out[part] = (s, np.dtype(a.dtype))
+    return out
 
 
 # A leaf maker takes where the weight file comes from: a layer index (one layer's tensor), None (a whole tensor) or a
@@ -147,17 +146,19 @@ def _quantized_leaf(slot: str, layers: tuple[int, ...], shape: tuple[int, ...], 
         check_scheme(scheme, group, shape[-2])
     except QuantError as e:
         raise ExportError(f"weight {slot!r} {list((len(layers), *shape) if layers else shape)}: {e}") from None
-    (cs, cd), (ss, sd) = _quantized_shapes(shape, scheme, group, compute, flip)
+    shapes = _quantized_shapes(shape, scheme, group, compute, flip)
     q = _LastQuantized(read, scheme, group, compute, flip)
 
-    def make(at):
+    def part(name: str, at):
+        (s, dt), take = shapes[name], functools.partial(q.take, name)
         if isinstance(at, tuple):
-            codes = LazyWeight((len(at), *cs), cd, parts=lambda: (q.codes(i)[None] for i in at))
-            scales = LazyWeight((len(at), *ss), sd, parts=lambda: (q.take_scales(i)[None] for i in at))
-        else:
-            codes = LazyWeight(cs, cd, loader=lambda: q.codes(at))
-            scales = LazyWeight(ss, sd, loader=lambda: q.take_scales(at))
-        return QuantizedWeight(codes, scales, scheme, group, compute, out_major=flip)
+            return LazyWeight((len(at), *s), dt, parts=lambda: (take(i)[None] for i in at))
+        return LazyWeight(s, dt, loader=lambda: take(at))
+
+    def make(at):
+        parts = {name: part(name, at) for name in shapes}
+        return QuantizedWeight(parts["codes"], parts["scales"], scheme, group, compute, out_major=flip,
+                               zeros=parts.get("zeros"))
     return make
 
 
@@ -171,7 +172,7 @@ def streamed_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: Decode
         raise ExportError(f"weight quantization {quant!r} is not one of {', '.join(WEIGHT_QUANT)}")
     index, np_dtype, per_layer = _TensorIndex(Path(checkpoint_dir)), weight_dtype(dtype), layout == "per-layer"
     quantized = quant != "none"
-    q_group = group if quant == af.QuantScheme.INT4 else 0
+    q_group = group if quant in af.GROUPED_SCHEMES else 0
 
     def read_dtype(slot: str) -> np.dtype:
         return np.dtype(np.float32) if quantized and slot in QUANTIZED_SLOTS else np_dtype

@@ -1,6 +1,6 @@
 """The streaming export: export_checkpoint reads, converts, quantizes, hashes and writes one weight file (a layer's
 tensor) at a time. Its artifact is byte for byte the one the load-everything path writes (loaded_weights, kept as
-the reference), for f32, bf16, int8 and int4 and both weight layouts, from one safetensors file or bf16 shards; the
+the reference), for f32, bf16, int8, int4 and uint4 and both weight layouts, from one safetensors file or bf16 shards; the
 weight pass' peak memory is a few tensors, not the model, and the load-everything reference fails that bound; stage
 takes lazy weights (loaders, or objects with shape, dtype and load()); the progress is plain lines off a terminal."""
 
@@ -78,6 +78,8 @@ def _export_both(checkpoint, out, monkeypatch, **kw):
     ("bf16", "bfloat16", "none", "per-layer"),
     ("f32", "float32", "int8", "per-layer"),
     ("bf16", "bfloat16", "int4", "per-layer"),
+    ("bf16", "bfloat16", "uint4", "per-layer"),
+    ("f32", "float32", "uint4", "stacked"),
     ("bf16", "float32", "int8", "stacked"),
     ("f32", "bfloat16", "int4", "stacked"),
 ])
