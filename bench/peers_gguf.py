@@ -7,10 +7,8 @@ GGUF is 8-30 GB). bench/peers.py's GGUFs.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
@@ -26,34 +24,27 @@ def _rope_interleave(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 class _Shards:
-    """The checkpoint's tensors by name, each read alone from its safetensors file into an array of its own (F32 or
-    BF16; no mapping of the file kept, so the writer's resident set holds one tensor, not the pages read so far)."""
-
-    DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}
+    """The checkpoint's tensors by name, each read alone from its safetensors file into an array of its own
+    (tlaloc_jax.checkpoint.read_tensor: no mapping of the file kept, so the writer's resident set holds one tensor,
+    not the pages read so far)."""
 
     def __init__(self, ck: Path):
+        from tlaloc_jax.checkpoint import safetensors_header
         index = ck / "model.safetensors.index.json"
         files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
                  else ["model.safetensors"])
         self.where: dict[str, tuple[Path, dict, int]] = {}
         for name in files:
-            with open(ck / name, "rb") as f:
-                size = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(size))
-            header.pop("__metadata__", None)
-            self.where.update({t: (ck / name, entry, 8 + size) for t, entry in header.items()})
+            header, start = safetensors_header(ck / name)
+            self.where.update({t: (ck / name, entry, start) for t, entry in header.items()})
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.where[name][1]["shape"])
 
     def f32(self, name: str) -> np.ndarray:
+        from tlaloc_jax.checkpoint import read_tensor
         path, entry, start = self.where[name]
-        a = np.empty(entry["shape"], self.DTYPES[entry["dtype"]])
-        with open(path, "rb") as f:
-            f.seek(start + entry["data_offsets"][0])
-            if f.readinto(a.reshape(-1).view(np.uint8)) != a.nbytes:
-                raise ValueError(f"{path} ends inside tensor {name}")
-        return a.astype(np.float32, copy=False)
+        return read_tensor(path, name, entry, start).astype(np.float32, copy=False)
 
 
 def _plan(hf: dict, shards: _Shards) -> list[tuple[str, str, int, bool]]:
