@@ -115,7 +115,11 @@ def start_tlaloc(a, art: Path, caching: bool = True) -> Server:
            str(a.max_num_seqs), "--no-progress", *([] if caching else ["--no-enable-prefix-caching"]), *a.serve_arg]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
     server = _wait_up(name, proc, f"http://127.0.0.1:{port}", log, 600)
-    _wait_warm(server, 600)
+    try:
+        _wait_warm(server, 600)
+    except BaseException:
+        server.stop()           # not left running when it never warmed
+        raise
     return server
 
 
@@ -124,7 +128,10 @@ def _wait_warm(server: Server, timeout: float) -> None:
     warm-up runs while it is idle, and would otherwise run during the peer's cells."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
-        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        try:
+            text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        except httpx.TimeoutException:     # a loaded machine: the server is busy warming, ask again
+            continue
         cold = [line.split()[-1] for line in text.splitlines() if line.startswith("tlaloc_entries_cold ")]
         if cold and float(cold[0]) == 0:
             print(f"{server.name} warmed its entries in {time.perf_counter() - t0:.1f} s", flush=True)
