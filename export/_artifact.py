@@ -27,7 +27,7 @@ from ._entries import ExportError
 from ._mesh import weight_split_axes
 from ._options import (DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_LONG_CHUNK, Capacity, Features,
                        Ladders, ModelInfo, Sampler, SplitStep)
-from ._quant import quantize_weights, scheme_label
+from ._quant import prequantized_label, quantize_weights, scheme_label
 from ._stage import sorted_ladder, stage
 from ._weights import flatten_weights
 
@@ -141,9 +141,13 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     cfg = cfg.with_context(contexts[-1])
     name = cfg.name or Path(checkpoint_dir).name
     per_layer = weight_layout == "per-layer"
+    stored_quant = prequantized_label(checkpoint_dir, weights, weight_quant, progress=progress)
+    if stored_quant:
+        name += f":q{stored_quant}"
+        quantized = True
     if per_layer:
         weights = fuse_projections(weights)     # before quantizing: the fused projection gets its own scales
-    if quantized:
+    if weight_quant != "none":
         weights = quantize_weights(weights, weight_quant, quant_group, compute=weight_dtype_name)
         name += f":q{scheme_label(weight_quant, quant_group)}"
     if kv_dtype == "float8_e4m3fn":
