@@ -58,16 +58,20 @@ def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int,
     return out
 
 
-def prequantized_label(checkpoint_dir, weights: Mapping[str, Any], weight_quant: str, *, progress: bool) -> str:
-    """What a pre-quantized checkpoint's weights are, for the model's name ("gptq-uint4g128"); "" for an
-    unquantized checkpoint. Refuses quantizing it again and a quantized slot the decoder keeps float."""
+def prequantized_config(checkpoint_dir, weight_quant: str) -> prequantized.QuantConfig | None:
+    """A pre-quantized checkpoint's quantization_config (None for an unquantized one); refuses quantizing it again."""
     qc = prequantized.quant_config(read_config(checkpoint_dir))
-    if qc is None:
-        return ""
-    if weight_quant != "none":
+    if qc is not None and weight_quant != "none":
         raise ExportError(f"the checkpoint is already quantized (quantization_config.quant_method {qc.method!r}): "
                           f"export it with weight_quant 'none' (--weight-quant none), not {weight_quant!r}")
-    stored = [name for name, w in weights.items() if isinstance(w, QuantizedWeight)]
+    return qc
+
+
+def check_prequantized(weights: Mapping[str, Any], qc: prequantized.QuantConfig, *, progress: bool) -> str:
+    """Refuses a slot read quantized that the decoder keeps float; says what was read (the export log); -> the
+    label the model's name carries ("gptq-uint4g128")."""
+    is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    stored = [name for name, w in weights.items() if any(map(is_q, jax.tree.leaves(w, is_leaf=is_q)))]
     for name in stored:
         if name not in QUANTIZED_SLOTS:
             raise ExportError(f"slot {name!r} is stored quantized ({qc.method}) but is kept in the weight dtype here "

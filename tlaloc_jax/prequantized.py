@@ -25,7 +25,6 @@ float tensor.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -290,22 +289,7 @@ def read_tensor(index, name: str, hf_shape: tuple[int, ...], spec, compute: str,
     if qc.method != "fp8" and spec.split is not None:
         raise CheckpointError(f"tensor {name!r} holds several slots ({spec.slot!r} among them), and is stored "
                               f"quantized ({qc.method}): its codes cannot be split yet")
-    get = index.get if qc.method != "fp8" else (lambda n: _raw_fp8(index.file_of[n], n) if n == name else index.get(n))
-    return read_linear(get, lambda n: n in index.file_of, prefix, qc, compute, tuple(hf_shape))
-
-
-def _raw_fp8(path, name: str) -> np.ndarray:
-    """An F8_E4M3 tensor of a safetensors file, read from its header and bytes (safetensors' own numpy and flax
-    readers name a numpy dtype that numpy lacks)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        meta = json.loads(f.read(n))[name]
-        if meta["dtype"] != "F8_E4M3":
-            raise CheckpointError(f"tensor {name!r} is {meta['dtype']}; quant_method fp8 stores F8_E4M3")
-        start, end = meta["data_offsets"]
-        f.seek(8 + n + start)
-        raw = np.frombuffer(f.read(end - start), np.uint8)
-    return raw.view(ml_dtypes.float8_e4m3fn).reshape(meta["shape"])
+    return read_linear(index.get, lambda n: n in index.file_of, prefix, qc, compute, tuple(hf_shape))
 
 
 def stack(parts: list):
