@@ -29,7 +29,7 @@ from ._mesh import weight_split_axes
 from ._options import (DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_LONG_CHUNK, Capacity, Features,
                        Ladders, ModelInfo, Sampler, SplitStep)
 from ._checkpoint_weights import loaded_weights, streamed_weights
-from ._quant import scheme_label
+from ._quant import check_prequantized, prequantized_config, scheme_label
 from ._stage import sorted_ladder, stage
 from ._weights import flatten_weights
 
@@ -139,16 +139,20 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         raise ExportError(f"unknown weight layout {weight_layout!r}: one of {', '.join(LAYOUTS)}")
     kv_np = af.numpy_dtype(kv_dtype) if kv_dtype == "float8_e4m3fn" else weight_dtype(kv_dtype)
     quantized = weight_quant != "none"
-    if tensor_parallel > 1 and quantized:
+    stored = prequantized_config(checkpoint_dir, weight_quant)      # a pre-quantized checkpoint's, or None
+    if tensor_parallel > 1 and (quantized or stored):
         raise ExportError(f"weight_quant {weight_quant!r} with tensor_parallel {tensor_parallel}: quantized weights "
                           "are not split over devices yet; stage them on one device")
     fam, cfg = config_from_hf(read_config(checkpoint_dir))
-    # One device streams each weight file from the checkpoint as it is written; a mesh splits host arrays.
-    read = loaded_weights if tensor_parallel > 1 else streamed_weights
+    # One device streams each weight file from the checkpoint as it is written; a mesh splits host arrays, and a
+    # pre-quantized checkpoint's codes are read whole (tlaloc_jax/prequantized.py).
+    read = loaded_weights if tensor_parallel > 1 or stored else streamed_weights
     weights = read(checkpoint_dir, fam, cfg, dtype=weight_dtype_name, layout=weight_layout, quant=weight_quant,
                    group=quant_group)
     cfg = cfg.with_context(contexts[-1])
     name = cfg.name or Path(checkpoint_dir).name
+    if stored:
+        name += f":q{check_prequantized(weights, stored, progress=progress)}"
     if quantized:
         name += f":q{scheme_label(weight_quant, quant_group)}"
     if kv_dtype == "float8_e4m3fn":
