@@ -118,7 +118,11 @@ def start_tlaloc(a, art: Path, caching: bool = True, name: str = "") -> Server:
            str(a.max_num_seqs), "--no-progress", *([] if caching else ["--no-enable-prefix-caching"]), *a.serve_arg]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
     server = _wait_up(name, proc, f"http://127.0.0.1:{port}", log, 600)
-    _wait_warm(server, 600)
+    try:
+        _wait_warm(server, 600)
+    except BaseException:
+        server.stop()           # not left running when it never warmed
+        raise
     return server
 
 
