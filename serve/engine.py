@@ -277,6 +277,15 @@ class Engine:
             self.runner.run(e, call_inputs.warm_up_inputs(e, self.runner, self.ring_pages), set(), count=False)
         self._warm.add(e.name)
 
+    def warm_all(self) -> int:
+        """Compile and warm (warm_up) every entry not run yet: what a server that starts ready does before it serves,
+        where no engine loop does it (a Ray Serve replica's constructor, the Triton model before it is bound).
+        -> the entries warmed."""
+        cold = self.cold_entries()
+        for e in cold:
+            self.warm_up(e)
+        return len(cold)
+
     # -- steps ------------------------------------------------------------------------------------
 
     def step(self, on_events: Callable[[list[StepEvent]], None] | None = None) -> list[StepEvent]:
