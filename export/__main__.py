@@ -9,6 +9,7 @@ import time
 from tlaloc_jax.artifact import QUANT_GROUPS
 
 from ._options import DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_LONG_CHUNK, DEFAULT_PREFILL_MAX_BATCH
+from . import _timing as timing
 from ._quant import WEIGHT_QUANT
 
 
@@ -65,12 +66,13 @@ def main(argv=None) -> int:
                     help="KV pool dtype (default f32); fp8 stores keys and values as e4m3fn, clamped to +-448, no scale")
     ap.add_argument("--weight-quant", choices=WEIGHT_QUANT, default="none",
                     help="store the projections (q, k, v, o, output gate, gate, up, down, experts) as int8 or fp8 codes "
-                         "with a scale per output channel, or int4 codes with a scale per --quant-group input channels, "
+                         "with a scale per output channel, or int4 codes with a scale (uint4: a scale and a zero point) per "
+                         "--quant-group input channels, "
                          "quantized from the checkpoint's values; embedding, norms and head keep the weight dtype "
                          "(default none). It changes the model's numerics: python -m tlaloc_jax.tools.quality "
                          "measures it")
     ap.add_argument("--quant-group", type=int, choices=QUANT_GROUPS, default=128,
-                    help="input channels per int4 scale (default 128)")
+                    help="input channels per int4 or uint4 scale (default 128)")
     ap.add_argument("--attention-block", type=int, default=2048,
                     help="key block of the blockwise attention loop, in positions (default 2048)")
     ap.add_argument("--windowed-kv", choices=["true", "false"], default="true",
@@ -157,6 +159,7 @@ def main(argv=None) -> int:
             return 2
 
     dtypes = {"f32": "float32", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+    timing.reset()
     t0 = time.perf_counter()
     try:
         m = export_checkpoint(args.checkpoint, args.out, batch_ladder=args.batch_ladder,
@@ -189,6 +192,7 @@ def main(argv=None) -> int:
           + (f", scoring prefill entries (top {m.scorer.top_logprobs} prompt logprobs)" if m.scorer else "")
           + (f", for {m.devices} devices (tensor parallel)" if m.mesh else "")
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
+    print(f"time: {timing.summary()}")
     return 0
 
 
