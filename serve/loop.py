@@ -165,9 +165,9 @@ class EngineLoop:
         # (Engine.warm_up): not in the brief idle moment between a closed loop's requests, which would wait for it.
         self.warm_up = warm_up
         self.warm_up_idle_s = 0.5
-        # compile_all: the loop compiles and warms every entry not run yet before its first step (readiness.py);
-        # until then `readiness.reason()` says how far it got. None: it serves at once, entries compile on first use.
-        self.readiness = Readiness(len(engine.cold_entries()), progress) if compile_all else None
+        # compile_all: the loop compiles every entry not compiled yet before its first step (readiness.py); until then
+        # `readiness.reason()` says how far it got. None: it serves at once, entries compile on first use.
+        self.readiness = Readiness(len(engine.uncompiled_entries()), progress) if compile_all else None
         self._idle_since = time.perf_counter()
         self._arriving = 0
         self._arriving_lock = threading.Lock()
@@ -302,11 +302,12 @@ class EngineLoop:
         return left if left > 0 else None
 
     def _get_ready(self) -> bool:
-        """Compile and warm every entry not run yet, one at a time, handling commands between them (a request
-        submitted meanwhile waits for its first step; a snapshot for /metrics is answered). -> False on a stop."""
+        """Compile (or load from the compile cache) every entry not compiled yet, one at a time, handling commands
+        between them (a request submitted meanwhile waits for its first step; a snapshot for /metrics is answered).
+        The entries' first runs come after, while idle (_warm_one). -> False on a stop."""
         self.readiness.start()
         try:
-            for e in self.engine.cold_entries():
+            for e in self.engine.uncompiled_entries():
                 while True:
                     try:
                         cmd = self._cmds.get_nowait()
@@ -316,9 +317,12 @@ class EngineLoop:
                         self._fail_all("the server is shutting down")
                         return False
                     self._handle(cmd)
-                self._warm_one(e)
+                try:
+                    self.engine.runner.executable(e)
+                except Exception as err:  # noqa: BLE001 - the entry's first request fails the same way, by name
+                    log.error("compiling %s failed: %s", e.name, err)
                 self.readiness.advance(e.name)
-            self.readiness.done = self.readiness.total     # entries run before the loop started count as ready
+            self.readiness.done = self.readiness.total     # entries compiled before the loop started count as ready
             return True
         finally:
             self.readiness.finish()

@@ -1,7 +1,8 @@
-"""Ready means ready: a server that compiles and warms every entry before it serves, and says how far it got.
+"""Ready means ready: a server that compiles every entry before it serves, and says how far it got.
 
-The engine loop (loop.py) readies the entries one at a time before its first step; meanwhile /health answers 503
-with `reason()` ("compiling entries: 12/32") and generation requests 503 with Retry-After (`retry_after()`, the
+The engine loop (loop.py) compiles the entries (or loads them from the compile cache) one at a time before its first
+step (each then runs once while the server is idle: its one-time first-run costs, 50-200 ms). Until they are
+compiled /health answers 503 with `reason()` ("compiling entries: 12/32") and generation requests 503 with Retry-After (`retry_after()`, the
 time the entries left should take at the pace so far), as a vLLM server takes no traffic before it is up. Progress
 goes to a bar on a terminal, else to a plain log line every LOG_EVERY_S seconds (a bar's carriage returns make one
 long line in a log file).
@@ -20,7 +21,7 @@ MAX_RETRY_AFTER_S = 60      # the openai client honours a Retry-After of at most
 
 
 class Readiness:
-    """How many of `total` entries are compiled and warmed. `progress`: "bar" (tqdm, for a terminal), "log"
+    """How many of `total` entries are compiled. `progress`: "bar" (tqdm, for a terminal), "log"
     (periodic lines) or None (the final line only)."""
 
     def __init__(self, total: int, progress: str | None = "log"):
@@ -49,11 +50,11 @@ class Readiness:
         self._t0 = self._told = time.perf_counter()
         if self.ready:
             return
-        log.info("compiling and warming %d entries before serving (/health answers 503 until then; --lazy-compile "
+        log.info("compiling %d entries before serving (/health answers 503 until then; --lazy-compile "
                  "serves at once and compiles on first use)", self.total)
         if self.progress == "bar":
             from tqdm.auto import tqdm
-            self._bar = tqdm(total=self.total, desc="compile and warm", unit="entry")
+            self._bar = tqdm(total=self.total, desc="ready", unit="entry")
 
     def advance(self, name: str) -> None:
         """Entry `name` is ready."""
@@ -72,4 +73,4 @@ class Readiness:
             self._bar.close()
             self._bar = None
         if self.ready and self.total:
-            log.info("ready: %d entries compiled and warmed in %.1f s", self.total, time.perf_counter() - self._t0)
+            log.info("ready: %d entries compiled in %.1f s", self.total, time.perf_counter() - self._t0)

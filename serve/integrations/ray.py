@@ -8,7 +8,7 @@ or from Python: `serve.run(tlaloc_jax.serve.ray.app({"artifact": "artifact/", "n
 
 Each replica is the app of `python -m tlaloc_jax.serve` (serve/openai/app.py `create_app`: the same routes, checks,
 streaming and engine loop), mounted with `@serve.ingress` on Ray's proxy; it is built on the replica, after the
-replica has loaded its Engine and (unless `lazy_compile`) compiled and warmed every entry: Ray routes to a
+replica has loaded its Engine and (unless `lazy_compile`) compiled every entry: Ray routes to a
 replica once its constructor returns, so a replica is ready when it takes traffic. Streams go out through Ray's streaming responses. Ray asks each replica's
 `check_health` (the engine loop is running: what /health answers) and replaces a replica that fails it or dies;
 the requests a dead replica was serving fail, the others' do not notice. Every answer names its replica in the
@@ -131,7 +131,7 @@ class OpenAIReplica:
                                   trust_weights=a.trust_weights, manifest=manifest, max_model_len=a.max_model_len)
         try:
             if not a.lazy_compile:      # Ray routes to a replica once its constructor returns: ready means ready
-                log.info("compiled and warmed %d entries", self.engine.warm_all())
+                log.info("compiled %d entries", self.engine.compile_all())
             self.openai_app = http.create_app(self.engine, model_name=a.served_model_name, api_key=_api_key(a),
                                        max_batch=a.max_batch, allowed_origins=a.allowed_origins,
                                        strict_fields=a.strict_fields, metrics_without_key=a.metrics_without_key)

@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trust-weights", action="store_true")
     ap.add_argument("--lazy-compile", action="store_true",
                     help="bind the model as soon as the artifact is loaded, compiling each entry on first use "
-                         "(default: every entry compiled and warmed first, so Triton reports the model ready only then)")
+                         "(default: every entry compiled first, so Triton reports the model ready only then)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not args.lazy_compile:
-        log.info("compiled and warmed %d entries", engine.warm_all())
+        log.info("compiled %d entries", engine.compile_all())
     name = args.model_name or manifest.model.name
     max_batch = args.max_batch or max(e.batch for e in manifest.entries if e.kind == "decode")
     loop = EngineLoop(engine, max_batch, Metrics(name))

@@ -1,8 +1,8 @@
-"""Issue 59, ready means ready: with compile_all (`python -m tlaloc_jax.serve`'s default) the engine loop compiles and
-warms every entry before the server serves. Until then /health answers 503 with how far it got and a generation
-request 503 (code "not_ready") with Retry-After, as a vLLM server takes no traffic before it is up; once /health
-answers 200 no entry is left to compile, and the ids are the lazily compiled engine's. Control: without
-compile_all (--lazy-compile) /health answers 200 while entries are still cold, which the ready check tells apart.
+"""Issue 59, ready means ready: with compile_all (`python -m tlaloc_jax.serve`'s default) the engine loop compiles
+every entry before the server serves. Until then /health answers 503 with how far it got and a generation request
+503 (code "not_ready") with Retry-After, as a vLLM server takes no traffic before it is up; once /health answers 200
+no entry is left to compile, and the ids are the lazily compiled engine's. Control: without compile_all
+(--lazy-compile) /health answers 200 while entries are still to compile, which the ready check tells apart.
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ from tlaloc_jax.serve.readiness import MAX_RETRY_AFTER_S, Readiness
 PROMPT = [5, 17, 99, 3, 250, 8, 61]
 
 
-def _held_warm_up(engine):
-    """Hold the engine's first warm-up until the returned event is set (the server stays not ready meanwhile)."""
+def _held_compile(engine):
+    """Hold the engine's first compile of an entry until the returned event is set (the server stays not ready)."""
     release = threading.Event()
-    warm_up = engine.warm_up
+    executable = engine.runner.executable
 
     def held(e):
-        assert release.wait(60), "the test never released the warm-up"
-        warm_up(e)
-    engine.warm_up = held
+        if e.name not in engine.runner.executables:
+            assert release.wait(60), "the test never released the compile"
+        return executable(e)
+    engine.runner.executable = held
     return release
 
 
@@ -48,14 +49,14 @@ def _until_healthy(client, timeout: float = 120.0):
     return r
 
 
-def test_health_is_503_until_every_entry_is_compiled_and_warm(http_artifacts, tmp_path):
+def test_health_is_503_until_every_entry_is_compiled(http_artifacts, tmp_path):
     with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as lazy:
         want = lazy.generate([PROMPT], 6)[0]
     # An empty cache of its own: every entry but one of each kind is still to compile when the server starts.
     with Engine.load(http_artifacts[1], cache_dir=tmp_path / "cold", progress=False) as engine:
-        cold = len(engine.cold_entries())
+        cold = len(engine.uncompiled_entries())
         assert cold > 1
-        release = _held_warm_up(engine)
+        release = _held_compile(engine)
         with InProcess(engine, compile_all=True) as srv:
             r = srv.client.get("/health")
             assert r.status_code == 503, r.text
@@ -67,8 +68,8 @@ def test_health_is_503_until_every_entry_is_compiled_and_warm(http_artifacts, tm
             assert 1 <= int(r.headers["Retry-After"]) <= MAX_RETRY_AFTER_S
             release.set()
             _until_healthy(srv.client)
-            # Ready means ready: nothing is left to compile or to run a first time.
-            assert engine.cold_entries() == []
+            # Ready means ready: nothing is left to compile.
+            assert engine.uncompiled_entries() == []
             assert set(engine.runner.executables) == {e.name for e in engine.manifest.entries}
             r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
                                              "return_token_ids": True})
@@ -76,27 +77,27 @@ def test_health_is_503_until_every_entry_is_compiled_and_warm(http_artifacts, tm
             assert r.json()["choices"][0]["token_ids"] == want
 
 
-def test_lazy_compile_answers_health_at_once_with_entries_cold(http_artifacts, tmp_path):
-    """Control (today's behaviour, --lazy-compile): /health is 200 while entries are still cold."""
+def test_lazy_compile_answers_health_at_once_with_entries_to_compile(http_artifacts, tmp_path):
+    """Control (today's behaviour, --lazy-compile): /health is 200 while entries are still to compile."""
     with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as engine:
-        engine.warm_up = lambda e: None             # the idle warm-up would make them warm
+        engine.warm_up = lambda e: None             # the idle warm-up would compile them
         with InProcess(engine) as srv:
             assert srv.client.get("/health").status_code == 200
-            assert engine.cold_entries() != []
+            assert engine.uncompiled_entries() != []
             assert srv.server.loop.readiness is None
 
 
 def test_a_stop_while_compiling_ends_the_loop_between_entries(http_artifacts, tmp_path):
     """A server stopped while it compiles stops after the entry it is in, not after all of them."""
     with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as engine:
-        cold = len(engine.cold_entries())
-        release = _held_warm_up(engine)
+        cold = len(engine.uncompiled_entries())
+        release = _held_compile(engine)
         with InProcess(engine, compile_all=True) as srv:
             assert srv.client.get("/health").status_code == 503
             threading.Timer(0.5, release.set).start()       # the stop is queued by then
         loop = srv.server.loop
         assert not loop.alive and loop.readiness.done == 1 < cold
-        assert len(engine.cold_entries()) == cold - 1
+        assert len(engine.uncompiled_entries()) == cold - 1
 
 
 def test_progress_is_a_plain_line_in_a_log(monkeypatch, caplog):
@@ -113,7 +114,7 @@ def test_progress_is_a_plain_line_in_a_log(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("compiling entries: 1/3 (") for line in lines), lines
     assert any(line.startswith("compiling entries: 2/3 (") for line in lines), lines
-    assert re.match(r"ready: 3 entries compiled and warmed in [0-9.]+ s$", lines[-1]), lines
+    assert re.match(r"ready: 3 entries compiled in [0-9.]+ s$", lines[-1]), lines
     assert ready.reason() is None and ready._bar is None
 
 
@@ -145,7 +146,7 @@ def test_the_server_logs_its_start_up_in_plain_lines(http_artifacts, tmp_path):
             time.sleep(0.2)
         text = log_path.read_text()
         assert "\r" not in text and "entry/s" not in text, text      # no bar's redraws
-        assert re.search(r"ready: \d+ entries compiled and warmed in", text), text
+        assert re.search(r"ready: \d+ entries compiled in", text), text
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200, r.text
