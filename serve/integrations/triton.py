@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     if not args.lazy_compile:
         log.info("compiled %d entries", engine.compile_all())
     name = args.model_name or manifest.model.name
-    max_batch = args.max_batch or max(e.batch for e in manifest.entries if e.kind == "decode")
+    max_batch = args.max_batch or manifest.max_batch
     loop = EngineLoop(engine, max_batch, Metrics(name))
     model = TritonModel(engine, loop)
     _stub_finds_this_python()
