@@ -1,5 +1,5 @@
 # `make demo` and `make test` work on a fresh machine: each creates .venv when missing and installs the
-# project (with its serve and test extras) from pyproject.toml.
+# project (with its export, serve and test extras) from pyproject.toml.
 VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-stamp
@@ -29,12 +29,13 @@ ONE_CORE_RUN = $(if $(word 2,$(ONE_CORE_CPUS)), \
   $(PY) -m pytest --dist loadfile $(foreach c,$(ONE_CORE_CPUS),--tx 'popen//python=taskset -c $(c) $(abspath $(PY))'), \
   taskset -c $(ONE_CORE_CPUS) $(PY) -m pytest)
 
-.PHONY: setup demo test test-fast test-isa test-time test-slow test-engines vllm-env test-vllm peers-env clean
+.PHONY: setup demo test test-fast test-isa test-time test-slow test-engines vllm-env test-vllm peers-env clean \
+        serve-env test-serve-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[serve,test]'
+	$(PY) -m pip install -q -e '.[export,serve,test]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -67,6 +68,28 @@ test-time: setup
 test-slow: setup
 	$(PYTEST) -q -m slow
 
+# `make serve-env` builds .venv-serve, the serving install without JAX (README, "Serving without JAX"):
+# the project with its own dependencies (the runtime's; JAX is the export extra), then the CPU PJRT plugin without the
+# jax its metadata names. `make test-serve-env` serves the demo artifact there and checks that `import jax` fails
+# and that the greedy ids are Engine's in .venv (tests/integrations/test_serve_env.py).
+SERVE_VENV  := .venv-serve
+SERVE_PY    := $(SERVE_VENV)/bin/python
+SERVE_STAMP := $(SERVE_VENV)/.installed-stamp
+
+$(SERVE_STAMP): pyproject.toml
+	test -x $(SERVE_PY) || python3 -m venv $(SERVE_VENV)
+	$(SERVE_PY) -m pip install -q --upgrade pip
+	$(SERVE_PY) -m pip install -q -e . && $(SERVE_PY) -m pip install -q --no-deps lammps-jax-pjrt-cpu
+	touch $(SERVE_STAMP)
+
+serve-env: $(SERVE_STAMP)
+	@du -sh $(SERVE_VENV)
+
+test-serve-env: setup $(SERVE_STAMP)
+	@du -sh $(SERVE_VENV)
+	TLALOC_NO_SKIPS=1 TLALOC_SERVE_PYTHON=$(CURDIR)/$(SERVE_PY) $(PYTEST) -q -m "slow or not slow" \
+	  tests/integrations/test_serve_env.py
+
 # `make test-engines`: the artifact served inside Ray Serve (tests/integrations/test_ray_serve.py) and NVIDIA Triton through
 # PyTriton (tests/integrations/test_triton.py). The ray and triton-client extras go into .venv. The Triton server runs in
 # .venv-triton, an environment without JAX (PyTriton 0.7.0 needs numpy < 2, JAX 0.10.2 numpy >= 2): the project
@@ -78,7 +101,7 @@ TRITON_PY     := $(TRITON_VENV)/bin/python
 TRITON_STAMP  := $(TRITON_VENV)/.installed-stamp
 
 $(ENGINES_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install -q -e '.[serve,test,ray,triton-client]'
+	$(PY) -m pip install -q -e '.[export,serve,test,ray,triton-client]'
 	touch $(ENGINES_STAMP)
 
 $(TRITON_STAMP): $(STAMP) pyproject.toml
@@ -154,4 +177,4 @@ $(PEERS_STAMP): $(STAMP) pyproject.toml
 peers-env: $(PEERS_STAMP)
 
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) $(VLLM_VENV) $(PEERS_DIR)
+	rm -rf $(VENV) $(TRITON_VENV) $(VLLM_VENV) $(SERVE_VENV) $(PEERS_DIR)

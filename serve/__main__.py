@@ -1,6 +1,6 @@
 """python -m tlaloc_jax.serve ARTIFACT_DIR [--host 127.0.0.1] [--port 8000] [--plugin PATH] [--max-num-seqs N]
 [--max-model-len N] [--api-key KEY] [--metrics-without-key] [--allowed-hosts HOST,...] [--allowed-origins ORIGIN,...]
-[--strict-fields] [--embedding-artifact DIR]"""
+[--strict-fields] [--embedding-artifact DIR] [--lazy-compile]"""
 
 from __future__ import annotations
 
@@ -147,7 +147,14 @@ def main(argv=None) -> int:
     ap.add_argument("--strict-fields", action="store_true",
                     help="refuse (400) request fields this server does not know; by default they are logged as "
                          "ignored, as vLLM does")
-    ap.add_argument("--no-progress", action="store_true", help="no compile progress bar on load")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no compile progress bar on a terminal (elsewhere, as in a log, progress is a plain line "
+                         "every 10 s)")
+    ap.add_argument("--lazy-compile", action="store_true",
+                    help="serve as soon as the artifact is loaded, compiling each entry on its first use (the first "
+                         "requests that need one wait for it): for development. By default every entry is compiled "
+                         "and warmed first, /health answering 503 with how far it got and requests 503 with "
+                         "Retry-After until then")
     ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $TLALOC_API_KEY, else "
                          "no key)")
@@ -214,6 +221,7 @@ def main(argv=None) -> int:
     from .tokenizer import load_tokenizer
 
     cache_dir = DEFAULT_CACHE_DIR if args.cache_dir is None else None if args.cache_dir == "none" else args.cache_dir
+    bar = not args.no_progress and sys.stderr.isatty()
     prometheus_client.disable_created_metrics()     # no *_created series: they are noise to a scraper
     try:
         # Everything that can be checked without the device first: the manifest, every file and body
@@ -233,8 +241,9 @@ def main(argv=None) -> int:
         if args.max_model_len is not None and args.max_model_len > largest:
             raise ValueError(f"--max-model-len {args.max_model_len} is past the artifact's largest context "
                              f"({largest}); export a longer context ladder to serve longer sequences")
-        # The bar shows the compile of each entry (a cold cache on a large artifact takes minutes).
-        engine = Engine.load(args.artifact, args.plugin, cache_dir=cache_dir, progress=not args.no_progress,
+        # The bar shows the compile of each entry (a cold cache on a large artifact takes minutes); in a log, where
+        # its redraws would make one long line, the loaded line says what compiled.
+        engine = Engine.load(args.artifact, args.plugin, cache_dir=cache_dir, progress=bar,
                              trust_weights=args.trust_weights, manifest=manifest, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=args.enable_prefix_caching)
@@ -260,7 +269,8 @@ def main(argv=None) -> int:
                               max_waiting=args.max_waiting or http.DEFAULT_MAX_WAITING,
                               max_wait_seconds=args.max_wait_seconds, metrics_without_key=args.metrics_without_key,
                               scheduling_policy=args.scheduling_policy,
-                              return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                              return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                              compile_all=not args.lazy_compile, progress="bar" if bar else "log")
         server = app.state.server
         if not _is_loopback(args.host) and not api_key:
             log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",

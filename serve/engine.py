@@ -299,6 +299,19 @@ class Engine:
             self.runner.run(e, call_inputs.warm_up_inputs(e, self.runner, self.ring_pages), set(), count=False)
         self._warm.add(e.name)
 
+    def uncompiled_entries(self) -> list[af.Entry]:
+        """The entries not compiled (nor loaded from the compile cache) yet, in the manifest's order."""
+        return [e for e in self.manifest.entries if e.name not in self.runner.executables]
+
+    def compile_all(self) -> int:
+        """Compile (or load from the compile cache) every entry not compiled yet: what a server that starts ready does
+        before it serves, where no engine loop does it (a Ray Serve replica's constructor, the Triton model before it
+        is bound). -> the entries compiled."""
+        todo = self.uncompiled_entries()
+        for e in todo:
+            self.runner.executable(e)
+        return len(todo)
+
     # -- steps ------------------------------------------------------------------------------------
 
     def step(self, on_events: Callable[[list[StepEvent]], None] | None = None) -> list[StepEvent]:

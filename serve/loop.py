@@ -29,6 +29,7 @@ from typing import Any, Callable
 from .engine import Constraint, Engine, RequestRefused
 from .host_sampling import Sampling
 from .metrics import Metrics
+from .readiness import Readiness
 
 log = logging.getLogger("tlaloc_jax.serve.loop")
 
@@ -135,7 +136,8 @@ class EngineLoop:
     """The one thread that drives the Engine. Everything else talks to it through `submit`, `abort`, `call`."""
 
     def __init__(self, engine: Engine, max_running: int, metrics: Metrics, max_waiting: int = 1024,
-                 max_wait_seconds: float | None = None, step_work: StepWork | None = None, warm_up: bool = True):
+                 max_wait_seconds: float | None = None, step_work: StepWork | None = None, warm_up: bool = True,
+                 compile_all: bool = False, progress: str | None = "log"):
         self.engine = engine
         self.max_running = max_running
         engine.scheduler.configure(max_num_seqs=max_running)
@@ -163,6 +165,9 @@ class EngineLoop:
         # (Engine.warm_up): not in the brief idle moment between a closed loop's requests, which would wait for it.
         self.warm_up = warm_up
         self.warm_up_idle_s = 0.5
+        # compile_all: the loop compiles every entry not compiled yet before its first step (readiness.py); until then
+        # `readiness.reason()` says how far it got. None: it serves at once, entries compile on first use.
+        self.readiness = Readiness(len(engine.uncompiled_entries()), progress) if compile_all else None
         self._idle_since = time.perf_counter()
         self._arriving = 0
         self._arriving_lock = threading.Lock()
@@ -232,6 +237,8 @@ class EngineLoop:
     def _run(self) -> None:
         stalled = False     # the last step ran nothing: every running sequence waits on its step work
         try:
+            if self.readiness is not None and not self._get_ready():
+                return
             while True:
                 idle = not self._running and not self._waiting
                 cold = self.engine.cold_entries() if idle and self.warm_up else []
@@ -293,6 +300,32 @@ class EngineLoop:
         if not self._arriving:
             left = min(left, gap)
         return left if left > 0 else None
+
+    def _get_ready(self) -> bool:
+        """Compile (or load from the compile cache) every entry not compiled yet, one at a time, handling commands
+        between them (a request submitted meanwhile waits for its first step; a snapshot for /metrics is answered).
+        The entries' first runs come after, while idle (_warm_one). -> False on a stop."""
+        self.readiness.start()
+        try:
+            for e in self.engine.uncompiled_entries():
+                while True:
+                    try:
+                        cmd = self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    if cmd[0] == "stop":
+                        self._fail_all("the server is shutting down")
+                        return False
+                    self._handle(cmd)
+                try:
+                    self.engine.runner.executable(e)
+                except Exception as err:  # noqa: BLE001 - the entry's first request fails the same way, by name
+                    log.error("compiling %s failed: %s", e.name, err)
+                self.readiness.advance(e.name)
+            self.readiness.done = self.readiness.total     # entries compiled before the loop started count as ready
+            return True
+        finally:
+            self.readiness.finish()
 
     def _warm_one(self, e) -> None:
         """Warm one entry (Engine.warm_up); a failure is logged, not retried (the entry counts as warmed)."""

@@ -8,7 +8,8 @@ or from Python: `serve.run(tlaloc_jax.serve.ray.app({"artifact": "artifact/", "n
 
 Each replica is the app of `python -m tlaloc_jax.serve` (serve/openai/app.py `create_app`: the same routes, checks,
 streaming and engine loop), mounted with `@serve.ingress` on Ray's proxy; it is built on the replica, after the
-replica has loaded its Engine. Streams go out through Ray's streaming responses. Ray asks each replica's
+replica has loaded its Engine and (unless `lazy_compile`) compiled every entry: Ray routes to a
+replica once its constructor returns, so a replica is ready when it takes traffic. Streams go out through Ray's streaming responses. Ray asks each replica's
 `check_health` (the engine loop is running: what /health answers) and replaces a replica that fails it or dies;
 the requests a dead replica was serving fail, the others' do not notice. Every answer names its replica in the
 `x-tlaloc-replica` header.
@@ -20,7 +21,7 @@ batch and the next one waiting; Ray routes the rest to other replicas or queues 
 per replica (`num_gpus` defaults to the GPUs a cuda artifact's mesh runs on: a replica of a tensor-parallel
 artifact owns all of them; fewer is refused by name); `health_check_period_s`, `health_check_timeout_s`; and the server's own options: `plugin`,
 `max_batch`, `max_model_len`, `served_model_name`, `api_key` (default $TLALOC_API_KEY), `allowed_origins`,
-`strict_fields`, `cache_dir`, `trust_weights`.
+`strict_fields`, `cache_dir`, `trust_weights`, `lazy_compile` (entries compile on first use instead).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class RayServeArgs(BaseModel):
     strict_fields: bool = False
     cache_dir: str | None = None
     trust_weights: bool = False
+    lazy_compile: bool = False
 
     @field_validator("allowed_origins", mode="before")
     @classmethod
@@ -128,6 +130,8 @@ class OpenAIReplica:
         self.engine = Engine.load(a.artifact, a.plugin, cache_dir=cache_dir, progress=False,
                                   trust_weights=a.trust_weights, manifest=manifest, max_model_len=a.max_model_len)
         try:
+            if not a.lazy_compile:      # Ray routes to a replica once its constructor returns: ready means ready
+                log.info("compiled %d entries", self.engine.compile_all())
             self.openai_app = http.create_app(self.engine, model_name=a.served_model_name, api_key=_api_key(a),
                                        max_batch=a.max_batch, allowed_origins=a.allowed_origins,
                                        strict_fields=a.strict_fields, metrics_without_key=a.metrics_without_key)

@@ -174,6 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plugin", default=None)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--trust-weights", action="store_true")
+    ap.add_argument("--lazy-compile", action="store_true",
+                    help="bind the model as soon as the artifact is loaded, compiling each entry on first use "
+                         "(default: every entry compiled first, so Triton reports the model ready only then)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -193,6 +196,8 @@ def main(argv=None) -> int:
     except (ManifestError, OSError, CompileError, PluginNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not args.lazy_compile:
+        log.info("compiled %d entries", engine.compile_all())
     name = args.model_name or manifest.model.name
     max_batch = args.max_batch or manifest.max_batch
     loop = EngineLoop(engine, max_batch, Metrics(name))

@@ -28,7 +28,8 @@ Errors are OpenAI-style JSON, {"error": {"message", "type", "param", "code"}}:
        finish_reason "error" and an "error" object in a 200 answer, the other choices as they were
   503  the waiting queue is full (code "queue_full", Retry-After: 1), or the request waited past the
        server's --max-wait-seconds before any of its sequences started (code "queue_timeout"; once one has, the
-       others wait behind their own request, not the queue). Requests that could run later
+       others wait behind their own request, not the queue), or the server still compiles its entries (code
+       "not_ready", Retry-After: when they should be ready; /health answers 503 with how far it got). Requests that could run later
        otherwise wait their turn. (503 rather than 429: the server is momentarily out of capacity, the
        client is not over a rate limit; the openai client retries both, honouring Retry-After.)
 Answers never name paths on disk: /v1/models' `root` is the model's name, and a 500 carries an id only.
@@ -79,7 +80,8 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
                strict_fields: bool = False, max_waiting: int = DEFAULT_MAX_WAITING,
                max_wait_seconds: float | None = None, grammar_budget: GrammarBudget = GrammarBudget(),
                metrics_without_key: bool = False, scheduling_policy: str = "fcfs",
-               return_tokens_as_token_ids: bool = False) -> FastAPI:
+               return_tokens_as_token_ids: bool = False, compile_all: bool = False,
+               progress: str | None = "log") -> FastAPI:
     """The FastAPI app serving `engine`. The engine loop thread starts and stops with the app's lifespan.
 
     tokenizer: "auto" loads the artifact's (None when it has no tokenizer.json); max_batch: the most
@@ -96,7 +98,10 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     /metrics without the api_key (a scraper that cannot send one; its counters show when prompts hit the prefix
     cache); scheduling_policy: vLLM's, "fcfs" (a request's non-zero `priority` is refused) or "priority" (lower
     `priority` runs first); return_tokens_as_token_ids: logprob tokens as "token_id:N" unless a request says
-    otherwise (vLLM's flag).
+    otherwise (vLLM's flag); compile_all: the engine loop compiles and warms every entry not run yet before it serves
+    (`python -m tlaloc_jax.serve` does, unless --lazy-compile): until then /health answers 503 with how far it got
+    and generation requests 503 with Retry-After (False: entries compile on first use); progress: how that shows,
+    "bar" (a terminal), "log" (periodic lines) or None.
     """
     if api_key is not None and (problem := api_key_problem(api_key)) is not None:
         raise ValueError(f"api_key {problem}")
@@ -114,7 +119,8 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
                          f"{scheduling_policy!r}")
     server = OpenAIServer(engine, tokenizer, model_name or engine.manifest.model.name, api_key, int(max_batch),
                           int(max_body_bytes), embeddings, strict_fields, int(max_waiting), max_wait_seconds,
-                          grammar_budget, scheduling_policy, bool(return_tokens_as_token_ids))
+                          grammar_budget, scheduling_policy, bool(return_tokens_as_token_ids),
+                          compile_all=compile_all, progress=progress)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -77,7 +77,7 @@ class OpenAIServer:
                  max_batch: int, max_body_bytes: int, embeddings: Embeddings | None, strict_fields: bool = False,
                  max_waiting: int = 1024, max_wait_seconds: float | None = None,
                  grammar_budget: GrammarBudget = GrammarBudget(), scheduling_policy: str = "fcfs",
-                 return_tokens_as_token_ids: bool = False):
+                 return_tokens_as_token_ids: bool = False, compile_all: bool = False, progress: str | None = "log"):
         self.engine = engine
         self.embeddings = embeddings
         self.tokenizer = tokenizer
@@ -90,7 +90,8 @@ class OpenAIServer:
         self.created = int(time.time())
         self.metrics = Metrics(model_name)
         self.step_work = StepWork()
-        self.loop = EngineLoop(engine, max_batch, self.metrics, max_waiting, max_wait_seconds, self.step_work)
+        self.loop = EngineLoop(engine, max_batch, self.metrics, max_waiting, max_wait_seconds, self.step_work,
+                               compile_all=compile_all, progress=progress)
         eos = set(engine.manifest.model.eos_token_ids)
         if tokenizer is not None:
             eos |= tokenizer.eos_token_ids
@@ -141,9 +142,21 @@ class OpenAIServer:
                         ", ".join(sorted(ignored)))
         return req
 
+    def check_ready(self) -> None:
+        """Refuse (503, Retry-After: when the entries left should be ready) a request that comes while the engine loop
+        still compiles its entries: as a vLLM server takes no traffic before it is up, and so that no answer's latency
+        holds a compile."""
+        readiness = self.loop.readiness
+        if readiness is not None and (reason := readiness.reason()) is not None:
+            raise APIError(503, f"the server is not ready yet ({reason}); retry later, or watch /health",
+                           type="service_unavailable_error", code="not_ready",
+                           headers={"Retry-After": str(readiness.retry_after())})
+
     async def read_model_request(self, request: Request, model: type[R]) -> R:
-        """The key checked, then the body read as `model` (read_request), then the model it names (check_model)."""
+        """The key checked, then readiness (check_ready), then the body read as `model` (read_request), then the model
+        it names (check_model)."""
         self.check_key(request)
+        self.check_ready()
         req = await self.read_request(request, model)
         self.check_model(req.model)
         return req
@@ -420,10 +433,10 @@ class OpenAIServer:
 
 
     def health_problem(self) -> str | None:
-        """Why this server cannot serve (its engine loop is not running), or None: /health's answer, and the
-        replica health check of the Ray Serve deployment (serve/integrations/ray.py)."""
+        """Why this server cannot serve (its engine loop is not running, or still compiles its entries), or None:
+        /health's answer, and the replica health check of the Ray Serve deployment (serve/integrations/ray.py)."""
         if self.loop.alive:
-            return None
+            return None if self.loop.readiness is None else self.loop.readiness.reason()
         failure = self.loop.failure
         return (f"engine loop stopped ({type(failure).__name__}); the server log has the cause" if failure
                 else "engine loop not running")

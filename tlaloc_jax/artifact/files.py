@@ -55,6 +55,10 @@ def read_manifest_file(root: Path, name: str, max_bytes: int, other: str, other_
     `checkpoint_hint`, the way from a checkpoint to an artifact, when it holds a Hugging Face checkpoint) or larger
     than max_bytes."""
     path = root / name
+    if not root.is_dir():
+        what = "is a file, not a directory" if root.exists() else "does not exist"
+        raise ManifestError(f"{root}: {what}; give the artifact directory that python -m tlaloc_jax.export (or "
+                            "tlaloc_jax.stage) wrote")
     if not path.is_file():
         if (root / other).is_file():
             raise ManifestError(f"{root}: no {name} in the artifact directory: it holds {other_hint}")

@@ -1,0 +1,76 @@
+"""Ready means ready: a server that compiles every entry before it serves, and says how far it got.
+
+The engine loop (loop.py) compiles the entries (or loads them from the compile cache) one at a time before its first
+step (each then runs once while the server is idle: its one-time first-run costs, 50-200 ms). Until they are
+compiled /health answers 503 with `reason()` ("compiling entries: 12/32") and generation requests 503 with Retry-After (`retry_after()`, the
+time the entries left should take at the pace so far), as a vLLM server takes no traffic before it is up. Progress
+goes to a bar on a terminal, else to a plain log line every LOG_EVERY_S seconds (a bar's carriage returns make one
+long line in a log file).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+log = logging.getLogger("tlaloc_jax.serve")
+
+LOG_EVERY_S = 10.0
+MAX_RETRY_AFTER_S = 60      # the openai client honours a Retry-After of at most 60 s
+
+
+class Readiness:
+    """How many of `total` entries are compiled. `progress`: "bar" (tqdm, for a terminal), "log"
+    (periodic lines) or None (the final line only)."""
+
+    def __init__(self, total: int, progress: str | None = "log"):
+        self.total = total
+        self.done = 0
+        self.progress = progress
+        self._t0 = self._told = time.perf_counter()
+        self._bar = None
+
+    @property
+    def ready(self) -> bool:
+        return self.done >= self.total
+
+    def reason(self) -> str | None:
+        """Why the server does not serve yet, or None once it is ready."""
+        return None if self.ready else f"compiling entries: {self.done}/{self.total}"
+
+    def retry_after(self) -> int:
+        """Whole seconds until the entries left should be ready (at least 1, at most MAX_RETRY_AFTER_S)."""
+        if self.done == 0:
+            return 1
+        per_entry = (time.perf_counter() - self._t0) / self.done
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(per_entry * (self.total - self.done))))
+
+    def start(self) -> None:
+        self._t0 = self._told = time.perf_counter()
+        if self.ready:
+            return
+        log.info("compiling %d entries before serving (/health answers 503 until then; --lazy-compile "
+                 "serves at once and compiles on first use)", self.total)
+        if self.progress == "bar":
+            from tqdm.auto import tqdm
+            self._bar = tqdm(total=self.total, desc="ready", unit="entry")
+
+    def advance(self, name: str) -> None:
+        """Entry `name` is ready."""
+        self.done += 1
+        now = time.perf_counter()
+        if self._bar is not None:
+            self._bar.set_postfix_str(name)
+            self._bar.update(1)
+        elif self.progress == "log" and now - self._told >= LOG_EVERY_S and not self.ready:
+            self._told = now
+            log.info("%s (%.0f s)", self.reason(), now - self._t0)
+
+    def finish(self) -> None:
+        """The readying ended: ready, or stopped part way (the server is shutting down)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self.ready and self.total:
+            log.info("ready: %d entries compiled in %.1f s", self.total, time.perf_counter() - self._t0)

@@ -1,0 +1,171 @@
+"""Issue 59, ready means ready: with compile_all (`python -m tlaloc_jax.serve`'s default) the engine loop compiles
+every entry before the server serves. Until then /health answers 503 with how far it got and a generation request
+503 (code "not_ready") with Retry-After, as a vLLM server takes no traffic before it is up; once /health answers 200
+no entry is left to compile, and the ids are the lazily compiled engine's. Control: without compile_all
+(--lazy-compile) /health answers 200 while entries are still to compile, which the ready check tells apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from http_util import InProcess
+from tlaloc_jax.serve import Engine
+from tlaloc_jax.serve import readiness as readiness_mod
+from tlaloc_jax.serve.readiness import MAX_RETRY_AFTER_S, Readiness
+
+PROMPT = [5, 17, 99, 3, 250, 8, 61]
+
+
+def _held_compile(engine):
+    """Hold the engine's first compile of an entry until the returned event is set (the server stays not ready)."""
+    release = threading.Event()
+    executable = engine.runner.executable
+
+    def held(e):
+        if e.name not in engine.runner.executables:
+            assert release.wait(60), "the test never released the compile"
+        return executable(e)
+    engine.runner.executable = held
+    return release
+
+
+def _until_healthy(client, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while (r := client.get("/health")).status_code != 200:
+        assert r.status_code == 503 and time.monotonic() < deadline, (r.status_code, r.text)
+        time.sleep(0.05)
+    return r
+
+
+def test_health_is_503_until_every_entry_is_compiled(http_artifacts, tmp_path):
+    with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as lazy:
+        want = lazy.generate([PROMPT], 6)[0]
+    # An empty cache of its own: every entry but one of each kind is still to compile when the server starts.
+    with Engine.load(http_artifacts[1], cache_dir=tmp_path / "cold", progress=False) as engine:
+        cold = len(engine.uncompiled_entries())
+        assert cold > 1
+        release = _held_compile(engine)
+        with InProcess(engine, compile_all=True) as srv:
+            r = srv.client.get("/health")
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["message"] == f"compiling entries: 0/{cold}"
+            r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "not_ready"
+            assert f"compiling entries: 0/{cold}" in r.json()["error"]["message"]
+            assert 1 <= int(r.headers["Retry-After"]) <= MAX_RETRY_AFTER_S
+            release.set()
+            _until_healthy(srv.client)
+            # Ready means ready: nothing is left to compile.
+            assert engine.uncompiled_entries() == []
+            assert set(engine.runner.executables) == {e.name for e in engine.manifest.entries}
+            r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                             "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == want
+
+
+def test_lazy_compile_answers_health_at_once_with_entries_to_compile(http_artifacts, tmp_path):
+    """Control (today's behaviour, --lazy-compile): /health is 200 while entries are still to compile."""
+    with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as engine:
+        engine.warm_up = lambda e: None             # the idle warm-up would compile them
+        with InProcess(engine) as srv:
+            assert srv.client.get("/health").status_code == 200
+            assert engine.uncompiled_entries() != []
+            assert srv.server.loop.readiness is None
+
+
+def test_a_stop_while_compiling_ends_the_loop_between_entries(http_artifacts, tmp_path):
+    """A server stopped while it compiles stops after the entry it is in, not after all of them."""
+    with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as engine:
+        cold = len(engine.uncompiled_entries())
+        release = _held_compile(engine)
+        with InProcess(engine, compile_all=True) as srv:
+            assert srv.client.get("/health").status_code == 503
+            threading.Timer(0.5, release.set).start()       # the stop is queued by then
+        loop = srv.server.loop
+        assert not loop.alive and loop.readiness.done == 1 < cold
+        assert len(engine.uncompiled_entries()) == cold - 1
+
+
+def test_progress_is_a_plain_line_in_a_log(monkeypatch, caplog):
+    monkeypatch.setattr(readiness_mod, "LOG_EVERY_S", 0.0)
+    ready = Readiness(3, "log")
+    assert ready.reason() == "compiling entries: 0/3" and ready.retry_after() == 1
+    with caplog.at_level(logging.INFO, logger="tlaloc_jax.serve"):
+        ready.start()
+        ready.advance("decode_b1_c64")
+        assert 1 <= ready.retry_after() <= MAX_RETRY_AFTER_S
+        ready.advance("decode_b4_c64")
+        ready.advance("prefill_b1_c64")
+        ready.finish()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("compiling entries: 1/3 (") for line in lines), lines
+    assert any(line.startswith("compiling entries: 2/3 (") for line in lines), lines
+    assert re.match(r"ready: 3 entries compiled in [0-9.]+ s$", lines[-1]), lines
+    assert ready.reason() is None and ready._bar is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_server_logs_its_start_up_in_plain_lines(http_artifacts, tmp_path):
+    """`python -m tlaloc_jax.serve` (compile_all by default) with its log in a file: no progress bar's carriage
+    returns, the ready line before /health answers 200, and no entry compiled on a first request after it."""
+    port = _free_port()
+    log_path = tmp_path / "serve.log"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "tlaloc_jax.serve", str(http_artifacts[1]), "--port", str(port),
+                                 "--cache-dir", str(tmp_path / "cache")], stdout=log_file, stderr=log_file, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        text = log_path.read_text()
+        assert "\r" not in text and "entry/s" not in text, text      # no bar's redraws
+        assert re.search(r"ready: \d+ entries compiled in", text), text
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert "compiled" not in log_path.read_text().split("ready: ", 1)[1].split("\n", 1)[1]
+
+
+@pytest.mark.parametrize("given", ["missing", "file"])
+def test_an_artifact_path_that_is_not_a_folder_is_named(tmp_path, capsys, given):
+    """Issue 59: a wrong artifact path exits 2 naming it and saying what it is, without a traceback."""
+    from tlaloc_jax.serve.__main__ import main as serve_main
+    path = tmp_path / "no-such-artifact"
+    if given == "file":
+        path.write_text("{}")
+    for cache in ("none", str(tmp_path / "cache")):
+        assert serve_main([str(path), "--cache-dir", cache, "--port", str(_free_port())]) == 2
+        err = capsys.readouterr().err
+        what = "is a file, not a directory" if given == "file" else "does not exist"
+        assert err.startswith(f"error: {path}: {what}; give the artifact directory that python -m tlaloc_jax.export"), err
+        assert "Traceback" not in err
