@@ -66,6 +66,8 @@ if _PEERS_LIB.is_dir():
 import numpy as np
 
 from bench.common import add_model_args, best_read_rate, llama_config, weight_memory  # noqa: E402
+from bench import peers_scale  # noqa: E402
+from bench.peers_gguf import write_gguf  # noqa: E402
 
 SYSTEMS = ("llama.cpp", "tlaloc-jax")
 # variant: (GGUF file type of the layer projections, tlaloc-jax weight_quant, quant_group)
@@ -80,7 +82,11 @@ INSTALL = ("bench/peers.py needs llama-cpp-python and gguf (optional, not in `ma
 
 
 def hf_config(a) -> dict:
-    """bench/decode.py's random Llama, with what llama.cpp's GGUF writer also reads (architecture, stop ids)."""
+    """bench/decode.py's random Llama, with what llama.cpp's GGUF writer also reads (architecture, stop ids); with
+    --shape, that shape's bf16 config (bench/shapes.py)."""
+    if a.shape:
+        from bench.shapes import hf_config as shape_config
+        return shape_config(a.shape, a.context)
     return dict(llama_config(a), architectures=["LlamaForCausalLM"], hidden_act="silu", bos_token_id=1, eos_token_id=2,
                 torch_dtype="float32")
 
@@ -92,76 +98,6 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 # -- the three forms of the model ------------------------------------------------------------------------
-
-
-def _rope_interleave(w: np.ndarray, heads: int) -> np.ndarray:
-    """A q or k projection [heads * D, E] from Hugging Face's rotate-half order to the interleaved pairs that
-    llama.cpp's Llama rope (type NORM) rotates: within each head, rows (i, i + D/2) become (2i, 2i + 1)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf(ck: Path, hf: dict, out: Path, projections: str = "F32") -> None:
-    """The checkpoint as a GGUF of llama.cpp's `llama` architecture, with a stand-in SentencePiece vocabulary
-    (<unk>, <s>, </s>, 256 byte tokens, then placeholder pieces): ids are what the benchmark feeds and compares.
-    projections: "F32", or "Q8_0" / "Q4_0" for the layer projections (quantized by gguf's reference quantizer;
-    the embedding, norms and head stay F32, as a tlaloc-jax quantized artifact keeps them in its weight dtype)."""
-    import gguf
-    from safetensors.numpy import load_file
-
-    t = load_file(str(ck / "model.safetensors"))
-    n, heads, kv = hf["vocab_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
-    w = gguf.GGUFWriter(str(out), "llama")
-    w.add_context_length(hf["max_position_embeddings"])
-    w.add_embedding_length(hf["hidden_size"])
-    w.add_block_count(hf["num_hidden_layers"])
-    w.add_feed_forward_length(hf["intermediate_size"])
-    w.add_rope_dimension_count(hf["head_dim"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-    w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
-    w.add_vocab_size(n)
-    w.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[projections])
-    qtype = getattr(gguf.GGMLQuantizationType, projections)
-
-    def projection(name: str, a: np.ndarray) -> None:
-        if projections == "F32":
-            w.add_tensor(name, a)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
-    T = gguf.TokenType
-    toks = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
-    types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256
-    toks += [f"\u2581t{i}".encode() for i in range(len(toks), n)]
-    types += [T.NORMAL] * (n - len(types))
-    w.add_tokenizer_model("llama")
-    w.add_token_list(toks)
-    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(n - 259)])
-    w.add_token_types(types)
-    w.add_bos_token_id(hf["bos_token_id"])
-    w.add_eos_token_id(hf["eos_token_id"])
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(False)
-    f32 = lambda name: np.ascontiguousarray(t[name], np.float32)  # noqa: E731
-    w.add_tensor("token_embd.weight", f32("model.embed_tokens.weight"))
-    w.add_tensor("output_norm.weight", f32("model.norm.weight"))
-    w.add_tensor("output.weight", f32("lm_head.weight"))
-    norms = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-    names = {"attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
-             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-    for i in range(hf["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        projection(f"blk.{i}.attn_q.weight", _rope_interleave(f32(p + "self_attn.q_proj.weight"), heads))
-        projection(f"blk.{i}.attn_k.weight", _rope_interleave(f32(p + "self_attn.k_proj.weight"), kv))
-        for g, h in norms.items():
-            w.add_tensor(f"blk.{i}.{g}.weight", f32(p + h + ".weight"))
-        for g, h in names.items():
-            projection(f"blk.{i}.{g}.weight", f32(p + h + ".weight"))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def prepare(a, work: Path) -> None:
@@ -308,7 +244,9 @@ def llama_repack(a) -> bool:
 
 def llama_worker(a, work: Path) -> None:
     import llama_cpp
+    t0 = time.perf_counter()
     gen = LlamaCppGreedy(work / f"model-{a.variant}.gguf", a.threads, a.context, repack=llama_repack(a))
+    load = dict(load_s=time.perf_counter() - t0, rss_load=peers_scale.resident())
     decode_ms = {}
 
     def gen_record(ps, n, record=False):
@@ -320,7 +258,8 @@ def llama_worker(a, work: Path) -> None:
     gguf = work / f"model-{a.variant}.gguf"     # its pages are llama.cpp's weights (it maps the file)
     rate = functools.cache(lambda: weights_read_rate([np.memmap(gguf, np.uint8, mode="r")], a.threads))
     measure("llama.cpp", gen_record, a.reps,
-            extra=lambda b: dict(version=llama_cpp.__version__, variant=a.variant, read_gbs=rate()))
+            extra=lambda b: dict(version=llama_cpp.__version__, variant=a.variant, read_gbs=rate(), **load,
+                                 rss_end=peers_scale.resident()))
 
 
 def tlaloc_worker(a, work: Path) -> None:
@@ -329,6 +268,7 @@ def tlaloc_worker(a, work: Path) -> None:
     from tlaloc_jax.serve import Engine
 
     eng = Engine.load(work / f"art-{a.variant}", cache_dir=work / "compile-cache", progress=False)
+    load = dict(load_s=eng.load_seconds, rss_load=eng.resident_at_load, bound=eng.resident_bound)
 
     def gen(ps, n, record=False):
         return eng.generate(ps, n), {}
@@ -345,7 +285,8 @@ def tlaloc_worker(a, work: Path) -> None:
         for _ in range(3):
             eng.runner.run(entry, inputs, {Role.NEXT_TOKEN})
         ts = [_timed(lambda: eng.runner.run(entry, inputs, {Role.NEXT_TOKEN}))[0] for _ in range(20)]
-        return dict(decode_ms=statistics.median(ts) * 1e3, variant=a.variant, read_gbs=rate())
+        return dict(decode_ms=statistics.median(ts) * 1e3, variant=a.variant, read_gbs=rate(), **load,
+                    rss_end=peers_scale.resident())
     measure("tlaloc-jax", gen, a.reps, extra=step_ms)
     eng.close()
 
@@ -353,16 +294,24 @@ def tlaloc_worker(a, work: Path) -> None:
 # -- the run: interleaved, rotated, summarised ---------------------------------------------------------
 
 
-def run_rounds(a, work: Path) -> list[dict]:
-    results = []
-    base = [sys.executable, __file__, "--work", str(work)] + [f"--{k}={v}" for k, v in (
+def worker_command(a, work: Path) -> tuple[list[str], dict]:
+    """The command line of a worker process on this run's model, and its environment."""
+    base = [sys.executable, "-m", "bench.peers", "--work", str(work)] + [f"--{k}={v}" for k, v in (
         ("hidden", a.hidden), ("layers", a.layers), ("heads", a.heads), ("kv-heads", a.kv_heads),
         ("intermediate", a.intermediate), ("vocab", a.vocab), ("context", a.context), ("threads", a.threads),
-        ("reps", a.reps), ("llama-repack", a.llama_repack))]
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), JAX_PLATFORMS="cpu")
+        ("reps", a.reps), ("llama-repack", a.llama_repack), ("weight-layout", a.weight_layout))]
+    base += [f"--shape={a.shape}"] if a.shape else []
+    root = str(Path(__file__).resolve().parent.parent)      # where `bench` imports from
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return base, dict(os.environ, OMP_NUM_THREADS=str(a.threads), JAX_PLATFORMS="cpu", PYTHONPATH=path)
+
+
+def run_rounds(a, work: Path, variants: list[str]) -> list[dict]:
+    results = []
+    base, env = worker_command(a, work)
     for r in range(a.rounds):
         order = SYSTEMS[r % 2:] + SYSTEMS[:r % 2]
-        for v, name in [(v, name) for v in a.variants for name in order]:
+        for v, name in [(v, name) for v in variants for name in order]:
             l0 = os.getloadavg()
             t0 = time.perf_counter()
             p = subprocess.run(base + ["--worker", name, "--variants", v], env=env, capture_output=True, text=True)
@@ -395,8 +344,9 @@ def agreement(a, work: Path, llama: dict, tlaloc: dict) -> str:
             continue
         gap, scale = llama["top2_gap"][s][k]
         tie = "a near-tie" if gap <= 2 * rel * scale else "NOT a near-tie"
-        if gap > 2 * rel * scale:
-            tie += "; " + reference_choice(work, prompts(a.vocab)[s] + x[:k], x[k], y[k])
+        if gap > 2 * rel * scale:     # a --shape model in float64 would take 8 bytes a parameter: none asked
+            tie += "; " + ("no float64 reference at --shape sizes" if a.shape else
+                           reference_choice(work, prompts(a.vocab)[s] + x[:k], x[k], y[k]))
         parts.append(f"row {s}: equal to step {k}, then llama.cpp {x[k]} vs tlaloc-jax {y[k]} (llama.cpp's top-2 gap "
                      f"{gap:.3g}, allowed {2 * rel * scale:.3g}: {tie})")
     return "; ".join(parts)
@@ -488,7 +438,11 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="weight variants, of " + ", ".join(VARIANTS))
     ap.add_argument("--llama-repack", default="auto", choices=("auto", "on", "off"),
                     help="llama.cpp's weight repacking (auto: off on CPUs with AMX-INT8, where it crashes)")
+    ap.add_argument("--shape", choices=peers_scale.SHAPE_NAMES, default=None,
+                    help="a Llama 3 shape (bench/shapes.py: bf16 shards, vocabulary 128,256) in place of --hidden ... "
+                         "--vocab; each variant is then prepared, measured and deleted in turn, f32 only where it fits")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    ap.add_argument("--prepare", choices=("export", "gguf"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.variants = [v for v in a.variants.split(",") if v]
     if any(v not in VARIANTS for v in a.variants):
@@ -507,21 +461,42 @@ def main(argv=None) -> None:
         sys.exit(2)
 
     import tempfile
-    shape = f"h{a.hidden}-l{a.layers}-a{a.heads}-{a.kv_heads}-f{a.intermediate}-v{a.vocab}-c{a.context}-{a.weight_layout}"
+    if a.shape:
+        peers_scale.apply_shape(a)
+    shape = f"{a.shape}-" if a.shape else ""
+    shape += f"h{a.hidden}-l{a.layers}-a{a.heads}-{a.kv_heads}-f{a.intermediate}-v{a.vocab}-c{a.context}-{a.weight_layout}"
     work = Path(a.work or Path(tempfile.gettempdir()) / f"tlaloc-peers-{shape}")
     if a.worker:
         (llama_worker if a.worker == "llama.cpp" else tlaloc_worker)(a, work)
         return
+    if a.prepare:
+        peers_scale.prepare_worker(a, work, a.prepare)
+        return
     work.mkdir(parents=True, exist_ok=True)
-    prepare(a, work)
+    if a.shape:
+        peers_scale.ensure_checkpoint(hf_config(a), work / "ck")
+        a.variants = peers_scale.fitting_variants(a, hf_config(a))
+    else:
+        prepare(a, work)
     import jax
     import llama_cpp
-    print(f"model: llama, hidden {a.hidden}, {a.layers} layers, {a.heads}/{a.kv_heads} heads, vocab {a.vocab}, f32; "
+    print(f"model: llama{' ' + a.shape if a.shape else ''}, hidden {a.hidden}, {a.layers} layers, "
+          f"{a.heads}/{a.kv_heads} heads, vocab {a.vocab}, {'bf16 shards' if a.shape else 'f32'}; "
           f"{PROMPT_LEN}-token prompts, {NEW_TOKENS} greedy tokens, {a.threads} threads; llama-cpp-python "
           f"{llama_cpp.__version__}, jax {jax.__version__}, tlaloc-jax {a.weight_layout} layout; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; llama.cpp weight repacking "
           f"{'on' if llama_repack(a) else 'off'} (--llama-repack {a.llama_repack})", flush=True)
-    summarize(a, work, run_rounds(a, work))
+    if not a.shape:
+        summarize(a, work, run_rounds(a, work, a.variants))
+        return
+    base, env = worker_command(a, work)
+    results, prepared = [], {}
+    for v in a.variants:       # one variant's files on disk at a time
+        prepared[v] = peers_scale.prepare_variant(a, work, v, base, env)
+        results += run_rounds(a, work, [v])
+        peers_scale.drop_variant(work, v)
+    summarize(a, work, results)
+    peers_scale.summarize_scale(a, work, results, prepared)
 
 
 if __name__ == "__main__":

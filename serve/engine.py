@@ -43,6 +43,7 @@ from .core.request import (Constraint, Request, RequestRefused, StepEvent, check
 from .core.scheduler import Scheduler
 from .host_sampling import Sampling
 from .model_runner import ModelRunner, new_stats
+from .runtime import host_memory
 from .runtime.native_log import native_stderr_to_log
 from .runtime.pjrt import Device, TooFewDevicesError
 from .runtime.runner import Runner
@@ -129,11 +130,32 @@ class Engine:
         self._stats = new_stats()
         self.model_runner = ModelRunner(m, self.runner, self.scheduler, self._stats)
         self.load_seconds = time.perf_counter() - t0
-        log.info("loaded %s: %d entries (%s), weights %.1f MiB, pools %.1f MiB (%s; pages of %d), %.1f s",
+        self.resident_at_load = host_memory.resident_bytes()
+        log.info("loaded %s: %d entries (%s), weights %.1f MiB, pools %.1f MiB (%s; pages of %d), %.1f s; %s",
                  self.artifact_dir, sum(self.runner.compile_report().values()),
                  ", ".join(f"{k}: {v}" for k, v in self.runner.compile_report().items()),
                  self.runner.weight_bytes / 2**20, self.runner.pool_bytes / 2**20,
-                 ", ".join(f"{p.name} ({p.kind}) {p.capacity}" for p in m.pools), self.block_size, self.load_seconds)
+                 ", ".join(f"{p.name} ({p.kind}) {p.capacity}" for p in m.pools), self.block_size, self.load_seconds,
+                 self._resident_line())
+        if (self.resident_at_load or 0) > self.resident_bound:
+            log.warning("the resident set at load, %.1f MiB, passes its bound of %.1f MiB (weights + pools + the "
+                        "runtime's stated overhead)", self.resident_at_load / 2**20, self.resident_bound / 2**20)
+
+    @property
+    def resident_bound(self) -> int:
+        """The most this process holds resident serving the artifact: its weights and pools, plus the runtime's
+        stated overhead (host_memory.RESIDENT_OVERHEAD)."""
+        return self.runner.bytes_per_device + host_memory.RESIDENT_OVERHEAD
+
+    def _resident_line(self) -> str:
+        """The resident set at load against its bound (untouched pool pages are not resident yet); the runtime's
+        own share is the resident set before the weights."""
+        if self.resident_at_load is None:
+            return "resident set unknown (no /proc/self/status)"
+        own = self.runner.resident_before_weights
+        return (f"resident set {self.resident_at_load / 2**20:.1f} MiB (the runtime's before the weights "
+                f"{(own or 0) / 2**20:.1f} MiB), at most weights + pools + "
+                f"{host_memory.RESIDENT_OVERHEAD / 2**30:.1f} GiB = {self.resident_bound / 2**20:.1f} MiB")
 
     @classmethod
     def load(cls, artifact_dir: str | Path, plugin: str | None = None, **kwargs) -> "Engine":
@@ -356,7 +378,8 @@ class Engine:
                   waiting=len(sched.waiting),
                   weight_bytes=self.weight_bytes, pool_bytes=self.pool_bytes, devices=self.device.devices,
                   bytes_per_device=run.bytes_per_device, entries=sum(run.compile_report().values()),
-                  compile=self.compile_report(), load_seconds=self.load_seconds, donate=self.donate)
+                  compile=self.compile_report(), load_seconds=self.load_seconds, donate=self.donate,
+                  resident_bytes_at_load=self.resident_at_load)
         return st
 
     def close(self) -> None:

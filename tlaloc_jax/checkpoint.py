@@ -12,7 +12,8 @@ import ml_dtypes
 import numpy as np
 
 from . import artifact as af
-from .config import ConfigError, DecoderConfig
+from . import prequantized
+from .config import CheckpointError, ConfigError, DecoderConfig
 from .families import Family, Tensor, config_from_hf, split_rows, stack_layers
 
 # The embedded demo model (a checkpoint shipped as package data): what `export --demo` and the tools read.
@@ -21,10 +22,6 @@ DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
 # The dtypes a checkpoint is read into (weights and KV pools); their names and numpy types come from the
 # project's one dtype table (tlaloc_jax.artifact.DTYPES).
 WEIGHT_DTYPES = ("float32", "bfloat16")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing a tensor or holds one of the wrong shape; the message names it."""
 
 
 def read_config(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
@@ -136,11 +133,15 @@ def checkpoint_tensors(fam: Family, cfg: DecoderConfig) -> dict[str, tuple[int, 
 
 
 def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, dtype: np.dtype,
-              out_major: bool = False) -> np.ndarray:
+              out_major: bool = False, qc=None):
     """One checkpoint tensor as its slot holds it ([..., I, O] for a linear), or with out_major its last two axes
-    swapped (a linear [O, I], as the checkpoint stores it: no transposed copy)."""
-    arr = index.get(name)
+    swapped (a linear [O, I], as the checkpoint stores it: no transposed copy). A linear stored pre-quantized (qc,
+    tlaloc_jax/prequantized.py) comes as a QuantizedWeight [I, O] either way."""
     hf_shape = _hf_shape(spec, cfg)
+    arr = prequantized.read_tensor(index, name, hf_shape, spec, np.dtype(dtype).name, qc)    # a stored-quantized one
+    if arr is not None and not isinstance(arr, np.ndarray):
+        return arr
+    arr = index.get(name) if arr is None else arr
     if tuple(arr.shape) != hf_shape:
         raise CheckpointError(f"tensor {name!r} has shape {list(arr.shape)}, expected {list(hf_shape)} "
                               f"for slot {spec.slot!r} of {cfg.model_type}")
@@ -154,27 +155,30 @@ def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, 
 
 
 def _read_slot(index: _TensorIndex, fam: Family, spec: Tensor, cfg: DecoderConfig, layer: int | None,
-               dtype: np.dtype, out_major: bool = False) -> np.ndarray:
-    """One layer's tensor of a slot (`layer` None: a whole slot's), read in `dtype`; out_major as _read_one."""
+               dtype: np.dtype, out_major: bool = False, qc=None) -> np.ndarray:
+    """One layer's tensor of a slot (`layer` None: a whole slot's), read in `dtype`; out_major and qc as _read_one."""
     if spec.per_expert:
-        return np.stack([_read_one(index, spec.hf.format(p=fam.prefix, i=layer, e=e), spec, cfg, dtype, out_major)
-                         for e in range(cfg.experts.num_experts)])
-    return _read_one(index, spec.hf.format(p=fam.prefix, i=layer), spec, cfg, dtype, out_major)
+        return prequantized.stack([_read_one(index, spec.hf.format(p=fam.prefix, i=layer, e=e), spec, cfg, dtype,
+                                             out_major, qc) for e in range(cfg.experts.num_experts)])
+    return _read_one(index, spec.hf.format(p=fam.prefix, i=layer), spec, cfg, dtype, out_major, qc)
 
 
 def load_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderConfig,
                  dtype: str = "float32") -> dict[str, np.ndarray]:
-    """Read every slot of `cfg` as host arrays of `dtype`; per-layer slots are stacked [L, ...]."""
+    """Read every slot of `cfg` as host arrays of `dtype`; per-layer slots are stacked [L, ...]. A pre-quantized
+    checkpoint's quantized linears come as QuantizedWeights of compute dtype `dtype` (tlaloc_jax/prequantized.py)."""
     np_dtype = weight_dtype(dtype)
+    qc = prequantized.quant_config(read_config(checkpoint_dir))
     index = _TensorIndex(Path(checkpoint_dir))
     try:
         weights: dict[str, np.ndarray] = {}
         for spec in fam.slots(cfg):
             layers = stack_layers(spec.slot, cfg)
             if layers:
-                weights[spec.slot] = np.stack([_read_slot(index, fam, spec, cfg, i, np_dtype) for i in layers])
+                weights[spec.slot] = prequantized.stack([_read_slot(index, fam, spec, cfg, i, np_dtype, qc=qc)
+                                                         for i in layers])
             else:
-                weights[spec.slot] = _read_slot(index, fam, spec, cfg, None, np_dtype)
+                weights[spec.slot] = _read_slot(index, fam, spec, cfg, None, np_dtype, qc=qc)
         return weights
     finally:
         index.close()

@@ -45,6 +45,7 @@ from pypjrt import errors as pjrt_errors
 
 from tlaloc_jax import native
 
+from . import host_memory
 from . import pypjrt_compat as compat
 from .compile_cache import CompileCache, plugin_identity
 from .execution import DonationError, run_rows
@@ -183,14 +184,7 @@ class Device:
             stats = {}
         if "bytes_limit" in stats:
             return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        if self.platform_name.lower() == "cpu":
-            try:
-                for line in Path("/proc/meminfo").read_text().splitlines():
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-            except (OSError, ValueError, IndexError):
-                return None
-        return None
+        return host_memory.mem_available() if self.platform_name.lower() == "cpu" else None
 
     # -- native kernels ----------------------------------------------------------------------
 

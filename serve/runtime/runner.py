@@ -20,7 +20,7 @@ import numpy as np
 from tlaloc_jax import artifact as af
 from tlaloc_jax import native
 
-from . import sharded
+from . import host_memory, sharded
 from .handles import Buffer, Executable
 from .pjrt import Device
 
@@ -83,6 +83,7 @@ class Runner:
                 raise native.unavailable(m.versions.custom_calls, missing)
             self._check_memory()
             self._compile_kinds(progress)
+            self.resident_before_weights = host_memory.resident_bytes()   # the runtime's own: plugin, entries
             self.weights = sharded.upload_weights(device, self.artifact_dir, m.weights, m.mesh)
             self.pools: dict[str, sharded.Placed] = {p.name: sharded.zeros(device, p.dtype, p.shape, p.partition,
                                                                            m.mesh) for p in m.pools}
@@ -143,9 +144,13 @@ class Runner:
             if free is not None and need > free:
                 names = ", ".join(f"{p.name} {p.nbytes / 2**20:.1f} MiB" for p in self.manifest.pools)
                 where = f"device {d}" if each else "the device"
-                raise af.ManifestError(f"the artifact needs {need / 2**20:.1f} MiB on {where} (weights "
-                                       f"{weights * copies / 2**20:.1f} MiB; pools {names}), and "
-                                       f"{self.device.platform_name} has {free / 2**20:.1f} MiB free")
+                source = " (MemAvailable)" if shared else ""
+                raise af.ManifestError(
+                    f"the artifact {self.artifact_dir} needs {need / 2**20:.1f} MiB on {where} (weights "
+                    f"{weights * copies / 2**20:.1f} MiB; pools {names}), and {self.device.platform_name} has "
+                    f"{free / 2**20:.1f} MiB free{source}: nothing was allocated. Free memory, or export it smaller: "
+                    "fewer KV pages (--num-blocks), a shorter --context-ladder, or quantized weights "
+                    "(--weight-quant int8 or int4)")
 
     def compile_report(self) -> dict[str, int]:
         """How the entries were obtained: {"hit": n, "miss": n, ...} (hit: loaded from the disk cache, miss:

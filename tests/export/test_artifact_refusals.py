@@ -233,8 +233,8 @@ def test_pools_that_do_not_fit_the_device_are_refused_before_they_are_allocated(
     def no_compile(self, *a, **k):
         raise AssertionError("compiled before the memory check")
     monkeypatch.setattr(pjrt.Device, "compile", no_compile)
-    with pytest.raises(af.ManifestError, match=r"the artifact needs [\d.]+ MiB on the device \(weights [\d.]+ MiB; "
-                                               r"pools kv [\d.]+ MiB\), and cpu has 0\.0 MiB free"):
+    with pytest.raises(af.ManifestError, match=r"the artifact \S+ needs [\d.]+ MiB on the device \(weights [\d.]+ "
+                                               r"MiB; pools kv [\d.]+ MiB\), and cpu has 0\.0 MiB free"):
         Engine.load(artifact, cache_dir=None, progress=False)
 
 
