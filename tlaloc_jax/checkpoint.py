@@ -151,7 +151,7 @@ def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, 
         arr = np.take(arr, split_rows(spec.split, cfg)[0], axis=spec.split.axis)
     if spec.transpose != out_major:
         arr = arr.swapaxes(-1, -2)
-    return np.ascontiguousarray(arr.astype(np.float32).astype(dtype) if arr.dtype != dtype else arr)
+    return np.ascontiguousarray(arr.astype(np.float32).astype(dtype, copy=False) if arr.dtype != dtype else arr)
 
 
 def _read_slot(index: _TensorIndex, fam: Family, spec: Tensor, cfg: DecoderConfig, layer: int | None,
