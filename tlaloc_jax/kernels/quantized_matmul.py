@@ -256,6 +256,8 @@ def _out_major_matmul(xc: jax.Array, w: QuantizedWeight) -> jax.Array:
     """xc: [M, I] in the compute dtype, w out-major -> [M, O] f32 (see quantized_matmul)."""
     if w.scheme != QuantScheme.INT4:
         return out_major_product(xc, w.codes, reduce_one_row=True) * w.scales
+    if projection_native.takes_int4(xc.shape[0]):   # the C kernel, where the exporter turned it on (cpu bodies)
+        return projection_native.native_int4_projection(xc, w.codes, w.scales)
     codes = _unpack_int4_out_major(w.codes, w.group)                            # [O, G, g]
     O, G, g = codes.shape
     xg = xc.reshape(-1, G, g)
