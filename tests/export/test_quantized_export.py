@@ -6,6 +6,7 @@ and (slow) the quality check on the demo model and a tiny Llama with its wrong-a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 
@@ -27,7 +28,7 @@ from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.export._quant import QUANTIZED_SLOTS, quantize_weights
 from tlaloc_jax.kernels import kv_cache_write, paged_attention_reference
 from tlaloc_jax.kernels import tolerances as tol
-from tlaloc_jax.kernels.quantized_matmul import dequantize
+from tlaloc_jax.kernels.quantized_matmul import QuantizedWeight, dequantize
 
 PROMPTS = [[5, 17, 99, 3, 250, 8, 61], [7, 7, 7, 1, 2, 3, 200, 100, 11, 13, 17, 19]]
 NEW = 12
@@ -48,11 +49,14 @@ def int8_artifact(llama, tmp_path_factory):
 
 def quant_logit_bound(checkpoint, scheme: str, group: int = 0, context: int = 64) -> float:
     """The tolerance model's bound on a logit of the quantized model against transformers' f32 one: the weights'
-    own quantization roundoff (the largest over the quantized slots) and the f32 path's roundings."""
+    own quantization roundoff (the largest over the quantized slots) and the f32 path's roundings; int4 served
+    through the native kernel also quantizes each projection's input to int8 (INT8_ACTIVATION_ROUNDOFF)."""
     cfg, weights = load_checkpoint(checkpoint, "float32")
     quant = quantize_weights(weights, scheme, group, compute="float32")
     u = max(tol.weight_quantization_roundoff(weights[s], dequantize(quant[s])) for s in QUANTIZED_SLOTS if s in quant)
-    return tol.quantized_logit_bound(u, cfg.num_layers, tol.decoder_roundings_of(cfg, context))
+    activation = tol.INT8_ACTIVATION_ROUNDOFF if scheme == "int4" else 0.0
+    return tol.quantized_logit_bound(u, cfg.num_layers, tol.decoder_roundings_of(cfg, context),
+                                     activation_roundoff=activation)
 
 
 def test_manifest_records_each_quantized_weight(int8_artifact):
@@ -121,6 +125,42 @@ def test_served_int8_keeps_transformers_greedy_ids(llama, int8_artifact):
         check_greedy_batch(PROMPTS, got, want, logit_bound=bound, next_token=engine_next_token(engine))
     cfg, weights = load_checkpoint(llama, "float32")
     wrong = tlaloc_jax.Model(cfg, wrong_axis_weights(weights, "int8", 0, compute="float32"))
+    with pytest.raises(GreedyMismatch):
+        check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, max_new_tokens=NEW), want, logit_bound=bound,
+                           next_token=engine_next_token(wrong))
+
+
+def _nibbles_swapped(q: QuantizedWeight) -> QuantizedWeight:
+    """An int4 weight with each byte's nibbles swapped: a wrong packing order."""
+    u = np.asarray(q.codes).view(np.uint8)
+    return dataclasses.replace(q, codes=((u >> 4) | (u << 4)).astype(np.uint8).view(np.int8))
+
+
+@pytest.mark.numeric
+def test_served_int4_matches_the_dequantized_checkpoint(llama, tmp_path):
+    """int4 (groups of 32) served through the native int4 kernel: greedy ids against transformers running the
+    weights the codes stand for (the dequantized checkpoint), near-tie rule at a bound of the f32 roundings and
+    the kernel's int8 quantization of each projection's input (INT8_ACTIVATION_ROUNDOFF). Control: the same
+    codes with each byte's nibbles swapped (a wrong packing order) fail the same check."""
+    from tlaloc_jax.checkpoint import read_config, save_checkpoint
+    from tlaloc_jax.kernels.projection_native import NATIVE_INT4_PROJECTION
+    from tlaloc_jax.serve.engine import Engine
+
+    m = export_checkpoint(llama, tmp_path / "art", batch_ladder=(1, 2), context_ladder=(64,), weight_quant="int4",
+                          quant_group=32, progress=False, sampler=None)
+    assert NATIVE_INT4_PROJECTION in m.versions.custom_calls
+    cfg, weights = load_checkpoint(llama, "float32")
+    quant = quantize_weights(weights, "int4", 32, compute="float32")
+    deq = {k: (dequantize(v).astype(np.float32) if isinstance(v, QuantizedWeight) else v) for k, v in quant.items()}
+    save_checkpoint(tmp_path / "deq", read_config(llama), deq)
+    want = [torch_greedy(load_hf_torch(tmp_path / "deq"), p, NEW) for p in PROMPTS]
+    bound = tol.quantized_logit_bound(0.0, cfg.num_layers, tol.decoder_roundings_of(cfg, 64),
+                                      activation_roundoff=tol.INT8_ACTIVATION_ROUNDOFF)
+    with Engine.load(tmp_path / "art", progress=False) as engine:
+        check_greedy_batch(PROMPTS, engine.generate(PROMPTS, NEW), want, logit_bound=bound,
+                           next_token=engine_next_token(engine))
+    swapped = {k: _nibbles_swapped(v) if isinstance(v, QuantizedWeight) else v for k, v in quant.items()}
+    wrong = tlaloc_jax.Model(cfg, swapped)
     with pytest.raises(GreedyMismatch):
         check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, max_new_tokens=NEW), want, logit_bound=bound,
                            next_token=engine_next_token(wrong))
