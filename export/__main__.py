@@ -65,12 +65,13 @@ def main(argv=None) -> int:
                     help="KV pool dtype (default f32); fp8 stores keys and values as e4m3fn, clamped to +-448, no scale")
     ap.add_argument("--weight-quant", choices=WEIGHT_QUANT, default="none",
                     help="store the projections (q, k, v, o, output gate, gate, up, down, experts) as int8 or fp8 codes "
-                         "with a scale per output channel, or int4 codes with a scale per --quant-group input channels, "
+                         "with a scale per output channel, or int4 codes with a scale (uint4: a scale and a zero point) per "
+                         "--quant-group input channels, "
                          "quantized from the checkpoint's values; embedding, norms and head keep the weight dtype "
                          "(default none). It changes the model's numerics: python -m tlaloc_jax.tools.quality "
                          "measures it")
     ap.add_argument("--quant-group", type=int, choices=QUANT_GROUPS, default=128,
-                    help="input channels per int4 scale (default 128)")
+                    help="input channels per int4 or uint4 scale (default 128)")
     ap.add_argument("--attention-block", type=int, default=2048,
                     help="key block of the blockwise attention loop, in positions (default 2048)")
     ap.add_argument("--windowed-kv", choices=["true", "false"], default="true",

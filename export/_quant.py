@@ -31,8 +31,8 @@ WEIGHT_QUANT = ("none", *(s.value for s in af.QuantScheme))
 
 
 def scheme_label(scheme: str, group: int) -> str:
-    """The scheme as the model's name carries it: "int8", "fp8", "int4g128"."""
-    return f"{scheme}g{group}" if scheme == af.QuantScheme.INT4 else scheme
+    """The scheme as the model's name carries it: "int8", "fp8", "int4g128", "uint4g128"."""
+    return f"{scheme}g{group}" if scheme in af.GROUPED_SCHEMES else scheme
 
 
 def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int, *, compute: str) -> dict[str, Any]:
@@ -45,10 +45,10 @@ def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int,
         if name not in QUANTIZED_SLOTS:
             out[name] = np.asarray(w).astype(dtype)
             continue
+        grouped = group if scheme in af.GROUPED_SCHEMES else 0
         try:
-            check_scheme(scheme, group if scheme == af.QuantScheme.INT4 else 0, w.shape[-2])
-            q = quantize_array(np.asarray(w, np.float32), scheme, group if scheme == af.QuantScheme.INT4 else 0,
-                               compute=compute)
+            check_scheme(scheme, grouped, w.shape[-2])
+            q = quantize_array(np.asarray(w, np.float32), scheme, grouped, compute=compute)
         except QuantError as e:
             raise ExportError(f"weight {name!r} {list(w.shape)}: {e}") from None
         out[name] = q
@@ -64,7 +64,7 @@ def quant_records(weights: Any) -> dict[str, af.WeightQuant]:
         if not is_q(leaf):
             continue
         name = path_name(path)
-        for part in af.QuantPart:
+        for part in af.QUANT_PARTS[leaf.scheme]:
             out[f"{name}.{part}"] = af.WeightQuant(af.QuantScheme(leaf.scheme), part, name, leaf.group,
                                                    leaf.out_major)
     return out

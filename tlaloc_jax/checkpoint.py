@@ -87,6 +87,18 @@ def _hf_shape(spec: Tensor, cfg: DecoderConfig) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def checkpoint_tensors(fam: Family, cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint of `cfg` holds -> its shape as stored, in the family table's order (a tensor
+    that several slots split is listed once)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for spec in fam.slots(cfg):
+        for i in stack_layers(spec.slot, cfg) or (None,):
+            experts = range(cfg.experts.num_experts) if spec.per_expert else (None,)
+            for e in experts:
+                out.setdefault(spec.hf.format(p=fam.prefix, i=i, e=e), _hf_shape(spec, cfg))
+    return out
+
+
 def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, dtype: np.dtype) -> np.ndarray:
     arr = index.get(name)
     hf_shape = _hf_shape(spec, cfg)

@@ -111,6 +111,63 @@ def test_bad_quantization_entries_are_refused_at_load(int8_artifact, tmp_path, e
         af.load_manifest(bad)
 
 
+@pytest.fixture(scope="module")
+def uint4_artifact(llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q-uint4") / "art"
+    export_checkpoint(llama, out, batch_ladder=(1,), context_ladder=(64,), weight_quant="uint4", quant_group=32,
+                      progress=False, sampler=None)
+    return out
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda w, raw: w["attn.qkv_proj.0.zeros"].update(quant=None), "'attn.qkv_proj.0' has no zeros file"),
+    (lambda w, raw: w["attn.qkv_proj.0.zeros"].update(dtype="uint8"), "uint4 zeros are int8"),
+    (lambda w, raw: w["attn.qkv_proj.0.zeros"].update(shape=[2, 128]), "need zeros"),
+    (lambda w, raw: [w[f"attn.qkv_proj.0.{p}"]["quant"].update(scheme="int4") for p in ("codes", "scales", "zeros")],
+     "int4 weights have no zeros"),
+], ids=["zeros-unmarked", "zeros-dtype", "zeros-shape", "int4-with-zeros"])
+def test_bad_uint4_entries_are_refused_at_load(uint4_artifact, tmp_path, edit, message):
+    bad = _tampered(uint4_artifact, tmp_path / "bad", edit)
+    with pytest.raises(af.ManifestError, match=message):
+        af.load_manifest(bad)
+
+
+@pytest.mark.numeric
+def test_served_uint4_matches_the_dequantized_checkpoint(llama, uint4_artifact, tmp_path):
+    """--weight-quant uint4: each projection's codes, scales and int8 zero points recorded; served, its greedy
+    ids against transformers running the weights the codes stand for (near-tie rule at the f32 bound, both sides
+    holding the same weights, and the native int4 kernel's int8 quantization of each projection's input).
+    Control: the zero points dropped (read as 0) fail the same check."""
+    from tlaloc_jax.checkpoint import read_config, save_checkpoint
+    from tlaloc_jax.kernels.quantized_matmul import QuantizedWeight
+    from tlaloc_jax.serve.engine import Engine
+
+    m = af.load_manifest(uint4_artifact)
+    assert m.model.name.endswith(":quint4g32")
+    by_slot = {w.slot: w for w in m.weights}
+    for i in range(m.model.layers):
+        zeros, scales = by_slot[f"layers.down_proj.{i}.zeros"], by_slot[f"layers.down_proj.{i}.scales"]
+        assert zeros.quant == af.WeightQuant(af.QuantScheme.UINT4, af.QuantPart.ZEROS, f"layers.down_proj.{i}", 32,
+                                             out_major=True)
+        assert zeros.dtype == "int8" and zeros.shape == scales.shape == (64, 96 // 32)
+    cfg, weights = load_checkpoint(llama, "float32")
+    quant = quantize_weights(weights, "uint4", 32, compute="float32")
+    deq = {k: (dequantize(v).astype(np.float32) if isinstance(v, QuantizedWeight) else v) for k, v in quant.items()}
+    save_checkpoint(tmp_path / "deq", read_config(llama), deq)
+    want = [torch_greedy(load_hf_torch(tmp_path / "deq"), p, NEW) for p in PROMPTS]
+    bound = tol.quantized_logit_bound(0.0, cfg.num_layers, tol.decoder_roundings_of(cfg, 64),
+                                      activation_roundoff=tol.INT8_ACTIVATION_ROUNDOFF)
+    with Engine.load(uint4_artifact, progress=False) as engine:
+        check_greedy_batch(PROMPTS, engine.generate(PROMPTS, NEW), want, logit_bound=bound,
+                           next_token=engine_next_token(engine))
+    unzeroed = {k: (dataclasses.replace(v, zeros=np.zeros_like(v.zeros)) if isinstance(v, QuantizedWeight) else v)
+                for k, v in quant.items()}
+    wrong = tlaloc_jax.Model(cfg, unzeroed)
+    with pytest.raises(GreedyMismatch):
+        check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, max_new_tokens=NEW), want, logit_bound=bound,
+                           next_token=engine_next_token(wrong))
+
+
 @pytest.mark.numeric
 def test_served_int8_keeps_transformers_greedy_ids(llama, int8_artifact):
     """The runtime serving int8 weights against transformers' f32 model: equal greedy ids up to near-ties

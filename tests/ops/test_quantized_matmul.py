@@ -5,6 +5,7 @@ the op (the optimized HLO)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -15,15 +16,16 @@ import pytest
 
 from margins import assert_within
 from quant_controls import wrong_axis
+from tlaloc_jax.artifact import GROUPED_SCHEMES
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.quantized_matmul import (NARROW_REDUCE_ROWS, QuantError, QuantizedWeight, dequantize, pack_int4,
-                                                 qat_linear, qat_linear_reference, quantize, quantize_parts,
-                                                 quantized_matmul, quantized_matmul_reference, to_out_major,
-                                                 unpack_int4)
+                                                 qat_linear, qat_linear_reference, quantize, quantize_asymmetric,
+                                                 quantize_parts, quantized_matmul, quantized_matmul_reference,
+                                                 to_out_major, unpack_int4)
 from tlaloc_jax.kernels.tolerances import relative_error
 
 I, O, M = 256, 48, 3
-SCHEMES = [("int8", 0), ("fp8", 0), ("int4", 32), ("int4", 64), ("int4", 128)]
+SCHEMES = [("int8", 0), ("fp8", 0), ("int4", 32), ("int4", 64), ("int4", 128), ("uint4", 32), ("uint4", 128)]
 
 
 def _data(seed=0):
@@ -36,7 +38,7 @@ def _data(seed=0):
 def _op_roundings(scheme: str, group: int) -> int:
     """The op's f32 roundings on an output: the I-term dot and the scale; int4: a group's dot, its scale and
     the G-term sum over groups."""
-    return group + 1 + I // group if scheme == "int4" else I + 1
+    return group + 1 + I // group if scheme in GROUPED_SCHEMES else I + 1
 
 
 # --- the formulas -------------------------------------------------------------------------------------
@@ -80,6 +82,44 @@ def test_int4_packs_two_codes_a_byte_and_unpacks_them():
     assert (err <= np.asarray(q.scales, np.float64) / 2 * (1 + 1e-6)).all()
 
 
+def test_uint4_codes_follow_the_formulas_and_pack_as_int4():
+    """uint4: codes 0..15 in int4's nibble layout, each group's range widened to hold 0 in 15 steps, the zero
+    point where 0 falls; dequantized within half a step of the float weight, a channel of one sign too. An
+    all-zero channel dequantizes to exact zeros."""
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, 16, (I, O)).astype(np.int8)
+    back = np.asarray(unpack_int4(pack_int4(jnp.asarray(codes), 64), 64, signed=False)).reshape(I, O)
+    np.testing.assert_array_equal(back, codes)
+    # Control: read as signed int4, codes 8..15 come back as -8..-1.
+    signed = np.asarray(unpack_int4(pack_int4(jnp.asarray(codes), 64), 64)).reshape(I, O)
+    assert (signed[codes >= 8] < 0).all()
+    _, w = _data()
+    w[:, 7] = np.abs(w[:, 7]) + 2.0                         # a channel of one sign: its zero point is 0
+    raw, scales, zeros = (np.asarray(a) for a in quantize_asymmetric(jnp.asarray(w), 32))
+    wg = w.reshape(I // 32, 32, O)
+    lo, hi = np.minimum(wg.min(1), 0), np.maximum(wg.max(1), 0)
+    np.testing.assert_allclose(scales, np.where(hi > lo, (hi - lo) / 15, 1), rtol=2.0 ** -22)
+    np.testing.assert_array_equal(zeros, np.round(-lo / scales))
+    assert raw.min() == 0 and raw.max() == 15 and (zeros[:, 7] == 0).all()
+    q = quantize(jnp.asarray(w), "uint4", 32)
+    assert q.zeros.dtype == jnp.int8 and q.zeros.shape == q.scales.shape == (I // 32, O)
+    err = np.abs(dequantize(q) - w).reshape(I // 32, 32, O).max(1)
+    assert (err <= np.asarray(q.scales, np.float64) / 2 * (1 + 1e-5)).all()
+    assert not dequantize(q)[:, 5].any()
+
+
+def test_int4_reads_a_code_of_minus_eight():
+    """Symmetric GPTQ's codes are q - 8 in [-8, 7]: -8 packs, unpacks and dequantizes as itself, in- and
+    out-major, and the matmul reads it."""
+    codes = np.full((64, 4), -8, np.int8)
+    codes[1::2] = 7
+    q = QuantizedWeight(pack_int4(jnp.asarray(codes), 32), jnp.ones((2, 4), jnp.float32), "int4", 32)
+    np.testing.assert_array_equal(dequantize(q), codes.astype(np.float64))
+    np.testing.assert_array_equal(dequantize(to_out_major(jax.tree.map(np.asarray, q))), codes.astype(np.float64))
+    x = np.ones((1, 64), np.float32)
+    np.testing.assert_array_equal(np.asarray(quantized_matmul(jnp.asarray(x), q)), np.full((1, 4), -8 * 32 + 7 * 32))
+
+
 def test_bad_schemes_and_groups_are_refused_by_name():
     _, w = _data()
     with pytest.raises(QuantError, match="scheme 'int3'"):
@@ -88,6 +128,10 @@ def test_bad_schemes_and_groups_are_refused_by_name():
         quantize(jnp.asarray(w), "int4", 48)
     with pytest.raises(QuantError, match="do not tile 96"):
         quantize(jnp.asarray(w[:96]), "int4", 64)
+    with pytest.raises(QuantError, match="uint4 group size 0"):
+        quantize(jnp.asarray(w), "uint4")
+    with pytest.raises(QuantError, match="zero points: quantize_asymmetric"):
+        quantize_parts(jnp.asarray(w), "uint4", 32)
 
 
 # --- the op against its reference --------------------------------------------------------------------
@@ -104,8 +148,11 @@ def test_op_matches_its_reference_on_the_same_codes(scheme, group, compute):
     bound = tol.bound(_op_roundings(scheme, group))
     assert_within(relative_error(got, want), bound, f"quantized_matmul {scheme} g{group} {compute}")
     # Control: the scales one output channel off break it far beyond the bound.
-    shifted = QuantizedWeight(q.codes, jnp.roll(q.scales, 1, axis=-1), q.scheme, q.group, q.compute)
+    shifted = dataclasses.replace(q, scales=jnp.roll(q.scales, 1, axis=-1))
     assert relative_error(quantized_matmul_reference(x, shifted), want) > 100 * bound
+    if scheme == "uint4":       # Control: the zero points ignored (read as zero) break it too.
+        unzeroed = dataclasses.replace(q, zeros=jnp.zeros_like(q.zeros))
+        assert relative_error(quantized_matmul_reference(x, unzeroed), want) > 100 * bound
 
 
 @pytest.mark.numeric
@@ -118,15 +165,16 @@ def test_out_major_codes_compute_what_in_major_ones_do(scheme, group, rows):
     x, w = _data(rows)
     x = np.resize(x, (rows, I))
     q = quantize(jnp.asarray(w), scheme, group, compute="bfloat16")
-    qo = to_out_major(QuantizedWeight(np.asarray(q.codes), np.asarray(q.scales), scheme, q.group, q.compute))
+    qo = to_out_major(jax.tree.map(np.asarray, q))
     assert qo.out_major and qo.shape == q.shape and qo.codes.shape[-2] == O
     np.testing.assert_array_equal(dequantize(qo), dequantize(q))
     got = np.asarray(jax.jit(quantized_matmul)(jnp.asarray(x), qo))
     want = quantized_matmul_reference(x, q)
     bound = tol.bound(_op_roundings(scheme, group))
     assert_within(relative_error(got, want), bound, f"out-major quantized_matmul {scheme} g{group}, {rows} rows")
-    wrong = QuantizedWeight(jnp.asarray(qo.codes).reshape(q.codes.shape), jnp.asarray(qo.scales).reshape(
-        q.scales.shape), scheme, q.group, q.compute)
+    wrong = dataclasses.replace(q, codes=jnp.asarray(qo.codes).reshape(q.codes.shape), scales=jnp.asarray(
+        qo.scales).reshape(q.scales.shape), zeros=None if qo.zeros is None else jnp.asarray(qo.zeros).reshape(
+        q.zeros.shape))
     assert relative_error(np.asarray(jax.jit(quantized_matmul)(jnp.asarray(x), wrong)), want) > 100 * bound
 
 
@@ -139,7 +187,7 @@ def test_quantized_weights_stay_close_to_the_float_ones():
     exact = x.astype(np.float64) @ w.astype(np.float64)
     errs = {f"{s}{g or ''}": relative_error(quantized_matmul_reference(x, quantize(jnp.asarray(w), s, g)), exact)
             for s, g in SCHEMES}
-    int4 = max(v for k, v in errs.items() if k.startswith("int4"))
+    int4 = max(errs[f"{s}{g}"] for s, g in SCHEMES if s in GROUPED_SCHEMES)
     assert errs["int8"] < errs["fp8"] < min(v for k, v in errs.items() if k.startswith("int4")), errs
     assert errs["int8"] < 0.02 and int4 < 0.3, errs
     wrong = wrong_axis(w, quantize(jnp.asarray(w), "int8"))
@@ -259,3 +307,26 @@ def test_cpu_hlo_of_out_major_weights_widens_nothing_weight_sized(scheme):
     assert widened(hlo) == [] and " dot(" not in hlo, widened(hlo)
     control = jax.jit(linear).lower(x, slow).compile().as_text()
     assert len(widened(control)) == 1, widened(control)
+
+
+@pytest.mark.parametrize("rows", [1, NARROW_REDUCE_ROWS + 1])
+def test_uint4_takes_the_int4_kernel_never_the_projection_kernel(rows):
+    """With the C kernels on (as the exporter turns them on for cpu bodies), an out-major uint4 weight takes the
+    int4 kernel with its zero points (kernels/projection_int4.c), never kernels/projection.c (which reads no zero
+    points), and gives the reference's values within the int4 kernel's bound (tests/ops/test_projection_int4.py)."""
+    from test_projection_int4 import excess
+    from tlaloc_jax.kernels import projection_native
+    x, w = _data(rows)
+    x = np.resize(x, (rows, I))
+    qo = to_out_major(jax.tree.map(np.asarray, quantize(jnp.asarray(w), "uint4", 32)))
+    with projection_native.native_projections():
+        lowered = jax.jit(quantized_matmul).lower(jnp.asarray(x), qo)
+        got = np.asarray(lowered.compile()(jnp.asarray(x), qo))
+    assert projection_native.NATIVE_PROJECTION not in lowered.as_text()
+    assert projection_native.NATIVE_INT4_PROJECTION in lowered.as_text()
+    # Control: an int8 weight under the same switch is lowered to the projection kernel's custom call.
+    q8 = to_out_major(jax.tree.map(np.asarray, quantize(jnp.asarray(w), "int8")))
+    with projection_native.native_projections():
+        assert projection_native.NATIVE_PROJECTION in jax.jit(quantized_matmul).lower(jnp.asarray(x), q8).as_text()
+    assert_within(excess(got, x, qo, quantized_matmul_reference(x, qo)), 1.0,
+                  f"uint4 with native projections on, {rows} rows")

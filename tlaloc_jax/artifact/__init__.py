@@ -27,8 +27,9 @@ from .records import Partition, TensorSig, TokenizerFile, Versions, WeightFile, 
 from .serving_load import artifact_file, check_manifest, load_manifest
 from .stablehlo import MainSignature, main_signature, signature_mismatch
 from .upgrade import SCHEMA_V2, SCHEMA_V3
-from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, COPY_INPUTS, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, DTYPES, INPUT_ROLES,
-                         MLIR_DTYPES, NAME, OUTPUT_ROLES, PACKED_TOKEN_INPUTS, PLATFORMS, POOL_KIND_INPUTS, QUANT_CODE_DTYPES, QUANT_GROUPS,
+from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, COPY_INPUTS, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, DTYPES, GROUPED_SCHEMES,
+                         INPUT_ROLES, MLIR_DTYPES, NAME, OUTPUT_ROLES, PACKED_TOKEN_INPUTS, PLATFORMS, POOL_KIND_INPUTS, QUANT_CODE_DTYPES, QUANT_GROUPS,
+                         QUANT_PART_DTYPES, QUANT_PARTS,
                          SAMPLER_DTYPES, SAMPLER_INPUTS, SAMPLER_OUTPUTS, SAMPLING_COLUMNS, SAMPLING_NEUTRAL,
                          SCORER_DTYPES, SCORER_INPUTS, SCORER_OUTPUTS, STEP_FIELDS, BoundKind, DType, EntryKind,
                          PoolKind, QuantPart, QuantScheme, Role, dtype_info, mask_words, nbytes, numpy_dtype)
@@ -39,8 +40,9 @@ __all__ = [
     "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "SCHEMA_V2", "SCHEMA_V3", "SCHEMA_V4", "SCHEMA_V5", "SUPPORTED_SCHEMAS", "Buckets",
     "Entry", "Manifest", "ModelShape", "Pool", "RefusedToken", "SamplerShape", "ScorerShape",
     "artifact_file", "check_manifest", "load_manifest", "MainSignature", "main_signature", "signature_mismatch",
-    "BASE_STEP_INPUTS", "CHUNK_GROUP", "COPY_INPUTS", "DECODE_STEPS_INPUTS", "DECODE_STEPS_OUTPUTS", "DTYPES", "INPUT_ROLES", "MLIR_DTYPES",
-    "NAME", "OUTPUT_ROLES", "PACKED_TOKEN_INPUTS", "PLATFORMS", "POOL_KIND_INPUTS", "QUANT_CODE_DTYPES", "QUANT_GROUPS", "SAMPLER_DTYPES",
+    "BASE_STEP_INPUTS", "CHUNK_GROUP", "COPY_INPUTS", "DECODE_STEPS_INPUTS", "DECODE_STEPS_OUTPUTS", "DTYPES", "GROUPED_SCHEMES", "INPUT_ROLES", "MLIR_DTYPES",
+    "NAME", "OUTPUT_ROLES", "PACKED_TOKEN_INPUTS", "PLATFORMS", "POOL_KIND_INPUTS", "QUANT_CODE_DTYPES", "QUANT_GROUPS",
+    "QUANT_PART_DTYPES", "QUANT_PARTS", "SAMPLER_DTYPES",
     "SAMPLER_INPUTS", "SAMPLER_OUTPUTS", "SAMPLING_COLUMNS", "SAMPLING_NEUTRAL", "SCORER_DTYPES", "SCORER_INPUTS",
     "SCORER_OUTPUTS", "STEP_FIELDS", "BoundKind", "DType", "EntryKind", "PoolKind", "QuantPart", "QuantScheme",
     "Role", "dtype_info", "mask_words", "nbytes", "numpy_dtype",

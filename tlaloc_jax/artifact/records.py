@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ManifestError
-from .vocabulary import PLATFORMS, QUANT_CODE_DTYPES, QUANT_GROUPS, QuantPart, QuantScheme, Role, nbytes
+from .vocabulary import (GROUPED_SCHEMES, PLATFORMS, QUANT_CODE_DTYPES, QUANT_GROUPS, QUANT_PART_DTYPES, QUANT_PARTS,
+                         QuantPart, QuantScheme, Role, nbytes)
 
 
 # A partition (tlaloc-serving-v4 + mesh): per dimension of an array, the mesh axis it is split along, or None.
@@ -32,14 +33,14 @@ class TensorSig:
 
 @dataclass(frozen=True)
 class WeightQuant:
-    """A weight file that is half of a quantized weight: its codes or its scales. `weight` names the quantized
-    weight (the codes' and the scales' slots are `weight`.codes and `weight`.scales)."""
+    """A weight file that is one part of a quantized weight: its codes, its scales, or (uint4) its zero points.
+    `weight` names the quantized weight (the parts' slots are `weight`.codes, `weight`.scales, `weight`.zeros)."""
 
     scheme: QuantScheme
     part: QuantPart
     weight: str
-    group: int = 0                 # int4: input channels per scale; 0 otherwise
-    out_major: bool = False        # codes [..., O, I] (int4 [..., O, I / 2], scales [..., O, I / group])
+    group: int = 0                 # int4, uint4: input channels per scale; 0 otherwise
+    out_major: bool = False        # codes [..., O, I] (int4 [..., O, I / 2], scales and zeros [..., O, I / group])
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ def check_tokenizer_hashes(files: tuple[TokenizerFile, ...], hashed_by: str) -> 
 
 
 def _check_quant(weights: tuple[WeightFile, ...]) -> None:
-    """Each quantized weight has its codes in its scheme's dtype and its f32 scales, of matching shapes."""
+    """Each quantized weight has its codes in its scheme's dtype, its f32 scales and (uint4) its int8 zero points,
+    of matching shapes, and no part its scheme lacks."""
     parts: dict[str, dict[QuantPart, WeightFile]] = {}
     for w in weights:
         q = w.quant
@@ -123,10 +125,13 @@ def _check_quant(weights: tuple[WeightFile, ...]) -> None:
         what = f"weight {w.slot!r} ({q.scheme} {q.part} of {q.weight!r})"
         if w.slot != f"{q.weight}.{q.part}":
             raise ManifestError(f"{what}: its slot should be {q.weight}.{q.part}")
-        if (q.group in QUANT_GROUPS) != (q.scheme == QuantScheme.INT4):
-            raise ManifestError(f"{what}: group {q.group} is not " + (f"one of {QUANT_GROUPS}" if q.scheme ==
-                                QuantScheme.INT4 else "0 (only int4 has groups)"))
-        want = QUANT_CODE_DTYPES[q.scheme] if q.part == QuantPart.CODES else "float32"
+        if (q.group in QUANT_GROUPS) != (q.scheme in GROUPED_SCHEMES):
+            raise ManifestError(f"{what}: group {q.group} is not " + (f"one of {QUANT_GROUPS}" if q.scheme in
+                                GROUPED_SCHEMES else "0 (only int4 and uint4 have groups)"))
+        if q.part not in QUANT_PARTS[q.scheme]:
+            raise ManifestError(f"{what}: {q.scheme} weights have no {q.part} (they have "
+                                f"{', '.join(QUANT_PARTS[q.scheme])})")
+        want = QUANT_CODE_DTYPES[q.scheme] if q.part == QuantPart.CODES else QUANT_PART_DTYPES[q.part]
         if w.dtype != want:
             raise ManifestError(f"{what} has dtype {w.dtype}; {q.scheme} {q.part} are {want}")
         if len(w.shape) < (2 if q.part == QuantPart.CODES else 1):
@@ -136,19 +141,23 @@ def _check_quant(weights: tuple[WeightFile, ...]) -> None:
             raise ManifestError(f"{what}: the quantized weight has two {q.part} or two schemes")
         seen[q.part] = w
     for name, seen in parts.items():
-        if set(seen) != set(QuantPart):
-            missing = next(p for p in QuantPart if p not in seen)
+        scheme = next(iter(seen.values())).quant.scheme
+        if set(seen) != set(QUANT_PARTS[scheme]):
+            missing = next(p for p in QUANT_PARTS[scheme] if p not in seen)
             raise ManifestError(f"quantized weight {name!r} has no {missing} file")
-        codes, scales, q = seen[QuantPart.CODES], seen[QuantPart.SCALES], seen[QuantPart.CODES].quant
+        codes, q = seen[QuantPart.CODES], seen[QuantPart.CODES].quant
+        grouped = q.scheme in GROUPED_SCHEMES
         *lead, rows, cols = codes.shape
         if q.out_major:         # [..., O, I]: the per-layer layout's
-            want = (*lead, rows, cols * 2 // q.group) if q.scheme == QuantScheme.INT4 else (*lead, rows)
+            want = (*lead, rows, cols * 2 // q.group) if grouped else (*lead, rows)
             inputs = cols * 2
         else:
-            want = (*lead, rows * 2 // q.group, cols) if q.scheme == QuantScheme.INT4 else (*lead, cols)
+            want = (*lead, rows * 2 // q.group, cols) if grouped else (*lead, cols)
             inputs = rows * 2
-        if q.scheme == QuantScheme.INT4 and inputs % q.group:
-            raise ManifestError(f"quantized weight {name!r}: int4 groups of {q.group} do not tile {inputs} inputs")
-        if tuple(scales.shape) != tuple(want):
-            raise ManifestError(f"quantized weight {name!r}: codes {list(codes.shape)} need scales {list(want)}, "
-                                f"got {list(scales.shape)}")
+        if grouped and inputs % q.group:
+            raise ManifestError(f"quantized weight {name!r}: {q.scheme} groups of {q.group} do not tile {inputs} "
+                                "inputs")
+        for part in QUANT_PARTS[scheme][1:]:
+            if tuple(seen[part].shape) != tuple(want):
+                raise ManifestError(f"quantized weight {name!r}: codes {list(codes.shape)} need {part} "
+                                    f"{list(want)}, got {list(seen[part].shape)}")

@@ -229,18 +229,27 @@ def nbytes(dtype: str, shape: tuple[int, ...], what: str = "tensor") -> int:
 class QuantScheme(enum.StrEnum):
     """How a quantized weight's codes stand for its values (tlaloc_jax/kernels/quantized_matmul.py): int8 and fp8 (e4m3fn)
     codes [..., I, O] with f32 scales per output channel [..., O]; int4 codes two a byte (int8 [..., I / 2, O])
-    with f32 scales per group of `group` input channels [..., I / group, O]."""
+    with f32 scales per group of `group` input channels [..., I / group, O]; uint4 the same with unsigned codes
+    0..15 and a zero point per scale (int8 [..., I / group, O], 0..15): value = (code - zero) * scale."""
 
     INT8 = "int8"
     FP8 = "fp8"
     INT4 = "int4"
+    UINT4 = "uint4"
 
 
 class QuantPart(enum.StrEnum):
     CODES = "codes"
     SCALES = "scales"
+    ZEROS = "zeros"
 
 
-# The dtype of each scheme's codes (scales are float32), and int4's group sizes.
-QUANT_CODE_DTYPES = {QuantScheme.INT8: "int8", QuantScheme.FP8: "float8_e4m3fn", QuantScheme.INT4: "int8"}
+# The dtype of each scheme's codes (scales are float32, zero points int8), the parts each scheme has, the schemes
+# packed two codes a byte with a scale per group of input channels, and their group sizes.
+QUANT_CODE_DTYPES = {QuantScheme.INT8: "int8", QuantScheme.FP8: "float8_e4m3fn", QuantScheme.INT4: "int8",
+                     QuantScheme.UINT4: "int8"}
+QUANT_PART_DTYPES = {QuantPart.SCALES: "float32", QuantPart.ZEROS: "int8"}
+QUANT_PARTS = {scheme: (QuantPart.CODES, QuantPart.SCALES, QuantPart.ZEROS) if scheme == QuantScheme.UINT4
+               else (QuantPart.CODES, QuantPart.SCALES) for scheme in QuantScheme}
+GROUPED_SCHEMES = frozenset({QuantScheme.INT4, QuantScheme.UINT4})
 QUANT_GROUPS = (32, 64, 128)

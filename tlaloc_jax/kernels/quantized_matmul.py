@@ -1,5 +1,6 @@
 """Quantized weights and the matmul that reads them: int8 and fp8 (e4m3fn) codes with one f32 scale per output
-channel, int4 codes packed two a byte with one f32 scale per group of input channels.
+channel, int4 and uint4 codes packed two a byte with one f32 scale (and, uint4, one zero point) per group of input
+channels.
 
 A linear's weight is [..., I, O] (in, out), as everywhere in this library. Its quantized form:
 
@@ -9,15 +10,21 @@ A linear's weight is [..., I, O] (in, out), as everywhere in this library. Its q
 * int4: codes int8 [..., I / 2, O], two codes a byte; scales f32 [..., I / g, O], one per group of g input
   channels (g = 32, 64 or 128), code = clamp(round_half_even(W / s), -7, 7), s = max over the group / 7
   (15 levels). Inside a group, byte j holds input j in its low nibble and input j + g / 2 in its high one,
-  so unpacking is two shifts and a concatenation per group, with no interleave.
+  so unpacking is two shifts and a concatenation per group, with no interleave. Codes of -8 (symmetric GPTQ's
+  q - 8) are read as well; the quantizer never writes them.
+* uint4 (asymmetric, as AWQ and GPTQ with zero points store): codes 0..15 packed exactly as int4's; scales f32 and
+  zero points int8 (integers 0..15) [..., I / g, O]; value = (code - zero) * scale. The quantizer (as GPTQ's)
+  spans each group's range widened to hold 0, lo = min(min W, 0) and hi = max(max W, 0): s = (hi - lo) / 15,
+  zero = round_half_even(-lo / s), code = clamp(round_half_even(W / s) + zero, 0, 15).
 
 `quantized_matmul(x, w)` widens the codes to the compute dtype (exact: |code| <= 127 fits bf16's 8 bits),
 contracts in f32 and multiplies the f32 output by the scales after the dot (per group, then sums the
-groups, for int4). `quantized_matmul_reference` dequantizes the codes in float64 and multiplies: the op's
+groups, for int4; uint4's codes less their zero point are widened, exact too: |code - zero| <= 15). `quantized_matmul_reference` dequantizes the codes in float64 and multiplies: the op's
 definition, with its quantization error, as a naive reference.
 
 Out-major codes (`out_major=True`, what the per-layer layout stores, tlaloc_jax/layout.py): int8 and fp8 codes
-[..., O, I] with scales [..., O]; int4 codes [..., O, I / 2], packed along I as above, with scales [..., O, I / g].
+[..., O, I] with scales [..., O]; int4 and uint4 codes [..., O, I / 2], packed along I as above, with scales (and
+zeros) [..., O, I / g].
 Each output's codes are then contiguous, and on XLA's CPU backend a call of a few rows (at most REDUCE_ROWS, one
 included) runs as a multiply-reduce that widens each code in registers as it streams the codes once
 (`out_major_product`), instead of a widening pass into a weight-sized f32 buffer and a dot.
@@ -42,13 +49,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from tlaloc_jax.artifact import QUANT_CODE_DTYPES, QUANT_GROUPS, QuantScheme, numpy_dtype
+from tlaloc_jax.artifact import GROUPED_SCHEMES, QUANT_CODE_DTYPES, QUANT_GROUPS, QuantScheme, numpy_dtype
 from . import projection_native
 
 HIGHEST = lax.Precision.HIGHEST
 # The largest code of each scheme: int8 keeps 127 steps a side, e4m3fn's largest finite value is 448,
-# int4 keeps 7 a side (15 levels).
-QMAX = {QuantScheme.INT8: 127.0, QuantScheme.FP8: 448.0, QuantScheme.INT4: 7.0}
+# int4 keeps 7 a side (15 levels), uint4 16 levels 0..15.
+QMAX = {QuantScheme.INT8: 127.0, QuantScheme.FP8: 448.0, QuantScheme.INT4: 7.0, QuantScheme.UINT4: 15.0}
 CODE_DTYPES = {scheme: jnp.dtype(numpy_dtype(name)) for scheme, name in QUANT_CODE_DTYPES.items()}
 
 
@@ -61,8 +68,9 @@ class QuantError(ValueError):
 class QuantizedWeight:
     """A linear's weight as codes and scales (leaves), its scheme, group and compute dtype (static).
 
-    codes: int8 / float8_e4m3fn [..., I, O], or int8 [..., I / 2, O] for int4; scales f32 [..., O], or
-    [..., I / group, O] for int4. compute: the dtype the codes are widened to (the model's weight dtype).
+    codes: int8 / float8_e4m3fn [..., I, O], or int8 [..., I / 2, O] for int4 and uint4; scales f32 [..., O], or
+    [..., I / group, O] for int4 and uint4; zeros (uint4 only, else None) int8 0..15, shaped as the scales.
+    compute: the dtype the codes are widened to (the model's weight dtype).
     """
 
     codes: jax.Array
@@ -71,10 +79,11 @@ class QuantizedWeight:
     group: int = dataclasses.field(default=0, metadata=dict(static=True))
     compute: str = dataclasses.field(default="float32", metadata=dict(static=True))
     out_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    zeros: jax.Array | None = None
 
     @property
     def in_features(self) -> int:
-        return self.codes.shape[-1 if self.out_major else -2] * (2 if self.scheme == QuantScheme.INT4 else 1)
+        return self.codes.shape[-1 if self.out_major else -2] * (2 if self.scheme in GROUPED_SCHEMES else 1)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -83,17 +92,17 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return int(self.codes.nbytes) + int(self.scales.nbytes)
+        return int(self.codes.nbytes) + int(self.scales.nbytes) + (0 if self.zeros is None else int(self.zeros.nbytes))
 
 
 def check_scheme(scheme: str, group: int = 0, in_features: int | None = None) -> None:
     if scheme not in tuple(QuantScheme):
         raise QuantError(f"unknown weight quantization scheme {scheme!r} (known: {', '.join(QuantScheme)})")
-    if scheme == QuantScheme.INT4:
+    if scheme in GROUPED_SCHEMES:
         if group not in QUANT_GROUPS:
-            raise QuantError(f"int4 group size {group} is not one of {QUANT_GROUPS}")
+            raise QuantError(f"{scheme} group size {group} is not one of {QUANT_GROUPS}")
         if in_features is not None and in_features % group:
-            raise QuantError(f"int4 groups of {group} do not tile {in_features} input channels")
+            raise QuantError(f"{scheme} groups of {group} do not tile {in_features} input channels")
 
 
 # --- quantizing ----------------------------------------------------------------------------------------
@@ -106,8 +115,11 @@ def _safe_scale(amax: jax.Array, qmax: float) -> jax.Array:
 def quantize_parts(w: jax.Array, scheme: str, group: int = 0, *, rounding=jnp.round):
     """w: [..., I, O] float -> (codes before packing, as f32 integers or e4m3fn values [..., I, O], scales).
 
-    rounding: round half to even (jnp.round); the gradient check passes the identity instead."""
+    rounding: round half to even (jnp.round); the gradient check passes the identity instead. uint4 has its own
+    quantizer (quantize_asymmetric: it has zero points too)."""
     check_scheme(scheme, group, w.shape[-2])
+    if scheme == QuantScheme.UINT4:
+        raise QuantError("uint4 codes come with zero points: quantize_asymmetric quantizes them")
     w = w.astype(jnp.float32)
     qmax = QMAX[scheme]
     exact = rounding is jnp.round
@@ -130,8 +142,24 @@ def quantize_parts(w: jax.Array, scheme: str, group: int = 0, *, rounding=jnp.ro
     return to_codes(w / scales[..., None, :]), scales
 
 
+def quantize_asymmetric(w: jax.Array, group: int):
+    """w: [..., I, O] float -> uint4's (codes 0..15 as f32 integers [..., I, O], scales f32 and zeros f32
+    integers 0..15 [..., I / group, O]): each group's range, widened to hold 0, in 15 steps (so 0 is a code
+    and the zero point is in 0..15; an all-zero group: scale 1)."""
+    check_scheme(QuantScheme.UINT4, group, w.shape[-2])
+    w = w.astype(jnp.float32)
+    I, O = w.shape[-2:]
+    wg = w.reshape(*w.shape[:-2], I // group, group, O)
+    lo, hi = jnp.minimum(jnp.min(wg, axis=-2), 0.0), jnp.maximum(jnp.max(wg, axis=-2), 0.0)   # [..., G, O]
+    scales = jnp.where(hi > lo, (hi - lo) / jnp.float32(15.0), jnp.float32(1.0))
+    zeros = jnp.clip(jnp.round(-lo / scales), 0.0, 15.0)
+    codes = jnp.clip(jnp.round(wg / scales[..., None, :]) + zeros[..., None, :], 0.0, 15.0)
+    return codes.reshape(w.shape), scales, zeros
+
+
 def pack_int4(codes: jax.Array, group: int) -> jax.Array:
-    """int4 codes (integers in [-7, 7], any dtype) [..., I, O] -> int8 [..., I / 2, O], packed as above."""
+    """int4 codes (integers in [-8, 7], any dtype) or uint4 codes (0..15) [..., I, O] -> int8 [..., I / 2, O],
+    packed as above (a nibble holds the code's low 4 bits either way)."""
     I, O = codes.shape[-2:]
     c = codes.astype(jnp.int8).reshape(*codes.shape[:-2], I // group, 2, group // 2, O)
     low, high = c[..., 0, :, :], c[..., 1, :, :]
@@ -139,17 +167,38 @@ def pack_int4(codes: jax.Array, group: int) -> jax.Array:
     return packed.reshape(*codes.shape[:-2], I // 2, O)
 
 
-def unpack_int4(packed: jax.Array, group: int) -> jax.Array:
-    """int8 [..., I / 2, O] -> int8 codes [..., I / group, 2, group / 2, O] (low nibbles, then high ones)."""
+def _nibbles(p: jax.Array, signed: bool) -> tuple[jax.Array, jax.Array]:
+    """int8 bytes -> (low, high) nibbles as int8: sign-extended (int4, -8..7) or not (uint4, 0..15)."""
+    if signed:     # arithmetic shifts
+        return jnp.right_shift(jnp.left_shift(p, jnp.int8(4)), jnp.int8(4)), jnp.right_shift(p, jnp.int8(4))
+    return jnp.bitwise_and(p, jnp.int8(0x0F)), jnp.bitwise_and(jnp.right_shift(p, jnp.int8(4)), jnp.int8(0x0F))
+
+
+def unpack_int4(packed: jax.Array, group: int, signed: bool = True) -> jax.Array:
+    """int8 [..., I / 2, O] -> int8 codes [..., I / group, 2, group / 2, O] (low nibbles, then high ones);
+    signed False reads uint4's codes."""
     half, O = packed.shape[-2:]
     p = packed.reshape(*packed.shape[:-2], half * 2 // group, 1, group // 2, O)
-    low = jnp.right_shift(jnp.left_shift(p, jnp.int8(4)), jnp.int8(4))     # arithmetic shift: sign-extended
-    high = jnp.right_shift(p, jnp.int8(4))
-    return jnp.concatenate([low, high], axis=-3)
+    return jnp.concatenate(_nibbles(p, signed), axis=-3)
+
+
+def centred_codes(w: QuantizedWeight) -> jax.Array:
+    """A grouped weight's codes less its zero points (int4: the codes), int8 [..., I / group, group, O] (in-major)
+    or [..., O, I / group, group] (out-major): what multiplies the scales, exact in any float dtype."""
+    signed = w.scheme == QuantScheme.INT4
+    if w.out_major:
+        c = _unpack_int4_out_major(w.codes, w.group, signed)
+        return c if signed else c - w.zeros[..., None]
+    c = unpack_int4(w.codes, w.group, signed)
+    c = c.reshape(*c.shape[:-4], c.shape[-4], w.group, c.shape[-1])          # [..., G, g, O]
+    return c if signed else c - w.zeros[..., None, :]
 
 
 def quantize(w: jax.Array, scheme: str, group: int = 0, *, compute: str = "float32") -> QuantizedWeight:
     """A float weight [..., I, O] -> its QuantizedWeight (computed in f32 from w's values)."""
+    if scheme == QuantScheme.UINT4:
+        codes, scales, zeros = quantize_asymmetric(w, group)
+        return QuantizedWeight(pack_int4(codes, group), scales, scheme, group, compute, zeros=zeros.astype(jnp.int8))
     codes, scales = quantize_parts(w, scheme, group)
     if scheme == QuantScheme.INT4:
         codes = pack_int4(codes, group)
@@ -167,51 +216,45 @@ def _quantize_jit(w, scheme, group, compute):
 def quantize_array(w, scheme: str, group: int = 0, *, compute: str = "float32") -> QuantizedWeight:
     """quantize for a host array (the exporter): jitted, the leaves brought back as numpy arrays."""
     q = _quantize_jit(jnp.asarray(w), scheme, group, compute)
-    return QuantizedWeight(np.asarray(q.codes), np.asarray(q.scales), q.scheme, q.group, q.compute)
+    return jax.tree.map(np.asarray, q)
 
 
 def to_out_major(q: QuantizedWeight) -> QuantizedWeight:
     """The same codes and scales stored out-major (host arrays; an out-major weight is returned as it is)."""
     if q.out_major:
         return q
-    codes, scales = np.asarray(q.codes), np.asarray(q.scales)
-    if q.scheme == QuantScheme.INT4:
+    codes, scales, zeros = np.asarray(q.codes), np.asarray(q.scales), q.zeros
+    if q.scheme in GROUPED_SCHEMES:
         c = np.moveaxis(np.asarray(unpack_int4(jnp.asarray(codes), q.group)), -1, -4)   # [..., O, G, 2, g/2]
         low, high = c[..., 0, :].view(np.uint8), c[..., 1, :].view(np.uint8)
         codes = ((low & 0x0F) | (high << 4)).view(np.int8).reshape(*c.shape[:-3], -1)  # [..., O, I/2]
         scales = np.swapaxes(scales, -1, -2)                                          # [..., O, G]
+        if zeros is not None:
+            zeros = np.ascontiguousarray(np.swapaxes(np.asarray(zeros), -1, -2))
     else:
         codes = np.swapaxes(codes, -1, -2)
     return QuantizedWeight(np.ascontiguousarray(codes), np.ascontiguousarray(scales), q.scheme, q.group,
-                           q.compute, out_major=True)
+                           q.compute, out_major=True, zeros=zeros)
 
 
-def _unpack_int4_out_major(packed: jax.Array, group: int) -> jax.Array:
-    """int8 [..., O, I / 2] (out-major int4) -> int8 codes [..., O, I / group, group], inputs in order."""
+def _unpack_int4_out_major(packed: jax.Array, group: int, signed: bool = True) -> jax.Array:
+    """int8 [..., O, I / 2] (out-major int4 or uint4) -> int8 codes [..., O, I / group, group], inputs in order."""
     *lead, O, half = packed.shape
     p = packed.reshape(*lead, O, half * 2 // group, 1, group // 2)
-    low = jnp.right_shift(jnp.left_shift(p, jnp.int8(4)), jnp.int8(4))
-    codes = jnp.concatenate([low, jnp.right_shift(p, jnp.int8(4))], axis=-2)   # [..., O, G, 2, g/2]
+    codes = jnp.concatenate(_nibbles(p, signed), axis=-2)                     # [..., O, G, 2, g/2]
     return codes.reshape(*lead, O, half * 2 // group, group)
 
 
 def dequantize(q: QuantizedWeight, dtype=np.float64) -> np.ndarray:
     """The float weight the codes stand for, [..., I, O], in numpy `dtype` (float64: exact)."""
-    if q.out_major:
-        codes, scales = np.asarray(q.codes), np.asarray(q.scales, dtype)
-        if q.scheme == QuantScheme.INT4:
-            c = np.asarray(_unpack_int4_out_major(jnp.asarray(codes), q.group), dtype)   # [..., O, G, g]
-            w = (c * scales[..., None]).reshape(*c.shape[:-2], -1)                      # [..., O, I]
-        else:
-            w = np.asarray(codes.astype(np.float32), dtype) * scales[..., None]
-        return np.swapaxes(w, -1, -2)
-    codes = np.asarray(q.codes)
     scales = np.asarray(q.scales, dtype)
-    if q.scheme == QuantScheme.INT4:
-        c = np.asarray(unpack_int4(jnp.asarray(codes), q.group), dtype)       # [..., G, 2, g/2, O]
-        c = c.reshape(*c.shape[:-4], c.shape[-4], q.group, c.shape[-1])      # [..., G, g, O]
-        return (c * scales[..., :, None, :]).reshape(q.shape)
-    return np.asarray(codes.astype(np.float32), dtype) * scales[..., None, :]
+    if q.scheme in GROUPED_SCHEMES:
+        c = np.asarray(centred_codes(jax.tree.map(jnp.asarray, q)), dtype)
+        if q.out_major:                                                         # [..., O, G, g]
+            return np.swapaxes((c * scales[..., None]).reshape(*c.shape[:-2], -1), -1, -2)
+        return (c * scales[..., :, None, :]).reshape(q.shape)                  # [..., G, g, O]
+    w = np.asarray(np.asarray(q.codes).astype(np.float32), dtype)
+    return np.swapaxes(w * scales[..., None], -1, -2) if q.out_major else w * scales[..., None, :]
 
 
 # --- the matmul ----------------------------------------------------------------------------------------
@@ -254,11 +297,13 @@ def out_major_product(flat: jax.Array, w: jax.Array, *, reduce_one_row: bool) ->
 
 def _out_major_matmul(xc: jax.Array, w: QuantizedWeight) -> jax.Array:
     """xc: [M, I] in the compute dtype, w out-major -> [M, O] f32 (see quantized_matmul)."""
-    if w.scheme != QuantScheme.INT4:
+    if w.scheme not in GROUPED_SCHEMES:
         return out_major_product(xc, w.codes, reduce_one_row=True) * w.scales
-    if projection_native.takes_int4(xc.shape[0]):   # the C kernel, where the exporter turned it on (cpu bodies)
-        return projection_native.native_int4_projection(xc, w.codes, w.scales)
-    codes = _unpack_int4_out_major(w.codes, w.group)                            # [O, G, g]
+    # The int4 kernel (kernels/projection_int4.c) where the exporter turned it on (cpu bodies): int4, and uint4 with
+    # its zero points; never kernels/projection.c, which reads no zero points. Else XLA's forms.
+    if projection_native.takes_int4(xc.shape[0]):
+        return projection_native.native_int4_projection(xc, w.codes, w.scales, w.zeros)
+    codes = centred_codes(w)                                                    # [O, G, g]
     O, G, g = codes.shape
     xg = xc.reshape(-1, G, g)
 
@@ -287,11 +332,11 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     xc = x.reshape(-1, x.shape[-1]).astype(cd)
     if w.out_major:
         y = _out_major_matmul(xc, w)
-    elif w.scheme == QuantScheme.INT4:
+    elif w.scheme in GROUPED_SCHEMES:
         G = w.scales.shape[-2]
-        c = unpack_int4(w.codes, w.group).astype(cd)                           # [G, 2, g/2, O]
-        xg = xc.reshape(-1, G, 2, w.group // 2)                                 # [M, G, 2, g/2]
-        part = lax.dot_general(xg, c, (((2, 3), (1, 2)), ((1,), (0,))), precision=HIGHEST,
+        c = centred_codes(w).astype(cd)                                         # [G, g, O]
+        xg = xc.reshape(-1, G, w.group)                                         # [M, G, g]
+        part = lax.dot_general(xg, c, (((2,), (1,)), ((1,), (0,))), precision=HIGHEST,
                                preferred_element_type=jnp.float32)              # [G, M, O]
         y = jnp.sum(part * w.scales[:, None, :], axis=0)
     else:
@@ -328,13 +373,11 @@ def _qat_bwd(scheme, group, compute, res, dy):
     x, q, w_like = res
     w_dtype = w_like.dtype
     cd = jnp.dtype(compute)
-    codes = unpack_int4(q.codes, group).reshape(*q.shape) if scheme == QuantScheme.INT4 else q.codes
     scales = q.scales
-    if scheme == QuantScheme.INT4:
-        G = scales.shape[-2]
-        wq = (codes.astype(jnp.float32).reshape(G, group, -1) * scales[:, None, :]).reshape(q.shape)
+    if scheme in GROUPED_SCHEMES:
+        wq = (centred_codes(q).astype(jnp.float32) * scales[:, None, :]).reshape(q.shape)
     else:
-        wq = codes.astype(jnp.float32) * scales
+        wq = q.codes.astype(jnp.float32) * scales
     dy = dy.astype(jnp.float32)
     # x's gradient: through the rounding of x to the compute dtype (identity) and the dequantized weight.
     dx = jnp.einsum("...o,io->...i", dy, wq, precision=HIGHEST).astype(x.dtype)
