@@ -2,8 +2,8 @@
 them: model-0000k-of-0000n.safetensors shards of about 5 GB and model.safetensors.index.json, config.json, and the
 demo model's tokenizer files (its ids all lie inside the 128,256-id vocabulary).
 
-The writer generates one tensor at a time, in blocks of rows, straight into its shard: its memory is a block, not
-the model (an 8B checkpoint is ~16 GB of shards).
+The writer generates one tensor at a time, a block at a time, straight into its shard: its memory is a pool of
+values (128 MiB) and a block, not the model (an 8B checkpoint is ~16 GB of shards).
 
     from bench.shapes import SHAPES, hf_config, write_checkpoint
     write_checkpoint(hf_config("8b"), Path("/tmp/ck-8b"))
@@ -13,6 +13,7 @@ the model (an 8B checkpoint is ~16 GB of shards).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import struct
@@ -34,7 +35,8 @@ SHAPES = {
 VOCAB = 128_256
 SHARD_BYTES = 5_000_000_000
 STD = 0.02          # Hugging Face's initializer_range: q/k and logits stay near unit scale at these widths
-_ROWS_BYTES = 64 << 20     # the block of rows generated at once
+POOL = 1 << 26             # values in the pool the projections are cut from
+_BLOCK = 1 << 22           # values a weight takes from one offset of the pool
 
 
 def hf_config(shape: str, context: int = 32768) -> dict:
@@ -76,17 +78,28 @@ def _header(names: list[str], tensors: dict[str, tuple[int, ...]], itemsize: int
     return struct.pack("<Q", len(text)) + text
 
 
+@functools.lru_cache(maxsize=1)
+def _pool(seed: int) -> np.ndarray:
+    """POOL seeded normal values times STD, as bf16: drawing 8e9 normals takes ~10 minutes on 2 cores, so a
+    projection's values are cut from this pool at seeded offsets instead (a weight's rows are distinct slices)."""
+    import ml_dtypes
+    rng = np.random.default_rng([seed, 1 << 20])
+    return (STD * rng.standard_normal(POOL, dtype=np.float32)).astype(ml_dtypes.bfloat16)
+
+
 def _write_tensor(f, name: str, shape: tuple[int, ...], seed: int, index: int) -> None:
-    """One tensor's bf16 values, seeded by (seed, its index), generated and written a block of rows at a time:
-    norm weights near 1, the rest normal with STD."""
+    """One tensor's bf16 values, seeded by (seed, its index), written a block at a time: norm weights near 1
+    (drawn), the rest slices of the seeded pool of normal values with STD at drawn offsets."""
     import ml_dtypes
     rng = np.random.default_rng([seed, index])
-    rows, width = (shape[0], int(np.prod(shape[1:]))) if len(shape) > 1 else (1, shape[0])
-    step = max(1, _ROWS_BYTES // (4 * width))
-    for r in range(0, rows, step):
-        block = rng.standard_normal((min(step, rows - r), width), dtype=np.float32)
-        block = 1.0 + 0.1 * block if name.endswith("norm.weight") else STD * block
-        f.write(block.astype(ml_dtypes.bfloat16).tobytes())
+    size = int(np.prod(shape))
+    if name.endswith("norm.weight"):
+        f.write((1.0 + 0.1 * rng.standard_normal(size, dtype=np.float32)).astype(ml_dtypes.bfloat16).tobytes())
+        return
+    pool = _pool(seed)
+    for start in range(0, size, _BLOCK):
+        n, at = min(_BLOCK, size - start), int(rng.integers(0, POOL - _BLOCK))
+        f.write(pool[at:at + n].tobytes())
 
 
 def write_checkpoint(hf: dict, out: Path, seed: int = 0, shard_bytes: int = SHARD_BYTES, log=print) -> int:

@@ -9,6 +9,7 @@ import time
 from tlaloc_jax.artifact import QUANT_GROUPS
 
 from ._options import DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_LONG_CHUNK, DEFAULT_PREFILL_MAX_BATCH
+from . import _timing as timing
 from ._quant import WEIGHT_QUANT
 
 
@@ -158,6 +159,7 @@ def main(argv=None) -> int:
             return 2
 
     dtypes = {"f32": "float32", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+    timing.reset()
     t0 = time.perf_counter()
     try:
         m = export_checkpoint(args.checkpoint, args.out, batch_ladder=args.batch_ladder,
@@ -190,6 +192,7 @@ def main(argv=None) -> int:
           + (f", scoring prefill entries (top {m.scorer.top_logprobs} prompt logprobs)" if m.scorer else "")
           + (f", for {m.devices} devices (tensor parallel)" if m.mesh else "")
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
+    print(f"time: {timing.summary()}")
     return 0
 
 

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Sequence
 
 from tlaloc_jax import artifact as af
-from tlaloc_jax.checkpoint import load_checkpoint, weight_dtype
+from tlaloc_jax.checkpoint import read_config, weight_dtype
 from tlaloc_jax.config import SLIDING, DecoderConfig
 from tlaloc_jax.decoder import (DEFAULT_KEY_BLOCK, decoder_pools, final_hidden, forward, logits_from_hidden,
                                 supports_mixed_calls)
 from tlaloc_jax.kernels import paged_attention_gpu, paged_attention_native
-from tlaloc_jax.layout import LAYOUTS, fuse_projections, out_major, unstack_layers
+from tlaloc_jax.families import config_from_hf
+from tlaloc_jax.layout import LAYOUTS
 from tlaloc_jax.serve.core.paging import ring_pages_for
 from tlaloc_jax.sharding import ShardingError, local_config, shard_decoder_weights
 
@@ -27,7 +28,8 @@ from ._entries import ExportError
 from ._mesh import weight_split_axes
 from ._options import (DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_LONG_CHUNK, Capacity, Features,
                        Ladders, ModelInfo, Sampler, SplitStep)
-from ._quant import quantize_weights, scheme_label
+from ._checkpoint_weights import loaded_weights, streamed_weights
+from ._quant import check_prequantized, prequantized_config, scheme_label
 from ._stage import sorted_ladder, stage
 from ._weights import flatten_weights
 
@@ -137,22 +139,24 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         raise ExportError(f"unknown weight layout {weight_layout!r}: one of {', '.join(LAYOUTS)}")
     kv_np = af.numpy_dtype(kv_dtype) if kv_dtype == "float8_e4m3fn" else weight_dtype(kv_dtype)
     quantized = weight_quant != "none"
-    cfg, weights = load_checkpoint(checkpoint_dir, "float32" if quantized else weight_dtype_name)
+    stored = prequantized_config(checkpoint_dir, weight_quant)      # a pre-quantized checkpoint's, or None
+    if tensor_parallel > 1 and (quantized or stored):
+        raise ExportError(f"weight_quant {weight_quant!r} with tensor_parallel {tensor_parallel}: quantized weights "
+                          "are not split over devices yet; stage them on one device")
+    fam, cfg = config_from_hf(read_config(checkpoint_dir))
+    # One device streams each weight file from the checkpoint as it is written; a mesh splits host arrays, and a
+    # pre-quantized checkpoint's codes are read whole (tlaloc_jax/prequantized.py).
+    read = loaded_weights if tensor_parallel > 1 or stored else streamed_weights
+    weights = read(checkpoint_dir, fam, cfg, dtype=weight_dtype_name, layout=weight_layout, quant=weight_quant,
+                   group=quant_group)
     cfg = cfg.with_context(contexts[-1])
     name = cfg.name or Path(checkpoint_dir).name
-    per_layer = weight_layout == "per-layer"
-    if per_layer:
-        weights = fuse_projections(weights)     # before quantizing: the fused projection gets its own scales
+    if stored:
+        name += f":q{check_prequantized(weights, stored, progress=progress)}"
     if quantized:
-        weights = quantize_weights(weights, weight_quant, quant_group, compute=weight_dtype_name)
         name += f":q{scheme_label(weight_quant, quant_group)}"
     if kv_dtype == "float8_e4m3fn":
         name += ":kvfp8"
-    if per_layer:
-        weights = out_major(unstack_layers(weights))
-    if tensor_parallel > 1 and quantized:
-        raise ExportError(f"weight_quant {weight_quant!r} with tensor_parallel {tensor_parallel}: quantized weights "
-                          "are not split over devices yet; stage them on one device")
     weights, shard_cfg, split_axes = tensor_parallel_decoder(cfg, weights, tensor_parallel)
     if contexts[-1] > cfg.max_position_embeddings:
         why = (f"the context ladder reaches {contexts[-1]} positions, past the checkpoint's max_position_embeddings "

@@ -13,6 +13,9 @@ from jax import export as jax_export
 
 from tlaloc_jax import artifact as af
 
+from ._lazy import LazyWeight
+from ._timing import timed
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json")
 
@@ -52,13 +55,28 @@ def write_body(out: Path, exp: jax_export.Exported, *, mlir: bool = False, expor
     return files
 
 
-def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar,
+def write_blocks(path: Path, blocks) -> tuple[int, str]:
+    """Write byte blocks one after another to `path` (its folders made), hashing as they go -> (bytes, sha256)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    digest, n = hashlib.sha256(), 0
+    with open(path, "wb") as f:
+        for block in blocks:
+            with timed("write"):
+                data = np.ascontiguousarray(block).reshape(-1).view(np.uint8)   # bytes of any dtype (bf16 too)
+                f.write(data)
+                digest.update(data)
+                n += data.nbytes
+    return n, digest.hexdigest()
+
+
+def write_weights(out: Path, flat: Mapping[str, np.ndarray | LazyWeight], bar,
                   quant: Mapping[str, af.WeightQuant] | None = None,
                   parts: Mapping[str, af.Partition] | None = None, devices: int = 1) -> tuple[af.WeightFile, ...]:
     """One raw file per weight (host order, checked little-endian by the caller), hashed; `bar` ticks per file.
     quant: the slots that are halves of quantized weights (export/_quant.py's quant_records). parts: a weight split
     over the devices (its partition names a dimension) is written as one file per device, its block along that
-    dimension, so that each device reads its shard alone."""
+    dimension, so that each device reads its shard alone. A LazyWeight is read here, a block at a time where it
+    comes in parts (a split one whole), and dropped once written."""
     quant, parts = quant or {}, parts or {}
     files = []
     for i, (slot, w) in enumerate(flat.items()):
@@ -66,6 +84,7 @@ def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar,
         partition = parts.get(slot, ())
         common = dict(slot=slot, dtype=w.dtype.name, shape=tuple(w.shape), nbytes=w.nbytes, quant=quant.get(slot))
         if any(partition):
+            w = w.load() if isinstance(w, LazyWeight) else w
             axis = next(d for d, name in enumerate(partition) if name)
             shards = []
             for d, block in enumerate(np.split(np.asarray(w), devices, axis=axis)):
@@ -75,8 +94,8 @@ def write_weights(out: Path, flat: Mapping[str, np.ndarray], bar,
             files.append(af.WeightFile(**common, partition=partition, shards=tuple(shards)))
         else:
             rel = f"weights/{i:04d}_{slot}.bin"
-            files.append(af.WeightFile(**common, file=rel,
-                                       sha256=write_file(out / rel, np.ascontiguousarray(w).tobytes())))
+            _, sha = write_blocks(out / rel, w.blocks(slot) if isinstance(w, LazyWeight) else (w,))
+            files.append(af.WeightFile(**common, file=rel, sha256=sha))
         bar.update()
     return tuple(files)
 

@@ -9,12 +9,15 @@ keep the model's weight dtype (tlaloc_jax/kernels/quantized_matmul.py).
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 
 from tlaloc_jax import artifact as af
+from tlaloc_jax import prequantized
+from tlaloc_jax.checkpoint import read_config
 from tlaloc_jax.kernels.quantized_matmul import QuantError, QuantizedWeight, check_scheme, quantize_array
 
 from ._entries import ExportError
@@ -53,6 +56,31 @@ def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int,
             raise ExportError(f"weight {name!r} {list(w.shape)}: {e}") from None
         out[name] = q
     return out
+
+
+def prequantized_config(checkpoint_dir, weight_quant: str) -> prequantized.QuantConfig | None:
+    """A pre-quantized checkpoint's quantization_config (None for an unquantized one); refuses quantizing it again."""
+    qc = prequantized.quant_config(read_config(checkpoint_dir))
+    if qc is not None and weight_quant != "none":
+        raise ExportError(f"the checkpoint is already quantized (quantization_config.quant_method {qc.method!r}): "
+                          f"export it with weight_quant 'none' (--weight-quant none), not {weight_quant!r}")
+    return qc
+
+
+def check_prequantized(weights: Mapping[str, Any], qc: prequantized.QuantConfig, *, progress: bool) -> str:
+    """Refuses a slot read quantized that the decoder keeps float; says what was read (the export log); -> the
+    label the model's name carries ("gptq-uint4g128")."""
+    is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    stored = [name for name, w in weights.items() if any(map(is_q, jax.tree.leaves(w, is_leaf=is_q)))]
+    for name in stored:
+        if name not in QUANTIZED_SLOTS:
+            raise ExportError(f"slot {name!r} is stored quantized ({qc.method}) but is kept in the weight dtype here "
+                              f"(quantized slots: {', '.join(QUANTIZED_SLOTS)})")
+    if progress:
+        how = ("dequantized to the weight dtype (the artifact's fp8 has one scale per output channel, not one per "
+               f"{qc.block[0]}x{qc.block[1]} block)" if qc.method == "fp8" else "codes read as stored")
+        print(f"pre-quantized checkpoint ({qc.label}): {len(stored)} quantized slots, {how}", file=sys.stderr)
+    return qc.label
 
 
 def quant_records(weights: Any) -> dict[str, af.WeightQuant]:

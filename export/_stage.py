@@ -36,6 +36,8 @@ from ._copy_slots import copy_slots_fn, copy_slots_signature
 from ._decode_steps import decode_steps_fn, decode_steps_signature
 from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entries
 from ._files import copy_tokenizer, write_body, write_weights
+from ._progress import progress_bar
+from ._timing import timed
 from ._mesh import abstract_mesh, mesh_size, partition_of, pool_split_axis, sharded
 from ._options import (DEFAULT_POOL_SEQUENCES, DEFAULT_PREFILL_MAX_BATCH, Capacity, Features, Ladders, ModelInfo,
                        Options, SplitStep)
@@ -345,20 +347,17 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         raise ExportError(f"output directory {str(out)!r} is not empty")
     out.mkdir(parents=True, exist_ok=True)
     entries, calling_convention, native_calls = [], 0, set()
-    # Imported only when shown: tqdm.auto warns in a notebook without ipywidgets even when disabled.
-    if progress:
-        from tqdm.auto import tqdm
-    else:
-        from tqdm import tqdm
-    bar = tqdm(total=len(specs) + len(flat), desc="export", unit="item", disable=not progress)
+    bar = progress_bar(len(specs) + len(flat), "export", progress)
     for spec in specs:
         bar.set_postfix_str(spec.name)
         inputs, outputs, donations = entry_signature(spec, resolved, block_size, vocab, flat, sampler, scorer,
                                                      weight_parts)
         if spec.kind == af.EntryKind.DECODE_STEPS:
             inputs, outputs, donations = decode_steps_signature(inputs, outputs, batch=spec.batch, steps=spec.steps)
-        exp, targets = export_entry(step, treedef, spec, inputs, outputs, donations, ring_pages=resolved.ring_pages,
-                                    platform=platform, block_size=block_size, mesh=mesh)
+        with timed("entries"):
+            exp, targets = export_entry(step, treedef, spec, inputs, outputs, donations,
+                                        ring_pages=resolved.ring_pages, platform=platform, block_size=block_size,
+                                        mesh=mesh)
         calling_convention = int(exp.calling_convention_version)
         native_calls |= targets & set(native.KERNELS)
         entry = af.Entry(name=spec.name, kind=af.EntryKind(spec.kind), batch=spec.batch, context=spec.context,

@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
-from tqdm.auto import tqdm
 
 from tlaloc_jax import artifact as af
 from tlaloc_jax.artifact import bounded_manifest as bm
@@ -33,6 +32,7 @@ from tlaloc_jax.bounds import Bound, Valid
 
 from ._entries import ExportError, check_custom_calls, export_fn
 from ._files import copy_tokenizer, write_body, write_weights
+from ._progress import progress_bar
 from ._padding import check_padding
 from ._roundings import output_roundings
 from ._weights import flatten_weights, path_name
@@ -207,7 +207,7 @@ def stage_bounded(fn: Callable, params: Any, example_args: Mapping[str, Any], ou
             raise ExportError(str(e)) from None
 
     combos = list(itertools.product(*(b.buckets for b in bound_specs)))
-    bar = tqdm(total=len(combos) + len(flat), desc="stage_bounded", unit="item", disable=not progress)
+    bar = progress_bar(len(combos) + len(flat), "stage_bounded", progress)
     run = jax.jit(body)
     weights = [jnp.asarray(w) for w in flat.values()]
     rng = np.random.default_rng(0)

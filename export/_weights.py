@@ -10,6 +10,7 @@ import numpy as np
 from tlaloc_jax import artifact as af
 
 from ._entries import ExportError
+from ._lazy import LazyWeight, as_lazy
 
 def key_name(k) -> str:
     """One key of a pytree path as a slot name's part."""
@@ -29,8 +30,10 @@ def path_name(path) -> str:
     return ".".join(key_name(k) for k in path)
 
 
-def flatten_weights(weights: Any) -> tuple[dict[str, np.ndarray], Any]:
+def flatten_weights(weights: Any) -> tuple[dict[str, np.ndarray | LazyWeight], Any]:
     """A weights pytree (a dict of named arrays, nested dicts, a flax.nnx State) -> ({slot name: array}, treedef).
+    A lazy leaf (export/_lazy.py: shape, dtype and load(), or a zero-argument loader) stays a LazyWeight, read
+    when its file is written.
 
     Slot names join the path's keys with "." (an nnx Variable's trailing `.value` dropped); they name the
     artifact's weight files, so they keep to letters, digits, "_", "." and "-"."""
@@ -45,7 +48,8 @@ def flatten_weights(weights: Any) -> tuple[dict[str, np.ndarray], Any]:
             raise ExportError(f"weight {name!r}: a slot name keeps to letters, digits, '_', '.' and '-'")
         if name in out:
             raise ExportError(f"two weights flatten to the slot name {name!r}")
-        arr = np.asarray(leaf)
+        arr = as_lazy(name, leaf)
+        arr = np.asarray(leaf) if arr is None else arr
         if arr.dtype.name not in af.DTYPES:
             raise ExportError(f"weight {name!r} has dtype {arr.dtype.name}, which an artifact cannot hold "
                               f"(known: {', '.join(af.DTYPES)})")

@@ -10,6 +10,11 @@
 
 #include "xla_ffi_c_api.h" /* XLA's xla/ffi/api/c_api.h, vendored */
 
+#ifdef TLALOC_KERNEL_KEY
+/* The sources a prebuilt library was compiled from (tlaloc_jax.native.source_key): the loader passes a stale one over. */
+__attribute__((visibility("default"))) const char tlaloc_kernel_key[] = TLALOC_KERNEL_KEY;
+#endif
+
 /* XLA asks a handler its API version once, when it is registered: 1 if this call was that question. */
 static int answered_metadata(XLA_FFI_CallFrame *frame) {
   for (XLA_FFI_Extension_Base *ext = frame->extension_start; ext; ext = ext->next)

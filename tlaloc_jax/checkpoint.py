@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 
 from . import artifact as af
-from .config import ConfigError, DecoderConfig
+from . import prequantized
+from .config import CheckpointError, ConfigError, DecoderConfig
 from .families import Family, Tensor, config_from_hf, split_rows, stack_layers
 
 # The embedded demo model (a checkpoint shipped as package data): what `export --demo` and the tools read.
@@ -20,10 +22,6 @@ DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
 # The dtypes a checkpoint is read into (weights and KV pools); their names and numpy types come from the
 # project's one dtype table (tlaloc_jax.artifact.DTYPES).
 WEIGHT_DTYPES = ("float32", "bfloat16")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing a tensor or holds one of the wrong shape; the message names it."""
 
 
 def read_config(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
@@ -39,8 +37,44 @@ def weight_dtype(name: str) -> np.dtype:
     return af.numpy_dtype(name)
 
 
+# safetensors' dtype names -> numpy's (ml_dtypes' for bf16 and fp8, which safetensors' numpy reader cannot read).
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32",
+                      "U16": "uint16", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+                      "F8_E5M2": "float8_e5m2"}
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, dict], int]:
+    """A safetensors file's tensors {name: {dtype, shape, data_offsets}} and the offset where their data starts."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def read_tensor(path: Path, name: str, entry: dict, data_start: int) -> np.ndarray:
+    """One tensor of a safetensors file, read into a host array of its own (no mapping kept: the export's resident
+    set holds this tensor, not the file's pages)."""
+    if entry["dtype"] not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"tensor {name!r} in {path.name!r} has dtype {entry['dtype']}, which the reader does "
+                              f"not take (known: {', '.join(SAFETENSORS_DTYPES)})")
+    name_np = SAFETENSORS_DTYPES[entry["dtype"]]
+    dtype = np.dtype(getattr(ml_dtypes, name_np) if name_np in ("bfloat16", "float8_e4m3fn", "float8_e5m2") else name_np)
+    arr = np.empty(entry["shape"], dtype)
+    start, end = entry["data_offsets"]
+    if end - start != arr.nbytes:
+        raise CheckpointError(f"tensor {name!r} in {path.name!r} spans {end - start} bytes, its dtype and shape "
+                              f"{arr.nbytes}: the file is damaged")
+    with open(path, "rb") as f:
+        f.seek(data_start + start)
+        if f.readinto(arr.reshape(-1).view(np.uint8)) != arr.nbytes:
+            raise CheckpointError(f"tensor {name!r}: {path.name!r} ends before its data does (a truncated file)")
+    return arr
+
+
 class _TensorIndex:
-    """Where each tensor of a (possibly sharded) safetensors checkpoint lives; opens each file once."""
+    """Where each tensor of a (possibly sharded) safetensors checkpoint lives; reads one tensor at a time."""
 
     def __init__(self, checkpoint_dir: Path):
         index = checkpoint_dir / "model.safetensors.index.json"
@@ -49,28 +83,27 @@ class _TensorIndex:
             weight_map = json.loads(index.read_text())["weight_map"]
             self.file_of = {name: checkpoint_dir / fname for name, fname in weight_map.items()}
         elif single.is_file():
-            with safe_open(str(single), framework="flax") as f:
-                self.file_of = {name: single for name in f.keys()}
+            self.file_of = {name: single for name in safetensors_header(single)[0]}
         else:
             raise CheckpointError(
                 f"no model.safetensors or model.safetensors.index.json in {str(checkpoint_dir)!r}")
-        self._open: dict[Path, Any] = {}
+        self._headers: dict[Path, tuple[dict[str, dict], int]] = {}
 
     def get(self, name: str) -> np.ndarray:
         path = self.file_of.get(name)
         if path is None:
             raise CheckpointError(f"checkpoint is missing tensor {name!r}")
-        if path not in self._open:
+        if path not in self._headers:
             if not path.is_file():
                 raise CheckpointError(f"tensor {name!r} is mapped to {path.name!r}, which does not exist")
-            self._open[path] = safe_open(str(path), framework="flax").__enter__()
-        # framework="flax" reads bf16 too (the numpy backend cannot); convert to host numpy at once.
-        return np.asarray(self._open[path].get_tensor(name))
+            self._headers[path] = safetensors_header(path)
+        header, data_start = self._headers[path]
+        if name not in header:
+            raise CheckpointError(f"tensor {name!r} is mapped to {path.name!r}, which does not hold it")
+        return read_tensor(path, name, header[name], data_start)
 
     def close(self) -> None:
-        for f in self._open.values():
-            f.__exit__(None, None, None)
-        self._open.clear()
+        self._headers.clear()
 
 
 def _hf_shape(spec: Tensor, cfg: DecoderConfig) -> tuple[int, ...]:
@@ -99,9 +132,16 @@ def checkpoint_tensors(fam: Family, cfg: DecoderConfig) -> dict[str, tuple[int, 
     return out
 
 
-def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, dtype: np.dtype) -> np.ndarray:
-    arr = index.get(name)
+def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, dtype: np.dtype,
+              out_major: bool = False, qc=None):
+    """One checkpoint tensor as its slot holds it ([..., I, O] for a linear), or with out_major its last two axes
+    swapped (a linear [O, I], as the checkpoint stores it: no transposed copy). A linear stored pre-quantized (qc,
+    tlaloc_jax/prequantized.py) comes as a QuantizedWeight [I, O] either way."""
     hf_shape = _hf_shape(spec, cfg)
+    arr = prequantized.read_tensor(index, name, hf_shape, spec, np.dtype(dtype).name, qc)    # a stored-quantized one
+    if arr is not None and not isinstance(arr, np.ndarray):
+        return arr
+    arr = index.get(name) if arr is None else arr
     if tuple(arr.shape) != hf_shape:
         raise CheckpointError(f"tensor {name!r} has shape {list(arr.shape)}, expected {list(hf_shape)} "
                               f"for slot {spec.slot!r} of {cfg.model_type}")
@@ -109,32 +149,36 @@ def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, 
         arr = arr.squeeze(spec.squeeze)
     if spec.split is not None:
         arr = np.take(arr, split_rows(spec.split, cfg)[0], axis=spec.split.axis)
-    if spec.transpose:
+    if spec.transpose != out_major:
         arr = arr.swapaxes(-1, -2)
     return np.ascontiguousarray(arr.astype(np.float32).astype(dtype) if arr.dtype != dtype else arr)
 
 
 def _read_slot(index: _TensorIndex, fam: Family, spec: Tensor, cfg: DecoderConfig, layer: int | None,
-               dtype: np.dtype) -> np.ndarray:
+               dtype: np.dtype, out_major: bool = False, qc=None) -> np.ndarray:
+    """One layer's tensor of a slot (`layer` None: a whole slot's), read in `dtype`; out_major and qc as _read_one."""
     if spec.per_expert:
-        return np.stack([_read_one(index, spec.hf.format(p=fam.prefix, i=layer, e=e), spec, cfg, dtype)
-                         for e in range(cfg.experts.num_experts)])
-    return _read_one(index, spec.hf.format(p=fam.prefix, i=layer), spec, cfg, dtype)
+        return prequantized.stack([_read_one(index, spec.hf.format(p=fam.prefix, i=layer, e=e), spec, cfg, dtype,
+                                             out_major, qc) for e in range(cfg.experts.num_experts)])
+    return _read_one(index, spec.hf.format(p=fam.prefix, i=layer), spec, cfg, dtype, out_major, qc)
 
 
 def load_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderConfig,
                  dtype: str = "float32") -> dict[str, np.ndarray]:
-    """Read every slot of `cfg` as host arrays of `dtype`; per-layer slots are stacked [L, ...]."""
+    """Read every slot of `cfg` as host arrays of `dtype`; per-layer slots are stacked [L, ...]. A pre-quantized
+    checkpoint's quantized linears come as QuantizedWeights of compute dtype `dtype` (tlaloc_jax/prequantized.py)."""
     np_dtype = weight_dtype(dtype)
+    qc = prequantized.quant_config(read_config(checkpoint_dir))
     index = _TensorIndex(Path(checkpoint_dir))
     try:
         weights: dict[str, np.ndarray] = {}
         for spec in fam.slots(cfg):
             layers = stack_layers(spec.slot, cfg)
             if layers:
-                weights[spec.slot] = np.stack([_read_slot(index, fam, spec, cfg, i, np_dtype) for i in layers])
+                weights[spec.slot] = prequantized.stack([_read_slot(index, fam, spec, cfg, i, np_dtype, qc=qc)
+                                                         for i in layers])
             else:
-                weights[spec.slot] = _read_slot(index, fam, spec, cfg, None, np_dtype)
+                weights[spec.slot] = _read_slot(index, fam, spec, cfg, None, np_dtype, qc=qc)
         return weights
     finally:
         index.close()

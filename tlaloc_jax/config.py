@@ -10,6 +10,11 @@ class ConfigError(ValueError):
     """A checkpoint's config.json asks for something this project does not build; the message names it."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint is missing a tensor or holds one of the wrong shape or layout; the message names it. (Here, not in
+    tlaloc_jax.checkpoint, so that the pre-quantized readers it calls can raise it.)"""
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary position embedding settings.

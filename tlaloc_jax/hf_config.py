@@ -70,6 +70,8 @@ def read_rope(hf: dict[str, Any], params: dict[str, Any] | None = None) -> RopeC
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# quantization_config's methods whose checkpoints the loader reads (tlaloc_jax/prequantized.py).
+PREQUANTIZED_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 
 
 def _longrope_attention_factor(hf: dict[str, Any], params: dict[str, Any], original: int) -> float:
@@ -116,10 +118,11 @@ def _refuse_flag(hf: dict[str, Any], key: str, family: str) -> None:
 def _common(family: Family, hf: dict[str, Any]) -> dict[str, Any]:
     """The keys every decoder family shares."""
     quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    method = (quant.get("quant_method") if isinstance(quant, dict) else quant) if quant else None
+    if quant and method not in PREQUANTIZED_METHODS:     # the loader reads these (tlaloc_jax/prequantized.py)
         raise ConfigError(f"{family.name} config key quantization_config (quant_method {method!r}) is not "
-                          "supported: the weights must be stored unquantized (float32 or bfloat16)")
+                          f"supported: the weights must be stored unquantized (float32 or bfloat16) or as "
+                          f"{', '.join(PREQUANTIZED_METHODS)}")
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     return dict(

@@ -50,11 +50,20 @@ LINEAR_SLOTS = ("attn.qkv_proj", "attn.q_proj", "attn.k_proj", "attn.v_proj", "a
 
 def fuse_projections(weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Stacked weights with q | k | v and gate | up joined along their last (output) axis where all the parts
-    are present; every other slot as it was."""
+    are present; every other slot as it was. Quantized in-major parts (a pre-quantized checkpoint's) of one scheme
+    and group are joined leaf by leaf (codes, scales and zeros all end in the output axis); others stay apart."""
     out = dict(weights)
     for fused, parts in FUSED.items():
-        if all(p in out for p in parts):
+        if not all(p in out for p in parts):
+            continue
+        ws = [out[p] for p in parts]
+        quant = {(w.scheme, w.group, w.compute, w.out_major) if isinstance(w, QuantizedWeight) else None for w in ws}
+        if quant == {None}:
             out[fused] = np.concatenate([np.asarray(out.pop(p)) for p in parts], axis=-1)
+        elif len(quant) == 1 and not next(iter(quant))[3]:
+            out[fused] = jax.tree.map(lambda *a: np.concatenate(a, axis=-1), *ws)
+            for p in parts:
+                del out[p]
     return out
 
 

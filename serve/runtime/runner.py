@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tlaloc_jax import artifact as af
+from tlaloc_jax import native
 
 from . import sharded
 from .handles import Buffer, Executable
@@ -72,8 +73,14 @@ class Runner:
                                        f"{device.plugin_path} is {device.platform_name}")
             if device.devices != m.devices:
                 raise af.ManifestError(sharded.device_count_mismatch(m, device.devices))
+            missing = {}
             for target in m.versions.custom_calls:     # before any body that calls them compiles
-                device.register_native(target)
+                try:
+                    device.register_native(target)
+                except native.NativeKernelError as e:
+                    missing[target] = e
+            if missing:                                # one error naming them all
+                raise native.unavailable(m.versions.custom_calls, missing)
             self._check_memory()
             self._compile_kinds(progress)
             self.weights = sharded.upload_weights(device, self.artifact_dir, m.weights, m.mesh)

@@ -23,6 +23,7 @@ TARGET = "tlaloc_decode_attention_v1"
 def cache(monkeypatch, tmp_path):
     folder = tmp_path / "cache"
     monkeypatch.setenv(native.ENV_CACHE, str(folder))
+    monkeypatch.setenv(native.ENV_VARIANT, "build")       # these tests are about building here, not the prebuilt ones
     return folder
 
 

@@ -70,14 +70,14 @@ def test_a_kernel_the_runtime_lacks_is_refused_at_load(exported, tmp_path):
 
 
 def test_a_server_whose_compiler_writes_nothing_names_the_kernel(exported, tmp_path):
-    """The probe: `CC=true` (exits 0, writes no library) and an empty kernel cache. The server exits 2 with the
+    """The probe: `CC=true` (exits 0, writes no library), an empty kernel cache and no prebuilt variant taken. The server exits 2 with the
     kernel, the compiler command and the way out, not a bare file-not-found error nor a traceback."""
     _, art = exported
-    env = {**os.environ, "CC": "true", native.ENV_CACHE: str(tmp_path / "native")}
+    env = {**os.environ, "CC": "true", native.ENV_CACHE: str(tmp_path / "native"), native.ENV_VARIANT: "build"}
     run = subprocess.run([sys.executable, "-m", "tlaloc_jax.serve", str(art), "--port", "0", "--cache-dir", "none",
                           "--no-progress"], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
-    assert "error: native kernel 'tlaloc_decode_attention_v1': true exited 0 on decode_attention.c but wrote no " \
+    assert "native kernel 'tlaloc_decode_attention_v1': true exited 0 on decode_attention.c but wrote no " \
            "whole library" in run.stderr and "install gcc or clang" in run.stderr, run.stderr[-2000:]
 
 
