@@ -58,7 +58,7 @@ def projections(rows: list[int], dtypes: list[str], steps: int) -> None:
     print(f"\nprojections: {L} layers, hidden {E}, intermediate {F}; weights out-major")
     print(f"{'weights':>7} {'rows':>5} | {'XLA (decoder)':>13} | {'C kernel':>9} | C / XLA | XLA GB/s | C GB/s")
     for name in dtypes:
-        dtype = {"f32": np.float32, "bf16": jnp.bfloat16, "int8": np.int8, "int4": None}[name]
+        dtype = None if name == "int4" else {"f32": np.float32, "bf16": jnp.bfloat16, "int8": np.int8}[name]
         W = []
         for _ in range(L):
             layer = [rng.standard_normal((o, i), np.float32) * 0.02 for o, i in ((Q, E), (E, E), (2 * F, E), (E, F))]
