@@ -5,6 +5,7 @@
     python -m bench.serving --peer vllm-plugin                # against vLLM serving the same artifact (the plugin)
     python -m bench.serving --peer vllm --sweep 1,2,4,8,16,32 --plot serving.png
     python -m bench.serving --open-loop 4                     # Poisson arrivals, 4 requests/s
+    python -m bench.serving --peer vllm --also-export-arg=--entries=flat   # and a second export, served beside
 
 Builds (once, kept under --work) a random Llama in Hugging Face format, ~82M parameters with the demo model's
 tokenizer (vocab 4096), exports it with the default export options (`python -m tlaloc_jax.export`), and serves
@@ -42,8 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # -- the checkpoint and the servers -----------------------------------------------------------------------------
 
 
-def prepare(a) -> tuple[Path, Path]:
-    """(checkpoint, artifact) under --work; the checkpoint is kept between runs, the artifact exported each run."""
+def prepare(a, extra: list[str] | None = None, folder: str = "art") -> tuple[Path, Path]:
+    """(checkpoint, artifact) under --work; the checkpoint is kept between runs, the artifact exported each run (with
+    the export options `extra`, else --export-arg)."""
     from bench.common import llama_config
 
     work = Path(a.work)
@@ -59,14 +61,15 @@ def prepare(a) -> tuple[Path, Path]:
         save_checkpoint(ck, hf, weights)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(ROOT / "tlaloc_jax" / "demo_model" / name, ck / name)
-    art = work / "art"
+    art = work / folder
+    extra = a.export_arg if extra is None else extra
     shutil.rmtree(art, ignore_errors=True)
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(ck), str(art), "--context-ladder",
-                    ",".join(str(c) for c in a.context_ladder), "--quiet", *a.export_arg], check=True,
+                    ",".join(str(c) for c in a.context_ladder), "--quiet", *extra], check=True,
                    env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    print(f"exported with the default options (context ladder {a.context_ladder}{' ' if a.export_arg else ''}"
-          f"{' '.join(a.export_arg)}) in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"exported with the default options (context ladder {a.context_ladder}{' ' if extra else ''}"
+          f"{' '.join(extra)}) in {time.perf_counter() - t0:.1f} s", flush=True)
     return ck, art
 
 
@@ -107,10 +110,10 @@ def _wait_up(name: str, proc: subprocess.Popen, url: str, log: Path, timeout: fl
     raise RuntimeError(f"{name} did not start in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def start_tlaloc(a, art: Path, caching: bool = True) -> Server:
+def start_tlaloc(a, art: Path, caching: bool = True, name: str = "") -> Server:
     port = _free_port()
-    name = "tlaloc-jax" if caching else "tlaloc-jax, no prefix cache"
-    log = Path(a.work) / ("tlaloc.log" if caching else "tlaloc-nocache.log")
+    name = name or ("tlaloc-jax" if caching else "tlaloc-jax, no prefix cache")
+    log = Path(a.work) / f"{name.replace(' ', '_').replace(',', '')}.log"
     cmd = [sys.executable, "-m", "tlaloc_jax.serve", str(art), "--port", str(port), "--max-num-seqs",
            str(a.max_num_seqs), "--no-progress", *([] if caching else ["--no-enable-prefix-caching"]), *a.serve_arg]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
@@ -124,7 +127,10 @@ def _wait_warm(server: Server, timeout: float) -> None:
     warm-up runs while it is idle, and would otherwise run during the peer's cells."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
-        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        try:
+            text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        except httpx.TimeoutException:         # a loaded machine: the server is busy warming
+            continue
         cold = [line.split()[-1] for line in text.splitlines() if line.startswith("tlaloc_entries_cold ")]
         if cold and float(cold[0]) == 0:
             print(f"{server.name} warmed its entries in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -307,6 +313,8 @@ def main(argv=None) -> None:
     ap.add_argument("--context-ladder", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="export context ladder (default: the exporter's own, capped at --context)")
     ap.add_argument("--export-arg", action="append", default=[], help="an extra option for tlaloc_jax.export")
+    ap.add_argument("--also-export-arg", action="append", default=[],
+                    help="an option of a second export, served beside the first (e.g. --also-export-arg=--entries=flat)")
     ap.add_argument("--serve-arg", action="append", default=[], help="an extra option for tlaloc_jax.serve")
     ap.add_argument("--vllm-arg", action="append", default=[], help="an extra option for vLLM's server")
     ap.add_argument("--clients", default="8,32", help="closed-loop client counts (cells)")
@@ -336,6 +344,9 @@ def main(argv=None) -> None:
 
     ck, art = prepare(a)
     servers = [start_tlaloc(a, art)]
+    if a.also_export_arg:
+        _, also = prepare(a, a.export_arg + a.also_export_arg, "art-also")
+        servers.append(start_tlaloc(a, also, name=f"tlaloc-jax {' '.join(a.also_export_arg)}"))
     shared_cells = not a.sweep and any(int(x) for x in a.shared_prefix.split(","))
     try:
         if a.peer == "vllm":
@@ -376,9 +387,10 @@ def report(cells, servers, results, a, uncached=None) -> None:
             hit = f"{r['prefix_hits'] / r['prefix_queries']:.0%}" if r["prefix_queries"] else "-"
             print(f"| {cell.label} | {n} | {r['tok_s']:.1f} | {r['ttft_p50'] * 1e3:.0f} ms | {r['ttft_p99'] * 1e3:.0f} ms "
                   f"| {r['itl_p50'] * 1e3:.1f} ms | {r['itl_p99'] * 1e3:.1f} ms | {r['preemptions']:.0f} | {hit} |")
-        if len(names) == 2:
-            t, p = med[(cell.label, names[0])], med[(cell.label, names[1])]
-            print(f"| {cell.label} | **ratio** | **{t['tok_s'] / p['tok_s']:.2f}x** | **{t['ttft_p50'] / p['ttft_p50']:.2f}x** "
+        for first, second in ((x, y) for i, x in enumerate(names) for y in names[i + 1:]):
+            t, p = med[(cell.label, first)], med[(cell.label, second)]
+            what = "ratio" if len(names) == 2 else f"{first} / {second}"
+            print(f"| {cell.label} | **{what}** | **{t['tok_s'] / p['tok_s']:.2f}x** | **{t['ttft_p50'] / p['ttft_p50']:.2f}x** "
                   f"| {t['ttft_p99'] / p['ttft_p99']:.2f}x | {t['itl_p50'] / p['itl_p50']:.2f}x | "
                   f"{t['itl_p99'] / p['itl_p99']:.2f}x | | |")
     for c in cells:

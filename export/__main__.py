@@ -120,6 +120,11 @@ def main(argv=None) -> int:
                     help="no mixed entries (by default, for models of attention layers only, one entry per context and "
                          "decode batch of 4 or more runs the running sequences' decode tokens and one prompt chunk in "
                          "one call)")
+    ap.add_argument("--entries", choices=["default", "flat"], default="default",
+                    help="default: decode entries per batch, prefill and packed prefill entries, mixed entries (as the "
+                         "options above say); flat: only packed calls, one per context and token-count bucket (powers "
+                         "of two), decode rows and prompt chunks side by side in them, each token attending alone, as "
+                         "vLLM lays a step's tokens out (models of attention layers only)")
     ap.add_argument("--decode-steps", type=int, default=1, metavar="K",
                     help="K > 1 adds, beside each decode entry, one that runs up to K decode steps in one call (each "
                          "token fed to the next, stopping a row on its stop ids or length); the server uses it while "
@@ -177,7 +182,7 @@ def main(argv=None) -> int:
                               decode_attention=args.decode_attention, projections=args.projections,
                               weight_quant=args.weight_quant, quant_group=args.quant_group,
                               decode_steps=args.decode_steps, mixed=False if args.no_mixed else None,
-                              packed=False if args.no_packed else None,
+                              packed=False if args.no_packed else None, entries=args.entries,
                               tensor_parallel=args.tensor_parallel, mlir=args.mlir, exported=args.exported)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

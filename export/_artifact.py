@@ -59,6 +59,8 @@ CPU_DECODE_ATTENTION = "native"
 # weight dtype (bf16 and int8 weights, which XLA's forms read far below the read rate; f32 up to 32 rows), measured
 # faster than XLA's forms through the runtime's plugin (docs/cpu.md, "Kernels outside XLA").
 CPU_PROJECTIONS = "native"
+# The entry sets an export writes (export_checkpoint's entries).
+ENTRY_FORMS = ("default", "flat")
 
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -73,7 +75,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       allow_longer_context: bool = False, prompt_logprobs: int | None = None,
                       decode_attention: str | None = None, weight_layout: str = "per-layer",
                       weight_quant: str = "none", quant_group: int = 128, decode_steps: int = 1,
-                      mixed: bool | None = None, packed: bool | None = None,
+                      mixed: bool | None = None, packed: bool | None = None, entries: str = "default",
                       tensor_parallel: int = 1, projections: str | None = None, mlir: bool = False,
                       exported: bool = False) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v5).
@@ -112,10 +114,18 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     `Features`); None: where the decoder runs them (decoder.supports_mixed_calls), False: none.
     packed: the prefill entries of several rows are packed prefills, which compute their rows' tokens and not
     their padding (see `Features`); None: where the decoder runs them (as mixed), False: plain prefill entries.
+    entries: "default" (the entries above) or "flat": only packed prefills, one per context and token bucket, whose
+    tokens each attend as a row of their own (see `Features.flat`); for models of attention layers only.
     tensor_parallel: N > 1 stages every entry for N devices, each holding 1/N of the heads, KV heads, MLP width
     and experts (tlaloc_jax.sharding; docs/multi-device.md); a model whose counts do not divide is refused.
     mlir, exported: also write each body's `.mlir` and `.exported` (see `stage`); the runtime needs neither.
     """
+    if entries not in ENTRY_FORMS:
+        raise ExportError(f"entries {entries!r} is not one of {', '.join(ENTRY_FORMS)}")
+    flat = entries == "flat"
+    if flat and (mixed or packed is False or decode_steps != 1):
+        raise ExportError("entries 'flat' runs every call as a packed prefill: drop mixed, packed=False "
+                          "(--no-mixed, --no-packed) and decode_steps (--decode-steps), or export entries 'default'")
     asked = decode_attention
     decode_attention = decode_attention or (CUDA_DECODE_ATTENTION if platform == "cuda" else CPU_DECODE_ATTENTION)
     if decode_attention not in ("native", "pallas", "xla"):
@@ -150,6 +160,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     weights = read(checkpoint_dir, fam, cfg, dtype=weight_dtype_name, layout=weight_layout, quant=weight_quant,
                    group=quant_group)
     cfg = cfg.with_context(contexts[-1])
+    if flat and not supports_mixed_calls(cfg):
+        raise ExportError(f"entries 'flat' runs packed calls, which {cfg.model_type} (linear or latent attention "
+                          "layers) cannot: export entries 'default'")
     name = cfg.name or Path(checkpoint_dir).name
     if stored:
         name += f":q{check_prequantized(weights, stored, progress=progress)}"
@@ -196,7 +209,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                                               all_positions=True),
                      head=functools.partial(logits_from_hidden, shard_cfg),
                      last=functools.partial(forward, shard_cfg, key_block=attention_block, ring_pages=ring,
-                                            decode_attention=decode_attention, projections=projections))
+                                            decode_attention=decode_attention, projections=projections,
+                                            packed_attention="tokens" if flat else "rows"))
     kv_heads, head_dim = (1, cfg.latent_width) if cfg.latent else (cfg.num_kv_heads, cfg.head_dim)
     model = ModelInfo(name=name, model_type=cfg.model_type, tokenizer_dir=checkpoint_dir, embedding_slot="embed",
                       eos_token_ids=cfg.eos_token_ids, refused_tokens=cfg.refused_tokens, layers=cfg.num_layers,
@@ -208,7 +222,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                  capacity=Capacity(block_size=block_size, paged_kv=num_blocks, ring_kv=window_blocks,
                                    state_slots=state_slots),
                  features=Features(sampler=sampler, prompt_logprobs=prompt_logprobs, decode_steps=decode_steps,
-                                   mixed=supports_mixed_calls(cfg) if mixed is None else mixed,
-                                   packed=supports_mixed_calls(cfg) if packed is None else packed),
+                                   mixed=not flat and (supports_mixed_calls(cfg) if mixed is None else mixed),
+                                   packed=supports_mixed_calls(cfg) if packed is None else packed, flat=flat),
                  mesh=tensor_parallel if tensor_parallel > 1 else None, weight_split_axes=split_axes, mlir=mlir,
                  exported=exported)

@@ -44,14 +44,19 @@ class EntrySpec:
 
 
 def plan_entries(batch_ladder, context_ladder, prefill_max_batch: int, prefill_chunk: int,
-                 mixed: bool = False, prefill_long_chunk: int = 0, packed: bool = False) -> list[EntrySpec]:
+                 mixed: bool = False, prefill_long_chunk: int = 0, packed: bool = False,
+                 flat: bool = False) -> list[EntrySpec]:
     """One decode and one prefill entry per ladder point; prefill batches capped, tokens per call capped.
     prefill_long_chunk: one more prefill entry per context, of one row and that many tokens (capped by the context),
     where it is longer than the chunk and batch 1 is on the ladder: a prompt read alone takes fewer, fuller calls.
     mixed: a mixed entry (decode rows and one chunk) per context and decode batch of at least MIXED_MIN_BATCH rows.
     packed: where the largest prefill batch B is at least PACKED_MIN_BATCH, the prefill entries of several rows are
     packed prefills of B rows, one per N of packed_token_ladder(B, chunk): a call computes its rows' tokens, not
-    B x chunk positions."""
+    B x chunk positions.
+    flat: only packed prefills, one per context and token bucket (flat_entries): decode rows and prompt chunks
+    alike run in them."""
+    if flat:
+        return flat_entries(batch_ladder, context_ladder, prefill_max_batch, prefill_chunk, prefill_long_chunk)
     specs = []
     for c in context_ladder:
         chunk = min(c, prefill_chunk) if prefill_chunk else c
@@ -81,6 +86,30 @@ def packed_token_ladder(rows: int, chunk: int) -> list[int]:
     """The N of a context's packed prefills of `rows` rows of `chunk` tokens: 2, 4, 6, ... chunks' worth, up to all
     rows' (a call pads its tokens to the next N: at most two chunks' worth)."""
     return [k * chunk for k in range(2, rows, 2)] + [rows * chunk]
+
+
+def flat_token_buckets(top: int) -> list[int]:
+    """The token counts a flat call pads its tokens to: powers of two up to `top` (and `top`), as vLLM's CUDA graph
+    capture sizes and tpu-inference's token paddings (a call pads to at most twice its tokens)."""
+    buckets = [1 << i for i in range(max(top, 1).bit_length()) if 1 << i < top]
+    return buckets + [top]
+
+
+def flat_entries(batch_ladder, context_ladder, prefill_max_batch: int, prefill_chunk: int,
+                 prefill_long_chunk: int = 0) -> list[EntrySpec]:
+    """Per context, a packed prefill per token bucket N (flat_token_buckets of the largest call: the prefill
+    ladder's chunks of its largest batch, at least the largest batch and the long chunk) of min(N, largest batch)
+    rows of up to min(N, long chunk) tokens each: every sequence's work of a step, one token or a chunk, rides in
+    them."""
+    rows = batch_ladder[-1]
+    specs = []
+    for c in context_ladder:
+        chunk = min(c, prefill_chunk) if prefill_chunk else c
+        longest = min(c, max(chunk, prefill_long_chunk))
+        top = max(rows, longest, min(prefill_max_batch, rows) * chunk)
+        specs += [EntrySpec(af.EntryKind.PREFILL, min(n, rows), c, min(n, longest), packed=n)
+                  for n in flat_token_buckets(top)]
+    return specs
 
 
 # A mixed entry's fewest decode rows: fewer ride in the smallest one (padding a decode row costs next to nothing

@@ -102,13 +102,17 @@ class Features:
         the logits of both groups' rows in order; tlaloc_jax.decoder.forward does.
     packed: the prefill entries of several rows are packed prefills (Role.PACK_INDEX): the step is then also called
         with StepInputs whose pack_index is set (its rows' tokens side by side, [1, N]) and returns the logits of
-        each row's last token; tlaloc_jax.decoder.forward does."""
+        each row's last token; tlaloc_jax.decoder.forward does.
+    flat: the only entries are packed prefills, one per context and token bucket (export/_entries.py
+        flat_entries): decode rows and prompt chunks run side by side in them, as vLLM lays a step's tokens out flat
+        (the step must run packed calls, as with packed)."""
 
     sampler: Sampler | None = None
     prompt_logprobs: int | None = None
     decode_steps: int = 1
     mixed: bool = False
     packed: bool = False
+    flat: bool = False
 
 
 @dataclass(frozen=True)

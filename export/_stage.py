@@ -413,8 +413,11 @@ def _plan_entries(opts: Options, step: Callable) -> tuple[af.Buckets, list[Entry
     long = int(opts.ladders.prefill_long_chunk or 0)
     if long < 0:
         raise ExportError(f"prefill long chunk must be positive or 0 (none), got {long}")
+    if features.flat and (features.mixed or features.decode_steps != 1):
+        raise ExportError("flat entries run every call as a packed prefill: they take no mixed or decode_steps "
+                          "entries (leave Features.mixed False and decode_steps 1, or drop flat)")
     specs = plan_entries(batches, contexts, prefill_max_batch, chunk, mixed=features.mixed, prefill_long_chunk=long,
-                         packed=features.packed)
+                         packed=features.packed, flat=features.flat)
     steps = features.decode_steps
     if not isinstance(steps, int) or steps < 1:
         raise ExportError(f"decode_steps must be a positive integer, got {steps!r}")

@@ -20,6 +20,7 @@ from tlaloc_jax.kernels.projection_native import native_projections
 from .config import DENSE, FULL, LINEAR, SLIDING, DecoderConfig
 from .inputs import StepInputs
 from .latent import latent_attention
+from .packing import packed_rows, token_rows, unpack_rows
 from .layers import ACTIVATIONS, apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
 from .layout import is_per_layer
 from .plan import MLP_SLOTS, layer_plan
@@ -44,6 +45,9 @@ def decode_key_block(key_block: int, page_size: int) -> int:
 # "pallas-interpret", that kernel in Pallas' interpreter (any platform, slow: for tests). Prefill calls use "xla".
 DECODE_ATTENTION = ("xla", "native", "pallas", "pallas-interpret")
 PROJECTIONS = ("xla", "native")
+# How a packed call's tokens attend: "rows", laid out as its rows [B, T] (a row's queries side by side); "tokens",
+# each token a row of its own [N, 1] over its row's pages (ragged, as vLLM's flat batches: no padded query slots).
+PACKED_ATTENTION = ("rows", "tokens")
 # Tokens per chunk of the gated delta rule's prefill form.
 DELTA_CHUNK = 64
 
@@ -253,7 +257,8 @@ def residual_mlp(cfg: DecoderConfig, lw: Weights, h: jax.Array, a: jax.Array, *,
 def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, layer: jax.Array, inputs: StepInputs,
                rope: tuple[jax.Array, jax.Array], window: int, key_block: int,
                ring_pages: int = 0, decode_attention: str = "xla",
-               groups: tuple[tuple[int, StepInputs], ...] = ()) -> tuple[jax.Array, jax.Array]:
+               groups: tuple[tuple[int, StepInputs], ...] = (), packed_attention: str = "rows"
+               ) -> tuple[jax.Array, jax.Array]:
     """x: [B, T, E] (normed) -> (attention output [B, T, E], kv pool with this layer's keys and values written).
 
     ring_pages > 0: the layer's pool is the windowed pool; it writes through the window slot mapping and
@@ -261,7 +266,8 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
     decode_attention: which attention a decode call (T = 1) uses (DECODE_ATTENTION); other calls use plain ops.
     groups: (offset, inputs) of each group of a call whose rows have several shapes (mixed_inputs): x and
     `inputs` hold their tokens side by side in one row [1, N]; the keys and values are written at once, then
-    each group attends as a call of its own shape would.
+    each group attends as a call of its own shape would. packed_attention: how a packed call's tokens attend
+    (PACKED_ATTENTION).
     """
     q, k, v = project_qkv(cfg, w, x, rope)
     kv = kv_cache_write(kv, k, v, inputs.window_slot_mapping if ring_pages else inputs.slot_mapping, layer)
@@ -281,7 +287,9 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
         kb = decode_key_block(key_block, kv.shape[3]) if q.shape[1] == 1 else key_block
         return paged_attention(q, kv, layer, tables, g.positions, g.seq_lens, key_block=kb, **common)
 
-    if inputs.pack_index is not None:
+    if inputs.pack_index is not None and packed_attention == "tokens":
+        o = attend(q[0][:, None], token_rows(inputs))[None, :, 0]
+    elif inputs.pack_index is not None:
         # A packed prefill: its tokens' queries laid out as its rows, each row attending over its own pages.
         rows = inputs._replace(positions=packed_rows(inputs.positions, inputs.pack_index, -1))
         o = unpack_rows(attend(packed_rows(q, inputs.pack_index, 0), rows), inputs.pack_index, x.shape[1])
@@ -294,20 +302,6 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
             parts.append(attend(q[0, offset:offset + B * T].reshape(B, T, *q.shape[2:]), g).reshape(B * T, -1))
         o = jnp.concatenate(parts).reshape(1, x.shape[1], *q.shape[2:])
     return attention_output(cfg, w, x, o), kv
-
-
-def packed_rows(flat: jax.Array, pack_index: jax.Array, fill) -> jax.Array:
-    """A packed call's per-token values [1, N, ...] laid out as its rows [B, T, ...] (`fill` where a row has none)."""
-    pad = jnp.full((1,) + flat.shape[2:], fill, flat.dtype)
-    return jnp.concatenate([flat[0], pad])[pack_index]
-
-
-def unpack_rows(rows: jax.Array, pack_index: jax.Array, n: int) -> jax.Array:
-    """The inverse of packed_rows: [B, T, ...] -> [1, N, ...] (what sits where a row has no token is dropped)."""
-    B, T = pack_index.shape
-    flat = jnp.zeros((n + 1,) + rows.shape[2:], rows.dtype).at[pack_index.reshape(-1)].set(
-        rows.reshape((B * T,) + rows.shape[2:]))
-    return flat[None, :n]
 
 
 def mixed_inputs(groups: tuple[StepInputs, ...]) -> tuple[StepInputs, tuple[tuple[int, StepInputs], ...]]:
@@ -378,7 +372,8 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
 
 def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs | tuple[StepInputs, ...], *,
                  key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
-                 all_positions: bool = False, decode_attention: str = "xla") -> tuple[jax.Array, Pools]:
+                 all_positions: bool = False, decode_attention: str = "xla",
+                 packed_attention: str = "rows") -> tuple[jax.Array, Pools]:
     """Run every layer over the call's tokens: -> (final-normed hidden state of each row's last token [B, E], pools);
     all_positions: of every token of the call [B, T, E] (a scoring prefill scores each one).
 
@@ -386,7 +381,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     ring_pages pages; 0 keeps every attention layer in the full-history pool ("kv"). decode_attention: one of
     DECODE_ATTENTION, the attention of a decode call. inputs a tuple of StepInputs: one call of several groups of
     rows, each group's rows of one shape (supports_mixed_calls); the last tokens' hidden states of the groups'
-    rows in order.
+    rows in order. packed_attention: one of PACKED_ATTENTION, how a packed call's tokens attend.
     """
     groups = ()
     if isinstance(inputs, tuple) and not isinstance(inputs, StepInputs):
@@ -399,6 +394,8 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
         raise ValueError(f"{cfg.model_type}: a packed prefill runs paged attention layers only, and returns last tokens")
     if decode_attention not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention {decode_attention!r} is not one of {', '.join(DECODE_ATTENTION)}")
+    if packed_attention not in PACKED_ATTENTION:
+        raise ValueError(f"packed_attention {packed_attention!r} is not one of {', '.join(PACKED_ATTENTION)}")
     if cfg.latent and decode_attention != "xla":
         raise ValueError(f"{cfg.model_type} has latent attention, which decode_attention {decode_attention!r} has no "
                          "kernel for: use 'xla'")
@@ -428,7 +425,8 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
             else:
                 (name,) = lp.pools
                 a, kv = _attention(cfg, aw, a, pools[name], lp.pool.index(i), inputs, tables[lp.kind], lp.window,
-                                   key_block, ring_pages if name == "window_kv" else 0, decode_attention, groups)
+                                   key_block, ring_pages if name == "window_kv" else 0, decode_attention, groups,
+                                   packed_attention)
                 pools = {**pools, name: kv}
             h = residual_mlp(cfg, lw, h, a, kind=lp.mlp, valid=valid, experts=experts,
                              layer=lp.mlp_weights.index(i))
@@ -464,7 +462,8 @@ def logits_from_hidden(cfg: DecoderConfig, weights: Weights, x: jax.Array) -> ja
 
 def forward(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs | tuple[StepInputs, ...], *,
             key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
-            decode_attention: str = "xla", projections: str = "xla") -> tuple[jax.Array, Pools]:
+            decode_attention: str = "xla", projections: str = "xla", packed_attention: str = "rows"
+            ) -> tuple[jax.Array, Pools]:
     """One call: -> (logits of each row's last token [B, V] f32, updated pools). A tuple of StepInputs: one call of
     several groups of rows (final_hidden), logits of every group's rows in order. projections: one of PROJECTIONS,
     "native" for the C kernel where it takes the call's rows and weight dtype (kernels/projection_native.py)."""
@@ -472,6 +471,6 @@ def forward(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInpu
         raise ValueError(f"projections {projections!r} is not one of {', '.join(PROJECTIONS)}")
     with native_projections(projections == "native"):
         x, pools = final_hidden(cfg, weights, pools, inputs, key_block=key_block, ring_pages=ring_pages,
-                                decode_attention=decode_attention)
+                                decode_attention=decode_attention, packed_attention=packed_attention)
         return logits_from_hidden(cfg, weights, x), pools
 

@@ -4,7 +4,8 @@ The scheduler decides what each sequence advances by (`Work`: positions [start, 
 work onto the entries the artifact staged: scored prefills for prompts whose logprobs come from the scoring
 entries, a decode_steps call when every running sequence only decodes, and otherwise whichever of the plans below
 computes the fewest positions (`call_cost`): prompt chunks and decode rows apart, the first chunk riding with the
-decode rows in a mixed call, or every row packed into the chunks' prefill calls.
+decode rows in a mixed call, or every row packed into the chunks' prefill calls. An artifact of flat entries (only
+packed prefills, by token bucket) runs every row, one token or a chunk, in them.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class CallPlanner:
         self.scorer = m.scorer             # None: a prompt whose logprobs are asked is read a token a call
         self._by_kind = {kind: sorted((e for e in m.entries if e.kind == kind), key=lambda e: e.size_key)
                          for kind in af.EntryKind}
-        self.max_decode_batch = max(e.batch for e in self._by_kind[af.EntryKind.DECODE])
+        self.flat = m.flat                  # every row rides in packed prefill calls
+        self.max_decode_batch = m.max_batch
 
     def entries(self, kind: str) -> list[af.Entry]:
         """The entries of `kind`, smallest first (by context, then batch)."""
@@ -99,6 +101,8 @@ class CallPlanner:
         single = [w for w in work if w not in scored and w.n == 1]
         chunks = [w for w in work if w not in scored and w.n > 1]       # in scheduling order
         calls = self._group(scored, af.EntryKind.PREFILL_SCORED)
+        if self.flat:
+            return self._group(sorted(single + chunks, key=lambda w: w.start + w.n), af.EntryKind.PREFILL) + calls
         # Every chunk in prefill calls beside decode calls; or the first chunk riding with the decode rows in a mixed
         # call; or decode rows riding in the chunks' packed prefill calls: whichever computes the fewest positions.
         plans = []

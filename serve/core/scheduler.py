@@ -58,8 +58,10 @@ class Scheduler:
         # chunk of the entries of several rows, so that they share calls.
         self.chunk_cap = max(e.tokens_per_seq for e in prefill)
         self.shared_chunk_cap = max((e.tokens_per_seq for e in prefill if e.batch > 1), default=self.chunk_cap)
-        self.max_num_batched_tokens = max_num_batched_tokens or max(e.positions for e in prefill) \
-            + self.max_num_seqs
+        # The largest prefill call beside a decode call of every sequence; flat entries: the largest call, which
+        # holds both (vLLM's max_num_batched_tokens).
+        largest = max(e.positions for e in prefill)
+        self.max_num_batched_tokens = max_num_batched_tokens or largest + (0 if m.flat else self.max_num_seqs)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} must be at least max_num_seqs "
                              f"{self.max_num_seqs} (every running sequence decodes a token a step)")

@@ -179,7 +179,7 @@ def app(args: dict | RayServeArgs) -> Application:
 
     a = args if isinstance(args, RayServeArgs) else RayServeArgs(**args)
     manifest = load_manifest(a.artifact, verify_weights=False)
-    largest_batch = max(e.batch for e in manifest.entries if e.kind == "decode")
+    largest_batch = manifest.max_batch
     options: dict[str, Any] = {
         "max_ongoing_requests": a.max_ongoing_requests or 2 * (a.max_batch or largest_batch),
         "ray_actor_options": {"num_cpus": a.num_cpus, "num_gpus": replica_gpus(manifest, a.num_gpus)},

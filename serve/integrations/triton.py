@@ -194,7 +194,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.model_name or manifest.model.name
-    max_batch = args.max_batch or max(e.batch for e in manifest.entries if e.kind == "decode")
+    max_batch = args.max_batch or manifest.max_batch
     loop = EngineLoop(engine, max_batch, Metrics(name))
     model = TritonModel(engine, loop)
     _stub_finds_this_python()

@@ -104,7 +104,7 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
     if tokenizer == "auto":
         tokenizer = load_tokenizer(engine.artifact_dir, engine.manifest)
     if max_batch is None:
-        max_batch = max(e.batch for e in engine.manifest.entries if e.kind == "decode")
+        max_batch = engine.manifest.max_batch
     if max_batch < 1:
         raise ValueError(f"max_batch must be positive, got {max_batch}")
     if max_waiting < 0:

@@ -276,6 +276,16 @@ class Manifest:
         rings = self.pools_of(PoolKind.RING_KV)
         return rings[0] if rings else None
 
+    @property
+    def flat(self) -> bool:
+        """Whether every call is a packed prefill (no decode entries: `--entries flat`)."""
+        return not any(e.kind == EntryKind.DECODE for e in self.entries)
+
+    @property
+    def max_batch(self) -> int:
+        """The most sequences one call decodes: the largest decode entry's batch (flat: the largest packed call's)."""
+        return max(e.batch for e in self.entries if e.kind == (EntryKind.PREFILL if self.flat else EntryKind.DECODE))
+
     def entry(self, name: str) -> Entry:
         for e in self.entries:
             if e.name == name:
