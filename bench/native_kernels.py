@@ -5,7 +5,8 @@ the step:
 
   - the 100M Llama's 12 layers of projections (q|k|v, o, gate|up, down, weights out-major) at 1 to 64 rows, for
     f32, bf16 and int8 weights: XLA's form as the decoder writes it (out_major_product) against the projection
-    kernel (kernels/projection.c);
+    kernel (kernels/projection.c); int4 (groups of 32; --dtypes int4, prefill rows too): quantized_matmul's XLA
+    form against the int4 kernel (kernels/projection_int4.c);
   - decode paged attention over 12 layers of 12 / 4 heads of 64, pages of 16 (the serving bench's 82M Llama):
     tlaloc_jax.kernels.paged_attention._decode_cpu against the decode attention kernel
     (kernels/decode_attention.c).
@@ -16,6 +17,7 @@ Each kernel's result is checked against XLA's before it is timed.
     python -m bench.native_kernels --rows 32 --keys 200 --skip-projections
     python -m bench.native_kernels --rows 32 --keys 250 --shared 192 --skip-projections   # rows share a cached prefix
     python -m bench.native_kernels --skip-attention --dtypes bf16,int8 --projection-rows 1,8,16
+    python -m bench.native_kernels --skip-attention --dtypes f32,int4 --projection-rows 1,4,256
 """
 
 from __future__ import annotations
@@ -46,18 +48,23 @@ def projections(rows: list[int], dtypes: list[str], steps: int) -> None:
     import jax.numpy as jnp
 
     from bench.common import device, on_runtime
-    from tlaloc_jax.kernels.projection_native import NATIVE_PROJECTION, native_projection
-    from tlaloc_jax.kernels.quantized_matmul import out_major_product
+    from tlaloc_jax.kernels.projection_native import (NATIVE_INT4_PROJECTION, NATIVE_PROJECTION, native_projection,
+                                                      native_projections)
+    from tlaloc_jax.kernels.quantized_matmul import out_major_product, quantize_array, quantized_matmul, to_out_major
     E, F, Q, L = 768, 2048, 768 + 2 * 256, 12
     rng = np.random.default_rng(0)
     device().register_native(NATIVE_PROJECTION)
+    device().register_native(NATIVE_INT4_PROJECTION)
     print(f"\nprojections: {L} layers, hidden {E}, intermediate {F}; weights out-major")
     print(f"{'weights':>7} {'rows':>5} | {'XLA (decoder)':>13} | {'C kernel':>9} | C / XLA | XLA GB/s | C GB/s")
     for name in dtypes:
-        dtype = {"f32": np.float32, "bf16": jnp.bfloat16, "int8": np.int8}[name]
+        dtype = None if name == "int4" else {"f32": np.float32, "bf16": jnp.bfloat16, "int8": np.int8}[name]
         W = []
         for _ in range(L):
             layer = [rng.standard_normal((o, i), np.float32) * 0.02 for o, i in ((Q, E), (E, E), (2 * F, E), (E, F))]
+            if name == "int4":     # out-major codes and group scales, as the per-layer layout stores them
+                W.append([to_out_major(quantize_array(w.T, "int4", 32)) for w in layer])
+                continue
             W.append([np.clip(np.round(w * 3000), -127, 127).astype(np.int8) if name == "int8"
                       else np.asarray(jnp.asarray(w, dtype)) for w in layer])
         nbytes = sum(w.nbytes for layer in W for w in layer)
@@ -75,14 +82,24 @@ def projections(rows: list[int], dtypes: list[str], steps: int) -> None:
                 return product(a.astype(w.dtype) if w.dtype == jnp.bfloat16 else a, w) * scale
             return run
 
+        def native_int4(ws, x):
+            with native_projections():
+                return chain(quantized_matmul, ws, x)
+
         xla_proj = proj(lambda a, w: out_major_product(a, w, reduce_one_row=w.dtype != jnp.float32))
         for B in rows:
             x = rng.standard_normal((B, E), np.float32)
-            xla = on_runtime(lambda ws, x: chain(xla_proj, ws, x), W, x)
-            c = on_runtime(lambda ws, x: chain(proj(native_projection), ws, x), W, x, custom_calls=(NATIVE_PROJECTION,))
+            if name == "int4":
+                xla = on_runtime(lambda ws, x: chain(quantized_matmul, ws, x), W, x)
+                c = on_runtime(native_int4, W, x, custom_calls=(NATIVE_INT4_PROJECTION,))
+            else:
+                xla = on_runtime(lambda ws, x: chain(xla_proj, ws, x), W, x)
+                c = on_runtime(lambda ws, x: chain(proj(native_projection), ws, x), W, x,
+                               custom_calls=(NATIVE_PROJECTION,))
             want, got = np.asarray(xla()[0]), np.asarray(c()[0])
-            # (bf16: each projection rounds its input to bf16, where another summation order may round otherwise)
-            rel = 5e-2 if name == "bf16" else 1e-3
+            # (bf16: each projection rounds its input to bf16, where another summation order may round otherwise;
+            # int4: the kernel quantizes each projection's input to int8 per block of 32)
+            rel = 5e-2 if name in ("bf16", "int4") else 1e-3
             assert np.abs(got - want).max() <= rel * np.abs(want).max(), "the C projection chain differs from XLA's"
             t = medians({"xla": xla, "c": c}, steps)
             print(f"{name:>7} {B:5d} | {t['xla'] * 1e3:10.2f} ms | {t['c'] * 1e3:6.2f} ms | "
@@ -141,7 +158,7 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=256, help="the entry's context bucket")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--skip-projections", action="store_true")
-    ap.add_argument("--dtypes", default="f32,bf16,int8", help="the projections' weight dtypes")
+    ap.add_argument("--dtypes", default="f32,bf16,int8", help="the projections' weight dtypes (f32, bf16, int8, int4)")
     ap.add_argument("--skip-attention", action="store_true")
     a = ap.parse_args(argv)
     print(f"{os.cpu_count()} cores; both forms through the runtime's plugin")

@@ -40,12 +40,15 @@ _PACKAGE = Path(__file__).parent
 SOURCES = _PACKAGE / "csrc" if (_PACKAGE / "csrc").is_dir() else _PACKAGE.parent / "kernels"
 HEADER = SOURCES / "xla_ffi_c_api.h"          # jaxlib's include/xla/ffi/api/c_api.h
 # custom-call target -> its C file; the handler is the C function of the target's name.
-KERNELS = {"tlaloc_decode_attention_v1": "decode_attention.c", "tlaloc_projection_v1": "projection.c"}
+KERNELS = {"tlaloc_decode_attention_v1": "decode_attention.c", "tlaloc_projection_v1": "projection.c",
+           "tlaloc_int4_projection_v1": "projection_int4.c"}
 # Limits a kernel is compiled with (-DNAME=value) that its Python side also checks before a call: written here
 # only, and part of the cache key with the other flags.
-DEFINES = {"tlaloc_decode_attention_v1": {"MAX_GROUP": 16, "MAX_HEAD_DIM": 256}, "tlaloc_projection_v1": {}}
+DEFINES = {"tlaloc_decode_attention_v1": {"MAX_GROUP": 16, "MAX_HEAD_DIM": 256}, "tlaloc_projection_v1": {},
+           "tlaloc_int4_projection_v1": {}}
 # The export option that stages a body without the kernel (the way out where it cannot be built).
-WITHOUT = {"tlaloc_decode_attention_v1": "--decode-attention xla", "tlaloc_projection_v1": "--projections xla"}
+WITHOUT = {"tlaloc_decode_attention_v1": "--decode-attention xla", "tlaloc_projection_v1": "--projections xla",
+           "tlaloc_int4_projection_v1": "--projections xla"}
 # OpenMP's simd pragmas only (no runtime); a * b + c contracted into an FMA (one rounding, as a dot's).
 FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
 ENV_CACHE = "TLALOC_NATIVE_CACHE"

@@ -28,7 +28,7 @@ from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.export._quant import QUANTIZED_SLOTS, quantize_weights
 from tlaloc_jax.kernels import kv_cache_write, paged_attention_reference
 from tlaloc_jax.kernels import tolerances as tol
-from tlaloc_jax.kernels.quantized_matmul import dequantize
+from tlaloc_jax.kernels.quantized_matmul import QuantizedWeight, dequantize
 
 PROMPTS = [[5, 17, 99, 3, 250, 8, 61], [7, 7, 7, 1, 2, 3, 200, 100, 11, 13, 17, 19]]
 NEW = 12
@@ -129,15 +129,36 @@ def test_bad_uint4_entries_are_refused_at_load(uint4_artifact, tmp_path, edit, m
         af.load_manifest(bad)
 
 
+def _check_against_dequantized(checkpoint, artifact, scheme: str, tmp_path, spoil) -> None:
+    """The artifact (`scheme`, groups of 32, served through the native int4 kernel): greedy ids against
+    transformers running the weights the codes stand for (the dequantized checkpoint), near-tie rule at the f32
+    bound plus the kernel's int8 quantization of each projection's input (INT8_ACTIVATION_ROUNDOFF; both sides
+    hold the same weights). Control: the model with spoil(weight) for each quantized weight fails the check."""
+    from tlaloc_jax.checkpoint import read_config, save_checkpoint
+    from tlaloc_jax.serve.engine import Engine
+
+    cfg, weights = load_checkpoint(checkpoint, "float32")
+    quant = quantize_weights(weights, scheme, 32, compute="float32")
+    deq = {k: (dequantize(v).astype(np.float32) if isinstance(v, QuantizedWeight) else v) for k, v in quant.items()}
+    save_checkpoint(tmp_path / "deq", read_config(checkpoint), deq)
+    want = [torch_greedy(load_hf_torch(tmp_path / "deq"), p, NEW) for p in PROMPTS]
+    bound = tol.quantized_logit_bound(0.0, cfg.num_layers, tol.decoder_roundings_of(cfg, 64),
+                                      activation_roundoff=tol.INT8_ACTIVATION_ROUNDOFF)
+    with Engine.load(artifact, progress=False) as engine:
+        check_greedy_batch(PROMPTS, engine.generate(PROMPTS, NEW), want, logit_bound=bound,
+                           next_token=engine_next_token(engine))
+    wrong = tlaloc_jax.Model(cfg, {k: spoil(v) if isinstance(v, QuantizedWeight) else v for k, v in quant.items()})
+    with pytest.raises(GreedyMismatch):
+        check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, max_new_tokens=NEW), want, logit_bound=bound,
+                           next_token=engine_next_token(wrong))
+
+
 @pytest.mark.numeric
 def test_served_uint4_matches_the_dequantized_checkpoint(llama, uint4_artifact, tmp_path):
     """--weight-quant uint4: each projection's codes, scales and int8 zero points recorded; served, its greedy
-    ids against transformers running the weights the codes stand for (near-tie rule at the f32 bound: both sides
-    hold the same weights). Control: the zero points dropped (read as 0) fail the same check."""
-    from tlaloc_jax.checkpoint import read_config, save_checkpoint
-    from tlaloc_jax.kernels.quantized_matmul import QuantizedWeight
-    from tlaloc_jax.serve.engine import Engine
-
+    ids against transformers running the weights the codes stand for (near-tie rule at the f32 bound, both sides
+    holding the same weights, and the native int4 kernel's int8 quantization of each projection's input).
+    Control: the zero points dropped (read as 0) fail the same check."""
     m = af.load_manifest(uint4_artifact)
     assert m.model.name.endswith(":quint4g32")
     by_slot = {w.slot: w for w in m.weights}
@@ -146,21 +167,8 @@ def test_served_uint4_matches_the_dequantized_checkpoint(llama, uint4_artifact, 
         assert zeros.quant == af.WeightQuant(af.QuantScheme.UINT4, af.QuantPart.ZEROS, f"layers.down_proj.{i}", 32,
                                              out_major=True)
         assert zeros.dtype == "int8" and zeros.shape == scales.shape == (64, 96 // 32)
-    cfg, weights = load_checkpoint(llama, "float32")
-    quant = quantize_weights(weights, "uint4", 32, compute="float32")
-    deq = {k: (dequantize(v).astype(np.float32) if isinstance(v, QuantizedWeight) else v) for k, v in quant.items()}
-    save_checkpoint(tmp_path / "deq", read_config(llama), deq)
-    want = [torch_greedy(load_hf_torch(tmp_path / "deq"), p, NEW) for p in PROMPTS]
-    bound = tol.bound(tol.decoder_roundings_of(cfg, 64))
-    with Engine.load(uint4_artifact, progress=False) as engine:
-        check_greedy_batch(PROMPTS, engine.generate(PROMPTS, NEW), want, logit_bound=bound,
-                           next_token=engine_next_token(engine))
-    unzeroed = {k: (dataclasses.replace(v, zeros=np.zeros_like(v.zeros)) if isinstance(v, QuantizedWeight) else v)
-                for k, v in quant.items()}
-    wrong = tlaloc_jax.Model(cfg, unzeroed)
-    with pytest.raises(GreedyMismatch):
-        check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, max_new_tokens=NEW), want, logit_bound=bound,
-                           next_token=engine_next_token(wrong))
+    _check_against_dequantized(llama, uint4_artifact, "uint4", tmp_path,
+                               lambda q: dataclasses.replace(q, zeros=np.zeros_like(q.zeros)))
 
 
 @pytest.mark.numeric
@@ -180,6 +188,26 @@ def test_served_int8_keeps_transformers_greedy_ids(llama, int8_artifact):
     with pytest.raises(GreedyMismatch):
         check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, max_new_tokens=NEW), want, logit_bound=bound,
                            next_token=engine_next_token(wrong))
+
+
+def _nibbles_swapped(q: QuantizedWeight) -> QuantizedWeight:
+    """An int4 weight with each byte's nibbles swapped: a wrong packing order."""
+    u = np.asarray(q.codes).view(np.uint8)
+    return dataclasses.replace(q, codes=((u >> 4) | (u << 4)).astype(np.uint8).view(np.int8))
+
+
+@pytest.mark.numeric
+def test_served_int4_matches_the_dequantized_checkpoint(llama, tmp_path):
+    """int4 (groups of 32) served through the native int4 kernel: greedy ids against transformers running the
+    weights the codes stand for (the dequantized checkpoint), near-tie rule at a bound of the f32 roundings and
+    the kernel's int8 quantization of each projection's input (INT8_ACTIVATION_ROUNDOFF). Control: the same
+    codes with each byte's nibbles swapped (a wrong packing order) fail the same check."""
+    from tlaloc_jax.kernels.projection_native import NATIVE_INT4_PROJECTION
+
+    m = export_checkpoint(llama, tmp_path / "art", batch_ladder=(1, 2), context_ladder=(64,), weight_quant="int4",
+                          quant_group=32, progress=False, sampler=None)
+    assert NATIVE_INT4_PROJECTION in m.versions.custom_calls
+    _check_against_dequantized(llama, tmp_path / "art", "int4", tmp_path, _nibbles_swapped)
 
 
 @pytest.mark.numeric

@@ -310,10 +310,11 @@ def test_cpu_hlo_of_out_major_weights_widens_nothing_weight_sized(scheme):
 
 
 @pytest.mark.parametrize("rows", [1, NARROW_REDUCE_ROWS + 1])
-def test_uint4_never_takes_the_native_projection_kernel(rows):
-    """With the C projection kernel on (as the exporter turns it on for cpu bodies), an out-major uint4 weight
-    still takes XLA's forms (the kernel reads no zero points): no custom call in the lowered body, and the
-    reference's values."""
+def test_uint4_takes_the_int4_kernel_never_the_projection_kernel(rows):
+    """With the C kernels on (as the exporter turns them on for cpu bodies), an out-major uint4 weight takes the
+    int4 kernel with its zero points (kernels/projection_int4.c), never kernels/projection.c (which reads no zero
+    points), and gives the reference's values within the int4 kernel's bound (tests/ops/test_projection_int4.py)."""
+    from test_projection_int4 import excess
     from tlaloc_jax.kernels import projection_native
     x, w = _data(rows)
     x = np.resize(x, (rows, I))
@@ -322,9 +323,10 @@ def test_uint4_never_takes_the_native_projection_kernel(rows):
         lowered = jax.jit(quantized_matmul).lower(jnp.asarray(x), qo)
         got = np.asarray(lowered.compile()(jnp.asarray(x), qo))
     assert projection_native.NATIVE_PROJECTION not in lowered.as_text()
-    # Control: an int8 weight under the same switch is lowered to the kernel's custom call.
+    assert projection_native.NATIVE_INT4_PROJECTION in lowered.as_text()
+    # Control: an int8 weight under the same switch is lowered to the projection kernel's custom call.
     q8 = to_out_major(jax.tree.map(np.asarray, quantize(jnp.asarray(w), "int8")))
     with projection_native.native_projections():
         assert projection_native.NATIVE_PROJECTION in jax.jit(quantized_matmul).lower(jnp.asarray(x), q8).as_text()
-    assert_within(relative_error(got, quantized_matmul_reference(x, qo)), tol.bound(_op_roundings("uint4", 32)),
+    assert_within(excess(got, x, qo, quantized_matmul_reference(x, qo)), 1.0,
                   f"uint4 with native projections on, {rows} rows")

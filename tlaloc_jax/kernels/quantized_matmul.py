@@ -299,8 +299,10 @@ def _out_major_matmul(xc: jax.Array, w: QuantizedWeight) -> jax.Array:
     """xc: [M, I] in the compute dtype, w out-major -> [M, O] f32 (see quantized_matmul)."""
     if w.scheme not in GROUPED_SCHEMES:
         return out_major_product(xc, w.codes, reduce_one_row=True) * w.scales
-    # XLA's forms for both grouped schemes; the native kernel (kernels/projection.c) reads no zero points, so a
-    # uint4 weight must never be routed to it.
+    # The int4 kernel (kernels/projection_int4.c) where the exporter turned it on (cpu bodies): int4, and uint4 with
+    # its zero points; never kernels/projection.c, which reads no zero points. Else XLA's forms.
+    if projection_native.takes_int4(xc.shape[0]):
+        return projection_native.native_int4_projection(xc, w.codes, w.scales, w.zeros)
     codes = centred_codes(w)                                                    # [O, G, g]
     O, G, g = codes.shape
     xg = xc.reshape(-1, G, g)

@@ -215,8 +215,37 @@ def weight_quantization_roundoff(w, w_dequantized) -> float:
     return float(np.sqrt(3.0) * np.sqrt(np.mean(d ** 2)) / den) if den else 0.0
 
 
+# What quantizing a projection's input to int8 per block of 32 (scale amax / 127: the native int4 kernel,
+# kernels/projection_int4.c) does, as a rounding point: each value moves by a rounding error uniform on
+# [-s / 2, s / 2] (variance s^2 / 12, s = amax / 127), and a block's mean square is at least amax^2 / 32, so
+# rms(error) / rms(x) <= sqrt(32 / 12) / 127 over any tensor; u = sqrt(3) times that (weight_quantization_roundoff's
+# convention) is sqrt(8) / 127.
+INT8_ACTIVATION_ROUNDOFF = math.sqrt(8.0) / 127.0
+
+
+def activation_quantization_std(x, w, blocks) -> np.ndarray:
+    """The standard deviation of what quantizing x to int8 per block adds to x @ w: x [M, I], w [I, O] (the
+    weight the codes stand for), blocks [I] the block of each input (inputs of a block share the scale
+    amax / 127). Each x moves by an independent rounding error uniform on [-s / 2, s / 2]: the variance of
+    output (m, o) is sum_i w[i, o]^2 s[m, block(i)]^2 / 12. -> [M, O]."""
+    x = np.asarray(x, np.float64)
+    blocks = np.asarray(blocks)
+    n = int(blocks.max()) + 1
+    amax = np.zeros((x.shape[0], n))
+    np.maximum.at(amax.T, blocks, np.abs(x).T)
+    s = amax[:, blocks] / 127.0                                            # [M, I] each input's scale
+    return np.sqrt((s ** 2 / 12.0) @ np.asarray(w, np.float64) ** 2)
+
+
+def confidence_for(count: int) -> float:
+    """The deviation that `count` compared values, each a Gaussian deviate, all stay within with the probability
+    that one stays within CONFIDENCE: the union bound 2 count exp(-z^2 / 2) <= P(|Z| > CONFIDENCE)."""
+    tail = math.erfc(CONFIDENCE / math.sqrt(2.0))
+    return max(CONFIDENCE, math.sqrt(2.0 * math.log(2.0 * count / tail)))
+
+
 def quantized_logit_bound(weight_roundoff: float, layers: int, f32_roundings: int = 0, *,
-                          confidence: float = CONFIDENCE) -> float:
+                          activation_roundoff: float = 0.0, confidence: float = CONFIDENCE) -> float:
     """Relative bound (of the largest |logit|) on the difference between a model with quantized projections and
     the same model unquantized (plus, with f32_roundings, an f32 computation that rounds differently).
 
