@@ -234,6 +234,8 @@ def test_the_command_line_puts_metrics_behind_the_key(http_artifacts, serve_cach
 
     monkeypatch.setattr(cli, "_uvicorn_server", Answering)
     monkeypatch.setattr(cli, "freeze_heap", lambda: 0)
-    argv = [str(http_artifacts[0]), "--cache-dir", str(serve_cache_dir), "--no-progress", "--api-key", KEY]
+    # --lazy-compile: /health answers 200 at once (by default it is 503 until every entry is compiled)
+    argv = [str(http_artifacts[0]), "--cache-dir", str(serve_cache_dir), "--no-progress", "--lazy-compile",
+            "--api-key", KEY]
     assert cli.main(argv + ["--metrics-without-key"] * flag) == 0
     assert answers == {"/metrics": 200 if flag else 401, "/health": 200}

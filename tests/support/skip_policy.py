@@ -1,6 +1,7 @@
 """A run that skipped a test fails: a skip hides whatever the test would have found. The one exception is a module
 whose tests need an environment another make target builds (RUN_ELSEWHERE), and that exception is off where the
-target that runs them sets TLALOC_NO_SKIPS=1 (`make test-engines`, `make test-vllm`). Loaded by conftest.py."""
+target that runs them sets TLALOC_NO_SKIPS=1 (`make test-engines`, `make test-vllm`, `make test-serve-env`). Loaded by
+conftest.py."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import PurePosixPath
 import pytest
 
 # Modules whose environment another target builds and runs them in: Triton and Ray Serve (`make test-engines`),
-# vLLM (`make test-vllm`).
-RUN_ELSEWHERE = frozenset({"test_triton.py", "test_ray_serve.py", "test_vllm.py"})
+# vLLM (`make test-vllm`), the serving install without JAX (`make test-serve-env`).
+RUN_ELSEWHERE = frozenset({"test_triton.py", "test_ray_serve.py", "test_vllm.py", "test_serve_env.py"})
 
 
 def refused_skips(reports, strict: bool) -> list[str]:
