@@ -153,8 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lazy-compile", action="store_true",
                     help="serve as soon as the artifact is loaded, compiling each entry on its first use (the first "
                          "requests that need one wait for it): for development. By default every entry is compiled "
-                         "and warmed first, /health answering 503 with how far it got and requests 503 with "
-                         "Retry-After until then")
+                         "(or loaded from the compile cache) first, /health answering 503 with how far it got and "
+                         "requests 503 with Retry-After until then")
     ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $TLALOC_API_KEY, else "
                          "no key)")
