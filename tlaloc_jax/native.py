@@ -50,7 +50,8 @@ DEFINES = {"tlaloc_decode_attention_v1": {"MAX_GROUP": 16, "MAX_HEAD_DIM": 256},
 WITHOUT = {"tlaloc_decode_attention_v1": "--decode-attention xla", "tlaloc_projection_v1": "--projections xla",
            "tlaloc_int4_projection_v1": "--projections xla"}
 # OpenMP's simd pragmas only (no runtime); a * b + c contracted into an FMA (one rounding, as a dot's).
-FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
+COMPILE_FLAGS = ("-O3", "-fopenmp-simd", "-ffp-contract=fast", "-std=c11")
+FLAGS = (*COMPILE_FLAGS, "-shared", "-fPIC")          # a build here compiles and links in one command
 ENV_CACHE = "TLALOC_NATIVE_CACHE"
 # The loader's override: a variant's name (one this CPU has), or "build" (compile here, as where none fits).
 ENV_VARIANT = "TLALOC_NATIVE_VARIANT"
@@ -101,9 +102,9 @@ class NativeKernelError(RuntimeError):
 def march() -> str:
     """The instruction set the kernels are built for: this machine's, limited as XLA_FLAGS' --xla_cpu_max_isa
     limits XLA's own code."""
-    isa = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", ""))
-    if isa and platform.machine() in ("x86_64", "AMD64") and isa.group(1).upper() in _X86_ISA:
-        return f"-march={_X86_ISA[isa.group(1).upper()]}"
+    isa = _xla_max_isa()
+    if isa in _X86_ISA and platform.machine() in ("x86_64", "AMD64"):
+        return f"-march={_X86_ISA[isa]}"
     return "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
 
 
@@ -123,9 +124,14 @@ def cpu_features() -> frozenset[str]:
     return frozenset(line.group(1).split()) if line else frozenset()
 
 
-def _isa_limit() -> int:
+def _xla_max_isa() -> str | None:
+    """XLA_FLAGS' --xla_cpu_max_isa, upper-cased (None where unset)."""
     isa = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", ""))
-    return _ISA_RANK.get(isa.group(1).upper(), len(_ISA_RANK)) if isa else len(_ISA_RANK)
+    return isa.group(1).upper() if isa else None
+
+
+def _isa_limit() -> int:
+    return _ISA_RANK.get(_xla_max_isa(), len(_ISA_RANK))
 
 
 def usable_variants() -> list[Variant]:
@@ -138,9 +144,13 @@ def source_key(target: str) -> str:
     """What a kernel's library is built from: its source, the headers and its limits (not the compiler or the
     instruction set, which a variant's name or the cache key carries)."""
     headers = [h.read_bytes() for h in sorted(SOURCES.glob("*.h"))]
-    defines = " ".join(f"-D{name}={value}" for name, value in DEFINES[target].items())
     return hashlib.sha256(b"\0".join([(SOURCES / KERNELS[target]).read_bytes(), *headers,
-                                      defines.encode()])).hexdigest()[:24]
+                                      " ".join(_defines(target)).encode()])).hexdigest()[:24]
+
+
+def _defines(target: str) -> list[str]:
+    """DEFINES' limits of `target` as compiler flags."""
+    return [f"-D{name}={value}" for name, value in DEFINES[target].items()]
 
 
 def prebuilt_module(target: str, variant: Variant) -> str:
@@ -151,9 +161,7 @@ def prebuilt_module(target: str, variant: Variant) -> str:
 def prebuilt_builds() -> list[tuple[str, Path, list[str]]]:
     """(module, source, compiler flags) of every prebuilt variant for this machine: what setup.py compiles."""
     return [(prebuilt_module(t, v), SOURCES / source,
-             ["-O3", "-fopenmp-simd", "-ffp-contract=fast", "-std=c11", *v.flags,
-              *(f"-D{name}={value}" for name, value in DEFINES[t].items()),
-              f'-DTLALOC_KERNEL_KEY="{source_key(t)}"'])
+             [*COMPILE_FLAGS, *v.flags, *_defines(t), f'-DTLALOC_KERNEL_KEY="{source_key(t)}"'])
             for t, source in KERNELS.items() for v in VARIANTS.get(machine(), ())]
 
 
@@ -254,7 +262,7 @@ def _library(target: str, rebuild: bool) -> tuple[Path, bool]:
     _known(target)
     source = SOURCES / KERNELS[target]
     cc = _compiler()
-    flags = [*FLAGS, march(), *(f"-D{name}={value}" for name, value in DEFINES[target].items())]
+    flags = [*FLAGS, march(), *_defines(target)]
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
