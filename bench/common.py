@@ -23,6 +23,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")     # in-process JAX as the benche
 import numpy as np  # noqa: E402
 
 
+def disk_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (a file's own size; 0 where nothing is there)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
 def median_time(fn, steps: int, warmup: int = 2) -> float:
     return median_times([fn], steps, warmup)[0]
 

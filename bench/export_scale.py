@@ -25,14 +25,11 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import disk_bytes
 from bench.shapes import SHAPES, hf_config, write_checkpoint
 
 GiB = 2 ** 30
 BAR = 4.5 * GiB
-
-
-def disk_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def run_export(checkpoint: Path, out: Path, quant: str, args: list[str]) -> tuple[int, float, str]:

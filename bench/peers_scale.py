@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import disk_bytes
+
 SHAPE_NAMES = ("1b", "3b", "8b")
 
 
@@ -57,15 +59,8 @@ def ensure_checkpoint(hf: dict, ck: Path) -> None:
     from bench.shapes import write_checkpoint
     t0 = time.perf_counter()
     n = write_checkpoint(hf, ck, log=lambda line: print(line, flush=True))
-    print(f"checkpoint: {n / 1e9:.2f}B parameters, bf16 shards, {disk(ck) / 2**30:.1f} GiB in "
+    print(f"checkpoint: {n / 1e9:.2f}B parameters, bf16 shards, {disk_bytes(ck) / 2**30:.1f} GiB in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
-
-
-def disk(path: Path) -> int:
-    """Bytes of the files under `path` (a file's own size)."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
 def prepare_worker(a, work: Path, what: str) -> None:
@@ -96,7 +91,7 @@ def prepare_variant(a, work: Path, v: str, base: list[str], env: dict) -> dict:
         if p.returncode or not got:
             raise SystemExit(f"{what} of {v} failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
         out[what] = got[0]
-    out["disk"] = dict(artifact=disk(work / f"art-{v}"), gguf=disk(work / f"model-{v}.gguf"))
+    out["disk"] = dict(artifact=disk_bytes(work / f"art-{v}"), gguf=disk_bytes(work / f"model-{v}.gguf"))
     e, g = out["export"], out["gguf"]
     print(f"{v}: tlaloc-jax export {e['seconds']:.0f} s, peak resident set {e['peak_rss'] / 2**30:.2f} GiB, artifact "
           f"{out['disk']['artifact'] / 2**30:.2f} GiB; GGUF (streamed) {g['seconds']:.0f} s, peak resident set "
@@ -126,7 +121,7 @@ def summarize_scale(a, work: Path, results: list[dict], prepared: dict[str, dict
                   f"{statistics.median(r['load_s'] for r in rs):6.1f} | "
                   f"{max(r['rss_load'] for r in rs) / 2**30:20.2f} | {max(r['rss_end'] for r in rs) / 2**30:19.2f} | "
                   f"{bound}")
-    print(f"checkpoint (bf16 shards): {disk(work / 'ck') / 2**30:.1f} GiB, kept in {work / 'ck'}")
+    print(f"checkpoint (bf16 shards): {disk_bytes(work / 'ck') / 2**30:.1f} GiB, kept in {work / 'ck'}")
 
 
 def resident() -> int:
