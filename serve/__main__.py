@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import sys
+import time
 
 
 def _positive(text: str) -> int:
@@ -218,8 +219,13 @@ def main(argv=None) -> int:
     from .openai.embeddings import Embeddings, embedding_task, load_embedding_tokenizer
     from .engine import DEFAULT_CACHE_DIR, Engine
     from .runtime import CompileError, PluginNotFoundError
+    from .readiness import process_seconds
     from .tokenizer import load_tokenizer
 
+    # (phase, when it ended) on perf_counter's clock, from the process's start: the start-up line's phases
+    age = process_seconds()
+    marks = [("", time.perf_counter())] if age is None else [("", time.perf_counter() - age),
+                                                              ("Python and imports", time.perf_counter())]
     cache_dir = DEFAULT_CACHE_DIR if args.cache_dir is None else None if args.cache_dir == "none" else args.cache_dir
     bar = not args.no_progress and sys.stderr.isatty()
     prometheus_client.disable_created_metrics()     # no *_created series: they are noise to a scraper
@@ -237,6 +243,7 @@ def main(argv=None) -> int:
                 embedding_tokenizer = load_embedding_tokenizer(args.embedding_artifact, embedding_manifest)
             except ManifestError as e:
                 raise ManifestError(f"--embedding-artifact: {e}") from None
+        marks.append(("artifact checked", time.perf_counter()))
         largest = max(manifest.buckets.context_ladder)
         if args.max_model_len is not None and args.max_model_len > largest:
             raise ValueError(f"--max-model-len {args.max_model_len} is past the artifact's largest context "
@@ -247,6 +254,7 @@ def main(argv=None) -> int:
                              trust_weights=args.trust_weights, manifest=manifest, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=args.enable_prefix_caching)
+        marks.append(("engine loaded", time.perf_counter()))
     except (ManifestError, OSError, CompileError, PluginNotFoundError, NativeKernelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -272,6 +280,9 @@ def main(argv=None) -> int:
                               return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                               compile_all=not args.lazy_compile, progress="bar" if bar else "log")
         server = app.state.server
+        if server.loop.readiness is not None:
+            marks.append(("server set up", time.perf_counter()))
+            server.loop.readiness.phases = {k: b - a for (_, a), (k, b) in zip(marks, marks[1:])}
         if not _is_loopback(args.host) and not api_key:
             log.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                         args.host)

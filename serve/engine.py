@@ -303,6 +303,11 @@ class Engine:
         """The entries not compiled (nor loaded from the compile cache) yet, in the manifest's order."""
         return [e for e in self.manifest.entries if e.name not in self.runner.executables]
 
+    def entries_to_compile(self) -> list[af.Entry]:
+        """The entries neither compiled nor in the compile cache: what a server compiles before it is ready (a cached
+        one loads on first use or while idle, Runner.to_compile)."""
+        return self.runner.to_compile()
+
     def compile_all(self) -> int:
         """Compile (or load from the compile cache) every entry not compiled yet: what a server that starts ready does
         before it serves, where no engine loop does it (a Ray Serve replica's constructor, the Triton model before it

@@ -165,9 +165,10 @@ class EngineLoop:
         # (Engine.warm_up): not in the brief idle moment between a closed loop's requests, which would wait for it.
         self.warm_up = warm_up
         self.warm_up_idle_s = 0.5
-        # compile_all: the loop compiles every entry not compiled yet before its first step (readiness.py); until then
-        # `readiness.reason()` says how far it got. None: it serves at once, entries compile on first use.
-        self.readiness = Readiness(len(engine.uncompiled_entries()), progress) if compile_all else None
+        # compile_all: the loop compiles every entry neither compiled nor in the compile cache before its first step
+        # (readiness.py); until then `readiness.reason()` says how far it got. None: it serves at once, entries
+        # compile on first use.
+        self.readiness = Readiness(len(engine.entries_to_compile()), progress) if compile_all else None
         self._idle_since = time.perf_counter()
         self._arriving = 0
         self._arriving_lock = threading.Lock()
@@ -302,12 +303,12 @@ class EngineLoop:
         return left if left > 0 else None
 
     def _get_ready(self) -> bool:
-        """Compile (or load from the compile cache) every entry not compiled yet, one at a time, handling commands
-        between them (a request submitted meanwhile waits for its first step; a snapshot for /metrics is answered).
-        The entries' first runs come after, while idle (_warm_one). -> False on a stop."""
+        """Compile every entry neither compiled nor in the compile cache, one at a time, handling commands between
+        them (a request submitted meanwhile waits for its first step; a snapshot for /metrics is answered). The
+        entries' first runs, and the cached entries' loads, come after, while idle (_warm_one). -> False on a stop."""
         self.readiness.start()
         try:
-            for e in self.engine.uncompiled_entries():
+            for e in self.engine.entries_to_compile():
                 while True:
                     try:
                         cmd = self._cmds.get_nowait()

@@ -1,18 +1,21 @@
 """Ready means ready: a server that compiles every entry before it serves, and says how far it got.
 
-The engine loop (loop.py) compiles the entries (or loads them from the compile cache) one at a time before its first
-step (each then runs once while the server is idle: its one-time first-run costs, 50-200 ms). Until they are
-compiled /health answers 503 with `reason()` ("compiling entries: 12/32") and generation requests 503 with Retry-After (`retry_after()`, the
-time the entries left should take at the pace so far), as a vLLM server takes no traffic before it is up. Progress
-goes to a bar on a terminal, else to a plain log line every LOG_EVERY_S seconds (a bar's carriage returns make one
-long line in a log file).
+The engine loop (loop.py) compiles the entries that are not in the compile cache one at a time before its first
+step. Each entry then runs once while the server is idle (its one-time first-run costs, 50-200 ms), a cached one loaded
+from the cache first (0.1-0.2 s): a warm start serves at once, compiling nothing. Until they are compiled /health
+answers 503 with `reason()` ("compiling entries: 12/32") and generation requests 503 with Retry-After
+(`retry_after()`, the time the entries left should take at the pace so far), as a vLLM server takes no traffic
+before it is up. Progress goes to a bar on a terminal, else to a plain log line every LOG_EVERY_S seconds (a bar's
+carriage returns make one long line in a log file); once ready, one line gives the start-up's phases.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
+from pathlib import Path
 
 log = logging.getLogger("tlaloc_jax.serve")
 
@@ -20,14 +23,26 @@ LOG_EVERY_S = 10.0
 MAX_RETRY_AFTER_S = 60      # the openai client honours a Retry-After of at most 60 s
 
 
+def process_seconds() -> float | None:
+    """Seconds since this process started (Linux /proc: Python's own start-up included), or None elsewhere."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Readiness:
     """How many of `total` entries are compiled. `progress`: "bar" (tqdm, for a terminal), "log"
-    (periodic lines) or None (the final line only)."""
+    (periodic lines) or None (the final line only). `phases`: the start-up's seconds before the loop began, by
+    phase (the server's main fills it), for the start-up line."""
 
     def __init__(self, total: int, progress: str | None = "log"):
         self.total = total
         self.done = 0
         self.progress = progress
+        self.phases: dict[str, float] = {}
         self._t0 = self._told = time.perf_counter()
         self._bar = None
 
@@ -72,5 +87,12 @@ class Readiness:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self.ready and self.total:
-            log.info("ready: %d entries compiled in %.1f s", self.total, time.perf_counter() - self._t0)
+        if not self.ready:
+            return
+        took = time.perf_counter() - self._t0
+        if self.total:
+            log.info("ready: %d entries compiled in %.1f s", self.total, took)
+        age = process_seconds()
+        log.info("start-up: %s; ready %s after the process started", ", ".join(
+            [f"{k} {v:.1f} s" for k, v in self.phases.items()] + [f"compiling {self.total} entries {took:.1f} s"]),
+            "?" if age is None else f"{age:.1f} s")

@@ -18,6 +18,7 @@ import threading
 import time
 
 import httpx
+import pypjrt
 import pytest
 
 from http_util import InProcess
@@ -100,6 +101,66 @@ def test_a_stop_while_compiling_ends_the_loop_between_entries(http_artifacts, tm
         assert len(engine.uncompiled_entries()) == cold - 1
 
 
+def _count_pjrt(monkeypatch) -> dict[str, int]:
+    """Count the plugin's compiles and deserializations (every Device's client) from here on."""
+    counts = {"compile": 0, "deserialize_executable": 0}
+    for name in counts:
+        real = getattr(pypjrt.Client, name)
+
+        def counted(self, *args, _real=real, _name=name, **kw):
+            counts[_name] += 1
+            return _real(self, *args, **kw)
+        monkeypatch.setattr(pypjrt.Client, name, counted)
+    return counts
+
+
+def test_a_warm_start_compiles_nothing_and_is_ready_at_once(http_artifacts, tmp_path, monkeypatch):
+    """With every entry in the compile cache the server is ready before it has loaded any (each loads on first use
+    or while idle, like its first run): no compile, no 503. Control: an empty cache compiles every entry before
+    /health answers 200."""
+    with Engine.load(http_artifacts[1], cache_dir=tmp_path / "warm", progress=False) as engine:
+        engine.compile_all()                                    # fills the cache
+        want = engine.generate([PROMPT], 6)[0]
+    counts = _count_pjrt(monkeypatch)
+    with Engine.load(http_artifacts[1], cache_dir=tmp_path / "warm", progress=False) as engine:
+        srv = InProcess(engine, compile_all=True)
+        srv.server.loop.warm_up = False                         # nothing loads while idle: on first use only
+        with srv:
+            r = srv.client.get("/health")
+            assert r.status_code == 200, r.text
+            assert srv.server.loop.readiness.total == 0 and engine.runner.executables == {}
+            r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                             "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == want
+        assert counts["compile"] == 0 and counts["deserialize_executable"] == len(engine.runner.executables) > 0
+        assert "hit" in engine.compile_report() and set(engine.compile_report()) <= {"hit", "cached"}
+    with Engine.load(http_artifacts[1], cache_dir=tmp_path / "cold", progress=False) as engine:
+        n, at_load = len(engine.manifest.entries), counts["compile"]
+        with InProcess(engine, compile_all=True) as srv:
+            _until_healthy(srv.client)
+            assert srv.server.loop.readiness.total == n - at_load > 0
+            assert set(engine.runner.executables) == {e.name for e in engine.manifest.entries}
+        assert counts["compile"] == n
+
+
+def test_a_damaged_cache_entry_is_compiled_before_ready(http_artifacts, tmp_path):
+    """A cache file that fails its check does not count as compiled: that entry compiles before /health answers 200
+    (the others, intact, load on first use)."""
+    with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as engine:
+        engine.compile_all()
+    damaged = sorted(tmp_path.glob("*.pypjrta"))[0]
+    damaged.write_bytes(damaged.read_bytes()[:-64] + bytes(64))
+    with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as engine:
+        assert len(engine.entries_to_compile()) == 1
+        release = _held_compile(engine)
+        with InProcess(engine, compile_all=True) as srv:
+            assert srv.client.get("/health").json()["error"]["message"] == "compiling entries: 0/1"
+            release.set()
+            _until_healthy(srv.client)
+            assert engine.entries_to_compile() == []
+
+
 def test_progress_is_a_plain_line_in_a_log(monkeypatch, caplog):
     monkeypatch.setattr(readiness_mod, "LOG_EVERY_S", 0.0)
     ready = Readiness(3, "log")
@@ -114,7 +175,9 @@ def test_progress_is_a_plain_line_in_a_log(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("compiling entries: 1/3 (") for line in lines), lines
     assert any(line.startswith("compiling entries: 2/3 (") for line in lines), lines
-    assert re.match(r"ready: 3 entries compiled in [0-9.]+ s$", lines[-1]), lines
+    assert re.match(r"ready: 3 entries compiled in [0-9.]+ s$", lines[-2]), lines
+    assert re.match(r"start-up: compiling 3 entries [0-9.]+ s; ready [0-9.]+ s after the process started$",
+                    lines[-1]), lines
     assert ready.reason() is None and ready._bar is None
 
 
@@ -144,9 +207,14 @@ def test_the_server_logs_its_start_up_in_plain_lines(http_artifacts, tmp_path):
                 pass
             assert time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.2)
-        text = log_path.read_text()
+        deadline = time.monotonic() + 10        # the lines are written just after the last entry counts as ready
+        while "start-up: " not in (text := log_path.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert "\r" not in text and "entry/s" not in text, text      # no bar's redraws
         assert re.search(r"ready: \d+ entries compiled in", text), text
+        # One line of the start-up's phases (after the ready line, which the phases' line follows at once).
+        assert re.search(r"start-up: Python and imports [0-9.]+ s, artifact checked [0-9.]+ s, engine loaded [0-9.]+ s, "
+                         r"server set up [0-9.]+ s, compiling \d+ entries [0-9.]+ s; ready [0-9.]+ s after", text), text
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200, r.text
