@@ -118,6 +118,8 @@ def start_tlaloc(a, art: Path, caching: bool = True, name: str = "") -> Server:
            str(a.max_num_seqs), "--no-progress", *([] if caching else ["--no-enable-prefix-caching"]), *a.serve_arg]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
     server = _wait_up(name, proc, f"http://127.0.0.1:{port}", log, 600)
+    if getattr(a, "no_wait_warm", False):        # bench/ttft.py's servers always wait
+        return server
     try:
         _wait_warm(server, 600)
     except BaseException:
@@ -335,7 +337,10 @@ def main(argv=None) -> None:
     ap.add_argument("--vllm-kv-gib", type=int, default=1)
     ap.add_argument("--sweep", default=None, help="client counts of the --plot sweep (no shared prefix)")
     ap.add_argument("--plot", default=None, help="PNG: throughput against TTFT p50/p99 over the sweep")
-    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every cell")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every cell (2 or more: each cell's "
+                    "first round against its second is printed)")
+    ap.add_argument("--no-wait-warm", action="store_true", help="start the cells once tlaloc-jax's /health answers "
+                    "200, as a load balancer does, not once it has warmed every entry")
     ap.add_argument("--no-cache-control-off", action="store_true",
                     help="skip the shared-prefix cells' third server (tlaloc-jax with prefix caching off)")
     a = ap.parse_args(argv)
@@ -397,6 +402,11 @@ def report(cells, servers, results, a, uncached=None) -> None:
             print(f"| {cell.label} | **{what}** | **{t['tok_s'] / p['tok_s']:.2f}x** | **{t['ttft_p50'] / p['ttft_p50']:.2f}x** "
                   f"| {t['ttft_p99'] / p['ttft_p99']:.2f}x | {t['itl_p50'] / p['itl_p50']:.2f}x | "
                   f"{t['itl_p99'] / p['itl_p99']:.2f}x | | |")
+    for cell in cells if a.rounds > 1 else []:     # the first run after start against the second
+        for n in names:
+            r1, r2 = results[(cell.label, n)][:2]
+            print(f"[{cell.label}] {n}: first round / second: {r1['tok_s'] / r2['tok_s']:.2f}x tok/s, "
+                  f"{r1['ttft_p50'] / r2['ttft_p50']:.2f}x TTFT p50")
     for c in cells:
         if uncached is not None and c.shared:
             r0, r1 = med[(c.label, uncached.name)], med[(c.label, names[0])]
