@@ -38,9 +38,9 @@ def write_peft(out: Path, checkpoint: Path, *, seed: int, rank: int, alpha: floa
             tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, std, (fan_out, rank)).astype(np.float32)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
-    body = dict(peft_type="LORA", r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
-                use_dora=False, fan_in_fan_out=False, bias="none", base_model_name_or_path=str(checkpoint),
-                task_type="CAUSAL_LM", **config)
+    body = {**dict(peft_type="LORA", r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
+                   use_dora=False, fan_in_fan_out=False, bias="none", base_model_name_or_path=str(checkpoint),
+                   task_type="CAUSAL_LM"), **config}
     (out / "adapter_config.json").write_text(json.dumps(body))
     return out
 
