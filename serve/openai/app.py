@@ -47,6 +47,7 @@ from starlette.middleware.cors import CORSMiddleware
 from ..engine import Engine
 from ..metrics import CountRequests
 from ..tokenizer import TextTokenizer, load_tokenizer
+from .adapters import add_lora_routes, runtime_updating_allowed
 from .checks import SCHEDULING_POLICIES
 from .embeddings import Embeddings
 from .errors import APIError
@@ -175,6 +176,9 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
         return await server.metrics_text()
 
     # Added innermost first: requests pass CountRequests, then the Host check, then CORS, then InternalErrors.
+    if runtime_updating_allowed():
+        add_lora_routes(app, server)
+
     app.add_middleware(InternalErrors)
     origins = list(allowed_origins)
     if origins:
