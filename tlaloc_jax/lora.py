@@ -1,4 +1,5 @@
-"""LoRA adapters as slots: each target projection's A [L, N + 1, I, R] and B [L, N + 1, R, O] and a scale per slot,
+"""LoRA adapters as slots: each target projection's A [N + 1, R, I] and B [O, N + 1, R] per layer (out-major, one
+buffer a layer, as the per-layer layout's projections) and a scale per slot,
 device buffers every entry takes (roles LORA_A, LORA_B, LORA_SCALE); each row picks a slot (LORA_SLOTS), slot 0
 all zeros (no adapter). A projection adds scale[slot] * (x A[slot]) B[slot] to each of its rows' outputs.
 
@@ -18,6 +19,7 @@ from jax import lax
 from tlaloc_jax import artifact as af
 
 from .config import DENSE, LINEAR, ConfigError, DecoderConfig
+from .kernels.quantized_matmul import out_major_product
 
 # The projections the built-in decoder takes adapters on, by their Hugging Face module names (PEFT's
 # target_modules); the attention ones in self_attn, the MLP ones in mlp.
@@ -70,7 +72,7 @@ def decoder_lora(cfg: DecoderConfig, max_loras: int, max_rank: int,
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class LayerAdapters:
-    """One layer's adapters and the call's token slots: ab {target: (A [S, I, R], B [S, R, O])}, scale [S],
+    """One layer's adapters and the call's token slots: ab {target: (A [S, R, I], B [O, S, R])}, scale [S],
     slots [B, T] (each token's row's slot)."""
 
     ab: dict
@@ -79,8 +81,12 @@ class LayerAdapters:
 
 
 def layer_adapters(adapters: Mapping[str, jax.Array], slots: jax.Array, layer) -> LayerAdapters:
-    """Layer `layer`'s slice of the staged buffers (StepInputs.adapters: "<target>.a", "<target>.b", "scale")."""
-    pick = lambda a: lax.dynamic_index_in_dim(a, layer, keepdims=False)   # noqa: E731
+    """Layer `layer`'s adapters from the staged buffers (StepInputs.adapters: "<target>.a" and "<target>.b", a tuple of
+    each layer's [S, R, I] and [O, S, R]; "scale" [S]). A scan's traced layer index (the stacked layout) reads them
+    stacked, a copy per call; the per-layer layout reads each layer's buffer in place."""
+    def pick(arrays):
+        return arrays[layer] if isinstance(layer, int) else lax.dynamic_index_in_dim(jnp.stack(arrays), layer,
+                                                                                      keepdims=False)
     names = sorted({k.rsplit(".", 1)[0] for k in adapters if k != "scale"})
     return LayerAdapters({n: (pick(adapters[f"{n}.a"]), pick(adapters[f"{n}.b"])) for n in names},
                          adapters["scale"], slots)
@@ -89,21 +95,19 @@ def layer_adapters(adapters: Mapping[str, jax.Array], slots: jax.Array, layer) -
 def delta(la: LayerAdapters | None, name: str, x: jax.Array) -> jax.Array | None:
     """x: [B, T, I] -> the adapters' [B, T, O] f32 for projection `name` (None where it takes none).
 
-    A decode call (T = 1) gathers each row's A and B; a longer call multiplies every token by every slot's A (the
-    slots' ranks side by side, a narrow product) and keeps its own slot's part, so no token gathers a matrix."""
+    Every token is multiplied by all slots' A at once (the slots' ranks side by side, [S * R, I] out-major: one
+    projection of S * R outputs), keeps its own slot's part (scaled; the others zeroed), and that is multiplied by
+    all slots' B ([O, S * R]): two projections in the platform's fastest form (the C kernel where the export turned
+    it on, kernels/projection_native.py), no gather, for decode rows and prompt tokens alike."""
     if la is None or name not in la.ab:
         return None
     a, b = la.ab[name]
-    x = x.astype(jnp.float32)
-    scale = la.scale[la.slots]                                          # [B, T]
-    if x.shape[1] == 1:
-        s = la.slots[:, 0]
-        xa = jnp.einsum("bi,bir->br", x[:, 0], a[s].astype(jnp.float32), precision=HIGHEST)
-        y = jnp.einsum("br,bro->bo", xa * scale[:, :1], b[s].astype(jnp.float32), precision=HIGHEST)
-        return y[:, None]
-    xa = jnp.einsum("bti,sir->btsr", x, a.astype(jnp.float32), precision=HIGHEST)
-    keep = jax.nn.one_hot(la.slots, a.shape[0], dtype=jnp.float32) * scale[..., None]
-    return jnp.einsum("btsr,sro->bto", xa * keep[..., None], b.astype(jnp.float32), precision=HIGHEST)
+    (B, T, I), (S, R, _), O = x.shape, a.shape, b.shape[0]
+    xa = out_major_product(x.reshape(B * T, I), a.reshape(S * R, I), reduce_one_row=a.dtype != jnp.float32)
+    keep = jax.nn.one_hot(la.slots.reshape(-1), S, dtype=jnp.float32) * la.scale[la.slots.reshape(-1)][:, None]
+    xa = (xa.reshape(B * T, S, R) * keep[:, :, None]).reshape(B * T, S * R)
+    y = out_major_product(xa, b.reshape(O, S * R), reduce_one_row=b.dtype != jnp.float32)
+    return y.reshape(B, T, O)
 
 
 def plus(y: jax.Array, d: jax.Array | None) -> jax.Array:
@@ -125,19 +129,21 @@ def token_slots(lora_slots: jax.Array, token_ids: jax.Array, pack_index: jax.Arr
 def signature(shape: af.LoraShape, rows: int) -> tuple[list[af.TensorSig], list[af.TensorSig]]:
     """An entry's LoRA inputs: (LORA_SLOTS [rows], after the step's other inputs; each target's LORA_A and LORA_B,
     then LORA_SCALE, after the weights)."""
-    adapters = []
-    for t in shape.targets:
-        dims = shape.shapes(t)
-        adapters += [af.TensorSig(af.Role.LORA_A, shape.dtype, dims[af.Role.LORA_A], t.name),
-                     af.TensorSig(af.Role.LORA_B, shape.dtype, dims[af.Role.LORA_B], t.name)]
-    adapters.append(af.TensorSig(af.Role.LORA_SCALE, "float32", (shape.max_loras + 1,)))
+    adapters = [af.TensorSig(role, "float32" if role == af.Role.LORA_SCALE else shape.dtype, dims, slot)
+                for role, slot, dims in shape.buffers()]
     return [af.TensorSig(af.Role.LORA_SLOTS, "int32", (rows,))], adapters
 
 
 def step_fields(args: Mapping[tuple[af.Role, str], jax.Array]) -> dict:
-    """An entry's LoRA arguments {(role, slot): array} -> StepInputs' lora_slots and adapters ({} without)."""
+    """An entry's LoRA arguments {(role, slot): array} -> StepInputs' lora_slots and adapters ({} without):
+    {"<target>.a": (each layer's A, ...), "<target>.b": (...), "scale": [S]}."""
     if not args:
         return {}
-    adapters = {("scale" if role == af.Role.LORA_SCALE else f"{slot}.{'a' if role == af.Role.LORA_A else 'b'}"): a
-                for (role, slot), a in args.items() if role != af.Role.LORA_SLOTS}
+    layers: dict[str, dict[int, jax.Array]] = {}
+    for (role, slot), a in args.items():
+        if role in (af.Role.LORA_A, af.Role.LORA_B):
+            name, _, layer = slot.rpartition(".")
+            layers.setdefault(f"{name}.{'a' if role == af.Role.LORA_A else 'b'}", {})[int(layer)] = a
+    adapters = {key: tuple(by[i] for i in range(len(by))) for key, by in layers.items()}
+    adapters["scale"] = args[(af.Role.LORA_SCALE, "")]
     return {"lora_slots": args[(af.Role.LORA_SLOTS, "")], "adapters": adapters}

@@ -20,8 +20,8 @@ def adapter_bytes(shape: af.LoraShape | None) -> int:
     """The bytes of every adapter buffer (0 without a lora record)."""
     if shape is None:
         return 0
-    return sum(af.nbytes(shape.dtype, shape.shapes(t)[role]) for t in shape.targets
-               for role in (af.Role.LORA_A, af.Role.LORA_B)) + af.nbytes("float32", (shape.max_loras + 1,))
+    return sum(af.nbytes("float32" if role == af.Role.LORA_SCALE else shape.dtype, dims)
+               for role, _, dims in shape.buffers())
 
 
 class AdapterBuffers:
@@ -33,12 +33,9 @@ class AdapterBuffers:
         self.host: dict[tuple[af.Role, str], np.ndarray] = {}
         self.buffers: dict[tuple[af.Role, str], Buffer] = {}
         self.shared: dict[tuple[af.Role, str], bool] = {}     # the buffer is the host array's memory
-        dtype = af.numpy_dtype(shape.dtype)
-        for t in shape.targets:
-            dims = shape.shapes(t)
-            for role in (af.Role.LORA_A, af.Role.LORA_B):
-                self._place((role, t.name), sharded.host_zeros(dims[role], dtype))
-        self._place((af.Role.LORA_SCALE, ""), sharded.host_zeros((shape.max_loras + 1,), np.dtype(np.float32)))
+        for role, slot, dims in shape.buffers():
+            dtype = np.dtype(np.float32) if role == af.Role.LORA_SCALE else af.numpy_dtype(shape.dtype)
+            self._place((role, slot), sharded.host_zeros(dims, dtype))
         self.stats = dict(uploads=0)
 
     def _place(self, key: tuple[af.Role, str], array: np.ndarray) -> None:
@@ -56,15 +53,19 @@ class AdapterBuffers:
             raise ValueError(f"adapter targets {unknown} are not the artifact's lora targets")
         for t in self.shape.targets:
             a, b = weights.get(t.name, (None, None))
-            for role, value in ((af.Role.LORA_A, a), (af.Role.LORA_B, b)):
-                dest = self.host[(role, t.name)][:, slot]
-                dest[...] = 0
-                if value is not None:
-                    r = value.shape[-1] if role == af.Role.LORA_A else value.shape[-2]
-                    if r > self.shape.max_rank:
-                        raise ValueError(f"adapter rank {r} is past max_rank {self.shape.max_rank}")
-                    (dest[..., :r] if role == af.Role.LORA_A else dest[..., :r, :])[...] = value
-                self._sync((role, t.name))
+            if a is not None and a.shape[-1] > self.shape.max_rank:
+                raise ValueError(f"adapter rank {a.shape[-1]} is past max_rank {self.shape.max_rank}")
+            for layer in range(t.layers):
+                # Out-major, as the buffers hold them: a layer's A slot [R, I], its B slot [O, R].
+                key_a, key_b = (af.Role.LORA_A, f"{t.name}.{layer}"), (af.Role.LORA_B, f"{t.name}.{layer}")
+                dest_a, dest_b = self.host[key_a][slot], self.host[key_b][:, slot]
+                dest_a[...] = 0
+                dest_b[...] = 0
+                if a is not None:
+                    dest_a[:a.shape[-1]] = a[layer].T
+                    dest_b[:, :b.shape[-2]] = b[layer].T
+                self._sync(key_a)
+                self._sync(key_b)
         self.host[(af.Role.LORA_SCALE, "")][slot] = scale
         self._sync((af.Role.LORA_SCALE, ""))
 

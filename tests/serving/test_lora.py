@@ -172,8 +172,8 @@ def _manifest_json(served) -> dict:
 
 
 @pytest.mark.parametrize("edit, match", [
-    ("drop_target_input", "takes the lora inputs"),
-    ("rank", r"LORA_A q_proj is float32\[3, 3, 64, 4\], the lora record's is float32\[3, 3, 64, 5\]"),
+    ("drop_target_input", r"takes the lora inputs wrongly \(missing \['LORA_B down_proj.2'\]"),
+    ("rank", r"LORA_A q_proj.0 is float32\[3, 4, 64\], the lora record's is float32\[3, 5, 64\]"),
     ("no_record", "has LORA_SLOTS, but the manifest has no lora record"),
     ("no_targets", r"lora.targets \[\] must be one or more distinct names"),
 ])
@@ -182,7 +182,7 @@ def test_a_manifest_whose_lora_inputs_disagree_is_refused(served, edit, match):
     assert raw["lora"]["max_loras"] == 2 and raw["lora"]["max_rank"] == RANK
     if edit == "drop_target_input":
         e = raw["entries"][0]
-        e["inputs"] = [s for s in e["inputs"] if not (s["role"] == "LORA_B" and s["slot"] == "down_proj")]
+        e["inputs"] = [s for s in e["inputs"] if not (s["role"] == "LORA_B" and s["slot"] == "down_proj.2")]
     elif edit == "rank":
         raw["lora"]["max_rank"] = RANK + 1
     elif edit == "no_record":

@@ -261,10 +261,18 @@ class LoraShape:
     targets: tuple[LoraTarget, ...]
 
     def shapes(self, target: LoraTarget) -> dict[Role, tuple[int, ...]]:
-        """LORA_A, LORA_B and LORA_SCALE's shapes for `target`."""
+        """LORA_A and LORA_B's shapes for one layer of `target` (out-major, as the per-layer projections), and
+        LORA_SCALE's."""
         n = self.max_loras + 1
-        return {Role.LORA_A: (target.layers, n, target.inputs, self.max_rank),
-                Role.LORA_B: (target.layers, n, self.max_rank, target.outputs), Role.LORA_SCALE: (n,)}
+        return {Role.LORA_A: (n, self.max_rank, target.inputs), Role.LORA_B: (target.outputs, n, self.max_rank),
+                Role.LORA_SCALE: (n,)}
+
+    def buffers(self) -> list[tuple[Role, str, tuple[int, ...]]]:
+        """(role, slot, shape) of every adapter buffer an entry takes: LORA_A and LORA_B of each target's each layer
+        (slot "<target>.<layer>"), then LORA_SCALE."""
+        out = [(role, f"{t.name}.{layer}", self.shapes(t)[role]) for t in self.targets for layer in range(t.layers)
+               for role in (Role.LORA_A, Role.LORA_B)]
+        return out + [(Role.LORA_SCALE, "", (self.max_loras + 1,))]
 
     def target(self, name: str) -> LoraTarget | None:
         return next((t for t in self.targets if t.name == name), None)

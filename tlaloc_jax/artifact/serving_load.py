@@ -224,25 +224,28 @@ def _check_lora_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
     if sig.role == Role.LORA_SLOTS:
         want = ("int32", (e.rows,))
     else:
-        target = m.lora.target(sig.slot) if sig.role != Role.LORA_SCALE else m.lora.targets[0]
-        if target is None or (sig.role == Role.LORA_SCALE) != (sig.slot == ""):
-            raise ManifestError(f"{what} has {sig.label}, which names no lora target "
-                                f"({', '.join(t.name for t in m.lora.targets)})")
-        want = ("float32" if sig.role == Role.LORA_SCALE else m.lora.dtype, m.lora.shapes(target)[sig.role])
+        shapes = {(role, slot): shape for role, slot, shape in m.lora.buffers()}
+        if (sig.role, sig.slot) not in shapes:
+            raise ManifestError(f"{what} has {sig.label}, which names no layer of a lora target "
+                                f"({', '.join(f'{t.name}.0-{t.layers - 1}' for t in m.lora.targets)})")
+        want = ("float32" if sig.role == Role.LORA_SCALE else m.lora.dtype, shapes[(sig.role, sig.slot)])
     if (sig.dtype, tuple(sig.shape)) != want:
         raise ManifestError(f"{what} {sig.label} is {sig.dtype}{list(sig.shape)}, the lora record's is "
                             f"{want[0]}{list(want[1])}")
 
 
 def _check_lora_whole(m: Manifest, e: Entry, what: str) -> None:
-    """With a lora record, an entry takes LORA_SLOTS, LORA_SCALE and each target's LORA_A and LORA_B, once each."""
+    """With a lora record, an entry takes LORA_SLOTS, LORA_SCALE and each target's each layer's LORA_A and LORA_B,
+    once each."""
     if m.lora is None:
         return
     have = [(sig.role, sig.slot) for sig in e.inputs if sig.role in LORA_INPUTS or sig.role in LORA_ADAPTERS]
-    want = [(Role.LORA_SLOTS, ""), (Role.LORA_SCALE, "")] + [(r, t.name) for t in m.lora.targets
-                                                              for r in (Role.LORA_A, Role.LORA_B)]
+    want = [(Role.LORA_SLOTS, "")] + [(role, slot) for role, slot, _ in m.lora.buffers()]
     if sorted(have) != sorted(want):
-        raise ManifestError(f"{what} takes the lora inputs {sorted(have)}; the lora record needs {sorted(want)}")
+        missing, extra = (sorted(f"{r} {s}".strip() for r, s in pairs)
+                          for pairs in (set(want) - set(have), set(have) - set(want)))
+        raise ManifestError(f"{what} takes the lora inputs wrongly (missing {missing}, extra or repeated "
+                            f"{extra or 'none'}); the lora record needs each once")
 
 
 # The role groups whose signatures are checked against the manifest's top-level records.

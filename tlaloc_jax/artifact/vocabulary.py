@@ -66,8 +66,8 @@ class Role(enum.StrEnum):
     COPY_SRC = "COPY_SRC"
     COPY_DST = "COPY_DST"
     # LoRA adapters (manifest `lora`; tlaloc_jax/lora.py): LORA_SLOTS [rows] i32, each row's adapter slot (0: none;
-    # a mixed entry's decode rows, then its chunk's); per target projection (slot: its name) LORA_A [L, N + 1, I, R]
-    # and LORA_B [L, N + 1, R, O], and LORA_SCALE [N + 1] f32: device buffers the runtime writes adapters into.
+    # a mixed entry's decode rows, then its chunk's); per target projection and layer (slot "<target>.<layer>")
+    # LORA_A [N + 1, R, I] and LORA_B [O, N + 1, R] (out-major, as projections), and LORA_SCALE [N + 1] f32: device buffers the runtime writes adapters into.
     LORA_SLOTS = "LORA_SLOTS"
     LORA_A = "LORA_A"
     LORA_B = "LORA_B"
