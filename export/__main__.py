@@ -135,7 +135,7 @@ def main(argv=None) -> int:
                          "then runs it on N devices (default 1)")
     ap.add_argument("--max-loras", type=int, default=0, metavar="N",
                     help="N > 0 stages N LoRA adapter slots in every entry; the server loads PEFT adapters into them "
-                         "(--lora-modules) without compiling again (default 0: none)")
+                         "without compiling again (default 0: none)")
     ap.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
                     help="the largest adapter rank the slots hold (default 16); smaller ranks are zero-padded")
     ap.add_argument("--lora-target-modules", type=lambda t: [m for m in t.split(",") if m], default=None,

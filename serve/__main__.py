@@ -186,10 +186,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                     help="PEFT LoRA adapters to serve, each name=path or vLLM's JSON form {\"name\": ..., \"path\": "
                          "..., \"base_model_name\": ...}; a request's model picks one by name (the artifact must be "
-                         "exported with --max-loras). POST /v1/load_lora_adapter and /v1/unload_lora_adapter change "
+                         "exported with adapter slots). POST /v1/load_lora_adapter and /v1/unload_lora_adapter change "
                          "them while serving where VLLM_ALLOW_RUNTIME_LORA_UPDATING=true")
     ap.add_argument("--max-cpu-loras", type=_positive, default=None,
-                    help="adapters kept read in host memory beyond the artifact's slots (default: its --max-loras)")
+                    help="adapters kept read in host memory beyond the artifact's slots (default: as many as its slots)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = ap.parse_args(argv)
 
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     from tlaloc_jax.native import NativeKernelError
 
     from .bounded_program import BoundedProgram
-    from .openai.adapters import lora_modules
+    from .openai.lora_routes import lora_modules
     from .openai.embeddings import Embeddings, embedding_task, load_embedding_tokenizer
     from .engine import DEFAULT_CACHE_DIR, Engine
     from .runtime import CompileError, PluginNotFoundError

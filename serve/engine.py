@@ -42,7 +42,7 @@ from .core.request import (Constraint, Request, RequestRefused, StepEvent, check
                            check_sampling, check_stop)
 from .core.scheduler import Scheduler
 from .host_sampling import Sampling
-from .lora import LoraError, LoraSlots
+from .lora_slots import LoraError, LoraSlots
 from .model_runner import ModelRunner, new_stats
 from .runtime import host_memory
 from .runtime.native_log import native_stderr_to_log

@@ -4,7 +4,7 @@ device buffers every entry takes (roles LORA_A, LORA_B, LORA_SCALE); each row pi
 all zeros (no adapter). A projection adds scale[slot] * (x A[slot]) B[slot] to each of its rows' outputs.
 
 `Lora` declares them for `tlaloc_jax.stage`; `decoder_lora` for the built-in decoder. The runtime writes adapters
-into the slots (serve/lora.py), so a new adapter needs no compile.
+into the slots (serve/lora_slots.py), so a new adapter needs no compile.
 """
 
 from __future__ import annotations

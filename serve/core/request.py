@@ -105,7 +105,7 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     stop_mask: np.ndarray | None = None      # packed: every token but the stop ids (min_tokens), made once
-    lora: Any = None                     # the LoRA adapter it runs with (serve.lora.Adapter); None: the base model
+    lora: Any = None                     # the LoRA adapter it runs with (serve.lora_slots.Adapter); None: the base model
     lora_slot: int = 0                   # the adapter's slot while it runs (0: none)
 
     def stop_ids(self, vocab: int) -> list[int]:

@@ -69,7 +69,7 @@ class Scheduler:
         self.waiting: list[Request] = []          # sorted by Request.key
         self.running: list[Request] = []          # sorted by Request.key
         self.stats = dict(preemptions=0, prefix_queries=0, prefix_hits=0)
-        self.lora = None      # serve.lora.LoraSlots of an artifact with adapter slots: a running request holds one
+        self.lora = None      # serve.lora_slots.LoraSlots of an artifact with adapter slots: a running request holds one
 
     @property
     def prefix_caching(self) -> bool:

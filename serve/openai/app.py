@@ -47,11 +47,11 @@ from starlette.middleware.cors import CORSMiddleware
 from ..engine import Engine
 from ..metrics import CountRequests
 from ..tokenizer import TextTokenizer, load_tokenizer
-from .adapters import add_lora_routes, runtime_updating_allowed
 from .checks import SCHEDULING_POLICIES
 from .embeddings import Embeddings
 from .errors import APIError
 from .guards import HostAllowList, InternalErrors, allowed_host_names, api_key_problem
+from .lora_routes import add_lora_routes, runtime_updating_allowed
 from .server import OpenAIServer
 from .structured import GrammarBudget
 

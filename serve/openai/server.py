@@ -26,12 +26,12 @@ from ..host_sampling import Sampling
 from ..loop import Arrival, EngineLoop, StepWork
 from ..metrics import Metrics
 from ..tokenizer import ChatTemplateError, StopStrings, TextTokenizer, read_listed, read_listed_json
-from .adapters import adapter_cards, adapter_of
 from .body import parse_body
 from .checks import bad_value, check_priority, check_queue_room, check_sequence_count
 from .embeddings import Embeddings
 from .errors import APIError
 from .generation import Generation
+from .lora_routes import adapter_cards, adapter_of
 from .prompts import PromptTokenizer
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, GenerationRequest,
                        Request as BodyModel, TokenizeRequest)

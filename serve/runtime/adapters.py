@@ -1,5 +1,5 @@
 """The adapter slots on the device (manifest `lora`): each target's LORA_A and LORA_B and the LORA_SCALE vector,
-zeroed at load and written one slot at a time as adapters come and go (serve/lora.py), never per call.
+zeroed at load and written one slot at a time as adapters come and go (serve/lora_slots.py), never per call.
 
 Where device memory is host memory (the CPU plugin) each buffer is the host array itself (Device.adopt): writing a
 slot writes the device's copy. Elsewhere the written buffer is uploaded again, once per adapter written.

@@ -89,7 +89,7 @@ class Runner:
             self.weights = sharded.upload_weights(device, self.artifact_dir, m.weights, m.mesh)
             self.pools: dict[str, sharded.Placed] = {p.name: sharded.zeros(device, p.dtype, p.shape, p.partition,
                                                                            m.mesh) for p in m.pools}
-            # The LoRA slots (manifest `lora`), zeroed: written as adapters are loaded (serve/lora.py).
+            # The LoRA slots (manifest `lora`), zeroed: written as adapters are loaded (serve/lora_slots.py).
             self.adapters = AdapterBuffers(device, m.lora) if m.lora is not None else None
         except BaseException:
             device.close()

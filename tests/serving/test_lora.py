@@ -72,6 +72,20 @@ def test_adapter_ids_equal_the_merged_checkpoint(served, serve_cache_dir):
         assert eng.lora.held == 0
 
 
+def test_the_stacked_layout_reads_the_same_adapters(served, serve_cache_dir, tmp_path):
+    """Weights stacked over layers (scanned): each layer's adapter buffers are stacked in the body and indexed by the
+    scan's counter; the ids are still the merged checkpoints'."""
+    from tlaloc_jax.export import export_checkpoint
+    from tlaloc_jax.serve import Engine
+    art = tmp_path / "stacked"
+    export_checkpoint(served["ck"], art, batch_ladder=(4,), context_ladder=(64,), block_size=8, prefill_chunk=16,
+                      prefill_long_chunk=0, progress=False, max_loras=2, max_lora_rank=RANK, weight_layout="stacked")
+    names = [None, "a1", "a2"]
+    with Engine(art, progress=False, cache_dir=serve_cache_dir,
+                lora_modules={n: served["adapters"][n] for n in ("a1", "a2")}) as eng:
+        _check(eng, served, names, [0, 1, 2], eng.generate(PROMPTS, NEW, lora=names))
+
+
 def test_swapped_slots_are_caught(served, serve_cache_dir, monkeypatch):
     """Control: the rows' adapter slots handed to the body in reverse row order; the same check must fail."""
     from tlaloc_jax.serve.core import inputs as call_inputs
@@ -141,7 +155,7 @@ def test_adapters_come_and_go_while_requests_run(served, serve_cache_dir):
     (dict(targets=("q_proj", "embed_tokens")), r"targets \['embed_tokens'\], which the artifact did not stage"),
 ])
 def test_adapters_the_slots_cannot_hold_are_refused(served, tmp_path, config, match):
-    from tlaloc_jax.serve.lora import LoraError, read_peft
+    from tlaloc_jax.serve.lora_slots import LoraError, read_peft
     shape = af.load_manifest(served["art"], verify_weights=False).lora
     config = dict(config)           # the parameter is shared by both families
     kw = dict(rank=config.pop("rank", 2))
@@ -159,7 +173,7 @@ def test_adapters_the_slots_cannot_hold_are_refused(served, tmp_path, config, ma
 
 def test_an_adapter_on_a_projection_not_staged_is_refused(served, tmp_path):
     """Slots staged on q_proj and v_proj only: an adapter with k_proj tensors is refused by the module's name."""
-    from tlaloc_jax.serve.lora import LoraError, read_peft
+    from tlaloc_jax.serve.lora_slots import LoraError, read_peft
     shape = af.load_manifest(served["art"], verify_weights=False).lora
     narrow = dataclasses.replace(shape, targets=tuple(t for t in shape.targets if t.name in ("q_proj", "v_proj")))
     path = write_peft(tmp_path / "k", served["ck"], seed=5, rank=2, alpha=2, targets=("q_proj", "k_proj"))

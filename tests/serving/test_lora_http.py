@@ -10,8 +10,8 @@ import pytest
 from hf_models import build_checkpoint
 from http_util import InProcess
 from lora_adapters import write_peft
-from tlaloc_jax.serve.lora import LoraError
-from tlaloc_jax.serve.openai.adapters import RUNTIME_UPDATING_ENV, lora_modules
+from tlaloc_jax.serve.lora_slots import LoraError
+from tlaloc_jax.serve.openai.lora_routes import RUNTIME_UPDATING_ENV, lora_modules
 
 PROMPT = [5, 17, 99, 3, 249, 8, 61]
 KEY = "sk-lora-test"

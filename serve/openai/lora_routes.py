@@ -12,7 +12,7 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
-from ..lora import LoraError
+from ..lora_slots import LoraError
 from .errors import APIError
 
 # vLLM's switch for the load and unload routes.
