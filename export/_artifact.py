@@ -158,9 +158,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         raise ExportError(f"weight_quant {weight_quant!r} with tensor_parallel {tensor_parallel}: quantized weights "
                           "are not split over devices yet; stage them on one device")
     fam, cfg = config_from_hf(read_config(checkpoint_dir))
-    # One device streams each weight file from the checkpoint as it is written; a mesh splits host arrays, and a
-    # pre-quantized checkpoint's codes are read whole (tlaloc_jax/prequantized.py).
-    read = loaded_weights if tensor_parallel > 1 or stored else streamed_weights
+    # One device streams each weight file from the checkpoint as it is written (a pre-quantized checkpoint's codes
+    # too); a mesh splits host arrays.
+    read = loaded_weights if tensor_parallel > 1 else streamed_weights
     weights = read(checkpoint_dir, fam, cfg, dtype=weight_dtype_name, layout=weight_layout, quant=weight_quant,
                    group=quant_group)
     cfg = cfg.with_context(contexts[-1])

@@ -3,7 +3,9 @@ written a layer's tensor at a time) or loaded (the whole model in host memory fi
 
 Both give the same slots, order, dtypes and bytes: the per-layer layout fuses q | k | v and gate | up and stores the
 projections [O, I] (tlaloc_jax/layout.py), a quantization replaces the projections by codes and scales
-(export/_quant.py), computed from each tensor's values in f32; everything else is cast to the weight dtype.
+(export/_quant.py), computed from each tensor's values in f32; everything else is cast to the weight dtype. A
+pre-quantized checkpoint's linears (tlaloc_jax/prequantized.py) are read as their stored codes, scales and zero
+points, a layer's tensor at a time too.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import numpy as np
 from jax import lax
 
 from tlaloc_jax import artifact as af
-from tlaloc_jax.checkpoint import _read_slot, _TensorIndex, load_weights, weight_dtype
+from tlaloc_jax import prequantized
+from tlaloc_jax.checkpoint import TensorIndex, load_weights, read_config, read_slot, weight_dtype
 from tlaloc_jax.config import DecoderConfig
 from tlaloc_jax.families import Family, stack_layers
 from tlaloc_jax.kernels.quantized_matmul import (QuantError, QuantizedWeight, check_scheme, quantize, quantize_array,
@@ -50,43 +53,69 @@ def loaded_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderC
 
 
 class _LastQuantized:
-    """Quantizes one layer's tensor and keeps its parts (codes, scales, zero points) until their files take them
-    (a weight's parts are adjacent files): one tensor's codes in memory, plus the small scales and zero points of a
-    stacked slot still to be written."""
+    """Makes one layer's quantized tensor (produce(i): quantized here, or read as a checkpoint stores it) and keeps
+    its parts (codes, scales, zero points) until their files take them (a weight's parts are adjacent files): one
+    tensor's codes in memory, plus the small scales and zero points of a stacked slot still to be written."""
 
-    def __init__(self, read: Callable[..., np.ndarray], scheme: str, group: int, compute: str, flip: bool):
-        self.read, self.scheme, self.group, self.compute, self.flip = read, scheme, group, compute, flip
+    def __init__(self, produce: Callable[[int | None], QuantizedWeight], scheme: str):
+        self.produce, self.scheme = produce, scheme
         self.pending: dict[tuple[int | None, str], np.ndarray] = {}
-
-    def _quantize(self, i: int | None) -> QuantizedWeight:
-        fast = self.scheme in _STORED_SCHEMES
-        w = self.read(i, out_major=fast)        # as stored [O, I]: XLA transposes it, faster than numpy
-        with timed("quantize"):
-            if fast:
-                codes, scales = _quantize_stored(w, self.scheme, self.group, self.compute, self.flip)
-                return QuantizedWeight(np.asarray(codes), np.asarray(scales), self.scheme, self.group,
-                                       self.compute, out_major=self.flip)
-            q = quantize_array(w, self.scheme, self.group, compute=self.compute)
-            return to_out_major(q) if self.flip else q
 
     def take(self, part: str, i: int | None) -> np.ndarray:
         if (i, part) not in self.pending:
             self.pending = {k: v for k, v in self.pending.items() if k[0] != i}
-            q = self._quantize(i)
+            q = self.produce(i)
             self.pending.update({(i, p): getattr(q, p) for p in af.QUANT_PARTS[self.scheme]})
         return self.pending.pop((i, part))
 
 
+def _quantizer(read: Callable[..., np.ndarray], scheme: str, group: int, compute: str, flip: bool) -> Callable:
+    """produce(i) for a float tensor quantized here: layer i read in f32 and quantized (flip: out-major)."""
+    def produce(i: int | None) -> QuantizedWeight:
+        fast = scheme in _STORED_SCHEMES
+        w = read(i, out_major=fast)        # as stored [O, I]: XLA transposes it, faster than numpy
+        with timed("quantize"):
+            if fast:
+                codes, scales = _quantize_stored(w, scheme, group, compute, flip)
+                return QuantizedWeight(np.asarray(codes), np.asarray(scales), scheme, group, compute, out_major=flip)
+            q = quantize_array(w, scheme, group, compute=compute)
+            return to_out_major(q) if flip else q
+    return produce
+
+
+def _stored_reader(slot: str, read: Callable, flip: bool) -> Callable:
+    """produce(i) for a linear a pre-quantized checkpoint stores: layer i's codes, scales and zero points as read
+    (flip: out-major, as layout.out_major lays the loaded ones out)."""
+    def produce(i: int | None) -> QuantizedWeight:
+        q = _expect(read(i), True, slot, i)
+        with timed("convert"):
+            return to_out_major(q) if flip else q
+    return produce
+
+
+def _expect(w, quantized: bool, slot: str, i: int | None):
+    """w, a layer's tensor of a slot whose first layer was (quantized) stored quantized or not: refused if it differs,
+    as loading refuses a slot's layers in different formats."""
+    if isinstance(w, QuantizedWeight) != quantized:
+        how = "stored quantized" if quantized else "stored as floats"
+        raise ExportError(f"weight {slot!r}: layer {i} is {'not ' if quantized else ''}stored quantized, its first "
+                          f"layer {how}; every layer of a slot must be quantized alike")
+    return w
+
+
 def _timed_read(index, fam: Family, spec, cfg: DecoderConfig, i: int | None, *, dtype: np.dtype,
-                out_major: bool = False) -> np.ndarray:
+                out_major: bool = False, qc=None):
     with timed("read"):
-        return _read_slot(index, fam, spec, cfg, i, dtype, out_major)
+        return read_slot(index, fam, spec, cfg, i, dtype, out_major, qc)
 
 
 def _joined(reads: list[Callable], i: int | None, out_major: bool = False) -> np.ndarray:
-    """Fused parts of one layer joined along the output axis (the last, or the first of [O, I])."""
+    """Fused parts of one layer joined along the output axis (the last, or the first of [O, I]); pre-quantized
+    parts (in-major QuantizedWeights, as layout.fuse_projections joins them) leaf by leaf along the last."""
     parts = [r(i, out_major=out_major) for r in reads]
     with timed("convert"):
+        if isinstance(parts[0], QuantizedWeight):
+            return jax.tree.map(lambda *a: np.concatenate(a, axis=-1), *parts)
         return np.concatenate(parts, axis=-2 if out_major else -1)
 
 
@@ -125,9 +154,9 @@ def _quantized_shapes(shape: tuple[int, ...], scheme: str, group: int, compute: 
 
 # A leaf maker takes where the weight file comes from: a layer index (one layer's tensor), None (a whole tensor) or a
 # tuple of layer indices (a stacked slot, written a layer at a time).
-def _float_leaf(shape: tuple[int, ...], read: Callable, dtype: np.dtype, flip: bool) -> Callable:
+def _float_leaf(slot: str, shape: tuple[int, ...], read: Callable, dtype: np.dtype, flip: bool) -> Callable:
     def load(i):
-        a = read(i, out_major=flip)         # a linear stored [O, I] is read as the checkpoint holds it
+        a = _expect(read(i, out_major=flip), False, slot, i)   # a linear stored [O, I] is read as the checkpoint holds it
         with timed("convert"):
             return np.ascontiguousarray(a.astype(dtype, copy=False))
 
@@ -140,14 +169,16 @@ def _float_leaf(shape: tuple[int, ...], read: Callable, dtype: np.dtype, flip: b
     return make
 
 
-def _quantized_leaf(slot: str, layers: tuple[int, ...], shape: tuple[int, ...], read: Callable, scheme: str,
+def _quantized_leaf(slot: str, layers: tuple[int, ...], shape: tuple[int, ...], produce: Callable, scheme: str,
                     group: int, compute: str, flip: bool) -> Callable:
+    """produce(i): layer i's QuantizedWeight (_quantizer, _stored_reader), its parts' shapes those quantize gives
+    `shape` (a pre-quantized checkpoint's are read into the same formats)."""
     try:
         check_scheme(scheme, group, shape[-2])
     except QuantError as e:
         raise ExportError(f"weight {slot!r} {list((len(layers), *shape) if layers else shape)}: {e}") from None
     shapes = _quantized_shapes(shape, scheme, group, compute, flip)
-    q = _LastQuantized(read, scheme, group, compute, flip)
+    q = _LastQuantized(produce, scheme)
 
     def part(name: str, at):
         (s, dt), take = shapes[name], functools.partial(q.take, name)
@@ -167,36 +198,49 @@ def streamed_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: Decode
     """The same weights as loaded_weights as LazyWeight leaves: each weight file is read from the checkpoint (a
     layer's tensor, or one layer of a stacked slot at a time), converted, quantized and laid out when written, so the
     export holds about one tensor at a time. Shapes come from the family table, dtypes and quantized shapes from an
-    abstract evaluation: tracing needs no values."""
+    abstract evaluation: tracing needs no values. A pre-quantized checkpoint's linears are read as stored (in the
+    formats load_weights reads them into) and exported with quant "none"."""
     if quant not in WEIGHT_QUANT:
         raise ExportError(f"weight quantization {quant!r} is not one of {', '.join(WEIGHT_QUANT)}")
-    index, np_dtype, per_layer = _TensorIndex(Path(checkpoint_dir)), weight_dtype(dtype), layout == "per-layer"
+    index, np_dtype, per_layer = TensorIndex(Path(checkpoint_dir)), weight_dtype(dtype), layout == "per-layer"
+    qc = prequantized.quant_config(read_config(checkpoint_dir))
     quantized = quant != "none"
     q_group = group if quant in af.GROUPED_SCHEMES else 0
 
     def read_dtype(slot: str) -> np.dtype:
         return np.dtype(np.float32) if quantized and slot in QUANTIZED_SLOTS else np_dtype
 
-    # slot -> (the layers it stacks, or (); one layer's shape; read(layer) in the dtype the slot is read in)
-    sources: dict[str, tuple[tuple[int, ...], tuple[int, ...], Callable]] = {}
+    # slot -> (the layers it stacks, or (); one layer's shape; read(layer) in the dtype the slot is read in; whether
+    # its first layer is stored quantized)
+    sources: dict[str, tuple[tuple[int, ...], tuple[int, ...], Callable, bool]] = {}
     fused_parts = {p for parts in FUSED.values() for p in parts} if per_layer else set()
     for spec in fam.slots(cfg):
         fused = next((f for f, parts in FUSED.items() if spec.slot in parts), spec.slot) if per_layer else spec.slot
         dt = read_dtype(fused if spec.slot in fused_parts else spec.slot)
-        read = functools.partial(_timed_read, index, fam, spec, cfg, dtype=dt)
-        sources[spec.slot] = (stack_layers(spec.slot, cfg), spec.layer_shape(cfg), read)
+        read = functools.partial(_timed_read, index, fam, spec, cfg, dtype=dt, qc=qc)
+        layers = stack_layers(spec.slot, cfg)
+        first = spec.hf.format(p=fam.prefix, i=layers[0] if layers else None, e=0)
+        stored = prequantized.is_stored(index.file_of, first, qc) and qc.scheme is not None
+        sources[spec.slot] = (layers, spec.layer_shape(cfg), read, stored)
     if per_layer:
         for fused, parts in FUSED.items():
-            if all(p in sources for p in parts):
+            # parts stored alike are joined (layout.fuse_projections); quantized and float ones stay apart
+            if all(p in sources for p in parts) and len({sources[p][3] for p in parts}) == 1:
                 srcs = [sources.pop(p) for p in parts]
                 shape = (*srcs[0][1][:-1], sum(s[1][-1] for s in srcs))
-                sources[fused] = (srcs[0][0], shape, functools.partial(_joined, [s[2] for s in srcs]))
+                sources[fused] = (srcs[0][0], shape, functools.partial(_joined, [s[2] for s in srcs]), srcs[0][3])
 
     out: dict[str, Any] = {}
-    for slot, (layers, shape, read) in sources.items():
+    for slot, (layers, shape, read, stored) in sources.items():
         flip = per_layer and slot in LINEAR_SLOTS
-        make = (_quantized_leaf(slot, layers, shape, read, quant, q_group, dtype, flip)
-                if quantized and slot in QUANTIZED_SLOTS else _float_leaf(shape, read, np_dtype, flip))
+        if stored:
+            make = _quantized_leaf(slot, layers, shape, _stored_reader(slot, read, flip), qc.scheme, qc.group,
+                                   dtype, flip)
+        elif quantized and slot in QUANTIZED_SLOTS:
+            make = _quantized_leaf(slot, layers, shape, _quantizer(read, quant, q_group, dtype, flip), quant,
+                                   q_group, dtype, flip)
+        else:
+            make = _float_leaf(slot, shape, read, np_dtype, flip)
         unstack = per_layer and layers and slot.split(".", 1)[0] in LAYER_GROUPS
         out[slot] = tuple(make(i) for i in layers) if unstack else make(layers or None)
     return out

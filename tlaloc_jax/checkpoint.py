@@ -73,7 +73,7 @@ def read_tensor(path: Path, name: str, entry: dict, data_start: int) -> np.ndarr
     return arr
 
 
-class _TensorIndex:
+class TensorIndex:
     """Where each tensor of a (possibly sharded) safetensors checkpoint lives; reads one tensor at a time."""
 
     def __init__(self, checkpoint_dir: Path):
@@ -132,7 +132,7 @@ def checkpoint_tensors(fam: Family, cfg: DecoderConfig) -> dict[str, tuple[int, 
     return out
 
 
-def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, dtype: np.dtype,
+def _read_one(index: TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, dtype: np.dtype,
               out_major: bool = False, qc=None):
     """One checkpoint tensor as its slot holds it ([..., I, O] for a linear), or with out_major its last two axes
     swapped (a linear [O, I], as the checkpoint stores it: no transposed copy). A linear stored pre-quantized (qc,
@@ -154,7 +154,7 @@ def _read_one(index: _TensorIndex, name: str, spec: Tensor, cfg: DecoderConfig, 
     return np.ascontiguousarray(arr.astype(np.float32).astype(dtype, copy=False) if arr.dtype != dtype else arr)
 
 
-def _read_slot(index: _TensorIndex, fam: Family, spec: Tensor, cfg: DecoderConfig, layer: int | None,
+def read_slot(index: TensorIndex, fam: Family, spec: Tensor, cfg: DecoderConfig, layer: int | None,
                dtype: np.dtype, out_major: bool = False, qc=None) -> np.ndarray:
     """One layer's tensor of a slot (`layer` None: a whole slot's), read in `dtype`; out_major and qc as _read_one."""
     if spec.per_expert:
@@ -169,16 +169,16 @@ def load_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderCon
     checkpoint's quantized linears come as QuantizedWeights of compute dtype `dtype` (tlaloc_jax/prequantized.py)."""
     np_dtype = weight_dtype(dtype)
     qc = prequantized.quant_config(read_config(checkpoint_dir))
-    index = _TensorIndex(Path(checkpoint_dir))
+    index = TensorIndex(Path(checkpoint_dir))
     try:
         weights: dict[str, np.ndarray] = {}
         for spec in fam.slots(cfg):
             layers = stack_layers(spec.slot, cfg)
             if layers:
-                weights[spec.slot] = prequantized.stack([_read_slot(index, fam, spec, cfg, i, np_dtype, qc=qc)
+                weights[spec.slot] = prequantized.stack([read_slot(index, fam, spec, cfg, i, np_dtype, qc=qc)
                                                          for i in layers])
             else:
-                weights[spec.slot] = _read_slot(index, fam, spec, cfg, None, np_dtype, qc=qc)
+                weights[spec.slot] = read_slot(index, fam, spec, cfg, None, np_dtype, qc=qc)
         return weights
     finally:
         index.close()

@@ -58,6 +58,15 @@ class QuantConfig:
                 "fp8": "weight_scale_inv"}[self.method]
 
     @property
+    def scheme(self) -> QuantScheme | None:
+        """The artifact's scheme a linear is read into; None for fp8 (dequantized to a float weight)."""
+        if self.method == "fp8":
+            return None
+        if self.bits == 8:
+            return QuantScheme.INT8
+        return QuantScheme.INT4 if self.sym else QuantScheme.UINT4
+
+    @property
     def label(self) -> str:
         """How the model's name says it: "gptq-uint4g128", "fp8-block128x128"."""
         if self.method == "fp8":
@@ -274,15 +283,18 @@ def _read_fp8(get, prefix, qc, shape):
 # --- the checkpoint loader's hook ----------------------------------------------------------------------
 
 
+def is_stored(file_of, name: str, qc: QuantConfig | None) -> bool:
+    """Whether checkpoint tensor `name` (a linear's ".weight") is stored quantized: its marker tensor is present."""
+    return qc is not None and name.endswith(".weight") and f"{name[: -len('.weight')]}.{qc.marker}" in file_of
+
+
 def read_tensor(index, name: str, hf_shape: tuple[int, ...], spec, compute: str, qc: QuantConfig | None):
     """The loader's hook for checkpoint tensor `name` of slot `spec` (tlaloc_jax.families.Tensor): None where it is
     not stored quantized (read it as usual); else a QuantizedWeight [I, O] (the slot's value), or (fp8) the float
     tensor, to be split and transposed as a stored one. index: the loader's (get(name), file_of)."""
-    if qc is None or not name.endswith(".weight"):
+    if not is_stored(index.file_of, name, qc):
         return None
     prefix = name[: -len(".weight")]
-    if f"{prefix}.{qc.marker}" not in index.file_of:
-        return None
     if len(hf_shape) != 2 or not spec.transpose or spec.squeeze is not None:
         raise CheckpointError(f"tensor {name!r} (slot {spec.slot!r}) is stored quantized ({qc.method}), but the slot "
                               "is not a linear [out, in] that can be read quantized")
