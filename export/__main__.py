@@ -133,6 +133,14 @@ def main(argv=None) -> int:
                     help="N > 1 stages every entry for N devices, each holding 1/N of the heads, KV heads, MLP width "
                          "and experts (one all-reduce per attention and per MLP; docs/multi-device.md); the server "
                          "then runs it on N devices (default 1)")
+    ap.add_argument("--max-loras", type=int, default=0, metavar="N",
+                    help="N > 0 stages N LoRA adapter slots in every entry; the server loads PEFT adapters into them "
+                         "without compiling again (default 0: none)")
+    ap.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                    help="the largest adapter rank the slots hold (default 16); smaller ranks are zero-padded")
+    ap.add_argument("--lora-target-modules", type=lambda t: [m for m in t.split(",") if m], default=None,
+                    metavar="q_proj,...", help="the projections that take adapters (default: q_proj, k_proj, v_proj, "
+                                               "o_proj, gate_proj, up_proj, down_proj)")
     ap.add_argument("--allow-longer-context", action="store_true",
                     help="export a context ladder past the checkpoint's max_position_embeddings (refused otherwise; "
                          "with this flag it is a warning)")
@@ -183,7 +191,9 @@ def main(argv=None) -> int:
                               weight_quant=args.weight_quant, quant_group=args.quant_group,
                               decode_steps=args.decode_steps, mixed=False if args.no_mixed else None,
                               packed=False if args.no_packed else None, entries=args.entries,
-                              tensor_parallel=args.tensor_parallel, mlir=args.mlir, exported=args.exported)
+                              tensor_parallel=args.tensor_parallel, mlir=args.mlir, exported=args.exported,
+                              max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                              **({"lora_target_modules": args.lora_target_modules} if args.lora_target_modules else {}))
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -196,6 +206,7 @@ def main(argv=None) -> int:
           + (f", sampler in every entry (top {m.sampler.top_logprobs} logprobs)" if m.sampler else ", no sampler")
           + (f", scoring prefill entries (top {m.scorer.top_logprobs} prompt logprobs)" if m.scorer else "")
           + (f", for {m.devices} devices (tensor parallel)" if m.mesh else "")
+          + (f", {m.lora.max_loras} LoRA slots of rank {m.lora.max_rank}" if m.lora else "")
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
     print(f"time: {timing.summary()}")
     return 0

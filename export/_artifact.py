@@ -15,12 +15,13 @@ from typing import Sequence
 
 from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import read_config, weight_dtype
-from tlaloc_jax.config import SLIDING, DecoderConfig
+from tlaloc_jax.config import SLIDING, ConfigError, DecoderConfig
 from tlaloc_jax.decoder import (DEFAULT_KEY_BLOCK, decoder_pools, final_hidden, forward, logits_from_hidden,
                                 supports_mixed_calls)
 from tlaloc_jax.kernels import paged_attention_gpu, paged_attention_native
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.layout import LAYOUTS
+from tlaloc_jax.lora import DECODER_TARGETS, decoder_lora
 from tlaloc_jax.serve.core.paging import ring_pages_for
 from tlaloc_jax.sharding import ShardingError, local_config, shard_decoder_weights
 
@@ -77,7 +78,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       weight_quant: str = "none", quant_group: int = 128, decode_steps: int = 1,
                       mixed: bool | None = None, packed: bool | None = None, entries: str = "default",
                       tensor_parallel: int = 1, projections: str | None = None, mlir: bool = False,
-                      exported: bool = False) -> af.Manifest:
+                      exported: bool = False, max_loras: int = 0, max_lora_rank: int = 16,
+                      lora_target_modules: Sequence[str] = DECODER_TARGETS) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v5).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -119,6 +121,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     tensor_parallel: N > 1 stages every entry for N devices, each holding 1/N of the heads, KV heads, MLP width
     and experts (tlaloc_jax.sharding; docs/multi-device.md); a model whose counts do not divide is refused.
     mlir, exported: also write each body's `.mlir` and `.exported` (see `stage`); the runtime needs neither.
+    max_loras: N > 0 stages N LoRA adapter slots of rank at most max_lora_rank on lora_target_modules (PEFT's
+    module names, tlaloc_jax.lora.DECODER_TARGETS) in every entry; the runtime loads adapters into them.
     """
     if entries not in ENTRY_FORMS:
         raise ExportError(f"entries {entries!r} is not one of {', '.join(ENTRY_FORMS)}")
@@ -203,6 +207,10 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         if why:
             raise ExportError(f"the Pallas GPU decode-attention kernel cannot serve this model: {why}; export with "
                               "decode_attention='xla' (--decode-attention xla)")
+    try:
+        lora = decoder_lora(shard_cfg, max_loras, max_lora_rank, tuple(lora_target_modules)) if max_loras else None
+    except ConfigError as e:
+        raise ExportError(str(e)) from None
     # The decoder's step norms only each row's last token; prompt scoring reads every position's hidden state.
     # On a mesh each device runs the config of its shard (tlaloc_jax.sharding.local_config).
     step = SplitStep(hidden=functools.partial(final_hidden, shard_cfg, key_block=attention_block, ring_pages=ring,
@@ -225,4 +233,4 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                                    mixed=not flat and (supports_mixed_calls(cfg) if mixed is None else mixed),
                                    packed=supports_mixed_calls(cfg) if packed is None else packed, flat=flat),
                  mesh=tensor_parallel if tensor_parallel > 1 else None, weight_split_axes=split_axes, mlir=mlir,
-                 exported=exported)
+                 exported=exported, lora=lora)

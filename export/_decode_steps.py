@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tlaloc_jax import artifact as af
+from tlaloc_jax import lora as lora_slots
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import in_body_sampler as sampling_kernel
 
@@ -63,9 +64,11 @@ def decode_steps_fn(step: Callable, treedef, inputs: Sequence[af.TensorSig], out
                     steps: int, block_size: int, ring_pages: int):
     """The decode_steps entry's function over its positional arguments, in signature order."""
     def entry(*args):
-        fields, pools, leaves, sampler, extra = {}, {}, [], {}, {}
+        fields, pools, leaves, sampler, extra, lora = {}, {}, [], {}, {}, {}
         for sig, a in zip(inputs, args):
-            if sig.role in af.STEP_FIELDS:
+            if sig.role in af.LORA_INPUTS or sig.role in af.LORA_ADAPTERS:
+                lora[(sig.role, sig.slot)] = a
+            elif sig.role in af.STEP_FIELDS:
                 fields[af.STEP_FIELDS[sig.role]] = a
             elif sig.role in af.SAMPLER_INPUTS:
                 sampler[sig.role] = a
@@ -82,6 +85,7 @@ def decode_steps_fn(step: Callable, treedef, inputs: Sequence[af.TensorSig], out
         tables, wtables = fields.get("block_tables"), fields.get("window_block_tables")
         state_slots = fields.get("state_slots")
         names = list(pools)
+        fields.update(lora_slots.step_fields(lora))
 
         def body(carry):
             i, tok, alive, out, pool_bufs = carry

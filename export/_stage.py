@@ -25,6 +25,7 @@ import numpy as np
 from jax import export as jax_export
 
 from tlaloc_jax import artifact as af
+from tlaloc_jax import lora as lora_slots
 from tlaloc_jax import native
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import in_body_sampler as sampling_kernel
@@ -113,11 +114,13 @@ def _resolve_pools(specs: Mapping[str, PoolSpec], capacity: Capacity, *, context
 
 def entry_signature(spec: EntrySpec, resolved: _ResolvedPools, block_size: int, vocab: int,
                     weights: Mapping[str, np.ndarray], sampler: af.SamplerShape | None = None,
-                    scorer: af.ScorerShape | None = None, weight_parts: Mapping[str, af.Partition] | None = None
+                    scorer: af.ScorerShape | None = None, weight_parts: Mapping[str, af.Partition] | None = None,
+                    lora: af.LoraShape | None = None
                     ) -> tuple[list[af.TensorSig], list[af.TensorSig], tuple[tuple[int, int], ...]]:
     """(inputs, outputs, donations) of an entry: the step inputs its pools need (a mixed entry: its decode rows',
-    then its chunk's), the sampler's inputs, (a scoring prefill) the scorer's, the pools, the weights (on a mesh,
-    each weight split as weight_parts says, each pool as its own partition; everything else whole)."""
+    then its chunk's), the sampler's inputs, (a scoring prefill) the scorer's, (lora) each row's adapter slot, the
+    pools, the weights (on a mesh, each weight split as weight_parts says, each pool as its own partition;
+    everything else whole), (lora) the adapter buffers."""
     M = spec.context // block_size
     roles = set(af.BASE_STEP_INPUTS)
     for kind in resolved.kinds:
@@ -147,6 +150,8 @@ def entry_signature(spec: EntrySpec, resolved: _ResolvedPools, block_size: int, 
         shapes = scorer.shapes(B, T)
         inputs += [af.TensorSig(r, "int32", shapes[r]) for r in af.SCORER_INPUTS]
         outputs += [af.TensorSig(r, af.SCORER_DTYPES.get(r, "int32"), shapes[r]) for r in af.SCORER_OUTPUTS]
+    row_slots, adapters = lora_slots.signature(lora, B) if lora is not None else ([], [])
+    inputs += row_slots
     donations = []
     for p in resolved.pools:
         donations.append((len(outputs), len(inputs)))
@@ -155,16 +160,18 @@ def entry_signature(spec: EntrySpec, resolved: _ResolvedPools, block_size: int, 
     parts = weight_parts or {}
     inputs += [af.TensorSig(Role.WEIGHT, w.dtype.name, tuple(w.shape), slot, parts.get(slot, ()))
                for slot, w in weights.items()]
-    return inputs, outputs, tuple(donations)
+    return inputs + adapters, outputs, tuple(donations)
 
 
 def _entry_fn(step: Callable, treedef, inputs: list[af.TensorSig], outputs: list[af.TensorSig], ring_pages: int):
     """The entry's function over its positional arguments, in signature order (a scoring prefill, one that takes
     SCORE_TARGETS, runs the SplitStep's hidden states and head itself)."""
     def entry(*args):
-        groups, pools, leaves, sampler, targets = {}, {}, [], {}, None
+        groups, pools, leaves, sampler, targets, lora = {}, {}, [], {}, None, {}
         for sig, a in zip(inputs, args):
-            if sig.role in af.STEP_FIELDS:
+            if sig.role in af.LORA_INPUTS or sig.role in af.LORA_ADAPTERS:
+                lora[(sig.role, sig.slot)] = a
+            elif sig.role in af.STEP_FIELDS:
                 groups.setdefault(sig.slot, {})[af.STEP_FIELDS[sig.role]] = a
             elif sig.role in af.SAMPLER_INPUTS:
                 sampler[sig.role] = a
@@ -180,9 +187,15 @@ def _entry_fn(step: Callable, treedef, inputs: list[af.TensorSig], outputs: list
                 fields["window_block_tables"] = fields["window_block_tables"][:, :ring_pages]
         weights = jax.tree_util.tree_unflatten(treedef, leaves)
         fields = groups[""]
-        step_inputs = StepInputs(**fields)
+        adapted = lora_slots.step_fields(lora)
+        step_inputs = StepInputs(**fields, **adapted)
         if af.CHUNK_GROUP in groups:        # a mixed entry: the decode rows' inputs, then the chunk's
-            step_inputs = (step_inputs, StepInputs(**groups[af.CHUNK_GROUP]))
+            chunk = dict(adapted)
+            if adapted:                     # LORA_SLOTS holds the decode rows', then the chunk's
+                rows = fields["token_ids"].shape[0]
+                step_inputs = step_inputs._replace(lora_slots=adapted["lora_slots"][:rows])
+                chunk["lora_slots"] = adapted["lora_slots"][rows:]
+            step_inputs = (step_inputs, StepInputs(**groups[af.CHUNK_GROUP], **chunk))
             fields = {"seq_lens": jnp.concatenate([fields["seq_lens"], groups[af.CHUNK_GROUP]["seq_lens"]])}
         if targets is not None:
             result = step.hidden(weights, pools, step_inputs)
@@ -290,7 +303,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
           capacity: Capacity = Capacity(), features: Features = Features(), model: ModelInfo = ModelInfo(),
           platform: str = "cpu", progress: bool = True, mesh=None,
           weight_split_axes: Mapping[str, int | None] | None = None, mlir: bool = False,
-          exported: bool = False) -> af.Manifest:
+          exported: bool = False, lora: lora_slots.Lora | None = None) -> af.Manifest:
     """Write the serving artifact of `step` to `out_dir` (empty or absent) and return its manifest.
 
     step(weights, pools, inputs) -> (logits [B, V], pools): one call, traced once per entry; it must return
@@ -310,6 +323,8 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     mlir, exported: also write each body's textual StableHLO (`.mlir`, for reading and debugging) and jax's
         serialization (`.exported`, for jax callers: jax.export.deserialize re-traces or runs it); the manifest
         lists them, the runtime needs neither (it compiles the `.mlirbc`).
+    lora: adapter slots (tlaloc_jax.lora.Lora) every entry takes, on one device: the step gets each row's slot
+        and the adapter buffers in its StepInputs (lora_slots, adapters); None: none.
     The export needs no accelerator and loads no PJRT plugin; the same inputs give the same bytes.
     """
     opts = Options(ladders, capacity, features, model)
@@ -319,6 +334,9 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     if sys.byteorder != "little":
         raise ExportError("weight files are raw little-endian; exporting from a big-endian host is not supported")
     buckets, specs = _plan_entries(opts, step)
+    if lora is not None and mesh is not None:
+        raise ExportError("lora adapters are staged for one device; drop the mesh (tensor_parallel) or the lora")
+    lora_record = lora.record() if lora is not None else None
     block_size, info = opts.capacity.block_size, opts.model
     flat, treedef = flatten_weights(weights)
     mesh = abstract_mesh(mesh)
@@ -351,7 +369,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     for spec in specs:
         bar.set_postfix_str(spec.name)
         inputs, outputs, donations = entry_signature(spec, resolved, block_size, vocab, flat, sampler, scorer,
-                                                     weight_parts)
+                                                     weight_parts, lora_record)
         if spec.kind == af.EntryKind.DECODE_STEPS:
             inputs, outputs, donations = decode_steps_signature(inputs, outputs, batch=spec.batch, steps=spec.steps)
         with timed("entries"):
@@ -387,6 +405,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         refused_tokens=tuple(af.RefusedToken(int(t), k) for t, k in info.refused_tokens),
         tokenizer_files=copy_tokenizer(out, info.tokenizer_dir), sampler=sampler, scorer=scorer,
         mesh=af.Mesh((af.MeshAxis(mesh.axis_names[0], mesh_size(mesh)),)) if mesh is not None else None,
+        lora=lora_record,
     )
     (out / af.MANIFEST_NAME).write_text(m.to_json())
     return af.load_manifest(out)

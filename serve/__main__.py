@@ -184,6 +184,13 @@ def main(argv=None) -> int:
                          "tlaloc_jax.stage_bounded with an embedding task) on /v1/embeddings, on the same device")
     ap.add_argument("--embedding-model-name", default=None,
                     help="the embedding program's model id (default: its manifest's name)")
+    ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                    help="PEFT LoRA adapters to serve, each name=path or vLLM's JSON form {\"name\": ..., \"path\": "
+                         "..., \"base_model_name\": ...}; a request's model picks one by name (the artifact must be "
+                         "exported with adapter slots). POST /v1/load_lora_adapter and /v1/unload_lora_adapter change "
+                         "them while serving where VLLM_ALLOW_RUNTIME_LORA_UPDATING=true")
+    ap.add_argument("--max-cpu-loras", type=_positive, default=None,
+                    help="adapters kept read in host memory beyond the artifact's slots (default: as many as its slots)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = ap.parse_args(argv)
 
@@ -216,6 +223,7 @@ def main(argv=None) -> int:
     from tlaloc_jax.native import NativeKernelError
 
     from .bounded_program import BoundedProgram
+    from .openai.lora_routes import lora_modules
     from .openai.embeddings import Embeddings, embedding_task, load_embedding_tokenizer
     from .engine import DEFAULT_CACHE_DIR, Engine
     from .runtime import CompileError, PluginNotFoundError
@@ -253,7 +261,8 @@ def main(argv=None) -> int:
         engine = Engine.load(args.artifact, args.plugin, cache_dir=cache_dir, progress=bar,
                              trust_weights=args.trust_weights, manifest=manifest, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                             enable_prefix_caching=args.enable_prefix_caching)
+                             enable_prefix_caching=args.enable_prefix_caching,
+                             lora_modules=lora_modules(args.lora_modules), max_cpu_loras=args.max_cpu_loras)
         marks.append(("engine loaded", time.perf_counter()))
     except (ManifestError, OSError, CompileError, PluginNotFoundError, NativeKernelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

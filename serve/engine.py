@@ -42,6 +42,7 @@ from .core.request import (Constraint, Request, RequestRefused, StepEvent, check
                            check_sampling, check_stop)
 from .core.scheduler import Scheduler
 from .host_sampling import Sampling
+from .lora_slots import LoraError, LoraSlots
 from .model_runner import ModelRunner, new_stats
 from .runtime import host_memory
 from .runtime.native_log import native_stderr_to_log
@@ -65,7 +66,8 @@ class Engine:
                  donate: bool = True, progress: bool = True, trust_weights: bool = False,
                  manifest: af.Manifest | None = None, max_model_len: int | None = None,
                  use_decode_steps: bool = True, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None):
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
+                 lora_modules: dict | None = None, max_cpu_loras: int | None = None):
         """Load an artifact: validate it all (files, hashes, every body's @main against its entry, the memory its
         weights and pools need), then compile one entry of each kind (the others compile, or load from the compile
         cache, on first use: Runner._compile_kinds), upload the weights and allocate the pools. A bad artifact is
@@ -84,6 +86,9 @@ class Engine:
         (default: the longest prefill chunk times the largest prefill batch, plus max_num_seqs).
         enable_prefix_caching: reuse the pages of a prefix computed before (default: on where every pool can be
         reused exactly; True where one cannot is refused by name).
+        lora_modules: {name: PEFT adapter directory, or {"path": ..., "base_model_name": ...}} served on an artifact
+        staged with adapter slots (--max-loras); a request picks one by name (add_request's lora). max_cpu_loras:
+        adapters kept read in host memory beyond the slots (default: as many as the slots).
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
@@ -129,6 +134,7 @@ class Engine:
         self._warm: set[str] = set()       # entries run once by warm_up
         self._stats = new_stats()
         self.model_runner = ModelRunner(m, self.runner, self.scheduler, self._stats)
+        self.lora = self._serve_adapters(lora_modules or {}, max_cpu_loras)
         self.load_seconds = time.perf_counter() - t0
         self.resident_at_load = host_memory.resident_bytes()
         log.info("loaded %s: %d entries (%s), weights %.1f MiB, pools %.1f MiB (%s; pages of %d), %.1f s; %s",
@@ -140,6 +146,39 @@ class Engine:
         if (self.resident_at_load or 0) > self.resident_bound:
             log.warning("the resident set at load, %.1f MiB, passes its bound of %.1f MiB (weights + pools + the "
                         "runtime's stated overhead)", self.resident_at_load / 2**20, self.resident_bound / 2**20)
+
+    def _serve_adapters(self, modules: dict, max_cpu_loras: int | None) -> LoraSlots | None:
+        """The adapter slots' keeper (None for an artifact without them), serving `modules`."""
+        m = self.manifest
+        if m.lora is None:
+            if modules:
+                self.close()
+                raise LoraError(f"{self.artifact_dir} has no LoRA adapter slots, so it cannot serve adapters "
+                                f"{sorted(modules)}; export it with --max-loras N")
+            return None
+        lora = LoraSlots(m.lora, lambda slot, a: self.runner.adapters.write(slot, a.weights, a.scale),
+                         max_cpu_loras or 0)
+        try:
+            for name, spec in modules.items():
+                spec = spec if isinstance(spec, dict) else {"path": spec}
+                lora.add(name, spec["path"], spec.get("base_model_name"))
+        except (LoraError, KeyError) as e:
+            self.close()
+            raise LoraError(f"lora_modules: {e}") from None
+        self.scheduler.lora = lora
+        return lora
+
+    def load_lora_adapter(self, name: str, path: str | Path, base_model_name: str | None = None) -> None:
+        """Serve one more adapter (any thread); requests may pick it by name once this returns."""
+        if self.lora is None:
+            raise LoraError(f"{self.artifact_dir} has no LoRA adapter slots; export it with --max-loras N")
+        self.lora.add(name, path, base_model_name)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving an adapter (any thread): requests that picked it run to their end with it."""
+        if self.lora is None:
+            raise LoraError(f"{self.artifact_dir} has no LoRA adapter slots")
+        self.lora.remove(name)
 
     @property
     def resident_bound(self) -> int:
@@ -202,7 +241,7 @@ class Engine:
     def add_request(self, prompt: Sequence[int], max_new_tokens: int = 16, stop_token_ids: Iterable[int] = (),
                     sampling: Sampling | None = None, request_id: str | None = None,
                     constraint: Constraint | None = None, single_step: bool = False, priority: int = 0,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, lora: str | None = None) -> str:
         """Queue a request (it runs when there is room) or raise RequestRefused if it could never run or is bad;
         returns its id.
 
@@ -211,7 +250,9 @@ class Engine:
         runs in a decode_steps call, which would compute tokens past the caller's stop.
         priority: lower runs first, and is preempted last (ties: earlier arrival first).
         cache_salt: a non-empty string; the request shares cached prefix pages (and state snapshots) only with
-        requests of the same salt (vLLM's cache_salt: one client's prompts stay unobservable to another's)."""
+        requests of the same salt (vLLM's cache_salt: one client's prompts stay unobservable to another's).
+        lora: the name of a served LoRA adapter (lora_modules, load_lora_adapter) it runs with; None: the base model.
+        It waits, unrefused, while every adapter slot is held by other adapters' requests."""
         sched = self.scheduler
         try:
             prompt = self._check_prompt(prompt, max_new_tokens)
@@ -226,16 +267,27 @@ class Engine:
                 raise RequestRefused("bad_request", f"request id {rid!r} is already in use")
             rng = np.random.default_rng(s.seed)
             sched.check_could_fit([(len(prompt), max_new_tokens)])
+            adapter = self._adapter(lora)
         except RequestRefused:
             self._stats["requests_refused"] += 1
             raise
         seed = s.seed if s.seed is not None else int.from_bytes(os.urandom(8), "little")
         sched.add(Request(rid, prompt, int(max_new_tokens), stop, s, rng, {kind: [] for kind in sched.kv.pools},
                           time.perf_counter(), order=next(self._order), priority=priority, seed=seed,
-                          cache_salt=cache_salt,
+                          cache_salt=cache_salt, lora=adapter,
                           constraint=constraint, single_step=bool(single_step),
                           prompt_logprobs=[None] if s.prompt_logprobs is not None else None))
         return rid
+
+    def _adapter(self, name: str | None):
+        if name is None:
+            return None
+        if self.lora is None:
+            raise RequestRefused("bad_request", f"LoRA adapter {name!r}: this artifact has no adapter slots")
+        try:
+            return self.lora.adapter(name)
+        except LoraError as e:
+            raise RequestRefused("bad_request", str(e)) from None
 
     def check_could_fit(self, sizes: Sequence[tuple[int, int]]) -> None:
         """Refuse sequences, given as (prompt tokens, max_new_tokens), that together would not fit the pools even
@@ -359,15 +411,18 @@ class Engine:
     # -- conveniences ----------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16,
-                 sampling: Sampling | None = None, stop_token_ids: Iterable[int] = ()) -> list[list[int]]:
+                 sampling: Sampling | None = None, stop_token_ids: Iterable[int] = (),
+                 lora: str | Sequence[str | None] | None = None) -> list[list[int]]:
         """Decode the prompts together; returns each one's new ids. Refuses (nothing admitted) if any is bad;
-        raises RuntimeError naming the first sequence that failed. Its requests are released either way."""
+        raises RuntimeError naming the first sequence that failed. Its requests are released either way. lora: one
+        adapter name for every prompt, or one name (None: the base model) per prompt."""
         stop = tuple(stop_token_ids)
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
         rids: list[str] = []
         requests = self.scheduler.requests
         try:
-            for p in prompts:
-                rids.append(self.add_request(p, max_new_tokens, stop, sampling))
+            for p, name in zip(prompts, loras, strict=True):
+                rids.append(self.add_request(p, max_new_tokens, stop, sampling, lora=name))
             while any(not requests[r].finished for r in rids):
                 self.step()
             for rid in rids:

@@ -44,6 +44,7 @@ class SeqSpec:
     single_step: bool = False        # stop strings: the server checks each token (engine.add_request)
     cache_salt: str | None = None    # shares cached prefixes only with the same salt (engine.add_request)
     priority: int = 0                # lower runs first (engine.add_request)
+    lora: str | None = None          # the LoRA adapter it runs with (engine.add_request)
 
 
 @dataclass(frozen=True)
@@ -371,7 +372,7 @@ class EngineLoop:
                     rids.append(self.engine.add_request(spec.prompt, spec.max_new_tokens, spec.stop_token_ids,
                                                         spec.sampling, constraint=spec.constraint,
                                                         single_step=spec.single_step, priority=spec.priority,
-                                                        cache_salt=spec.cache_salt))
+                                                        cache_salt=spec.cache_salt, lora=spec.lora))
             except Exception as e:  # noqa: BLE001 - RequestRefused, or a bug: nothing of it stays admitted
                 for rid in rids:
                     self.engine.release(rid)

@@ -23,6 +23,7 @@ from .latent import latent_attention
 from .packing import packed_rows, token_rows, unpack_rows
 from .layers import ACTIVATIONS, apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
 from .layout import is_per_layer
+from .lora import delta, layer_adapters, plus, token_slots
 from .plan import MLP_SLOTS, layer_plan
 from .pools import PagedKV, PoolSpec, RingKV, StateSlots
 
@@ -143,6 +144,8 @@ def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Ar
         q, k, v = linear(x, w["q_proj"]), linear(x, w["k_proj"]), linear(x, w["v_proj"])
         if cfg.attention.bias:
             q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    la = w.get("lora")      # the layer's adapters (tlaloc_jax.lora), added to each projection's output
+    q, k, v = (plus(y, delta(la, n, x)) for y, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
     if cfg.attention.qk_norm and cfg.attention.qk_norm_whole:       # OLMo 2: over the whole projection
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.residual.norm_offset)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.residual.norm_offset)
@@ -166,7 +169,7 @@ def attention_output(cfg: DecoderConfig, w: Weights, x: jax.Array, o: jax.Array)
     o = o.reshape(B, T, H * D)
     if cfg.attention.output_gate:
         o = o * jax.nn.sigmoid(linear(x, w["gate_proj"]))
-    o = reduce_shards(cfg, linear(o, w["o_proj"]))
+    o = reduce_shards(cfg, plus(linear(o, w["o_proj"]), delta(w.get("lora"), "o_proj", o)))
     return o + w["o_bias"] if cfg.attention.output_bias else o
 
 
@@ -200,10 +203,16 @@ def feed_forward(cfg: DecoderConfig, lw: Weights, x: jax.Array, *, kind: str | N
     if kind is None:
         (kind,) = set(cfg.mlp_types)
     if kind == DENSE:
+        la = lw.get("lora")
+        if "gate_up_proj" not in lw and la is None:
+            return reduce_shards(cfg, gated_mlp(x, lw["gate_proj"], lw["up_proj"], lw["down_proj"], cfg.hidden_act))
         if "gate_up_proj" in lw:    # fused at export (tlaloc_jax.layout)
             gate, up = jnp.split(linear(x, lw["gate_up_proj"]), 2, axis=-1)
-            return reduce_shards(cfg, linear(ACTIVATIONS[cfg.hidden_act](gate) * up, lw["down_proj"]))
-        return reduce_shards(cfg, gated_mlp(x, lw["gate_proj"], lw["up_proj"], lw["down_proj"], cfg.hidden_act))
+        else:
+            gate, up = linear(x, lw["gate_proj"]), linear(x, lw["up_proj"])
+        gate, up = plus(gate, delta(la, "gate_proj", x)), plus(up, delta(la, "up_proj", x))
+        y = ACTIVATIONS[cfg.hidden_act](gate) * up
+        return reduce_shards(cfg, plus(linear(y, lw["down_proj"]), delta(la, "down_proj", y)))
     if experts is None:
         experts, layer = {name: lw[f"expert_{name}"] for name in EXPERT_SLOTS if f"expert_{name}" in lw}, None
     shared = None
@@ -370,6 +379,16 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
     return reduce_shards(cfg, linear(o.reshape(B, T, Hv * Dv), w["out_proj"])), pools
 
 
+def _call_adapters(inputs: StepInputs | tuple[StepInputs, ...]) -> tuple[dict | None, jax.Array | None]:
+    """A call's adapter buffers and each token's slot, laid out as the call's tokens (mixed: [1, N]); (None, None)
+    without adapters."""
+    gs = (inputs,) if isinstance(inputs, StepInputs) else inputs
+    if gs[0].adapters is None:
+        return None, None
+    slots = [token_slots(g.lora_slots, g.token_ids, g.pack_index) for g in gs]
+    return gs[0].adapters, slots[0] if len(gs) == 1 else jnp.concatenate([s.reshape(1, -1) for s in slots], 1)
+
+
 def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs | tuple[StepInputs, ...], *,
                  key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
                  all_positions: bool = False, decode_attention: str = "xla",
@@ -384,6 +403,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     rows in order. packed_attention: one of PACKED_ATTENTION, how a packed call's tokens attend.
     """
     groups = ()
+    adapters, slots = _call_adapters(inputs)
     if isinstance(inputs, tuple) and not isinstance(inputs, StepInputs):
         if not supports_mixed_calls(cfg) or all_positions:
             raise ValueError(f"{cfg.model_type}: a call of several row shapes runs paged attention layers only, "
@@ -416,6 +436,8 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
             lw = _layer_weights(weights, lp, i)
             a = attention_input(cfg, lw, h)
             aw = _layer_slice(weights, lp.group, lp.weights.index(i))
+            if adapters is not None:
+                lw["lora"] = aw["lora"] = layer_adapters(adapters, slots, lp.layer.index(i))
             if lp.kind == LINEAR:
                 a, pools = _linear_attention(cfg, aw, a, pools, lp.pool.index(i), inputs)
             elif cfg.latent:

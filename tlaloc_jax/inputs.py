@@ -29,3 +29,7 @@ class StepInputs(NamedTuple):
     # tokens side by side, [1, N]; pack_index[b, t] is row b's token t's index in them (N: none); the other fields
     # are per row as usual. tlaloc_jax.serve.core.paging.pack_step_inputs builds it.
     pack_index: Any = None
+    # LoRA (tlaloc_jax.lora): LORA_SLOTS [B], each row's adapter slot (0: none), and the adapter buffers
+    # {"<target>.a": [L, S, I, R], "<target>.b": [L, S, R, O], "scale": [S]}; None without adapters.
+    lora_slots: Any = None
+    adapters: Any = None

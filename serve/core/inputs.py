@@ -24,10 +24,17 @@ def step_inputs(call: ScheduledCall, m: af.Manifest, ring_pages: int) -> dict[st
         out = build_step_inputs(call.rows[:-1], batch=e.batch, tokens=1, **kw)
         chunk = build_step_inputs(call.rows[-1:], batch=1, tokens=e.tokens_per_seq, **kw)
         out.update({f"{af.CHUNK_GROUP}.{k}": v for k, v in chunk.items()})
-        return out
-    tokens = 1 if e.kind == af.EntryKind.DECODE_STEPS else e.tokens_per_seq
-    rows = build_step_inputs(call.rows, batch=e.batch, tokens=tokens, **kw)
-    return pack_step_inputs(rows, e.packed_tokens) if e.packed_tokens else rows
+    else:
+        tokens = 1 if e.kind == af.EntryKind.DECODE_STEPS else e.tokens_per_seq
+        out = build_step_inputs(call.rows, batch=e.batch, tokens=tokens, **kw)
+        out = pack_step_inputs(out, e.packed_tokens) if e.packed_tokens else out
+    if m.lora is not None:
+        # Each row's adapter slot (0: none, padding rows too), in the rows of the outputs.
+        slots = np.zeros(e.rows, np.int32)
+        for b, s in zip(call.out_rows, call.seqs):
+            slots[b] = s.lora_slot
+        out[af.Role.LORA_SLOTS] = slots
+    return out
 
 
 def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], allowed: list) -> dict:

@@ -57,7 +57,7 @@ class PrefixCache:
         """The longest prefix of the sequence's tokens a later call may skip (at least its last token is computed),
         with its units held."""
         tokens = s.tokens
-        kv_cache.extend_hashes(s.hashes, tokens, self.block_size, self.root, s.cache_salt)
+        kv_cache.extend_hashes(s.hashes, tokens, self.block_size, self.root, s.prefix_salt)
         limit = (len(tokens) - 1) // self.block_size
         k = limit
         if PAGED in self.pools:
@@ -92,7 +92,7 @@ class PrefixCache:
         full = end // self.block_size
         if full > s.cached_pages:
             kv_cache.extend_hashes(s.hashes, s.tokens[:full * self.block_size], self.block_size, self.root,
-                                    s.cache_salt)
+                                    s.prefix_salt)
             if PAGED in self.pools:
                 pool, pages = self.pools[PAGED], s.held[PAGED]
                 for i in range(s.cached_pages, full):

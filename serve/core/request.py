@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -105,10 +105,18 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     stop_mask: np.ndarray | None = None      # packed: every token but the stop ids (min_tokens), made once
+    lora: Any = None                     # the LoRA adapter it runs with (serve.lora_slots.Adapter); None: the base model
+    lora_slot: int = 0                   # the adapter's slot while it runs (0: none)
 
     def stop_ids(self, vocab: int) -> list[int]:
         """The stop ids a token can be (those inside the vocabulary), sorted."""
         return sorted(t for t in self.stop if 0 <= t < vocab)
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What its prefix-cache hashes start from: its cache_salt, and its adapter's load (an adapter's keys and
+        values are its own)."""
+        return self.cache_salt if self.lora is None else f"{self.cache_salt or ''}\x00lora\x00{self.lora.key}"
 
     @property
     def finished(self) -> bool:

@@ -69,6 +69,7 @@ class Scheduler:
         self.waiting: list[Request] = []          # sorted by Request.key
         self.running: list[Request] = []          # sorted by Request.key
         self.stats = dict(preemptions=0, prefix_queries=0, prefix_hits=0)
+        self.lora = None      # serve.lora_slots.LoraSlots of an artifact with adapter slots: a running request holds one
 
     @property
     def prefix_caching(self) -> bool:
@@ -114,12 +115,27 @@ class Scheduler:
         elif s in self.waiting:
             self.waiting.remove(s)
         self.kv.free(s)
+        self._give_adapter(s)
+
+    def _take_adapter(self, s: Request) -> bool:
+        """A slot for the sequence's adapter (none needed without one); False: every slot is held, it waits."""
+        if s.lora is None or s.lora_slot:
+            return True
+        slot = self.lora.acquire(s.lora)
+        s.lora_slot = slot or 0
+        return slot is not None
+
+    def _give_adapter(self, s: Request) -> None:
+        if s.lora_slot:
+            self.lora.release(s.lora_slot)
+            s.lora_slot = 0
 
     def _preempt(self, s: Request) -> None:
         """Send a running sequence back to the queue with its tokens so far; it gives back all it holds."""
         self.running.remove(s)
         s.running = False
         self.kv.free(s)
+        self._give_adapter(s)
         s.computed = s.junction = 0
         s.preemptions += 1
         if s.prompt_logprobs is not None and not s.generated:
@@ -186,15 +202,20 @@ class Scheduler:
         i = 0                             # waiting sequences before i wait for a prefix a running one computes
         while i < len(self.waiting) and not preempted and len(self.running) < self.max_num_seqs and budget > 0:
             s = self.waiting[i]
+            if not self._take_adapter(s):
+                i += 1                    # its adapter waits for a slot; later requests may run meanwhile
+                continue
             hit = self.kv.get_computed_blocks(s)
             if hit is not None and self.kv.computing(self.running, s, hit):
                 self.kv.undo_computed_blocks(s, hit)
+                self._give_adapter(s)
                 i += 1
                 continue
             n = self._chunk(s, budget, alone)
             end = s.computed + n
             if n == 0 or not self.kv.can_admit(s, end, bool(self.running)) or not self.kv.allocate_slots(s, end):
                 self.kv.undo_computed_blocks(s, hit)
+                self._give_adapter(s)
                 break
             self.waiting.pop(i)
             if hit is not None:

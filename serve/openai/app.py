@@ -51,6 +51,7 @@ from .checks import SCHEDULING_POLICIES
 from .embeddings import Embeddings
 from .errors import APIError
 from .guards import HostAllowList, InternalErrors, allowed_host_names, api_key_problem
+from .lora_routes import add_lora_routes, runtime_updating_allowed
 from .server import OpenAIServer
 from .structured import GrammarBudget
 
@@ -175,6 +176,9 @@ def create_app(engine: Engine, *, tokenizer: TextTokenizer | None | str = "auto"
         return await server.metrics_text()
 
     # Added innermost first: requests pass CountRequests, then the Host check, then CORS, then InternalErrors.
+    if runtime_updating_allowed():
+        add_lora_routes(app, server)
+
     app.add_middleware(InternalErrors)
     origins = list(allowed_origins)
     if origins:

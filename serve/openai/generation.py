@@ -123,7 +123,7 @@ class Generation:
     def __init__(self, engine: Engine, loop: EngineLoop, tokenizer: TextTokenizer | None, eos: frozenset[int],
                  prompts: list[list[int]], n: int, max_tokens: list[int], stop_ids: frozenset[int],
                  stops: StopStrings | None, sampling: list[Sampling], arrival: float, length_param: str = "max_tokens",
-                 priority: int = 0, cache_salt: str | None = None):
+                 priority: int = 0, cache_salt: str | None = None, lora: str | None = None):
         self.engine = engine
         self.loop = loop
         self.prompts = prompts
@@ -133,7 +133,8 @@ class Generation:
         self.choices = [Choice(i * n + j, p, tokenizer.detokenizer(p) if tokenizer else None, stops, eos)
                         for i, p in enumerate(prompts) for j in range(n)]
         self.specs = [SeqSpec(c.prompt, max_tokens[k], stop_ids, sampling[k], None, stops is not None,
-                              cache_salt=cache_salt, priority=priority) for k, c in enumerate(self.choices)]
+                              cache_salt=cache_salt, priority=priority, lora=lora) for k, c in enumerate(self.choices)]
+        self.model = lora               # the adapter it runs with, which its answers name (None: the base model)
         self.tools = False              # the choices' text is parsed for tool calls
         self.prompt_texts: list[str] | None = None      # a text prompt, as sent (what echo returns)
         self.arrival = arrival

@@ -145,7 +145,7 @@ class Responses:
                 ch["error"] = c.error_body()
             choices.append(ch)
         out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-               "model": self.model_name, "choices": choices, "usage": gen.usage()}
+               "model": gen.model or self.model_name, "choices": choices, "usage": gen.usage()}
         if chat and ids:
             out["prompt_token_ids"] = gen.prompts[0]
         return out
@@ -160,7 +160,7 @@ class Responses:
         echo = not chat and bool(req.echo)
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": self.model_name}
+                "model": gen.model or self.model_name}
         first = {c.index: True for c in gen.choices}
         echoed = {c.index: 0 for c in gen.choices}     # the echoed prompt's length: generated offsets start there
         try:

@@ -31,6 +31,7 @@ from .checks import bad_value, check_priority, check_queue_room, check_sequence_
 from .embeddings import Embeddings
 from .errors import APIError
 from .generation import Generation
+from .lora_routes import adapter_cards, adapter_of
 from .prompts import PromptTokenizer
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, GenerationRequest,
                        Request as BodyModel, TokenizeRequest)
@@ -161,10 +162,9 @@ class OpenAIServer:
         self.check_model(req.model)
         return req
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """-> the LoRA adapter `model` names (None: the base model); 404 for a model the server does not serve."""
+        return adapter_of(self.engine, model, self.model_name)
 
     async def grammars(self) -> Grammars:
         """The Grammars over the artifact's tokenizer, made once, on a worker thread (reading a large vocabulary
@@ -275,7 +275,8 @@ class OpenAIServer:
         length_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         return Generation(self.engine, self.loop, self.tokenizer, self.eos, prompts, n, lengths, frozenset(stop_ids),
                            StopStrings(stop_strings) if stop_strings else None, sampling, arrival, length_param,
-                           check_priority(req.priority, self.scheduling_policy), req.cache_salt)
+                           check_priority(req.priority, self.scheduling_policy), req.cache_salt,
+                           lora=self.check_model(req.model))
 
     def check_sampler_fits(self, req: GenerationRequest, chat: bool, logprobs: int | None,
                            prompt_logprobs: int | None) -> None:
@@ -448,6 +449,7 @@ class OpenAIServer:
     def models(self, request: Request) -> dict:
         self.check_key(request)
         models = [self.model_card()]
+        models += adapter_cards(self.engine, self.created, self.model_card())
         if self.embeddings is not None:
             models.append(self.embeddings.model_card(self.created))
         return {"object": "list", "data": models}

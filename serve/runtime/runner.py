@@ -21,6 +21,7 @@ from tlaloc_jax import artifact as af
 from tlaloc_jax import native
 
 from . import host_memory, sharded
+from .adapters import AdapterBuffers, adapter_bytes
 from .handles import Buffer, Executable
 from .pjrt import Device
 
@@ -36,6 +37,7 @@ class _ArgSource(enum.Enum):
     STEP = "step input"
     POOL = "pool"
     WEIGHT = "weight"
+    ADAPTER = "adapter"
 
 
 class Runner:
@@ -87,6 +89,8 @@ class Runner:
             self.weights = sharded.upload_weights(device, self.artifact_dir, m.weights, m.mesh)
             self.pools: dict[str, sharded.Placed] = {p.name: sharded.zeros(device, p.dtype, p.shape, p.partition,
                                                                            m.mesh) for p in m.pools}
+            # The LoRA slots (manifest `lora`), zeroed: written as adapters are loaded (serve/lora_slots.py).
+            self.adapters = AdapterBuffers(device, m.lora) if m.lora is not None else None
         except BaseException:
             device.close()
             raise
@@ -143,6 +147,7 @@ class Runner:
         allocated (on a mesh, each device's share against each device's memory; the CPU plugin's devices share
         the host's, which must hold them all)."""
         weights, pools = sharded.bytes_per_device(self.manifest)
+        weights += adapter_bytes(self.manifest.lora)
         shared = self.device.platform_name.lower() == "cpu"
         copies = self.device.devices if shared else 1
         need = (weights + pools) * copies
@@ -224,8 +229,11 @@ class Runner:
         if plan is None:
             plan = []
             for sig in e.inputs:
-                if (sig.role in af.STEP_FIELDS or sig.role in af.SAMPLER_INPUTS or sig.role in af.SCORER_INPUTS
-                        or sig.role in af.DECODE_STEPS_INPUTS or sig.role in af.COPY_INPUTS):
+                if sig.role in af.LORA_ADAPTERS:
+                    plan.append((_ArgSource.ADAPTER, (sig.role, sig.slot), sig.role))
+                elif (sig.role in af.STEP_FIELDS or sig.role in af.SAMPLER_INPUTS or sig.role in af.SCORER_INPUTS
+                        or sig.role in af.DECODE_STEPS_INPUTS or sig.role in af.COPY_INPUTS
+                        or sig.role in af.LORA_INPUTS):
                     key = af.STEP_FIELDS.get(sig.role, sig.role)
                     if sig.slot:            # a mixed entry's prompt chunk: its step inputs under "chunk.<field>"
                         key = f"{sig.slot}.{key}"
@@ -273,6 +281,8 @@ class Runner:
             elif source is _ArgSource.POOL:
                 buf = self.pools[key]
                 pool_args[i] = key
+            elif source is _ArgSource.ADAPTER:
+                buf = self.adapters.buffers[key]
             else:
                 buf = self.weights[key]
             args.append(buf)

@@ -18,7 +18,7 @@ the bounded program's stay in their module (`from tlaloc_jax.artifact import bou
 
 from .codec import record_json
 from .decoder_manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA_V4, SCHEMA_V5, SUPPORTED_SCHEMAS, Buckets,
-                               Entry, Manifest, ModelShape, Pool, RefusedToken, SamplerShape, ScorerShape)
+                               Entry, LoraShape, LoraTarget, Manifest, ModelShape, Pool, RefusedToken, SamplerShape, ScorerShape)
 from .digests import FileDigests, load_remembering
 from .errors import ManifestError
 from .files import checked_file, resolve_inside, sha256_file
@@ -28,6 +28,7 @@ from .serving_load import artifact_file, check_manifest, load_manifest
 from .stablehlo import MainSignature, main_signature, signature_mismatch
 from .upgrade import SCHEMA_V2, SCHEMA_V3
 from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, COPY_INPUTS, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, DTYPES, GROUPED_SCHEMES,
+                         LORA_ADAPTERS, LORA_INPUTS,
                          INPUT_ROLES, MLIR_DTYPES, NAME, OUTPUT_ROLES, PACKED_TOKEN_INPUTS, PLATFORMS, POOL_KIND_INPUTS, QUANT_CODE_DTYPES, QUANT_GROUPS,
                          QUANT_PART_DTYPES, QUANT_PARTS,
                          SAMPLER_DTYPES, SAMPLER_INPUTS, SAMPLER_OUTPUTS, SAMPLING_COLUMNS, SAMPLING_NEUTRAL,
@@ -38,9 +39,9 @@ __all__ = [
     "FileDigests", "load_remembering", "ManifestError", "checked_file", "resolve_inside", "sha256_file", "record_json", "Mesh", "MeshAxis", "Partition",
     "TensorSig", "TokenizerFile", "Versions", "WeightFile", "WeightQuant", "WeightShard",
     "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "SCHEMA_V2", "SCHEMA_V3", "SCHEMA_V4", "SCHEMA_V5", "SUPPORTED_SCHEMAS", "Buckets",
-    "Entry", "Manifest", "ModelShape", "Pool", "RefusedToken", "SamplerShape", "ScorerShape",
+    "Entry", "LoraShape", "LoraTarget", "Manifest", "ModelShape", "Pool", "RefusedToken", "SamplerShape", "ScorerShape",
     "artifact_file", "check_manifest", "load_manifest", "MainSignature", "main_signature", "signature_mismatch",
-    "BASE_STEP_INPUTS", "CHUNK_GROUP", "COPY_INPUTS", "DECODE_STEPS_INPUTS", "DECODE_STEPS_OUTPUTS", "DTYPES", "GROUPED_SCHEMES", "INPUT_ROLES", "MLIR_DTYPES",
+    "BASE_STEP_INPUTS", "CHUNK_GROUP", "COPY_INPUTS", "DECODE_STEPS_INPUTS", "DECODE_STEPS_OUTPUTS", "DTYPES", "LORA_ADAPTERS", "LORA_INPUTS", "GROUPED_SCHEMES", "INPUT_ROLES", "MLIR_DTYPES",
     "NAME", "OUTPUT_ROLES", "PACKED_TOKEN_INPUTS", "PLATFORMS", "POOL_KIND_INPUTS", "QUANT_CODE_DTYPES", "QUANT_GROUPS",
     "QUANT_PART_DTYPES", "QUANT_PARTS", "SAMPLER_DTYPES",
     "SAMPLER_INPUTS", "SAMPLER_OUTPUTS", "SAMPLING_COLUMNS", "SAMPLING_NEUTRAL", "SCORER_DTYPES", "SCORER_INPUTS",

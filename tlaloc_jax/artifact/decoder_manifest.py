@@ -43,6 +43,10 @@ Changelog:
     split along, or null; absent or all null: whole on every device). A split weight is written as `shards`
     (one file per device, its block, hashed) instead of `file`. A manifest without a mesh has none of these
     fields (its JSON is as before); a runtime that predates them refuses a split weight (it has no `file`).
+    v5 + lora (optional, still tlaloc-serving-v5): top-level `lora` (max_loras, max_rank, dtype, targets) and, in
+    every entry, LORA_SLOTS (each row's adapter slot) and per target LORA_A and LORA_B, then one LORA_SCALE,
+    after the weights: buffers the runtime allocates zeroed and writes adapters into. A manifest without it has
+    no such field (its JSON is as before); a runtime that predates it refuses the roles by name.
     v4 + native kernels (optional, still tlaloc-serving-v4): `versions.custom_calls` names the C kernels
     (kernels/) the bodies call as typed FFI custom calls; a runtime builds and registers each before it
     compiles, and refuses the artifact by the kernel's name when it cannot. A manifest without them has no such
@@ -236,6 +240,45 @@ class ScorerShape:
 
 
 @dataclass(frozen=True)
+class LoraTarget:
+    """One projection that takes adapters: its name (q_proj, ...), the model layers stacked in its buffers, and its
+    input and output widths."""
+
+    name: str
+    layers: int
+    inputs: int
+    outputs: int
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """The adapter slots every entry takes (tlaloc_jax/lora.py): max_loras slots (slot 0, all zeros, is "no
+    adapter"), adapters of rank at most max_rank, in `dtype`, on `targets`."""
+
+    max_loras: int
+    max_rank: int
+    dtype: str
+    targets: tuple[LoraTarget, ...]
+
+    def shapes(self, target: LoraTarget) -> dict[Role, tuple[int, ...]]:
+        """LORA_A and LORA_B's shapes for one layer of `target` (out-major, as the per-layer projections), and
+        LORA_SCALE's."""
+        n = self.max_loras + 1
+        return {Role.LORA_A: (n, self.max_rank, target.inputs), Role.LORA_B: (target.outputs, n, self.max_rank),
+                Role.LORA_SCALE: (n,)}
+
+    def buffers(self) -> list[tuple[Role, str, tuple[int, ...]]]:
+        """(role, slot, shape) of every adapter buffer an entry takes: LORA_A and LORA_B of each target's each layer
+        (slot "<target>.<layer>"), then LORA_SCALE."""
+        out = [(role, f"{t.name}.{layer}", self.shapes(t)[role]) for t in self.targets for layer in range(t.layers)
+               for role in (Role.LORA_A, Role.LORA_B)]
+        return out + [(Role.LORA_SCALE, "", (self.max_loras + 1,))]
+
+    def target(self, name: str) -> LoraTarget | None:
+        return next((t for t in self.targets if t.name == name), None)
+
+
+@dataclass(frozen=True)
 class Manifest:
     schema: str
     model: ModelShape
@@ -250,6 +293,7 @@ class Manifest:
     sampler: SamplerShape | None = None     # v4 + sampler: every entry samples in its body
     scorer: ScorerShape | None = None       # v4 + scorer: prefill_scored entries score each prompt position
     mesh: Mesh | None = None                # v4 + mesh: the entries run on mesh.devices devices
+    lora: LoraShape | None = None           # v5 + lora: every entry takes adapter slots
 
     @property
     def devices(self) -> int:

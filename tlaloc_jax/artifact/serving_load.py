@@ -12,7 +12,8 @@ from .errors import ManifestError
 from .files import checked_file, read_manifest_file, sha256_file, verify_body, verify_listed_files
 from .mesh import check_mesh
 from .records import TensorSig, WeightFile, check_platform, check_tokenizer_hashes, check_weight_table
-from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, INPUT_ROLES, OUTPUT_ROLES,
+from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, INPUT_ROLES,
+                         LORA_ADAPTERS, LORA_INPUTS, NAME, OUTPUT_ROLES,
                          PACKED_TOKEN_INPUTS, POOL_KIND_INPUTS, SAMPLER_DTYPES, SAMPLER_INPUTS, SAMPLER_OUTPUTS, SAMPLING_COLUMNS,
                          SCORER_DTYPES, SCORER_INPUTS, SCORER_OUTPUTS, STEP_FIELDS, EntryKind, PoolKind, Role,
                          dtype_info, mask_words)
@@ -67,6 +68,7 @@ def check_manifest(m: Manifest) -> None:
             raise ManifestError(f"model.vocab is {m.model.vocab}, but the embedding "
                                 f"{m.model.embedding_slot!r} has {list(w.shape) if w else 'no weight'} rows")
     _check_sampler_scorer(m)
+    _check_lora(m)
     step_roles = set(BASE_STEP_INPUTS)
     for kind in m.pool_kinds:
         step_roles.update(POOL_KIND_INPUTS[kind])
@@ -195,9 +197,61 @@ def _check_steps_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
                             f"{e.batch} and {e.steps} steps takes int32{list(want) if want else [e.batch, 'NS']}")
 
 
+def _check_lora(m: Manifest) -> None:
+    """The adapter slots' record: at least one slot of rank >= 1, a float dtype, named targets of positive widths,
+    one device."""
+    if m.lora is None:
+        return
+    lo = m.lora
+    if lo.max_loras < 1 or lo.max_rank < 1:
+        raise ManifestError(f"lora.max_loras {lo.max_loras} and lora.max_rank {lo.max_rank} must be >= 1")
+    if lo.dtype not in ("float32", "bfloat16", "float16"):
+        raise ManifestError(f"lora.dtype {lo.dtype!r} is not a float dtype (float32, bfloat16, float16)")
+    names = [t.name for t in lo.targets]
+    if not names or len(set(names)) != len(names) or not all(NAME.match(n) for n in names):
+        raise ManifestError(f"lora.targets {names} must be one or more distinct names")
+    for t in lo.targets:
+        if min(t.layers, t.inputs, t.outputs) < 1:
+            raise ManifestError(f"lora target {t.name!r} has layers {t.layers}, inputs {t.inputs}, outputs "
+                                f"{t.outputs}; each must be >= 1")
+    if m.mesh is not None:
+        raise ManifestError("lora adapters are served on one device; the manifest has a mesh")
+
+
+def _check_lora_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
+    if m.lora is None or e.kind == EntryKind.COPY_SLOTS:
+        raise ManifestError(f"{what} has {sig.role}, but the manifest has no lora record")
+    if sig.role == Role.LORA_SLOTS:
+        want = ("int32", (e.rows,))
+    else:
+        shapes = {(role, slot): shape for role, slot, shape in m.lora.buffers()}
+        if (sig.role, sig.slot) not in shapes:
+            raise ManifestError(f"{what} has {sig.label}, which names no layer of a lora target "
+                                f"({', '.join(f'{t.name}.0-{t.layers - 1}' for t in m.lora.targets)})")
+        want = ("float32" if sig.role == Role.LORA_SCALE else m.lora.dtype, shapes[(sig.role, sig.slot)])
+    if (sig.dtype, tuple(sig.shape)) != want:
+        raise ManifestError(f"{what} {sig.label} is {sig.dtype}{list(sig.shape)}, the lora record's is "
+                            f"{want[0]}{list(want[1])}")
+
+
+def _check_lora_whole(m: Manifest, e: Entry, what: str) -> None:
+    """With a lora record, an entry takes LORA_SLOTS, LORA_SCALE and each target's each layer's LORA_A and LORA_B,
+    once each."""
+    if m.lora is None:
+        return
+    have = [(sig.role, sig.slot) for sig in e.inputs if sig.role in LORA_INPUTS or sig.role in LORA_ADAPTERS]
+    want = [(Role.LORA_SLOTS, "")] + [(role, slot) for role, slot, _ in m.lora.buffers()]
+    if sorted(have) != sorted(want):
+        missing, extra = (sorted(f"{r} {s}".strip() for r, s in pairs)
+                          for pairs in (set(want) - set(have), set(have) - set(want)))
+        raise ManifestError(f"{what} takes the lora inputs wrongly (missing {missing}, extra or repeated "
+                            f"{extra or 'none'}); the lora record needs each once")
+
+
 # The role groups whose signatures are checked against the manifest's top-level records.
 _GROUP_CHECKS = ((frozenset(SAMPLER_INPUTS) | frozenset(SAMPLER_OUTPUTS), _check_sampler_sig),
                  (frozenset(SCORER_INPUTS) | frozenset(SCORER_OUTPUTS), _check_scorer_sig),
+                 (frozenset(LORA_INPUTS) | frozenset(LORA_ADAPTERS), _check_lora_sig),
                  (frozenset(DECODE_STEPS_INPUTS) | frozenset(DECODE_STEPS_OUTPUTS), _check_steps_sig))
 
 
@@ -230,6 +284,7 @@ def _check_entry(m: Manifest, e: Entry, pools: dict[str, Pool], slots: dict[str,
                                 + (f" (group {group!r})" if group else ""))
     roles_out, pools_out = _check_outputs(m, e, what)
     _check_groups_whole(m, e, seen_roles | roles_out, what)
+    _check_lora_whole(m, e, what)
     if pools_in != set(pools) or pools_out != set(pools):
         raise ManifestError(f"{what} takes pools {sorted(pools_in)} and returns {sorted(pools_out)}; "
                             f"the manifest has {sorted(pools)}")

@@ -65,6 +65,13 @@ class Role(enum.StrEnum):
     # pool (-1: no copy).
     COPY_SRC = "COPY_SRC"
     COPY_DST = "COPY_DST"
+    # LoRA adapters (manifest `lora`; tlaloc_jax/lora.py): LORA_SLOTS [rows] i32, each row's adapter slot (0: none;
+    # a mixed entry's decode rows, then its chunk's); per target projection and layer (slot "<target>.<layer>")
+    # LORA_A [N + 1, R, I] and LORA_B [O, N + 1, R] (out-major, as projections), and LORA_SCALE [N + 1] f32: device buffers the runtime writes adapters into.
+    LORA_SLOTS = "LORA_SLOTS"
+    LORA_A = "LORA_A"
+    LORA_B = "LORA_B"
+    LORA_SCALE = "LORA_SCALE"
     # Outputs.
     LOGITS = "LOGITS"
     NEXT_TOKEN = "NEXT_TOKEN"
@@ -168,9 +175,13 @@ DECODE_STEPS_OUTPUTS = (Role.STEP_TOKENS,)
 CHUNK_GROUP = "chunk"
 # A copy_slots entry's inputs, before its state pools.
 COPY_INPUTS = (Role.COPY_SRC, Role.COPY_DST)
+# A LoRA artifact's per-row input (after the decode_steps inputs) and the adapter buffers (after the weights).
+LORA_INPUTS = (Role.LORA_SLOTS,)
+LORA_ADAPTERS = (Role.LORA_A, Role.LORA_B, Role.LORA_SCALE)
 # What a decoder entry may take and return.
 INPUT_ROLES = (frozenset(STEP_FIELDS) | {Role.POOL_IN, Role.WEIGHT} | frozenset(SAMPLER_INPUTS)
-               | frozenset(SCORER_INPUTS) | frozenset(DECODE_STEPS_INPUTS) | frozenset(COPY_INPUTS))
+               | frozenset(SCORER_INPUTS) | frozenset(DECODE_STEPS_INPUTS) | frozenset(COPY_INPUTS)
+               | frozenset(LORA_INPUTS) | frozenset(LORA_ADAPTERS))
 OUTPUT_ROLES = (frozenset({Role.LOGITS, Role.NEXT_TOKEN, Role.POOL_OUT}) | frozenset(SAMPLER_OUTPUTS)
                 | frozenset(SCORER_OUTPUTS) | frozenset(DECODE_STEPS_OUTPUTS))
 

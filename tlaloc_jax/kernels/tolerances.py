@@ -187,6 +187,16 @@ def decoder_roundings_of(cfg, context: int) -> int:
                              head_dim=cfg.head_dim, mixers=mixers, mlp=mlp)
 
 
+def lora_roundings(cfg, rank: int) -> int:
+    """What LoRA adapters on every projection of every layer add to decoder_roundings_of's path, against the
+    adapter merged into the weights (W + scale B A): per projection of I inputs, x A (I terms), its product with B
+    (rank terms), the scale and the add; per layer the longest such chain of the attention's input projection, its
+    output projection, the gate or up projection and the down projection."""
+    E, F, HD = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    per_layer = sum(i + rank + 2 for i in (E, HD, E, F))
+    return cfg.num_layers * per_layer
+
+
 def backward_roundings(forward: int, batch_tokens: int) -> int:
     """A gradient of a network whose forward path is `forward` roundings long: the forward path, the reverse
     path through the same ops, and a weight gradient's sum over the batch's tokens."""

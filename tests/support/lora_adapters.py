@@ -1,0 +1,67 @@
+"""Tiny PEFT LoRA adapters written in PEFT's file layout (adapter_config.json + adapter_model.safetensors, tensors
+base_model.model.model.layers.N.<self_attn|mlp>.<module>.lora_A.weight [r, in] and lora_B.weight [out, r]), and the
+checkpoint with an adapter merged into its weights (W + scale B A, f32): the oracle's model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _dims(cfg: dict) -> dict[str, tuple[int, int]]:
+    E, F = cfg["hidden_size"], cfg["intermediate_size"]
+    H, K, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    return {"q_proj": (E, H * D), "k_proj": (E, K * D), "v_proj": (E, K * D), "o_proj": (H * D, E),
+            "gate_proj": (E, F), "up_proj": (E, F), "down_proj": (F, E)}
+
+
+def write_peft(out: Path, checkpoint: Path, *, seed: int, rank: int, alpha: float,
+               targets=ATTENTION + MLP, use_rslora: bool = False, std: float = 0.15, **config) -> Path:
+    """A random adapter (A and B both nonzero) for the checkpoint's every layer; `config` overrides config keys."""
+    from safetensors.numpy import save_file
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    rng = np.random.default_rng(seed)
+    dims = _dims(cfg)
+    tensors = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for m in targets:
+            part = "self_attn" if m in ATTENTION else "mlp"
+            fan_in, fan_out = dims[m]
+            prefix = f"base_model.model.model.layers.{i}.{part}.{m}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, std, (rank, fan_in)).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, std, (fan_out, rank)).astype(np.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    body = {**dict(peft_type="LORA", r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
+                   use_dora=False, fan_in_fan_out=False, bias="none", base_model_name_or_path=str(checkpoint),
+                   task_type="CAUSAL_LM"), **config}
+    (out / "adapter_config.json").write_text(json.dumps(body))
+    return out
+
+
+def merged_model(checkpoint: Path, adapter: Path):
+    """The transformers model of the checkpoint with the adapter merged in f32: W += scale * B @ A."""
+    import torch
+    from safetensors.numpy import load_file
+
+    from hf_models import load_hf_torch
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    r, alpha = cfg["r"], cfg["lora_alpha"]
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    model = load_hf_torch(checkpoint)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if ".lora_A." not in key:
+                continue
+            b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            name = key.replace("base_model.model.", "").replace(".lora_A.weight", ".weight")
+            params[name].add_(torch.from_numpy(scale * (b.astype(np.float64) @ a.astype(np.float64))).float())
+    return model
