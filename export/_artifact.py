@@ -77,7 +77,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       weight_quant: str = "none", quant_group: int = 128, decode_steps: int = 1,
                       mixed: bool | None = None, packed: bool | None = None, entries: str = "default",
                       tensor_parallel: int = 1, projections: str | None = None, mlir: bool = False,
-                      exported: bool = False) -> af.Manifest:
+                      exported: bool = False, speculative_tokens: int = 0) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v5).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -119,6 +119,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     tensor_parallel: N > 1 stages every entry for N devices, each holding 1/N of the heads, KV heads, MLP width
     and experts (tlaloc_jax.sharding; docs/multi-device.md); a model whose counts do not divide is refused.
     mlir, exported: also write each body's `.mlir` and `.exported` (see `stage`); the runtime needs neither.
+    speculative_tokens: K > 0 adds a verify entry per decode point, for speculative decoding of up to K drafted
+    tokens a step (see `Features`); models with linear-attention layers are refused.
     """
     if entries not in ENTRY_FORMS:
         raise ExportError(f"entries {entries!r} is not one of {', '.join(ENTRY_FORMS)}")
@@ -223,6 +225,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                                    state_slots=state_slots),
                  features=Features(sampler=sampler, prompt_logprobs=prompt_logprobs, decode_steps=decode_steps,
                                    mixed=not flat and (supports_mixed_calls(cfg) if mixed is None else mixed),
-                                   packed=supports_mixed_calls(cfg) if packed is None else packed, flat=flat),
+                                   packed=supports_mixed_calls(cfg) if packed is None else packed, flat=flat,
+                                   speculative_tokens=speculative_tokens),
                  mesh=tensor_parallel if tensor_parallel > 1 else None, weight_split_axes=split_axes, mlir=mlir,
                  exported=exported)

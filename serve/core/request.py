@@ -11,6 +11,7 @@ import numpy as np
 from tlaloc_jax import artifact as af
 
 from ..host_sampling import GREEDY, Sampling
+from ..speculative import SpecState
 
 
 class RequestRefused(ValueError):
@@ -105,6 +106,7 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     stop_mask: np.ndarray | None = None      # packed: every token but the stop ids (min_tokens), made once
+    spec: SpecState = field(default_factory=SpecState)     # its drafts so far (speculative decoding)
 
     def stop_ids(self, vocab: int) -> list[int]:
         """The stop ids a token can be (those inside the vocabulary), sorted."""
