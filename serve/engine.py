@@ -137,6 +137,8 @@ class Engine:
         self._order = itertools.count()
         self._warm: set[str] = set()       # entries run once by warm_up
         self._stats = new_stats()
+        if self.speculative_config is not None:
+            self._stats["spec_decode_num_accepted_tokens_per_pos"] = [0] * self.speculative_config.num_speculative_tokens
         self.model_runner = ModelRunner(m, self.runner, self.scheduler, self._stats)
         self.load_seconds = time.perf_counter() - t0
         self.resident_at_load = host_memory.resident_bytes()

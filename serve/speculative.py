@@ -125,15 +125,6 @@ def propose_ngram(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: in
     return []
 
 
-def accepted_prefix(drafts: Sequence[int], greedy: Sequence[int]) -> int:
-    """How many drafts the target's greedy tokens confirm: draft i is accepted while greedy[i] (the token after the
-    position before it) equals it, the longest such prefix."""
-    n = 0
-    while n < len(drafts) and drafts[n] == greedy[n]:
-        n += 1
-    return n
-
-
 @dataclass
 class SpecState:
     """A sequence's speculation so far: drafts proposed and accepted."""
