@@ -208,6 +208,8 @@ class Scheduler:
                 continue
             # Drafts leave a token of the budget to each running sequence after this one.
             draft = self._draft(s, budget - n - (len(order) - 1 - i)) if s.decoding else ()
+            if draft and not self.kv.allocate_slots(s, s.computed + n + len(draft)):
+                draft = ()                # drafts never preempt a sequence: without the units, none this step
             n += len(draft)
             while not self.kv.allocate_slots(s, s.computed + n):
                 victim = self.running[-1]

@@ -25,7 +25,7 @@ from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.core.paging import pages_for
 from tlaloc_jax.serve.host_sampling import Sampling
 from tlaloc_jax.serve.metrics import Metrics
-from tlaloc_jax.serve.speculative import (SpeculativeConfig, SpeculativeConfigError, parse_speculative_config,
+from tlaloc_jax.serve.speculative import (MIN_DRAFTS, SpeculativeConfig, SpeculativeConfigError, parse_speculative_config,
                                           propose_ngram)
 
 pytestmark = pytest.mark.numeric
@@ -188,7 +188,8 @@ def copying(artifact, serve_cache_dir) -> list[int]:
 @pytest.mark.parametrize("artifact", ["llama"], indirect=True)
 def test_a_copy_heavy_prompt_accepts_drafts_and_takes_fewer_calls(artifact, serve_cache_dir, copying):
     """A copy-heavy prompt alone: its continuation's drafts are accepted (a verify call emits the accepted drafts
-    and one token more) and its 24 tokens take fewer calls than without speculation."""
+    and one token more) and its 24 tokens take fewer calls than without speculation; a sequence whose drafts were
+    not accepted stops drafting."""
     with _engine(artifact, serve_cache_dir, use_decode_steps=False) as eng:
         want = eng.generate([copying], 24)
         plain_calls = eng.stats()["executions"]
@@ -197,6 +198,13 @@ def test_a_copy_heavy_prompt_accepts_drafts_and_takes_fewer_calls(artifact, serv
         st = eng.stats()
     assert st["spec_decode_num_accepted_tokens"] > 0 and st["verify_calls"] > 0
     assert st["executions"] < plain_calls
+    # A sequence with none of its first MIN_DRAFTS drafts accepted drafts no more.
+    with _engine(artifact, serve_cache_dir, use_decode_steps=False, speculative_config=NGRAM) as eng:
+        rid = eng.add_request(copying, 24)
+        eng.request_info(rid).spec.drafted = MIN_DRAFTS
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.output(rid) == want[0] and eng.stats()["spec_decode_num_drafts"] == 0
 
 
 @pytest.mark.parametrize("artifact", ["llama"], indirect=True)
