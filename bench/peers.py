@@ -441,6 +441,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shape", choices=peers_scale.SHAPE_NAMES, default=None,
                     help="a Llama 3 shape (bench/shapes.py: bf16 shards, vocabulary 128,256) in place of --hidden ... "
                          "--vocab; each variant is then prepared, measured and deleted in turn, f32 only where it fits")
+    ap.add_argument("--keep", action="store_true", help="with --shape: keep each variant's artifact and GGUF (a "
+                    "later run reuses them; with --rounds 0 this run only prepares them)")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--prepare", choices=("export", "gguf"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -491,10 +493,14 @@ def main(argv=None) -> None:
         return
     base, env = worker_command(a, work)
     results, prepared = [], {}
-    for v in a.variants:       # one variant's files on disk at a time
+    for v in a.variants:       # one variant's files on disk at a time, unless --keep
         prepared[v] = peers_scale.prepare_variant(a, work, v, base, env)
         results += run_rounds(a, work, [v])
-        peers_scale.drop_variant(work, v)
+        if not a.keep:
+            peers_scale.drop_variant(work, v)
+    if not results:
+        print("--rounds 0: prepared only", flush=True)
+        return
     summarize(a, work, results)
     peers_scale.summarize_scale(a, work, results, prepared)
 

@@ -82,7 +82,12 @@ def prepare_worker(a, work: Path, what: str) -> None:
 
 
 def prepare_variant(a, work: Path, v: str, base: list[str], env: dict) -> dict:
-    """The variant's artifact and GGUF, each by a prepare_worker; -> their numbers."""
+    """The variant's artifact and GGUF, each by a prepare_worker; -> their numbers. Those a --keep run left (its
+    numbers in prepared-<v>.json beside them) are reused, so the rounds can run apart from the preparing."""
+    record = work / f"prepared-{v}.json"
+    if record.exists() and (work / f"art-{v}").is_dir() and (work / f"model-{v}.gguf").exists():
+        print(f"{v}: reusing the artifact and GGUF a --keep run prepared ({record})", flush=True)
+        return json.loads(record.read_text())
     shutil.rmtree(work / f"art-{v}", ignore_errors=True)
     out = {}
     for what in ("export", "gguf"):
@@ -96,6 +101,7 @@ def prepare_variant(a, work: Path, v: str, base: list[str], env: dict) -> dict:
     print(f"{v}: tlaloc-jax export {e['seconds']:.0f} s, peak resident set {e['peak_rss'] / 2**30:.2f} GiB, artifact "
           f"{out['disk']['artifact'] / 2**30:.2f} GiB; GGUF (streamed) {g['seconds']:.0f} s, peak resident set "
           f"{g['peak_rss'] / 2**30:.2f} GiB, file {out['disk']['gguf'] / 2**30:.2f} GiB", flush=True)
+    record.write_text(json.dumps(out))
     return out
 
 
@@ -103,6 +109,7 @@ def drop_variant(work: Path, v: str) -> None:
     """What only this variant needed: its artifact and its GGUF."""
     shutil.rmtree(work / f"art-{v}", ignore_errors=True)
     (work / f"model-{v}.gguf").unlink(missing_ok=True)
+    (work / f"prepared-{v}.json").unlink(missing_ok=True)
 
 
 def summarize_scale(a, work: Path, results: list[dict], prepared: dict[str, dict]) -> None:

@@ -192,7 +192,8 @@ def main(argv=None) -> None:
     ap.add_argument("--work", default=None, help="checkpoint, artifact and GGUF (default /tmp/tlaloc-scale-SHAPE)")
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
-    ap.add_argument("--keep", action="store_true", help="keep the artifact and the GGUF (the checkpoint is kept)")
+    ap.add_argument("--keep", action="store_true", help="keep the artifact and the GGUF (the checkpoint is kept); "
+                    "with --rounds 0 only prepare them")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if any(s not in SYSTEMS for s in a.systems) or "tlaloc-jax" not in a.systems:
@@ -221,7 +222,10 @@ def main(argv=None) -> None:
                                                                f"{', '.join(f'{t:.2f}' for t in g['ttft'])} s"
                                                                for g in got), flush=True)
             results += got
-    report(a, results)
+    if results:
+        report(a, results)
+    else:
+        print("--rounds 0: prepared only", flush=True)
     if not a.keep:
         shutil.rmtree(artifact(a, work), ignore_errors=True)
         (work / f"model-{a.variant}.gguf").unlink(missing_ok=True)
