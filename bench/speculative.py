@@ -23,9 +23,9 @@ SOURCES = ("serve/core/paging.py", "serve/core/kv_cache.py", "serve/host_samplin
 
 
 def excerpt(path: str, tokenizer, tokens: int) -> list[int]:
-    """The first `tokens` tokens of a source file's first function."""
+    """The first `tokens` tokens of a source file's first function (or method)."""
     text = (ROOT / path).read_text()
-    return tokenizer.encode(text[text.index("\ndef ") + 1:]).ids[:tokens]
+    return tokenizer.encode(text[text.index("def "):]).ids[:tokens]
 
 
 def workloads(tokenizer, quote: int) -> dict[str, list[list[int]]]:
