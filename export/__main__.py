@@ -129,6 +129,10 @@ def main(argv=None) -> int:
                     help="K > 1 adds, beside each decode entry, one that runs up to K decode steps in one call (each "
                          "token fed to the next, stopping a row on its stop ids or length); the server uses it while "
                          "every sequence is decoding (default 1: single steps only)")
+    ap.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                    help="K > 0 adds, beside each decode entry, a verify entry that scores each sequence's last token "
+                         "and up to K drafted tokens in one call (speculative decoding: serve --speculative-config); "
+                         "not for models with linear-attention layers (default 0: none)")
     ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                     help="N > 1 stages every entry for N devices, each holding 1/N of the heads, KV heads, MLP width "
                          "and experts (one all-reduce per attention and per MLP; docs/multi-device.md); the server "
@@ -193,7 +197,8 @@ def main(argv=None) -> int:
                               packed=False if args.no_packed else None, entries=args.entries,
                               tensor_parallel=args.tensor_parallel, mlir=args.mlir, exported=args.exported,
                               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                              **({"lora_target_modules": args.lora_target_modules} if args.lora_target_modules else {}))
+                              **({"lora_target_modules": args.lora_target_modules} if args.lora_target_modules else {}),
+                              speculative_tokens=args.speculative_tokens)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -205,6 +210,7 @@ def main(argv=None) -> int:
           + (f", rings of {m.ring.ring_pages} pages for window {m.ring.window}" if m.ring else "")
           + (f", sampler in every entry (top {m.sampler.top_logprobs} logprobs)" if m.sampler else ", no sampler")
           + (f", scoring prefill entries (top {m.scorer.top_logprobs} prompt logprobs)" if m.scorer else "")
+          + (f", verify entries ({args.speculative_tokens} drafted tokens)" if args.speculative_tokens else "")
           + (f", for {m.devices} devices (tensor parallel)" if m.mesh else "")
           + (f", {m.lora.max_loras} LoRA slots of rank {m.lora.max_rank}" if m.lora else "")
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")

@@ -79,7 +79,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       mixed: bool | None = None, packed: bool | None = None, entries: str = "default",
                       tensor_parallel: int = 1, projections: str | None = None, mlir: bool = False,
                       exported: bool = False, max_loras: int = 0, max_lora_rank: int = 16,
-                      lora_target_modules: Sequence[str] = DECODER_TARGETS) -> af.Manifest:
+                      lora_target_modules: Sequence[str] = DECODER_TARGETS,
+                      speculative_tokens: int = 0) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v5).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
@@ -123,6 +124,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     mlir, exported: also write each body's `.mlir` and `.exported` (see `stage`); the runtime needs neither.
     max_loras: N > 0 stages N LoRA adapter slots of rank at most max_lora_rank on lora_target_modules (PEFT's
     module names, tlaloc_jax.lora.DECODER_TARGETS) in every entry; the runtime loads adapters into them.
+    speculative_tokens: K > 0 adds a verify entry per decode point, for speculative decoding of up to K drafted
+    tokens a step (see `Features`); models with linear-attention layers are refused.
     """
     if entries not in ENTRY_FORMS:
         raise ExportError(f"entries {entries!r} is not one of {', '.join(ENTRY_FORMS)}")
@@ -231,6 +234,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                                    state_slots=state_slots),
                  features=Features(sampler=sampler, prompt_logprobs=prompt_logprobs, decode_steps=decode_steps,
                                    mixed=not flat and (supports_mixed_calls(cfg) if mixed is None else mixed),
-                                   packed=supports_mixed_calls(cfg) if packed is None else packed, flat=flat),
+                                   packed=supports_mixed_calls(cfg) if packed is None else packed, flat=flat,
+                                   speculative_tokens=speculative_tokens),
                  mesh=tensor_parallel if tensor_parallel > 1 else None, weight_split_axes=split_axes, mlir=mlir,
                  exported=exported, lora=lora)

@@ -105,7 +105,11 @@ class Features:
         each row's last token; tlaloc_jax.decoder.forward does.
     flat: the only entries are packed prefills, one per context and token bucket (export/_entries.py
         flat_entries): decode rows and prompt chunks run side by side in them, as vLLM lays a step's tokens out flat
-        (the step must run packed calls, as with packed)."""
+        (the step must run packed calls, as with packed).
+    speculative_tokens: K > 0 adds a verify entry per decode point (batch, context): each row's last token and up
+        to K drafted tokens scored in one call, returning the greedy token after each position and how many drafts
+        it confirms (export/_verify.py), for speculative decoding; the step must be a `SplitStep`, and models with
+        state pools are refused. 0: none (the artifact is as without it)."""
 
     sampler: Sampler | None = None
     prompt_logprobs: int | None = None
@@ -113,6 +117,7 @@ class Features:
     mixed: bool = False
     packed: bool = False
     flat: bool = False
+    speculative_tokens: int = 0
 
 
 @dataclass(frozen=True)

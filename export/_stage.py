@@ -39,6 +39,7 @@ from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entrie
 from ._files import copy_tokenizer, write_body, write_weights
 from ._progress import progress_bar
 from ._timing import timed
+from ._verify import verify_fn, verify_signature
 from ._mesh import abstract_mesh, mesh_size, partition_of, pool_split_axis, sharded
 from ._options import (DEFAULT_POOL_SEQUENCES, DEFAULT_PREFILL_MAX_BATCH, Capacity, Features, Ladders, ModelInfo,
                        Options, SplitStep)
@@ -46,6 +47,8 @@ from ._quant import quant_records
 from ._weights import flatten_weights
 
 Role = af.Role
+# The top logprobs a verify entry returns per position when no sampler says how many (OpenAI's largest).
+VERIFY_TOP_LOGPROBS = 20
 
 
 def sorted_ladder(values: Sequence[int], what: str) -> tuple[int, ...]:
@@ -266,6 +269,8 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
     if spec.kind == af.EntryKind.DECODE_STEPS:
         fn = decode_steps_fn(step, treedef, inputs, outputs, steps=spec.steps, block_size=block_size,
                              ring_pages=ring_pages)
+    elif spec.kind == af.EntryKind.VERIFY:
+        fn = verify_fn(step, treedef, inputs, outputs, ring_pages=ring_pages)
     else:
         fn = _entry_fn(step, treedef, inputs, outputs, ring_pages)
     avals, out_shardings = _avals(inputs), None
@@ -336,6 +341,9 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     buckets, specs = _plan_entries(opts, step)
     if lora is not None and mesh is not None:
         raise ExportError("lora adapters are staged for one device; drop the mesh (tensor_parallel) or the lora")
+    if lora is not None and opts.features.speculative_tokens:
+        raise ExportError("lora adapters with speculative_tokens: verify entries that take adapter slots are not built "
+                          "yet; stage one of them (--max-loras or --speculative-tokens)")
     lora_record = lora.record() if lora is not None else None
     block_size, info = opts.capacity.block_size, opts.model
     flat, treedef = flatten_weights(weights)
@@ -352,6 +360,12 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         resolved = dataclasses.replace(resolved, pools=tuple(
             dataclasses.replace(p, partition=partition_of(len(p.shape), pool_split_axis(pools[p.name]), mesh))
             for p in resolved.pools))
+    state = [p.name for p in resolved.pools if p.kind == af.PoolKind.STATE_SLOTS]
+    if opts.features.speculative_tokens and state:
+        raise ExportError(f"speculative_tokens {opts.features.speculative_tokens}: pools {', '.join(state)} are state "
+                          "pools (Mamba, gated delta), whose update by a rejected draft cannot be rolled back; exact "
+                          "speculation for hybrid models is not built yet: export without speculative_tokens "
+                          "(--speculative-tokens)")
     vocab = _vocab(step, treedef, specs[0], resolved, block_size, flat, mesh, weight_parts)
     sampler = opts.features.sampler.shape(vocab) if opts.features.sampler is not None else None
     n_scored = opts.features.prompt_logprobs
@@ -368,10 +382,15 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     bar = progress_bar(len(specs) + len(flat), "export", progress)
     for spec in specs:
         bar.set_postfix_str(spec.name)
-        inputs, outputs, donations = entry_signature(spec, resolved, block_size, vocab, flat, sampler, scorer,
-                                                     weight_parts, lora_record)
+        verify = spec.kind == af.EntryKind.VERIFY
+        inputs, outputs, donations = entry_signature(spec, resolved, block_size, vocab, flat,
+                                                     None if verify else sampler, scorer, weight_parts, lora_record)
         if spec.kind == af.EntryKind.DECODE_STEPS:
             inputs, outputs, donations = decode_steps_signature(inputs, outputs, batch=spec.batch, steps=spec.steps)
+        if verify:
+            top_n = min(sampler.top_logprobs if sampler is not None else VERIFY_TOP_LOGPROBS, vocab)
+            inputs, outputs, donations = verify_signature(inputs, batch=spec.batch, tokens=spec.tokens_per_seq,
+                                                          top_n=top_n)
         with timed("entries"):
             exp, targets = export_entry(step, treedef, spec, inputs, outputs, donations,
                                         ring_pages=resolved.ring_pages, platform=platform, block_size=block_size,
@@ -454,6 +473,18 @@ def _plan_entries(opts: Options, step: Callable) -> tuple[af.Buckets, list[Entry
         specs += [dataclasses.replace(s, kind=af.EntryKind.PREFILL_SCORED)
                   for s in plan_entries(batches, contexts, prefill_max_batch, chunk, prefill_long_chunk=long)
                   if s.kind == af.EntryKind.PREFILL]
+    k = features.speculative_tokens
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ExportError(f"speculative_tokens must be an integer >= 0, got {k!r}")
+    if k:
+        if not isinstance(step, SplitStep):
+            raise ExportError("speculative_tokens scores every drafted position with the model's head: give the step "
+                              "as SplitStep(hidden, head) (tlaloc_jax.SplitStep)")
+        if k + 1 > contexts[0]:
+            raise ExportError(f"speculative_tokens {k}: a verify row of {k + 1} tokens does not fit the smallest "
+                              f"context {contexts[0]}")
+        # A verify entry per decode point: every running sequence's last token and its drafts, in one call.
+        specs += [EntrySpec(af.EntryKind.VERIFY, b, c, k + 1) for c in contexts for b in batches]
     buckets = af.Buckets(batch_ladder=batches, context_ladder=contexts, prefill_max_batch=prefill_max_batch,
                          prefill_chunk=chunk)
     return buckets, specs

@@ -142,6 +142,11 @@ def main(argv=None) -> int:
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the KV pages of prompt prefixes computed before (default: on, unless a pool cannot "
                          "be reused exactly, such as a sliding window's ring)")
+    ap.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' drafts up to 3 tokens a step by prompt "
+                         "lookup and checks them in one call of the artifact's verify entries (export "
+                         "--speculative-tokens); greedy requests only (default: off)")
     ap.add_argument("--max-model-len", type=_positive, default=None,
                     help="longest sequence served, prompt plus new tokens (default and at most: the artifact's "
                          "largest context)")
@@ -262,7 +267,8 @@ def main(argv=None) -> int:
                              trust_weights=args.trust_weights, manifest=manifest, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=args.enable_prefix_caching,
-                             lora_modules=lora_modules(args.lora_modules), max_cpu_loras=args.max_cpu_loras)
+                             lora_modules=lora_modules(args.lora_modules), max_cpu_loras=args.max_cpu_loras,
+                             speculative_config=args.speculative_config)
         marks.append(("engine loaded", time.perf_counter()))
     except (ManifestError, OSError, CompileError, PluginNotFoundError, NativeKernelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -49,6 +49,7 @@ from .runtime.native_log import native_stderr_to_log
 from .runtime.pjrt import Device, TooFewDevicesError
 from .runtime.runner import Runner
 from .runtime.sharded import device_count_mismatch
+from .speculative import SpeculativeConfig, check_fits, parse_speculative_config
 
 __all__ = ["Constraint", "DEFAULT_CACHE_DIR", "Engine", "RequestRefused", "StepEvent"]
 
@@ -67,7 +68,8 @@ class Engine:
                  manifest: af.Manifest | None = None, max_model_len: int | None = None,
                  use_decode_steps: bool = True, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
-                 lora_modules: dict | None = None, max_cpu_loras: int | None = None):
+                 lora_modules: dict | None = None, max_cpu_loras: int | None = None,
+                 speculative_config: dict | str | SpeculativeConfig | None = None):
         """Load an artifact: validate it all (files, hashes, every body's @main against its entry, the memory its
         weights and pools need), then compile one entry of each kind (the others compile, or load from the compile
         cache, on first use: Runner._compile_kinds), upload the weights and allocate the pools. A bad artifact is
@@ -89,6 +91,10 @@ class Engine:
         lora_modules: {name: PEFT adapter directory, or {"path": ..., "base_model_name": ...}} served on an artifact
         staged with adapter slots (--max-loras); a request picks one by name (add_request's lora). max_cpu_loras:
         adapters kept read in host memory beyond the slots (default: as many as the slots).
+        speculative_config: vLLM's speculative config (a dict, its JSON, or a SpeculativeConfig): {"method":
+        "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...} drafts up to k
+        tokens a step by prompt lookup and checks them in the artifact's verify entries (export
+        --speculative-tokens); greedy requests only, the others decode as before. None: off.
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
@@ -111,9 +117,12 @@ class Engine:
                 raise ValueError(f"max_model_len {max_model_len!r} must be a positive integer at most the artifact's "
                                  f"largest context ({max_context})")
             max_context = max_model_len
+        self.speculative_config = parse_speculative_config(speculative_config)
+        check_fits(self.speculative_config, m)
         self.scheduler = Scheduler(m, max_context, use_decode_steps=use_decode_steps, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    prefix_caching=enable_prefix_caching, identity=m.identity)
+        self.scheduler.speculative = self.speculative_config
         try:
             with native_stderr_to_log():    # the plugin's start-up lines go to the log, not into a notebook
                 device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir, devices=m.devices)
@@ -133,6 +142,8 @@ class Engine:
         self._order = itertools.count()
         self._warm: set[str] = set()       # entries run once by warm_up
         self._stats = new_stats()
+        if self.speculative_config is not None:
+            self._stats["spec_decode_num_accepted_tokens_per_pos"] = [0] * self.speculative_config.num_speculative_tokens
         self.model_runner = ModelRunner(m, self.runner, self.scheduler, self._stats)
         self.lora = self._serve_adapters(lora_modules or {}, max_cpu_loras)
         self.load_seconds = time.perf_counter() - t0
@@ -437,6 +448,7 @@ class Engine:
         sched, run = self.scheduler, self.runner
         st = dict(self._stats, **run.stats)
         st.update(batch_sizes=dict(self._stats["batch_sizes"]),
+                  spec_decode_num_accepted_tokens_per_pos=list(self._stats["spec_decode_num_accepted_tokens_per_pos"]),
                   executions_by_entry=dict(run.stats["executions_by_entry"]))
         # The headline numbers are the first kind's in PoolKind order: paged KV pages when there are some.
         first = sched.kv.pools[self.manifest.pool_kinds[0]]

@@ -140,10 +140,20 @@ class _EngineCollector:
                                ("vllm:num_preemptions", "preemptions", "Sequences preempted (pages given back, "
                                                                        "recomputed when they run again)"),
                                ("vllm:prefix_cache_queries", "prefix_queries", "Tokens looked up in the prefix cache"),
-                               ("vllm:prefix_cache_hits", "prefix_hits", "Tokens found in the prefix cache")):
+                               ("vllm:prefix_cache_hits", "prefix_hits", "Tokens found in the prefix cache"),
+                               ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts", "Sequences' drafts verified"),
+                               ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+                                "Drafted tokens verified"),
+                               ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+                                "Drafted tokens accepted")):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(label, s[key])
+            c.add_metric(label, s.get(key, 0))
             yield c
+        c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, by their "
+                                "position in the draft", labels=["model_name", "position"])
+        for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos") or ()):
+            c.add_metric(label + [str(pos)], n)
+        yield c
 
 
 class CountRequests:

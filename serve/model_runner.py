@@ -30,7 +30,9 @@ def new_stats() -> dict:
     """The counters an engine reports (Engine.stats), zero."""
     return dict(steps=0, prefill_calls=0, decode_calls=0, tokens_generated=0, prompt_tokens=0, requests_finished=0,
                 requests_failed=0, requests_refused=0, decode_steps_calls=0, mixed_calls=0, logits_pulled=0,
-                sampled_in_body=0, slot_copies=0, batch_sizes={})
+                sampled_in_body=0, slot_copies=0, batch_sizes={}, verify_calls=0, spec_decode_num_drafts=0,
+                spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0,
+                spec_decode_num_accepted_tokens_per_pos=[])
 
 
 class ModelRunner:
@@ -87,7 +89,7 @@ class ModelRunner:
 
     def _count_call(self, kind: af.EntryKind, n: int) -> None:
         key = {af.EntryKind.MIXED: "mixed_calls", af.EntryKind.DECODE: "decode_calls",
-               af.EntryKind.DECODE_STEPS: "decode_calls"}.get(kind, "prefill_calls")
+               af.EntryKind.DECODE_STEPS: "decode_calls", af.EntryKind.VERIFY: "verify_calls"}.get(kind, "prefill_calls")
         self.stats[key] += 1
         bs = self.stats["batch_sizes"]
         bs[n] = bs.get(n, 0) + 1
@@ -109,6 +111,8 @@ class ModelRunner:
         e = call.entry
         if e.kind == af.EntryKind.DECODE_STEPS:
             return self._run_steps_call(call)
+        if e.kind == af.EntryKind.VERIFY:
+            return self._run_verify_call(call)
         ends = [row.start + len(row.token_ids) for row in call.rows]
         # The rows that write a sequence's last token get its next token.
         producing = [end == s.length for s, end in zip(call.seqs, ends)]
@@ -203,3 +207,59 @@ class ModelRunner:
                 self.scheduler.written(s, s.length)
                 events.append(self._emit(s, tok, now))
         return events
+
+    def _run_verify_call(self, call: ScheduledCall) -> list[StepEvent]:
+        """Run a verify call (serve/speculative.py): each row emits the drafts the target's greedy tokens confirm and
+        then the target's next token, in order, stopping at a stop id or max_new_tokens; the units taken for the
+        rejected drafts go back."""
+        e = call.entry
+        want = {af.Role.VERIFY_TOKENS, af.Role.VERIFY_ACCEPTED}
+        if any(s.sampling.logprobs is not None for s in call.seqs):
+            want.add(af.Role.VERIFY_LOGPROB)
+        if any(s.sampling.logprobs for s in call.seqs):
+            want |= {af.Role.VERIFY_TOP_LOGPROBS, af.Role.VERIFY_TOP_IDS}
+        try:
+            out = self._execute(e, call_inputs.step_inputs(call, self.manifest, self.ring_pages), want)
+        except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
+            log.error("call of %s failed: %s", e.name, err)
+            return [self.fail(s, f"{e.name} failed: {err}") for s in call.seqs]
+        self._count_call(e.kind, len(call.seqs))
+        now = time.perf_counter()
+        events = []
+        for b, (s, row) in enumerate(zip(call.seqs, call.rows)):
+            col = e.tokens_per_seq - len(row.token_ids)          # rows are right-aligned
+            drafts = list(row.token_ids[1:])
+            n = int(out[af.Role.VERIFY_ACCEPTED][b])
+            if not 0 <= n <= len(drafts):
+                events.append(self.fail(s, f"{e.name} accepted {n} of {len(drafts)} drafts"))
+                continue
+            self._count_drafts(s, len(drafts), n)
+            # The accepted drafts, then the target's own token after them.
+            for i, tok in enumerate(drafts[:n] + [int(out[af.Role.VERIFY_TOKENS][b, col + n])]):
+                if not 0 <= tok < self.vocab:
+                    events.append(self.fail(s, f"{e.name} returned token {tok}, outside the vocabulary"))
+                    break
+                k, logprob, top = s.sampling.logprobs, None, None
+                if k is not None:
+                    logprob = float(out[af.Role.VERIFY_LOGPROB][b, col + i])
+                    top = tuple(zip(out[af.Role.VERIFY_TOP_IDS][b, col + i, :k].tolist(),
+                                    out[af.Role.VERIFY_TOP_LOGPROBS][b, col + i, :k].tolist())) if k else ()
+                events.append(self._emit(s, tok, now, logprob, top))
+                if s.finished:
+                    break
+            if not s.finished:
+                self.scheduler.verified(s, row.start + n + 1)
+        return events
+
+    def _count_drafts(self, s: Request, drafted: int, accepted: int) -> None:
+        """vLLM's spec-decode counters, and the sequence's own (it stops drafting when few are accepted)."""
+        st = self.stats
+        st["spec_decode_num_drafts"] += 1
+        st["spec_decode_num_draft_tokens"] += drafted
+        st["spec_decode_num_accepted_tokens"] += accepted
+        per = st["spec_decode_num_accepted_tokens_per_pos"]
+        per.extend([0] * (drafted - len(per)))
+        for i in range(accepted):
+            per[i] += 1
+        s.spec.drafted += drafted
+        s.spec.accepted += accepted

@@ -22,11 +22,17 @@ from .request import Request
 
 @dataclass(frozen=True)
 class Work:
-    """A sequence's part of a step: positions [start, start + n)."""
+    """A sequence's part of a step: positions [start, start + n); with drafted tokens, its last token and the drafts
+    after it (a verify row)."""
 
     seq: Request
     start: int
     n: int
+    draft: tuple[int, ...] = ()
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.tokens[self.start:self.start + self.n - len(self.draft)] + list(self.draft)
 
 
 @dataclass(frozen=True)
@@ -97,10 +103,12 @@ class CallPlanner:
         steps = self._steps_call(work) if everyone else None
         if steps is not None:
             return [steps]
+        verify = self._group([w for w in work if w.draft], af.EntryKind.VERIFY)
+        work = [w for w in work if not w.draft]
         scored = [w for w in work if self.scored(w.seq)]
         single = [w for w in work if w not in scored and w.n == 1]
         chunks = [w for w in work if w not in scored and w.n > 1]       # in scheduling order
-        calls = self._group(scored, af.EntryKind.PREFILL_SCORED)
+        calls = verify + self._group(scored, af.EntryKind.PREFILL_SCORED)
         if self.flat:
             return self._group(sorted(single + chunks, key=lambda w: w.start + w.n), af.EntryKind.PREFILL) + calls
         # Every chunk in prefill calls beside decode calls; or the first chunk riding with the decode rows in a mixed
@@ -146,7 +154,7 @@ class CallPlanner:
             return None
         work = rows + [chunk]
         return ScheduledCall(entry, tuple(w.seq for w in work),
-                             tuple(row_call(w.seq.tokens[w.start:w.start + w.n], w.start, w.seq.held) for w in work))
+                             tuple(row_call(w.token_ids, w.start, w.seq.held) for w in work))
 
     def unmix(self, call: ScheduledCall) -> list[ScheduledCall]:
         """A mixed call as the decode call and the prefill call it stands for."""
@@ -170,7 +178,7 @@ class CallPlanner:
                 if entry is None:
                     raise RuntimeError(f"no {kind} entry holds a row of {group[0].n} tokens reaching position "
                                        f"{group[0].start + group[0].n}")
-                rows = tuple(row_call(x.seq.tokens[x.start:x.start + x.n], x.start, x.seq.held) for x in group)
+                rows = tuple(row_call(x.token_ids, x.start, x.seq.held) for x in group)
                 calls.append(ScheduledCall(entry, tuple(x.seq for x in group), rows))
             group = [w] if w is not None else []
         return calls

@@ -126,7 +126,7 @@ def _with_rowless_roles(call: ScheduledCall, runner: Runner, out: dict) -> dict:
     """`out` (a call's step inputs) with the other roles of a call that produces for no sequence: neutral sampler
     rows, no score targets, no decode_steps limits."""
     e = call.entry
-    if runner.manifest.sampler is not None:
+    if runner.manifest.sampler is not None and e.kind != af.EntryKind.VERIFY:
         out.update(sampler_inputs(runner, call, [], []))
     if e.kind == af.EntryKind.PREFILL_SCORED:
         out[af.Role.SCORE_TARGETS] = score_targets(call, e.batch, e.tokens_per_seq)

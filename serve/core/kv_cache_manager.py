@@ -142,6 +142,10 @@ class KVCacheManager:
             del s.held[kind][count:]
             self.pools[kind].release(extra[::-1])
 
+    def trim(self, s: Request, end: int) -> None:
+        """Give back the units past those the sequence's positions up to `end` hold (its deepest first)."""
+        self.truncate(s, {kind: min(len(held), self.rules[kind].units(end)) for kind, held in s.held.items()})
+
     def free(self, s: Request) -> None:
         """Give back everything the sequence holds, its deepest pages first (they are evicted before the pages
         they follow)."""

@@ -11,6 +11,7 @@ import numpy as np
 from tlaloc_jax import artifact as af
 
 from ..host_sampling import GREEDY, Sampling
+from ..speculative import SpecState
 
 
 class RequestRefused(ValueError):
@@ -107,6 +108,7 @@ class Request:
     stop_mask: np.ndarray | None = None      # packed: every token but the stop ids (min_tokens), made once
     lora: Any = None                     # the LoRA adapter it runs with (serve.lora_slots.Adapter); None: the base model
     lora_slot: int = 0                   # the adapter's slot while it runs (0: none)
+    spec: SpecState = field(default_factory=SpecState)     # its drafts so far (speculative decoding)
 
     def stop_ids(self, vocab: int) -> list[int]:
         """The stop ids a token can be (those inside the vocabulary), sorted."""

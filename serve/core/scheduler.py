@@ -13,6 +13,10 @@ so far, which it computes again when it runs (what it already sent is not sent a
 asks the manager for its cached prefix (full pages shared by hash; recurrent states through snapshots) and starts
 after it. How the step's work becomes calls of the artifact's entries is core/call_plan.py's job.
 
+With speculative decoding on (`speculative`), a decoding sequence that may draft (serve/speculative.py) advances
+by its last token and the tokens the n-gram proposer drafts after it, all counted in the budget; a verify call
+checks them and the sequence emits what the target confirms.
+
 The scheduler knows an artifact's pools by kind only, never by name or model.
 """
 
@@ -29,6 +33,7 @@ from .call_plan import CallPlanner, ScheduledCall, Work
 from .kv_cache_manager import KVCacheManager
 from .prefix_cache import Copy
 from .request import Request, RequestRefused
+from .. import speculative as spec
 
 log = logging.getLogger("tlaloc_jax.serve")
 
@@ -70,6 +75,10 @@ class Scheduler:
         self.running: list[Request] = []          # sorted by Request.key
         self.stats = dict(preemptions=0, prefix_queries=0, prefix_hits=0)
         self.lora = None      # serve.lora_slots.LoraSlots of an artifact with adapter slots: a running request holds one
+        self.speculative: spec.SpeculativeConfig | None = None     # set by the engine (checked against the artifact)
+        top = [e.outputs[e.output_index(af.Role.VERIFY_TOP_IDS)].shape[2] for e in self.planner.entries(
+            af.EntryKind.VERIFY)]
+        self.verify_top_logprobs = min(top, default=0)
 
     @property
     def prefix_caching(self) -> bool:
@@ -149,6 +158,12 @@ class Scheduler:
         s.computed = max(s.computed, end)
         self.kv.cache_written(s, end)
 
+    def verified(self, s: Request, end: int) -> None:
+        """A verify call left the sequence's positions up to `end` valid: the units it took for rejected drafts past
+        its length go back (the positions there are written again by its next call)."""
+        self.written(s, end)
+        self.kv.trim(s, s.length)
+
     # -- a step --------------------------------------------------------------------------------------------
 
     def _chunk(self, s: Request, budget: int, alone: bool = True) -> int:
@@ -172,6 +187,23 @@ class Scheduler:
             n = end - end % self.block_size - start     # a chunk that stops short ends on a page boundary
         return max(n, 0)
 
+    def _draft(self, s: Request, room: int) -> tuple[int, ...]:
+        """The tokens the proposer drafts after a decoding sequence's last token, at most `room` (the budget left);
+        () where it may not draft: not greedy, its logits changed (bias, penalties, a grammar, a stop-id mask before
+        min_tokens), more logprobs asked than the verify entries return, or its drafts seldom accepted. A draft
+        never reaches past max_new_tokens or the largest context."""
+        cfg, sp = self.speculative, s.sampling
+        if cfg is None or not s.spec.enabled or not sp.plain or s.constraint is not None:
+            return ()
+        if (s.stop and len(s.generated) < sp.min_tokens) or (sp.logprobs or 0) > self.verify_top_logprobs:
+            return ()
+        limit = self.kv.call_limit(s.computed)
+        k = min(cfg.num_speculative_tokens, room, s.max_new_tokens - len(s.generated) - 1,
+                self.max_context - s.length, (limit if limit is not None else room) - 1)
+        if k <= 0:
+            return ()
+        return tuple(spec.propose_ngram(s.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+
     def schedule(self) -> Step:
         """This step's calls: every running sequence advanced (preempting the youngest when units run out), then
         waiting sequences admitted while there is budget, room and units."""
@@ -181,7 +213,8 @@ class Scheduler:
         reading = sum(not s.decoding for s in self.running) + min(len(self.waiting),
                                                                    max(0, self.max_num_seqs - len(self.running)))
         alone = reading <= 1
-        for s in list(self.running):
+        order = list(self.running)
+        for i, s in enumerate(order):
             if not s.running:
                 continue                  # preempted earlier in this loop
             if s.decoding and s.constraint is not None and not s.constraint.ready():
@@ -189,6 +222,11 @@ class Scheduler:
             n = self._chunk(s, budget, alone)
             if n == 0:
                 continue
+            # Drafts leave a token of the budget to each running sequence after this one.
+            draft = self._draft(s, budget - n - (len(order) - 1 - i)) if s.decoding else ()
+            if draft and not self.kv.allocate_slots(s, s.computed + n + len(draft)):
+                draft = ()                # drafts never preempt a sequence: without the units, none this step
+            n += len(draft)
             while not self.kv.allocate_slots(s, s.computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -196,7 +234,7 @@ class Scheduler:
                 if victim is s:
                     break
             if s.running:
-                work.append(Work(s, s.computed, n))
+                work.append(Work(s, s.computed, n, draft))
                 budget -= n
         restores: list[Copy] = []
         i = 0                             # waiting sequences before i wait for a prefix a running one computes

@@ -32,8 +32,8 @@ from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, COPY_INPUTS, DECODE_STEP
                          INPUT_ROLES, MLIR_DTYPES, NAME, OUTPUT_ROLES, PACKED_TOKEN_INPUTS, PLATFORMS, POOL_KIND_INPUTS, QUANT_CODE_DTYPES, QUANT_GROUPS,
                          QUANT_PART_DTYPES, QUANT_PARTS,
                          SAMPLER_DTYPES, SAMPLER_INPUTS, SAMPLER_OUTPUTS, SAMPLING_COLUMNS, SAMPLING_NEUTRAL,
-                         SCORER_DTYPES, SCORER_INPUTS, SCORER_OUTPUTS, STEP_FIELDS, BoundKind, DType, EntryKind,
-                         PoolKind, QuantPart, QuantScheme, Role, dtype_info, mask_words, nbytes, numpy_dtype)
+                         SCORER_DTYPES, SCORER_INPUTS, SCORER_OUTPUTS, STEP_FIELDS, VERIFY_DTYPES, VERIFY_OUTPUTS,
+                         BoundKind, DType, EntryKind, PoolKind, QuantPart, QuantScheme, Role, dtype_info, mask_words, nbytes, numpy_dtype)
 
 __all__ = [
     "FileDigests", "load_remembering", "ManifestError", "checked_file", "resolve_inside", "sha256_file", "record_json", "Mesh", "MeshAxis", "Partition",
@@ -45,6 +45,6 @@ __all__ = [
     "NAME", "OUTPUT_ROLES", "PACKED_TOKEN_INPUTS", "PLATFORMS", "POOL_KIND_INPUTS", "QUANT_CODE_DTYPES", "QUANT_GROUPS",
     "QUANT_PART_DTYPES", "QUANT_PARTS", "SAMPLER_DTYPES",
     "SAMPLER_INPUTS", "SAMPLER_OUTPUTS", "SAMPLING_COLUMNS", "SAMPLING_NEUTRAL", "SCORER_DTYPES", "SCORER_INPUTS",
-    "SCORER_OUTPUTS", "STEP_FIELDS", "BoundKind", "DType", "EntryKind", "PoolKind", "QuantPart", "QuantScheme",
+    "SCORER_OUTPUTS", "STEP_FIELDS", "VERIFY_DTYPES", "VERIFY_OUTPUTS", "BoundKind", "DType", "EntryKind", "PoolKind", "QuantPart", "QuantScheme",
     "Role", "dtype_info", "mask_words", "nbytes", "numpy_dtype",
 ]

@@ -15,7 +15,8 @@ from .records import TensorSig, WeightFile, check_platform, check_tokenizer_hash
 from .vocabulary import (BASE_STEP_INPUTS, CHUNK_GROUP, DECODE_STEPS_INPUTS, DECODE_STEPS_OUTPUTS, INPUT_ROLES,
                          LORA_ADAPTERS, LORA_INPUTS, NAME, OUTPUT_ROLES,
                          PACKED_TOKEN_INPUTS, POOL_KIND_INPUTS, SAMPLER_DTYPES, SAMPLER_INPUTS, SAMPLER_OUTPUTS, SAMPLING_COLUMNS,
-                         SCORER_DTYPES, SCORER_INPUTS, SCORER_OUTPUTS, STEP_FIELDS, EntryKind, PoolKind, Role,
+                         SCORER_DTYPES, SCORER_INPUTS, SCORER_OUTPUTS, STEP_FIELDS, VERIFY_DTYPES, VERIFY_OUTPUTS,
+                         EntryKind, PoolKind, Role,
                          dtype_info, mask_words)
 
 
@@ -186,6 +187,19 @@ def _check_scorer_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
                             f"{want[0]}{list(want[1])}")
 
 
+def _check_verify_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
+    if e.kind != EntryKind.VERIFY:
+        raise ManifestError(f"{what} has {sig.role}, which only a verify entry returns")
+    B, T = e.batch, e.tokens_per_seq
+    want = {Role.VERIFY_ACCEPTED: (B,), Role.VERIFY_TOKENS: (B, T), Role.VERIFY_LOGPROB: (B, T)}.get(sig.role)
+    dtype = VERIFY_DTYPES.get(sig.role, "int32")
+    ok = sig.dtype == dtype and (tuple(sig.shape) == want if want else
+                                 len(sig.shape) == 3 and tuple(sig.shape[:2]) == (B, T))
+    if not ok:
+        raise ManifestError(f"{what} {sig.role} is {sig.dtype}{list(sig.shape)}; a verify entry of batch {B} and "
+                            f"{T} tokens per row returns {dtype}{list(want) if want else [B, T, 'N']}")
+
+
 def _check_steps_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
     if e.kind != EntryKind.DECODE_STEPS:
         raise ManifestError(f"{what} has {sig.role}, which only a decode_steps entry takes")
@@ -252,7 +266,8 @@ def _check_lora_whole(m: Manifest, e: Entry, what: str) -> None:
 _GROUP_CHECKS = ((frozenset(SAMPLER_INPUTS) | frozenset(SAMPLER_OUTPUTS), _check_sampler_sig),
                  (frozenset(SCORER_INPUTS) | frozenset(SCORER_OUTPUTS), _check_scorer_sig),
                  (frozenset(LORA_INPUTS) | frozenset(LORA_ADAPTERS), _check_lora_sig),
-                 (frozenset(DECODE_STEPS_INPUTS) | frozenset(DECODE_STEPS_OUTPUTS), _check_steps_sig))
+                 (frozenset(DECODE_STEPS_INPUTS) | frozenset(DECODE_STEPS_OUTPUTS), _check_steps_sig,
+                 (frozenset(VERIFY_OUTPUTS), _check_verify_sig))
 
 
 def _check_entry(m: Manifest, e: Entry, pools: dict[str, Pool], slots: dict[str, WeightFile],
@@ -288,7 +303,7 @@ def _check_entry(m: Manifest, e: Entry, pools: dict[str, Pool], slots: dict[str,
     if pools_in != set(pools) or pools_out != set(pools):
         raise ManifestError(f"{what} takes pools {sorted(pools_in)} and returns {sorted(pools_out)}; "
                             f"the manifest has {sorted(pools)}")
-    if e.kind != EntryKind.DECODE_STEPS:
+    if e.kind not in (EntryKind.DECODE_STEPS, EntryKind.VERIFY):
         logits = e.outputs[e.output_index(Role.LOGITS)]
         if tuple(logits.shape) != (e.rows, m.model.vocab):
             raise ManifestError(f"{what} returns logits of shape {list(logits.shape)}, the model's vocabulary is "
@@ -364,6 +379,11 @@ def _check_groups_whole(m: Manifest, e: Entry, seen_roles: set[Role], what: str)
     if (e.steps > 1) != stepped or (stepped and e.tokens_per_seq != 1):
         raise ManifestError(f"{what} is a {e.kind} entry of {e.steps} steps and {e.tokens_per_seq} tokens per "
                             "sequence (a decode_steps entry runs K > 1 steps of one token; the others one step)")
+    if e.kind == EntryKind.VERIFY:
+        if not set(VERIFY_OUTPUTS) <= seen_roles or e.tokens_per_seq < 2:
+            raise ManifestError(f"{what} is a verify entry of {e.tokens_per_seq} tokens per row returning "
+                                f"{sorted(seen_roles)}; one returns {list(VERIFY_OUTPUTS)} for 2 or more tokens a row")
+        return                  # greedy: it takes no sampler
     # A decode_steps entry samples in its body but returns only the tokens: it takes the sampler's inputs.
     sampler_roles = set(SAMPLER_INPUTS) | (set() if stepped else set(SAMPLER_OUTPUTS))
     if m.sampler is not None and not sampler_roles <= seen_roles:

@@ -91,6 +91,15 @@ class Role(enum.StrEnum):
     # A decode_steps entry's tokens [B, K] i32: step i's token of each row, -1 once the row has stopped (its stop
     # id, its STEP_LIMIT) or for an empty row.
     STEP_TOKENS = "STEP_TOKENS"
+    # A verify entry's outputs, per position t of each row [B, T] (rows right-aligned, as a prefill's): the target's
+    # greedy token after position t, its logprob [B, T] f32, the N largest logprobs [B, T, N] f32 and their ids
+    # [B, T, N] i32; and VERIFY_ACCEPTED [B] i32, how many of the row's drafted tokens (TOKEN_IDS after its first)
+    # the greedy tokens confirm, the longest matching prefix.
+    VERIFY_TOKENS = "VERIFY_TOKENS"
+    VERIFY_ACCEPTED = "VERIFY_ACCEPTED"
+    VERIFY_LOGPROB = "VERIFY_LOGPROB"
+    VERIFY_TOP_LOGPROBS = "VERIFY_TOP_LOGPROBS"
+    VERIFY_TOP_IDS = "VERIFY_TOP_IDS"
     # A bounded program's (slot: the author's input or output name, or the bound's name): an input of the
     # author's function, a bound's valid size (int32 [], or [B] per row beside a batch bound) and valid
     # positions (bool [N], or [B, N]), an output of the author's function.
@@ -131,6 +140,9 @@ class EntryKind(enum.StrEnum):
     # rows' step inputs have the usual roles; the chunk's the same roles with slot CHUNK_GROUP; the sampler's and
     # the outputs' rows are the decode rows, then the chunk's.
     MIXED = "mixed"
+    # Speculative decoding's check: each row's last token and up to tokens_per_seq - 1 drafted tokens after it, scored
+    # in one call (export/_verify.py); returns the VERIFY_* outputs and the pools, no logits and no sampler.
+    VERIFY = "verify"
 
 
 class BoundKind(enum.StrEnum):
@@ -171,6 +183,10 @@ SCORER_DTYPES = {Role.PROMPT_LOGPROB: "float32", Role.PROMPT_TOP_LOGPROBS: "floa
 # A decode_steps entry's inputs beyond a decode entry's (after the sampler's, before the pools), and its outputs.
 DECODE_STEPS_INPUTS = (Role.STEP_LIMIT, Role.STOP_IDS)
 DECODE_STEPS_OUTPUTS = (Role.STEP_TOKENS,)
+# A verify entry's outputs, in signature order (before the pools).
+VERIFY_OUTPUTS = (Role.VERIFY_TOKENS, Role.VERIFY_ACCEPTED, Role.VERIFY_LOGPROB, Role.VERIFY_TOP_LOGPROBS,
+                  Role.VERIFY_TOP_IDS)
+VERIFY_DTYPES = {Role.VERIFY_LOGPROB: "float32", Role.VERIFY_TOP_LOGPROBS: "float32"}     # the others are int32
 # The slot naming the prompt chunk's step inputs in a mixed entry.
 CHUNK_GROUP = "chunk"
 # A copy_slots entry's inputs, before its state pools.
@@ -183,7 +199,7 @@ INPUT_ROLES = (frozenset(STEP_FIELDS) | {Role.POOL_IN, Role.WEIGHT} | frozenset(
                | frozenset(SCORER_INPUTS) | frozenset(DECODE_STEPS_INPUTS) | frozenset(COPY_INPUTS)
                | frozenset(LORA_INPUTS) | frozenset(LORA_ADAPTERS))
 OUTPUT_ROLES = (frozenset({Role.LOGITS, Role.NEXT_TOKEN, Role.POOL_OUT}) | frozenset(SAMPLER_OUTPUTS)
-                | frozenset(SCORER_OUTPUTS) | frozenset(DECODE_STEPS_OUTPUTS))
+                | frozenset(SCORER_OUTPUTS) | frozenset(DECODE_STEPS_OUTPUTS) | frozenset(VERIFY_OUTPUTS))
 
 # The columns of SAMPLING a runtime knows how to fill, in order, each with its neutral value: the value at which
 # the sampler's step is the identity (temperature 0: greedy; top_p 1, top_k 0, min_p 0: keep every token; the

@@ -1,0 +1,99 @@
+"""Speculative decoding's gain: tokens/s of greedy generation with and without n-gram speculation (prompt lookup,
+serve --speculative-config) on the demo model (tlaloc_jax/demo_model, trained on Python code), at batch 1 and 4,
+on (a) a copy-heavy workload, a code excerpt given and then begun again (the model continues by copying it), and
+(b) open generation, the start of a function to write; with the drafts' acceptance rate. Both engines run in one
+process, rounds interleaved; each round checks that speculation's ids equal plain decoding's.
+
+    python -m bench.speculative [--work /tmp/tlaloc-spec-bench] [--k 4] [--new 96] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+ROOT = Path(__file__).resolve().parent.parent
+# Excerpts of this repository's own code: what the copy-heavy prompts quote and the open prompts begin.
+SOURCES = ("serve/core/paging.py", "serve/core/kv_cache.py", "serve/host_sampling.py", "serve/core/prefix_cache.py")
+
+
+def excerpt(path: str, tokenizer, tokens: int) -> list[int]:
+    """The first `tokens` tokens of a source file's first function (or method)."""
+    text = (ROOT / path).read_text()
+    return tokenizer.encode(text[text.index("def "):]).ids[:tokens]
+
+
+def workloads(tokenizer, quote: int) -> dict[str, list[list[int]]]:
+    """copy: an excerpt, a blank line, then its first 8 tokens again; open: a function's first line."""
+    copy, open_ = [], []
+    for path in SOURCES:
+        ids = excerpt(path, tokenizer, quote)
+        copy.append(ids + tokenizer.encode("\n\n").ids + ids[:8])
+        open_.append(ids[:12])
+    return {"copy-heavy": copy, "open": open_}
+
+
+def run(eng, prompts, batch: int, new: int) -> tuple[list[list[int]], float, int]:
+    """-> (ids, seconds, tokens): the prompts in groups of `batch`, each group generated together."""
+    out, t0 = [], time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        out += eng.generate(prompts[i:i + batch], new)
+    return out, time.perf_counter() - t0, sum(map(len, out))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default="/tmp/tlaloc-spec-bench")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (and the export's --speculative-tokens)")
+    ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--quote", type=int, default=96, help="tokens of code the copy-heavy prompts quote")
+    ap.add_argument("--new", type=int, default=96, help="tokens generated per prompt")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args(argv)
+
+    from tokenizers import Tokenizer
+
+    from tlaloc_jax.checkpoint import DEMO_MODEL
+    from tlaloc_jax.export import export_checkpoint
+    from tlaloc_jax.serve import Engine
+
+    art = Path(a.work) / f"demo-k{a.k}"
+    if not (art / "tlaloc-serving.json").exists():
+        export_checkpoint(DEMO_MODEL, art, batch_ladder=(1, 4), context_ladder=(256,), speculative_tokens=a.k,
+                          progress=False)
+    tok = Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))
+    loads = workloads(tok, a.quote)
+    config = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": a.lookup_min,
+              "prompt_lookup_max": a.lookup_max}
+    cache = Path(a.work) / "cache"
+    with Engine.load(art, cache_dir=cache, progress=False) as plain, \
+            Engine.load(art, cache_dir=cache, progress=False, speculative_config=config) as spec:
+        print(f"demo model, verify entries of {a.k} drafts, ngram {a.lookup_min}-{a.lookup_max}, {a.new} new tokens "
+              f"a prompt, {len(SOURCES)} prompts a workload, {a.rounds} interleaved rounds (median)")
+        for name, prompts in loads.items():
+            for batch in (1, 4):
+                rates = {"plain": [], "ngram": []}
+                drafted = accepted = 0
+                for _ in range(a.rounds + 1):        # the first round warms both up and is not counted
+                    want, dt, n = run(plain, prompts, batch, a.new)
+                    rates["plain"].append(n / dt)
+                    before = spec.stats()
+                    got, dt, n = run(spec, prompts, batch, a.new)
+                    rates["ngram"].append(n / dt)
+                    after = spec.stats()
+                    assert got == want, f"{name} batch {batch}: speculation changed the ids"
+                    drafted += after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+                    accepted += after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+                p, s = (statistics.median(rates[k][1:]) for k in ("plain", "ngram"))
+                print(f"{name:>10} batch {batch}: plain {p:6.1f} tok/s, ngram {s:6.1f} tok/s ({s / p:.2f}x); "
+                      f"drafts accepted {accepted}/{drafted} ({accepted / max(drafted, 1):.0%})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

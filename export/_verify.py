@@ -1,0 +1,96 @@
+"""verify entries: speculative decoding's check of drafted tokens (manifest EntryKind.VERIFY).
+
+A row of a verify call is a sequence's last token followed by up to K drafted tokens, right-aligned as a prefill's
+row, at positions [start, start + n): the body runs the step's hidden states over every token (writing each one's
+keys and values, as a prefill chunk does) and the head over every position, so one call scores what K + 1 decode
+steps would. Per position t it returns the target's greedy token after t (the first largest logit, as a decode
+entry's NEXT_TOKEN), that token's logprob and the N largest logprobs; and per row VERIFY_ACCEPTED, the drafts the
+greedy tokens confirm: draft t + 1 is accepted while greedy[t] equals it, the longest such prefix. The host emits
+the accepted drafts and then greedy[start of row + accepted], the bonus token: what greedy decoding would have
+produced, token for token. The keys and values written for rejected drafts are never read: the sequence's next
+call writes those positions again.
+
+A verify entry takes no sampler (greedy acceptance only) and needs the step as a SplitStep (its hidden states
+and head); models with state pools (Mamba, gated delta) are refused: their state after a rejected draft cannot be
+rolled back yet.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from tlaloc_jax import artifact as af
+from tlaloc_jax.inputs import StepInputs
+from tlaloc_jax.kernels import in_body_sampler as sampling_kernel
+
+from ._entries import ExportError
+
+Role = af.Role
+
+
+def verify_signature(inputs: Sequence[af.TensorSig], *, batch: int, tokens: int, top_n: int
+                     ) -> tuple[list[af.TensorSig], list[af.TensorSig], tuple[tuple[int, int], ...]]:
+    """A prefill entry's signature without sampler or scorer (export/_stage.entry_signature) -> the verify entry's:
+    the same inputs, the VERIFY_* outputs [B, T] ([B] accepted, [B, T, N] top) and the pools."""
+    shapes = {Role.VERIFY_TOKENS: (batch, tokens), Role.VERIFY_ACCEPTED: (batch,), Role.VERIFY_LOGPROB: (batch, tokens),
+              Role.VERIFY_TOP_LOGPROBS: (batch, tokens, top_n), Role.VERIFY_TOP_IDS: (batch, tokens, top_n)}
+    outputs = [af.TensorSig(r, af.VERIFY_DTYPES.get(r, "int32"), shapes[r]) for r in af.VERIFY_OUTPUTS]
+    donations = []
+    for i, sig in enumerate(inputs):
+        if sig.role == Role.POOL_IN:
+            donations.append((len(outputs), i))
+            outputs.append(af.TensorSig(Role.POOL_OUT, sig.dtype, sig.shape, sig.slot, sig.partition))
+    return list(inputs), outputs, tuple(donations)
+
+
+def accepted_drafts(greedy: jax.Array, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    """greedy, token_ids, positions [B, T] (rows right-aligned, position -1 before a row's tokens) -> [B] int32: how
+    many drafts (a row's tokens after its first) match greedy[t] == token_ids[t + 1] from the row's start on."""
+    pad = positions[:, :-1] < 0
+    ok = (greedy[:, :-1] == token_ids[:, 1:]) | pad
+    return (jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1) - jnp.sum(pad, axis=1)).astype(jnp.int32)
+
+
+def verify_fn(step: Callable, treedef, inputs: Sequence[af.TensorSig], outputs: Sequence[af.TensorSig], *,
+              ring_pages: int):
+    """The verify entry's function over its positional arguments, in signature order."""
+    if not (hasattr(step, "hidden") and hasattr(step, "head")):
+        raise ExportError("speculative_tokens scores every drafted position with the model's head: give the step as "
+                          "SplitStep(hidden, head) (tlaloc_jax.SplitStep)")
+    top_n = next(o.shape[2] for o in outputs if o.role == Role.VERIFY_TOP_IDS)
+
+    def entry(*args):
+        fields, pools, leaves = {}, {}, []
+        for sig, a in zip(inputs, args):
+            if sig.role in af.STEP_FIELDS:
+                fields[af.STEP_FIELDS[sig.role]] = a
+            elif sig.role == Role.POOL_IN:
+                pools[sig.slot] = a
+            else:
+                leaves.append(a)
+        if ring_pages:
+            # The step sees a sequence's ring, not the bucket-wide table the runtime fills.
+            fields["window_block_tables"] = fields["window_block_tables"][:, :ring_pages]
+        weights = jax.tree_util.tree_unflatten(treedef, leaves)
+        result = step.hidden(weights, pools, StepInputs(**fields))
+        if not (isinstance(result, tuple) and len(result) == 2) or getattr(result[0], "ndim", 0) != 3:
+            raise ExportError("a SplitStep's hidden function must return (hidden [B, T, E], pools)")
+        hidden, new_pools = result
+        B, T, E = hidden.shape
+        logits = step.head(weights, hidden.reshape(B * T, E)).astype(jnp.float32)         # [B * T, V]
+        greedy = sampling_kernel.first_max(logits)
+        lsm = jax.nn.log_softmax(logits, axis=-1)
+        chosen = jnp.take_along_axis(lsm, greedy[:, None], axis=1)[:, 0]
+        vals, ids = sampling_kernel.top_logprobs(lsm, top_n)
+        greedy = greedy.reshape(B, T)
+        results = {(Role.VERIFY_TOKENS, ""): greedy,
+                   (Role.VERIFY_ACCEPTED, ""): accepted_drafts(greedy, fields["token_ids"], fields["positions"]),
+                   (Role.VERIFY_LOGPROB, ""): chosen.reshape(B, T),
+                   (Role.VERIFY_TOP_LOGPROBS, ""): vals.reshape(B, T, top_n),
+                   (Role.VERIFY_TOP_IDS, ""): ids.reshape(B, T, top_n)}
+        results.update({(Role.POOL_OUT, name): buf for name, buf in new_pools.items()})
+        return tuple(results[(o.role, o.slot)] for o in outputs)
+    return entry

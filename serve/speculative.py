@@ -1,0 +1,137 @@
+"""Speculative decoding on the host: vLLM's `--speculative-config`, the n-gram proposer and greedy acceptance.
+
+A decoding sequence whose last tokens occurred before in its prompt or output (an n-gram of prompt_lookup_min to
+prompt_lookup_max tokens; the longest that matches, at its latest earlier occurrence) gets the tokens that followed
+that occurrence as drafts, up to num_speculative_tokens (vLLM's `ngram` method, prompt lookup decoding). The
+scheduler runs the drafts in a verify call (export/_verify.py); the body returns the target's greedy token after
+each position, and the sequence emits the drafts those confirm (the longest matching prefix) and then the target's
+own next token: exactly the tokens greedy decoding gives, up to k + 1 of them for one call.
+
+Only greedy rows draft (no temperature, penalties, logit bias, grammar or stop-id mask): their next token is the
+argmax, which the verify entry returns. The others, and a sequence whose drafts are seldom accepted
+(SpecState.enabled), decode one token a step as before.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+from tlaloc_jax import artifact as af
+
+# The methods vLLM names that this runtime does not run yet, each refused by name.
+NOT_BUILT = {"draft_model": "draft models", "eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads",
+             "medusa": "Medusa heads", "mlp_speculator": "MLP speculators", "mtp": "MTP heads",
+             "deepseek_mtp": "MTP heads", "qwen3_next_mtp": "MTP heads", "suffix": "suffix decoding"}
+FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+# vLLM's n-gram window when neither bound is given.
+DEFAULT_LOOKUP = 5
+# A sequence stops drafting once, after at least MIN_DRAFTS drafts, fewer than MIN_ACCEPTANCE of them were accepted:
+# each verify row costs k + 1 positions, which a decode row spends on one.
+MIN_DRAFTS = 16
+MIN_ACCEPTANCE = 0.25
+
+
+class SpeculativeConfigError(ValueError):
+    """A speculative config the runtime cannot serve; the message names the field and the way out."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative config for method "ngram": k drafted tokens a step from n-grams of lookup_min to lookup_max
+    tokens."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_LOOKUP
+    method: str = "ngram"
+
+
+def parse_speculative_config(value) -> SpeculativeConfig | None:
+    """vLLM's --speculative-config (a JSON text or a dict; None: off) -> SpeculativeConfig; unknown fields and
+    methods, and methods not built yet, are refused by name."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SpeculativeConfigError(f"--speculative-config is not JSON ({e}); give e.g. "
+                                         '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'')
+    if not isinstance(value, dict):
+        raise SpeculativeConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(FIELDS))
+    if unknown:
+        raise SpeculativeConfigError(f"speculative_config fields {', '.join(unknown)} are not known here; this runtime "
+                                     f"reads {', '.join(FIELDS)}")
+    method = value.get("method")
+    if method in NOT_BUILT or (method is None and value.get("model") is not None):
+        what = NOT_BUILT.get(method, "draft models")
+        raise SpeculativeConfigError(f"speculative_config method {method!r}: {what} are not built yet; use method "
+                                     "'ngram' (prompt lookup)")
+    if method != "ngram":
+        raise SpeculativeConfigError(f"speculative_config method {method!r} is not known; use method 'ngram'")
+    if value.get("model") is not None:
+        raise SpeculativeConfigError("speculative_config model: method 'ngram' takes no draft model; leave model out")
+
+    def count(name: str, default: int | None) -> int:
+        v = value.get(name, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise SpeculativeConfigError(f"speculative_config {name} must be a positive integer, got {v!r}")
+        return v
+
+    k = count("num_speculative_tokens", None)
+    lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    lo, hi = (DEFAULT_LOOKUP, DEFAULT_LOOKUP) if lo is None and hi is None else (lo if lo is not None else hi,
+                                                                                 hi if hi is not None else lo)
+    lo = count("prompt_lookup_min", lo)
+    hi = count("prompt_lookup_max", hi)
+    if lo > hi:
+        raise SpeculativeConfigError(f"speculative_config prompt_lookup_min {lo} is larger than prompt_lookup_max "
+                                     f"{hi}")
+    return SpeculativeConfig(k, lo, hi)
+
+
+def verify_tokens(m: af.Manifest) -> int:
+    """The drafted tokens a row of the artifact's verify entries holds (0: it has none)."""
+    return max((e.tokens_per_seq - 1 for e in m.entries if e.kind == af.EntryKind.VERIFY), default=0)
+
+
+def check_fits(config: SpeculativeConfig | None, m: af.Manifest) -> None:
+    """Refuse a config the artifact's verify entries cannot run, naming the export option that makes them."""
+    if config is None:
+        return
+    k = verify_tokens(m)
+    if not k:
+        raise SpeculativeConfigError("speculative decoding needs verify entries, which this artifact lacks: export it "
+                                     f"with --speculative-tokens {config.num_speculative_tokens} "
+                                     "(export_checkpoint(speculative_tokens=...))")
+    if config.num_speculative_tokens > k:
+        raise SpeculativeConfigError(f"speculative_config num_speculative_tokens {config.num_speculative_tokens} is "
+                                     f"more than this artifact's verify entries hold ({k}, --speculative-tokens); ask "
+                                     f"for at most {k}")
+
+
+def propose_ngram(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest n-gram (lookup_min <= n <= lookup_max)
+    ending `tokens`; [] when none occurs before."""
+    L = len(tokens)
+    for n in range(min(lookup_max, L - 1), lookup_min - 1, -1):
+        tail = list(tokens[L - n:])
+        for start in range(L - n - 1, -1, -1):
+            if tokens[start] == tail[0] and list(tokens[start:start + n]) == tail:
+                return list(tokens[start + n:start + n + k])
+    return []
+
+
+@dataclass
+class SpecState:
+    """A sequence's speculation so far: drafts proposed and accepted."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.drafted < MIN_DRAFTS or self.accepted >= MIN_ACCEPTANCE * self.drafted
