@@ -212,3 +212,13 @@ def test_an_unknown_adapter_is_refused_by_name(served, serve_cache_dir):
     with _engine(served, serve_cache_dir) as eng:
         with pytest.raises(RequestRefused, match="LoRA adapter 'nope' is not loaded"):
             eng.add_request(PROMPTS[0], 2, lora="nope")
+
+
+def test_adapters_with_speculative_tokens_are_refused_by_name(served, tmp_path):
+    """Verify entries do not take adapter slots yet: asking for both is refused at export, naming both options."""
+    from tlaloc_jax.export import ExportError, export_checkpoint
+    with pytest.raises(ExportError, match="lora adapters with speculative_tokens.*--max-loras or --speculative-tokens"):
+        export_checkpoint(served["ck"], tmp_path / "both", batch_ladder=(1,), context_ladder=(64,), block_size=8,
+                          prefill_chunk=16, prefill_long_chunk=0, progress=False, max_loras=2, max_lora_rank=RANK,
+                          speculative_tokens=2)
+    assert not (tmp_path / "both" / af.MANIFEST_NAME).exists()
