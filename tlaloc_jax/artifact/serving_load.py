@@ -266,7 +266,7 @@ def _check_lora_whole(m: Manifest, e: Entry, what: str) -> None:
 _GROUP_CHECKS = ((frozenset(SAMPLER_INPUTS) | frozenset(SAMPLER_OUTPUTS), _check_sampler_sig),
                  (frozenset(SCORER_INPUTS) | frozenset(SCORER_OUTPUTS), _check_scorer_sig),
                  (frozenset(LORA_INPUTS) | frozenset(LORA_ADAPTERS), _check_lora_sig),
-                 (frozenset(DECODE_STEPS_INPUTS) | frozenset(DECODE_STEPS_OUTPUTS), _check_steps_sig,
+                 (frozenset(DECODE_STEPS_INPUTS) | frozenset(DECODE_STEPS_OUTPUTS), _check_steps_sig),
                  (frozenset(VERIFY_OUTPUTS), _check_verify_sig))
 
 
