@@ -72,6 +72,7 @@ def test_adapter_ids_equal_the_merged_checkpoint(served, serve_cache_dir):
         assert eng.lora.held == 0
 
 
+@pytest.mark.slow
 def test_the_stacked_layout_reads_the_same_adapters(served, serve_cache_dir, tmp_path):
     """Weights stacked over layers (scanned): each layer's adapter buffers are stacked in the body and indexed by the
     scan's counter; the ids are still the merged checkpoints'."""
