@@ -137,15 +137,21 @@ def delta(la: LayerAdapters | None, name: str, x: jax.Array) -> jax.Array | None
     Every token is multiplied by all slots' A at once (the slots' ranks side by side, [S * R, I] out-major: one
     projection of S * R outputs), keeps its own slot's part (scaled; the others zeroed), and that is multiplied by
     all slots' B ([O, S * R]): two projections in the platform's fastest form (the C kernel where the export turned
-    it on, kernels/projection_native.py), no gather, for decode rows and prompt tokens alike."""
+    it on, kernels/projection_native.py), for decode rows and prompt tokens alike. A call none of whose rows has an
+    adapter skips both (lax.cond): it pays the check of its slots alone."""
     if la is None or name not in la.ab:
         return None
     a, b = la.ab[name]
     (B, T, I), (S, R, _), O = x.shape, a.shape, b.shape[0]
-    xa = out_major_product(x.reshape(B * T, I), a.reshape(S * R, I), reduce_one_row=a.dtype != jnp.float32)
-    keep = jax.nn.one_hot(la.slots.reshape(-1), S, dtype=jnp.float32) * la.scale[la.slots.reshape(-1)][:, None]
-    xa = (xa.reshape(B * T, S, R) * keep[:, :, None]).reshape(B * T, S * R)
-    y = out_major_product(xa, b.reshape(O, S * R), reduce_one_row=b.dtype != jnp.float32)
+    flat, slots = x.reshape(B * T, I), la.slots.reshape(-1)
+
+    def products(flat, a, b):
+        xa = out_major_product(flat, a.reshape(S * R, I), reduce_one_row=a.dtype != jnp.float32)
+        keep = jax.nn.one_hot(slots, S, dtype=jnp.float32) * la.scale[slots][:, None]
+        xa = (xa.reshape(B * T, S, R) * keep[:, :, None]).reshape(B * T, S * R)
+        return out_major_product(xa, b.reshape(O, S * R), reduce_one_row=b.dtype != jnp.float32)
+
+    y = lax.cond(jnp.any(slots > 0), products, lambda *_: jnp.zeros((B * T, O), jnp.float32), flat, a, b)
     return y.reshape(B, T, O)
 
 
