@@ -98,14 +98,13 @@ def _head(w, x):
 
 
 def _by_hand(w, prompt, n):
-    h = jnp.zeros(E)
-    for t in prompt:
-        h = _recur(w, h, w["embed"][t])
-    out = []
-    for _ in range(n):
-        out.append(int(jnp.argmax(h @ w["head"])))
-        h = _recur(w, h, w["embed"][out[-1]])
-    return out
+    """The recurrence over the prompt and then its own greedy ids, one token at a time, no pools."""
+    ids, h = list(prompt), jnp.zeros(E)
+    for i in range(len(prompt) + n - 1):
+        h = _recur(w, h, w["embed"][ids[i]])
+        if i >= len(prompt) - 1:
+            ids.append(int(jnp.argmax(_head(w, h))))
+    return ids[len(prompt):]
 
 
 def _speculated(tmp_path, w) -> tuple[list[list[int]], dict]:
