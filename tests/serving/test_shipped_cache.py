@@ -13,6 +13,7 @@ import shutil
 import pypjrt
 import pytest
 
+from tlaloc_jax import artifact as af
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.runtime import compile_cache, shipped_cache
 
@@ -119,3 +120,17 @@ def test_control_without_the_file_check_another_entrys_executable_would_run(ship
     with Engine.load(copy, cache_dir=tmp_path / "empty", progress=False) as engine:
         assert engine.entries_to_compile() == []
         assert _how(engine)[swapped] == "shipped"         # what the test above tells apart (never run here)
+
+
+def test_the_export_cli_ships_the_entries_compiled_unless_told_not_to(http_artifacts, tmp_path, capsys):
+    from tlaloc_jax.export.__main__ import main
+    small = ["--batch-ladder", "1", "--context-ladder", "32", "--block-size", "8", "--prefill-chunk", "16",
+             "--prefill-long-chunk", "0", "--quiet"]
+    ck = http_artifacts[1].parent / "ck"
+    assert main([str(ck), str(tmp_path / "shipped"), *small]) == 0
+    assert "compiled" in capsys.readouterr().out
+    index = tmp_path / "shipped" / shipped_cache.FOLDER / shipped_cache.INDEX
+    shipped_files = len(list(index.parent.glob("*.pypjrta")))
+    assert index.is_file() and shipped_files == len(af.load_manifest(tmp_path / "shipped").entries)
+    assert main([str(ck), str(tmp_path / "plain"), *small, "--no-compile-cache"]) == 0
+    assert not (tmp_path / "plain" / shipped_cache.FOLDER).exists()
