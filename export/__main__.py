@@ -228,6 +228,8 @@ def _compile_cache(out: str) -> None:
     """Compile the artifact's entries into its compile-cache folder, in a process of its own (the serving runtime's
     PJRT plugin, not jax's). A host without the runtime, or a failed compile, leaves an artifact without one."""
     import subprocess
+    print(f"compiling the entries into {out}/compile-cache for the serving runtime (--no-compile-cache skips it)",
+          flush=True)
     done = subprocess.run([sys.executable, "-m", "tlaloc_jax.serve.runtime.shipped_cache", out],
                           capture_output=True, text=True)
     if done.returncode == 0:
