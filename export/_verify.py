@@ -11,8 +11,11 @@ produced, token for token. The keys and values written for rejected drafts are n
 call writes those positions again.
 
 A verify entry takes no sampler (greedy acceptance only) and needs the step as a SplitStep (its hidden states
-and head); models with state pools (Mamba, gated delta) are refused: their state after a rejected draft cannot be
-rolled back yet.
+and head). State pools (Mamba, gated delta) cannot leave a rejected draft's update unused as pages can: the body
+gives the step a buffer per state pool (tlaloc_jax.pools.per_position) where it writes each row's state after each
+of its tokens (SplitStep.state_positions), and once it has counted the accepted drafts it writes the state after
+the row's last accepted token into the row's slot, in the body: nothing goes to the host, and the sequence's next
+call starts from the state greedy decoding would have left.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import jax.numpy as jnp
 from tlaloc_jax import artifact as af
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import in_body_sampler as sampling_kernel
+from tlaloc_jax.pools import per_position
 
 from ._entries import ExportError
 
@@ -54,9 +58,38 @@ def accepted_drafts(greedy: jax.Array, token_ids: jax.Array, positions: jax.Arra
     return (jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1) - jnp.sum(pad, axis=1)).astype(jnp.int32)
 
 
+def accepted_index(positions: jax.Array, accepted: jax.Array) -> jax.Array:
+    """positions [B, T] (rows right-aligned), accepted [B] -> [B] int32: the column of each row's last accepted token
+    (its last token, then its accepted drafts), whose state the row keeps; an empty row's is clipped to T - 1."""
+    return jnp.minimum(jnp.sum(positions < 0, axis=1) + accepted, positions.shape[1] - 1).astype(jnp.int32)
+
+
+def per_position_buffers(pools: dict, state_pools: Sequence[af.Pool], batch: int, tokens: int) -> dict:
+    """Zeroed per_position buffers of the state pools: each pool's shape with its slot axis replaced by [B, T]."""
+    return {per_position(p.name): jnp.zeros(pools[p.name].shape[:p.slot_axis] + (batch, tokens)
+                                            + pools[p.name].shape[p.slot_axis + 1:], pools[p.name].dtype)
+            for p in state_pools}
+
+
+def keep_accepted_states(pools: dict, state_pools: Sequence[af.Pool], slots: jax.Array, index: jax.Array) -> dict:
+    """The step's pools with each state pool's per_position buffer taken out and each row's state at column index[b]
+    written into its slot (slots [B]; -1, an empty row, writes nothing)."""
+    out = dict(pools)
+    for p in state_pools:
+        if per_position(p.name) not in out:
+            raise ExportError(f"the step's hidden function dropped pool {per_position(p.name)!r}: with "
+                              f"state_positions it returns it, the state of pool {p.name!r} after every token written")
+        steps, pool, lead = out.pop(per_position(p.name)), out[p.name], (slice(None),) * p.slot_axis
+        chosen = steps[lead + (jnp.arange(steps.shape[p.slot_axis]), index)]            # [.., B, *shape]
+        slot = jnp.where(slots < 0, pool.shape[p.slot_axis], slots)
+        out[p.name] = pool.at[lead + (slot,)].set(chosen.astype(pool.dtype), mode="drop")
+    return out
+
+
 def verify_fn(step: Callable, treedef, inputs: Sequence[af.TensorSig], outputs: Sequence[af.TensorSig], *,
-              ring_pages: int):
-    """The verify entry's function over its positional arguments, in signature order."""
+              ring_pages: int, state_pools: Sequence[af.Pool] = ()):
+    """The verify entry's function over its positional arguments, in signature order. state_pools: the model's
+    state pools, whose per-position states the step writes (SplitStep.state_positions) and the body keeps."""
     if not (hasattr(step, "hidden") and hasattr(step, "head")):
         raise ExportError("speculative_tokens scores every drafted position with the model's head: give the step as "
                           "SplitStep(hidden, head) (tlaloc_jax.SplitStep)")
@@ -75,7 +108,8 @@ def verify_fn(step: Callable, treedef, inputs: Sequence[af.TensorSig], outputs: 
             # The step sees a sequence's ring, not the bucket-wide table the runtime fills.
             fields["window_block_tables"] = fields["window_block_tables"][:, :ring_pages]
         weights = jax.tree_util.tree_unflatten(treedef, leaves)
-        result = step.hidden(weights, pools, StepInputs(**fields))
+        B, T = fields["token_ids"].shape
+        result = step.hidden(weights, {**pools, **per_position_buffers(pools, state_pools, B, T)}, StepInputs(**fields))
         if not (isinstance(result, tuple) and len(result) == 2) or getattr(result[0], "ndim", 0) != 3:
             raise ExportError("a SplitStep's hidden function must return (hidden [B, T, E], pools)")
         hidden, new_pools = result
@@ -86,8 +120,12 @@ def verify_fn(step: Callable, treedef, inputs: Sequence[af.TensorSig], outputs: 
         chosen = jnp.take_along_axis(lsm, greedy[:, None], axis=1)[:, 0]
         vals, ids = sampling_kernel.top_logprobs(lsm, top_n)
         greedy = greedy.reshape(B, T)
+        accepted = accepted_drafts(greedy, fields["token_ids"], fields["positions"])
+        if state_pools:
+            new_pools = keep_accepted_states(new_pools, state_pools, fields["state_slots"],
+                                             accepted_index(fields["positions"], accepted))
         results = {(Role.VERIFY_TOKENS, ""): greedy,
-                   (Role.VERIFY_ACCEPTED, ""): accepted_drafts(greedy, fields["token_ids"], fields["positions"]),
+                   (Role.VERIFY_ACCEPTED, ""): accepted,
                    (Role.VERIFY_LOGPROB, ""): chosen.reshape(B, T),
                    (Role.VERIFY_TOP_LOGPROBS, ""): vals.reshape(B, T, top_n),
                    (Role.VERIFY_TOP_IDS, ""): ids.reshape(B, T, top_n)}
