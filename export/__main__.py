@@ -154,6 +154,10 @@ def main(argv=None) -> int:
     ap.add_argument("--exported", action="store_true",
                     help="also write jax's serialization of each body (bodies/*.exported), for jax callers that "
                          "re-trace or run it (jax.export.deserialize); the server does not read it")
+    ap.add_argument("--no-compile-cache", action="store_true",
+                    help="do not compile the entries into OUT_DIR/compile-cache (by default, for cpu, they are "
+                         "compiled here with the serving runtime's plugin, so a server on a host like this one starts "
+                         "without compiling; on another CPU or plugin it compiles them, as without the folder)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     if len(args.paths) != (1 if args.demo else 2):
@@ -215,7 +219,25 @@ def main(argv=None) -> int:
           + (f", {m.lora.max_loras} LoRA slots of rank {m.lora.max_rank}" if m.lora else "")
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
     print(f"time: {timing.summary()}")
+    if args.platform == "cpu" and not args.no_compile_cache:
+        _compile_cache(args.out)
     return 0
+
+
+def _compile_cache(out: str) -> None:
+    """Compile the artifact's entries into its compile-cache folder, in a process of its own (the serving runtime's
+    PJRT plugin, not jax's). A host without the runtime, or a failed compile, leaves an artifact without one."""
+    import subprocess
+    print(f"compiling the entries into {out}/compile-cache for the serving runtime (--no-compile-cache skips it)",
+          flush=True)
+    done = subprocess.run([sys.executable, "-m", "tlaloc_jax.serve.runtime.shipped_cache", out],
+                          capture_output=True, text=True)
+    if done.returncode == 0:
+        print(done.stdout.strip())
+    else:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"note: the entries were not compiled into {out}/compile-cache ({tail}); a server compiles them at "
+              "its first start", file=sys.stderr)
 
 
 if __name__ == "__main__":
