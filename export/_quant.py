@@ -35,8 +35,8 @@ WEIGHT_QUANT = ("none", *(s.value for s in af.QuantScheme))
 # The output head's schemes (export --head-quant). A 4-bit artifact keeps its head at int8 by default, as llama.cpp
 # keeps its output matrix above its 4-bit types (Q6_K beside Q4_0): the head's error reaches every logit directly,
 # and in a bf16 head it is a large share of the bytes a 4-bit decode step reads.
-HEAD_QUANT = ("none", "int8")
-HEAD_QUANT_DEFAULT = {"int4": "int8", "uint4": "int8"}
+HEAD_QUANT = ("none", af.QuantScheme.INT8.value)
+HEAD_QUANT_DEFAULT = {s.value: af.QuantScheme.INT8.value for s in af.GROUPED_SCHEMES}
 
 
 def head_quant_for(weight_quant: str, head_quant: str | None) -> str:
