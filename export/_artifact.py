@@ -226,7 +226,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     # On a mesh each device runs the config of its shard (tlaloc_jax.sharding.local_config).
     step = SplitStep(hidden=functools.partial(final_hidden, shard_cfg, key_block=attention_block, ring_pages=ring,
                                               all_positions=True),
-                     head=functools.partial(logits_from_hidden, shard_cfg),
+                     head=functools.partial(logits_from_hidden, shard_cfg), state_positions=True,
                      last=functools.partial(forward, shard_cfg, key_block=attention_block, ring_pages=ring,
                                             decode_attention=decode_attention, projections=projections,
                                             packed_attention="tokens" if flat else "rows"))

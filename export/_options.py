@@ -108,8 +108,8 @@ class Features:
         (the step must run packed calls, as with packed).
     speculative_tokens: K > 0 adds a verify entry per decode point (batch, context): each row's last token and up
         to K drafted tokens scored in one call, returning the greedy token after each position and how many drafts
-        it confirms (export/_verify.py), for speculative decoding; the step must be a `SplitStep`, and models with
-        state pools are refused. 0: none (the artifact is as without it)."""
+        it confirms (export/_verify.py), for speculative decoding; the step must be a `SplitStep`, one with
+        state_positions where the model has state pools. 0: none (the artifact is as without it)."""
 
     sampler: Sampler | None = None
     prompt_logprobs: int | None = None
@@ -156,11 +156,15 @@ class SplitStep:
         the call.
     head(weights, x [R, E]) -> logits [R, V]: the output head.
     last: the step itself when the model has a cheaper form than head(hidden[:, -1]) (the built-in decoder norms
-        only the last token); None: that composition. Calling a SplitStep is the step."""
+        only the last token); None: that composition.
+    state_positions: hidden writes each state pool's state after every token into the buffer a verify call adds
+        to its pools (tlaloc_jax.pools.per_position), which speculative decoding needs of a model with state pools
+        to keep the state after the last accepted draft. Calling a SplitStep is the step."""
 
     hidden: Callable
     head: Callable
     last: Callable | None = None
+    state_positions: bool = False
 
     def __call__(self, weights, pools, inputs):
         if self.last is not None:

@@ -258,10 +258,12 @@ def _vocab(step: Callable, treedef, spec: EntrySpec, resolved: _ResolvedPools, b
 
 
 def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, donations, *, ring_pages: int,
-                 platform: str, block_size: int = 0, mesh=None) -> tuple[jax_export.Exported, set[str]]:
+                 platform: str, block_size: int = 0, mesh=None, state_pools: Sequence[af.Pool] = ()
+                 ) -> tuple[jax_export.Exported, set[str]]:
     """jax.export one entry with its pools donated; checks the body against its signature. -> (the export, the
     custom-call targets its body holds). mesh: the AbstractMesh the entry runs on (under shard_map, each argument
-    split as its signature's partition says); None: one device.
+    split as its signature's partition says); None: one device. state_pools: the state pools (a verify entry keeps
+    their state after each row's last accepted draft).
 
     jax.export drops arguments the function never reads. A weight or pool dropped that way is a mistake and
     is refused (check_body); a step input the model has no use for (a recurrent model needs no SEQ_LENS)
@@ -270,7 +272,7 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
         fn = decode_steps_fn(step, treedef, inputs, outputs, steps=spec.steps, block_size=block_size,
                              ring_pages=ring_pages)
     elif spec.kind == af.EntryKind.VERIFY:
-        fn = verify_fn(step, treedef, inputs, outputs, ring_pages=ring_pages)
+        fn = verify_fn(step, treedef, inputs, outputs, ring_pages=ring_pages, state_pools=state_pools)
     else:
         fn = _entry_fn(step, treedef, inputs, outputs, ring_pages)
     avals, out_shardings = _avals(inputs), None
@@ -360,12 +362,13 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         resolved = dataclasses.replace(resolved, pools=tuple(
             dataclasses.replace(p, partition=partition_of(len(p.shape), pool_split_axis(pools[p.name]), mesh))
             for p in resolved.pools))
-    state = [p.name for p in resolved.pools if p.kind == af.PoolKind.STATE_SLOTS]
-    if opts.features.speculative_tokens and state:
-        raise ExportError(f"speculative_tokens {opts.features.speculative_tokens}: pools {', '.join(state)} are state "
-                          "pools (Mamba, gated delta), whose update by a rejected draft cannot be rolled back; exact "
-                          "speculation for hybrid models is not built yet: export without speculative_tokens "
-                          "(--speculative-tokens)")
+    state = tuple(p for p in resolved.pools if p.kind == af.PoolKind.STATE_SLOTS)
+    if opts.features.speculative_tokens and state and not getattr(step, "state_positions", False):
+        raise ExportError(f"speculative_tokens {opts.features.speculative_tokens}: pools "
+                          f"{', '.join(p.name for p in state)} are state pools (Mamba, gated delta), and a verify call "
+                          "keeps the state after the last accepted draft only from a step that writes the state after "
+                          "every token: give SplitStep(..., state_positions=True) (tlaloc_jax.pools.per_position), or "
+                          "export without speculative_tokens (--speculative-tokens)")
     vocab = _vocab(step, treedef, specs[0], resolved, block_size, flat, mesh, weight_parts)
     sampler = opts.features.sampler.shape(vocab) if opts.features.sampler is not None else None
     n_scored = opts.features.prompt_logprobs
@@ -383,8 +386,8 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     for spec in specs:
         bar.set_postfix_str(spec.name)
         verify = spec.kind == af.EntryKind.VERIFY
-        inputs, outputs, donations = entry_signature(spec, resolved, block_size, vocab, flat,
-                                                     None if verify else sampler, scorer, weight_parts, lora_record)
+        inputs, outputs, donations = entry_signature(spec, resolved, block_size, vocab, flat, sampler, scorer,
+                                                     weight_parts, lora_record)
         if spec.kind == af.EntryKind.DECODE_STEPS:
             inputs, outputs, donations = decode_steps_signature(inputs, outputs, batch=spec.batch, steps=spec.steps)
         if verify:
@@ -394,7 +397,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         with timed("entries"):
             exp, targets = export_entry(step, treedef, spec, inputs, outputs, donations,
                                         ring_pages=resolved.ring_pages, platform=platform, block_size=block_size,
-                                        mesh=mesh)
+                                        mesh=mesh, state_pools=state)
         calling_convention = int(exp.calling_convention_version)
         native_calls |= targets & set(native.KERNELS)
         entry = af.Entry(name=spec.name, kind=af.EntryKind(spec.kind), batch=spec.batch, context=spec.context,

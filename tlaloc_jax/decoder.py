@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from tlaloc_jax import artifact as af
-from tlaloc_jax.kernels import (MoeSpec, causal_conv1d, causal_conv1d_update, gated_delta_rule_chunked,
-                                gated_delta_rule_recurrent, kv_cache_write, moe, paged_attention)
+from tlaloc_jax.kernels import (MoeSpec, causal_conv1d, causal_conv1d_histories, causal_conv1d_reference,
+                                causal_conv1d_update, gated_delta_rule_chunked, gated_delta_rule_recurrent, kv_cache_write, moe,
+                                paged_attention)
 from tlaloc_jax.kernels.projection_native import native_projections
 
 from .config import DENSE, FULL, LINEAR, SLIDING, DecoderConfig
@@ -25,7 +26,7 @@ from .layers import ACTIVATIONS, apply_rope, embed, gated_mlp, linear, rms_norm,
 from .layout import is_per_layer
 from .lora import delta, layer_adapters, plus, token_slots
 from .plan import MLP_SLOTS, layer_plan
-from .pools import PagedKV, PoolSpec, RingKV, StateSlots
+from .pools import PagedKV, PoolSpec, RingKV, StateSlots, keep_per_position, per_position
 
 Weights = dict[str, jax.Array]
 Pools = dict[str, jax.Array]
@@ -334,12 +335,9 @@ def supports_mixed_calls(cfg: DecoderConfig) -> bool:
 def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools, layer: jax.Array,
                       inputs: StepInputs) -> tuple[jax.Array, Pools]:
     """A Gated DeltaNet layer. x: [B, T, E] (normed) -> (output [B, T, E], pools with the layer's conv and
-    recurrent states of each row's slot written).
-
-    Each row reads its state slot (inputs.state_slots), runs the causal conv over q | k | v and the gated
-    delta rule over its live tokens (decode forms for T = 1, prefill forms otherwise), and writes both
-    states back with one scatter per pool into the stacked pool, so a donated pool is updated in place.
-    """
+    recurrent states of each row's slot written). Each row reads its state slot (inputs.state_slots), runs the causal
+    conv over q | k | v and the gated delta rule over its live tokens (decode forms for T = 1 and verify calls, prefill
+    forms otherwise), and writes both states back with one scatter per pool, so a donated pool is updated in place."""
     B, T, _ = x.shape
     Kh, Dk, Hv, Dv = cfg.linear.key_heads, cfg.linear.key_dim, cfg.linear.value_heads, cfg.linear.value_dim
     live = inputs.positions >= 0
@@ -352,24 +350,28 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
     state = pools["recurrent"].at[layer, slots].get(mode="fill", fill_value=0.0)
     history = jnp.where(fresh[:, None, None], 0.0, history)
     state = jnp.where(fresh[:, None, None, None], 0.0, state)
-
+    each, history0 = per_position("recurrent") in pools, history     # each: a verify call (export/_verify.py)
     qkv = linear(x, w["in_qkv"])                                        # [B, T, C]
     if T == 1:
         y, history = causal_conv1d_update(qkv[:, 0], w["conv"], None, history, valid=live[:, 0],
                                           activation=cfg.hidden_act)
         y = y[:, None]
-    else:
-        y, history = causal_conv1d(qkv, w["conv"], None, history, valid=live, activation=cfg.hidden_act)
+    else:               # a verify call runs the decode form token by token, as the decode calls it stands for
+        y, history = (causal_conv1d_reference if each else causal_conv1d)(qkv, w["conv"], None, history, valid=live,
+                                                                          activation=cfg.hidden_act)
     q = y[..., :Kh * Dk].reshape(B, T, Kh, Dk)
     k = y[..., Kh * Dk:2 * Kh * Dk].reshape(B, T, Kh, Dk)
     v = y[..., 2 * Kh * Dk:].reshape(B, T, Hv, Dv)
     beta = jax.nn.sigmoid(linear(x, w["in_b"]))                         # [B, T, Hv]
     g = -jnp.exp(w["a_log"].astype(jnp.float32)) * jax.nn.softplus(
         linear(x, w["in_a"]) + w["dt_bias"].astype(jnp.float32))        # log decay <= 0
-    if T == 1:
-        o, state = gated_delta_rule_recurrent(q, k, v, g, beta, state, valid=live)
+    if T == 1 or each:
+        o, state = gated_delta_rule_recurrent(q, k, v, g, beta, state, valid=live, each=each)
     else:
         o, state = gated_delta_rule_chunked(q, k, v, g, beta, state, valid=live, chunk=min(DELTA_CHUNK, T))
+    if each:            # the states after every token too, and the last one in the slot as any call
+        pools = keep_per_position(pools, layer, conv=causal_conv1d_histories(qkv, history0, valid=live), recurrent=state)
+        state = state[:, -1]
     # The gated norm (a plain (w) RMSNorm over each head, whatever the model's norm_offset) times silu(z).
     z = linear(x, w["in_z"]).reshape(B, T, Hv, Dv)
     o = rms_norm(o, w["norm"], cfg.rms_norm_eps) * jax.nn.silu(z)

@@ -95,3 +95,16 @@ class StateSlots:
 
 
 PoolSpec = PagedKV | RingKV | StateSlots
+
+
+def per_position(name: str) -> str:
+    """The key of the buffer a verify call adds to the pools it gives a step, for state pool `name`: [layers, B, T,
+    *shape] ([B, T, *shape] when layers is 0), where the step writes each row's state after each of its tokens (a
+    padding token's: the state before it). The call keeps the one after the row's last accepted draft
+    (export/_verify.py)."""
+    return f"{name}@positions"
+
+
+def keep_per_position(pools: dict, layer, **states) -> dict:
+    """pools with each state pool's per_position buffer given one layer's states after every token ([B, T, ...])."""
+    return {**pools, **{per_position(name): pools[per_position(name)].at[layer].set(v) for name, v in states.items()}}

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlaloc_jax.kernels import causal_conv1d, causal_conv1d_reference, causal_conv1d_update
+from tlaloc_jax.kernels import causal_conv1d, causal_conv1d_histories, causal_conv1d_reference, causal_conv1d_update
 
 from margins import assert_within
 from tlaloc_jax.kernels import tolerances as tol
@@ -163,6 +163,25 @@ def test_history_carries_across_calls():
     for t in range(5, 8):
         y_t, h = causal_conv1d_update(x[:, t], weight, bias, h)
         assert_within(rel_err(y_t, y_whole[:, t]), TOL, "conv")
+
+
+def test_histories_after_each_token_are_the_decode_forms():
+    """causal_conv1d_histories' entry t is the history the decode form holds after token t (moved, not computed:
+    exact), for full rows and right-aligned rows behind NaN padding; at a row's last token, causal_conv1d's. Control:
+    the entry one token later is not."""
+    x, weight, bias, history = make_inputs(8, B=3, T=5)
+    valid = right_aligned(3, 5, [5, 3, 1])
+    x = np.where(valid[..., None], x, np.nan).astype(np.float32)
+    each = np.asarray(causal_conv1d_histories(x, history, valid=valid))
+    assert each.shape == (3, 5, x.shape[2], weight.shape[1] - 1)
+    h = history
+    for t in range(5):
+        _, h = causal_conv1d_update(x[:, t], weight, bias, h, valid=valid[:, t])
+        for b in range(3):
+            if valid[b, t]:
+                np.testing.assert_array_equal(each[b, t], np.asarray(h[b]))
+    np.testing.assert_array_equal(each[:, -1], np.asarray(causal_conv1d(x, weight, bias, history, valid=valid)[1]))
+    assert not np.array_equal(each[0, 1], each[0, 2])
 
 
 def test_exports_without_custom_calls():

@@ -209,6 +209,25 @@ def test_all_padding_row_keeps_its_state_bit_for_bit(form):
     assert rel_rms(s_live[1], state[1]) > 1e-2
 
 
+def test_the_state_after_every_token():
+    """each=True: entry t is the reference's state after the first t + 1 tokens (a right-aligned row's padding keeps
+    the state it found), the outputs and the last entry those of each=False. Control: entry t is not entry t + 1."""
+    q, k, v, g, beta, state = make_inputs(9, T=5, **SHAPE)
+    valid = right_aligned(2, 5, [5, 2])
+    args = [with_nan_padding(x, valid) for x in (q, k, v, g, beta)]
+    o_each, states = gated_delta_rule_recurrent(*args, state, valid=valid, each=True)
+    o, last = gated_delta_rule_recurrent(*args, state, valid=valid)
+    assert states.shape == (2, 5, SHAPE["H"], SHAPE["Dk"], SHAPE["Dv"])
+    bound = output_bound(5, SHAPE["Dk"])
+    for t in range(5):
+        _, want = gated_delta_rule_reference(*(x[:, :t + 1] for x in args), state, valid=valid[:, :t + 1])
+        assert_within(rel_rms(states[:, t], want), bound, f"state after token {t}")
+    assert np.array_equal(np.asarray(states[1, 0]), state[1]) and np.array_equal(np.asarray(states[1, 2]), state[1])
+    assert_within(rel_rms(states[:, -1], last), bound, "last state")
+    assert_within(rel_rms(o_each, o), bound, "outputs")
+    assert rel_rms(states[:, 2], states[:, 3]) > 1e-2
+
+
 # ---------------------------------------------------------------------------------------------
 
 

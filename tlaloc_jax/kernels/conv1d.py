@@ -14,6 +14,7 @@ tokens keeps its history bit for bit.
 
 - `causal_conv1d`: prefill form (any T), shifted slices over [history, live tokens].
 - `causal_conv1d_update`: decode form (one token per row).
+- `causal_conv1d_histories`: the history after each token of a call (speculative decoding keeps one).
 - `causal_conv1d_reference`: the decode step scanned over T; the oracle.
 """
 
@@ -113,3 +114,14 @@ def causal_conv1d(x, weight, bias, history, *, valid=None, activation="silu"):
     y = _activation(activation)(y)
     new_history = jnp.swapaxes(inputs[:, tokens:], 1, 2)
     return jnp.where(live[:, :, None], y, 0.0).astype(x.dtype), new_history.astype(history.dtype)
+
+
+def causal_conv1d_histories(x, history, *, valid=None):
+    """The history after each token: x [B, T, C]; history [B, C, W-1]; valid [B, T] (right-aligned) or None ->
+    [B, T, C, W-1], entry t the last W-1 inputs up to and including token t (at a row's last token, the history
+    `causal_conv1d` returns). Entries at padding are finite and not a history."""
+    live = _live_mask(valid, *x.shape[:2])
+    inputs = _inputs_after_padding(x, history, live)                      # [B, W-1+T, C]
+    taps_before = history.shape[-1]
+    index = jnp.arange(x.shape[1])[:, None] + 1 + jnp.arange(taps_before)[None, :]    # [T, W-1]
+    return jnp.moveaxis(inputs[:, index], -1, 2).astype(history.dtype)

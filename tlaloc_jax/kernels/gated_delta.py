@@ -193,18 +193,26 @@ def _recurrent_bwd(residuals, cotangents):
 _recurrent.defvjp(_recurrent_fwd, _recurrent_bwd)
 
 
-def gated_delta_rule_recurrent(q, k, v, g, beta, state, *, valid=None, use_qk_l2norm=True):
+def gated_delta_rule_recurrent(q, k, v, g, beta, state, *, valid=None, use_qk_l2norm=True, each=False):
     """Decode form: the recurrence token by token (one step for decode).
 
     q, k: [B, T, K, Dk]; v: [B, T, H, Dv]; g (log decay, <= 0), beta: [B, T, H];
     state: [B, H, Dk, Dv]; valid: [B, T] bool or None.
-    Returns (o [B, T, H, Dv], state [B, H, Dk, Dv]), both f32.
+    Returns (o [B, T, H, Dv], state [B, H, Dk, Dv]), both f32; each: the state after every token instead,
+    [B, T, H, Dk, Dv] (a padding token's is the state before it), so that a caller can keep any of them
+    (speculative decoding keeps the one after its last accepted token); not differentiable.
 
     Differentiable: the backward saves only the inputs and recomputes the T states it needs, so
     for training over long sequences use `gated_delta_rule_chunked`.
     """
     _check_heads(q, k, v, g, beta, state)
     q, k, v, g, beta, live = _prepare(q, k, v, g, beta, valid, use_qk_l2norm)
+    if each:
+        def keep(s, xs):
+            s, o = _token_step(s, xs)
+            return s, (o, s)
+        _, (o, states) = _scan_tokens(keep, state.astype(_f32), _time_major(q, k, v, g, beta, live))
+        return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
     return _recurrent(q, k, v, g, beta, state.astype(_f32), live)
 
 
