@@ -10,7 +10,7 @@ from tlaloc_jax.artifact import QUANT_GROUPS
 
 from ._options import DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_LONG_CHUNK, DEFAULT_PREFILL_MAX_BATCH
 from . import _timing as timing
-from ._quant import WEIGHT_QUANT
+from ._quant import HEAD_QUANT, WEIGHT_QUANT
 
 
 def _ints(text: str) -> list[int]:
@@ -68,11 +68,16 @@ def main(argv=None) -> int:
                     help="store the projections (q, k, v, o, output gate, gate, up, down, experts) as int8 or fp8 codes "
                          "with a scale per output channel, or int4 codes with a scale (uint4: a scale and a zero point) per "
                          "--quant-group input channels, "
-                         "quantized from the checkpoint's values; embedding, norms and head keep the weight dtype "
+                         "quantized from the checkpoint's values; embedding and norms keep the weight dtype, the head "
+                         "--head-quant's "
                          "(default none). It changes the model's numerics: python -m tlaloc_jax.tools.quality "
                          "measures it")
     ap.add_argument("--quant-group", type=int, choices=QUANT_GROUPS, default=128,
                     help="input channels per int4 or uint4 scale (default 128)")
+    ap.add_argument("--head-quant", choices=HEAD_QUANT, default=None,
+                    help="the output head: int8 codes with a scale per output channel, or none (the weight dtype); "
+                         "default int8 with --weight-quant int4 or uint4 (as llama.cpp keeps its head above 4 bits), "
+                         "else none")
     ap.add_argument("--attention-block", type=int, default=2048,
                     help="key block of the blockwise attention loop, in positions (default 2048)")
     ap.add_argument("--windowed-kv", choices=["true", "false"], default="true",
@@ -197,6 +202,7 @@ def main(argv=None) -> int:
                               prompt_logprobs=args.prompt_logprobs,
                               decode_attention=args.decode_attention, projections=args.projections,
                               weight_quant=args.weight_quant, quant_group=args.quant_group,
+                              head_quant=args.head_quant,
                               decode_steps=args.decode_steps, mixed=False if args.no_mixed else None,
                               packed=False if args.no_packed else None, entries=args.entries,
                               tensor_parallel=args.tensor_parallel, mlir=args.mlir, exported=args.exported,
