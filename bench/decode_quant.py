@@ -5,7 +5,8 @@ and what XLA's CPU backend does with a quantized projection (read from the optim
     python -m bench.decode --weight-quant int8,fp8,int4          # or: python -m bench.decode_quant ...
 
 One random Llama-shaped checkpoint (f32), exported as f32, bf16 and each scheme (quantized from the f32 values;
-the rest of the weights in bf16, the compute dtype the codes are widened to); KV pools f32 in all of them.
+the rest of the weights in bf16, the compute dtype the codes are widened to, but the head where the exporter's
+default quantizes it: int8 beside 4-bit weights, export/_quant.py); KV pools f32 in all of them.
 """
 
 from __future__ import annotations
@@ -86,18 +87,22 @@ def main(argv=None) -> None:
 
     from tlaloc_jax.checkpoint import load_checkpoint
     from tlaloc_jax.export import export_checkpoint
-    from tlaloc_jax.export._quant import quantize_weights, scheme_label
+    from tlaloc_jax.export._quant import head_quant_for, quantize_weights, scheme_label
     from tlaloc_jax.serve.core.paging import RowCall, build_step_inputs
     from tlaloc_jax.artifact import Role
     from tlaloc_jax.serve import Engine
 
     hf = llama_config(args)
     block = 16
+
+    def rest(scheme):
+        head = head_quant_for(scheme, None)
+        return "bf16 rest" if head == "none" else f"{head} head, bf16 rest"
     forms = args.projections.split(",")
     variants = [("f32", "float32", "none", "xla")]
     for form in forms:
         variants += [(f"bf16, {form}", "bfloat16", "none", form)]
-        variants += [(f"{scheme_label(s, args.quant_group)} (bf16 rest), {form}", "bfloat16", s, form) for s in schemes]
+        variants += [(f"{scheme_label(s, args.quant_group)} ({rest(s)}), {form}", "bfloat16", s, form) for s in schemes]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         n_params = save_random_checkpoint(hf, tmp / "ck")
@@ -121,11 +126,11 @@ def main(argv=None) -> None:
         times, cpu = [w for w, _ in wall_cpu], [c for _, c in wall_cpu]
         base_b, base_t = step_bytes(manifests[1], args.vocab), times[1]
         print()
-        print(f"{'weights, projections':>30} | {'MiB a step':>10} | {'vs bf16':>7} | {'step ms':>8} | {'vs bf16':>7} | "
+        print(f"{'weights, projections':>40} | {'MiB a step':>10} | {'vs bf16':>7} | {'step ms':>8} | {'vs bf16':>7} | "
               f"{'vs f32':>6} | {'CPU ms':>7} | {'CPU vs f32':>10}")
         for (label, *_), m, t, c in zip(variants, manifests, times, cpu):
             b = step_bytes(m, args.vocab)
-            print(f"{label:>30} | {b / 2**20:10.2f} | {b / base_b:6.2f}x | {t * 1e3:8.2f} | {t / base_t:6.2f}x | "
+            print(f"{label:>40} | {b / 2**20:10.2f} | {b / base_b:6.2f}x | {t * 1e3:8.2f} | {t / base_t:6.2f}x | "
                   f"{t / times[0]:5.2f}x | {c * 1e3:7.2f} | {c / cpu[0]:9.2f}x")
         if args.prefill:
             pin = build_step_inputs([RowCall([7] * args.prefill, 0, list(range(width)))], batch=1,

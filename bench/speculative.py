@@ -1,19 +1,23 @@
 """Speculative decoding's gain: tokens/s of greedy generation with and without n-gram speculation (prompt lookup,
 serve --speculative-config) on the demo model (tlaloc_jax/demo_model, trained on Python code), at batch 1 and 4,
 on (a) a copy-heavy workload, a code excerpt given and then begun again (the model continues by copying it), and
-(b) open generation, the start of a function to write; with the drafts' acceptance rate. Both engines run in one
+(b) open generation, the start of a function to write, and (c) nothing accepted: the copy-heavy prompts with every
+draft shifted to the next token id, which the model does not continue with (what speculation costs a sequence
+before it stops drafting, serve/speculative.SpecState); with the drafts' acceptance rate. Both engines run in one
 process, rounds interleaved; each round checks that speculation's ids equal plain decoding's.
 
-    python -m bench.speculative [--work /tmp/tlaloc-spec-bench] [--k 4] [--new 96] [--rounds 3]
+    python -m bench.speculative [--work /tmp/tlaloc-spec-bench] [--k 4] [--new 96] [--rounds 3] [--only never]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -35,7 +39,17 @@ def workloads(tokenizer, quote: int) -> dict[str, list[list[int]]]:
         ids = excerpt(path, tokenizer, quote)
         copy.append(ids + tokenizer.encode("\n\n").ids + ids[:8])
         open_.append(ids[:12])
-    return {"copy-heavy": copy, "open": open_}
+    return {"copy-heavy": copy, "open": open_, "never": copy}
+
+
+def never_accepted(vocab: int):
+    """The n-gram proposer with each draft shifted to the next token id: drafts where it drafts, none accepted but
+    by chance (the "never" workload)."""
+    from tlaloc_jax.serve import speculative
+
+    real = speculative.propose_ngram
+    return mock.patch.object(speculative, "propose_ngram",
+                             lambda *args: [(t + 1) % vocab for t in real(*args)])
 
 
 def run(eng, prompts, batch: int, new: int) -> tuple[list[list[int]], float, int]:
@@ -55,6 +69,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quote", type=int, default=96, help="tokens of code the copy-heavy prompts quote")
     ap.add_argument("--new", type=int, default=96, help="tokens generated per prompt")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", choices=("copy-heavy", "open", "never"), default=None, help="run one workload")
     a = ap.parse_args(argv)
 
     from tokenizers import Tokenizer
@@ -77,6 +92,9 @@ def main(argv=None) -> None:
         print(f"demo model, verify entries of {a.k} drafts, ngram {a.lookup_min}-{a.lookup_max}, {a.new} new tokens "
               f"a prompt, {len(SOURCES)} prompts a workload, {a.rounds} interleaved rounds (median)")
         for name, prompts in loads.items():
+            if a.only not in (None, name):
+                continue
+            shifted = never_accepted(tok.get_vocab_size()) if name == "never" else contextlib.nullcontext()
             for batch in (1, 4):
                 rates = {"plain": [], "ngram": []}
                 drafted = accepted = 0
@@ -84,7 +102,8 @@ def main(argv=None) -> None:
                     want, dt, n = run(plain, prompts, batch, a.new)
                     rates["plain"].append(n / dt)
                     before = spec.stats()
-                    got, dt, n = run(spec, prompts, batch, a.new)
+                    with shifted:
+                        got, dt, n = run(spec, prompts, batch, a.new)
                     rates["ngram"].append(n / dt)
                     after = spec.stats()
                     assert got == want, f"{name} batch {batch}: speculation changed the ids"

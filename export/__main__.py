@@ -10,7 +10,7 @@ from tlaloc_jax.artifact import QUANT_GROUPS
 
 from ._options import DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_LONG_CHUNK, DEFAULT_PREFILL_MAX_BATCH
 from . import _timing as timing
-from ._quant import WEIGHT_QUANT
+from ._quant import HEAD_QUANT, WEIGHT_QUANT
 
 
 def _ints(text: str) -> list[int]:
@@ -68,11 +68,16 @@ def main(argv=None) -> int:
                     help="store the projections (q, k, v, o, output gate, gate, up, down, experts) as int8 or fp8 codes "
                          "with a scale per output channel, or int4 codes with a scale (uint4: a scale and a zero point) per "
                          "--quant-group input channels, "
-                         "quantized from the checkpoint's values; embedding, norms and head keep the weight dtype "
+                         "quantized from the checkpoint's values; embedding and norms keep the weight dtype, the head "
+                         "--head-quant's "
                          "(default none). It changes the model's numerics: python -m tlaloc_jax.tools.quality "
                          "measures it")
     ap.add_argument("--quant-group", type=int, choices=QUANT_GROUPS, default=128,
                     help="input channels per int4 or uint4 scale (default 128)")
+    ap.add_argument("--head-quant", choices=HEAD_QUANT, default=None,
+                    help="the output head: int8 codes with a scale per output channel, or none (the weight dtype); "
+                         "default int8 with --weight-quant int4 or uint4 (as llama.cpp keeps its head above 4 bits), "
+                         "else none")
     ap.add_argument("--attention-block", type=int, default=2048,
                     help="key block of the blockwise attention loop, in positions (default 2048)")
     ap.add_argument("--windowed-kv", choices=["true", "false"], default="true",
@@ -156,6 +161,10 @@ def main(argv=None) -> int:
     ap.add_argument("--exported", action="store_true",
                     help="also write jax's serialization of each body (bodies/*.exported), for jax callers that "
                          "re-trace or run it (jax.export.deserialize); the server does not read it")
+    ap.add_argument("--no-compile-cache", action="store_true",
+                    help="do not compile the entries into OUT_DIR/compile-cache (by default, for cpu, they are "
+                         "compiled here with the serving runtime's plugin, so a server on a host like this one starts "
+                         "without compiling; on another CPU or plugin it compiles them, as without the folder)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     if len(args.paths) != (1 if args.demo else 2):
@@ -195,6 +204,7 @@ def main(argv=None) -> int:
                               prompt_logprobs=args.prompt_logprobs,
                               decode_attention=args.decode_attention, projections=args.projections,
                               weight_quant=args.weight_quant, quant_group=args.quant_group,
+                              head_quant=args.head_quant,
                               decode_steps=args.decode_steps, mixed=False if args.no_mixed else None,
                               packed=False if args.no_packed else None, entries=args.entries,
                               tensor_parallel=args.tensor_parallel, mlir=args.mlir, exported=args.exported,
@@ -217,7 +227,25 @@ def main(argv=None) -> int:
           + (f", {m.lora.max_loras} LoRA slots of rank {m.lora.max_rank}" if m.lora else "")
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
     print(f"time: {timing.summary()}")
+    if args.platform == "cpu" and not args.no_compile_cache:
+        _compile_cache(args.out)
     return 0
+
+
+def _compile_cache(out: str) -> None:
+    """Compile the artifact's entries into its compile-cache folder, in a process of its own (the serving runtime's
+    PJRT plugin, not jax's). A host without the runtime, or a failed compile, leaves an artifact without one."""
+    import subprocess
+    print(f"compiling the entries into {out}/compile-cache for the serving runtime (--no-compile-cache skips it)",
+          flush=True)
+    done = subprocess.run([sys.executable, "-m", "tlaloc_jax.serve.runtime.shipped_cache", out],
+                          capture_output=True, text=True)
+    if done.returncode == 0:
+        print(done.stdout.strip())
+    else:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"note: the entries were not compiled into {out}/compile-cache ({tail}); a server compiles them at "
+              "its first start", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from ._mesh import weight_split_axes
 from ._options import (DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_LONG_CHUNK, Capacity, Features,
                        Ladders, ModelInfo, Sampler, SplitStep)
 from ._checkpoint_weights import loaded_weights, streamed_weights
-from ._quant import check_prequantized, prequantized_config, scheme_label
+from ._quant import check_prequantized, head_quant_for, prequantized_config, scheme_label
 from ._stage import sorted_ladder, stage
 from ._weights import flatten_weights
 
@@ -75,7 +75,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       platform: str = "cpu", progress: bool = True, sampler: Sampler | None = None,
                       allow_longer_context: bool = False, prompt_logprobs: int | None = None,
                       decode_attention: str | None = None, weight_layout: str = "per-layer",
-                      weight_quant: str = "none", quant_group: int = 128, decode_steps: int = 1,
+                      weight_quant: str = "none", quant_group: int = 128, head_quant: str | None = None,
+                      decode_steps: int = 1,
                       mixed: bool | None = None, packed: bool | None = None, entries: str = "default",
                       tensor_parallel: int = 1, projections: str | None = None, mlir: bool = False,
                       exported: bool = False, max_loras: int = 0, max_lora_rank: int = 16,
@@ -110,7 +111,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     CPU_PROJECTIONS on cpu with one device, else "xla".
     weight_quant "int8", "fp8" or "int4" (groups of quant_group input channels) stores the projections as codes
     and scales quantized from the checkpoint's f32 values (export/_quant.py); kv_dtype "float8_e4m3fn" stores the
-    KV pools as e4m3fn codes.
+    KV pools as e4m3fn codes. head_quant: the output head's scheme, "int8" (per output channel) or "none" (the
+    weight dtype); None: int8 where weight_quant is int4 or uint4, else none (export/_quant.py, head_quant_for).
     The model's name then ends in ":q<scheme>" and ":kvfp8".
     decode_steps: K > 1 adds a K-step decode entry beside each decode entry (see `stage`).
     mixed: adds mixed entries, the running sequences' decode rows and one prompt chunk in one call (see
@@ -165,8 +167,14 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     # One device streams each weight file from the checkpoint as it is written (a pre-quantized checkpoint's codes
     # too); a mesh splits host arrays.
     read = loaded_weights if tensor_parallel > 1 else streamed_weights
+    asked_head, head_quant = head_quant, head_quant_for(weight_quant, head_quant)
+    if head_quant != "none" and cfg.tie_word_embeddings:
+        if asked_head is not None:
+            raise ExportError(f"head_quant {head_quant!r}: this model's head is its embedding (tie_word_embeddings), "
+                              "which stays in the weight dtype; export it with head_quant 'none'")
+        head_quant = "none"
     weights = read(checkpoint_dir, fam, cfg, dtype=weight_dtype_name, layout=weight_layout, quant=weight_quant,
-                   group=quant_group)
+                   group=quant_group, head=head_quant)
     cfg = cfg.with_context(contexts[-1])
     if flat and not supports_mixed_calls(cfg):
         raise ExportError(f"entries 'flat' runs packed calls, which {cfg.model_type} (linear or latent attention "

@@ -37,7 +37,7 @@ from ._timing import timed
 
 
 def loaded_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderConfig, *, dtype: str,
-                   layout: str, quant: str, group: int) -> dict[str, Any]:
+                   layout: str, quant: str, group: int, head: str = "none") -> dict[str, Any]:
     """Every weight read into host memory, then fused, quantized and laid out: the model's size several times over
     (f32 when quantized, and stacked). Kept for tensor-parallel staging, which splits host arrays, and as the
     reference the streamed weights are tested against."""
@@ -46,7 +46,7 @@ def loaded_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderC
     if layout == "per-layer":
         weights = fuse_projections(weights)     # before quantizing: the fused projection gets its own scales
     if quantized:
-        weights = quantize_weights(weights, quant, group, compute=dtype)
+        weights = quantize_weights(weights, quant, group, compute=dtype, head=head)
     if layout == "per-layer":
         weights = out_major(unstack_layers(weights))
     return weights
@@ -194,12 +194,13 @@ def _quantized_leaf(slot: str, layers: tuple[int, ...], shape: tuple[int, ...], 
 
 
 def streamed_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: DecoderConfig, *, dtype: str,
-                     layout: str, quant: str, group: int) -> dict[str, Any]:
+                     layout: str, quant: str, group: int, head: str = "none") -> dict[str, Any]:
     """The same weights as loaded_weights as LazyWeight leaves: each weight file is read from the checkpoint (a
     layer's tensor, or one layer of a stacked slot at a time), converted, quantized and laid out when written, so the
     export holds about one tensor at a time. Shapes come from the family table, dtypes and quantized shapes from an
     abstract evaluation: tracing needs no values. A pre-quantized checkpoint's linears are read as stored (in the
-    formats load_weights reads them into) and exported with quant "none"."""
+    formats load_weights reads them into) and exported with quant "none". head: the output head's scheme
+    (_quant.head_quant_for), with quant only."""
     if quant not in WEIGHT_QUANT:
         raise ExportError(f"weight quantization {quant!r} is not one of {', '.join(WEIGHT_QUANT)}")
     index, np_dtype, per_layer = TensorIndex(Path(checkpoint_dir)), weight_dtype(dtype), layout == "per-layer"
@@ -207,8 +208,11 @@ def streamed_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: Decode
     quantized = quant != "none"
     q_group = group if quant in af.GROUPED_SCHEMES else 0
 
+    def quantizes(slot: str) -> bool:
+        return quantized and (slot in QUANTIZED_SLOTS or (slot == "head" and head != "none"))
+
     def read_dtype(slot: str) -> np.dtype:
-        return np.dtype(np.float32) if quantized and slot in QUANTIZED_SLOTS else np_dtype
+        return np.dtype(np.float32) if quantizes(slot) else np_dtype
 
     # slot -> (the layers it stacks, or (); one layer's shape; read(layer) in the dtype the slot is read in; whether
     # its first layer is stored quantized)
@@ -236,9 +240,10 @@ def streamed_weights(checkpoint_dir: str | os.PathLike, fam: Family, cfg: Decode
         if stored:
             make = _quantized_leaf(slot, layers, shape, _stored_reader(slot, read, flip), qc.scheme, qc.group,
                                    dtype, flip)
-        elif quantized and slot in QUANTIZED_SLOTS:
-            make = _quantized_leaf(slot, layers, shape, _quantizer(read, quant, q_group, dtype, flip), quant,
-                                   q_group, dtype, flip)
+        elif quantizes(slot):
+            scheme, g = (head, 0) if slot == "head" else (quant, q_group)
+            make = _quantized_leaf(slot, layers, shape, _quantizer(read, scheme, g, dtype, flip), scheme, g, dtype,
+                                   flip)
         else:
             make = _float_leaf(slot, shape, read, np_dtype, flip)
         unstack = per_layer and layers and slot.split(".", 1)[0] in LAYER_GROUPS

@@ -4,7 +4,8 @@ The projections (attention q, k, v, o and output gate, latent attention's q_a, q
 up and down, and routed experts' gate, up and down per expert and output channel) are quantized from the
 checkpoint's values in f32; the embedding, the norms, biases, the router and its correction bias, latent
 attention's k_b and v_b (tlaloc_jax/kernels/mla.py contracts them along either axis, absorbed or expanded) and the head
-keep the model's weight dtype (tlaloc_jax/kernels/quantized_matmul.py).
+keep the model's weight dtype (tlaloc_jax/kernels/quantized_matmul.py). The output head has a scheme of its own
+(head_quant_for): int8 per output channel by default where the projections are 4-bit, else the weight dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +32,24 @@ QUANTIZED_SLOTS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "
                    "layers.expert_gate", "layers.expert_up", "layers.expert_down",      # [L, X, in, out]
                    "layers.shared_gate", "layers.shared_up", "layers.shared_down")
 WEIGHT_QUANT = ("none", *(s.value for s in af.QuantScheme))
+# The output head's schemes (export --head-quant). A 4-bit artifact keeps its head at int8 by default, as llama.cpp
+# keeps its output matrix above its 4-bit types (Q6_K beside Q4_0): the head's error reaches every logit directly,
+# and in a bf16 head it is a large share of the bytes a 4-bit decode step reads.
+HEAD_QUANT = ("none", af.QuantScheme.INT8.value)
+HEAD_QUANT_DEFAULT = {s.value: af.QuantScheme.INT8.value for s in af.GROUPED_SCHEMES}
+
+
+def head_quant_for(weight_quant: str, head_quant: str | None) -> str:
+    """The head's scheme: head_quant where given, else HEAD_QUANT_DEFAULT's for weight_quant ("none": the weight
+    dtype). Refuses an unknown one, and int8 for an artifact whose projections are not quantized here."""
+    if head_quant is None:
+        return HEAD_QUANT_DEFAULT.get(weight_quant, "none")
+    if head_quant not in HEAD_QUANT:
+        raise ExportError(f"head_quant {head_quant!r} is not one of {', '.join(HEAD_QUANT)}")
+    if head_quant != "none" and weight_quant == "none":
+        raise ExportError(f"head_quant {head_quant!r} (--head-quant) quantizes the head of an artifact whose "
+                          "projections are quantized here: pass weight_quant (--weight-quant) too, or head_quant 'none'")
+    return head_quant
 
 
 def scheme_label(scheme: str, group: int) -> str:
@@ -38,13 +57,18 @@ def scheme_label(scheme: str, group: int) -> str:
     return f"{scheme}g{group}" if scheme in af.GROUPED_SCHEMES else scheme
 
 
-def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int, *, compute: str) -> dict[str, Any]:
-    """weights with every QUANTIZED_SLOTS slot replaced by its QuantizedWeight; the rest cast to `compute`."""
+def quantize_weights(weights: Mapping[str, np.ndarray], scheme: str, group: int, *, compute: str,
+                     head: str = "none") -> dict[str, Any]:
+    """weights with every QUANTIZED_SLOTS slot replaced by its QuantizedWeight (and the head by its `head` scheme's,
+    unless "none"); the rest cast to `compute`."""
     if scheme not in WEIGHT_QUANT[1:]:
         raise ExportError(f"weight quantization {scheme!r} is not one of {', '.join(WEIGHT_QUANT)}")
     dtype = af.numpy_dtype(compute)
     out: dict[str, Any] = {}
     for name, w in weights.items():
+        if name == "head" and head != "none":
+            out[name] = quantize_array(np.asarray(w, np.float32), head, 0, compute=compute)
+            continue
         if name not in QUANTIZED_SLOTS:
             out[name] = np.asarray(w).astype(dtype)
             continue

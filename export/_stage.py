@@ -386,8 +386,8 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     for spec in specs:
         bar.set_postfix_str(spec.name)
         verify = spec.kind == af.EntryKind.VERIFY
-        inputs, outputs, donations = entry_signature(spec, resolved, block_size, vocab, flat,
-                                                     None if verify else sampler, scorer, weight_parts, lora_record)
+        inputs, outputs, donations = entry_signature(spec, resolved, block_size, vocab, flat, sampler, scorer,
+                                                     weight_parts, lora_record)
         if spec.kind == af.EntryKind.DECODE_STEPS:
             inputs, outputs, donations = decode_steps_signature(inputs, outputs, batch=spec.batch, steps=spec.steps)
         if verify:

@@ -3,19 +3,22 @@
 A row of a verify call is a sequence's last token followed by up to K drafted tokens, right-aligned as a prefill's
 row, at positions [start, start + n): the body runs the step's hidden states over every token (writing each one's
 keys and values, as a prefill chunk does) and the head over every position, so one call scores what K + 1 decode
-steps would. Per position t it returns the target's greedy token after t (the first largest logit, as a decode
-entry's NEXT_TOKEN), that token's logprob and the N largest logprobs; and per row VERIFY_ACCEPTED, the drafts the
-greedy tokens confirm: draft t + 1 is accepted while greedy[t] equals it, the longest such prefix. The host emits
-the accepted drafts and then greedy[start of row + accepted], the bonus token: what greedy decoding would have
-produced, token for token. The keys and values written for rejected drafts are never read: the sequence's next
-call writes those positions again.
+steps would. It returns per row VERIFY_ACCEPTED, the drafts it keeps, and per position t VERIFY_TOKENS, the token
+the row emits after t when it stops accepting there, that position's emitted token's logprob and the N largest
+logprobs. The host emits the accepted drafts and then VERIFY_TOKENS[start of row + accepted]. The keys and values
+written for rejected drafts are never read: the sequence's next call writes those positions again.
 
-A verify entry takes no sampler (greedy acceptance only) and needs the step as a SplitStep (its hidden states
-and head). State pools (Mamba, gated delta) cannot leave a rejected draft's update unused as pages can: the body
-gives the step a buffer per state pool (tlaloc_jax.pools.per_position) where it writes each row's state after each
-of its tokens (SplitStep.state_positions), and once it has counted the accepted drafts it writes the state after
-the row's last accepted token into the row's slot, in the body: nothing goes to the host, and the sequence's next
-call starts from the state greedy decoding would have left.
+An artifact with a sampler gives its verify entries the sampler's inputs, and acceptance is
+kernels/rejection_sampler.py's: greedy rows keep the drafts the argmax of their processed logits confirms, sampled
+rows rejection-sample, keeping the target distribution exactly. Without a sampler a verify entry is greedy only:
+draft t + 1 is accepted while the first largest logit after t equals it, the longest such prefix.
+
+A verify entry needs the step as a SplitStep (its hidden states and head). State pools (Mamba, gated delta) cannot
+leave a rejected draft's update unused as pages can: the body gives the step a buffer per state pool
+(tlaloc_jax.pools.per_position) where it writes each row's state after each of its tokens
+(SplitStep.state_positions), and once it has counted the accepted drafts it writes the state after the row's last
+accepted token into the row's slot, in the body: nothing goes to the host, and the sequence's next call starts from
+the state the accepted tokens leave.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 from tlaloc_jax import artifact as af
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import in_body_sampler as sampling_kernel
+from tlaloc_jax.kernels import rejection_sampler
 from tlaloc_jax.pools import per_position
 
 from ._entries import ExportError
@@ -37,8 +41,9 @@ Role = af.Role
 
 def verify_signature(inputs: Sequence[af.TensorSig], *, batch: int, tokens: int, top_n: int
                      ) -> tuple[list[af.TensorSig], list[af.TensorSig], tuple[tuple[int, int], ...]]:
-    """A prefill entry's signature without sampler or scorer (export/_stage.entry_signature) -> the verify entry's:
-    the same inputs, the VERIFY_* outputs [B, T] ([B] accepted, [B, T, N] top) and the pools."""
+    """A prefill entry's signature without scorer (export/_stage.entry_signature) -> the verify entry's: the same
+    inputs (the sampler's among them, when the artifact has one), the VERIFY_* outputs [B, T] ([B] accepted,
+    [B, T, N] top) and the pools."""
     shapes = {Role.VERIFY_TOKENS: (batch, tokens), Role.VERIFY_ACCEPTED: (batch,), Role.VERIFY_LOGPROB: (batch, tokens),
               Role.VERIFY_TOP_LOGPROBS: (batch, tokens, top_n), Role.VERIFY_TOP_IDS: (batch, tokens, top_n)}
     outputs = [af.TensorSig(r, af.VERIFY_DTYPES.get(r, "int32"), shapes[r]) for r in af.VERIFY_OUTPUTS]
@@ -96,10 +101,12 @@ def verify_fn(step: Callable, treedef, inputs: Sequence[af.TensorSig], outputs: 
     top_n = next(o.shape[2] for o in outputs if o.role == Role.VERIFY_TOP_IDS)
 
     def entry(*args):
-        fields, pools, leaves = {}, {}, []
+        fields, pools, leaves, sampler = {}, {}, [], {}
         for sig, a in zip(inputs, args):
             if sig.role in af.STEP_FIELDS:
                 fields[af.STEP_FIELDS[sig.role]] = a
+            elif sig.role in af.SAMPLER_INPUTS:
+                sampler[sig.role] = a
             elif sig.role == Role.POOL_IN:
                 pools[sig.slot] = a
             else:
@@ -115,20 +122,22 @@ def verify_fn(step: Callable, treedef, inputs: Sequence[af.TensorSig], outputs: 
         hidden, new_pools = result
         B, T, E = hidden.shape
         logits = step.head(weights, hidden.reshape(B * T, E)).astype(jnp.float32)         # [B * T, V]
-        greedy = sampling_kernel.first_max(logits)
-        lsm = jax.nn.log_softmax(logits, axis=-1)
-        chosen = jnp.take_along_axis(lsm, greedy[:, None], axis=1)[:, 0]
-        vals, ids = sampling_kernel.top_logprobs(lsm, top_n)
-        greedy = greedy.reshape(B, T)
-        accepted = accepted_drafts(greedy, fields["token_ids"], fields["positions"])
+        if sampler:
+            verified = rejection_sampler.verify_sample(
+                logits.reshape(B, T, -1), fields["token_ids"], fields["positions"],
+                *(sampler[r] for r in af.SAMPLER_INPUTS), top_n=top_n)
+        else:
+            greedy = sampling_kernel.first_max(logits)
+            lsm = jax.nn.log_softmax(logits, axis=-1)
+            chosen = jnp.take_along_axis(lsm, greedy[:, None], axis=1)[:, 0]
+            vals, ids = sampling_kernel.top_logprobs(lsm, top_n)
+            greedy = greedy.reshape(B, T)
+            verified = (greedy, accepted_drafts(greedy, fields["token_ids"], fields["positions"]),
+                        chosen.reshape(B, T), vals.reshape(B, T, top_n), ids.reshape(B, T, top_n))
         if state_pools:
             new_pools = keep_accepted_states(new_pools, state_pools, fields["state_slots"],
-                                             accepted_index(fields["positions"], accepted))
-        results = {(Role.VERIFY_TOKENS, ""): greedy,
-                   (Role.VERIFY_ACCEPTED, ""): accepted,
-                   (Role.VERIFY_LOGPROB, ""): chosen.reshape(B, T),
-                   (Role.VERIFY_TOP_LOGPROBS, ""): vals.reshape(B, T, top_n),
-                   (Role.VERIFY_TOP_IDS, ""): ids.reshape(B, T, top_n)}
+                                             accepted_index(fields["positions"], verified[1]))
+        results = {(role, ""): value for role, value in zip(af.VERIFY_OUTPUTS, verified)}
         results.update({(Role.POOL_OUT, name): buf for name, buf in new_pools.items()})
         return tuple(results[(o.role, o.slot)] for o in outputs)
     return entry

@@ -94,7 +94,8 @@ class Engine:
         speculative_config: vLLM's speculative config (a dict, its JSON, or a SpeculativeConfig): {"method":
         "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...} drafts up to k
         tokens a step by prompt lookup and checks them in the artifact's verify entries (export
-        --speculative-tokens); greedy requests only, the others decode as before. None: off.
+        --speculative-tokens); sampled requests too where they take the sampler (rejection sampling), requests under a
+        grammar decode as before. None: off.
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)

@@ -209,9 +209,9 @@ class ModelRunner:
         return events
 
     def _run_verify_call(self, call: ScheduledCall) -> list[StepEvent]:
-        """Run a verify call (serve/speculative.py): each row emits the drafts the target's greedy tokens confirm and
-        then the target's next token, in order, stopping at a stop id or max_new_tokens; the units taken for the
-        rejected drafts go back."""
+        """Run a verify call (serve/speculative.py): each row emits the drafts the body accepts and then the token it
+        chose after them (kernels/rejection_sampler.py), in order, stopping at a stop id or max_new_tokens; the units
+        taken for the rejected drafts go back."""
         e = call.entry
         want = {af.Role.VERIFY_TOKENS, af.Role.VERIFY_ACCEPTED}
         if any(s.sampling.logprobs is not None for s in call.seqs):
@@ -219,7 +219,12 @@ class ModelRunner:
         if any(s.sampling.logprobs for s in call.seqs):
             want |= {af.Role.VERIFY_TOP_LOGPROBS, af.Role.VERIFY_TOP_IDS}
         try:
-            out = self._execute(e, call_inputs.step_inputs(call, self.manifest, self.ring_pages), want)
+            inputs = call_inputs.step_inputs(call, self.manifest, self.ring_pages)
+            if call_inputs.takes_sampler(e):
+                # One mask a row: the scheduler drafts only where every position's is the same (serve/speculative.py).
+                allowed = [outputs.allowed_mask(s, self.vocab) for s in call.seqs]
+                inputs.update(call_inputs.sampler_inputs(self.runner, call, [True] * len(call.seqs), allowed))
+            out = self._execute(e, inputs, want)
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
             log.error("call of %s failed: %s", e.name, err)
             return [self.fail(s, f"{e.name} failed: {err}") for s in call.seqs]

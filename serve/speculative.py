@@ -7,9 +7,10 @@ scheduler runs the drafts in a verify call (export/_verify.py); the body returns
 each position, and the sequence emits the drafts those confirm (the longest matching prefix) and then the target's
 own next token: exactly the tokens greedy decoding gives, up to k + 1 of them for one call.
 
-Only greedy rows draft (no temperature, penalties, logit bias, grammar or stop-id mask): their next token is the
-argmax, which the verify entry returns. The others, and a sequence whose drafts are seldom accepted
-(SpecState.enabled), decode one token a step as before.
+Acceptance is the body's: in an artifact with a sampler, its verify entries process each position's logits as the
+sampler does and rejection-sample (kernels/rejection_sampler.py), so sampled rows, penalties, logit bias and seeds
+draft too, and each keeps its distribution exactly; without a sampler only plain greedy rows draft (`draft_limit`).
+A sequence whose drafts are seldom accepted (SpecState.enabled) decodes one token a step as before.
 """
 
 from __future__ import annotations
@@ -111,6 +112,21 @@ def check_fits(config: SpeculativeConfig | None, m: af.Manifest) -> None:
         raise SpeculativeConfigError(f"speculative_config num_speculative_tokens {config.num_speculative_tokens} is "
                                      f"more than this artifact's verify entries hold ({k}, --speculative-tokens); ask "
                                      f"for at most {k}")
+
+
+def draft_limit(s, sampled: bool) -> int:
+    """The most drafts a decoding sequence's verify row may hold and stay exact (0: none; -1: no limit). sampled:
+    the verify entries take the sampler's inputs (else only plain greedy rows, whose token is the argmax, draft).
+
+    Each position of a row gets the row's one TOKEN_MASK: a grammar's mask changes with every drafted token, so a
+    sequence under a grammar never drafts; before min_tokens the stop ids are masked, so the drafts stop short of
+    the position where the mask lifts. Penalties and bias are exact per position (the history holds the drafts)."""
+    sp = s.sampling
+    if s.constraint is not None or not (sampled or sp.plain):
+        return 0
+    if s.stop and len(s.generated) < sp.min_tokens:
+        return sp.min_tokens - len(s.generated) - 1
+    return -1
 
 
 def propose_ngram(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:

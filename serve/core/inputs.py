@@ -37,6 +37,12 @@ def step_inputs(call: ScheduledCall, m: af.Manifest, ring_pages: int) -> dict[st
     return out
 
 
+def takes_sampler(e: af.Entry) -> bool:
+    """Whether the entry takes the sampler's inputs: every entry of an artifact with a sampler but a verify entry
+    staged before verify entries sampled (greedy acceptance only)."""
+    return any(sig.role == af.Role.SAMPLING for sig in e.inputs)
+
+
 def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], allowed: list) -> dict:
     """The sampler's inputs of a call, by role: a host array, or a device buffer of neutral rows kept for the
     entry when no row of the call needs that input (nothing is uploaded for it)."""
@@ -81,7 +87,8 @@ def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], a
         history = np.full((B, C), -1, np.int32)
         for b, s, row, p in zip(at, seqs, call.rows, producing):
             if p:
-                tokens = (s.prompt + s.generated)[:row.start + len(row.token_ids)]
+                # The row's own tokens end it: a verify row's drafts follow the sequence's tokens before it.
+                tokens = (s.prompt + s.generated)[:row.start] + list(row.token_ids)
                 history[b, :len(tokens)] = tokens
         out[af.Role.TOKEN_HISTORY] = history
     for role in af.SAMPLER_INPUTS:
@@ -126,7 +133,7 @@ def _with_rowless_roles(call: ScheduledCall, runner: Runner, out: dict) -> dict:
     """`out` (a call's step inputs) with the other roles of a call that produces for no sequence: neutral sampler
     rows, no score targets, no decode_steps limits."""
     e = call.entry
-    if runner.manifest.sampler is not None and e.kind != af.EntryKind.VERIFY:
+    if takes_sampler(e):
         out.update(sampler_inputs(runner, call, [], []))
     if e.kind == af.EntryKind.PREFILL_SCORED:
         out[af.Role.SCORE_TARGETS] = score_targets(call, e.batch, e.tokens_per_seq)

@@ -79,6 +79,9 @@ class Scheduler:
         top = [e.outputs[e.output_index(af.Role.VERIFY_TOP_IDS)].shape[2] for e in self.planner.entries(
             af.EntryKind.VERIFY)]
         self.verify_top_logprobs = min(top, default=0)
+        # Verify entries that take the sampler's inputs accept sampled rows too (serve/speculative.draft_limit).
+        self.verify_samples = bool(top) and all(any(sig.role == af.Role.SAMPLING for sig in e.inputs)
+                                                for e in self.planner.entries(af.EntryKind.VERIFY))
 
     @property
     def prefix_caching(self) -> bool:
@@ -189,17 +192,16 @@ class Scheduler:
 
     def _draft(self, s: Request, room: int) -> tuple[int, ...]:
         """The tokens the proposer drafts after a decoding sequence's last token, at most `room` (the budget left);
-        () where it may not draft: not greedy, its logits changed (bias, penalties, a grammar, a stop-id mask before
-        min_tokens), more logprobs asked than the verify entries return, or its drafts seldom accepted. A draft
-        never reaches past max_new_tokens or the largest context."""
+        () where it may not draft: its sampling cannot be verified exactly (speculative.draft_limit), more logprobs
+        asked than the verify entries return, or its drafts seldom accepted. A draft never reaches past
+        max_new_tokens or the largest context."""
         cfg, sp = self.speculative, s.sampling
-        if cfg is None or not s.spec.enabled or not sp.plain or s.constraint is not None:
-            return ()
-        if (s.stop and len(s.generated) < sp.min_tokens) or (sp.logprobs or 0) > self.verify_top_logprobs:
+        exact = spec.draft_limit(s, self.verify_samples) if cfg is not None else 0
+        if exact == 0 or not s.spec.enabled or (sp.logprobs or 0) > self.verify_top_logprobs:
             return ()
         limit = self.kv.call_limit(s.computed)
         k = min(cfg.num_speculative_tokens, room, s.max_new_tokens - len(s.generated) - 1,
-                self.max_context - s.length, (limit if limit is not None else room) - 1)
+                self.max_context - s.length, (limit if limit is not None else room) - 1, exact if exact > 0 else room)
         if k <= 0:
             return ()
         return tuple(spec.propose_ngram(s.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max))

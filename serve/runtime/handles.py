@@ -141,7 +141,8 @@ class Executable:
         sha256: hex sha256 of the body bytes as given to `Device.compile`.
         name: optional label (an entry name) used in error messages.
         cache: "off" (no cache dir), "miss" (compiled and stored), "hit" (deserialized from the
-            disk cache, no compilation), "stale" (a cached entry failed to load; recompiled).
+            disk cache, no compilation), "shipped" (deserialized from the artifact's compile-cache folder),
+            "stale" (a cached entry failed to load; recompiled).
         seconds: wall time of the compile, or of the load on a cache hit.
     """
 

@@ -150,6 +150,7 @@ class Device:
         self.identity = plugin_identity(self.plugin_path, self.plugin_package, self.api_version,
                                         self._plugin.attributes, (self.platform_name, self.platform_version))
         self._cache = CompileCache(cache_dir, self.identity) if cache_dir is not None else None
+        self.shipped = None     # an artifact's own compiled entries (shipped_cache.open_shipped), after self._cache
 
     # -- facts about the plugin --------------------------------------------------------------
 
@@ -224,13 +225,17 @@ class Device:
         options_bytes = options.encode(self._plugin.abi)
 
         status = "off"
+        t0 = time.perf_counter()
         if self._cache is not None:
             key = self._cache.key(digest, options_bytes)
-            t0 = time.perf_counter()
             handle, status = self._cache.load(self._client, key, digest)
             if handle is not None:
                 return self._own(Executable(handle, sha256=digest, name=name, cache="hit",
                                             seconds=time.perf_counter() - t0))
+        if self.shipped is not None and (handle := self.shipped.load(self._client, digest, options_bytes,
+                                                                     label)) is not None:
+            return self._own(Executable(handle, sha256=digest, name=name, cache="shipped",
+                                        seconds=time.perf_counter() - t0))
 
         t0 = time.perf_counter()
         try:
@@ -258,14 +263,17 @@ class Device:
         return pypjrt.CompileOptions(use_shardy_partitioner=b"sdy." in code)
 
     def compiled_before(self, mlir: str | bytes) -> bool:
-        """Whether the compile cache holds this body's executable, intact, from this plugin: `compile` would load
-        it, not compile it (the body compiled here before, so it cannot be refused)."""
-        if self._cache is None:
-            return False
+        """Whether the compile cache (or the artifact's shipped one) holds this body's executable, intact, from this
+        plugin: `compile` would load it, not compile it (the body compiled here before, so it cannot be refused)."""
         code = mlir.encode() if isinstance(mlir, str) else bytes(mlir)
         digest = hashlib.sha256(code).hexdigest()
-        key = self._cache.key(digest, self._compile_options(code).encode(self._plugin.abi))
-        return self._cache.read(key, digest)[0] is not None
+        options = self.compile_options_bytes(code)
+        return ((self._cache is not None and self._cache.read(self._cache.key(digest, options), digest)[0] is not None)
+                or (self.shipped is not None and self.shipped.holds(digest, options)))
+
+    def compile_options_bytes(self, code: bytes) -> bytes:
+        """The serialized compile options `compile` uses for this body (part of a compile cache's key)."""
+        return self._compile_options(code).encode(self._plugin.abi)
 
     def _check_stablehlo_version(self, code: bytes, label: str, digest: str) -> None:
         version = bytecode_stablehlo_version(code)

@@ -24,6 +24,7 @@ from . import host_memory, sharded
 from .adapters import AdapterBuffers, adapter_bytes
 from .handles import Buffer, Executable
 from .pjrt import Device
+from .shipped_cache import open_shipped
 
 log = logging.getLogger("tlaloc_jax.serve")
 
@@ -83,6 +84,7 @@ class Runner:
                     missing[target] = e
             if missing:                                # one error naming them all
                 raise native.unavailable(m.versions.custom_calls, missing)
+            device.shipped = open_shipped(self.artifact_dir, device, m.versions.custom_calls)
             self._check_memory()
             self._compile_kinds(progress)
             self.resident_before_weights = host_memory.resident_bytes()   # the runtime's own: plugin, entries

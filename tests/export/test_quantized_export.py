@@ -25,7 +25,7 @@ from quant_controls import wrong_axis_export, wrong_axis_weights
 from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint
 from tlaloc_jax.export import export_checkpoint
-from tlaloc_jax.export._quant import QUANTIZED_SLOTS, quantize_weights
+from tlaloc_jax.export._quant import QUANTIZED_SLOTS, head_quant_for, quantize_weights
 from tlaloc_jax.kernels import kv_cache_write, paged_attention_reference
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.quantized_matmul import QuantizedWeight, dequantize
@@ -130,15 +130,16 @@ def test_bad_uint4_entries_are_refused_at_load(uint4_artifact, tmp_path, edit, m
 
 
 def _check_against_dequantized(checkpoint, artifact, scheme: str, tmp_path, spoil) -> None:
-    """The artifact (`scheme`, groups of 32, served through the native int4 kernel): greedy ids against
-    transformers running the weights the codes stand for (the dequantized checkpoint), near-tie rule at the f32
+    """The artifact (`scheme`, groups of 32, served through the native int4 kernel, its head int8 as the exporter's
+    default): greedy ids against transformers running the weights the codes stand for (the dequantized checkpoint,
+    its head too), near-tie rule at the f32
     bound plus the kernel's int8 quantization of each projection's input (INT8_ACTIVATION_ROUNDOFF; both sides
     hold the same weights). Control: the model with spoil(weight) for each quantized weight fails the check."""
     from tlaloc_jax.checkpoint import read_config, save_checkpoint
     from tlaloc_jax.serve.engine import Engine
 
     cfg, weights = load_checkpoint(checkpoint, "float32")
-    quant = quantize_weights(weights, scheme, 32, compute="float32")
+    quant = quantize_weights(weights, scheme, 32, compute="float32", head=head_quant_for(scheme, None))
     deq = {k: (dequantize(v).astype(np.float32) if isinstance(v, QuantizedWeight) else v) for k, v in quant.items()}
     save_checkpoint(tmp_path / "deq", read_config(checkpoint), deq)
     want = [torch_greedy(load_hf_torch(tmp_path / "deq"), p, NEW) for p in PROMPTS]
@@ -147,7 +148,8 @@ def _check_against_dequantized(checkpoint, artifact, scheme: str, tmp_path, spoi
     with Engine.load(artifact, progress=False) as engine:
         check_greedy_batch(PROMPTS, engine.generate(PROMPTS, NEW), want, logit_bound=bound,
                            next_token=engine_next_token(engine))
-    wrong = tlaloc_jax.Model(cfg, {k: spoil(v) if isinstance(v, QuantizedWeight) else v for k, v in quant.items()})
+    wrong = tlaloc_jax.Model(cfg, {k: spoil(v) if isinstance(v, QuantizedWeight) and k != "head" else v
+                                   for k, v in quant.items()})
     with pytest.raises(GreedyMismatch):
         check_greedy_batch(PROMPTS, wrong.generate(PROMPTS, max_new_tokens=NEW), want, logit_bound=bound,
                            next_token=engine_next_token(wrong))
@@ -194,6 +196,27 @@ def _nibbles_swapped(q: QuantizedWeight) -> QuantizedWeight:
     """An int4 weight with each byte's nibbles swapped: a wrong packing order."""
     u = np.asarray(q.codes).view(np.uint8)
     return dataclasses.replace(q, codes=((u >> 4) | (u << 4)).astype(np.uint8).view(np.int8))
+
+
+def test_head_is_int8_by_default_for_4_bit_and_head_quant_is_refused_by_name(llama, uint4_artifact, tmp_path):
+    """A 4-bit artifact's head is int8 codes with a scale per output channel (out-major) by default; head_quant
+    "none" keeps it in the weight dtype; an unknown scheme, or an int8 head without quantized projections, is
+    refused by name."""
+    from tlaloc_jax.export import ExportError
+
+    by_slot = {w.slot: w for w in af.load_manifest(uint4_artifact).weights}
+    codes, scales = by_slot["head.codes"], by_slot["head.scales"]
+    assert codes.quant == af.WeightQuant(af.QuantScheme.INT8, af.QuantPart.CODES, "head", 0, out_major=True)
+    assert codes.dtype == "int8" and scales.shape == codes.shape[:1] and "head.out_in" not in by_slot
+    small = dict(batch_ladder=(1,), context_ladder=(64,), progress=False, sampler=None)
+    m = export_checkpoint(llama, tmp_path / "kept", weight_quant="int4", quant_group=32, head_quant="none", **small)
+    kept = {w.slot: w for w in m.weights}["head.out_in"]
+    assert kept.quant is None and kept.dtype == "float32"
+    with pytest.raises(ExportError, match="head_quant 'int4' is not one of none, int8"):
+        export_checkpoint(llama, tmp_path / "bad", weight_quant="int4", head_quant="int4", **small)
+    with pytest.raises(ExportError, match=r"head_quant 'int8' \(--head-quant\) .* pass weight_quant"):
+        export_checkpoint(llama, tmp_path / "bad", head_quant="int8", **small)
+    assert not (tmp_path / "bad").exists()
 
 
 @pytest.mark.numeric

@@ -61,5 +61,5 @@ def test_export_demo_with_the_default_contexts_works(tmp_path):
     the demo model's 256 positions."""
     from tlaloc_jax import artifact as af
     from tlaloc_jax.export.__main__ import main
-    assert main(["--demo", str(tmp_path / "a"), "--batch-ladder", "1", "--quiet"]) == 0
+    assert main(["--demo", str(tmp_path / "a"), "--batch-ladder", "1", "--quiet", "--no-compile-cache"]) == 0
     assert af.load_manifest(tmp_path / "a").buckets.context_ladder == (64, 256)

@@ -7,13 +7,12 @@ test against the unfiltered distribution."""
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from chi_square import chi_square_p
 from margins import assert_within
 from tlaloc_jax import artifact as af
 from tlaloc_jax.kernels import in_body_sampler as S
@@ -255,14 +254,6 @@ def test_a_rows_token_is_the_same_in_any_batch():
         assert pair[0] == together[b], f"row {b} beside row 5"
 
 
-def _chi_square_p(counts: np.ndarray, expected: np.ndarray) -> float:
-    """Upper-tail p-value of Pearson's statistic, by the Wilson-Hilferty normal approximation (df >= 3)."""
-    stat = float(np.sum((counts - expected) ** 2 / expected))
-    k = len(counts) - 1
-    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
-    return 0.5 * math.erfc(z / math.sqrt(2)), stat
-
-
 DRAWS = 20000
 CASES = {"temperature": params_row(temperature=0.7), "top_k": params_row(temperature=1.0, top_k=6),
          "top_p": params_row(temperature=1.2, top_p=0.8), "min_p": params_row(temperature=1.0, min_p=0.15)}
@@ -290,9 +281,9 @@ def test_draws_follow_the_filtered_distribution(case):
     dist = S.filtered_probs(logits.astype(np.float64), row)
     kept = dist > 0
     assert counts[~kept].sum() == 0, f"{counts[~kept].sum()} draws outside the kept tokens"
-    p, stat = _chi_square_p(counts[kept], DRAWS * dist[kept])
+    p, stat = chi_square_p(counts[kept], DRAWS * dist[kept])
     print(f"{case}: chi-square {stat:.1f} over {kept.sum() - 1} degrees of freedom, p = {p:.3f}")
     assert p > ALPHA, f"{case}: chi-square {stat:.1f}, p = {p:.2g}"
     unfiltered = params_row(temperature=1.0 if case == "temperature" else row[0])
-    p_control, _ = _chi_square_p(counts, DRAWS * S.filtered_probs(logits.astype(np.float64), unfiltered))
+    p_control, _ = chi_square_p(counts, DRAWS * S.filtered_probs(logits.astype(np.float64), unfiltered))
     assert p_control < ALPHA, f"{case}: the control passed (p = {p_control:.2g})"

@@ -57,9 +57,10 @@ Changelog:
     (`exported`, `.exported`) are written only when the export asks for them (for debugging and re-tracing), and
     then listed with their sha256; the runtime opens neither.
     v5 + verify (optional, still tlaloc-serving-v5): entries of kind `verify` (speculative decoding, export
-    --speculative-tokens K): a prefill's step inputs for rows of K + 1 tokens (the last token and K drafts), no
-    sampler, outputs VERIFY_TOKENS, VERIFY_ACCEPTED, VERIFY_LOGPROB, VERIFY_TOP_LOGPROBS, VERIFY_TOP_IDS and the
-    pools, no logits. A manifest without them is as before; a runtime that predates the kind refuses it by name.
+    --speculative-tokens K): a prefill's step inputs for rows of K + 1 tokens (the last token and K drafts), the
+    sampler's inputs when the manifest has a sampler (verify entries without them accept greedily only), outputs
+    VERIFY_TOKENS, VERIFY_ACCEPTED, VERIFY_LOGPROB, VERIFY_TOP_LOGPROBS, VERIFY_TOP_IDS and the pools, no logits.
+    A manifest without them is as before; a runtime that predates the kind refuses it by name.
 v2, v3 and v4 manifests still load: `Manifest.from_json` upgrades v2 and v3 to the model in memory (their
 weights and tokenizer files carry no hashes; the loader says so). Their `.mlir`, `.exported` and `programs/`
 files are not opened either: every body is checked from its `.mlirbc`.

@@ -387,7 +387,11 @@ def _check_groups_whole(m: Manifest, e: Entry, seen_roles: set[Role], what: str)
         if not set(VERIFY_OUTPUTS) <= seen_roles or e.tokens_per_seq < 2:
             raise ManifestError(f"{what} is a verify entry of {e.tokens_per_seq} tokens per row returning "
                                 f"{sorted(seen_roles)}; one returns {list(VERIFY_OUTPUTS)} for 2 or more tokens a row")
-        return                  # greedy: it takes no sampler
+        taken = set(SAMPLER_INPUTS) & seen_roles
+        if taken and taken != set(SAMPLER_INPUTS):
+            raise ManifestError(f"{what} takes the sampler's roles {sorted(taken)} but not "
+                                f"{sorted(set(SAMPLER_INPUTS) - taken)}; a verify entry takes all of them or none")
+        return                  # none: greedy acceptance only
     # A decode_steps entry samples in its body but returns only the tokens: it takes the sampler's inputs.
     sampler_roles = set(SAMPLER_INPUTS) | (set() if stepped else set(SAMPLER_OUTPUTS))
     if m.sampler is not None and not sampler_roles <= seen_roles:

@@ -91,10 +91,11 @@ class Role(enum.StrEnum):
     # A decode_steps entry's tokens [B, K] i32: step i's token of each row, -1 once the row has stopped (its stop
     # id, its STEP_LIMIT) or for an empty row.
     STEP_TOKENS = "STEP_TOKENS"
-    # A verify entry's outputs, per position t of each row [B, T] (rows right-aligned, as a prefill's): the target's
-    # greedy token after position t, its logprob [B, T] f32, the N largest logprobs [B, T, N] f32 and their ids
-    # [B, T, N] i32; and VERIFY_ACCEPTED [B] i32, how many of the row's drafted tokens (TOKEN_IDS after its first)
-    # the greedy tokens confirm, the longest matching prefix.
+    # A verify entry's outputs, per position t of each row [B, T] (rows right-aligned, as a prefill's): the token
+    # the row emits after position t when it accepts no draft past t (greedy: the argmax; sampled: a rejection
+    # sampler's draw, kernels/rejection_sampler.py), the logprob [B, T] f32 of the token it emits at t, the N
+    # largest logprobs [B, T, N] f32 and their ids [B, T, N] i32; and VERIFY_ACCEPTED [B] i32, how many of the
+    # row's drafted tokens (TOKEN_IDS after its first) it accepts, a prefix.
     VERIFY_TOKENS = "VERIFY_TOKENS"
     VERIFY_ACCEPTED = "VERIFY_ACCEPTED"
     VERIFY_LOGPROB = "VERIFY_LOGPROB"
@@ -141,7 +142,8 @@ class EntryKind(enum.StrEnum):
     # the outputs' rows are the decode rows, then the chunk's.
     MIXED = "mixed"
     # Speculative decoding's check: each row's last token and up to tokens_per_seq - 1 drafted tokens after it, scored
-    # in one call (export/_verify.py); returns the VERIFY_* outputs and the pools, no logits and no sampler.
+    # in one call (export/_verify.py); takes the sampler's inputs (a manifest with a sampler) and returns the
+    # VERIFY_* outputs and the pools, no logits and no sampler outputs.
     VERIFY = "verify"
 
 

@@ -118,12 +118,13 @@ def _keep(z, params):
     return lax.cond(needs, sorted_cut, lambda z, keep: keep, z, keep)
 
 
-def uniforms(seeds, steps):
-    """[B] f32 in (0, 1): row b's draw is one threefry2x32 block keyed by its seed with counter (step, 0), a
-    counter-based stream (Salmon et al., SC 2011): the same (seed, step) gives the same number in any batch."""
+def uniforms(seeds, steps, lane: int = 0):
+    """[B] f32 in (0, 1): row b's draw is one threefry2x32 block keyed by its seed with counter (step, lane), a
+    counter-based stream (Salmon et al., SC 2011): the same (seed, step, lane) gives the same number in any batch.
+    The token draws use lane 0; speculative decoding's acceptance tests lane 1 (kernels/rejection_sampler.py)."""
     key = lax.bitcast_convert_type(seeds, jnp.uint32)                          # [B, 2]: low, high words
     counter = lax.bitcast_convert_type(steps, jnp.uint32)
-    bits, _ = threefry2x32_p.bind(key[:, 0], key[:, 1], counter, jnp.zeros_like(counter))
+    bits, _ = threefry2x32_p.bind(key[:, 0], key[:, 1], counter, jnp.full_like(counter, lane))
     # 23 bits, centred in their interval: never 0 or 1.
     return ((bits >> 9).astype(jnp.float32) + 0.5) * jnp.float32(2.0 ** -23)
 

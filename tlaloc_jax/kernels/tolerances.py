@@ -257,16 +257,20 @@ def confidence_for(count: int) -> float:
 
 
 def quantized_logit_bound(weight_roundoff: float, layers: int, f32_roundings: int = 0, *,
-                          activation_roundoff: float = 0.0, confidence: float = CONFIDENCE) -> float:
+                          activation_roundoff: float = 0.0, head_roundoff: float = 0.0,
+                          confidence: float = CONFIDENCE) -> float:
     """Relative bound (of the largest |logit|) on the difference between a model with quantized projections and
     the same model unquantized (plus, with f32_roundings, an f32 computation that rounds differently).
 
     Quantizing a whole weight is one rounding point (as rounding a tensor to bf16 is) at unit roundoff
     `weight_roundoff` (weight_quantization_roundoff), on one side only: the quantized projections' inputs on
-    the path to a logit are bf16_rounding_points(layers, every_activation=False) less the head, which is kept.
-    Variances add."""
+    the path to a logit are bf16_rounding_points(layers, every_activation=False) less the head. activation_roundoff:
+    each of those inputs quantized too (INT8_ACTIVATION_ROUNDOFF, the native int4 kernel's), one more rounding point
+    each; head_roundoff: the head's own quantization (export's head_quant; 0 where it keeps the weight dtype), one
+    point. Variances add."""
     n_q = bf16_rounding_points(layers, every_activation=False) - 1
-    variance = weight_roundoff ** 2 * n_q / 3.0 + 2.0 * unit_roundoff("float32") ** 2 * f32_roundings / 3.0
+    variance = ((weight_roundoff ** 2 + activation_roundoff ** 2) * n_q + head_roundoff ** 2) / 3.0
+    variance += 2.0 * unit_roundoff("float32") ** 2 * f32_roundings / 3.0
     return confidence * math.sqrt(variance)
 
 

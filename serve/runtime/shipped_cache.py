@@ -1,0 +1,142 @@
+"""The artifact's own compile cache: its entries compiled at export, shipped in `<artifact>/compile-cache/`.
+
+A first start on a host like the export's then deserializes every entry instead of compiling it (a cold start
+becomes a warm one). `index.json` records what the executables were compiled under: the plugin (its package,
+size and what it says of itself), the XLA flags, the host CPU's model and features and the native kernel variants
+the entries call. A server uses the folder only where all of these equal its own; otherwise it logs one line
+naming what differs and compiles, as without it. Each file is checked again at load (its body, its facts and the
+executable's sha256, compile_cache.CompileCache.read): a damaged or misplaced file is logged and compiled over,
+never run. The user's compile cache still comes first, and a compile here is stored there, not in the artifact.
+
+    python -m tlaloc_jax.serve.runtime.shipped_cache ARTIFACT_DIR    # what the exporter runs after it writes one
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import pypjrt
+
+from .compile_cache import CompileCache, host_cpu
+
+log = logging.getLogger("tlaloc_jax.serve")
+
+FOLDER = "compile-cache"
+INDEX = "index.json"
+FORMAT = 1
+
+
+def facts(device, custom_calls) -> dict:
+    """What an executable compiled on `device` depends on, without the plugin's path or mtime (an artifact moves
+    between hosts and installs); `custom_calls`' native kernels must be registered (their variant is known)."""
+    from tlaloc_jax import native
+    return {
+        "plugin_package": device.plugin_package, "plugin_size": os.stat(device.plugin_path).st_size,
+        "api_version": list(device.api_version),
+        "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(device.attributes.items())},
+        "platform": [device.platform_name, device.platform_version], "devices": device.devices,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "host_cpu": host_cpu(),
+        "kernels": {t: native.loaded_variant(t) for t in sorted(custom_calls)},
+    }
+
+
+def _identity(f: dict) -> str:
+    return hashlib.sha256(json.dumps(f, sort_keys=True).encode()).hexdigest()
+
+
+class ShippedCache:
+    """The artifact's compile cache, read only, for a device whose facts matched its index."""
+
+    def __init__(self, directory: Path, identity: str):
+        self.directory = directory
+        self._cache = CompileCache(directory, identity)
+
+    def holds(self, digest: str, options: bytes) -> bool:
+        """Whether the body's executable is here and passes its check."""
+        return self._cache.read(self._cache.key(digest, options), digest)[0] is not None
+
+    def load(self, client: pypjrt.Client, digest: str, options: bytes, label: str):
+        """The loaded executable, or None (not here, or here but failing its check: logged, to compile)."""
+        handle, status = self._cache.load(client, self._cache.key(digest, options), digest)
+        if status == "stale":
+            log.warning("the artifact's compiled %s (%s) fails its check (damaged, or not this body's): compiling "
+                        "it instead", label, self.directory)
+        return handle
+
+
+def open_shipped(artifact_dir: str | os.PathLike[str], device, custom_calls) -> ShippedCache | None:
+    """The artifact's compile cache where its index matches this device and host, else None: no folder (silently),
+    or one line saying what differs (another CPU, plugin, XLA flags ...) and that entries compile here."""
+    folder = Path(artifact_dir) / FOLDER
+    if not (folder / INDEX).is_file():
+        return None
+    try:
+        index = json.loads((folder / INDEX).read_text())
+        shipped = index["facts"] if index.get("format") == FORMAT else None
+    except (OSError, ValueError, KeyError, TypeError):
+        shipped = None
+    if not isinstance(shipped, dict):
+        log.warning("%s is unreadable: compiling the entries here", folder / INDEX)
+        return None
+    differ = differences(facts(device, custom_calls), shipped)
+    if differ:
+        log.warning("the artifact's compiled entries (%s) were compiled for another %s: compiling them here "
+                    "(re-export on this host to ship matching ones)", folder, ", ".join(differ))
+        return None
+    # The index's identity, which the files were stored under: the check above is what keeps them off other hosts.
+    return ShippedCache(folder, _identity(shipped))
+
+
+def differences(here: dict, shipped: dict) -> list[str]:
+    """The facts (keys) on which this host differs from the one that compiled the shipped entries."""
+    return sorted(k for k in here.keys() | shipped.keys() if here.get(k) != shipped.get(k))
+
+
+def fill(artifact_dir: str | os.PathLike[str], plugin: str | None = None) -> tuple[int, float]:
+    """Compile every entry of the artifact with this host's plugin into `<artifact>/compile-cache/` and write its
+    index. -> (entries compiled, seconds)."""
+    from tlaloc_jax import artifact as af
+    from .pjrt import Device
+
+    art = Path(artifact_dir)
+    m = af.load_manifest(art, verify_weights=False)
+    folder = art / FOLDER
+    t0 = time.perf_counter()
+    with Device(plugin, devices=m.devices) as device:
+        for target in m.versions.custom_calls:
+            device.register_native(target)
+        here = facts(device, m.versions.custom_calls)
+        cache = CompileCache(folder, _identity(here))
+        for e in m.entries:
+            code = (art / e.serialized).read_bytes()
+            exe = device.compile(code, name=e.name)
+            digest = hashlib.sha256(code).hexdigest()
+            options = device.compile_options_bytes(code)
+            cache.store(cache.key(digest, options), exe.handle, digest, options, e.name)
+            exe.close()
+    # The index last: a folder without one (an export stopped part way) is not used.
+    (folder / INDEX).write_text(json.dumps({"format": FORMAT, "facts": here}, indent=1, sort_keys=True) + "\n")
+    return len(m.entries), time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m tlaloc_jax.serve.runtime.shipped_cache",
+                                 description="Compile an artifact's entries on this host into <artifact>/" + FOLDER
+                                             + ", so a server on a host like it starts without compiling.")
+    ap.add_argument("artifact")
+    ap.add_argument("--plugin", default=None, help="PJRT plugin .so (default: the installed one)")
+    a = ap.parse_args(argv)
+    n, seconds = fill(a.artifact, a.plugin)
+    print(f"compiled {n} entries into {Path(a.artifact) / FOLDER} in {seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

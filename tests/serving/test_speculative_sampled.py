@@ -1,0 +1,115 @@
+"""Speculative decoding of sampled and processed rows (issue 60): an artifact with a sampler gives its verify entries
+the sampler's inputs, and the body accepts by rejection sampling (kernels/rejection_sampler.py; its distribution is
+tests/ops/test_rejection_sampler.py's chi-square test).
+
+In one batch, with n-gram drafts: plain greedy rows, greedy rows with penalties, logit bias and min_tokens (their
+ids equal those without speculation: each drafted position is processed with the tokens before it), and seeded
+sampled rows (two choices of one prompt, as n > 1 sends them) that draft, share verify calls with the greedy rows
+and give the same tokens on a second run. Control: a host that leaves the drafts out of the penalties' history
+changes the penalised row's ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hf_models import build_checkpoint
+from tlaloc_jax import artifact as af
+from tlaloc_jax.export import Sampler, export_checkpoint
+from tlaloc_jax.serve import Engine
+from tlaloc_jax.serve.core import inputs as call_inputs
+from tlaloc_jax.serve.host_sampling import Sampling
+from tlaloc_jax.serve.model_runner import ModelRunner
+
+pytestmark = pytest.mark.numeric
+
+BLOCK, CONTEXT, K = 8, 64, 3
+LADDER = dict(batch_ladder=(1, 2, 4, 8), context_ladder=(CONTEXT,), block_size=BLOCK, prefill_chunk=8,
+              prefill_long_chunk=16, progress=False)
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# Prompts whose continuations by this seed's tiny random model fall into loops, which the proposer then drafts; under
+# PENALTIES the loops of the first three drift, so a penalty that missed the drafts would change their ids.
+LOOPING = [list(range(17, 78, 5)), list(range(24, 110, 5)), list(range(31, 47, 5)), list(range(52, 143, 5))]
+PENALTIES = Sampling(repetition_penalty=1.05, frequency_penalty=0.1)
+STOP, FIRST = 249, [3, 8, 13]          # FIRST's greedy continuation reaches STOP at its third token
+ROWS = {"greedy": (LOOPING[0], Sampling()),
+        **{f"penalties_{i}": (LOOPING[i], PENALTIES) for i in range(3)},
+        "bias": (LOOPING[3], Sampling(logit_bias=((90, 0.5), (56, -0.3)))),
+        "min_tokens": (FIRST, Sampling(min_tokens=6)),
+        # Cool enough to follow the loops now and then: their drafts are both accepted and rejected.
+        "sampled_0": (LOOPING[1], Sampling(temperature=0.1, seed=1234)),
+        "sampled_1": (LOOPING[1], Sampling(temperature=0.1, seed=1235)),
+        "top_k_penalties": (LOOPING[3], Sampling(temperature=0.1, top_k=6, frequency_penalty=0.1, seed=99))}
+SAMPLED = ("sampled_0", "sampled_1", "top_k_penalties")
+GREEDY = ("greedy", "penalties_0", "penalties_1", "penalties_2", "bias", "min_tokens")
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spec-sampled")
+    ck = build_checkpoint(out / "ck", "llama", seed=47)
+    export_checkpoint(ck, out / "art", num_blocks=48, speculative_tokens=K, sampler=Sampler(), **LADDER)
+    return out / "art"
+
+
+def _batch(path, cache, speculative: bool, monkeypatch=None) -> tuple[dict, list, dict]:
+    """Every row of ROWS in one batch of 24 new tokens, STOP a stop id -> (ids by row, the verify calls' rows'
+    sampling, stats)."""
+    calls = []
+    real = ModelRunner._run_verify_call
+
+    def spy(self, call):
+        calls.append([s.sampling for s in call.seqs])
+        return real(self, call)
+    kw = dict(speculative_config=NGRAM) if speculative else {}
+    with Engine.load(path, cache_dir=cache, progress=False, use_decode_steps=False, **kw) as eng:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ModelRunner, "_run_verify_call", spy)
+            rids = {name: eng.add_request(prompt, 24, (STOP,), sampling=sp) for name, (prompt, sp) in ROWS.items()}
+            while eng.has_unfinished():
+                eng.step()
+        out, accepted = {}, {}
+        for name, rid in rids.items():
+            info = eng.request_info(rid)
+            assert info.finish_reason != "error", info.error
+            out[name] = eng.output(rid)
+            accepted[name] = info.spec.accepted
+            eng.release(rid)
+        return out, calls, dict(eng.stats(), accepted=accepted)
+
+
+def test_sampled_and_processed_rows_speculate_beside_greedy_ones(artifact, serve_cache_dir):
+    """Greedy rows with penalties, bias and min_tokens give the ids they give without speculation; seeded sampled
+    rows give the same tokens on a second run; sampled and greedy rows share verify calls and drafts are accepted;
+    min_tokens holds off the stop id."""
+    want, _, _ = _batch(artifact, serve_cache_dir, speculative=False)
+    got, calls, st = _batch(artifact, serve_cache_dir, speculative=True)
+    again, _, _ = _batch(artifact, serve_cache_dir, speculative=True)
+    for name in GREEDY:
+        assert got[name] == want[name], name
+    assert got == again
+    assert got["sampled_0"] != got["sampled_1"]
+    assert STOP not in got["min_tokens"][:6] and len(got["min_tokens"]) > 3
+    assert any(st["accepted"][name] for name in SAMPLED) and any(st["accepted"][name] for name in GREEDY)
+    drafted = {name for name, (_, sp) in ROWS.items() if any(sp in c for c in calls)}
+    assert drafted == set(ROWS), f"rows that never drafted: {set(ROWS) - drafted}"
+    assert any(any(sp.temperature > 0 for sp in c) and any(sp.temperature == 0 for sp in c) for c in calls)
+
+
+def test_control_a_history_without_the_drafts_changes_the_penalised_ids(artifact, serve_cache_dir, monkeypatch):
+    """The sampler's inputs built as before verify rows sampled: the history through the row's last token only, so
+    a drafted position's penalties miss the drafts before it. The penalised greedy row's ids then differ from those
+    without speculation, which the test above would catch."""
+    want, _, _ = _batch(artifact, serve_cache_dir, speculative=False)
+    real = call_inputs.sampler_inputs
+
+    def forgetful(runner, call, producing, allowed):
+        out = real(runner, call, producing, allowed)
+        history = out.get(af.Role.TOKEN_HISTORY)
+        if call.entry.kind == af.EntryKind.VERIFY and isinstance(history, np.ndarray):
+            for b, row in zip(call.out_rows, call.rows):
+                history[b, row.start + 1:] = -1
+        return out
+    monkeypatch.setattr(call_inputs, "sampler_inputs", forgetful)
+    got, _, _ = _batch(artifact, serve_cache_dir, speculative=True)
+    assert any(got[f"penalties_{i}"] != want[f"penalties_{i}"] for i in range(3))
