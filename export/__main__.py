@@ -148,8 +148,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
                     help="the largest adapter rank the slots hold (default 16); smaller ranks are zero-padded")
     ap.add_argument("--lora-target-modules", type=lambda t: [m for m in t.split(",") if m], default=None,
-                    metavar="q_proj,...", help="the projections that take adapters (default: q_proj, k_proj, v_proj, "
-                                               "o_proj, gate_proj, up_proj, down_proj)")
+                    metavar="q_proj,...", help="the projections that take adapters (default: every one the model has of "
+                                               "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj and "
+                                               "the linear-attention in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, "
+                                               "out_proj)")
     ap.add_argument("--allow-longer-context", action="store_true",
                     help="export a context ladder past the checkpoint's max_position_embeddings (refused otherwise; "
                          "with this flag it is a warning)")

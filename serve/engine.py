@@ -466,6 +466,9 @@ class Engine:
                   bytes_per_device=run.bytes_per_device, entries=sum(run.compile_report().values()),
                   compile=self.compile_report(), load_seconds=self.load_seconds, donate=self.donate,
                   resident_bytes_at_load=self.resident_at_load)
+        if self.lora is not None:       # vllm:lora_requests_info's labels: requests by adapter, running and waiting
+            st["lora"] = dict(max_lora=self.manifest.lora.max_loras, running=_by_adapter(sched.running),
+                              waiting=_by_adapter(sched.waiting))
         return st
 
     def close(self) -> None:
@@ -477,3 +480,11 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+def _by_adapter(seqs) -> dict[str, int]:
+    """{adapter name: requests}, in the order the adapters first appear; base-model requests are not counted."""
+    out: dict[str, int] = {}
+    for s in seqs:
+        if s.lora is not None:
+            out[s.lora.name] = out.get(s.lora.name, 0) + 1
+    return out

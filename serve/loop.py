@@ -458,8 +458,13 @@ class EngineLoop:
     def snapshot(self) -> dict:
         """The engine's counters plus the loop's queue (call on the loop thread)."""
         st = self.engine.stats()
-        return dict(st, waiting=st["waiting"] + sum(len(a.specs) for a in self._waiting),
-                    cold_entries=len(self.engine.cold_entries()))
+        queued = [spec for a in self._waiting for spec in a.specs]
+        if "lora" in st:        # requests still in the loop's queue wait too
+            waiting = st["lora"]["waiting"]
+            for spec in queued:
+                if spec.lora is not None:
+                    waiting[spec.lora] = waiting.get(spec.lora, 0) + 1
+        return dict(st, waiting=st["waiting"] + len(queued), cold_entries=len(self.engine.cold_entries()))
 
 
 def _deliver(sink: Sink, updates: list[Update]) -> None:

@@ -21,8 +21,10 @@ import numpy as np
 
 from tlaloc_jax import artifact as af
 
-# PEFT's tensor names: base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight ([r, in]; lora_B [out, r]).
-_TENSOR = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# PEFT's tensor names: base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight ([r, in]; lora_B [out, r]);
+# mlp and linear_attn (Gated DeltaNet) modules alike, and a multimodal checkpoint's model.language_model.layers.
+_TENSOR = re.compile(r"^base_model\.model\.(?:model\.)?(?:language_model\.)?layers\.(\d+)\."
+                     r"(?:self_attn|mlp|linear_attn)\.(\w+)\.lora_([AB])\.weight$")
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 # The host LRU's size when none is given (vLLM's max_cpu_loras defaults to max_loras).
@@ -99,17 +101,22 @@ def read_peft(path: str | Path, shape: af.LoraShape, name: str = "") -> Adapter:
             raise LoraError(f"{what} has tensors for {module!r}, which the artifact did not stage adapters on (it "
                             f"has {', '.join(targets)})")
         want = (rank, t.inputs) if half == "A" else (t.outputs, rank)
-        if layer >= t.layers or tuple(value.shape) != want:
+        if layer not in t.layer_ids or tuple(value.shape) != want:
             raise LoraError(f"{what}: {key} is {list(value.shape)} at layer {layer}; the artifact's {module} takes "
-                            f"{list(want)} in layers 0..{t.layers - 1}")
+                            f"{list(want)} in layers {_spans(t.layer_ids)}")
         if module not in weights:
             weights[module] = (np.zeros((t.layers, t.inputs, rank), dtype), np.zeros((t.layers, rank, t.outputs), dtype))
         a, b = weights[module]
-        (a if half == "A" else b)[layer] = value.T.astype(dtype)
+        (a if half == "A" else b)[t.layer_ids.index(layer)] = value.T.astype(dtype)
     if not weights:
         raise LoraError(f"{what} holds no LoRA tensors")
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     return Adapter(name or path.name, f"{name or path.name}#{next(_loads)}", rank, float(scale), weights)
+
+
+def _spans(ids: tuple[int, ...]) -> str:
+    """Layer ids as the reader writes them: "0..11", or "3, 7, 11" for some layers only."""
+    return f"0..{len(ids) - 1}" if ids == tuple(range(len(ids))) else ", ".join(map(str, ids))
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ The main series are also exported under vLLM's names with a `model_name` label (
 vllm:num_requests_waiting, vllm:kv_cache_usage_perc, vllm:prompt_tokens_total, vllm:generation_tokens_total,
 vllm:request_success_total{finished_reason}, vllm:time_to_first_token_seconds,
 vllm:inter_token_latency_seconds and vllm:time_per_output_token_seconds, vllm:e2e_request_latency_seconds,
-vllm:request_queue_time_seconds, vllm:request_prompt_tokens, vllm:request_generation_tokens), so dashboards
-built for vLLM read this server."""
+vllm:request_queue_time_seconds, vllm:request_prompt_tokens, vllm:request_generation_tokens, and with LoRA
+slots vllm:lora_requests_info), so dashboards and routers built for vLLM read this server."""
 
 from __future__ import annotations
 
@@ -149,6 +149,12 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(label, s.get(key, 0))
             yield c
+        if "lora" in s:     # as vLLM: the labels carry the adapters, the value is when they were read
+            lo = s["lora"]
+            g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                  labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            g.add_metric([str(lo["max_lora"]), ",".join(lo["waiting"]), ",".join(lo["running"])], time.time())
+            yield g
         c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, by their "
                                 "position in the draft", labels=["model_name", "position"])
         for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos") or ()):

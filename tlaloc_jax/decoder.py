@@ -24,7 +24,7 @@ from .latent import latent_attention
 from .packing import packed_rows, token_rows, unpack_rows
 from .layers import ACTIVATIONS, apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
 from .layout import is_per_layer
-from .lora import delta, layer_adapters, plus, token_slots
+from .lora import call_adapters, delta, layer_adapters, plan_index, plus, query_deltas
 from .plan import MLP_SLOTS, layer_plan
 from .pools import PagedKV, PoolSpec, RingKV, StateSlots, keep_per_position, per_position
 
@@ -131,9 +131,11 @@ def _layer_weights(weights: Weights, lp, i) -> Weights:
             **_layer_slice(weights, "layers", lp.mlp_weights.index(i), lambda n: n in MLP_SLOTS[lp.mlp])}
 
 
-def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Array, jax.Array]):
-    """x: [B, T, E] (normed) -> q [B, T, H, D], k, v [B, T, K, D]: projected, q/k normed when the family
-    has the step, rotated by rope (cos, sin: [B, T, R])."""
+def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Array, jax.Array],
+                q_delta: jax.Array | None = None):
+    """x: [B, T, E] (normed) -> q [B, T, H, D], k, v [B, T, K, D]: projected (k and v with the layer's adapters,
+    q with q_delta, its adapters' part of query_deltas), q/k normed when the family has the step, rotated by rope
+    (cos, sin: [B, T, R])."""
     B, T, _ = x.shape
     H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if "qkv_proj" in w:             # fused at export (tlaloc_jax.layout): one projection, split here
@@ -146,7 +148,7 @@ def project_qkv(cfg: DecoderConfig, w: Weights, x: jax.Array, rope: tuple[jax.Ar
         if cfg.attention.bias:
             q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     la = w.get("lora")      # the layer's adapters (tlaloc_jax.lora), added to each projection's output
-    q, k, v = (plus(y, delta(la, n, x)) for y, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
+    q, k, v = plus(q, q_delta), plus(k, delta(la, "k_proj", x)), plus(v, delta(la, "v_proj", x))
     if cfg.attention.qk_norm and cfg.attention.qk_norm_whole:       # OLMo 2: over the whole projection
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, cfg.residual.norm_offset)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, cfg.residual.norm_offset)
@@ -164,12 +166,14 @@ def reduce_shards(cfg: DecoderConfig, x: jax.Array) -> jax.Array:
     return lax.psum(x, cfg.shard_axis) if cfg.shard_axis else x
 
 
-def attention_output(cfg: DecoderConfig, w: Weights, x: jax.Array, o: jax.Array) -> jax.Array:
-    """o: [B, T, H, D] attention of the layer input x [B, T, E] -> [B, T, E]: gated (Qwen3.5) and projected."""
+def attention_output(cfg: DecoderConfig, w: Weights, x: jax.Array, o: jax.Array,
+                     gate_delta: jax.Array | None = None) -> jax.Array:
+    """o: [B, T, H, D] attention of the layer input x [B, T, E] -> [B, T, E]: gated (Qwen3.5; gate_delta, the
+    adapters' part of query_deltas) and projected (with the layer's adapters)."""
     B, T, H, D = o.shape
     o = o.reshape(B, T, H * D)
     if cfg.attention.output_gate:
-        o = o * jax.nn.sigmoid(linear(x, w["gate_proj"]))
+        o = o * jax.nn.sigmoid(plus(linear(x, w["gate_proj"]), gate_delta))
     o = reduce_shards(cfg, plus(linear(o, w["o_proj"]), delta(w.get("lora"), "o_proj", o)))
     return o + w["o_bias"] if cfg.attention.output_bias else o
 
@@ -279,7 +283,8 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
     each group attends as a call of its own shape would. packed_attention: how a packed call's tokens attend
     (PACKED_ATTENTION).
     """
-    q, k, v = project_qkv(cfg, w, x, rope)
+    q_delta, gate_delta = query_deltas(cfg, w.get("lora"), x)
+    q, k, v = project_qkv(cfg, w, x, rope, q_delta)
     kv = kv_cache_write(kv, k, v, inputs.window_slot_mapping if ring_pages else inputs.slot_mapping, layer)
     common = dict(scale=cfg.query_scale, window=window or None, soft_cap=cfg.attention.softcap or None,
                   ring=bool(ring_pages), sinks=w["sinks"] if cfg.attention.sinks else None)
@@ -311,7 +316,7 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
             B, T = g.token_ids.shape
             parts.append(attend(q[0, offset:offset + B * T].reshape(B, T, *q.shape[2:]), g).reshape(B * T, -1))
         o = jnp.concatenate(parts).reshape(1, x.shape[1], *q.shape[2:])
-    return attention_output(cfg, w, x, o), kv
+    return attention_output(cfg, w, x, o, gate_delta), kv
 
 
 def mixed_inputs(groups: tuple[StepInputs, ...]) -> tuple[StepInputs, tuple[tuple[int, StepInputs], ...]]:
@@ -351,7 +356,8 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
     history = jnp.where(fresh[:, None, None], 0.0, history)
     state = jnp.where(fresh[:, None, None, None], 0.0, state)
     each, history0 = per_position("recurrent") in pools, history     # each: a verify call (export/_verify.py)
-    qkv = linear(x, w["in_qkv"])                                        # [B, T, C]
+    la = w.get("lora")
+    qkv = plus(linear(x, w["in_qkv"]), delta(la, "in_proj_qkv", x))    # [B, T, C]
     if T == 1:
         y, history = causal_conv1d_update(qkv[:, 0], w["conv"], None, history, valid=live[:, 0],
                                           activation=cfg.hidden_act)
@@ -362,9 +368,9 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
     q = y[..., :Kh * Dk].reshape(B, T, Kh, Dk)
     k = y[..., Kh * Dk:2 * Kh * Dk].reshape(B, T, Kh, Dk)
     v = y[..., 2 * Kh * Dk:].reshape(B, T, Hv, Dv)
-    beta = jax.nn.sigmoid(linear(x, w["in_b"]))                         # [B, T, Hv]
+    beta = jax.nn.sigmoid(plus(linear(x, w["in_b"]), delta(la, "in_proj_b", x)))        # [B, T, Hv]
     g = -jnp.exp(w["a_log"].astype(jnp.float32)) * jax.nn.softplus(
-        linear(x, w["in_a"]) + w["dt_bias"].astype(jnp.float32))        # log decay <= 0
+        plus(linear(x, w["in_a"]), delta(la, "in_proj_a", x)) + w["dt_bias"].astype(jnp.float32))   # log decay <= 0
     if T == 1 or each:
         o, state = gated_delta_rule_recurrent(q, k, v, g, beta, state, valid=live, each=each)
     else:
@@ -373,22 +379,13 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
         pools = keep_per_position(pools, layer, conv=causal_conv1d_histories(qkv, history0, valid=live), recurrent=state)
         state = state[:, -1]
     # The gated norm (a plain (w) RMSNorm over each head, whatever the model's norm_offset) times silu(z).
-    z = linear(x, w["in_z"]).reshape(B, T, Hv, Dv)
+    z = plus(linear(x, w["in_z"]), delta(la, "in_proj_z", x)).reshape(B, T, Hv, Dv)
     o = rms_norm(o, w["norm"], cfg.rms_norm_eps) * jax.nn.silu(z)
     pools = {**pools,
              "conv": pools["conv"].at[layer, slots].set(history, mode="drop"),
              "recurrent": pools["recurrent"].at[layer, slots].set(state, mode="drop")}
-    return reduce_shards(cfg, linear(o.reshape(B, T, Hv * Dv), w["out_proj"])), pools
-
-
-def _call_adapters(inputs: StepInputs | tuple[StepInputs, ...]) -> tuple[dict | None, jax.Array | None]:
-    """A call's adapter buffers and each token's slot, laid out as the call's tokens (mixed: [1, N]); (None, None)
-    without adapters."""
-    gs = (inputs,) if isinstance(inputs, StepInputs) else inputs
-    if gs[0].adapters is None:
-        return None, None
-    slots = [token_slots(g.lora_slots, g.token_ids, g.pack_index) for g in gs]
-    return gs[0].adapters, slots[0] if len(gs) == 1 else jnp.concatenate([s.reshape(1, -1) for s in slots], 1)
+    o = o.reshape(B, T, Hv * Dv)
+    return reduce_shards(cfg, plus(linear(o, w["out_proj"]), delta(la, "out_proj", o))), pools
 
 
 def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs | tuple[StepInputs, ...], *,
@@ -405,7 +402,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     rows in order. packed_attention: one of PACKED_ATTENTION, how a packed call's tokens attend.
     """
     groups = ()
-    adapters, slots = _call_adapters(inputs)
+    adapters, slots = call_adapters(inputs)
     if isinstance(inputs, tuple) and not isinstance(inputs, StepInputs):
         if not supports_mixed_calls(cfg) or all_positions:
             raise ValueError(f"{cfg.model_type}: a call of several row shapes runs paged attention layers only, "
@@ -439,7 +436,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
             a = attention_input(cfg, lw, h)
             aw = _layer_slice(weights, lp.group, lp.weights.index(i))
             if adapters is not None:
-                lw["lora"] = aw["lora"] = layer_adapters(adapters, slots, lp.layer.index(i))
+                lw["lora"] = aw["lora"] = layer_adapters(adapters, slots, plan_index(lp, i))
             if lp.kind == LINEAR:
                 a, pools = _linear_attention(cfg, aw, a, pools, lp.pool.index(i), inputs)
             elif cfg.latent:

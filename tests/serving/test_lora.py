@@ -1,9 +1,9 @@
 """LoRA adapters in an artifact's slots (export max_loras): greedy ids with an adapter are transformers' on the
-checkpoint with that adapter merged (W + scale B A, f32; near-tie rule, tests/support/oracle.py) for llama and
-qwen3, alone and in one batch with base rows and another adapter's rows; a control that swaps two rows' slots must
-fail. Adapters loaded, unloaded and replaced while requests run: none is lost, each runs with the adapter it
-picked, and no slot stays held. PEFT adapters the slots cannot hold, and manifests whose lora inputs disagree with
-their record, are refused by name."""
+checkpoint with that adapter merged (W + scale B A, f32; near-tie rule, tests/support/oracle.py) for llama, qwen3
+and qwen3_5 (its gated query and linear-attention projections too), alone and in one batch with base rows and
+another adapter's rows; a control that swaps two rows' slots must fail. Adapters loaded, unloaded and replaced
+while requests run: none is lost, each runs with the adapter it picked, and no slot stays held. PEFT adapters the
+slots cannot hold, and manifests whose lora inputs disagree with their record, are refused by name."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 import pytest
 
 from hf_models import build_checkpoint, load_hf_torch, torch_greedy
-from lora_adapters import merged_model, write_peft
+from lora_adapters import ATTENTION, LINEAR, MLP, merged_model, write_peft
 from oracle import GreedyMismatch, check_greedy_batch
 from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint
@@ -26,15 +26,17 @@ NEW = 8
 RANK = 4
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_5_text"])
 def served(request, tmp_path_factory):
     """A checkpoint, three adapters (a2 of rank 2 < RANK with rsLoRA scaling), an artifact of 2 slots, and the
-    oracles' ids per adapter (None: the base model)."""
+    oracles' ids per adapter (None: the base model). Qwen3.5's adapters also take its gated q_proj (query and gate
+    halves) and the Gated DeltaNet layers' projections, which only some layers have."""
     from tlaloc_jax.export import export_checkpoint
     root = tmp_path_factory.mktemp(request.param)
     ck = build_checkpoint(root / "ck", request.param, seed=61)
-    adapters = {"a1": write_peft(root / "a1", ck, seed=1, rank=RANK, alpha=8),
-                "a2": write_peft(root / "a2", ck, seed=2, rank=2, alpha=4, use_rslora=True),
+    every = ATTENTION + MLP + (LINEAR if request.param == "qwen3_5_text" else ())
+    adapters = {"a1": write_peft(root / "a1", ck, seed=1, rank=RANK, alpha=8, targets=every),
+                "a2": write_peft(root / "a2", ck, seed=2, rank=2, alpha=4, use_rslora=True, targets=every),
                 "a3": write_peft(root / "a3", ck, seed=3, rank=RANK, alpha=4, targets=("q_proj", "v_proj"))}
     art = root / "art"
     export_checkpoint(ck, art, batch_ladder=(1, 4), context_ladder=(64,), block_size=8, prefill_chunk=16,
@@ -223,3 +225,30 @@ def test_adapters_with_speculative_tokens_are_refused_by_name(served, tmp_path):
                           prefill_chunk=16, prefill_long_chunk=0, progress=False, max_loras=2, max_lora_rank=RANK,
                           speculative_tokens=2)
     assert not (tmp_path / "both" / af.MANIFEST_NAME).exists()
+
+
+@pytest.mark.parametrize("family, targets, match", [
+    ("deepseek_v3", None, "deepseek_v3 has latent attention"),
+    ("qwen3_next", None, "qwen3_next has interleaved linear-attention projections"),
+    ("qwen3_moe", ("q_proj", "gate_proj"), "qwen3_moe has mixture-of-experts MLPs"),
+    ("llama", ("q_proj", "in_proj_qkv"), r"\['in_proj_qkv'\] name projections llama has in no layer"),
+])
+def test_projections_without_an_adapter_form_are_refused_by_name(tmp_path, family, targets, match):
+    from tlaloc_jax.config import ConfigError
+    from tlaloc_jax.lora import decoder_lora
+    cfg = load_checkpoint(build_checkpoint(tmp_path / "ck", family, seed=1))[0]
+    with pytest.raises(ConfigError, match=match):
+        decoder_lora(cfg, 2, RANK, targets)
+
+
+def test_qwen3_5_stages_each_projection_on_the_layers_that_have_it(tmp_path):
+    """Default targets: every projection the model has; the attention ones on its full-attention layers only, the
+    Gated DeltaNet ones on its linear layers, the MLP ones on all; the gated q_proj twice the query's width."""
+    from tlaloc_jax.lora import DECODER_TARGETS, decoder_lora
+    cfg = load_checkpoint(build_checkpoint(tmp_path / "ck", "qwen3_5_text", seed=1))[0]
+    record = decoder_lora(cfg, 2, RANK).record()
+    layers = {t.name: t.layer_ids for t in record.targets}
+    assert set(layers) == set(DECODER_TARGETS)
+    assert layers["q_proj"] == (3, 7) and layers["in_proj_qkv"] == (0, 1, 2, 4, 5, 6)
+    assert layers["down_proj"] == tuple(range(8)) and record.target("down_proj").model_layers == ()
+    assert record.target("q_proj").outputs == 2 * cfg.num_heads * cfg.head_dim

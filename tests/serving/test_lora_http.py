@@ -106,3 +106,38 @@ def test_an_artifact_without_slots_refuses_adapters(http_artifacts, lora_artifac
     with pytest.raises(LoraError, match="has no LoRA adapter slots, so it cannot serve adapters \\['a1'\\]"):
         Engine(http_artifacts[1], progress=False, cache_dir=serve_cache_dir,
                lora_modules={"a1": lora_artifact[1]["a1"]})
+
+
+def _lora_info(text: str):
+    """The vllm:lora_requests_info samples of a /metrics text: [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return [(s.labels, s.value) for f in text_string_to_metric_families(text) if f.name == "vllm:lora_requests_info"
+            for s in f.samples]
+
+
+def test_lora_requests_info_names_running_and_waiting_adapters(engine):
+    """vLLM's gauge: labels max_lora, running_lora_adapters and waiting_lora_adapters (comma-separated names of the
+    adapters with requests running or waiting, in their order; base-model requests name none), its value the time
+    it was read. One slot and two rows a call: a1 and the base request run, a1-json (another load) waits for the
+    slot and the second a1 request for a row."""
+    import time
+
+    from prometheus_client import generate_latest
+
+    from tlaloc_jax.serve.metrics import Metrics
+    metrics = Metrics("base")
+    for lora in ("a1", None, "a1-json", "a1"):
+        engine.add_request(PROMPT, 6, lora=lora)
+    engine.step()
+    before = time.time()
+    metrics.engine.snapshot = dict(engine.stats(), cold_entries=0)     # as the loop's snapshot
+    (labels, value), = _lora_info(generate_latest(metrics.registry).decode())
+    assert labels == {"max_lora": "1", "running_lora_adapters": "a1", "waiting_lora_adapters": "a1-json,a1"}
+    assert engine.stats()["lora"]["waiting"] == {"a1-json": 1, "a1": 1}
+    assert before <= value <= time.time()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["lora"] == dict(max_lora=1, running={}, waiting={})
+    with InProcess(engine, tokenizer=None, model_name="base") as srv:
+        (labels, _), = _lora_info(srv.client.get("/metrics").text)
+        assert labels == {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}

@@ -19,7 +19,8 @@ MAX_JSON_DEPTH = 32
 
 # Fields an artifact without the feature leaves unset and out of its JSON, so that it reads as it did before: meshes,
 # native kernels; the body files a runtime does not open, written only when the export asks for them.
-UNSET_FIELDS = ("lora", "mesh", "partition", "shards", "custom_calls", "body", "body_sha256", "exported", "exported_sha256",
+UNSET_FIELDS = ("lora", "model_layers", "mesh", "partition", "shards", "custom_calls", "body", "body_sha256",
+                "exported", "exported_sha256",
                 "program", "program_sha256")
 
 

@@ -246,13 +246,20 @@ class ScorerShape:
 
 @dataclass(frozen=True)
 class LoraTarget:
-    """One projection that takes adapters: its name (q_proj, ...), the model layers stacked in its buffers, and its
-    input and output widths."""
+    """One projection that takes adapters: its name (q_proj, ...), how many layers' buffers it has, its input and
+    output widths, and the model layers those buffers hold in order (empty: layers 0..layers-1; a hybrid's
+    attention or linear-attention projections are in some layers only)."""
 
     name: str
     layers: int
     inputs: int
     outputs: int
+    model_layers: tuple[int, ...] = ()
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """The model layer each of its buffers holds."""
+        return self.model_layers or tuple(range(self.layers))
 
 
 @dataclass(frozen=True)

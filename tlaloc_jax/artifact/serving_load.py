@@ -228,6 +228,10 @@ def _check_lora(m: Manifest) -> None:
         if min(t.layers, t.inputs, t.outputs) < 1:
             raise ManifestError(f"lora target {t.name!r} has layers {t.layers}, inputs {t.inputs}, outputs "
                                 f"{t.outputs}; each must be >= 1")
+        ids = t.model_layers
+        if ids and (len(ids) != t.layers or list(ids) != sorted(set(ids)) or ids[0] < 0):
+            raise ManifestError(f"lora target {t.name!r} has model_layers {list(ids)}; it must name its {t.layers} "
+                                "layers once each, ascending")
     if m.mesh is not None:
         raise ManifestError("lora adapters are served on one device; the manifest has a mesh")
 

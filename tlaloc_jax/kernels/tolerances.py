@@ -191,9 +191,11 @@ def lora_roundings(cfg, rank: int) -> int:
     """What LoRA adapters on every projection of every layer add to decoder_roundings_of's path, against the
     adapter merged into the weights (W + scale B A): per projection of I inputs, x A (I terms), its product with B
     (rank terms), the scale and the add; per layer the longest such chain of the attention's input projection, its
-    output projection, the gate or up projection and the down projection."""
+    output projection (a linear-attention layer's may be wider), the gate or up projection and the down
+    projection."""
     E, F, HD = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
-    per_layer = sum(i + rank + 2 for i in (E, HD, E, F))
+    out = max(HD, cfg.linear.value_heads * cfg.linear.value_dim)
+    per_layer = sum(i + rank + 2 for i in (E, out, E, F))
     return cfg.num_layers * per_layer
 
 
