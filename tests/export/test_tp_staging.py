@@ -158,7 +158,7 @@ def test_control_a_gathered_weight_fails_the_check(llama_tp2, tmp_path, monkeypa
     from tlaloc_jax.layers import OutMajor
     real = decoder.linear
 
-    def attention_output(cfg, w, x, o):
+    def attention_output(cfg, w, x, o, gate_delta=None):
         B, T, H, D = o.shape
         whole = jax.lax.all_gather(w["o_proj"].out_in, cfg.shard_axis, axis=1, tiled=True)
         o_all = jax.lax.all_gather(o.reshape(B, T, H * D), cfg.shard_axis, axis=2, tiled=True)
