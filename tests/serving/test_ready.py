@@ -7,6 +7,7 @@ no entry is left to compile, and the ids are the lazily compiled engine's. Contr
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -22,6 +23,7 @@ import pypjrt
 import pytest
 
 from http_util import InProcess
+from tlaloc_jax import artifact as af
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve import readiness as readiness_mod
 from tlaloc_jax.serve.readiness import MAX_RETRY_AFTER_S, Readiness
@@ -144,12 +146,30 @@ def test_a_warm_start_compiles_nothing_and_is_ready_at_once(http_artifacts, tmp_
         assert counts["compile"] == n
 
 
+def _not_first_of_its_kind(entries):
+    """An entry a load does not compile (the first of each kind compiles at load, Runner._compile_kinds): the damaged
+    file must stay to compile. Which file sorts first depends on the bodies' hashes, which hold the checkout's paths."""
+    first = {}
+    for e in entries:
+        first.setdefault(e.kind, e)
+    return next(e for e in entries if first[e.kind] is not e and e.kind != af.EntryKind.PREFILL_SCORED)
+
+
+def _cache_file(engine, entry):
+    device = engine.runner.device
+    body = engine.runner._body(entry)
+    digest = hashlib.sha256(body).hexdigest()
+    path = device._cache._path(device._cache.key(digest, device.compile_options_bytes(body)))
+    assert path.is_file(), entry.name
+    return path
+
+
 def test_a_damaged_cache_entry_is_compiled_before_ready(http_artifacts, tmp_path):
     """A cache file that fails its check does not count as compiled: that entry compiles before /health answers 200
     (the others, intact, load on first use)."""
     with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as engine:
         engine.compile_all()
-    damaged = sorted(tmp_path.glob("*.pypjrta"))[0]
+        damaged = _cache_file(engine, _not_first_of_its_kind(engine.manifest.entries))
     damaged.write_bytes(damaged.read_bytes()[:-64] + bytes(64))
     with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as engine:
         assert len(engine.entries_to_compile()) == 1
