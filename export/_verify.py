@@ -58,9 +58,8 @@ def verify_signature(inputs: Sequence[af.TensorSig], *, batch: int, tokens: int,
 def accepted_drafts(greedy: jax.Array, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
     """greedy, token_ids, positions [B, T] (rows right-aligned, position -1 before a row's tokens) -> [B] int32: how
     many drafts (a row's tokens after its first) match greedy[t] == token_ids[t + 1] from the row's start on."""
-    pad = positions[:, :-1] < 0
-    ok = (greedy[:, :-1] == token_ids[:, 1:]) | pad
-    return (jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1) - jnp.sum(pad, axis=1)).astype(jnp.int32)
+    # Column t tests the draft after it; accepted_prefix never reads the last column (the roll's wrapped one).
+    return rejection_sampler.accepted_prefix(greedy == jnp.roll(token_ids, -1, axis=1), positions)
 
 
 def accepted_index(positions: jax.Array, accepted: jax.Array) -> jax.Array:
