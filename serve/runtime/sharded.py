@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -22,6 +24,8 @@ from .pjrt import Device
 
 Placed = Buffer | tuple[Buffer, ...]
 HUGE_PAGE = 2 << 20
+#: Threads reading the weight files at load.
+READ_THREADS = min(2, os.cpu_count() or 1)
 
 
 def device_count_mismatch(m: af.Manifest, devices: int) -> str:
@@ -129,7 +133,11 @@ def upload_weights(device: Device, root: Path, weights: Sequence[af.WeightFile],
     huge = device.host_memory and huge_pages_offered()
     read_in = [huge and n >= HUGE_PAGE for n in sizes]
     arena = iter(host_arena([n for n, r in zip(sizes, read_in) if r]))
-    arrays = iter([_read(path, w, shape, next(arena) if r else None) for (w, path, shape), r in zip(files, read_in)])
+    jobs = [(path, w, shape, next(arena) if r else None) for (w, path, shape), r in zip(files, read_in)]
+    # Reads in threads (readinto releases the GIL): the fresh memory's page faults, and the reclaim a host short of
+    # free memory does in them, run on more than one CPU. map keeps the files' order.
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        arrays = iter(list(pool.map(lambda job: _read(*job), jobs)))
     placed: dict[str, Placed] = {}
     for w in weights:
         if w.shards:
