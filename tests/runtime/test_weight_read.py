@@ -1,6 +1,7 @@
 """Issue 59, warm start: the weight files are read at load by several threads (sharded.upload_weights), each into its
 run of the huge-page arena. Every weight then holds its own file's bytes, in its own slot; the control hands the
-reads back out of order (a pool that gives results as they finish) and the check catches it."""
+reads back out of order (a pool that gives results as they finish) and the check catches it. Without the arena
+(--map-weights) every weight is its own file's mapping, nothing read in."""
 
 from __future__ import annotations
 
@@ -59,3 +60,17 @@ def test_control_reads_handed_back_out_of_order_are_caught(dev, weights, monkeyp
     monkeypatch.setattr(sharded, "ThreadPoolExecutor", Unordered)
     placed = sharded.upload_weights(dev, root, files, None)
     assert sorted(_wrong_slots(dev, placed, values)) == sorted(values)
+
+
+def test_without_the_arena_every_weight_is_its_files_mapping(dev, weights, monkeypatch):
+    root, files, values = weights
+    monkeypatch.setattr(sharded, "huge_pages_offered", lambda: True)     # where the arena would take the large ones
+    for arena in (False, True):
+        before = len(dev._adopted)
+        placed = sharded.upload_weights(dev, root, files, None, arena=arena)
+        assert _wrong_slots(dev, placed, values) == []
+        mapped = [a for a in dev._adopted[before:] if isinstance(a.base, np.memmap)]   # adopt took np.asarray
+        big = sum(v.nbytes >= sharded.HUGE_PAGE for v in values.values())
+        # Control (arena=True): the weights of 2 MiB or more are read into fresh memory, not their files' mappings.
+        assert len(mapped) == len(values) - (big if arena else 0) and big > 0
+        assert all(not a.flags.writeable for a in mapped)
