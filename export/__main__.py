@@ -147,6 +147,9 @@ def main(argv=None) -> int:
                          "without compiling again (default 0: none)")
     ap.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
                     help="the largest adapter rank the slots hold (default 16); smaller ranks are zero-padded")
+    ap.add_argument("--lora-dtype", choices=["f32", "bf16"], default=None,
+                    help="the dtype the adapter slots hold A and B in (default bf16: a step with an adapter row reads "
+                         "every slot, and bf16 halves those bytes; docs/lora.md)")
     ap.add_argument("--lora-target-modules", type=lambda t: [m for m in t.split(",") if m], default=None,
                     metavar="q_proj,...", help="the projections that take adapters (default: every one the model has of "
                                                "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj and "
@@ -214,6 +217,7 @@ def main(argv=None) -> int:
                               packed=False if args.no_packed else None, entries=args.entries,
                               tensor_parallel=args.tensor_parallel, mlir=args.mlir, exported=args.exported,
                               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                              lora_dtype=dtypes[args.lora_dtype] if args.lora_dtype else None,
                               **({"lora_target_modules": args.lora_target_modules} if args.lora_target_modules else {}),
                               speculative_tokens=args.speculative_tokens)
     except (ExportError, CheckpointError, ConfigError) as e:
