@@ -257,7 +257,7 @@ class ModelRunner:
         return events
 
     def _count_drafts(self, s: Request, drafted: int, accepted: int) -> None:
-        """vLLM's spec-decode counters, and the sequence's own (it stops drafting when few are accepted)."""
+        """vLLM's spec-decode counters, and the sequence's own (it backs off, or stops, when few are accepted)."""
         st = self.stats
         st["spec_decode_num_drafts"] += 1
         st["spec_decode_num_draft_tokens"] += drafted
@@ -266,5 +266,4 @@ class ModelRunner:
         per.extend([0] * (drafted - len(per)))
         for i in range(accepted):
             per[i] += 1
-        s.spec.drafted += drafted
-        s.spec.accepted += accepted
+        s.spec.verified(drafted, accepted, len(s.generated))
