@@ -150,8 +150,13 @@ def check_artifact_config(vllm_config) -> af.Manifest:
                        ("--data-parallel-size", parallel.data_parallel_size)):
         if size != 1:
             raise ArtifactRefused(f"{name} {size}: an artifact runs on one device")
+    if vllm_config.speculative_config is not None:
+        # vLLM's drafts are not passed to the artifact's verify entries: the runtime's own server speculates.
+        raise ArtifactRefused("--speculative-config: the tlaloc platform does not run vLLM's drafts; leave it out, or "
+                              "serve the artifact with python -m tlaloc_jax.serve --speculative-config '{\"method\": "
+                              "\"ngram\", \"num_speculative_tokens\": K}' (its verify entries: export "
+                              "--speculative-tokens K)")
     features = [("LoRA adapters (--enable-lora)", vllm_config.lora_config is not None),
-                ("speculative decoding (--speculative-config)", vllm_config.speculative_config is not None),
                 ("multimodal inputs", model_config.is_multimodal_model),
                 ("prompt embeddings (--enable-prompt-embeds)", model_config.enable_prompt_embeds),
                 (f"the {model_config.runner_type!r} runner", model_config.runner_type != "generate"),
