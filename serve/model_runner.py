@@ -238,7 +238,8 @@ class ModelRunner:
             if not 0 <= n <= len(drafts):
                 events.append(self.fail(s, f"{e.name} accepted {n} of {len(drafts)} drafts"))
                 continue
-            self._count_drafts(s, len(drafts), n)
+            if drafts:                         # a row without drafts rode along for its next token
+                self._count_drafts(s, len(drafts), n)
             # The accepted drafts, then the target's own token after them.
             for i, tok in enumerate(drafts[:n] + [int(out[af.Role.VERIFY_TOKENS][b, col + n])]):
                 if not 0 <= tok < self.vocab:

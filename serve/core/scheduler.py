@@ -268,7 +268,12 @@ class Scheduler:
             work.append(Work(s, s.computed, n))
             budget -= n
         everyone = not self.waiting and len(work) == len(self.running)
-        return Step(restores, self.planner.plan(work, everyone))
+        return Step(restores, self.planner.plan(work, everyone, self._may_ride if self.speculative else None))
+
+    def _may_ride(self, s: Request) -> bool:
+        """Whether a decoding sequence without drafts may take its token from a verify call's row: plain greedy (its
+        token the row's argmax, however the call's other rows sample), no grammar, the logprobs the entries return."""
+        return s.constraint is None and s.sampling.plain and (s.sampling.logprobs or 0) <= self.verify_top_logprobs
 
     def usage(self) -> float:
         """The fraction of the first pool kind's units held by sequences (vllm:kv_cache_usage_perc)."""

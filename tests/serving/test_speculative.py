@@ -304,6 +304,38 @@ def test_a_sequence_whose_drafts_are_never_accepted_backs_off(artifact, serve_ca
     assert asked == [1, 1 + BACKOFF_TOKENS, 1 + BACKOFF_TOKENS * (1 + BACKOFF_GROWTH)]
     assert st["verify_calls"] == 3 and st["spec_decode_num_accepted_tokens"] == 0
 
+
+@pytest.mark.parametrize("artifact", ["llama"], indirect=True)
+def test_a_row_without_drafts_rides_in_the_verify_call_of_a_row_with_them(artifact, serve_cache_dir, monkeypatch):
+    """Two sequences decoding together, drafts (right ones) for the first only: each step it drafts runs one verify
+    call holding both rows, not a verify call and a decode call, and the ids are plain decoding's. Control: with
+    riding refused (Scheduler._may_ride) the same steps run both calls."""
+    from tlaloc_jax.serve.core.scheduler import Scheduler
+    prompts = _prompts(2)
+    with _engine(artifact, serve_cache_dir) as eng:
+        want = eng.generate(prompts, 24)
+    full = prompts[0] + want[0]
+
+    def first_only(tokens, k, lookup_min, lookup_max):
+        tokens = list(tokens)
+        return full[len(tokens):len(tokens) + k] if full[:len(tokens)] == tokens else []
+    monkeypatch.setattr(speculative, "propose_ngram", first_only)
+
+    def both_calls() -> int:
+        """Steps of the run that ran a verify call and a decode call (asserting the ids)."""
+        with _engine(artifact, serve_cache_dir, speculative_config=NGRAM) as eng:
+            rids, both = [eng.add_request(p, 24) for p in prompts], 0
+            while eng.has_unfinished():
+                before = eng.stats()
+                eng.step()
+                after = eng.stats()
+                both += all(after[c] > before[c] for c in ("verify_calls", "decode_calls"))
+            assert [eng.output(r) for r in rids] == want and after["spec_decode_num_accepted_tokens"] > 0
+            return both
+    assert both_calls() == 0
+    monkeypatch.setattr(Scheduler, "_may_ride", lambda self, s: False)
+    assert both_calls() > 0
+
 @pytest.mark.parametrize("artifact", ["llama"], indirect=True)
 def test_stop_ids_and_max_tokens_are_never_passed_and_logprobs_are_the_emitted_tokens(artifact, serve_cache_dir,
                                                                                       copying):
