@@ -3,16 +3,24 @@ serve --speculative-config) on the demo model (tlaloc_jax/demo_model, trained on
 on (a) a copy-heavy workload, a code excerpt given and then begun again (the model continues by copying it), and
 (b) open generation, the start of a function to write, and (c) nothing accepted: the copy-heavy prompts with every
 draft shifted to the next token id, which the model does not continue with (what speculation costs a sequence
-before it stops drafting, serve/speculative.SpecState); with the drafts' acceptance rate. Both engines run in one
-process, rounds interleaved; each round checks that speculation's ids equal plain decoding's.
+while it backs off and before it stops drafting, serve/speculative.SpecState); with the drafts' acceptance rate and
+the verify rows a sequence ran. Both engines run in one process, rounds interleaved; each round checks that
+speculation's ids equal plain decoding's. Tokens/s are by wall time, and by this process's CPU time beside them (on
+a busy machine the wall time also counts waiting for a core).
+
+--peer llama.cpp adds llama.cpp on the same checkpoint (bench/speculative_peer.py): the copy-heavy workload at batch
+1, plain and with llama-cpp-python's prompt lookup decoding, interleaved with this runtime's runs; its greedy ids
+with lookup must equal its own without.
 
     python -m bench.speculative [--work /tmp/tlaloc-spec-bench] [--k 4] [--new 96] [--rounds 3] [--only never]
+    LLAMA_CPP_LIB_PATH=<dir of libllama.so> python -m bench.speculative --only copy-heavy --peer llama.cpp
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import time
@@ -52,12 +60,48 @@ def never_accepted(vocab: int):
                              lambda *args: [(t + 1) % vocab for t in real(*args)])
 
 
-def run(eng, prompts, batch: int, new: int) -> tuple[list[list[int]], float, int]:
-    """-> (ids, seconds, tokens): the prompts in groups of `batch`, each group generated together."""
-    out, t0 = [], time.perf_counter()
+def run(generate, prompts, batch: int, new: int) -> tuple[list[list[int]], float, float, int]:
+    """-> (ids, wall seconds, CPU seconds of this process, tokens): the prompts in groups of `batch`, each group
+    generated together by generate(prompts, new)."""
+    out, t0, c0 = [], time.perf_counter(), time.process_time()
     for i in range(0, len(prompts), batch):
-        out += eng.generate(prompts[i:i + batch], new)
-    return out, time.perf_counter() - t0, sum(map(len, out))
+        out += generate(prompts[i:i + batch], new)
+    return out, time.perf_counter() - t0, time.process_time() - c0, sum(map(len, out))
+
+
+def interleaved(systems: dict, prompts, batch: int, new: int, rounds: int, check) -> dict[str, dict]:
+    """Each system (name -> (generate, context manager around its runs, its engine or None)) on the prompts, in turn,
+    rounds + 1 times (the first warms up and is not counted); check(name, ids) after every run. -> per system: the
+    median tokens/s by wall and by CPU time, and its engine's spec-decode counters summed over the counted rounds."""
+    rates = {name: {"wall": [], "cpu": [], "drafted": 0, "accepted": 0, "rows": 0} for name in systems}
+    for r in range(rounds + 1):
+        for name, (generate, around, eng) in systems.items():
+            before = eng.stats() if eng is not None else None
+            with around():
+                ids, wall, cpu, n = run(generate, prompts, batch, new)
+            check(name, ids)
+            if r == 0:
+                continue
+            rates[name]["wall"].append(n / wall)
+            rates[name]["cpu"].append(n / cpu)
+            if eng is not None:
+                after = eng.stats()
+                for key, stat in (("drafted", "spec_decode_num_draft_tokens"),
+                                  ("accepted", "spec_decode_num_accepted_tokens"), ("rows", "spec_decode_num_drafts")):
+                    rates[name][key] += after[stat] - before[stat]
+    for v in rates.values():
+        v["wall"], v["cpu"] = statistics.median(v["wall"]), statistics.median(v["cpu"])
+    return rates
+
+
+def report(name: str, batch: int, rates: dict, base: str, spec: str, sequences: int) -> None:
+    p, s = rates[base], rates[spec]
+    print(f"{name:>10} batch {batch}: {base} {p['wall']:6.1f} tok/s, {spec} {s['wall']:6.1f} tok/s "
+          f"({s['wall'] / p['wall']:.2f}x; by CPU time {s['cpu'] / p['cpu']:.2f}x)", end="")
+    if s["rows"] or s["drafted"]:
+        print(f"; drafts accepted {s['accepted']}/{s['drafted']} ({s['accepted'] / max(s['drafted'], 1):.0%}), "
+              f"{s['rows'] / sequences:.1f} verify rows a sequence", end="")
+    print(flush=True)
 
 
 def main(argv=None) -> None:
@@ -70,6 +114,12 @@ def main(argv=None) -> None:
     ap.add_argument("--new", type=int, default=96, help="tokens generated per prompt")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", choices=("copy-heavy", "open", "never"), default=None, help="run one workload")
+    ap.add_argument("--peer", choices=("llama.cpp",), default=None,
+                    help="also run llama.cpp plain and with its prompt lookup decoding (bench/speculative_peer.py) on "
+                         "the copy-heavy workload at batch 1, interleaved with this runtime's runs")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="llama.cpp's threads (its threads spin at a barrier and stall when another process takes a "
+                         "core of a busy machine)")
     a = ap.parse_args(argv)
 
     from tokenizers import Tokenizer
@@ -94,25 +144,51 @@ def main(argv=None) -> None:
         for name, prompts in loads.items():
             if a.only not in (None, name):
                 continue
-            shifted = never_accepted(tok.get_vocab_size()) if name == "never" else contextlib.nullcontext()
+            shifted = (lambda: never_accepted(tok.get_vocab_size())) if name == "never" else contextlib.nullcontext
             for batch in (1, 4):
-                rates = {"plain": [], "ngram": []}
-                drafted = accepted = 0
-                for _ in range(a.rounds + 1):        # the first round warms both up and is not counted
-                    want, dt, n = run(plain, prompts, batch, a.new)
-                    rates["plain"].append(n / dt)
-                    before = spec.stats()
-                    with shifted:
-                        got, dt, n = run(spec, prompts, batch, a.new)
-                    rates["ngram"].append(n / dt)
-                    after = spec.stats()
-                    assert got == want, f"{name} batch {batch}: speculation changed the ids"
-                    drafted += after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-                    accepted += after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-                p, s = (statistics.median(rates[k][1:]) for k in ("plain", "ngram"))
-                print(f"{name:>10} batch {batch}: plain {p:6.1f} tok/s, ngram {s:6.1f} tok/s ({s / p:.2f}x); "
-                      f"drafts accepted {accepted}/{drafted} ({accepted / max(drafted, 1):.0%})", flush=True)
+                want: dict[str, list] = {}
 
+                def check(system, ids):
+                    want.setdefault("plain", ids)
+                    assert ids == want["plain"], f"{name} batch {batch}: {system} changed the ids"
+                systems = {"plain": (plain.generate, contextlib.nullcontext, None),
+                           "ngram": (spec.generate, shifted, spec)}
+                rates = interleaved(systems, prompts, batch, a.new, a.rounds, check)
+                report(name, batch, rates, "plain", "ngram", len(prompts) * a.rounds)
+        if a.peer:
+            peer_rounds(a, loads["copy-heavy"], plain, spec)
+
+
+def peer_rounds(a, prompts, plain, spec) -> None:
+    """The copy-heavy workload at batch 1 on both engines, plain and speculating, interleaved."""
+    from bench.speculative_peer import LlamaCppLookup, demo_gguf
+    from tlaloc_jax.checkpoint import DEMO_MODEL
+
+    gguf = demo_gguf(DEMO_MODEL, Path(a.work))
+    context = plain.scheduler.max_context
+    lcpp = LlamaCppLookup(gguf, context=context, threads=a.threads)
+    lookup = LlamaCppLookup(gguf, context=context, threads=a.threads, lookup=a.k, lookup_max=a.lookup_max)
+    ids: dict[str, list] = {}
+
+    def check(system, got):
+        ids.setdefault(system, got)
+        assert got == ids[system], f"{system}: its greedy ids changed between rounds"
+        partner = {"ngram": "plain", "llama.cpp lookup": "llama.cpp"}.get(system)
+        assert partner is None or got == ids[partner], f"{system} changed the ids of {partner}"
+    systems = {"plain": (plain.generate, contextlib.nullcontext, None),
+               "ngram": (spec.generate, contextlib.nullcontext, spec),
+               "llama.cpp": (lcpp.generate, contextlib.nullcontext, None),
+               "llama.cpp lookup": (lookup.generate, contextlib.nullcontext, None)}
+    rates = interleaved(systems, prompts, 1, a.new, a.rounds, check)
+    print(f"against llama.cpp ({a.threads} thread(s), lookup of {a.k} drafts from n-grams of 1-{a.lookup_max}), "
+          "copy-heavy, batch 1:")
+    report("tlaloc-jax", 1, rates, "plain", "ngram", len(prompts) * a.rounds)
+    report("llama.cpp", 1, rates, "llama.cpp", "llama.cpp lookup", len(prompts) * a.rounds)
+    agree = [sum(1 for _ in itertools.takewhile(lambda t: t[0] == t[1], zip(x, y)))
+             for x, y in zip(ids["plain"], ids["llama.cpp"])]
+    print(f"tlaloc-jax / llama.cpp tokens/s: plain {rates['plain']['wall'] / rates['llama.cpp']['wall']:.2f}x, "
+          f"speculating {rates['ngram']['wall'] / rates['llama.cpp lookup']['wall']:.2f}x; greedy ids agree for the "
+          f"first {agree} tokens of {[len(x) for x in ids['plain']]}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -238,7 +238,8 @@ class ModelRunner:
             if not 0 <= n <= len(drafts):
                 events.append(self.fail(s, f"{e.name} accepted {n} of {len(drafts)} drafts"))
                 continue
-            self._count_drafts(s, len(drafts), n)
+            if drafts:                         # a row without drafts rode along for its next token
+                self._count_drafts(s, len(drafts), n)
             # The accepted drafts, then the target's own token after them.
             for i, tok in enumerate(drafts[:n] + [int(out[af.Role.VERIFY_TOKENS][b, col + n])]):
                 if not 0 <= tok < self.vocab:
@@ -257,7 +258,7 @@ class ModelRunner:
         return events
 
     def _count_drafts(self, s: Request, drafted: int, accepted: int) -> None:
-        """vLLM's spec-decode counters, and the sequence's own (it stops drafting when few are accepted)."""
+        """vLLM's spec-decode counters, and the sequence's own (it backs off, or stops, when few are accepted)."""
         st = self.stats
         st["spec_decode_num_drafts"] += 1
         st["spec_decode_num_draft_tokens"] += drafted
@@ -266,5 +267,4 @@ class ModelRunner:
         per.extend([0] * (drafted - len(per)))
         for i in range(accepted):
             per[i] += 1
-        s.spec.drafted += drafted
-        s.spec.accepted += accepted
+        s.spec.verified(drafted, accepted, len(s.generated))

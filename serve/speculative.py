@@ -10,7 +10,10 @@ own next token: exactly the tokens greedy decoding gives, up to k + 1 of them fo
 Acceptance is the body's: in an artifact with a sampler, its verify entries process each position's logits as the
 sampler does and rejection-sample (kernels/rejection_sampler.py), so sampled rows, penalties, logit bias and seeds
 draft too, and each keeps its distribution exactly; without a sampler only plain greedy rows draft (`draft_limit`).
-A sequence whose drafts are seldom accepted (SpecState.enabled) decodes one token a step as before.
+A sequence whose drafts are seldom accepted decodes one token a step as before (SpecState.may_draft): after a verify
+call that accepts none of its drafts it backs off, drafting again only after a pause that grows with each such call
+in a row (adaptive drafting, as SGLang's and llama.cpp's servers adapt theirs), and it stops for good once few of
+its drafts were accepted.
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ DEFAULT_LOOKUP = 5
 # each verify row costs k + 1 positions, which a decode row spends on one.
 MIN_DRAFTS = 16
 MIN_ACCEPTANCE = 0.25
+# After a verify call that accepts nothing a sequence decodes BACKOFF_TOKENS tokens before it drafts again,
+# BACKOFF_GROWTH times more after each further such call in a row: a sequence that never accepts runs a verify
+# call after its 1st, 9th and 41st tokens, then none before its 169th (a verify call costs more than the decode
+# step it replaces).
+BACKOFF_TOKENS = 8
+BACKOFF_GROWTH = 4
 
 
 class SpeculativeConfigError(ValueError):
@@ -143,11 +152,25 @@ def propose_ngram(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: in
 
 @dataclass
 class SpecState:
-    """A sequence's speculation so far: drafts proposed and accepted."""
+    """A sequence's speculation so far: drafts proposed and accepted, and its back-off."""
 
     drafted: int = 0
     accepted: int = 0
+    misses: int = 0          # verify calls in a row that accepted none of its drafts
+    resume: int = 0          # the generated-token count from which it drafts again
 
-    @property
-    def enabled(self) -> bool:
+    def verified(self, drafted: int, accepted: int, generated: int) -> None:
+        """A verify call of `drafted` drafts accepted `accepted`; the sequence has `generated` tokens after it."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted:
+            self.misses = 0
+        elif drafted:
+            self.resume = generated + BACKOFF_TOKENS * BACKOFF_GROWTH ** self.misses
+            self.misses += 1
+
+    def may_draft(self, generated: int) -> bool:
+        """Whether a sequence with `generated` tokens drafts: not while it backs off, nor once few were accepted."""
+        if generated < self.resume:
+            return False
         return self.drafted < MIN_DRAFTS or self.accepted >= MIN_ACCEPTANCE * self.drafted

@@ -97,14 +97,27 @@ class CallPlanner:
         """The stop ids a token can be (those inside the vocabulary), sorted."""
         return s.stop_ids(self.manifest.model.vocab)
 
-    def plan(self, work: list[Work], everyone: bool) -> list[ScheduledCall]:
+    def plan(self, work: list[Work], everyone: bool, ride=None) -> list[ScheduledCall]:
         """The calls that run `work` (in scheduling order). `everyone`: the work covers every running sequence and
-        none waits, so a decode_steps call may take them all several tokens on."""
+        none waits, so a decode_steps call may take them all several tokens on. ride(seq): whether a decoding
+        sequence without drafts may take its token from a verify call (a row of its last token alone, whose token
+        is the one a decode call gives): where that costs less (call_cost), such rows ride in the drafting rows'
+        verify calls rather than in decode calls of their own."""
         steps = self._steps_call(work) if everyone else None
         if steps is not None:
             return [steps]
-        verify = self._group([w for w in work if w.draft], af.EntryKind.VERIFY)
-        work = [w for w in work if not w.draft]
+        drafting = [w for w in work if w.draft]
+        riders = {id(w) for w in work if drafting and ride is not None and not w.draft and w.n == 1
+                  and w.seq.decoding and ride(w.seq)}
+        plans = [self._calls(drafting, [w for w in work if not w.draft])]
+        if riders:
+            plans.append(self._calls([w for w in work if w.draft or id(w) in riders],
+                                     [w for w in work if not w.draft and id(w) not in riders]))
+        return min(plans, key=call_cost)
+
+    def _calls(self, verifying: list[Work], work: list[Work]) -> list[ScheduledCall]:
+        """The calls of the verify rows and of the other work."""
+        verify = self._group(verifying, af.EntryKind.VERIFY)
         scored = [w for w in work if self.scored(w.seq)]
         single = [w for w in work if w not in scored and w.n == 1]
         chunks = [w for w in work if w not in scored and w.n > 1]       # in scheduling order

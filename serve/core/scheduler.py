@@ -193,11 +193,11 @@ class Scheduler:
     def _draft(self, s: Request, room: int) -> tuple[int, ...]:
         """The tokens the proposer drafts after a decoding sequence's last token, at most `room` (the budget left);
         () where it may not draft: its sampling cannot be verified exactly (speculative.draft_limit), more logprobs
-        asked than the verify entries return, or its drafts seldom accepted. A draft never reaches past
+        asked than the verify entries return, or its drafts seldom accepted (backing off). A draft never reaches past
         max_new_tokens or the largest context."""
         cfg, sp = self.speculative, s.sampling
         exact = spec.draft_limit(s, self.verify_samples) if cfg is not None else 0
-        if exact == 0 or not s.spec.enabled or (sp.logprobs or 0) > self.verify_top_logprobs:
+        if exact == 0 or not s.spec.may_draft(len(s.generated)) or (sp.logprobs or 0) > self.verify_top_logprobs:
             return ()
         limit = self.kv.call_limit(s.computed)
         k = min(cfg.num_speculative_tokens, room, s.max_new_tokens - len(s.generated) - 1,
@@ -268,7 +268,12 @@ class Scheduler:
             work.append(Work(s, s.computed, n))
             budget -= n
         everyone = not self.waiting and len(work) == len(self.running)
-        return Step(restores, self.planner.plan(work, everyone))
+        return Step(restores, self.planner.plan(work, everyone, self._may_ride if self.speculative else None))
+
+    def _may_ride(self, s: Request) -> bool:
+        """Whether a decoding sequence without drafts may take its token from a verify call's row: plain greedy (its
+        token the row's argmax, however the call's other rows sample), no grammar, the logprobs the entries return."""
+        return s.constraint is None and s.sampling.plain and (s.sampling.logprobs or 0) <= self.verify_top_logprobs
 
     def usage(self) -> float:
         """The fraction of the first pool kind's units held by sequences (vllm:kv_cache_usage_perc)."""

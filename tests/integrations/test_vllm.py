@@ -97,7 +97,9 @@ def llama_runs(llama, serve_cache_dir, tmp_path_factory):
     # the 64th): it must preempt one of them.
     crowd = [[(7 * i + j) % 250 + 1 for j in range(8)] for i in range(8)]
     spec = {"artifact": str(llama),
-            "refusals": [{"block_size": 16}, {"max_model_len": 48}, {"dtype": "bfloat16"}, {"enable_lora": True}],
+            "refusals": [{"block_size": 16}, {"max_model_len": 48}, {"dtype": "bfloat16"}, {"enable_lora": True},
+                         {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                                 "prompt_lookup_max": 3}}],
             "llm": {"max_num_seqs": 8, "max_num_batched_tokens": 24, "enable_prefix_caching": True,
                     "additional_config": {"tlaloc": {"cache_dir": str(serve_cache_dir)}}},
             "runs": [*({"name": f"alone{i}", "requests": _requests([p])} for i, p in enumerate(PROMPTS)),
@@ -148,11 +150,13 @@ def test_control_rotated_pages_part_from_engine_ids(llama_runs):
 
 def test_start_up_refusals_name_the_setting(llama_runs):
     out, _, _ = llama_runs
-    block, length, dtype, lora = out["refusals"]
+    block, length, dtype, lora, speculative = out["refusals"]
     assert "--block-size 16" in block and "hold 8 positions" in block, block
     assert "--max-model-len 48" in length and "[32, 64]" in length, length
     assert "--dtype bfloat16" in dtype and "float32" in dtype, dtype
     assert "--enable-lora" in lora and "no adapter slots" in lora and "--max-loras N" in lora, lora
+    # vLLM's drafts do not reach the verify entries: the refusal names the runtime's own server's option instead.
+    assert "--speculative-config" in speculative and "python -m tlaloc_jax.serve" in speculative, speculative
 
 
 def test_in_body_sampler_gives_engine_ids_through_vllm(qwen3, serve_cache_dir, tmp_path):

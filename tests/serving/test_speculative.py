@@ -27,7 +27,8 @@ from tlaloc_jax.serve import Engine, speculative
 from tlaloc_jax.serve.core.paging import pages_for
 from tlaloc_jax.serve.host_sampling import Sampling
 from tlaloc_jax.serve.metrics import Metrics
-from tlaloc_jax.serve.speculative import (MIN_DRAFTS, SpeculativeConfig, SpeculativeConfigError, parse_speculative_config,
+from tlaloc_jax.serve.speculative import (BACKOFF_GROWTH, BACKOFF_TOKENS, MIN_ACCEPTANCE, MIN_DRAFTS, SpecState,
+                                          SpeculativeConfig, SpeculativeConfigError, parse_speculative_config,
                                           propose_ngram)
 
 pytestmark = pytest.mark.numeric
@@ -261,6 +262,79 @@ def test_a_copy_heavy_prompt_accepts_drafts_and_takes_fewer_calls(artifact, serv
             eng.step()
         assert eng.output(rid) == want[0] and eng.stats()["spec_decode_num_drafts"] == 0
 
+
+
+def test_a_verify_call_accepting_nothing_pauses_drafting_longer_each_time_in_a_row():
+    """SpecState's back-off: a call accepting none of its drafts pauses drafting BACKOFF_TOKENS tokens, the next in a
+    row BACKOFF_GROWTH times longer; a call accepting any ends the run of misses; a call with no drafts changes
+    nothing; a sequence with few of MIN_DRAFTS drafts accepted stops for good."""
+    st = SpecState()
+    assert st.may_draft(1)
+    st.verified(3, 0, 1)
+    assert not st.may_draft(1 + BACKOFF_TOKENS - 1) and st.may_draft(1 + BACKOFF_TOKENS)
+    st.verified(3, 0, 20)
+    assert not st.may_draft(20 + BACKOFF_TOKENS * BACKOFF_GROWTH - 1)
+    assert st.may_draft(20 + BACKOFF_TOKENS * BACKOFF_GROWTH)
+    st.verified(3, 3, 60)
+    st.verified(0, 0, 61)
+    assert st.may_draft(61)
+    st.verified(3, 0, 62)
+    assert st.may_draft(62 + BACKOFF_TOKENS) and (st.drafted, st.accepted) == (12, 3)
+    low = SpecState(drafted=MIN_DRAFTS, accepted=int(MIN_ACCEPTANCE * MIN_DRAFTS) - 1)
+    assert not low.may_draft(10 ** 6)
+
+
+@pytest.mark.parametrize("artifact", ["llama"], indirect=True)
+def test_a_sequence_whose_drafts_are_never_accepted_backs_off(artifact, serve_cache_dir, monkeypatch):
+    """A proposer whose first draft is always wrong: the sequence drafts after its 1st token and then only where the
+    back-off lets it (after 1 + BACKOFF_TOKENS, then BACKOFF_GROWTH times that many more), so 48 tokens take three
+    verify calls rather than one a token until MIN_DRAFTS drafts; the ids are plain decoding's."""
+    prompt = _prompts(1)[0]
+    with _engine(artifact, serve_cache_dir) as eng:
+        want = eng.generate([prompt], 48)[0]
+    full, asked = prompt + want, []
+
+    def wrong(tokens, k, lookup_min, lookup_max):
+        asked.append(len(tokens) - len(prompt))
+        return [(full[len(tokens)] + 1) % artifact[0].model.vocab] * k
+    monkeypatch.setattr(speculative, "propose_ngram", wrong)
+    with _engine(artifact, serve_cache_dir, speculative_config=NGRAM) as eng:
+        assert eng.generate([prompt], 48)[0] == want
+        st = eng.stats()
+    assert asked == [1, 1 + BACKOFF_TOKENS, 1 + BACKOFF_TOKENS * (1 + BACKOFF_GROWTH)]
+    assert st["verify_calls"] == 3 and st["spec_decode_num_accepted_tokens"] == 0
+
+
+@pytest.mark.parametrize("artifact", ["llama"], indirect=True)
+def test_a_row_without_drafts_rides_in_the_verify_call_of_a_row_with_them(artifact, serve_cache_dir, monkeypatch):
+    """Two sequences decoding together, drafts (right ones) for the first only: each step it drafts runs one verify
+    call holding both rows, not a verify call and a decode call, and the ids are plain decoding's. Control: with
+    riding refused (Scheduler._may_ride) the same steps run both calls."""
+    from tlaloc_jax.serve.core.scheduler import Scheduler
+    prompts = _prompts(2)
+    with _engine(artifact, serve_cache_dir) as eng:
+        want = eng.generate(prompts, 24)
+    full = prompts[0] + want[0]
+
+    def first_only(tokens, k, lookup_min, lookup_max):
+        tokens = list(tokens)
+        return full[len(tokens):len(tokens) + k] if full[:len(tokens)] == tokens else []
+    monkeypatch.setattr(speculative, "propose_ngram", first_only)
+
+    def both_calls() -> int:
+        """Steps of the run that ran a verify call and a decode call (asserting the ids)."""
+        with _engine(artifact, serve_cache_dir, speculative_config=NGRAM) as eng:
+            rids, both = [eng.add_request(p, 24) for p in prompts], 0
+            while eng.has_unfinished():
+                before = eng.stats()
+                eng.step()
+                after = eng.stats()
+                both += all(after[c] > before[c] for c in ("verify_calls", "decode_calls"))
+            assert [eng.output(r) for r in rids] == want and after["spec_decode_num_accepted_tokens"] > 0
+            return both
+    assert both_calls() == 0
+    monkeypatch.setattr(Scheduler, "_may_ride", lambda self, s: False)
+    assert both_calls() > 0
 
 @pytest.mark.parametrize("artifact", ["llama"], indirect=True)
 def test_stop_ids_and_max_tokens_are_never_passed_and_logprobs_are_the_emitted_tokens(artifact, serve_cache_dir,

@@ -152,8 +152,13 @@ def check_artifact_config(vllm_config) -> af.Manifest:
         if size != 1:
             raise ArtifactRefused(f"{name} {size}: an artifact runs on one device")
     lora_refusal(vllm_config.lora_config, m, hf.artifact_dir)
-    features = [("speculative decoding (--speculative-config)", vllm_config.speculative_config is not None),
-                ("multimodal inputs", model_config.is_multimodal_model),
+    if vllm_config.speculative_config is not None:
+        # vLLM's drafts are not passed to the artifact's verify entries: the runtime's own server speculates.
+        raise ArtifactRefused("--speculative-config: the tlaloc platform does not run vLLM's drafts; leave it out, or "
+                              "serve the artifact with python -m tlaloc_jax.serve --speculative-config '{\"method\": "
+                              "\"ngram\", \"num_speculative_tokens\": K}' (its verify entries: export "
+                              "--speculative-tokens K)")
+    features = [("multimodal inputs", model_config.is_multimodal_model),
                 ("prompt embeddings (--enable-prompt-embeds)", model_config.enable_prompt_embeds),
                 (f"the {model_config.runner_type!r} runner", model_config.runner_type != "generate"),
                 (f"--quantization {model_config.quantization}", model_config.quantization is not None)]
