@@ -78,16 +78,11 @@ def mtp_signature(inputs, outputs, donations, *, batch: int, tokens: int, width:
 def mtp_fn(head: MtpStage, treedef, inputs: Sequence[af.TensorSig], outputs: Sequence[af.TensorSig]):
     """The mtp entry's function over its positional arguments, in signature order."""
     def entry(*args):
-        fields, pools, leaves, hidden = {}, {}, [], None
-        for sig, a in zip(inputs, args):
-            if sig.role in af.STEP_FIELDS:
-                fields[af.STEP_FIELDS[sig.role]] = a
-            elif sig.role == Role.HIDDEN_STATES:
-                hidden = a
-            elif sig.role == Role.POOL_IN:
-                pools[sig.slot] = a
-            else:
-                leaves.append(a)
+        named = list(zip(inputs, args))
+        fields = {af.STEP_FIELDS[sig.role]: a for sig, a in named if sig.role in af.STEP_FIELDS}
+        pools = {sig.slot: a for sig, a in named if sig.role == Role.POOL_IN}
+        hidden = next(a for sig, a in named if sig.role == Role.HIDDEN_STATES)
+        leaves = [a for sig, a in named if sig.role == Role.WEIGHT]
         weights = jax.tree_util.tree_unflatten(treedef, leaves)
         h, new_pools = head.hidden(weights, pools, StepInputs(**fields), hidden)
         if set(new_pools) != set(pools):
