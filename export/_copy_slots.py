@@ -8,12 +8,19 @@ Destinations are distinct and never a source of the same call (the runtime's sna
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from pathlib import Path
+from typing import Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tlaloc_jax import artifact as af
+
+from ._entries import check_body, export_fn
+from ._files import write_body
+from ._mesh import mesh_size, sharded
 
 Role = af.Role
 
@@ -45,6 +52,23 @@ def copy_slots_fn(pools: Sequence[af.Pool]):
             out.append(buf.at[index].set(rows, mode="drop"))
         return tuple(out)
     return entry
+
+
+def copy_slots_entry(out: Path, pools: Sequence[af.Pool], batch: int, platform: str, mesh=None,
+                     files: Mapping[str, bool] | None = None) -> af.Entry:
+    """The entry that copies state slots (the runtime's state snapshots for prefix caching), `batch` pairs a call;
+    on a mesh, each device copies within its blocks of the state pools."""
+    name = f"copy_slots_n{batch}"
+    inputs, outputs, donations = copy_slots_signature(pools, batch)
+    fn, out_shardings = copy_slots_fn(pools), None
+    avals = [jax.ShapeDtypeStruct(s.shape, jnp.dtype(af.numpy_dtype(s.dtype))) for s in inputs]
+    if mesh is not None:
+        fn, avals, out_shardings = sharded(fn, inputs, outputs, mesh)
+    exp = export_fn(fn, avals, platform=platform, donate=tuple(i for _, i in donations), out_shardings=out_shardings)
+    check_body(name, exp, inputs, outputs, donations, platform, mesh_size(mesh))
+    return af.Entry(name=name, kind=af.EntryKind.COPY_SLOTS, batch=batch, context=0, tokens_per_seq=0,
+                    **dataclasses.asdict(write_body(out, exp, **(files or {}))), inputs=tuple(inputs),
+                    outputs=tuple(outputs), donations=donations, kept_inputs=tuple(exp.module_kept_var_idx))
 
 
 def copy_slots_reference(buf: np.ndarray, src: Sequence[int], dst: Sequence[int], slot_axis: int) -> np.ndarray:

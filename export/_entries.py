@@ -33,7 +33,7 @@ class EntrySpec:
     def name(self) -> str:
         if self.packed:
             return f"{self.kind}_b{self.batch}_n{self.packed}_c{self.context}"
-        if self.kind == af.EntryKind.MIXED or self.long:
+        if self.kind in (af.EntryKind.MIXED, af.EntryKind.MTP) or self.long:
             return f"{self.kind}_b{self.batch}_t{self.tokens_per_seq}_c{self.context}"
         return f"{self.kind}_b{self.batch}_c{self.context}"
 

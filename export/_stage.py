@@ -33,10 +33,11 @@ from tlaloc_jax.kernels import scoring as scoring_kernel
 from tlaloc_jax.serve.core.paging import ring_pages_for
 from tlaloc_jax.pools import PagedKV, PoolSpec, RingKV, StateSlots
 
-from ._copy_slots import copy_slots_fn, copy_slots_signature
+from ._copy_slots import copy_slots_entry
 from ._decode_steps import decode_steps_fn, decode_steps_signature
 from ._entries import EntrySpec, ExportError, check_body, export_fn, plan_entries
 from ._files import copy_tokenizer, write_body, write_weights
+from ._mtp_entries import MtpStage, mtp_fn, mtp_signature, mtp_specs, returns_hidden, with_hidden_output
 from ._progress import progress_bar
 from ._timing import timed
 from ._verify import verify_fn, verify_signature
@@ -200,7 +201,8 @@ def _entry_fn(step: Callable, treedef, inputs: list[af.TensorSig], outputs: list
                 chunk["lora_slots"] = adapted["lora_slots"][rows:]
             step_inputs = (step_inputs, StepInputs(**groups[af.CHUNK_GROUP], **chunk))
             fields = {"seq_lens": jnp.concatenate([fields["seq_lens"], groups[af.CHUNK_GROUP]["seq_lens"]])}
-        if targets is not None:
+        hidden_out = any(o.role == Role.HIDDEN_STATES for o in outputs)      # an MTP head's (_mtp_entries.py)
+        if targets is not None or hidden_out:
             result = step.hidden(weights, pools, step_inputs)
             if not (isinstance(result, tuple) and len(result) == 2) or getattr(result[0], "ndim", 0) != 3:
                 raise ExportError("a SplitStep's hidden function must return (hidden [B, T, E], pools)")
@@ -233,6 +235,8 @@ def _entry_fn(step: Callable, treedef, inputs: list[af.TensorSig], outputs: list
             top_n = next(o.shape[2] for o in outputs if o.role == Role.PROMPT_TOP_LOGPROBS)
             scores = scoring_kernel.score_positions(hidden, targets, lambda x: step.head(weights, x), top_n=top_n)
             results.update({(role, ""): value for role, value in zip(af.SCORER_OUTPUTS, scores)})
+        if hidden_out:
+            results[(Role.HIDDEN_STATES, "")] = hidden.astype(jnp.float32)
         results.update({(Role.POOL_OUT, name): buf for name, buf in new_pools.items()})
         return tuple(results[(o.role, o.slot)] for o in outputs)
     return entry
@@ -271,6 +275,8 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
     if spec.kind == af.EntryKind.DECODE_STEPS:
         fn = decode_steps_fn(step, treedef, inputs, outputs, steps=spec.steps, block_size=block_size,
                              ring_pages=ring_pages)
+    elif spec.kind == af.EntryKind.MTP:
+        fn = mtp_fn(step, treedef, inputs, outputs)
     elif spec.kind == af.EntryKind.VERIFY:
         fn = verify_fn(step, treedef, inputs, outputs, ring_pages=ring_pages, state_pools=state_pools)
     else:
@@ -290,27 +296,11 @@ def export_entry(step: Callable, treedef, spec: EntrySpec, inputs, outputs, dona
     return exp, check_body(spec.name, exp, inputs, outputs, donations, platform, mesh_size(mesh))
 
 
-def _copy_slots_entry(out: Path, resolved: _ResolvedPools, batch: int, platform: str, mesh=None,
-                      files: Mapping[str, bool] | None = None) -> af.Entry:
-    """The entry that copies state slots (the runtime's state snapshots for prefix caching), `batch` pairs a call;
-    on a mesh, each device copies within its blocks of the state pools."""
-    name = f"copy_slots_n{batch}"
-    inputs, outputs, donations = copy_slots_signature(resolved.pools, batch)
-    fn, avals, out_shardings = copy_slots_fn(resolved.pools), _avals(inputs), None
-    if mesh is not None:
-        fn, avals, out_shardings = sharded(fn, inputs, outputs, mesh)
-    exp = export_fn(fn, avals, platform=platform, donate=tuple(i for _, i in donations), out_shardings=out_shardings)
-    check_body(name, exp, inputs, outputs, donations, platform, mesh_size(mesh))
-    return af.Entry(name=name, kind=af.EntryKind.COPY_SLOTS, batch=batch, context=0, tokens_per_seq=0,
-                    **dataclasses.asdict(write_body(out, exp, **(files or {}))), inputs=tuple(inputs),
-                    outputs=tuple(outputs), donations=donations, kept_inputs=tuple(exp.module_kept_var_idx))
-
-
 def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, *, ladders: Ladders = Ladders(),
           capacity: Capacity = Capacity(), features: Features = Features(), model: ModelInfo = ModelInfo(),
           platform: str = "cpu", progress: bool = True, mesh=None,
           weight_split_axes: Mapping[str, int | None] | None = None, mlir: bool = False,
-          exported: bool = False, lora: lora_slots.Lora | None = None) -> af.Manifest:
+          exported: bool = False, lora: lora_slots.Lora | None = None, mtp: MtpStage | None = None) -> af.Manifest:
     """Write the serving artifact of `step` to `out_dir` (empty or absent) and return its manifest.
 
     step(weights, pools, inputs) -> (logits [B, V], pools): one call, traced once per entry; it must return
@@ -332,6 +322,8 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         lists them, the runtime needs neither (it compiles the `.mlirbc`).
     lora: adapter slots (tlaloc_jax.lora.Lora) every entry takes, on one device: the step gets each row's slot
         and the adapter buffers in its StepInputs (lora_slots, adapters); None: none.
+    mtp: an MTP head staged as mtp entries, the decoder's entries returning the hidden states it reads
+        (export/_mtp_entries.py).
     The export needs no accelerator and loads no PJRT plugin; the same inputs give the same bytes.
     """
     opts = Options(ladders, capacity, features, model)
@@ -341,6 +333,10 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
     if sys.byteorder != "little":
         raise ExportError("weight files are raw little-endian; exporting from a big-endian host is not supported")
     buckets, specs = _plan_entries(opts, step)
+    if mtp is not None and (mesh is not None or lora is not None):
+        raise ExportError("an MTP head is staged for one device without lora adapters: drop the mesh or the lora")
+    specs += mtp_specs(specs) if mtp is not None else []
+    mtp_flat, mtp_tree = flatten_weights(mtp.weights) if mtp is not None else ({}, None)
     if lora is not None and mesh is not None:
         raise ExportError("lora adapters are staged for one device; drop the mesh (tensor_parallel) or the lora")
     if lora is not None and opts.features.speculative_tokens:
@@ -382,7 +378,7 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         raise ExportError(f"output directory {str(out)!r} is not empty")
     out.mkdir(parents=True, exist_ok=True)
     entries, calling_convention, native_calls = [], 0, set()
-    bar = progress_bar(len(specs) + len(flat), "export", progress)
+    bar = progress_bar(len(specs) + len({**flat, **mtp_flat}), "export", progress)
     for spec in specs:
         bar.set_postfix_str(spec.name)
         verify = spec.kind == af.EntryKind.VERIFY
@@ -394,10 +390,17 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
             top_n = min(sampler.top_logprobs if sampler is not None else VERIFY_TOP_LOGPROBS, vocab)
             inputs, outputs, donations = verify_signature(inputs, batch=spec.batch, tokens=spec.tokens_per_seq,
                                                           top_n=top_n)
+        head = spec.kind == af.EntryKind.MTP
+        if head:
+            inputs, outputs, donations = mtp_signature(*entry_signature(spec, resolved, block_size, vocab, mtp_flat),
+                                                       batch=spec.batch, tokens=spec.tokens_per_seq, width=mtp.width)
+        elif mtp is not None and returns_hidden(spec):
+            inputs, outputs, donations = with_hidden_output(inputs, outputs, donations, batch=spec.batch,
+                                                            tokens=spec.tokens_per_seq, width=mtp.width)
         with timed("entries"):
-            exp, targets = export_entry(step, treedef, spec, inputs, outputs, donations,
-                                        ring_pages=resolved.ring_pages, platform=platform, block_size=block_size,
-                                        mesh=mesh, state_pools=state)
+            exp, targets = export_entry(mtp if head else step, mtp_tree if head else treedef, spec, inputs, outputs,
+                                        donations, ring_pages=resolved.ring_pages, platform=platform,
+                                        block_size=block_size, mesh=mesh, state_pools=state)
         calling_convention = int(exp.calling_convention_version)
         native_calls |= targets & set(native.KERNELS)
         entry = af.Entry(name=spec.name, kind=af.EntryKind(spec.kind), batch=spec.batch, context=spec.context,
@@ -408,8 +411,8 @@ def stage(step: Callable, weights: Any, pools: Mapping[str, PoolSpec], out_dir, 
         bar.update()
 
     if any(p.kind == af.PoolKind.STATE_SLOTS for p in resolved.pools):
-        entries.append(_copy_slots_entry(out, resolved, buckets.batch_ladder[-1], platform, mesh, files))
-    files = write_weights(out, flat, bar, quant_records(weights), weight_parts, mesh_size(mesh))
+        entries.append(copy_slots_entry(out, resolved.pools, buckets.batch_ladder[-1], platform, mesh, files))
+    files = write_weights(out, {**flat, **mtp_flat}, bar, quant_records(weights), weight_parts, mesh_size(mesh))
     bar.close()
     dtypes = sorted({w.dtype.name for w in flat.values()})
     m = af.Manifest(

@@ -137,6 +137,7 @@ def verify_fn(step: Callable, treedef, inputs: Sequence[af.TensorSig], outputs: 
             new_pools = keep_accepted_states(new_pools, state_pools, fields["state_slots"],
                                              accepted_index(fields["positions"], verified[1]))
         results = {(role, ""): value for role, value in zip(af.VERIFY_OUTPUTS, verified)}
+        results[(Role.HIDDEN_STATES, "")] = hidden.reshape(B, T, E).astype(jnp.float32)    # read where an MTP head's is
         results.update({(Role.POOL_OUT, name): buf for name, buf in new_pools.items()})
         return tuple(results[(o.role, o.slot)] for o in outputs)
     return entry

@@ -49,6 +49,7 @@ from .runtime.native_log import native_stderr_to_log
 from .runtime.pjrt import Device, TooFewDevicesError
 from .runtime.runner import Runner
 from .runtime.sharded import device_count_mismatch
+from .mtp_proposer import MtpProposer
 from .speculative import SpeculativeConfig, check_fits, parse_speculative_config
 
 __all__ = ["Constraint", "DEFAULT_CACHE_DIR", "Engine", "RequestRefused", "StepEvent"]
@@ -149,6 +150,8 @@ class Engine:
         if self.speculative_config is not None:
             self._stats["spec_decode_num_accepted_tokens_per_pos"] = [0] * self.speculative_config.num_speculative_tokens
         self.model_runner = ModelRunner(m, self.runner, self.scheduler, self._stats)
+        if self.speculative_config is not None and self.speculative_config.method == "mtp":
+            self.scheduler.proposer = self.model_runner.proposer = MtpProposer(m, self.runner)
         self.lora = self._serve_adapters(lora_modules or {}, max_cpu_loras)
         self.load_seconds = time.perf_counter() - t0
         self.resident_at_load = host_memory.resident_bytes()

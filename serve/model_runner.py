@@ -46,6 +46,7 @@ class ModelRunner:
         self.ring_pages = m.ring.ring_pages if m.ring else 0
         self.vocab = m.model.vocab
         self.sampler = m.sampler           # None: the host samples from pulled logits
+        self.proposer = None               # serve/mtp_proposer.MtpProposer: reads the hidden states the calls return
 
     def finish(self, s: Request, reason: str, error: str | None = None) -> None:
         s.finish_reason = reason
@@ -125,7 +126,8 @@ class ModelRunner:
             if scoring:
                 inputs[af.Role.SCORE_TARGETS] = call_inputs.score_targets(call, e.batch, e.tokens_per_seq)
             t0 = time.perf_counter()
-            out = self._execute(e, inputs, outputs.wanted(call, producing, allowed, self.sampler))
+            want = outputs.wanted(call, producing, allowed, self.sampler) | self._hidden(e)
+            out = self._execute(e, inputs, want)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("call %s: %d rows, %d tokens, %.1f ms", e.name, len(call.seqs),
                           sum(len(r.token_ids) for r in call.rows), 1e3 * (time.perf_counter() - t0))
@@ -154,6 +156,9 @@ class ModelRunner:
             if row.start < len(s.prompt):
                 self.stats["prompt_tokens"] += min(end, len(s.prompt)) - row.start
             self.scheduler.written(s, end)
+            if af.Role.HIDDEN_STATES in want:     # rows right-aligned
+                hidden = out[af.Role.HIDDEN_STATES][b]
+                self.proposer.observe(s, row.start, hidden[len(hidden) - (end - row.start):])
             if not producing[i]:
                 continue      # more of the sequence to read; this call's logits are not a token yet
             if allowed[i] is not None and not allowed[i].any():
@@ -224,6 +229,7 @@ class ModelRunner:
                 # One mask a row: the scheduler drafts only where every position's is the same (serve/speculative.py).
                 allowed = [outputs.allowed_mask(s, self.vocab) for s in call.seqs]
                 inputs.update(call_inputs.sampler_inputs(self.runner, call, [True] * len(call.seqs), allowed))
+            want |= self._hidden(e)
             out = self._execute(e, inputs, want)
         except Exception as err:   # noqa: BLE001 - the call's requests fail, the engine keeps serving
             log.error("call of %s failed: %s", e.name, err)
@@ -255,7 +261,15 @@ class ModelRunner:
                     break
             if not s.finished:
                 self.scheduler.verified(s, row.start + n + 1)
+                if af.Role.HIDDEN_STATES in want:  # its last token's and its accepted drafts'
+                    self.proposer.observe(s, row.start, out[af.Role.HIDDEN_STATES][b, col:col + n + 1])
         return events
+
+    def _hidden(self, e: af.Entry) -> set[af.Role]:
+        """{HIDDEN_STATES} where an MTP proposer reads the entry's hidden states, else {}."""
+        if self.proposer is None or not any(o.role == af.Role.HIDDEN_STATES for o in e.outputs):
+            return set()
+        return {af.Role.HIDDEN_STATES}
 
     def _count_drafts(self, s: Request, drafted: int, accepted: int) -> None:
         """vLLM's spec-decode counters, and the sequence's own (it backs off, or stops, when few are accepted)."""

@@ -26,8 +26,10 @@ from tlaloc_jax import artifact as af
 
 # The methods vLLM names that this runtime does not run yet, each refused by name.
 NOT_BUILT = {"draft_model": "draft models", "eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads",
-             "medusa": "Medusa heads", "mlp_speculator": "MLP speculators", "mtp": "MTP heads",
-             "deepseek_mtp": "MTP heads", "qwen3_next_mtp": "MTP heads", "suffix": "suffix decoding"}
+             "medusa": "Medusa heads", "mlp_speculator": "MLP speculators", "qwen3_next_mtp": "Qwen3-Next MTP heads",
+             "suffix": "suffix decoding"}
+# DeepSeek-V3's MTP head (serve/mtp_proposer.py): vLLM's names for it.
+MTP_METHODS = ("deepseek_mtp", "mtp")
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 # vLLM's n-gram window when neither bound is given.
 DEFAULT_LOOKUP = 5
@@ -49,8 +51,8 @@ class SpeculativeConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's speculative config for method "ngram": k drafted tokens a step from n-grams of lookup_min to lookup_max
-    tokens."""
+    """vLLM's speculative config: method "ngram", k drafted tokens a step from n-grams of lookup_min to lookup_max
+    tokens; method "mtp", k drafts a step from the artifact's MTP head (serve/mtp_proposer.py)."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP
@@ -80,10 +82,12 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         what = NOT_BUILT.get(method, "draft models")
         raise SpeculativeConfigError(f"speculative_config method {method!r}: {what} are not built yet; use method "
                                      "'ngram' (prompt lookup)")
-    if method != "ngram":
-        raise SpeculativeConfigError(f"speculative_config method {method!r} is not known; use method 'ngram'")
+    if method != "ngram" and method not in MTP_METHODS:
+        raise SpeculativeConfigError(f"speculative_config method {method!r} is not known; use method 'ngram' or "
+                                     "'deepseek_mtp'")
     if value.get("model") is not None:
-        raise SpeculativeConfigError("speculative_config model: method 'ngram' takes no draft model; leave model out")
+        raise SpeculativeConfigError(f"speculative_config model: method {method!r} takes no draft model; leave model "
+                                     "out")
 
     def count(name: str, default: int | None) -> int:
         v = value.get(name, default)
@@ -92,6 +96,12 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         return v
 
     k = count("num_speculative_tokens", None)
+    if method in MTP_METHODS:
+        unused = sorted(set(value) & {"prompt_lookup_min", "prompt_lookup_max"})
+        if unused:
+            raise SpeculativeConfigError(f"speculative_config {', '.join(unused)}: method {method!r} drafts with the "
+                                         "model's MTP head, not n-grams; leave them out")
+        return SpeculativeConfig(k, method="mtp")
     lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
     lo, hi = (DEFAULT_LOOKUP, DEFAULT_LOOKUP) if lo is None and hi is None else (lo if lo is not None else hi,
                                                                                  hi if hi is not None else lo)
@@ -121,6 +131,11 @@ def check_fits(config: SpeculativeConfig | None, m: af.Manifest) -> None:
         raise SpeculativeConfigError(f"speculative_config num_speculative_tokens {config.num_speculative_tokens} is "
                                      f"more than this artifact's verify entries hold ({k}, --speculative-tokens); ask "
                                      f"for at most {k}")
+    if config.method == "mtp" and not any(e.kind == af.EntryKind.MTP for e in m.entries):
+        raise SpeculativeConfigError("speculative_config method 'deepseek_mtp' drafts with the checkpoint's MTP head, "
+                                     "which this artifact lacks: re-export it with --speculative-tokens from a "
+                                     "checkpoint that has its MTP weights (num_nextn_predict_layers and its "
+                                     "model.layers.<num_hidden_layers>.* tensors), or use method 'ngram'")
 
 
 def draft_limit(s, sampled: bool) -> int:

@@ -139,6 +139,9 @@ def _with_rowless_roles(call: ScheduledCall, runner: Runner, out: dict) -> dict:
         out[af.Role.SCORE_TARGETS] = score_targets(call, e.batch, e.tokens_per_seq)
     if e.kind == af.EntryKind.DECODE_STEPS:
         out.update(decode_steps_inputs(call, []))
+    for sig in e.inputs:
+        if sig.role == af.Role.HIDDEN_STATES:     # an mtp entry's (serve/mtp_proposer.py)
+            out[sig.role] = np.zeros(sig.shape, np.float32)
     return out
 
 

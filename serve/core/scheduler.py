@@ -76,6 +76,7 @@ class Scheduler:
         self.stats = dict(preemptions=0, prefix_queries=0, prefix_hits=0)
         self.lora = None      # serve.lora_slots.LoraSlots of an artifact with adapter slots: a running request holds one
         self.speculative: spec.SpeculativeConfig | None = None     # set by the engine (checked against the artifact)
+        self.proposer = None        # a model-backed proposer (serve/mtp_proposer.MtpProposer) in place of the n-gram lookup
         top = [e.outputs[e.output_index(af.Role.VERIFY_TOP_IDS)].shape[2] for e in self.planner.entries(
             af.EntryKind.VERIFY)]
         self.verify_top_logprobs = min(top, default=0)
@@ -128,6 +129,8 @@ class Scheduler:
             self.waiting.remove(s)
         self.kv.free(s)
         self._give_adapter(s)
+        if self.proposer is not None:
+            self.proposer.forget(s)
 
     def _take_adapter(self, s: Request) -> bool:
         """A slot for the sequence's adapter (none needed without one); False: every slot is held, it waits."""
@@ -148,6 +151,8 @@ class Scheduler:
         s.running = False
         self.kv.free(s)
         self._give_adapter(s)
+        if self.proposer is not None:
+            self.proposer.forget(s)
         s.computed = s.junction = 0
         s.preemptions += 1
         if s.prompt_logprobs is not None and not s.generated:
@@ -204,11 +209,15 @@ class Scheduler:
                 self.max_context - s.length, (limit if limit is not None else room) - 1, exact if exact > 0 else room)
         if k <= 0:
             return ()
+        if self.proposer is not None:
+            return self.proposer.take(s, k)
         return tuple(spec.propose_ngram(s.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max))
 
     def schedule(self) -> Step:
         """This step's calls: every running sequence advanced (preempting the youngest when units run out), then
         waiting sequences admitted while there is budget, room and units."""
+        if self.proposer is not None and self.speculative is not None:
+            self.proposer.propose(self.running, self.speculative.num_speculative_tokens)
         budget = self.max_num_batched_tokens
         work: list[Work] = []
         preempted = False

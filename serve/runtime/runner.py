@@ -236,7 +236,7 @@ class Runner:
                     plan.append((_ArgSource.ADAPTER, (sig.role, sig.slot), sig.role))
                 elif (sig.role in af.STEP_FIELDS or sig.role in af.SAMPLER_INPUTS or sig.role in af.SCORER_INPUTS
                         or sig.role in af.DECODE_STEPS_INPUTS or sig.role in af.COPY_INPUTS
-                        or sig.role in af.LORA_INPUTS):
+                        or sig.role in af.LORA_INPUTS or sig.role == af.Role.HIDDEN_STATES):
                     key = af.STEP_FIELDS.get(sig.role, sig.role)
                     if sig.slot:            # a mixed entry's prompt chunk: its step inputs under "chunk.<field>"
                         key = f"{sig.slot}.{key}"

@@ -200,6 +200,22 @@ def _check_verify_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
                             f"{T} tokens per row returns {dtype}{list(want) if want else [B, T, 'N']}")
 
 
+def _check_hidden_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
+    """HIDDEN_STATES (an artifact with an MTP head): a decode, prefill or verify entry returns [B, T, E]; an mtp entry
+    takes [B, T, E] and returns [B, 1, E]."""
+    B, T, E = e.batch, e.tokens_per_seq, m.model.hidden
+    returned = any(sig is o for o in e.outputs)
+    if e.kind == EntryKind.MTP:
+        want = (B, 1, E) if returned else (B, T, E)
+    elif returned and e.kind in (EntryKind.DECODE, EntryKind.PREFILL, EntryKind.VERIFY) and not e.packed_tokens:
+        want = (B, T, E)
+    else:
+        raise ManifestError(f"{what} has {sig.role}, which an mtp entry takes and returns and the decode, prefill and "
+                            "verify entries of an artifact with an MTP head return")
+    if (sig.dtype, tuple(sig.shape)) != ("float32", want):
+        raise ManifestError(f"{what} {sig.role} is {sig.dtype}{list(sig.shape)}, not float32{list(want)}")
+
+
 def _check_steps_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None:
     if e.kind != EntryKind.DECODE_STEPS:
         raise ManifestError(f"{what} has {sig.role}, which only a decode_steps entry takes")
@@ -271,7 +287,7 @@ _GROUP_CHECKS = ((frozenset(SAMPLER_INPUTS) | frozenset(SAMPLER_OUTPUTS), _check
                  (frozenset(SCORER_INPUTS) | frozenset(SCORER_OUTPUTS), _check_scorer_sig),
                  (frozenset(LORA_INPUTS) | frozenset(LORA_ADAPTERS), _check_lora_sig),
                  (frozenset(DECODE_STEPS_INPUTS) | frozenset(DECODE_STEPS_OUTPUTS), _check_steps_sig),
-                 (frozenset(VERIFY_OUTPUTS), _check_verify_sig))
+                 (frozenset(VERIFY_OUTPUTS), _check_verify_sig), (frozenset({Role.HIDDEN_STATES}), _check_hidden_sig))
 
 
 def _check_entry(m: Manifest, e: Entry, pools: dict[str, Pool], slots: dict[str, WeightFile],
@@ -392,6 +408,10 @@ def _check_groups_whole(m: Manifest, e: Entry, seen_roles: set[Role], what: str)
             raise ManifestError(f"{what} takes the sampler's roles {sorted(taken)} but not "
                                 f"{sorted(set(SAMPLER_INPUTS) - taken)}; a verify entry takes all of them or none")
         return                  # none: greedy acceptance only
+    if e.kind == EntryKind.MTP:
+        if Role.HIDDEN_STATES not in seen_roles:
+            raise ManifestError(f"{what} is an mtp entry without HIDDEN_STATES, the hidden states its head reads")
+        return                  # its drafts are greedy: no sampler
     # A decode_steps entry samples in its body but returns only the tokens: it takes the sampler's inputs.
     sampler_roles = set(SAMPLER_INPUTS) | (set() if stepped else set(SAMPLER_OUTPUTS))
     if m.sampler is not None and not sampler_roles <= seen_roles:

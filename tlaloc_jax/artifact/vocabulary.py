@@ -101,6 +101,10 @@ class Role(enum.StrEnum):
     VERIFY_LOGPROB = "VERIFY_LOGPROB"
     VERIFY_TOP_LOGPROBS = "VERIFY_TOP_LOGPROBS"
     VERIFY_TOP_IDS = "VERIFY_TOP_IDS"
+    # An MTP head's (tlaloc_jax/mtp_head.py), only in an artifact that has one: HIDDEN_STATES f32, a decoder entry's
+    # output [B, T, E], each position's hidden state before the final norm, and an mtp entry's input [B, T, E] (the
+    # decoder's, or its own to chain) and output [B, 1, E] (the head's at each row's last position).
+    HIDDEN_STATES = "HIDDEN_STATES"
     # A bounded program's (slot: the author's input or output name, or the bound's name): an input of the
     # author's function, a bound's valid size (int32 [], or [B] per row beside a batch bound) and valid
     # positions (bool [N], or [B, N]), an output of the author's function.
@@ -145,6 +149,10 @@ class EntryKind(enum.StrEnum):
     # in one call (export/_verify.py); takes the sampler's inputs (a manifest with a sampler) and returns the
     # VERIFY_* outputs and the pools, no logits and no sampler outputs.
     VERIFY = "verify"
+    # An MTP head's step (tlaloc_jax/mtp_head.py): up to tokens_per_seq positions a row, right-aligned, token x_{t+1}
+    # at position t with HIDDEN_STATES at t; writes its layer's pool and returns LOGITS and NEXT_TOKEN (the draft two
+    # after each row's last position) and the head's HIDDEN_STATES there; the decoder's pools pass through.
+    MTP = "mtp"
 
 
 class BoundKind(enum.StrEnum):
@@ -199,9 +207,9 @@ LORA_ADAPTERS = (Role.LORA_A, Role.LORA_B, Role.LORA_SCALE)
 # What a decoder entry may take and return.
 INPUT_ROLES = (frozenset(STEP_FIELDS) | {Role.POOL_IN, Role.WEIGHT} | frozenset(SAMPLER_INPUTS)
                | frozenset(SCORER_INPUTS) | frozenset(DECODE_STEPS_INPUTS) | frozenset(COPY_INPUTS)
-               | frozenset(LORA_INPUTS) | frozenset(LORA_ADAPTERS))
-OUTPUT_ROLES = (frozenset({Role.LOGITS, Role.NEXT_TOKEN, Role.POOL_OUT}) | frozenset(SAMPLER_OUTPUTS)
-                | frozenset(SCORER_OUTPUTS) | frozenset(DECODE_STEPS_OUTPUTS) | frozenset(VERIFY_OUTPUTS))
+               | frozenset(LORA_INPUTS) | frozenset(LORA_ADAPTERS) | {Role.HIDDEN_STATES})
+OUTPUT_ROLES = (frozenset({Role.LOGITS, Role.NEXT_TOKEN, Role.POOL_OUT, Role.HIDDEN_STATES})
+                | frozenset(SAMPLER_OUTPUTS) | frozenset(SCORER_OUTPUTS) | frozenset(DECODE_STEPS_OUTPUTS) | frozenset(VERIFY_OUTPUTS))
 
 # The columns of SAMPLING a runtime knows how to fill, in order, each with its neutral value: the value at which
 # the sampler's step is the identity (temperature 0: greedy; top_p 1, top_k 0, min_p 0: keep every token; the

@@ -1,0 +1,86 @@
+"""DeepSeek-V3's MTP head (tlaloc_jax/mtp_head.py) against a torch reference built straight from the checkpoint's tensors:
+transformers' own DeepseekV3DecoderLayer loaded with `model.layers.<N>.*`, the head's norms, eh_proj and shared head
+written out beside it. The head runs as the runtime runs it, over two calls that share its KV pool."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hf_models import build_checkpoint
+from margins import assert_within
+from mtp_checkpoint import add_mtp_head, mtp_bound, torch_mtp
+from tlaloc_jax.checkpoint import load_checkpoint, read_config
+from tlaloc_jax.config import SPARSE
+from tlaloc_jax.families import config_from_hf
+from tlaloc_jax.inputs import StepInputs
+from tlaloc_jax.kernels import tolerances as tol
+from tlaloc_jax.mtp_head import POOL, load_mtp_weights, mtp_hidden, mtp_logits, mtp_pool
+
+pytestmark = pytest.mark.numeric
+
+SEED = 69          # tests/models/test_deepseek_v3.py's checkpoint
+B, T, SPLIT, PAGE = 2, 10, 4, 4
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    plain = build_checkpoint(root / "plain", "deepseek_v3", seed=SEED)
+    return plain, add_mtp_head(plain, root / "mtp", seed=SEED + 1)
+
+
+@pytest.fixture(scope="module")
+def case(checkpoints):
+    rng = np.random.default_rng(SEED)
+    cfg = load_checkpoint(checkpoints[1])[0]
+    tokens = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+    hidden = rng.standard_normal((B, T, cfg.hidden_size)).astype(np.float32)
+    return tokens, hidden
+
+
+def jax_mtp(cfg, kind, weights, tokens: np.ndarray, hidden: np.ndarray) -> np.ndarray:
+    """The head's logits as the runtime runs it: positions [0, SPLIT) in one call, the rest in a second that reads
+    the first's latents from the pool; each row on pages of its own."""
+    pages = -(-T // PAGE)
+    spec = mtp_pool(cfg).to_pool(POOL, B * pages, PAGE)
+    pool = jnp.zeros(spec.shape, jnp.float32)
+    tables = np.arange(B * pages, dtype=np.int32).reshape(B, pages)
+    weights = {k: jnp.asarray(v) for k, v in weights.items()}
+    out = []
+    for lo, hi in ((0, SPLIT), (SPLIT, T)):
+        pos = np.broadcast_to(np.arange(lo, hi, dtype=np.int32), (B, hi - lo))
+        slots = np.take_along_axis(tables, pos // PAGE, axis=1) * PAGE + pos % PAGE
+        inputs = StepInputs(token_ids=jnp.asarray(tokens[:, lo:hi]), positions=jnp.asarray(pos),
+                            block_tables=jnp.asarray(tables), seq_lens=jnp.full((B,), hi, jnp.int32),
+                            slot_mapping=jnp.asarray(slots.astype(np.int32)))
+        h, pool = mtp_hidden(cfg, kind, weights, pool, inputs, jnp.asarray(hidden[:, lo:hi]), key_block=PAGE)
+        out.append(np.asarray(mtp_logits(cfg, weights, h)))
+    return np.concatenate(out, axis=1)
+
+
+def test_mtp_logits_equal_a_torch_reference_from_the_checkpoint(checkpoints, case):
+    checkpoint = checkpoints[1]
+    fam, cfg = config_from_hf(read_config(checkpoint))
+    weights, kind = load_mtp_weights(checkpoint, fam, cfg)
+    assert kind == SPARSE and "mtp.layers.expert_gate" in weights and "mtp.embed" not in weights
+    decoder = load_checkpoint(checkpoint)[1]
+    got = jax_mtp(cfg, kind, {**decoder, **weights}, *case)
+    want = torch_mtp(checkpoint, *case)
+    assert_within(tol.relative_error(got, want), mtp_bound(cfg, T), "MTP head vs torch reference")
+
+
+def test_control_swapped_input_norms_fail_the_reference(checkpoints, case):
+    checkpoint = checkpoints[1]
+    fam, cfg = config_from_hf(read_config(checkpoint))
+    weights, kind = load_mtp_weights(checkpoint, fam, cfg)
+    swapped = {**weights, "mtp.enorm": weights["mtp.hnorm"], "mtp.hnorm": weights["mtp.enorm"]}
+    got = jax_mtp(cfg, kind, {**load_checkpoint(checkpoint)[1], **swapped}, *case)
+    assert tol.relative_error(got, torch_mtp(checkpoint, *case)) > mtp_bound(cfg, T)
+
+
+def test_a_checkpoint_without_the_head_has_no_mtp_weights(checkpoints, tmp_path):
+    plain = checkpoints[0]
+    fam, cfg = config_from_hf(read_config(plain))
+    assert load_mtp_weights(plain, fam, cfg) is None

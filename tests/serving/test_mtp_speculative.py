@@ -1,0 +1,141 @@
+"""MTP speculation (serve/mtp_proposer.py): DeepSeek-V3's MTP head drafts, the verify entries check, and the greedy
+ids are those of decoding without speculation, alone and batched; the head's entries run, batched, and its state goes
+with the sequence. vLLM's method "deepseek_mtp" on an artifact without the head is refused by name at start."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hf_models import build_checkpoint
+from mtp_checkpoint import add_mtp_head
+from tlaloc_jax import artifact as af
+from tlaloc_jax.checkpoint import load_checkpoint, read_config
+from tlaloc_jax.decoder import final_hidden, init_pools
+from tlaloc_jax.families import config_from_hf
+from tlaloc_jax.inputs import StepInputs
+from tlaloc_jax.mtp_head import POOL, load_mtp_weights, mtp_hidden, mtp_logits, mtp_pool
+from tlaloc_jax.export import export_checkpoint
+from tlaloc_jax.serve import Engine
+from tlaloc_jax.serve.speculative import SpeculativeConfigError
+
+pytestmark = pytest.mark.numeric
+
+SEED, K = 69, 2
+LADDER = dict(batch_ladder=(1, 2), context_ladder=(32,), block_size=4, prefill_chunk=8, prefill_long_chunk=0,
+              num_blocks=24, progress=False, speculative_tokens=K)
+MTP = {"method": "deepseek_mtp", "num_speculative_tokens": K}
+PROMPTS = [[5, 9, 14, 3, 77, 120, 8, 41, 9, 14, 3], [200, 17, 63], [31, 31, 2, 90, 45, 12, 250, 7, 66, 18, 5, 4, 3]]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp-serve")
+    plain = build_checkpoint(root / "plain", "deepseek_v3", seed=SEED)
+    head = add_mtp_head(plain, root / "head", seed=SEED + 1)
+    export_checkpoint(plain, root / "art-plain", **LADDER)
+    export_checkpoint(head, root / "art-head", **LADDER)
+    return root / "art-plain", root / "art-head"
+
+
+def _row(tokens, start: int, width: int) -> StepInputs:
+    """One row of `tokens` at positions [start, start + n), right-aligned in `width` columns (one shape, one compile),
+    on pages 0, 1, ... of PAGE positions."""
+    n = len(tokens)
+    ids, pos = np.zeros((1, width), np.int32), np.full((1, width), -1, np.int32)
+    ids[0, width - n:], pos[0, width - n:] = tokens, np.arange(start, start + n)
+    return StepInputs(token_ids=jnp.asarray(ids), positions=jnp.asarray(pos),
+                      block_tables=jnp.arange(PAGES, dtype=jnp.int32)[None],
+                      seq_lens=jnp.asarray([start + n], jnp.int32), slot_mapping=jnp.asarray(pos))
+
+
+PAGE, PAGES = 4, 8
+
+
+@functools.lru_cache(maxsize=1)
+def _in_process(ck):
+    """The checkpoint's config, decoder and head weights, and the decoder's and the head's steps, jitted."""
+    fam, cfg = config_from_hf(read_config(ck))
+    head, kind = load_mtp_weights(ck, fam, cfg)
+    weights = {k: jnp.asarray(v) for k, v in {**load_checkpoint(ck)[1], **head}.items()}
+    hidden = jax.jit(lambda w, pools, x: final_hidden(cfg, w, pools, x, all_positions=True, pre_norm=True,
+                                                      key_block=PAGE * PAGES)[0])
+    mtp = jax.jit(lambda w, pool, x, h: mtp_hidden(cfg, kind, w, pool, x, h, key_block=PAGE * PAGES))
+    return cfg, weights, hidden, mtp, jax.jit(lambda w, h: jnp.argmax(mtp_logits(cfg, w, h[0, -1])))
+
+
+def reference_drafts(ck, tokens: list[int], k: int) -> list[int]:
+    """The head's k greedy drafts after `tokens`, in process: the decoder's pre-norm hidden states of positions
+    [0, c) (c = len(tokens) - 1), the head over them with tokens [1, c], then chained on its own hidden state."""
+    cfg, weights, hidden, mtp, draft = _in_process(ck)
+    c = len(tokens) - 1
+    width = PAGE * PAGES
+    h = hidden(weights, init_pools(cfg, PAGES, PAGE), _row(tokens[:c], 0, width))
+    pool = jnp.zeros(mtp_pool(cfg).to_pool(POOL, PAGES, PAGE).shape, jnp.float32)
+    h, pool = mtp(weights, pool, _row(tokens[1:], 0, width), h)
+    drafts = [int(draft(weights, h))]
+    for j in range(1, k):
+        h, pool = mtp(weights, pool, _row(drafts[-1:], c + j - 1, 1), h[:, -1:])
+        drafts.append(int(draft(weights, h)))
+    return drafts
+
+
+def _generate(eng: Engine, prompts) -> list[list[int]]:
+    rids = [eng.add_request(p, NEW) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    out = [eng.output(r) for r in rids]
+    for r in rids:
+        assert eng.request_info(r).finish_reason != "error", eng.request_info(r).error
+        eng.release(r)
+    return out
+
+
+def test_greedy_ids_with_mtp_drafts_equal_those_without(artifacts, serve_cache_dir):
+    art = artifacts[1]
+    with Engine.load(art, cache_dir=serve_cache_dir, progress=False) as eng:
+        want_alone = [_generate(eng, [p])[0] for p in PROMPTS]
+        want_batched = _generate(eng, PROMPTS[:2])
+    with Engine.load(art, cache_dir=serve_cache_dir, progress=False, speculative_config=MTP) as eng:
+        proposer = eng.scheduler.proposer
+        assert proposer is eng.model_runner.proposer and proposer is not None
+        assert [_generate(eng, [p])[0] for p in PROMPTS] == want_alone
+        assert _generate(eng, PROMPTS[:2]) == want_batched
+        st = eng.stats()
+        ran = eng.runner.stats["executions_by_entry"]
+        # The head drafted (chained K drafts a step where pages allowed) and the verify entries checked them; the
+        # batched run called the head's entries of two rows.
+        assert st["verify_calls"] > 0 and st["spec_decode_num_draft_tokens"] > st["spec_decode_num_drafts"]
+        assert proposer.calls > 0 and any(n.startswith("mtp_b2_") and ran[n] for n in ran)
+        assert not proposer.pending and not proposer.drafts          # nothing kept of finished sequences
+        assert st["pages_in_use"] == 0
+
+
+def test_the_drafts_are_the_heads_over_the_decoders_hidden_states(artifacts, serve_cache_dir):
+    """The proposer's plumbing (which hidden state goes with which token and position, the chain): the drafts it
+    gives a sequence after its prompt and after a verify call are the head's, run in process over the decoder's
+    pre-norm hidden states of the tokens so far (on pages enough that the chain is never cut)."""
+    seen = []
+    with Engine.load(artifacts[1], cache_dir=serve_cache_dir, progress=False, speculative_config=MTP) as eng:
+        proposer = eng.scheduler.proposer
+        take = proposer.take
+        proposer.take = lambda s, k: seen.append((list(s.tokens), take(s, k))) or seen[-1][1]
+        _generate(eng, [PROMPTS[0]])
+    drafted = [(tokens, d) for tokens, d in seen if len(d) == K]
+    assert len(drafted) >= 2
+    for tokens, d in drafted[:2]:
+        assert list(d) == reference_drafts(artifacts[1].parent / "head", tokens, K), len(tokens)
+
+
+def test_deepseek_mtp_without_the_head_is_refused_at_start(artifacts, serve_cache_dir):
+    m = af.load_manifest(artifacts[0])
+    assert not any(e.kind == af.EntryKind.MTP for e in m.entries)
+    for method in ("deepseek_mtp", "mtp"):
+        with pytest.raises(SpeculativeConfigError, match="re-export it .* from a checkpoint that has its MTP weights"):
+            Engine.load(artifacts[0], cache_dir=serve_cache_dir, progress=False,
+                        speculative_config={**MTP, "method": method})
