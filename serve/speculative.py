@@ -11,18 +11,24 @@ Acceptance is the body's: in an artifact with a sampler, its verify entries proc
 sampler does and rejection-sample (kernels/rejection_sampler.py), so sampled rows, penalties, logit bias and seeds
 draft too, and each keeps its distribution exactly; without a sampler only plain greedy rows draft (`draft_limit`).
 A sequence whose drafts are seldom accepted (SpecState.enabled) decodes one token a step as before.
+
+Drafts come from a `Proposer`: the scheduler picks the step's drafting sequences and the most drafts each may take,
+then asks the proposer once for all of them (`NgramProposer` here; serve/draft_model.py runs a second artifact).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from tlaloc_jax import artifact as af
 
+if TYPE_CHECKING:
+    from .core.request import Request
+
 # The methods vLLM names that this runtime does not run yet, each refused by name.
-NOT_BUILT = {"draft_model": "draft models", "eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads",
+NOT_BUILT = {"eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads",
              "medusa": "Medusa heads", "mlp_speculator": "MLP speculators", "mtp": "MTP heads",
              "deepseek_mtp": "MTP heads", "qwen3_next_mtp": "MTP heads", "suffix": "suffix decoding"}
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
@@ -40,13 +46,14 @@ class SpeculativeConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's speculative config for method "ngram": k drafted tokens a step from n-grams of lookup_min to lookup_max
-    tokens."""
+    """vLLM's speculative config: method "ngram", k drafted tokens a step from n-grams of lookup_min to lookup_max
+    tokens; or method "draft_model", k greedy tokens a step from the draft artifact in directory `model`."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
     method: str = "ngram"
+    model: str | None = None
 
 
 def parse_speculative_config(value) -> SpeculativeConfig | None:
@@ -67,14 +74,14 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         raise SpeculativeConfigError(f"speculative_config fields {', '.join(unknown)} are not known here; this runtime "
                                      f"reads {', '.join(FIELDS)}")
     method = value.get("method")
-    if method in NOT_BUILT or (method is None and value.get("model") is not None):
-        what = NOT_BUILT.get(method, "draft models")
-        raise SpeculativeConfigError(f"speculative_config method {method!r}: {what} are not built yet; use method "
-                                     "'ngram' (prompt lookup)")
-    if method != "ngram":
-        raise SpeculativeConfigError(f"speculative_config method {method!r} is not known; use method 'ngram'")
-    if value.get("model") is not None:
-        raise SpeculativeConfigError("speculative_config model: method 'ngram' takes no draft model; leave model out")
+    if method is None and value.get("model") is not None:
+        method = "draft_model"          # vLLM infers the method from the model it is given
+    if method in NOT_BUILT:
+        raise SpeculativeConfigError(f"speculative_config method {method!r}: {NOT_BUILT[method]} are not built yet; "
+                                     "use method 'ngram' (prompt lookup) or 'draft_model'")
+    if method not in ("ngram", "draft_model"):
+        raise SpeculativeConfigError(f"speculative_config method {method!r} is not known; use method 'ngram' or "
+                                     "'draft_model'")
 
     def count(name: str, default: int | None) -> int:
         v = value.get(name, default)
@@ -83,6 +90,18 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         return v
 
     k = count("num_speculative_tokens", None)
+    if method == "draft_model":
+        model = value.get("model")
+        if not isinstance(model, str) or not model:
+            raise SpeculativeConfigError(f"speculative_config model: method 'draft_model' needs the draft artifact's "
+                                         f"directory (python -m tlaloc_jax.export's output), got {model!r}")
+        lookup = sorted(set(value) & {"prompt_lookup_min", "prompt_lookup_max"})
+        if lookup:
+            raise SpeculativeConfigError(f"speculative_config {', '.join(lookup)}: method 'draft_model' does not look "
+                                         "up n-grams; leave them out")
+        return SpeculativeConfig(k, method="draft_model", model=model)
+    if value.get("model") is not None:
+        raise SpeculativeConfigError("speculative_config model: method 'ngram' takes no draft model; leave model out")
     lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
     lo, hi = (DEFAULT_LOOKUP, DEFAULT_LOOKUP) if lo is None and hi is None else (lo if lo is not None else hi,
                                                                                  hi if hi is not None else lo)
@@ -139,6 +158,31 @@ def propose_ngram(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: in
             if tokens[start] == tail[0] and list(tokens[start:start + n]) == tail:
                 return list(tokens[start + n:start + n + k])
     return []
+
+
+class Proposer(Protocol):
+    """What drafts for the scheduler. propose(rows): rows are a step's drafting sequences, each with the most drafts
+    it may take (k >= 1); -> each row's drafts, at most its k (maybe none), in the rows' order, all asked at once so
+    that a model-backed proposer runs them as one batch. release(s): the sequence finished or was preempted, drop
+    what is kept for it (a draft model's pages)."""
+
+    def propose(self, rows: Sequence[tuple[Request, int]]) -> list[list[int]]: ...
+
+    def release(self, s: Request) -> None: ...
+
+
+class NgramProposer:
+    """vLLM's `ngram` method: each row's drafts by prompt lookup in its own tokens (propose_ngram)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def propose(self, rows: Sequence[tuple[Request, int]]) -> list[list[int]]:
+        cfg = self.config
+        return [propose_ngram(s.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) for s, k in rows]
+
+    def release(self, s: Request) -> None:
+        pass
 
 
 @dataclass

@@ -96,8 +96,7 @@ def test_speculative_config_is_vllms_json_and_refuses_by_name():
                       ({**NGRAM, "method": "magic"}, "'magic' is not known"),
                       ({**NGRAM, "method": "eagle"}, "EAGLE heads are not built yet"),
                       ({**NGRAM, "method": "mtp"}, "MTP heads are not built yet"),
-                      ({"model": "draft", "num_speculative_tokens": 2}, "draft models are not built yet"),
-                      ({**NGRAM, "method": "draft_model"}, "draft models are not built yet"),
+                      ({**NGRAM, "method": "draft_model"}, "'draft_model' needs the draft artifact's directory"),
                       ({**NGRAM, "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),
                       ({**NGRAM, "prompt_lookup_min": 5}, "prompt_lookup_min 5 is larger"),
                       ("{not json", "not JSON"), ([1], "JSON object")):
