@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from tlaloc_jax import artifact as af
-
-if TYPE_CHECKING:
-    from .core.request import Request
 
 # The methods vLLM names that this runtime does not run yet, each refused by name.
 NOT_BUILT = {"eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads",
@@ -161,14 +158,15 @@ def propose_ngram(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: in
 
 
 class Proposer(Protocol):
-    """What drafts for the scheduler. propose(rows): rows are a step's drafting sequences, each with the most drafts
+    """What drafts for the scheduler (sequences are core.request.Request, not imported: it imports this module).
+    propose(rows): rows are a step's drafting sequences, each with the most drafts
     it may take (k >= 1); -> each row's drafts, at most its k (maybe none), in the rows' order, all asked at once so
     that a model-backed proposer runs them as one batch. release(s): the sequence finished or was preempted, drop
     what is kept for it (a draft model's pages)."""
 
-    def propose(self, rows: Sequence[tuple[Request, int]]) -> list[list[int]]: ...
+    def propose(self, rows: Sequence[tuple[Any, int]]) -> list[list[int]]: ...
 
-    def release(self, s: Request) -> None: ...
+    def release(self, s: Any) -> None: ...
 
 
 class NgramProposer:
@@ -177,11 +175,11 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
 
-    def propose(self, rows: Sequence[tuple[Request, int]]) -> list[list[int]]:
+    def propose(self, rows: Sequence[tuple[Any, int]]) -> list[list[int]]:
         cfg = self.config
         return [propose_ngram(s.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) for s, k in rows]
 
-    def release(self, s: Request) -> None:
+    def release(self, s: Any) -> None:
         pass
 
 

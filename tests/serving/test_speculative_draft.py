@@ -133,3 +133,20 @@ def test_a_draft_is_refused_by_name_at_start(pair, serve_cache_dir, tmp_path):
     with pytest.raises(SpeculativeConfigError, match=r"pools \['state'\] \(recurrent state"):
         Engine.load(pair[1] / "target", speculative_config={"model": str(tmp_path / "toy"),
                                                             "num_speculative_tokens": K}, **load)
+
+
+def test_a_failing_draft_model_leaves_the_target_decoding(pair, serve_cache_dir):
+    """A draft call that fails drafts nothing for the step and gives back the draft's pages; the target's ids are
+    those without speculation and no request fails."""
+    prompts, n = _cases()["batched"]
+    with Engine.load(pair[1] / "target", cache_dir=serve_cache_dir, progress=False,
+                     speculative_config=_draft(pair, "target")) as eng:
+        proposer = eng.scheduler.proposer
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("the draft's device is gone")
+        proposer.runner.run = broken
+        assert eng.generate(prompts, n) == artifact_runs((pair[0], pair[1] / "target"), serve_cache_dir)["batched"]
+        st = eng.stats()
+    assert proposer.stats["failures"] > 0 and st["spec_decode_num_draft_tokens"] == 0 and st["requests_failed"] == 0
+    assert not proposer.seqs and all(p.in_use == 0 for p in proposer.kv.pools.values())
