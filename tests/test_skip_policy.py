@@ -3,6 +3,8 @@ that one where the target sets TLALOC_NO_SKIPS=1."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 SKIPS = "import pytest\n\ndef test_skips():\n    pytest.skip('no engine here')\n"
@@ -17,6 +19,8 @@ def run(pytester, monkeypatch):
             monkeypatch.setenv("TLALOC_NO_SKIPS", "1")
         else:
             monkeypatch.delenv("TLALOC_NO_SKIPS", raising=False)
+        for name in files:      # a suite module of that name imported in this worker would clash with the file
+            monkeypatch.delitem(sys.modules, name, raising=False)
         pytester.makepyfile(**files)
         return pytester.runpytest_inprocess("-p", "skip_policy", "-p", "no:cacheprovider")
     return go

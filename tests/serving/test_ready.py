@@ -11,12 +11,15 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pypjrt
@@ -52,13 +55,64 @@ def _until_healthy(client, timeout: float = 120.0):
     return r
 
 
-def test_health_is_503_until_every_entry_is_compiled(http_artifacts, tmp_path):
-    with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as lazy:
-        want = lazy.generate([PROMPT], 6)[0]
-    # An empty cache of its own: every entry but one of each kind is still to compile when the server starts.
-    with Engine.load(http_artifacts[1], cache_dir=tmp_path / "cold", progress=False) as engine:
-        cold = len(engine.uncompiled_entries())
-        assert cold > 1
+def _later_entries(entries) -> list[af.Entry]:
+    """The entries a load does not compile (the first of each kind compiles at load, Runner._compile_kinds), less
+    the scoring prefills (compiled on first use): their cache files can be missing or damaged and stay to compile.
+    Which entry comes first depends on the bodies' hashes, which hold the checkout's paths."""
+    first = {}
+    for e in entries:
+        first.setdefault(e.kind, e)
+    return [e for e in entries if first[e.kind] is not e and e.kind != af.EntryKind.PREFILL_SCORED]
+
+
+def _cache_file(engine, entry) -> Path:
+    device = engine.runner.device
+    body = engine.runner._body(entry)
+    digest = hashlib.sha256(body).hexdigest()
+    path = device._cache._path(device._cache.key(digest, device.compile_options_bytes(body)))
+    assert path.is_file(), entry.name
+    return path
+
+
+@dataclass(frozen=True)
+class Filled:
+    """A compile cache holding every entry of the ids artifact: its folder, each entry's file in it, three entries a
+    load leaves to compile (their files unshared), and the ids of PROMPT's 6 greedy tokens."""
+
+    path: Path
+    files: dict
+    later: tuple
+    want: list
+
+    def copy(self, dest: Path, drop=()) -> Path:
+        """A copy of the cache at dest without the files of the entries `drop`: they are to compile again."""
+        shutil.copytree(self.path, dest)
+        for name in drop:
+            (dest / self.files[name]).unlink()
+        return dest
+
+
+@pytest.fixture(scope="module")
+def filled(http_artifacts, tmp_path_factory) -> Filled:
+    """Every entry compiled once for the module: each test copies the cache and removes or damages what it checks,
+    rather than compiling the artifact from nothing again."""
+    path = tmp_path_factory.mktemp("filled-cache")
+    with Engine.load(http_artifacts[1], cache_dir=path, progress=False) as engine:
+        engine.compile_all()
+        want = engine.generate([PROMPT], 6)[0]
+        files = {e.name: _cache_file(engine, e).relative_to(path) for e in engine.manifest.entries}
+        later = tuple(e.name for e in _later_entries(engine.manifest.entries)[:3])
+    assert len(later) == 3 and len({files[n] for n in later}) == 3
+    return Filled(path, files, later, want)
+
+
+def test_health_is_503_until_every_entry_is_compiled(http_artifacts, filled, tmp_path):
+    # A cache without three entries a load does not compile: they are still to compile when the server starts.
+    cache = filled.copy(tmp_path / "cache", drop=filled.later)
+    want = filled.want
+    with Engine.load(http_artifacts[1], cache_dir=cache, progress=False) as engine:
+        cold = len(engine.entries_to_compile())
+        assert cold == len(filled.later)
         release = _held_compile(engine)
         with InProcess(engine, compile_all=True) as srv:
             r = srv.client.get("/health")
@@ -71,36 +125,38 @@ def test_health_is_503_until_every_entry_is_compiled(http_artifacts, tmp_path):
             assert 1 <= int(r.headers["Retry-After"]) <= MAX_RETRY_AFTER_S
             release.set()
             _until_healthy(srv.client)
-            # Ready means ready: nothing is left to compile.
-            assert engine.uncompiled_entries() == []
-            assert set(engine.runner.executables) == {e.name for e in engine.manifest.entries}
+            # Ready means ready: nothing is left to compile (the cached entries load on first use or while idle).
+            assert engine.entries_to_compile() == []
+            assert set(filled.later) <= set(engine.runner.executables)
             r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
                                              "return_token_ids": True})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == want
 
 
-def test_lazy_compile_answers_health_at_once_with_entries_to_compile(http_artifacts, tmp_path):
+def test_lazy_compile_answers_health_at_once_with_entries_to_compile(http_artifacts, filled, tmp_path):
     """Control (today's behaviour, --lazy-compile): /health is 200 while entries are still to compile."""
-    with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as engine:
+    with Engine.load(http_artifacts[1], cache_dir=filled.copy(tmp_path / "cache", drop=filled.later),
+                     progress=False) as engine:
         engine.warm_up = lambda e: None             # the idle warm-up would compile them
         with InProcess(engine) as srv:
             assert srv.client.get("/health").status_code == 200
-            assert engine.uncompiled_entries() != []
+            assert len(engine.entries_to_compile()) == len(filled.later)
             assert srv.server.loop.readiness is None
 
 
-def test_a_stop_while_compiling_ends_the_loop_between_entries(http_artifacts, tmp_path):
+def test_a_stop_while_compiling_ends_the_loop_between_entries(http_artifacts, filled, tmp_path):
     """A server stopped while it compiles stops after the entry it is in, not after all of them."""
-    with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as engine:
-        cold = len(engine.uncompiled_entries())
+    with Engine.load(http_artifacts[1], cache_dir=filled.copy(tmp_path / "cache", drop=filled.later),
+                     progress=False) as engine:
+        cold = len(engine.entries_to_compile())
         release = _held_compile(engine)
         with InProcess(engine, compile_all=True) as srv:
             assert srv.client.get("/health").status_code == 503
             threading.Timer(0.5, release.set).start()       # the stop is queued by then
         loop = srv.server.loop
         assert not loop.alive and loop.readiness.done == 1 < cold
-        assert len(engine.uncompiled_entries()) == cold - 1
+        assert len(engine.entries_to_compile()) == cold - 1
 
 
 def _count_pjrt(monkeypatch) -> dict[str, int]:
@@ -116,15 +172,12 @@ def _count_pjrt(monkeypatch) -> dict[str, int]:
     return counts
 
 
-def test_a_warm_start_compiles_nothing_and_is_ready_at_once(http_artifacts, tmp_path, monkeypatch):
+def test_a_warm_start_compiles_nothing_and_is_ready_at_once(http_artifacts, filled, tmp_path, monkeypatch):
     """With every entry in the compile cache the server is ready before it has loaded any (each loads on first use
-    or while idle, like its first run): no compile, no 503. Control: an empty cache compiles every entry before
+    or while idle, like its first run): no compile, no 503. Control: the entries missing from a cache compile before
     /health answers 200."""
-    with Engine.load(http_artifacts[1], cache_dir=tmp_path / "warm", progress=False) as engine:
-        engine.compile_all()                                    # fills the cache
-        want = engine.generate([PROMPT], 6)[0]
     counts = _count_pjrt(monkeypatch)
-    with Engine.load(http_artifacts[1], cache_dir=tmp_path / "warm", progress=False) as engine:
+    with Engine.load(http_artifacts[1], cache_dir=filled.copy(tmp_path / "warm"), progress=False) as engine:
         srv = InProcess(engine, compile_all=True)
         srv.server.loop.warm_up = False                         # nothing loads while idle: on first use only
         with srv:
@@ -134,44 +187,26 @@ def test_a_warm_start_compiles_nothing_and_is_ready_at_once(http_artifacts, tmp_
             r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
                                              "return_token_ids": True})
             assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["token_ids"] == want
+            assert r.json()["choices"][0]["token_ids"] == filled.want
         assert counts["compile"] == 0 and counts["deserialize_executable"] == len(engine.runner.executables) > 0
         assert "hit" in engine.compile_report() and set(engine.compile_report()) <= {"hit", "cached"}
-    with Engine.load(http_artifacts[1], cache_dir=tmp_path / "cold", progress=False) as engine:
-        n, at_load = len(engine.manifest.entries), counts["compile"]
+    partial = filled.copy(tmp_path / "partial", drop=filled.later)
+    with Engine.load(http_artifacts[1], cache_dir=partial, progress=False) as engine:
+        assert counts["compile"] == 0                           # the first entry of each kind is in the cache
         with InProcess(engine, compile_all=True) as srv:
             _until_healthy(srv.client)
-            assert srv.server.loop.readiness.total == n - at_load > 0
-            assert set(engine.runner.executables) == {e.name for e in engine.manifest.entries}
-        assert counts["compile"] == n
+            assert srv.server.loop.readiness.total == len(filled.later)
+            assert set(filled.later) <= set(engine.runner.executables)
+        assert counts["compile"] == len(filled.later)
 
 
-def _not_first_of_its_kind(entries):
-    """An entry a load does not compile (the first of each kind compiles at load, Runner._compile_kinds): the damaged
-    file must stay to compile. Which file sorts first depends on the bodies' hashes, which hold the checkout's paths."""
-    first = {}
-    for e in entries:
-        first.setdefault(e.kind, e)
-    return next(e for e in entries if first[e.kind] is not e and e.kind != af.EntryKind.PREFILL_SCORED)
-
-
-def _cache_file(engine, entry):
-    device = engine.runner.device
-    body = engine.runner._body(entry)
-    digest = hashlib.sha256(body).hexdigest()
-    path = device._cache._path(device._cache.key(digest, device.compile_options_bytes(body)))
-    assert path.is_file(), entry.name
-    return path
-
-
-def test_a_damaged_cache_entry_is_compiled_before_ready(http_artifacts, tmp_path):
+def test_a_damaged_cache_entry_is_compiled_before_ready(http_artifacts, filled, tmp_path):
     """A cache file that fails its check does not count as compiled: that entry compiles before /health answers 200
     (the others, intact, load on first use)."""
-    with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as engine:
-        engine.compile_all()
-        damaged = _cache_file(engine, _not_first_of_its_kind(engine.manifest.entries))
+    cache = filled.copy(tmp_path / "cache")
+    damaged = cache / filled.files[filled.later[0]]
     damaged.write_bytes(damaged.read_bytes()[:-64] + bytes(64))
-    with Engine.load(http_artifacts[1], cache_dir=tmp_path, progress=False) as engine:
+    with Engine.load(http_artifacts[1], cache_dir=cache, progress=False) as engine:
         assert len(engine.entries_to_compile()) == 1
         release = _held_compile(engine)
         with InProcess(engine, compile_all=True) as srv:
@@ -207,15 +242,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_server_logs_its_start_up_in_plain_lines(http_artifacts, tmp_path):
+def test_the_server_logs_its_start_up_in_plain_lines(http_artifacts, filled, tmp_path):
     """`python -m tlaloc_jax.serve` (compile_all by default) with its log in a file: no progress bar's carriage
     returns, the ready line before /health answers 200, and no entry compiled on a first request after it."""
     port = _free_port()
     log_path = tmp_path / "serve.log"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     with open(log_path, "wb") as log_file:
+        cache = filled.copy(tmp_path / "cache", drop=filled.later)        # three entries to compile
         proc = subprocess.Popen([sys.executable, "-m", "tlaloc_jax.serve", str(http_artifacts[1]), "--port", str(port),
-                                 "--cache-dir", str(tmp_path / "cache")], stdout=log_file, stderr=log_file, env=env)
+                                 "--cache-dir", str(cache)], stdout=log_file, stderr=log_file, env=env)
     try:
         deadline = time.monotonic() + 180
         while True:
