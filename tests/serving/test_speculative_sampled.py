@@ -24,7 +24,8 @@ from tlaloc_jax.serve.model_runner import ModelRunner
 pytestmark = pytest.mark.numeric
 
 BLOCK, CONTEXT, K = 8, 64, 3
-LADDER = dict(batch_ladder=(1, 2, 4, 8), context_ladder=(CONTEXT,), block_size=BLOCK, prefill_chunk=8,
+# One batch size: every call pads to 8 rows, and each of the artifact's entries compiles once for the module.
+LADDER = dict(batch_ladder=(8,), context_ladder=(CONTEXT,), block_size=BLOCK, prefill_chunk=8,
               prefill_long_chunk=16, progress=False)
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 # Prompts whose continuations by this seed's tiny random model fall into loops, which the proposer then drafts; under
@@ -50,6 +51,12 @@ def artifact(tmp_path_factory):
     ck = build_checkpoint(out / "ck", "llama", seed=47)
     export_checkpoint(ck, out / "art", num_blocks=48, speculative_tokens=K, sampler=Sampler(), **LADDER)
     return out / "art"
+
+
+@pytest.fixture(scope="module")
+def without(artifact, serve_cache_dir) -> dict:
+    """Every row's ids without speculation."""
+    return _batch(artifact, serve_cache_dir, speculative=False)[0]
 
 
 def _batch(path, cache, speculative: bool | dict, monkeypatch=None) -> tuple[dict, list, dict]:
@@ -78,11 +85,11 @@ def _batch(path, cache, speculative: bool | dict, monkeypatch=None) -> tuple[dic
         return out, calls, dict(eng.stats(), accepted=accepted)
 
 
-def test_sampled_and_processed_rows_speculate_beside_greedy_ones(artifact, serve_cache_dir):
+def test_sampled_and_processed_rows_speculate_beside_greedy_ones(artifact, serve_cache_dir, without):
     """Greedy rows with penalties, bias and min_tokens give the ids they give without speculation; seeded sampled
     rows give the same tokens on a second run; sampled and greedy rows share verify calls and drafts are accepted;
     min_tokens holds off the stop id."""
-    want, _, _ = _batch(artifact, serve_cache_dir, speculative=False)
+    want = without
     got, calls, st = _batch(artifact, serve_cache_dir, speculative=True)
     again, _, _ = _batch(artifact, serve_cache_dir, speculative=True)
     for name in GREEDY:
@@ -96,11 +103,12 @@ def test_sampled_and_processed_rows_speculate_beside_greedy_ones(artifact, serve
     assert any(any(sp.temperature > 0 for sp in c) and any(sp.temperature == 0 for sp in c) for c in calls)
 
 
-def test_control_a_history_without_the_drafts_changes_the_penalised_ids(artifact, serve_cache_dir, monkeypatch):
+def test_control_a_history_without_the_drafts_changes_the_penalised_ids(artifact, serve_cache_dir, without,
+                                                                        monkeypatch):
     """The sampler's inputs built as before verify rows sampled: the history through the row's last token only, so
     a drafted position's penalties miss the drafts before it. The penalised greedy row's ids then differ from those
     without speculation, which the test above would catch."""
-    want, _, _ = _batch(artifact, serve_cache_dir, speculative=False)
+    want = without
     real = call_inputs.sampler_inputs
 
     def forgetful(runner, call, producing, allowed):
