@@ -83,6 +83,8 @@ def main(argv=None) -> None:
                          "entries used), warm (the cache the start before filled), other-cpu (an emptied cache and "
                          "the artifact's compiled entries not matching, as on another CPU); empty: vLLM's alone")
     ap.add_argument("--keep-artifact", action="store_true", help="serve the artifact a run before exported")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="an extra option for tlaloc_jax.serve (e.g. --serve-arg=--map-weights)")
     a = ap.parse_args(argv)
     from bench.serving import _free_port, _wait_up, start_vllm
 
@@ -109,7 +111,7 @@ def main(argv=None) -> None:
     for label in starts:
         port = _free_port()
         cmd = [sys.executable, "-m", "tlaloc_jax.serve", str(art), "--port", str(port), "--cache-dir", str(cache),
-               "--no-progress"]
+               "--no-progress", *a.serve_arg]
         env = dict(os.environ)
         if label != "warm":
             shutil.rmtree(cache, ignore_errors=True)

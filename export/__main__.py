@@ -147,6 +147,9 @@ def main(argv=None) -> int:
                          "without compiling again (default 0: none)")
     ap.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
                     help="the largest adapter rank the slots hold (default 16); smaller ranks are zero-padded")
+    ap.add_argument("--lora-dtype", choices=["f32", "bf16"], default=None,
+                    help="the dtype the adapter slots hold A and B in (default bf16: a step with an adapter row reads "
+                         "every slot, and bf16 halves those bytes; docs/lora.md)")
     ap.add_argument("--lora-target-modules", type=lambda t: [m for m in t.split(",") if m], default=None,
                     metavar="q_proj,...", help="the projections that take adapters (default: every one the model has of "
                                                "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj and "
@@ -165,10 +168,15 @@ def main(argv=None) -> int:
                     help="do not compile the entries into OUT_DIR/compile-cache (by default, for cpu, they are "
                          "compiled here with the serving runtime's plugin, so a server on a host like this one starts "
                          "without compiling; on another CPU or plugin it compiles them, as without the folder)")
+    ap.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                    help="processes compiling the entries into OUT_DIR/compile-cache, each every N-th entry (default: "
+                         "2, or 1 on a one-CPU host)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     if len(args.paths) != (1 if args.demo else 2):
         ap.error("expected OUT_DIR with --demo, else CHECKPOINT_DIR OUT_DIR")
+    if args.compile_workers is not None and args.compile_workers < 1:
+        ap.error(f"--compile-workers {args.compile_workers}: give at least 1 (or --no-compile-cache)")
     if args.demo:
         from tlaloc_jax.checkpoint import DEMO_MODEL
         args.checkpoint, args.out = str(DEMO_MODEL), args.paths[0]
@@ -209,6 +217,7 @@ def main(argv=None) -> int:
                               packed=False if args.no_packed else None, entries=args.entries,
                               tensor_parallel=args.tensor_parallel, mlir=args.mlir, exported=args.exported,
                               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                              lora_dtype=dtypes[args.lora_dtype] if args.lora_dtype else None,
                               **({"lora_target_modules": args.lora_target_modules} if args.lora_target_modules else {}),
                               speculative_tokens=args.speculative_tokens)
     except (ExportError, CheckpointError, ConfigError) as e:
@@ -228,17 +237,18 @@ def main(argv=None) -> int:
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
     print(f"time: {timing.summary()}")
     if args.platform == "cpu" and not args.no_compile_cache:
-        _compile_cache(args.out)
+        _compile_cache(args.out, args.compile_workers)
     return 0
 
 
-def _compile_cache(out: str) -> None:
+def _compile_cache(out: str, workers: int | None = None) -> None:
     """Compile the artifact's entries into its compile-cache folder, in a process of its own (the serving runtime's
     PJRT plugin, not jax's). A host without the runtime, or a failed compile, leaves an artifact without one."""
     import subprocess
     print(f"compiling the entries into {out}/compile-cache for the serving runtime (--no-compile-cache skips it)",
           flush=True)
-    done = subprocess.run([sys.executable, "-m", "tlaloc_jax.serve.runtime.shipped_cache", out],
+    done = subprocess.run([sys.executable, "-m", "tlaloc_jax.serve.runtime.shipped_cache", out,
+                           *(["--workers", str(workers)] if workers else [])],
                           capture_output=True, text=True)
     if done.returncode == 0:
         print(done.stdout.strip())

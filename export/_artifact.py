@@ -21,7 +21,7 @@ from tlaloc_jax.decoder import (DEFAULT_KEY_BLOCK, decoder_pools, final_hidden, 
 from tlaloc_jax.kernels import paged_attention_gpu, paged_attention_native
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.layout import LAYOUTS
-from tlaloc_jax.lora import decoder_lora
+from tlaloc_jax.lora import LORA_DTYPE, decoder_lora
 from tlaloc_jax.serve.core.paging import ring_pages_for
 from tlaloc_jax.sharding import ShardingError, local_config, shard_decoder_weights
 
@@ -80,7 +80,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       mixed: bool | None = None, packed: bool | None = None, entries: str = "default",
                       tensor_parallel: int = 1, projections: str | None = None, mlir: bool = False,
                       exported: bool = False, max_loras: int = 0, max_lora_rank: int = 16,
-                      lora_target_modules: Sequence[str] | None = None,
+                      lora_target_modules: Sequence[str] | None = None, lora_dtype: str | None = None,
                       speculative_tokens: int = 0) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v5).
 
@@ -125,8 +125,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     and experts (tlaloc_jax.sharding; docs/multi-device.md); a model whose counts do not divide is refused.
     mlir, exported: also write each body's `.mlir` and `.exported` (see `stage`); the runtime needs neither.
     max_loras: N > 0 stages N LoRA adapter slots of rank at most max_lora_rank on lora_target_modules (PEFT's
-    module names, tlaloc_jax.lora.DECODER_TARGETS; None: every one the model has) in every entry; the runtime
-    loads adapters into them.
+    module names, tlaloc_jax.lora.DECODER_TARGETS; None: every one the model has) in every entry, their A and B in
+    lora_dtype ("float32" or "bfloat16"; None: LORA_DTYPE); the runtime loads adapters into them.
     speculative_tokens: K > 0 adds a verify entry per decode point, for speculative decoding of up to K drafted
     tokens a step (see `Features`); models with linear-attention layers are refused.
     """
@@ -221,7 +221,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                               "decode_attention='xla' (--decode-attention xla)")
     try:
         lora = decoder_lora(shard_cfg, max_loras, max_lora_rank,
-                            tuple(lora_target_modules) if lora_target_modules else None) if max_loras else None
+                            tuple(lora_target_modules) if lora_target_modules else None,
+                            lora_dtype or LORA_DTYPE) if max_loras else None
     except ConfigError as e:
         raise ExportError(str(e)) from None
     # The decoder's step norms only each row's last token; prompt scoring reads every position's hidden state.

@@ -186,6 +186,10 @@ def main(argv=None) -> int:
     ap.add_argument("--trust-weights", action="store_true",
                     help="skip hashing the weight files at load (their sizes are still checked): for very large "
                          "artifacts whose weights are known good; the log says so")
+    ap.add_argument("--map-weights", action="store_true",
+                    help="serve the weights from their files' mappings, not read into huge-page memory: a warm start "
+                         "without allocating the weights' size (a host short of free memory reclaims it first), "
+                         "4 KiB pages in every step (a few percent of a small batch's decode, docs/cpu.md)")
     ap.add_argument("--embedding-artifact", default=None, metavar="DIR",
                     help="also serve this embedding program (a bounded-program artifact written by "
                          "tlaloc_jax.stage_bounded with an embedding task) on /v1/embeddings, on the same device")
@@ -270,7 +274,7 @@ def main(argv=None) -> int:
                              max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=args.enable_prefix_caching,
                              lora_modules=lora_modules(args.lora_modules), max_cpu_loras=args.max_cpu_loras,
-                             speculative_config=args.speculative_config)
+                             speculative_config=args.speculative_config, map_weights=args.map_weights)
         marks.append(("engine loaded", time.perf_counter()))
     except (ManifestError, OSError, CompileError, PluginNotFoundError, NativeKernelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

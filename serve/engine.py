@@ -70,7 +70,7 @@ class Engine:
                  use_decode_steps: bool = True, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
                  lora_modules: dict | None = None, max_cpu_loras: int | None = None,
-                 speculative_config: dict | str | SpeculativeConfig | None = None):
+                 speculative_config: dict | str | SpeculativeConfig | None = None, map_weights: bool = False):
         """Load an artifact: validate it all (files, hashes, every body's @main against its entry, the memory its
         weights and pools need), then compile one entry of each kind (the others compile, or load from the compile
         cache, on first use: Runner._compile_kinds), upload the weights and allocate the pools. A bad artifact is
@@ -99,6 +99,8 @@ class Engine:
         grammar decode as before. {"method": "draft_model", "model": "<draft artifact>", "num_speculative_tokens": k}
         (the method may be left out) drafts k greedy tokens a step with a second artifact of the same vocabulary and
         tokenizer, run on this engine's device (serve/draft_model.py). None: off.
+        map_weights: serve the weights from their files' mappings instead of reading them into huge-page memory: a
+        load without fresh memory (seconds less where the host must reclaim it), 4 KiB pages in every step.
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
@@ -133,7 +135,8 @@ class Engine:
                 device = Device(plugin, memory_fraction=memory_fraction, cache_dir=cache_dir, devices=m.devices)
         except TooFewDevicesError as e:
             raise af.ManifestError(device_count_mismatch(m, e.available)) from None
-        self.runner = Runner(self.artifact_dir, m, device, progress=progress, donate=donate)
+        self.runner = Runner(self.artifact_dir, m, device, progress=progress, donate=donate,
+                             weight_arena=not map_weights)
         self.scheduler.proposer = proposer_for(self.speculative_config, draft, device, progress, donate)
         self.device = self.runner.device
         self.block_size = m.block_size

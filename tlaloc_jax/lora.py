@@ -35,6 +35,11 @@ DECODER_TARGETS = ATTENTION_TARGETS + MLP_TARGETS + LINEAR_TARGETS
 TARGET_GROUPS = {**dict.fromkeys(ATTENTION_TARGETS, "attn"), **dict.fromkeys(LINEAR_TARGETS, "linear"),
                  **dict.fromkeys(MLP_TARGETS, "mlp")}
 HIGHEST = lax.Precision.HIGHEST
+# The dtypes adapter buffers are staged in, bf16 by default: a step with an adapter row reads every slot's A and B,
+# and bf16 halves those bytes (the products widen them exactly and sum in f32; an adapter is rounded to bf16 once,
+# as it is written into a slot; docs/lora.md "Cost").
+LORA_DTYPES = ("float32", "bfloat16")
+LORA_DTYPE = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -56,13 +61,16 @@ class Lora:
                                           for n, dims in self.targets.items()))
 
 
-def decoder_lora(cfg: DecoderConfig, max_loras: int, max_rank: int, targets: tuple[str, ...] | None = None) -> Lora:
+def decoder_lora(cfg: DecoderConfig, max_loras: int, max_rank: int, targets: tuple[str, ...] | None = None,
+                 dtype: str = "float32") -> Lora:
     """The built-in decoder's adapter slots on `targets` (DECODER_TARGETS' names; None: every one the model has),
-    each stacked over the layers that have it. A model whose projections the decoder has no adapter form for
+    each stacked over the layers that have it, A and B held in `dtype` (LORA_DTYPES). A model whose projections the decoder has no adapter form for
     (latent attention, experts' MLPs, interleaved linear-attention projections, fused-shard meshes) is refused by
     name."""
     if max_loras < 1 or max_rank < 1:
         raise ConfigError(f"max_loras {max_loras} and max_rank {max_rank} must be >= 1")
+    if dtype not in LORA_DTYPES:
+        raise ConfigError(f"lora dtype {dtype!r} is not one of {', '.join(LORA_DTYPES)} (--lora-dtype f32 or bf16)")
     plan = layer_plan(cfg, windowed=False)
     held = {"attn": plan.group_layers("attn"), "linear": plan.group_layers("linear"),
             "mlp": plan.slot_layers("layers.gate_proj") if DENSE in cfg.mlp_types else ()}
@@ -97,7 +105,7 @@ def decoder_lora(cfg: DecoderConfig, max_loras: int, max_rank: int, targets: tup
                     in_proj_a=(E, lin.value_heads), out_proj=(HvDv, E))
     chosen = [n for n in DECODER_TARGETS if n in targets]
     layers = {n: held[TARGET_GROUPS[n]] for n in chosen}
-    return Lora(max_loras, max_rank, {n: (len(layers[n]), *dims[n]) for n in chosen},
+    return Lora(max_loras, max_rank, {n: (len(layers[n]), *dims[n]) for n in chosen}, dtype,
                 model_layers={n: ids for n, ids in layers.items() if ids != tuple(range(cfg.num_layers))})
 
 

@@ -47,12 +47,13 @@ class Runner:
     thread-safe: one caller runs entries."""
 
     def __init__(self, artifact_dir: str | Path, manifest: af.Manifest, device: Device, *, progress: bool = True,
-                 donate: bool = True):
+                 donate: bool = True, weight_arena: bool = True):
         """Check the device has room, compile every entry but the scoring prefills (compiled on first use),
         upload the weights and allocate zeroed pools. Closes the device if any of it fails. A device of another
         device count than the artifact's mesh is refused by name before anything is compiled or allocated.
 
-        donate: False runs the pools as plain inputs (a test control: each run then copies them)."""
+        donate: False runs the pools as plain inputs (a test control: each run then copies them).
+        weight_arena: False serves the weights from their files' mappings (sharded.upload_weights' arena)."""
         self.artifact_dir = Path(artifact_dir)
         self.manifest = m = manifest
         self.device = device
@@ -88,7 +89,7 @@ class Runner:
             self._check_memory()
             self._compile_kinds(progress)
             self.resident_before_weights = host_memory.resident_bytes()   # the runtime's own: plugin, entries
-            self.weights = sharded.upload_weights(device, self.artifact_dir, m.weights, m.mesh)
+            self.weights = sharded.upload_weights(device, self.artifact_dir, m.weights, m.mesh, weight_arena)
             self.pools: dict[str, sharded.Placed] = {p.name: sharded.zeros(device, p.dtype, p.shape, p.partition,
                                                                            m.mesh) for p in m.pools}
             # The LoRA slots (manifest `lora`), zeroed: written as adapters are loaded (serve/lora_slots.py).

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -22,6 +24,8 @@ from .pjrt import Device
 
 Placed = Buffer | tuple[Buffer, ...]
 HUGE_PAGE = 2 << 20
+#: Threads reading the weight files at load.
+READ_THREADS = min(2, os.cpu_count() or 1)
 
 
 def device_count_mismatch(m: af.Manifest, devices: int) -> str:
@@ -113,12 +117,14 @@ def _read(path: Path, w: af.WeightFile, shape: tuple[int, ...], into: np.ndarray
 
 
 def upload_weights(device: Device, root: Path, weights: Sequence[af.WeightFile],
-                   mesh: af.Mesh | None) -> dict[str, Placed]:
+                   mesh: af.Mesh | None, arena: bool = True) -> dict[str, Placed]:
     """The weights from their files, by slot: each onto every device, or, split, device d's shard from shard file d.
     On a device whose memory is host memory, each is adopted (no copy by the plugin), and every array of 2 MiB or
     more is read into one host_arena where the kernel offers huge pages: a decode step reads every weight, and 4 KiB
     pages cost it a page walk every 4 KiB (per-weight mappings: the 100M Llama's batch-1 step 1.06x faster on the
-    Sapphire Rapids; one arena for them all: about 1% more, docs/cpu.md). Smaller ones stay their files' mappings."""
+    Sapphire Rapids; one arena for them all: about 1% more, docs/cpu.md). Smaller ones stay their files' mappings.
+    arena=False: every weight is its file's mapping, read-only (no fresh memory: a load in well under a second where
+    the files are in the page cache, and no second copy of them, on a host short of free memory)."""
     files = []                  # (weight, file, shape) of each array: a whole weight, or each shard of a split one
     for w in weights:
         if w.shards:
@@ -126,10 +132,14 @@ def upload_weights(device: Device, root: Path, weights: Sequence[af.WeightFile],
         else:
             files.append((w, root / w.file, w.shape))
     sizes = [_nbytes(w, shape) for w, _, shape in files]
-    huge = device.host_memory and huge_pages_offered()
+    huge = arena and device.host_memory and huge_pages_offered()
     read_in = [huge and n >= HUGE_PAGE for n in sizes]
     arena = iter(host_arena([n for n, r in zip(sizes, read_in) if r]))
-    arrays = iter([_read(path, w, shape, next(arena) if r else None) for (w, path, shape), r in zip(files, read_in)])
+    jobs = [(path, w, shape, next(arena) if r else None) for (w, path, shape), r in zip(files, read_in)]
+    # Reads in threads (readinto releases the GIL): the fresh memory's page faults, and the reclaim a host short of
+    # free memory does in them, run on more than one CPU. map keeps the files' order.
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        arrays = iter(list(pool.map(lambda job: _read(*job), jobs)))
     placed: dict[str, Placed] = {}
     for w in weights:
         if w.shards:

@@ -152,7 +152,7 @@ def test_start_up_refusals_name_the_setting(llama_runs):
     assert "--block-size 16" in block and "hold 8 positions" in block, block
     assert "--max-model-len 48" in length and "[32, 64]" in length, length
     assert "--dtype bfloat16" in dtype and "float32" in dtype, dtype
-    assert "LoRA" in lora, lora
+    assert "--enable-lora" in lora and "no adapter slots" in lora and "--max-loras N" in lora, lora
 
 
 def test_in_body_sampler_gives_engine_ids_through_vllm(qwen3, serve_cache_dir, tmp_path):
@@ -220,6 +220,62 @@ def test_all_windowed_family_is_refused_by_name(tmp_path):
     out = _drive({"artifact": str(tmp_path / "art"), "refusals": [{}]}, tmp_path)
     [msg] = out["refusals"]
     assert msg is not None and "no paged KV pool" in msg and "window_kv (ring_kv)" in msg, msg
+
+
+# -- LoRA: vLLM's LoRARequests in the artifact's adapter slots ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_runs(serve_cache_dir, tmp_path_factory):
+    """A llama artifact of 2 adapter slots of rank 8, three PEFT adapters (a3 on q and v only), and LLM.generate
+    with --enable-lora --max-loras 2 --max-lora-rank 8: base rows and the three adapters' rows in one generate
+    (vLLM schedules at most two adapters a step, so slots are handed over as requests end), then the control with
+    the rows' slots swapped; --max-loras 3 and --max-lora-rank 16 refused beforehand. The oracle: Engine.generate
+    on the same artifact, each prompt alone with its adapter."""
+    from lora_adapters import write_peft
+    root = tmp_path_factory.mktemp("vllm-lora")
+    ck = build_checkpoint(root / "ck", "llama", seed=61)
+    art = root / "art"
+    export_checkpoint(ck, art, batch_ladder=(1, 4), context_ladder=(32, 64), block_size=8, prefill_chunk=16,
+                      prefill_long_chunk=0, num_blocks=48, progress=False, max_loras=2, max_lora_rank=8)
+    paths = {"a1": write_peft(root / "a1", ck, seed=1, rank=8, alpha=16),
+             "a2": write_peft(root / "a2", ck, seed=2, rank=4, alpha=8, use_rslora=True),
+             "a3": write_peft(root / "a3", ck, seed=3, rank=8, alpha=8, targets=("q_proj", "v_proj"))}
+    ids = {n: [n, i + 1, str(p)] for i, (n, p) in enumerate(paths.items())}
+    mixed = [("a1", 0), (None, 1), ("a2", 2), ("a3", 3), ("a1", 1), ("a3", 0)]
+    reqs = [dict(q, lora=ids[n]) if n else q for (n, _), q in zip(mixed, _requests([PROMPTS[i] for _, i in mixed]))]
+    pair = [dict(q, lora=ids[n]) for n, q in zip(("a1", "a2"), _requests([PROMPTS[0]] * 2))]
+    lora = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    spec = {"artifact": str(art),
+            "refusals": [dict(lora, max_loras=3), dict(lora, max_lora_rank=16)],
+            "llm": {**lora, "max_num_seqs": 8, "enable_prefix_caching": True,
+                    "additional_config": {"tlaloc": {"cache_dir": str(serve_cache_dir)}}},
+            "runs": [{"name": "mixed", "requests": reqs}, {"name": "pair", "requests": pair},
+                     {"name": "swapped", "requests": pair, "swap_lora_slots": True}]}
+    out = _drive(spec, root, inproc=True)
+    with Engine.load(art, cache_dir=serve_cache_dir, progress=False, lora_modules=paths) as eng:
+        want = {(n, i): eng.generate([PROMPTS[i]], NEW, lora=n)[0] for n, i in {*mixed, ("a2", 0)}}
+    return out, mixed, want
+
+
+def test_lora_requests_give_engine_ids_with_the_same_adapter(lora_runs):
+    out, mixed, want = lora_runs
+    assert out["runs"]["mixed"]["ids"] == [want[k] for k in mixed]
+    assert out["runs"]["pair"]["ids"] == [want[("a1", 0)], want[("a2", 0)]]
+    # The adapters change the ids: the check above is not the base model's run again.
+    assert want[("a1", 1)] != want[(None, 1)] and want[("a1", 0)] != want[("a2", 0)] != want[("a3", 0)]
+
+
+def test_control_swapped_lora_slots_part_from_engine_ids(lora_runs):
+    """The control: each call's rows handed each other's adapter slots must not give the adapters' ids."""
+    out, _, want = lora_runs
+    assert out["runs"]["swapped"]["ids"] != [want[("a1", 0)], want[("a2", 0)]]
+
+
+def test_lora_past_the_artifact_slots_is_refused_by_name(lora_runs):
+    count, rank = lora_runs[0]["refusals"]
+    assert count is not None and "--max-loras 3" in count and "holds 2" in count, count
+    assert rank is not None and "--max-lora-rank 16" in rank and "holds 8" in rank, rank
 
 
 # -- the OpenAI server --------------------------------------------------------------------------------------------

@@ -41,11 +41,15 @@ def served(request, tmp_path_factory):
     art = root / "art"
     export_checkpoint(ck, art, batch_ladder=(1, 4), context_ladder=(64,), block_size=8, prefill_chunk=16,
                       prefill_long_chunk=0, progress=False, max_loras=2, max_lora_rank=RANK)
-    models = {None: load_hf_torch(ck), **{n: merged_model(ck, p) for n, p in adapters.items()}}
+    # The oracle merges each adapter as the slots hold it (bf16 by default: tests/ops/test_lora_delta.py bounds
+    # that rounding against f32 adapters).
+    dtype = af.load_manifest(art, verify_weights=False).lora.dtype
+    models = {None: load_hf_torch(ck), **{n: merged_model(ck, p, dtype) for n, p in adapters.items()}}
     oracles = {n: [torch_greedy(model, p, NEW) for p in PROMPTS] for n, model in models.items()}
     cfg = load_checkpoint(ck)[0]
     bound = tol.bound(tol.decoder_roundings_of(cfg, context=64) + tol.lora_roundings(cfg, RANK))
-    return dict(ck=ck, art=art, adapters={n: str(p) for n, p in adapters.items()}, oracles=oracles, bound=bound)
+    return dict(ck=ck, art=art, adapters={n: str(p) for n, p in adapters.items()}, oracles=oracles, bound=bound,
+                dtype=dtype)
 
 
 def _engine(served, cache, **adapters):
@@ -190,7 +194,7 @@ def _manifest_json(served) -> dict:
 
 @pytest.mark.parametrize("edit, match", [
     ("drop_target_input", r"takes the lora inputs wrongly \(missing \['LORA_B down_proj.2'\]"),
-    ("rank", r"LORA_A q_proj.0 is float32\[3, 4, 64\], the lora record's is float32\[3, 5, 64\]"),
+    ("rank", r"LORA_A q_proj.0 is {dtype}\[3, 4, 64\], the lora record's is {dtype}\[3, 5, 64\]"),
     ("no_record", "has LORA_SLOTS, but the manifest has no lora record"),
     ("no_targets", r"lora.targets \[\] must be one or more distinct names"),
 ])
@@ -206,7 +210,7 @@ def test_a_manifest_whose_lora_inputs_disagree_is_refused(served, edit, match):
         del raw["lora"]
     else:
         raw["lora"]["targets"] = []
-    with pytest.raises(af.ManifestError, match=match):
+    with pytest.raises(af.ManifestError, match=match.replace("{dtype}", served["dtype"])):
         af.check_manifest(af.Manifest.from_json(json.dumps(raw)))
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tlaloc_jax import artifact as af
+
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 LINEAR = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
@@ -68,8 +70,9 @@ def write_peft(out: Path, checkpoint: Path, *, seed: int, rank: int, alpha: floa
     return out
 
 
-def merged_model(checkpoint: Path, adapter: Path):
-    """The transformers model of the checkpoint with the adapter merged in f32: W += scale * B @ A."""
+def merged_model(checkpoint: Path, adapter: Path, dtype: str = "float32"):
+    """The transformers model of the checkpoint with the adapter merged in f32: W += scale * B @ A, A and B first
+    rounded to `dtype` (the artifact's adapter slots': what they hold of the adapter)."""
     import torch
     from safetensors.numpy import load_file
 
@@ -84,7 +87,7 @@ def merged_model(checkpoint: Path, adapter: Path):
         for key, a in tensors.items():
             if ".lora_A." not in key:
                 continue
-            b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            a, b = (t.astype(af.numpy_dtype(dtype)) for t in (a, tensors[key.replace(".lora_A.", ".lora_B.")]))
             name = key.replace("base_model.model.", "").replace(".lora_A.weight", ".weight")
             params[name].add_(torch.from_numpy(scale * (b.astype(np.float64) @ a.astype(np.float64))).float())
     return model

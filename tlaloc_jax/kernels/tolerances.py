@@ -199,6 +199,15 @@ def lora_roundings(cfg, rank: int) -> int:
     return cfg.num_layers * per_layer
 
 
+def lora_storage_roundings(projections: int, dtype) -> dict[str, int]:
+    """What holding adapters' A and B in `dtype` adds to a path through `projections` adapted projections (a
+    decoder's logit: lora_roundings' four a layer), against the same adapters in f32: one rounding point per tensor
+    (a whole tensor rounded to a narrower dtype), two per projection; {} for float32. Taken relative to the
+    adapters' delta, which is at most the projection's output."""
+    name = np.dtype(dtype).name
+    return {} if name == "float32" else {name: 2 * projections}
+
+
 def backward_roundings(forward: int, batch_tokens: int) -> int:
     """A gradient of a network whose forward path is `forward` roundings long: the forward path, the reverse
     path through the same ops, and a weight gradient's sum over the batch's tokens."""

@@ -4,7 +4,8 @@ vLLM at the plugin's worker.
 What the artifact fixes is checked here and refused by name before anything is loaded: the block size (vLLM's block
 ids are the artifact's page ids), the longest sequence (`--max-model-len` must be a context of the artifact's
 ladder), the dtypes, one device (no tensor, pipeline or data parallelism), and the features an artifact does not
-have (LoRA, speculative decoding, multimodal inputs, prompt embeddings, pooling, vLLM quantization). vLLM's block
+have (speculative decoding, multimodal inputs, prompt embeddings, pooling, vLLM quantization). LoRA
+(--enable-lora) is served from the artifact's adapter slots, within their count and rank. vLLM's block
 manager keeps the paged KV pool, so an artifact without one (every layer windowed) is refused; a ring or state pool
 beside it is the worker's (side_pools.py), which turns vLLM's prefix caching off and caps max_num_seqs at what
 those pools hold.
@@ -150,8 +151,8 @@ def check_artifact_config(vllm_config) -> af.Manifest:
                        ("--data-parallel-size", parallel.data_parallel_size)):
         if size != 1:
             raise ArtifactRefused(f"{name} {size}: an artifact runs on one device")
-    features = [("LoRA adapters (--enable-lora)", vllm_config.lora_config is not None),
-                ("speculative decoding (--speculative-config)", vllm_config.speculative_config is not None),
+    lora_refusal(vllm_config.lora_config, m, hf.artifact_dir)
+    features = [("speculative decoding (--speculative-config)", vllm_config.speculative_config is not None),
                 ("multimodal inputs", model_config.is_multimodal_model),
                 ("prompt embeddings (--enable-prompt-embeds)", model_config.enable_prompt_embeds),
                 (f"the {model_config.runner_type!r} runner", model_config.runner_type != "generate"),
@@ -160,3 +161,18 @@ def check_artifact_config(vllm_config) -> af.Manifest:
         if asked:
             raise ArtifactRefused(f"{what}: a tlaloc artifact has no such feature (its entries are what it runs)")
     return m
+
+
+def lora_refusal(lora, m: af.Manifest, artifact_dir) -> None:
+    """--enable-lora needs an artifact staged with adapter slots (export --max-loras N --max-lora-rank R) and
+    --max-loras and --max-lora-rank within them; else ArtifactRefused naming the flag."""
+    if lora is None:
+        return
+    if m.lora is None:
+        raise ArtifactRefused(f"LoRA adapters (--enable-lora): artifact {artifact_dir} has no adapter slots; export "
+                              "it with --max-loras N --max-lora-rank R")
+    for flag, asked, held, what in (("--max-loras", lora.max_loras, m.lora.max_loras, "adapter slots"),
+                                    ("--max-lora-rank", lora.max_lora_rank, m.lora.max_rank, "the rank of its slots")):
+        if asked > held:
+            raise ArtifactRefused(f"{flag} {asked}: the artifact holds {held} ({what}); pass {flag} {held} or "
+                                  f"less, or export it with --max-loras and --max-lora-rank that large")

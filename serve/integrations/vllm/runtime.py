@@ -22,6 +22,7 @@ from ...core.inputs import sampler_inputs, step_inputs
 from ...core.scheduler import ScheduledCall
 from ...engine import DEFAULT_CACHE_DIR
 from ...host_sampling import Sampling
+from ...lora_slots import LoraSlots
 from ...runtime.pjrt import Device
 from ...runtime.runner import Runner
 
@@ -35,7 +36,8 @@ class Row:
     `state_slot` its slot in the state pools (-1: none), `ring` its ring of windowed pages. sampling: how to choose the token after the row's last
     one (None: no token is wanted from this row, e.g. a chunk before the end of a prompt). seed: the request's
     random stream; prompt and generated: its tokens so far (the draw's counter is len(generated); penalties read
-    both). mask: the packed allowed-token words ([ceil(V / 32)] int32), or None for all tokens.
+    both). mask: the packed allowed-token words ([ceil(V / 32)] int32), or None for all tokens. lora_slot: the
+    adapter slot the row runs with (0: none; ArtifactRuntime.lora hands them out).
     """
 
     token_ids: Sequence[int]
@@ -48,6 +50,7 @@ class Row:
     prompt: list[int] = ()
     generated: list[int] = ()
     mask: np.ndarray | None = None
+    lora_slot: int = 0
 
 
 @dataclass
@@ -59,16 +62,20 @@ class RunResult:
 
 
 class ArtifactRuntime:
-    """An artifact loaded on a PJRT device: its entries, block size, pools and sampler."""
+    """An artifact loaded on a PJRT device: its entries, block size, pools, sampler and adapter slots (adapters in
+    a host LRU of max_cpu_loras, 0: as many as the slots)."""
 
     def __init__(self, artifact_dir: str | Path, *, plugin: str | None = None,
-                 cache_dir: str | Path | None = DEFAULT_CACHE_DIR):
+                 cache_dir: str | Path | None = DEFAULT_CACHE_DIR, max_cpu_loras: int = 0):
         t0 = time.perf_counter()
         self.manifest: af.Manifest = af.load_remembering(af.load_manifest, artifact_dir, cache_dir)
         self.runner = Runner(artifact_dir, self.manifest, Device(plugin, cache_dir=cache_dir), progress=False)
         self.block_size = self.manifest.block_size
         self.vocab = self.manifest.model.vocab
         self.sampler: af.SamplerShape | None = self.manifest.sampler
+        # The adapter slots' keeper (serve/lora_slots.py) of an artifact staged with them; None without.
+        self.lora = None if self.manifest.lora is None else LoraSlots(
+            self.manifest.lora, lambda slot, a: self.runner.adapters.write(slot, a.weights, a.scale), max_cpu_loras)
         self.ring_pages = self.manifest.ring.ring_pages if self.manifest.ring else 0
         self._by_kind = {kind: sorted((e for e in self.manifest.entries if e.kind == kind),
                                       key=lambda e: e.size_key) for kind in af.EntryKind}

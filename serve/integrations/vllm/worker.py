@@ -30,6 +30,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 from tlaloc_jax import artifact as af
 
 from ...engine import DEFAULT_CACHE_DIR
+from ...lora_slots import Adapter, LoraError
 from .config import TORCH_DTYPES
 from .platform import ArtifactRefused
 from .runtime import ArtifactRuntime, Row
@@ -49,6 +50,7 @@ class _Request:
     body: object                     # the in-body Sampling, or None: vLLM's sampler chooses (token_choice.py)
     seed: int
     generator: torch.Generator | None
+    lora: Adapter | None = None      # its vLLM LoRARequest's adapter as read (kept if the adapter is removed)
     output: list[int] = field(default_factory=list)
 
     @property
@@ -74,6 +76,7 @@ class ArtifactWorker(WorkerBase):
         self.requests: dict[str, _Request] = {}
         self._scheduled = None
         self._host_sampler: HostSampler | None = None
+        self._loras: dict[int, str] = {}      # vLLM's lora_int_id -> its name in ArtifactRuntime.lora
         # Plugin options ride in vLLM's --additional-config '{"tlaloc": {...}}': the PJRT plugin and the
         # compiled-executable cache ("none" disables it).
         self.options = dict((vllm_config.additional_config or {}).get("tlaloc", {}))
@@ -91,8 +94,10 @@ class ArtifactWorker(WorkerBase):
         if load_dummy_weights:
             raise ArtifactRefused("--load-format dummy: an artifact's weights are its own")
         cache = self.options.get("cache_dir", str(DEFAULT_CACHE_DIR))
+        lora = self.vllm_config.lora_config
         self.runtime = ArtifactRuntime(self.model_config.hf_config.artifact_dir, plugin=self.options.get("plugin"),
-                                       cache_dir=None if cache == "none" else Path(cache).expanduser())
+                                       cache_dir=None if cache == "none" else Path(cache).expanduser(),
+                                       max_cpu_loras=lora.max_cpu_loras or 0 if lora else 0)
         self._host_sampler = HostSampler(self.vllm_config)
         self.side = SidePools(self.runtime.manifest)
         log.info("tlaloc artifact %s loaded in %.1f s (%s sampler)", self.model_config.hf_config.artifact_dir,
@@ -138,17 +143,62 @@ class ArtifactWorker(WorkerBase):
     def update_max_model_len(self, max_model_len: int) -> None:
         self.model_config.max_model_len = max_model_len
 
+    # -- LoRA: vLLM's adapters (lora_int_id) served from the artifact's slots (ArtifactRuntime.lora) -----------
+
     def add_lora(self, lora_request) -> bool:
-        raise ArtifactRefused("LoRA adapters: a tlaloc artifact has none")
+        """Read and check the PEFT adapter at lora_request.lora_path (refused by name if the slots cannot hold it)."""
+        self._adapter(lora_request)
+        return True
 
     def remove_lora(self, lora_id: int) -> bool:
-        return False
+        """Stop serving adapter `lora_id`; a request that runs with it keeps it until it ends."""
+        name = self._loras.pop(lora_id, None)
+        if name is not None:
+            self.runtime.lora.remove(name)
+        return name is not None
 
     def pin_lora(self, lora_id: int) -> bool:
-        return False
+        # A served adapter stays loadable until removed; each step writes its own adapters into the slots.
+        return lora_id in self._loras
 
     def list_loras(self) -> set[int]:
-        return set()
+        return set(self._loras)
+
+    def _adapter(self, lora_request) -> str:
+        """The name adapter lora_request.lora_int_id is served under, read from its path the first time (again with
+        load_inplace; requests running with the old one keep it)."""
+        if getattr(lora_request, "load_inplace", False):
+            self.remove_lora(lora_request.lora_int_id)
+        name = self._loras.get(lora_request.lora_int_id)
+        if name is None:
+            if self.runtime.lora is None:
+                raise ArtifactRefused("LoRA adapters: the artifact has no adapter slots; export it with --max-loras")
+            name = f"{lora_request.lora_name} (id {lora_request.lora_int_id})"
+            try:
+                self.runtime.lora.add(name, lora_request.lora_path)
+            except LoraError as e:
+                raise ArtifactRefused(str(e)) from None
+            self._loras[lora_request.lora_int_id] = name
+        return name
+
+    def _take_slots(self, rids) -> dict[str, int]:
+        """Each scheduled request's adapter slot (requests without one: none). vLLM schedules at most --max-loras
+        adapters a step, which the platform held to the artifact's slots, so every one finds a slot."""
+        slots = {}
+        for rid in rids:
+            adapter = self.requests[rid].lora
+            if adapter is not None:
+                slot = self.runtime.lora.acquire(adapter)
+                if slot is None:
+                    self._give_slots(slots)
+                    raise RuntimeError(f"request {rid}: no adapter slot is free for {adapter.name} (the artifact "
+                                       f"has {self.runtime.lora.shape.max_loras})")
+                slots[rid] = slot
+        return slots
+
+    def _give_slots(self, slots: dict[str, int]) -> None:
+        for slot in slots.values():
+            self.runtime.lora.release(slot)
 
     def tlaloc_stats(self) -> dict:
         """The worker's counters (vLLM's `collective_rpc("tlaloc_stats")` reads them)."""
@@ -191,9 +241,11 @@ class ArtifactWorker(WorkerBase):
             if sp.seed is not None:
                 generator = torch.Generator().manual_seed(sp.seed)
             self.stats["prefix_hit_tokens"] += new.num_computed_tokens
+            lora = new.lora_request if new.lora_request and new.lora_request.lora_int_id > 0 else None
             self.requests[new.req_id] = _Request(
                 new.req_id, list(new.prompt_token_ids), sp, list(new.block_ids[0]), new.num_computed_tokens,
-                body_sampling(sp, self.runtime.sampler), request_seed(sp), generator)
+                body_sampling(sp, self.runtime.sampler), request_seed(sp), generator,
+                self.runtime.lora.adapter(self._adapter(lora)) if lora else None)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             r = self.requests[rid]
@@ -225,11 +277,15 @@ class ArtifactWorker(WorkerBase):
                 rounds[k].append(piece)
         chosen: dict[str, int] = {}
         logits_of: dict[str, np.ndarray] = {}
-        for pieces in rounds:
-            for kind in (af.EntryKind.DECODE, af.EntryKind.PREFILL):
-                group = [p for p in pieces if (len(p.token_ids) == 1) == (kind == af.EntryKind.DECODE)]
-                for entry, calls in self._calls(group, kind):
-                    self._run(entry, calls, grammar, chosen, logits_of)
+        slots = self._take_slots(order)
+        try:
+            for pieces in rounds:
+                for kind in (af.EntryKind.DECODE, af.EntryKind.PREFILL):
+                    group = [p for p in pieces if (len(p.token_ids) == 1) == (kind == af.EntryKind.DECODE)]
+                    for entry, calls in self._calls(group, kind):
+                        self._run(entry, calls, grammar, chosen, logits_of, slots)
+        finally:
+            self._give_slots(slots)
         index = {rid: i for i, rid in enumerate(order)}
         sampled = [[chosen[rid]] if rid in chosen else [] for rid in order]
         for rid, tok in chosen.items():
@@ -278,8 +334,10 @@ class ArtifactWorker(WorkerBase):
                                        f"from position {p.start}")
                 group = [p]
 
-    def _run(self, entry: af.Entry, pieces: list[_Piece], grammar: dict, chosen: dict, logits_of: dict) -> None:
-        """One call; the producing rows' tokens go to `chosen`, their logits (when wanted) to `logits_of`."""
+    def _run(self, entry: af.Entry, pieces: list[_Piece], grammar: dict, chosen: dict, logits_of: dict,
+             slots: dict[str, int]) -> None:
+        """One call, each row in its request's adapter slot (`slots`); the producing rows' tokens go to `chosen`,
+        their logits (when wanted) to `logits_of`."""
         rt = self.runtime
         words = af.mask_words(rt.vocab)
         rows, host, masks = [], [], {}
@@ -293,7 +351,8 @@ class ArtifactWorker(WorkerBase):
                     body = None
             rows.append(Row(p.token_ids, p.start, r.pages, self.side.state_slot(r.req_id), self.side.ring(r.req_id),
                             sampling=body, seed=r.seed, prompt=r.prompt,
-                            generated=r.output, mask=masks.get(b) if body is not None else None))
+                            generated=r.output, mask=masks.get(b) if body is not None else None,
+                            lora_slot=slots.get(r.req_id, 0)))
         want_logits = bool(host) or any(p.produces and p.req.params.logprobs is not None for p in pieces)
         out = rt.run(entry, rows, logits=want_logits)
         calls, sizes = self.stats["calls"], self.stats["rows_per_call"]
