@@ -12,8 +12,14 @@ a busy machine the wall time also counts waiting for a core).
 1, plain and with llama-cpp-python's prompt lookup decoding, interleaved with this runtime's runs; its greedy ids
 with lookup must equal its own without.
 
+--draft-layers N adds a draft-model row (method "draft_model", serve/draft_model.py) on the copy-heavy and open
+workloads: the draft is the demo model's first N of its 4 layers (its final norm and tied head kept: a truncated
+copy, no other small model of its tokenizer exists here); N = 4 is the target drafting for itself, every draft
+accepted and nothing gained (the draft costs what the target does).
+
     python -m bench.speculative [--work /tmp/tlaloc-spec-bench] [--k 4] [--new 96] [--rounds 3] [--only never]
     LLAMA_CPP_LIB_PATH=<dir of libllama.so> python -m bench.speculative --only copy-heavy --peer llama.cpp
+    python -m bench.speculative --draft-layers 2
 """
 
 from __future__ import annotations
@@ -58,6 +64,27 @@ def never_accepted(vocab: int):
     real = speculative.propose_ngram
     return mock.patch.object(speculative, "propose_ngram",
                              lambda *args: [(t + 1) % vocab for t in real(*args)])
+
+
+def truncated_copy(src: Path, out: Path, layers: int) -> Path:
+    """A checkpoint of `src`'s first `layers` decoder layers (embedding, final norm and head kept), tokenizer copied."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    keep = {k: v for k, v in load_file(src / "model.safetensors").items()
+            if ".layers." not in k or int(k.split(".layers.")[1].split(".")[0]) < layers}
+    save_file(keep, out / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, out / name)
+    return out
 
 
 def run(generate, prompts, batch: int, new: int) -> tuple[list[list[int]], float, float, int]:
@@ -120,6 +147,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="llama.cpp's threads (its threads spin at a barrier and stall when another process takes a "
                          "core of a busy machine)")
+    ap.add_argument("--draft-layers", type=int, default=0,
+                    help="add a draft-model row, the draft the demo model's first N layers (0: none; 4: the target)")
     a = ap.parse_args(argv)
 
     from tokenizers import Tokenizer
@@ -137,7 +166,16 @@ def main(argv=None) -> None:
     config = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": a.lookup_min,
               "prompt_lookup_max": a.lookup_max}
     cache = Path(a.work) / "cache"
-    with Engine.load(art, cache_dir=cache, progress=False) as plain, \
+    engines = contextlib.ExitStack()
+    draft = None
+    if a.draft_layers:
+        small = Path(a.work) / f"demo-draft-{a.draft_layers}"
+        if not (small / "tlaloc-serving.json").exists():
+            export_checkpoint(truncated_copy(DEMO_MODEL, Path(a.work) / f"demo-ck-{a.draft_layers}", a.draft_layers),
+                              small, batch_ladder=(1, 4), context_ladder=(256,), progress=False)
+        draft = engines.enter_context(Engine.load(art, cache_dir=cache, progress=False, speculative_config={
+            "method": "draft_model", "model": str(small), "num_speculative_tokens": a.k}))
+    with engines, Engine.load(art, cache_dir=cache, progress=False) as plain, \
             Engine.load(art, cache_dir=cache, progress=False, speculative_config=config) as spec:
         print(f"demo model, verify entries of {a.k} drafts, ngram {a.lookup_min}-{a.lookup_max}, {a.new} new tokens "
               f"a prompt, {len(SOURCES)} prompts a workload, {a.rounds} interleaved rounds (median)")
@@ -153,8 +191,12 @@ def main(argv=None) -> None:
                     assert ids == want["plain"], f"{name} batch {batch}: {system} changed the ids"
                 systems = {"plain": (plain.generate, contextlib.nullcontext, None),
                            "ngram": (spec.generate, shifted, spec)}
+                if draft is not None and name != "never":
+                    systems["draft model"] = (draft.generate, contextlib.nullcontext, draft)
                 rates = interleaved(systems, prompts, batch, a.new, a.rounds, check)
                 report(name, batch, rates, "plain", "ngram", len(prompts) * a.rounds)
+                if "draft model" in systems:
+                    report(f"{a.draft_layers}/4 draft", batch, rates, "plain", "draft model", len(prompts) * a.rounds)
         if a.peer:
             peer_rounds(a, loads["copy-heavy"], plain, spec)
 

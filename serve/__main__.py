@@ -146,8 +146,9 @@ def main(argv=None) -> int:
                     help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
                          "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' drafts up to 3 tokens a step by prompt "
                          "lookup and checks them in one call of the artifact's verify entries (export "
-                         "--speculative-tokens); sampled requests draft where the verify entries take the sampler "
-                         "(default: off)")
+                         "--speculative-tokens); sampled requests draft where the verify entries take the sampler; "
+                         "'{\"method\": \"draft_model\", \"model\": \"DRAFT_ARTIFACT\", \"num_speculative_tokens\": 3}' "
+                         "drafts with a second artifact of the same tokenizer (default: off)")
     ap.add_argument("--max-model-len", type=_positive, default=None,
                     help="longest sequence served, prompt plus new tokens (default and at most: the artifact's "
                          "largest context)")

@@ -41,6 +41,7 @@ from .core import inputs as call_inputs
 from .core.request import (Constraint, Request, RequestRefused, StepEvent, check_cache_salt, check_sampler_fits,
                            check_sampling, check_stop)
 from .core.scheduler import Scheduler
+from .draft_model import proposer_for, read_draft
 from .host_sampling import Sampling
 from .lora_slots import LoraError, LoraSlots
 from .model_runner import ModelRunner, new_stats
@@ -96,7 +97,9 @@ class Engine:
         "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...} drafts up to k
         tokens a step by prompt lookup and checks them in the artifact's verify entries (export
         --speculative-tokens); sampled requests too where they take the sampler (rejection sampling), requests under a
-        grammar decode as before. None: off.
+        grammar decode as before. {"method": "draft_model", "model": "<draft artifact>", "num_speculative_tokens": k}
+        (the method may be left out) drafts k greedy tokens a step with a second artifact of the same vocabulary and
+        tokenizer, run on this engine's device (serve/draft_model.py). None: off.
         map_weights: serve the weights from their files' mappings instead of reading them into huge-page memory: a
         load without fresh memory (seconds less where the host must reclaim it), 4 KiB pages in every step.
         """
@@ -123,6 +126,7 @@ class Engine:
             max_context = max_model_len
         self.speculative_config = parse_speculative_config(speculative_config)
         check_fits(self.speculative_config, m)
+        draft = read_draft(self.speculative_config, m, cache_dir, trust_weights)     # None: no draft model
         self.scheduler = Scheduler(m, max_context, use_decode_steps=use_decode_steps, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    prefix_caching=enable_prefix_caching, identity=m.identity)
@@ -134,6 +138,7 @@ class Engine:
             raise af.ManifestError(device_count_mismatch(m, e.available)) from None
         self.runner = Runner(self.artifact_dir, m, device, progress=progress, donate=donate,
                              weight_arena=not map_weights)
+        self.scheduler.proposer = proposer_for(self.speculative_config, draft, device, progress, donate)
         self.device = self.runner.device
         self.block_size = m.block_size
         self.ring_pages = m.ring.ring_pages if m.ring else 0

@@ -1,8 +1,8 @@
 """MTP drafts (vLLM's method "deepseek_mtp", also "mtp"): the artifact's MTP head (export/_mtp_entries.py) proposes.
 
 The decoder's calls return each position's hidden state before the final norm (HIDDEN_STATES); the model runner hands
-a row's valid ones to `observe` (a verify row's: its last token's and its accepted drafts'). Once a step, before the
-scheduler drafts (`propose`), the head reads each decoding sequence's positions it has not read yet, [p0, computed),
+a row's valid ones to `observe` (a verify row's: its last token's and its accepted drafts'). When the scheduler asks for
+a step's drafts (`propose`), the head reads each decoding sequence's positions it has not read yet, [p0, computed),
 token x_{t+1} at position t, batched in its mtp entries (a long run in several calls); its draft at the last position
 is the first, and k - 1 calls of one position each chain the head on its own hidden state for the rest, as vLLM's
 DeepSeekMTP does. The head's KV lives on the sequence's own pages (its pool shares the decoder's pages), so finishing
@@ -44,8 +44,9 @@ class MtpProposer:
         self.pending[s.rid] = (p0, hidden)
         self.drafts.pop(s.rid, None)
 
-    def forget(self, s) -> None:
-        """The sequence finished or was preempted: what is kept of it goes (its pages go with the decoder's)."""
+    def release(self, s) -> None:
+        """Proposer.release: the sequence finished or was preempted; what is kept of it goes (its pages go with the
+        decoder's)."""
         self.pending.pop(s.rid, None)
         self.drafts.pop(s.rid, None)
 
@@ -53,8 +54,13 @@ class MtpProposer:
         """Up to k drafts after the sequence's last token (used once)."""
         return tuple(self.drafts.pop(s.rid, ())[:k])
 
-    def propose(self, seqs: Sequence, k: int) -> None:
-        """Draft up to k tokens for each decoding sequence of `seqs` (the running ones) that has none yet."""
+    def propose(self, rows: Sequence[tuple]) -> list[tuple[int, ...]]:
+        """Proposer.propose: each (sequence, k) row's drafts, the head run over all rows' unread positions at once."""
+        self._draft([s for s, _ in rows], max(k for _, k in rows))
+        return [self.take(s, k) for s, k in rows]
+
+    def _draft(self, seqs: Sequence, k: int) -> None:
+        """Draft up to k tokens for each decoding sequence of `seqs` that has none yet."""
         rows = []
         for s in seqs:
             if not s.decoding or s.rid in self.drafts or s.rid not in self.pending:

@@ -14,20 +14,23 @@ A sequence whose drafts are seldom accepted decodes one token a step as before (
 call that accepts none of its drafts it backs off, drafting again only after a pause that grows with each such call
 in a row (adaptive drafting, as SGLang's and llama.cpp's servers adapt theirs), and it stops for good once few of
 its drafts were accepted.
+
+Drafts come from a `Proposer`: the scheduler picks the step's drafting sequences and the most drafts each may take,
+then asks the proposer once for all of them (`NgramProposer` here; serve/draft_model.py runs a second artifact,
+serve/mtp_proposer.py the artifact's MTP head).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 from tlaloc_jax import artifact as af
 
 # The methods vLLM names that this runtime does not run yet, each refused by name.
-NOT_BUILT = {"draft_model": "draft models", "eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads",
-             "medusa": "Medusa heads", "mlp_speculator": "MLP speculators", "qwen3_next_mtp": "Qwen3-Next MTP heads",
-             "suffix": "suffix decoding"}
+NOT_BUILT = {"eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads", "medusa": "Medusa heads",
+             "mlp_speculator": "MLP speculators", "qwen3_next_mtp": "Qwen3-Next MTP heads", "suffix": "suffix decoding"}
 # DeepSeek-V3's MTP head (serve/mtp_proposer.py): vLLM's names for it.
 MTP_METHODS = ("deepseek_mtp", "mtp")
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
@@ -52,12 +55,14 @@ class SpeculativeConfigError(ValueError):
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's speculative config: method "ngram", k drafted tokens a step from n-grams of lookup_min to lookup_max
-    tokens; method "mtp", k drafts a step from the artifact's MTP head (serve/mtp_proposer.py)."""
+    tokens; method "mtp", k drafts a step from the artifact's MTP head (serve/mtp_proposer.py); or method
+    "draft_model", k greedy tokens a step from the draft artifact in directory `model` (serve/draft_model.py)."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
     method: str = "ngram"
+    model: str | None = None
 
 
 def parse_speculative_config(value) -> SpeculativeConfig | None:
@@ -78,14 +83,15 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         raise SpeculativeConfigError(f"speculative_config fields {', '.join(unknown)} are not known here; this runtime "
                                      f"reads {', '.join(FIELDS)}")
     method = value.get("method")
-    if method in NOT_BUILT or (method is None and value.get("model") is not None):
-        what = NOT_BUILT.get(method, "draft models")
-        raise SpeculativeConfigError(f"speculative_config method {method!r}: {what} are not built yet; use method "
-                                     "'ngram' (prompt lookup)")
-    if method != "ngram" and method not in MTP_METHODS:
-        raise SpeculativeConfigError(f"speculative_config method {method!r} is not known; use method 'ngram' or "
-                                     "'deepseek_mtp'")
-    if value.get("model") is not None:
+    if method is None and value.get("model") is not None:
+        method = "draft_model"          # vLLM infers the method from the model it is given
+    if method in NOT_BUILT:
+        raise SpeculativeConfigError(f"speculative_config method {method!r}: {NOT_BUILT[method]} are not built yet; "
+                                     "use method 'ngram' (prompt lookup), 'draft_model' or 'deepseek_mtp'")
+    if method not in ("ngram", "draft_model", *MTP_METHODS):
+        raise SpeculativeConfigError(f"speculative_config method {method!r} is not known; use method 'ngram', "
+                                     "'draft_model' or 'deepseek_mtp'")
+    if method != "draft_model" and value.get("model") is not None:
         raise SpeculativeConfigError(f"speculative_config model: method {method!r} takes no draft model; leave model "
                                      "out")
 
@@ -102,6 +108,16 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
             raise SpeculativeConfigError(f"speculative_config {', '.join(unused)}: method {method!r} drafts with the "
                                          "model's MTP head, not n-grams; leave them out")
         return SpeculativeConfig(k, method="mtp")
+    if method == "draft_model":
+        model = value.get("model")
+        if not isinstance(model, str) or not model:
+            raise SpeculativeConfigError(f"speculative_config model: method 'draft_model' needs the draft artifact's "
+                                         f"directory (python -m tlaloc_jax.export's output), got {model!r}")
+        lookup = sorted(set(value) & {"prompt_lookup_min", "prompt_lookup_max"})
+        if lookup:
+            raise SpeculativeConfigError(f"speculative_config {', '.join(lookup)}: method 'draft_model' does not look "
+                                         "up n-grams; leave them out")
+        return SpeculativeConfig(k, method="draft_model", model=model)
     lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
     lo, hi = (DEFAULT_LOOKUP, DEFAULT_LOOKUP) if lo is None and hi is None else (lo if lo is not None else hi,
                                                                                  hi if hi is not None else lo)
@@ -163,6 +179,32 @@ def propose_ngram(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: in
             if tokens[start] == tail[0] and list(tokens[start:start + n]) == tail:
                 return list(tokens[start + n:start + n + k])
     return []
+
+
+class Proposer(Protocol):
+    """What drafts for the scheduler (sequences are core.request.Request, not imported: it imports this module).
+    propose(rows): rows are a step's drafting sequences, each with the most drafts
+    it may take (k >= 1); -> each row's drafts, at most its k (maybe none), in the rows' order, all asked at once so
+    that a model-backed proposer runs them as one batch. release(s): the sequence finished or was preempted, drop
+    what is kept for it (a draft model's pages)."""
+
+    def propose(self, rows: Sequence[tuple[Any, int]]) -> list[list[int]]: ...
+
+    def release(self, s: Any) -> None: ...
+
+
+class NgramProposer:
+    """vLLM's `ngram` method: each row's drafts by prompt lookup in its own tokens (propose_ngram)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def propose(self, rows: Sequence[tuple[Any, int]]) -> list[list[int]]:
+        cfg = self.config
+        return [propose_ngram(s.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) for s, k in rows]
+
+    def release(self, s: Any) -> None:
+        pass
 
 
 @dataclass

@@ -14,8 +14,9 @@ asks the manager for its cached prefix (full pages shared by hash; recurrent sta
 after it. How the step's work becomes calls of the artifact's entries is core/call_plan.py's job.
 
 With speculative decoding on (`speculative`), a decoding sequence that may draft (serve/speculative.py) advances
-by its last token and the tokens the n-gram proposer drafts after it, all counted in the budget; a verify call
-checks them and the sequence emits what the target confirms.
+by its last token and the tokens the proposer drafts after it, all counted in the budget; a verify call checks them
+and the sequence emits what the target confirms. The step's drafting sequences are proposed for together, before
+any is given units (a draft model runs them as one batch).
 
 The scheduler knows an artifact's pools by kind only, never by name or model.
 """
@@ -76,7 +77,7 @@ class Scheduler:
         self.stats = dict(preemptions=0, prefix_queries=0, prefix_hits=0)
         self.lora = None      # serve.lora_slots.LoraSlots of an artifact with adapter slots: a running request holds one
         self.speculative: spec.SpeculativeConfig | None = None     # set by the engine (checked against the artifact)
-        self.proposer = None        # a model-backed proposer (serve/mtp_proposer.MtpProposer) in place of the n-gram lookup
+        self.proposer: spec.Proposer | None = None                 # set by the engine with `speculative`
         top = [e.outputs[e.output_index(af.Role.VERIFY_TOP_IDS)].shape[2] for e in self.planner.entries(
             af.EntryKind.VERIFY)]
         self.verify_top_logprobs = min(top, default=0)
@@ -129,8 +130,11 @@ class Scheduler:
             self.waiting.remove(s)
         self.kv.free(s)
         self._give_adapter(s)
+        self._release_drafts(s)
+
+    def _release_drafts(self, s: Request) -> None:
         if self.proposer is not None:
-            self.proposer.forget(s)
+            self.proposer.release(s)
 
     def _take_adapter(self, s: Request) -> bool:
         """A slot for the sequence's adapter (none needed without one); False: every slot is held, it waits."""
@@ -151,8 +155,7 @@ class Scheduler:
         s.running = False
         self.kv.free(s)
         self._give_adapter(s)
-        if self.proposer is not None:
-            self.proposer.forget(s)
+        self._release_drafts(s)
         s.computed = s.junction = 0
         s.preemptions += 1
         if s.prompt_logprobs is not None and not s.generated:
@@ -195,29 +198,29 @@ class Scheduler:
             n = end - end % self.block_size - start     # a chunk that stops short ends on a page boundary
         return max(n, 0)
 
-    def _draft(self, s: Request, room: int) -> tuple[int, ...]:
-        """The tokens the proposer drafts after a decoding sequence's last token, at most `room` (the budget left);
-        () where it may not draft: its sampling cannot be verified exactly (speculative.draft_limit), more logprobs
-        asked than the verify entries return, or its drafts seldom accepted (backing off). A draft never reaches past
-        max_new_tokens or the largest context."""
+    def _draft_limit(self, s: Request) -> int:
+        """The most tokens the proposer may draft after a decoding sequence's last token (0: none): none where its
+        sampling cannot be verified exactly (speculative.draft_limit), more logprobs are asked than the verify entries
+        return, or its drafts are seldom accepted (backing off). A draft never reaches past max_new_tokens or the largest context."""
         cfg, sp = self.speculative, s.sampling
         exact = spec.draft_limit(s, self.verify_samples) if cfg is not None else 0
         if exact == 0 or not s.spec.may_draft(len(s.generated)) or (sp.logprobs or 0) > self.verify_top_logprobs:
-            return ()
+            return 0
+        k = cfg.num_speculative_tokens
         limit = self.kv.call_limit(s.computed)
-        k = min(cfg.num_speculative_tokens, room, s.max_new_tokens - len(s.generated) - 1,
-                self.max_context - s.length, (limit if limit is not None else room) - 1, exact if exact > 0 else room)
-        if k <= 0:
-            return ()
-        if self.proposer is not None:
-            return self.proposer.take(s, k)
-        return tuple(spec.propose_ngram(s.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+        return max(0, min(k, s.max_new_tokens - len(s.generated) - 1, self.max_context - s.length,
+                          (limit if limit is not None else k + 1) - 1, exact if exact > 0 else k))
+
+    def _drafts(self, seqs: Sequence[Request]) -> dict[str, tuple[int, ...]]:
+        """The drafts of the decoding sequences among `seqs`, by request id, from one ask of the proposer."""
+        rows = [(s, k) for s in seqs if s.decoding and (k := self._draft_limit(s)) > 0]
+        if not rows:
+            return {}
+        return {s.rid: tuple(d[:k]) for (s, k), d in zip(rows, self.proposer.propose(rows))}
 
     def schedule(self) -> Step:
         """This step's calls: every running sequence advanced (preempting the youngest when units run out), then
         waiting sequences admitted while there is budget, room and units."""
-        if self.proposer is not None and self.speculative is not None:
-            self.proposer.propose(self.running, self.speculative.num_speculative_tokens)
         budget = self.max_num_batched_tokens
         work: list[Work] = []
         preempted = False
@@ -225,6 +228,7 @@ class Scheduler:
                                                                    max(0, self.max_num_seqs - len(self.running)))
         alone = reading <= 1
         order = list(self.running)
+        drafts = self._drafts(order)
         for i, s in enumerate(order):
             if not s.running:
                 continue                  # preempted earlier in this loop
@@ -234,7 +238,7 @@ class Scheduler:
             if n == 0:
                 continue
             # Drafts leave a token of the budget to each running sequence after this one.
-            draft = self._draft(s, budget - n - (len(order) - 1 - i)) if s.decoding else ()
+            draft = drafts.get(s.rid, ())[:max(0, budget - n - (len(order) - 1 - i))] if s.decoding else ()
             if draft and not self.kv.allocate_slots(s, s.computed + n + len(draft)):
                 draft = ()                # drafts never preempt a sequence: without the units, none this step
             n += len(draft)

@@ -101,8 +101,7 @@ def test_speculative_config_is_vllms_json_and_refuses_by_name():
                       ({**NGRAM, "method": "eagle"}, "EAGLE heads are not built yet"),
                       ({**NGRAM, "method": "qwen3_next_mtp"}, "Qwen3-Next MTP heads are not built yet"),
                       ({**NGRAM, "method": "deepseek_mtp"}, "not n-grams; leave them out"),
-                      ({"model": "draft", "num_speculative_tokens": 2}, "draft models are not built yet"),
-                      ({**NGRAM, "method": "draft_model"}, "draft models are not built yet"),
+                      ({**NGRAM, "method": "draft_model"}, "'draft_model' needs the draft artifact's directory"),
                       ({**NGRAM, "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),
                       ({**NGRAM, "prompt_lookup_min": 5}, "prompt_lookup_min 5 is larger"),
                       ("{not json", "not JSON"), ([1], "JSON object")):

@@ -59,16 +59,16 @@ def without(artifact, serve_cache_dir) -> dict:
     return _batch(artifact, serve_cache_dir, speculative=False)[0]
 
 
-def _batch(path, cache, speculative: bool, monkeypatch=None) -> tuple[dict, list, dict]:
+def _batch(path, cache, speculative: bool | dict, monkeypatch=None) -> tuple[dict, list, dict]:
     """Every row of ROWS in one batch of 24 new tokens, STOP a stop id -> (ids by row, the verify calls' rows'
-    sampling, stats)."""
+    sampling, stats). speculative: NGRAM when True, else the speculative config given (none when False)."""
     calls = []
     real = ModelRunner._run_verify_call
 
     def spy(self, call):
         calls.append([s.sampling for s in call.seqs])
         return real(self, call)
-    kw = dict(speculative_config=NGRAM) if speculative else {}
+    kw = dict(speculative_config=NGRAM if speculative is True else speculative) if speculative else {}
     with Engine.load(path, cache_dir=cache, progress=False, use_decode_steps=False, **kw) as eng:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ModelRunner, "_run_verify_call", spy)
