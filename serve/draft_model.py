@@ -156,15 +156,20 @@ class DraftModelProposer:
         return False
 
     def _catch_up(self, live: list[tuple[int, Request, int]], drafts: list[list[int]]) -> None:
-        """Read each row's unseen tokens, a chunk a call, until each has its first draft."""
+        """Read each row's unseen tokens, a chunk a call, until each has its first draft. A row that finds no free
+        page gives back its own and drafts nothing this step: retried at once, rows would take each other's freed
+        pages in turn and never finish."""
+        out_of_pages: set[int] = set()
         while True:
             work = []
             for i, d, _ in live:
-                if not drafts[i] and d.computed < d.length:
+                if not drafts[i] and d.computed < d.length and i not in out_of_pages:
                     limit = self.kv.call_limit(d.computed)
                     n = min(d.length - d.computed, self.chunk, limit if limit is not None else self.chunk)
                     if self._take(d, d.computed + n):
                         work.append((i, Work(d, d.computed, n)))
+                    else:
+                        out_of_pages.add(i)
             if not work:
                 return
             self._run(work, drafts)
