@@ -93,13 +93,12 @@ class Engine:
         lora_modules: {name: PEFT adapter directory, or {"path": ..., "base_model_name": ...}} served on an artifact
         staged with adapter slots (--max-loras); a request picks one by name (add_request's lora). max_cpu_loras:
         adapters kept read in host memory beyond the slots (default: as many as the slots).
-        speculative_config: vLLM's speculative config (a dict, its JSON, or a SpeculativeConfig): {"method":
-        "ngram", "num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...} drafts up to k
-        tokens a step by prompt lookup and checks them in the artifact's verify entries (export
-        --speculative-tokens); sampled requests too where they take the sampler (rejection sampling), requests under a
-        grammar decode as before. {"method": "draft_model", "model": "<draft artifact>", "num_speculative_tokens": k}
-        (the method may be left out) drafts k greedy tokens a step with a second artifact of the same vocabulary and
-        tokenizer, run on this engine's device (serve/draft_model.py). None: off.
+        speculative_config: vLLM's speculative config (a dict, its JSON, or a SpeculativeConfig), checked in the
+        artifact's verify entries (export --speculative-tokens; sampled requests too where they take the sampler,
+        requests under a grammar decode as before): {"method": "ngram", "num_speculative_tokens": k,
+        "prompt_lookup_min": ..., "prompt_lookup_max": ...} drafts up to k tokens a step by prompt lookup; method
+        "draft_model" with "model": "<draft artifact>" drafts with a second artifact of the same vocabulary and
+        tokenizer (serve/draft_model.py); "deepseek_mtp" with the artifact's MTP head (serve/mtp_proposer.py). None: off.
         map_weights: serve the weights from their files' mappings instead of reading them into huge-page memory: a
         load without fresh memory (seconds less where the host must reclaim it), 4 KiB pages in every step.
         """

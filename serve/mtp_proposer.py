@@ -50,14 +50,14 @@ class MtpProposer:
         self.pending.pop(s.rid, None)
         self.drafts.pop(s.rid, None)
 
-    def take(self, s, k: int) -> tuple[int, ...]:
+    def drafts_of(self, s, k: int) -> tuple[int, ...]:
         """Up to k drafts after the sequence's last token (used once)."""
         return tuple(self.drafts.pop(s.rid, ())[:k])
 
     def propose(self, rows: Sequence[tuple]) -> list[tuple[int, ...]]:
         """Proposer.propose: each (sequence, k) row's drafts, the head run over all rows' unread positions at once."""
         self._draft([s for s, _ in rows], max(k for _, k in rows))
-        return [self.take(s, k) for s, k in rows]
+        return [self.drafts_of(s, k) for s, k in rows]
 
     def _draft(self, seqs: Sequence, k: int) -> None:
         """Draft up to k tokens for each decoding sequence of `seqs` that has none yet."""

@@ -127,8 +127,8 @@ def test_the_drafts_are_the_heads_over_the_decoders_hidden_states(artifacts, ser
     seen = []
     with Engine.load(artifacts[1], cache_dir=serve_cache_dir, progress=False, speculative_config=MTP) as eng:
         proposer = eng.scheduler.proposer
-        take = proposer.take
-        proposer.take = lambda s, k: seen.append((list(s.tokens), take(s, k))) or seen[-1][1]
+        drafts_of = proposer.drafts_of
+        proposer.drafts_of = lambda s, k: seen.append((list(s.tokens), drafts_of(s, k))) or seen[-1][1]
         _generate(eng, [PROMPTS[0]])
     drafted = [(tokens, d) for tokens, d in seen if len(d) == K]
     assert len(drafted) >= 2
