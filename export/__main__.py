@@ -168,15 +168,10 @@ def main(argv=None) -> int:
                     help="do not compile the entries into OUT_DIR/compile-cache (by default, for cpu, they are "
                          "compiled here with the serving runtime's plugin, so a server on a host like this one starts "
                          "without compiling; on another CPU or plugin it compiles them, as without the folder)")
-    ap.add_argument("--compile-workers", type=int, default=None, metavar="N",
-                    help="processes compiling the entries into OUT_DIR/compile-cache, each every N-th entry (default: "
-                         "2, or 1 on a one-CPU host)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     if len(args.paths) != (1 if args.demo else 2):
         ap.error("expected OUT_DIR with --demo, else CHECKPOINT_DIR OUT_DIR")
-    if args.compile_workers is not None and args.compile_workers < 1:
-        ap.error(f"--compile-workers {args.compile_workers}: give at least 1 (or --no-compile-cache)")
     if args.demo:
         from tlaloc_jax.checkpoint import DEMO_MODEL
         args.checkpoint, args.out = str(DEMO_MODEL), args.paths[0]
@@ -237,18 +232,17 @@ def main(argv=None) -> int:
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
     print(f"time: {timing.summary()}")
     if args.platform == "cpu" and not args.no_compile_cache:
-        _compile_cache(args.out, args.compile_workers)
+        _compile_cache(args.out)
     return 0
 
 
-def _compile_cache(out: str, workers: int | None = None) -> None:
+def _compile_cache(out: str) -> None:
     """Compile the artifact's entries into its compile-cache folder, in a process of its own (the serving runtime's
     PJRT plugin, not jax's). A host without the runtime, or a failed compile, leaves an artifact without one."""
     import subprocess
     print(f"compiling the entries into {out}/compile-cache for the serving runtime (--no-compile-cache skips it)",
           flush=True)
-    done = subprocess.run([sys.executable, "-m", "tlaloc_jax.serve.runtime.shipped_cache", out,
-                           *(["--workers", str(workers)] if workers else [])],
+    done = subprocess.run([sys.executable, "-m", "tlaloc_jax.serve.runtime.shipped_cache", out],
                           capture_output=True, text=True)
     if done.returncode == 0:
         print(done.stdout.strip())

@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,8 +30,6 @@ log = logging.getLogger("tlaloc_jax.serve")
 FOLDER = "compile-cache"
 INDEX = "index.json"
 FORMAT = 1
-#: Compile processes of an export's fill (the plugin compiles one body at a time in a process).
-DEFAULT_WORKERS = min(2, os.cpu_count() or 1)
 
 
 def facts(device, custom_calls) -> dict:
@@ -101,53 +98,31 @@ def differences(here: dict, shipped: dict) -> list[str]:
     return sorted(k for k in here.keys() | shipped.keys() if here.get(k) != shipped.get(k))
 
 
-def fill(artifact_dir: str | os.PathLike[str], plugin: str | None = None, workers: int = 1) -> tuple[int, float]:
+def fill(artifact_dir: str | os.PathLike[str], plugin: str | None = None) -> tuple[int, float]:
     """Compile every entry of the artifact with this host's plugin into `<artifact>/compile-cache/` and write its
-    index. workers > 1: as many processes, each compiling every workers-th entry (the plugin compiles one body at a
-    time in a process); their facts must be this one's. -> (entries compiled, seconds)."""
-    from tlaloc_jax import artifact as af
-
-    art = Path(artifact_dir)
-    n = len(af.load_manifest(art, verify_weights=False).entries)
-    workers = max(1, min(workers, n))
-    t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "tlaloc_jax.serve.runtime.shipped_cache", str(art)]
-    cmd += ["--plugin", plugin] if plugin else []
-    others = [subprocess.Popen(cmd + ["--part", f"{i}/{workers}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True) for i in range(1, workers)]
-    try:
-        here = compile_part(art, plugin, 0, workers)
-    finally:
-        outs = [(p, *p.communicate()) for p in others]
-    for p, out, err in outs:
-        if p.returncode != 0:
-            raise RuntimeError(f"a compile worker ({' '.join(p.args[2:])}) failed: "
-                               f"{(err.strip().splitlines() or ['no output'])[-1]}")
-        if json.loads(out.strip().splitlines()[-1]) != here:
-            raise RuntimeError("a compile worker saw other host facts than this process (plugin, flags, kernels)")
-    # The index last: a folder without one (an export stopped part way) is not used.
-    (art / FOLDER / INDEX).write_text(json.dumps({"format": FORMAT, "facts": here}, indent=1, sort_keys=True) + "\n")
-    return n, time.perf_counter() - t0
-
-
-def compile_part(art: Path, plugin: str | None, part: int, parts: int) -> dict:
-    """Compile entries part, part + parts, ... of the artifact into its compile-cache folder. -> this host's facts."""
+    index. -> (entries compiled, seconds)."""
     from tlaloc_jax import artifact as af
     from .pjrt import Device
 
+    art = Path(artifact_dir)
     m = af.load_manifest(art, verify_weights=False)
+    folder = art / FOLDER
+    t0 = time.perf_counter()
     with Device(plugin, devices=m.devices) as device:
         for target in m.versions.custom_calls:
             device.register_native(target)
         here = facts(device, m.versions.custom_calls)
-        cache = CompileCache(art / FOLDER, _identity(here))
-        for e in m.entries[part::parts]:
+        cache = CompileCache(folder, _identity(here))
+        for e in m.entries:
             code = (art / e.serialized).read_bytes()
             exe = device.compile(code, name=e.name)
+            digest = hashlib.sha256(code).hexdigest()
             options = device.compile_options_bytes(code)
-            cache.store(cache.key(exe.sha256, options), exe.handle, exe.sha256, options, e.name)
+            cache.store(cache.key(digest, options), exe.handle, digest, options, e.name)
             exe.close()
-    return here
+    # The index last: a folder without one (an export stopped part way) is not used.
+    (folder / INDEX).write_text(json.dumps({"format": FORMAT, "facts": here}, indent=1, sort_keys=True) + "\n")
+    return len(m.entries), time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
@@ -157,19 +132,9 @@ def main(argv=None) -> int:
                                              + ", so a server on a host like it starts without compiling.")
     ap.add_argument("artifact")
     ap.add_argument("--plugin", default=None, help="PJRT plugin .so (default: the installed one)")
-    ap.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
-                    help=f"compile processes (default {DEFAULT_WORKERS}; each compiles one entry at a time)")
-    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)    # i/N: one worker's share (fill)
     a = ap.parse_args(argv)
-    if a.part is not None:
-        i, n = (int(x) for x in a.part.split("/"))
-        print(json.dumps(compile_part(Path(a.artifact), a.plugin, i, n), sort_keys=True))
-        return 0
-    if a.workers < 1:
-        ap.error(f"--workers {a.workers}: give at least 1")
-    n, seconds = fill(a.artifact, a.plugin, a.workers)
-    print(f"compiled {n} entries into {Path(a.artifact) / FOLDER} in {seconds:.1f} s "
-          f"({a.workers} process{'es' if a.workers > 1 else ''})")
+    n, seconds = fill(a.artifact, a.plugin)
+    print(f"compiled {n} entries into {Path(a.artifact) / FOLDER} in {seconds:.1f} s")
     return 0
 
 
