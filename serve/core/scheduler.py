@@ -201,7 +201,8 @@ class Scheduler:
     def _draft_limit(self, s: Request) -> int:
         """The most tokens the proposer may draft after a decoding sequence's last token (0: none): none where its
         sampling cannot be verified exactly (speculative.draft_limit), more logprobs are asked than the verify entries
-        return, or its drafts are seldom accepted (backing off). A draft never reaches past max_new_tokens or the largest context."""
+        return, or its drafts are seldom accepted (backing off). A draft never reaches past max_new_tokens or the
+        largest context."""
         cfg, sp = self.speculative, s.sampling
         exact = spec.draft_limit(s, self.verify_samples) if cfg is not None else 0
         if exact == 0 or not s.spec.may_draft(len(s.generated)) or (sp.logprobs or 0) > self.verify_top_logprobs:
