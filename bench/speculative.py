@@ -18,8 +18,8 @@ copy, no other small model of its tokenizer exists here); N = 4 is the target dr
 accepted and nothing gained (the draft costs what the target does).
 
 --model copier runs the same rows on the copier instead of the demo model: the demo model fine-tuned (COPIER,
-tlaloc_jax/tools/train.py --init --copy-fraction) on windows of which half quote their own start again, so it
-continues a quoted excerpt by copying it, as the copy-heavy workload wants; the demo model does not. It is trained
+tlaloc_jax/tools/train.py --init --copy-fraction) on windows that quote their own start again, to teach it to
+continue a quoted excerpt by copying it, as the copy-heavy workload wants; the demo model does not. It is trained
 once under --work (seeded, training.json beside it), never shipped.
 
     python -m bench.speculative [--work /tmp/tlaloc-spec-bench] [--k 4] [--new 96] [--rounds 3] [--only never]
@@ -93,9 +93,10 @@ def truncated_copy(src: Path, out: Path, layers: int) -> Path:
     return out
 
 
-# The copier: the demo model fine-tuned on windows of which half quote their own start again
-# (tlaloc_jax/tools/train.py --init --copy-fraction), so that it continues a quoted text by copying it.
-COPIER = {"copy_fraction": 0.5, "steps": 300, "learning_rate": 1e-3, "warmup_steps": 20, "eval_interval": 100}
+# The copier: the demo model fine-tuned on windows that all quote their own start again
+# (tlaloc_jax/tools/train.py --init --copy-fraction), to continue a quoted text by copying it.
+COPIER = {"copy_fraction": 1.0, "steps": 250, "learning_rate": 2e-3, "warmup_steps": 10, "eval_interval": 50,
+          "eval_batches": 4}
 
 
 def copier(work: Path) -> Path:
