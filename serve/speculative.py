@@ -154,19 +154,34 @@ def check_fits(config: SpeculativeConfig | None, m: af.Manifest) -> None:
                                      "model.layers.<num_hidden_layers>.* tensors), or use method 'ngram'")
 
 
-def draft_limit(s, sampled: bool) -> int:
-    """The most drafts a decoding sequence's verify row may hold and stay exact (0: none; -1: no limit). sampled:
-    the verify entries take the sampler's inputs (else only plain greedy rows, whose token is the argmax, draft).
+def masks_per_position(entries: Sequence[af.Entry]) -> bool:
+    """Whether every verify entry takes a TOKEN_MASK per position ([B, T, W]; one staged with a mask a row takes
+    [B, W], and its rows under a grammar do not draft)."""
+    return bool(entries) and all(af.Role.TOKEN_MASK in (sig.role for sig in e.inputs)
+                                 and len(e.inputs[e.input_index(af.Role.TOKEN_MASK)].shape) == 3 for e in entries)
 
-    Each position of a row gets the row's one TOKEN_MASK: a grammar's mask changes with every drafted token, so a
-    sequence under a grammar never drafts; before min_tokens the stop ids are masked, so the drafts stop short of
-    the position where the mask lifts. Penalties and bias are exact per position (the history holds the drafts)."""
+
+def draft_limit(s, sampled: bool, masks: bool = False) -> int:
+    """The most drafts a decoding sequence's verify row may hold and stay exact (0: none; -1: no limit). sampled:
+    the verify entries take the sampler's inputs (else only plain greedy rows, whose token is the argmax, draft);
+    masks: they take a TOKEN_MASK per position (masks_per_position).
+
+    A grammar's mask changes with every drafted token: a sequence under one drafts only where each position gets
+    its own mask (the grammar's after the drafts before it, outputs.draft_masks), and only once the grammar has
+    its next mask (Constraint.ready); its drafts are cut at the first one the grammar refuses (allowed_drafts).
+    Before min_tokens the stop ids are masked, so the drafts stop short of the position where the mask lifts.
+    Penalties and bias are exact per position (the history holds the drafts)."""
     sp = s.sampling
-    if s.constraint is not None or not (sampled or sp.plain):
+    if not (sampled or sp.plain) or (s.constraint is not None and not (masks and s.constraint.ready())):
         return 0
     if s.stop and len(s.generated) < sp.min_tokens:
         return sp.min_tokens - len(s.generated) - 1
     return -1
+
+
+def allowed_drafts(s, drafts: tuple[int, ...]) -> tuple[int, ...]:
+    """The drafts cut before the first one the sequence's constraint refuses (vLLM's validate_tokens)."""
+    return drafts if s.constraint is None or not drafts else drafts[:s.constraint.drafts_allowed(drafts)]
 
 
 def propose_ngram(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
