@@ -33,7 +33,8 @@ NOT_BUILT = {"eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads", "medusa": "Medus
              "mlp_speculator": "MLP speculators", "qwen3_next_mtp": "Qwen3-Next MTP heads", "suffix": "suffix decoding"}
 # DeepSeek-V3's MTP head (serve/mtp_proposer.py): vLLM's names for it.
 MTP_METHODS = ("deepseek_mtp", "mtp")
-FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+          "disable_by_batch_size")
 # vLLM's n-gram window when neither bound is given.
 DEFAULT_LOOKUP = 5
 # A sequence stops drafting once, after at least MIN_DRAFTS drafts, fewer than MIN_ACCEPTANCE of them were accepted:
@@ -56,13 +57,15 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     """vLLM's speculative config: method "ngram", k drafted tokens a step from n-grams of lookup_min to lookup_max
     tokens; method "mtp", k drafts a step from the artifact's MTP head (serve/mtp_proposer.py); or method
-    "draft_model", k greedy tokens a step from the draft artifact in directory `model` (serve/draft_model.py)."""
+    "draft_model", k greedy tokens a step from the draft artifact in directory `model` (serve/draft_model.py).
+    disable_by_batch_size: no sequence drafts in a step while at least that many run (vLLM's; None: always on)."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
     method: str = "ngram"
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
 
 def parse_speculative_config(value) -> SpeculativeConfig | None:
@@ -102,12 +105,13 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         return v
 
     k = count("num_speculative_tokens", None)
+    off = {"disable_by_batch_size": count("disable_by_batch_size", None)} if "disable_by_batch_size" in value else {}
     if method in MTP_METHODS:
         unused = sorted(set(value) & {"prompt_lookup_min", "prompt_lookup_max"})
         if unused:
             raise SpeculativeConfigError(f"speculative_config {', '.join(unused)}: method {method!r} drafts with the "
                                          "model's MTP head, not n-grams; leave them out")
-        return SpeculativeConfig(k, method="mtp")
+        return SpeculativeConfig(k, method="mtp", **off)
     if method == "draft_model":
         model = value.get("model")
         if not isinstance(model, str) or not model:
@@ -117,7 +121,7 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         if lookup:
             raise SpeculativeConfigError(f"speculative_config {', '.join(lookup)}: method 'draft_model' does not look "
                                          "up n-grams; leave them out")
-        return SpeculativeConfig(k, method="draft_model", model=model)
+        return SpeculativeConfig(k, method="draft_model", model=model, **off)
     lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
     lo, hi = (DEFAULT_LOOKUP, DEFAULT_LOOKUP) if lo is None and hi is None else (lo if lo is not None else hi,
                                                                                  hi if hi is not None else lo)
@@ -126,7 +130,7 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     if lo > hi:
         raise SpeculativeConfigError(f"speculative_config prompt_lookup_min {lo} is larger than prompt_lookup_max "
                                      f"{hi}")
-    return SpeculativeConfig(k, lo, hi)
+    return SpeculativeConfig(k, lo, hi, **off)
 
 
 def verify_tokens(m: af.Manifest) -> int:

@@ -214,7 +214,11 @@ class Scheduler:
                           (limit if limit is not None else k + 1) - 1, exact if exact > 0 else k))
 
     def _drafts(self, seqs: Sequence[Request]) -> dict[str, tuple[int, ...]]:
-        """The drafts of the decoding sequences among `seqs`, by request id, from one ask of the proposer."""
+        """The drafts of the decoding sequences among `seqs`, by request id, from one ask of the proposer (none while
+        disable_by_batch_size or more sequences run)."""
+        off = self.speculative is not None and self.speculative.disable_by_batch_size
+        if off and len(self.running) >= off:
+            return {}
         rows = [(s, k) for s in seqs if s.decoding and (k := self._draft_limit(s)) > 0]
         if not rows:
             return {}
