@@ -9,7 +9,8 @@ own next token: exactly the tokens greedy decoding gives, up to k + 1 of them fo
 
 Acceptance is the body's: in an artifact with a sampler, its verify entries process each position's logits as the
 sampler does and rejection-sample (kernels/rejection_sampler.py), so sampled rows, penalties, logit bias and seeds
-draft too, and each keeps its distribution exactly; without a sampler only plain greedy rows draft (`draft_limit`).
+draft too, and each keeps its distribution exactly; rows under a grammar draft where each position gets its own
+mask (`draft_limit`); without a sampler only plain greedy rows draft.
 A sequence whose drafts are seldom accepted decodes one token a step as before (SpecState.may_draft): after a verify
 call that accepts none of its drafts it backs off, drafting again only after a pause that grows with each such call
 in a row (adaptive drafting, as SGLang's and llama.cpp's servers adapt theirs), and it stops for good once few of
