@@ -98,7 +98,7 @@ class Engine:
         requests under a grammar decode as before): {"method": "ngram", "num_speculative_tokens": k,
         "prompt_lookup_min": ..., "prompt_lookup_max": ...} drafts up to k tokens a step by prompt lookup; method
         "draft_model" with "model": "<draft artifact>" drafts with a second artifact of the same vocabulary and
-        tokenizer (serve/draft_model.py); "deepseek_mtp" with the artifact's MTP head (serve/mtp_proposer.py). None: off.
+        tokenizer (serve/draft_model.py); "mtp" (or "deepseek_mtp", "qwen3_next_mtp") with its MTP head. None: off.
         map_weights: serve the weights from their files' mappings instead of reading them into huge-page memory: a
         load without fresh memory (seconds less where the host must reclaim it), 4 KiB pages in every step.
         """
