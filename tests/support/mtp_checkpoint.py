@@ -26,17 +26,28 @@ HEAD = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weig
 QWEN3_NEXT_HEAD = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "fc.weight", "norm.weight")
 
 
-def add_mtp_head(checkpoint: Path, out_dir: Path, *, seed: int = 0) -> Path:
-    """Copy `checkpoint` to out_dir with an MTP layer: the last decoder layer's tensors' shapes, drawn anew (norms
-    near 1, the router's correction bias spread, the rest N(0, 0.08)), and the head's; num_nextn_predict_layers 1."""
+def _copied(checkpoint: Path, out_dir: Path) -> tuple[dict, dict]:
+    """The checkpoint's files but its weights copied to out_dir; -> (its config, its tensors)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in checkpoint.iterdir():
         if f.name != "model.safetensors":
             shutil.copy(f, out_dir / f.name)
-    config = json.loads((checkpoint / "config.json").read_text())
+    return json.loads((checkpoint / "config.json").read_text()), load_file(checkpoint / "model.safetensors")
+
+
+def _saved(out_dir: Path, config: dict, tensors: dict) -> Path:
+    """out_dir with `tensors` as its weights and one MTP layer in its config."""
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))
+    return out_dir
+
+
+def add_mtp_head(checkpoint: Path, out_dir: Path, *, seed: int = 0) -> Path:
+    """Copy `checkpoint` to out_dir with an MTP layer: the last decoder layer's tensors' shapes, drawn anew (norms
+    near 1, the router's correction bias spread, the rest N(0, 0.08)), and the head's; num_nextn_predict_layers 1."""
+    config, tensors = _copied(checkpoint, out_dir)
     n = config["num_hidden_layers"]
     E, V = config["hidden_size"], config["vocab_size"]
-    tensors = load_file(checkpoint / "model.safetensors")
     rng = np.random.default_rng(seed)
 
     def draw(name: str, shape) -> np.ndarray:
@@ -53,9 +64,7 @@ def add_mtp_head(checkpoint: Path, out_dir: Path, *, seed: int = 0) -> Path:
               "shared_head.norm.weight": (E,), "shared_head.head.weight": (V, E)}
     for name in HEAD:
         tensors[f"model.layers.{n}.{name}"] = draw(name, shapes[name])
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))
-    return out_dir
+    return _saved(out_dir, config, tensors)
 
 
 def _rms(x, w, eps):
@@ -107,14 +116,9 @@ def add_qwen3_next_mtp(checkpoint: Path, out_dir: Path, *, seed: int = 0) -> Pat
     """Copy a Qwen3-Next `checkpoint` to out_dir with its MTP head, `mtp.*`: mtp.layers.0 of the last full-attention
     layer's tensors' shapes and the head's fc and norms, drawn anew (the zero-centred norms' weights N(0, 0.1), so
     1 + w near 1; the rest N(0, 0.08)); num_nextn_predict_layers 1."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for f in checkpoint.iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, out_dir / f.name)
-    config = json.loads((checkpoint / "config.json").read_text())
+    config, tensors = _copied(checkpoint, out_dir)
     E = config["hidden_size"]
     full = max(i for i, t in enumerate(config["layer_types"]) if t == "full_attention")
-    tensors = load_file(checkpoint / "model.safetensors")
     rng = np.random.default_rng(seed)
 
     def draw(name: str, shape) -> np.ndarray:
@@ -128,9 +132,7 @@ def add_qwen3_next_mtp(checkpoint: Path, out_dir: Path, *, seed: int = 0) -> Pat
     shapes = {"fc.weight": (E, 2 * E)}
     for name in QWEN3_NEXT_HEAD:
         tensors[f"mtp.{name}"] = draw(name, shapes.get(name, (E,)))
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))
-    return out_dir
+    return _saved(out_dir, config, tensors)
 
 
 def _rms1(x, w, eps):
