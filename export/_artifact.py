@@ -130,7 +130,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     module names, tlaloc_jax.lora.DECODER_TARGETS; None: every one the model has) in every entry, their A and B in
     lora_dtype ("float32" or "bfloat16"; None: LORA_DTYPE); the runtime loads adapters into them.
     speculative_tokens: K > 0 adds a verify entry per decode point, for speculative decoding of up to K drafted
-    tokens a step (see `Features`); models with linear-attention layers are refused. From a checkpoint with an MTP
+    tokens a step (see `Features`; state pools keep the accepted position's state). From a checkpoint with an MTP
     head (DeepSeek-V3's num_nextn_predict_layers, Qwen3-Next's mtp.*) it also stages the head's mtp entries
     (export/_mtp_entries.py).
     """

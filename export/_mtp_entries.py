@@ -3,11 +3,12 @@ staged as its own entry.
 
 An artifact with a head stages, beside each decode, prefill and verify point, an mtp entry of the same batch, context
 and tokens per row: its rows are right-aligned as a prefill's, token x_{t+1} at position t, with the decoder's hidden
-state at t (HIDDEN_STATES [B, T, E]); it writes its layer's latents into its own pool (its pages the decoder's: the
+state at t (HIDDEN_STATES [B, T, E]); it writes its layer's keys into its own pool (its pages the decoder's: the
 pools of one kind share an index space) and returns the logits of the token two after each row's last position, their
 argmax (the draft) and the head's hidden state there (HIDDEN_STATES [B, 1, E]) for the next draft's call (T = 1).
 The decoder's entries return HIDDEN_STATES [B, T, E], every position's hidden state before or after the final norm as
-the head's layout reads it (MtpStage.pre_norm); the runtime passes them on without knowing which. Every entry takes every pool (the runtime's rule); those that do not touch one pass it through.
+the head's layout reads it (MtpStage.pre_norm); the runtime passes them on without knowing which. Every entry takes
+every pool (the runtime's rule); those that do not touch one pass it through.
 An artifact without a head has none of this: its manifest is as before.
 """
 

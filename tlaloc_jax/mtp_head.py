@@ -1,5 +1,5 @@
-"""MTP heads: DeepSeek-V3's and Qwen3-Next's multi-token prediction layer, its weights read from the checkpoint, its step a
-pure function.
+"""MTP heads, DeepSeek-V3's and Qwen3-Next's multi-token prediction layer: its weights read from the checkpoint, its
+step a pure function.
 
 DeepSeek-V3 (`num_nextn_predict_layers` >= 1) holds one more layer after the decoder's, `model.layers.<N>.*`
 (N = num_hidden_layers): `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, `shared_head.head` and a whole decoder
