@@ -24,7 +24,8 @@ from tlaloc_jax.kernels import causal_attention_reference
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.tools.train import (DEMO_MODEL_DIR, EOT, TrainConfig, copying_windows, corpus_files,
-                                    loss_and_grads, random_windows, split_files, train, train_tokenizer)
+                                    loss_and_grads, random_windows, split_files, synthetic_copy_windows, train,
+                                    train_tokenizer)
 
 # Dimensions chosen apart from each other and from T (37) and its key-block padding (48), so that a
 # [T, T] tensor in a jaxpr can be told from the others by its shape.
@@ -214,6 +215,43 @@ def test_copying_windows_quote_their_own_start():
         assert (after[m + 2:] == before[:length - m - 2]).all()
     assert 70 <= quoted <= 130   # about half of 200
     assert (copying_windows(drawn, np.random.default_rng(1), 0.0, sep) == drawn).all()
+
+
+def test_synthetic_copy_windows_repeat_random_spans():
+    """--synthetic-copy: a window is episodes back to back, each a span of the given ids (its length in the range),
+    the separator, the span again; cut to the window's length. Spans differ, and no id outside `ids` appears."""
+    length, sep, ids = 300, [-1, -2], np.arange(100, 4096, dtype=np.int32)
+    ids = ids[ids != 150]
+    out = synthetic_copy_windows(np.random.default_rng(0), 6, length, ids, sep, (16, 40))
+    assert out.shape == (6, length) and out.dtype == np.int32
+    spans = []
+    for row in out:
+        assert set(row.tolist()) - set(sep) <= set(ids.tolist())
+        at = 0
+        while at < length:
+            m = int(np.flatnonzero(row[at:] == sep[0])[0]) if sep[0] in row[at:] else length - at
+            span = row[at:at + m]
+            assert 16 <= m <= 40 or at + m == length
+            if at + m == length:
+                break
+            spans.append(span.tolist())
+            assert list(row[at + m:at + m + 2]) == sep
+            again = row[at + m + 2:at + 2 * m + 2]
+            assert (again == span[:len(again)]).all()
+            at += 2 * m + 2
+    assert len(spans) >= 6 * 3 and len({tuple(s) for s in spans}) == len(spans)
+
+
+def test_synthetic_copy_run_takes_the_given_tokenizer(two_runs, small_stdlib, tmp_path):
+    """A run from scratch on synthetic copies with --tokenizer: the checkpoint's tokenizer is kept (none trained),
+    the weights start untrained, and training.json records both."""
+    _, start = two_runs[0]
+    run = dataclasses.replace(TINY_RUN, steps=2, synthetic_copy=1.0, copy_span_min=4, copy_span_max=12,
+                              eval_interval=2)
+    got = train(run, tmp_path / "copier", stdlib=small_stdlib, progress=False, log=lambda s: None, tokenizer=start)
+    assert got["first_train_loss"] > math.log(TINY_RUN.vocab_size) - 0.5
+    assert got["tokenizer"] == str(start) and got["init"] is None and got["config"]["synthetic_copy"] == 1.0
+    assert (tmp_path / "copier" / "tokenizer.json").read_bytes() == (start / "tokenizer.json").read_bytes()
 
 
 def test_fine_tuning_starts_from_the_checkpoint(two_runs, small_stdlib, tmp_path):
