@@ -218,28 +218,22 @@ def test_copying_windows_quote_their_own_start():
 
 
 def test_synthetic_copy_windows_repeat_random_spans():
-    """--synthetic-copy: a window is episodes back to back, each a span of the given ids (its length in the range),
-    the separator, the span again; cut to the window's length. Spans differ, and no id outside `ids` appears."""
+    """--synthetic-copy: a window is one span of the given ids (its length in the range) after the separator, over
+    and over, cut to the window's length. Spans differ between windows, and no id outside `ids` appears."""
     length, sep, ids = 300, [-1, -2], np.arange(100, 4096, dtype=np.int32)
     ids = ids[ids != 150]
-    out = synthetic_copy_windows(np.random.default_rng(0), 6, length, ids, sep, (16, 40))
-    assert out.shape == (6, length) and out.dtype == np.int32
-    spans = []
+    out = synthetic_copy_windows(np.random.default_rng(0), 20, length, ids, sep, (16, 40))
+    assert out.shape == (20, length) and out.dtype == np.int32
+    spans = set()
     for row in out:
         assert set(row.tolist()) - set(sep) <= set(ids.tolist())
-        at = 0
-        while at < length:
-            m = int(np.flatnonzero(row[at:] == sep[0])[0]) if sep[0] in row[at:] else length - at
-            span = row[at:at + m]
-            assert 16 <= m <= 40 or at + m == length
-            if at + m == length:
-                break
-            spans.append(span.tolist())
-            assert list(row[at + m:at + m + 2]) == sep
-            again = row[at + m + 2:at + 2 * m + 2]
-            assert (again == span[:len(again)]).all()
-            at += 2 * m + 2
-    assert len(spans) >= 6 * 3 and len({tuple(s) for s in spans}) == len(spans)
+        assert list(row[:2]) == sep
+        m = int(np.flatnonzero(row[2:] == sep[0])[0])
+        assert 16 <= m <= 40
+        spans.add(tuple(row[2:2 + m].tolist()))
+        unit = np.concatenate([sep, row[2:2 + m]])
+        assert (row == np.resize(unit, length)).all()
+    assert len(spans) == 20
 
 
 def test_synthetic_copy_run_takes_the_given_tokenizer(two_runs, small_stdlib, tmp_path):

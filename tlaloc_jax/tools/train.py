@@ -262,19 +262,15 @@ def copying_windows(windows: np.ndarray, rng: np.random.Generator, fraction: flo
 
 def synthetic_copy_windows(rng: np.random.Generator, batch: int, length: int, ids: np.ndarray, sep: Sequence[int],
                            span: tuple[int, int]) -> np.ndarray:
-    """batch windows of copy episodes back to back, cut to `length`: a span of uniformly random `ids` (its length
-    drawn from span = (min, max)), `sep`, the span again. Random ids can only be predicted by copying, so a model
-    trained on them from scratch forms the heads that find the earlier copy of the current token (induction heads)
-    in a few thousand steps, which code alone does not teach it. -> int32 [batch, length]."""
+    """batch windows, each one span of uniformly random `ids` (its length drawn from span = (min, max)) after `sep`,
+    again and again, cut to `length`. Random ids can only be predicted by copying, and all but the first span are
+    copies: the signal that forms heads which find the earlier copy of the current token (induction heads), which
+    code alone does not teach a small model. -> int32 [batch, length]."""
     sep = np.asarray(sep, np.int32)
     out = np.empty((batch, length), np.int32)
     for row in range(batch):
-        parts, n = [], 0
-        while n < length:
-            s = rng.choice(ids, size=int(rng.integers(span[0], span[1] + 1))).astype(np.int32)
-            parts += [s, sep, s]
-            n += 2 * len(s) + len(sep)
-        out[row] = np.concatenate(parts)[:length]
+        s = rng.choice(ids, size=int(rng.integers(span[0], span[1] + 1))).astype(np.int32)
+        out[row] = np.concatenate([sep, s] * (length // (len(s) + len(sep)) + 1))[:length]
     return out
 
 
