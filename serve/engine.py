@@ -71,7 +71,8 @@ class Engine:
                  use_decode_steps: bool = True, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
                  lora_modules: dict | None = None, max_cpu_loras: int | None = None,
-                 speculative_config: dict | str | SpeculativeConfig | None = None, map_weights: bool = False):
+                 speculative_config: dict | str | SpeculativeConfig | None = None, map_weights: bool = False,
+                 preload: bool = False):
         """Load an artifact: validate it all (files, hashes, every body's @main against its entry, the memory its
         weights and pools need), then compile one entry of each kind (the others compile, or load from the compile
         cache, on first use: Runner._compile_kinds), upload the weights and allocate the pools. A bad artifact is
@@ -101,6 +102,8 @@ class Engine:
         tokenizer (serve/draft_model.py); "deepseek_mtp" with the artifact's MTP head (serve/mtp_proposer.py). None: off.
         map_weights: serve the weights from their files' mappings instead of reading them into huge-page memory: a
         load without fresh memory (seconds less where the host must reclaim it), 4 KiB pages in every step.
+        preload: load every entry from the compile cache (or compile it) in background threads while the weights
+        are read, rather than on first use (Runner's preload): a server waits for them before it is ready.
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
@@ -136,7 +139,7 @@ class Engine:
         except TooFewDevicesError as e:
             raise af.ManifestError(device_count_mismatch(m, e.available)) from None
         self.runner = Runner(self.artifact_dir, m, device, progress=progress, donate=donate,
-                             weight_arena=not map_weights)
+                             weight_arena=not map_weights, preload=preload)
         self.scheduler.proposer = proposer_for(self.speculative_config, draft, device, progress, donate)
         self.device = self.runner.device
         self.block_size = m.block_size
