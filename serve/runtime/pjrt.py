@@ -212,7 +212,7 @@ class Device:
 
         With a cache dir, a body already compiled by this plugin is deserialized instead of
         compiled (`Executable.cache == "hit"`). concurrent: on the CPU plugin, deserialize without pypjrt's
-        process-wide lock, so that several threads load entries at once (compat.deserialize_unlocked).
+        process-wide lock, so that a load in a background thread holds up no other thread (compat.deserialize_unlocked).
 
         Raises:
             CompileError: the bytecode's StableHLO version is outside the plugin's range, or the

@@ -171,9 +171,9 @@ class HotCalls:
 # -- loading executables ------------------------------------------------------------------------------
 
 def deserialize_unlocked(client: pypjrt.Client, blob: bytes) -> pypjrt.Executable:
-    """pypjrt's Client.deserialize_executable without its process-wide lock, so that threads load executables at
-    once (the call releases the GIL; the CPU client's DeserializeAndLoad is thread-safe, and the lock guards buffers
-    and executions, which a load touches not): a warm start loads its entries in parallel."""
+    """pypjrt's Client.deserialize_executable without its process-wide lock (the lock guards buffers and executions,
+    which a load touches not; the CPU client's DeserializeAndLoad is thread-safe): a load in a background thread
+    then holds up no other thread's PJRT calls, such as the weights' uploads, for its half second."""
     plugin = client._plugin
     buf = ctypes.create_string_buffer(blob, len(blob))
     args = plugin.args("PJRT_Executable_DeserializeAndLoad_Args", client=client._check(),

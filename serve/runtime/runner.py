@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import enum
-import os
 import logging
 import threading
 import time
@@ -33,8 +32,9 @@ log = logging.getLogger("tlaloc_jax.serve")
 #: Every run of an entry until this many runs, and the first run of each entry after, has its pools'
 #: addresses checked (a pool that moved was copied, not donated).
 ADDRESS_CHECK_RUNS = 100
-#: Threads that load the entries at start (Runner's preload): one per CPU, at most 4.
-LOAD_THREADS = max(1, min(4, os.cpu_count() or 1))
+#: Threads that load the entries at start (Runner's preload): one, beside the weights' reads. The CPU plugin loads
+#: one executable at a time (two threads loaded 12 entries no faster than one: bench in the commit).
+LOAD_THREADS = 1
 
 
 class _ArgSource(enum.Enum):
@@ -58,8 +58,8 @@ class Runner:
 
         donate: False runs the pools as plain inputs (a test control: each run then copies them).
         weight_arena: False serves the weights from their files' mappings (sharded.upload_weights' arena).
-        preload: instead, every entry loads from the compile cache (or compiles) in LOAD_THREADS background
-        threads while the weights are read: `loading()` lists them for a server to wait on before it is ready
+        preload: instead, every entry loads from the compile cache (or compiles) in a background thread while the
+        weights are read: `loading()` lists them for a server to wait on before it is ready
         (loop.py), and `executable` waits for its entry's."""
         self.artifact_dir = Path(artifact_dir)
         self.manifest = m = manifest
@@ -135,8 +135,9 @@ class Runner:
             proven.add(e.kind)
 
     def _preload(self) -> None:
-        """Start loading every entry in background threads, in the manifest's order (the calls release the GIL and
-        run without pypjrt's lock: Device.compile's concurrent). A cache file is read and checked once, by its load."""
+        """Start loading every entry in the background, in the manifest's order, while the weights are read (the calls
+        release the GIL and run without pypjrt's lock, Device.compile's concurrent, so the weights' uploads do not wait
+        behind a load). A cache file is read and checked once, by its load."""
         self._loader = cf.ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="tlaloc-load")
         for e in self.manifest.entries:
             self._loading[e.name] = self._loader.submit(self._load, e)
