@@ -66,20 +66,18 @@ class Engine:
 
     def __init__(self, artifact_dir: str | Path, plugin: str | None = None, *,
                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR, memory_fraction: float = 0.75,
-                 donate: bool = True, progress: bool = True, trust_weights: bool = False,
+                 donate: bool = True, progress: bool = True, trust_weights: bool = False, preload: bool = False,
                  manifest: af.Manifest | None = None, max_model_len: int | None = None,
                  use_decode_steps: bool = True, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
                  lora_modules: dict | None = None, max_cpu_loras: int | None = None,
-                 speculative_config: dict | str | SpeculativeConfig | None = None, map_weights: bool = False,
-                 preload: bool = False):
+                 speculative_config: dict | str | SpeculativeConfig | None = None, map_weights: bool = False):
         """Load an artifact: validate it all (files, hashes, every body's @main against its entry, the memory its
         weights and pools need), then compile one entry of each kind (the others compile, or load from the compile
         cache, on first use: Runner._compile_kinds), upload the weights and allocate the pools. A bad artifact is
         refused (ManifestError naming what is wrong) before anything is compiled or allocated.
 
-        trust_weights: skip hashing the weight files (their sizes are still checked), for very large
-        artifacts whose weights are known good; the log says so.
+        trust_weights: skip hashing the weight files (sizes still checked), for large artifacts known good; logged.
         manifest: this artifact's manifest as `af.load_manifest` returned it, when the caller has validated it
         already (the server does, to read the tokenizer before anything compiles): it is not read again.
         max_model_len: the longest sequence (prompt plus new tokens) served, at most the artifact's largest
@@ -101,10 +99,8 @@ class Engine:
         "draft_model" with "model": "<draft artifact>" drafts with a second artifact of the same vocabulary and
         tokenizer (serve/draft_model.py); "deepseek_mtp" with the artifact's MTP head (serve/mtp_proposer.py);
         "disable_by_batch_size": n, no drafts in a step while n or more sequences run. None: off.
-        map_weights: serve the weights from their files' mappings instead of reading them into huge-page memory: a
-        load without fresh memory (seconds less where the host must reclaim it), 4 KiB pages in every step.
-        preload: load every entry from the compile cache (or compile it) in background threads while the weights
-        are read, rather than on first use (Runner's preload): a server waits for them before it is ready.
+        map_weights: serve the weights from their files' mappings, not read into huge-page memory (a load without fresh
+        memory; 4 KiB pages in every step). preload: every entry loads in the background now (Runner's preload).
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)

@@ -169,12 +169,10 @@ class EngineLoop:
         # compile_all: the loop compiles every entry neither compiled nor in the compile cache before its first step
         # (readiness.py); until then `readiness.reason()` says how far it got. None: it serves at once, entries
         # compile on first use.
-        # With a preloading Runner the entries loading in the background count too: ready means every entry loaded.
-        self.readiness = None
-        if compile_all:
-            todo = len(engine.entries_to_compile()) + len(engine.runner.loading())
-            self.readiness = Readiness(todo, progress, ("loading or compiling", "loaded or compiled")
-                                       if engine.runner.loading() else ("compiling", "compiled"))
+        # A preloading Runner's entries count too: ready means every entry loaded.
+        loading = len(engine.runner.loading())
+        words = ("loading or compiling", "loaded or compiled") if loading else ("compiling", "compiled")
+        self.readiness = Readiness(len(engine.entries_to_compile()) + loading, progress, words) if compile_all else None
         self._idle_since = time.perf_counter()
         self._arriving = 0
         self._arriving_lock = threading.Lock()
@@ -321,27 +319,21 @@ class EngineLoop:
             self._handle(cmd)
 
     def _get_ready(self) -> bool:
-        """Compile every entry neither compiled nor in the compile cache, one at a time, then wait for those loading in
-        the background (a preloading Runner), handling commands between them (a request submitted meanwhile waits for
-        its first step; a snapshot for /metrics is answered). Without preload, the cached entries' loads come after,
-        while idle, and so do the entries' first runs (_warm_one). -> False on a stop."""
+        """Wait for the entries loading in the background (a preloading Runner), then compile those neither compiled
+        nor in the compile cache, one at a time, handling commands between them (a request submitted meanwhile waits
+        for its first step; a /metrics snapshot is answered). Without preload the cached entries load, and every entry
+        runs first (_warm_one), after, while idle. -> False on a stop."""
         self.readiness.start()
         try:
             runner = self.engine.runner
-            for e, loading in runner.loading():
-                while not cf.wait([loading], timeout=0.1).done:
+            for e, loading in [*runner.loading(), *((e, None) for e in self.engine.entries_to_compile())]:
+                if not self._handle_pending():
+                    return False
+                while loading is not None and not cf.wait([loading], 0.1).done:
                     if not self._handle_pending():
                         return False
                 try:
-                    runner.executable(e)    # a load that failed compiles here
-                except Exception as err:  # noqa: BLE001 - the entry's first request fails the same way, by name
-                    log.error("loading %s failed: %s", e.name, err)
-                self.readiness.advance(e.name)
-            for e in self.engine.entries_to_compile():
-                if not self._handle_pending():
-                    return False
-                try:
-                    self.engine.runner.executable(e)
+                    runner.executable(e)    # loaded in the background (a failed load compiles here), else compiled
                 except Exception as err:  # noqa: BLE001 - the entry's first request fails the same way, by name
                     log.error("compiling %s failed: %s", e.name, err)
                 self.readiness.advance(e.name)
