@@ -391,7 +391,7 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
 def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs | tuple[StepInputs, ...], *,
                  key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
                  all_positions: bool = False, decode_attention: str = "xla",
-                 packed_attention: str = "rows", pre_norm: bool = False) -> tuple[jax.Array, Pools]:
+                 packed_attention: str = "rows") -> tuple[jax.Array, Pools]:
     """Run every layer over the call's tokens: -> (final-normed hidden state of each row's last token [B, E], pools);
     all_positions: of every token of the call [B, T, E] (a scoring prefill scores each one).
 
@@ -399,8 +399,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
     ring_pages pages; 0 keeps every attention layer in the full-history pool ("kv"). decode_attention: one of
     DECODE_ATTENTION, the attention of a decode call. inputs a tuple of StepInputs: one call of several groups of
     rows, each group's rows of one shape (supports_mixed_calls); the last tokens' hidden states of the groups'
-    rows in order. packed_attention: one of PACKED_ATTENTION, how a packed call's tokens attend. pre_norm: every
-    token's hidden state before the final norm [B, T, E], which an MTP head reads (tlaloc_jax/mtp_head.py).
+    rows in order. packed_attention: one of PACKED_ATTENTION, how a packed call's tokens attend.
     """
     groups = ()
     adapters, slots = call_adapters(inputs)
@@ -464,8 +463,6 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
         # A scan over periods keeps one copy of the period's layers in the graph (compile time, body size);
         # the pools ride in the carry so each layer's scatter writes the donated buffers in place.
         (h, pools), _ = lax.scan(period, (h, pools), jnp.arange(plan.periods))
-    if pre_norm and not groups and inputs.pack_index is None:
-        return h, pools
     if groups:
         # Each group's rows end at their last column: the row's last token (rows are right-aligned).
         last = [offset + b * T + T - 1 for (offset, _), (B, T) in zip(groups, shapes) for b in range(B)]
