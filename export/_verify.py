@@ -8,9 +8,9 @@ the row emits after t when it stops accepting there, that position's emitted tok
 logprobs. The host emits the accepted drafts and then VERIFY_TOKENS[start of row + accepted]. The keys and values
 written for rejected drafts are never read: the sequence's next call writes those positions again.
 
-An artifact with a sampler gives its verify entries the sampler's inputs, and acceptance is
-kernels/rejection_sampler.py's: greedy rows keep the drafts the argmax of their processed logits confirms, sampled
-rows rejection-sample, keeping the target distribution exactly. Without a sampler a verify entry is greedy only:
+An artifact with a sampler gives its verify entries the sampler's inputs, TOKEN_MASK one per position (position t's
+mask is the grammar's after the row's drafts through t), and acceptance is kernels/rejection_sampler.py's: greedy
+rows keep the drafts the argmax of their processed logits confirms, sampled rows rejection-sample, keeping the target distribution exactly. Without a sampler a verify entry is greedy only:
 draft t + 1 is accepted while the first largest logit after t equals it, the longest such prefix.
 
 A verify entry needs the step as a SplitStep (its hidden states and head). State pools (Mamba, gated delta) cannot
@@ -43,8 +43,11 @@ Role = af.Role
 def verify_signature(inputs: Sequence[af.TensorSig], *, batch: int, tokens: int, top_n: int
                      ) -> tuple[list[af.TensorSig], list[af.TensorSig], tuple[tuple[int, int], ...]]:
     """A prefill entry's signature without scorer (export/_stage.entry_signature) -> the verify entry's: the same
-    inputs (the sampler's among them, when the artifact has one), the VERIFY_* outputs [B, T] ([B] accepted,
-    [B, T, N] top) and the pools."""
+    inputs (the sampler's among them, when the artifact has one) but a TOKEN_MASK per position [B, T, W] (a grammar's
+    mask changes with each drafted token), the VERIFY_* outputs [B, T] ([B] accepted, [B, T, N] top) and the pools."""
+    inputs = [af.TensorSig(s.role, s.dtype, (batch, tokens, *s.shape[1:]), s.slot,
+                           (s.partition[0], None, *s.partition[1:]) if s.partition else ())
+              if s.role == Role.TOKEN_MASK else s for s in inputs]
     shapes = {Role.VERIFY_TOKENS: (batch, tokens), Role.VERIFY_ACCEPTED: (batch,), Role.VERIFY_LOGPROB: (batch, tokens),
               Role.VERIFY_TOP_LOGPROBS: (batch, tokens, top_n), Role.VERIFY_TOP_IDS: (batch, tokens, top_n)}
     outputs = [af.TensorSig(r, af.VERIFY_DTYPES.get(r, "int32"), shapes[r]) for r in af.VERIFY_OUTPUTS]

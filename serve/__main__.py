@@ -148,7 +148,8 @@ def main(argv=None) -> int:
                          "lookup and checks them in one call of the artifact's verify entries (export "
                          "--speculative-tokens); sampled requests draft where the verify entries take the sampler; "
                          "'{\"method\": \"draft_model\", \"model\": \"DRAFT_ARTIFACT\", \"num_speculative_tokens\": 3}' "
-                         "drafts with a second artifact of the same tokenizer (default: off)")
+                         "drafts with a second artifact of the same tokenizer; \"disable_by_batch_size\": N turns "
+                         "drafting off while N or more sequences run (default: off)")
     ap.add_argument("--max-model-len", type=_positive, default=None,
                     help="longest sequence served, prompt plus new tokens (default and at most: the artifact's "
                          "largest context)")

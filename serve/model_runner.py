@@ -226,8 +226,10 @@ class ModelRunner:
         try:
             inputs = call_inputs.step_inputs(call, self.manifest, self.ring_pages)
             if call_inputs.takes_sampler(e):
-                # One mask a row: the scheduler drafts only where every position's is the same (serve/speculative.py).
-                allowed = [outputs.allowed_mask(s, self.vocab) for s in call.seqs]
+                # A mask per position where the entry takes them (a grammar's after each draft); else one a row, and
+                # the scheduler drafts only where every position's is the same (serve/speculative.py).
+                allowed = [outputs.draft_masks(s, row.token_ids[1:], self.vocab)
+                           for s, row in zip(call.seqs, call.rows)]
                 inputs.update(call_inputs.sampler_inputs(self.runner, call, [True] * len(call.seqs), allowed))
             want |= self._hidden(e)
             out = self._execute(e, inputs, want)
@@ -246,11 +248,16 @@ class ModelRunner:
                 continue
             if drafts:                         # a row without drafts rode along for its next token
                 self._count_drafts(s, len(drafts), n)
-            # The accepted drafts, then the target's own token after them.
-            for i, tok in enumerate(drafts[:n] + [int(out[af.Role.VERIFY_TOKENS][b, col + n])]):
-                if not 0 <= tok < self.vocab:
-                    events.append(self.fail(s, f"{e.name} returned token {tok}, outside the vocabulary"))
-                    break
+            # The accepted drafts, then the target's own token after them; a grammar advances by all of them.
+            emitted = drafts[:n] + [int(out[af.Role.VERIFY_TOKENS][b, col + n])]
+            bad = [t for t in emitted if not 0 <= t < self.vocab]
+            if bad:
+                events.append(self.fail(s, f"{e.name} returned token {bad[0]}, outside the vocabulary"))
+                continue
+            if s.constraint is not None and not s.constraint.accept_tokens(emitted):
+                events.append(self.fail(s, f"{e.name} returned tokens {emitted} outside the request's grammar"))
+                continue
+            for i, tok in enumerate(emitted):
                 k, logprob, top = s.sampling.logprobs, None, None
                 if k is not None:
                     logprob = float(out[af.Role.VERIFY_LOGPROB][b, col + i])

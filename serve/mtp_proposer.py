@@ -6,8 +6,8 @@ a step's drafts (`propose`), the head reads each decoding sequence's positions i
 token x_{t+1} at position t, batched in its mtp entries (a long run in several calls); its draft at the last position
 is the first, and k - 1 calls of one position each chain the head on its own hidden state for the rest, as vLLM's
 DeepSeekMTP does. The head's KV lives on the sequence's own pages (its pool shares the decoder's pages), so finishing
-or preemption gives them back with the decoder's; what the proposer keeps of a sequence (hidden states not read yet,
-its drafts) goes when it finishes or is preempted. A chained position past the pages the sequence holds is not written: its
+or preemption gives them back with the decoder's; what the proposer keeps of a sequence (its hidden states not read
+yet) goes when it finishes or is preempted. A chained position past the pages the sequence holds is not written: its
 drafts stop there. Drafts are greedy (the head's argmax); the verify call keeps the target's output exact.
 """
 
@@ -31,7 +31,6 @@ class MtpProposer:
         self.entries = sorted((e for e in m.entries if e.kind == af.EntryKind.MTP),
                               key=lambda e: (e.tokens_per_seq, e.batch, e.context))
         self.pending: dict[str, tuple[int, np.ndarray]] = {}   # rid -> (first position, hidden [n, E] not read yet)
-        self.drafts: dict[str, list[int]] = {}
         self.calls = 0
 
     def observe(self, s, start: int, hidden: np.ndarray) -> None:
@@ -42,35 +41,30 @@ class MtpProposer:
         else:                    # a new run of positions (preempted and read again, or a cached prefix skipped)
             p0 = start
         self.pending[s.rid] = (p0, hidden)
-        self.drafts.pop(s.rid, None)
 
     def release(self, s) -> None:
         """Proposer.release: the sequence finished or was preempted; what is kept of it goes (its pages go with the
         decoder's)."""
         self.pending.pop(s.rid, None)
-        self.drafts.pop(s.rid, None)
-
-    def drafts_of(self, s, k: int) -> tuple[int, ...]:
-        """Up to k drafts after the sequence's last token (used once)."""
-        return tuple(self.drafts.pop(s.rid, ())[:k])
 
     def propose(self, rows: Sequence[tuple]) -> list[tuple[int, ...]]:
         """Proposer.propose: each (sequence, k) row's drafts, the head run over all rows' unread positions at once."""
-        self._draft([s for s, _ in rows], max(k for _, k in rows))
-        return [self.drafts_of(s, k) for s, k in rows]
+        drafts = self._draft([s for s, _ in rows], max(k for _, k in rows))
+        return [tuple(drafts.get(s.rid, ())[:k]) for s, k in rows]
 
-    def _draft(self, seqs: Sequence, k: int) -> None:
-        """Draft up to k tokens for each decoding sequence of `seqs` that has none yet."""
+    def _draft(self, seqs: Sequence, k: int) -> dict[str, list[int]]:
+        """Up to k drafts, by request id, for each decoding sequence of `seqs` whose unread positions reach its last
+        token."""
         rows = []
         for s in seqs:
-            if not s.decoding or s.rid in self.drafts or s.rid not in self.pending:
+            if not s.decoding or s.rid not in self.pending:
                 continue
             p0, h = self.pending[s.rid]
             if p0 + len(h) == s.computed and len(h):
                 del self.pending[s.rid]
                 rows.append((s, p0, h))
         if not rows:
-            return
+            return {}
         longest = self.entries[-1].tokens_per_seq
         last: dict[str, tuple[int, np.ndarray]] = {}
         while rows:         # the head over each row's unread positions, at most `longest` a call
@@ -79,18 +73,18 @@ class MtpProposer:
                 last[s.rid] = out
             rows = [(s, p0 + longest, h[longest:]) for s, p0, h in rows if len(h) > longest]
         chain = [s for s in seqs if s.rid in last]
-        for s in chain:
-            self.drafts[s.rid] = [last[s.rid][0]]
+        drafts = {s.rid: [last[s.rid][0]] for s in chain}
         for j in range(1, k):
             # Draft j + 1 from draft j at position computed + j - 1, where the sequence holds a page.
-            part = [(s, s.computed + j - 1, [self.drafts[s.rid][-1]], last[s.rid][1]) for s in chain
+            part = [(s, s.computed + j - 1, [drafts[s.rid][-1]], last[s.rid][1]) for s in chain
                     if s.computed + j - 1 < len(s.held.get(af.PoolKind.PAGED_KV, ())) * self.manifest.block_size]
             if not part:
                 break
             for (s, _, _, _), out in zip(part, self._run(part)):
-                self.drafts[s.rid].append(out[0])
+                drafts[s.rid].append(out[0])
                 last[s.rid] = out
             chain = [p[0] for p in part]
+        return drafts
 
     def _entry(self, rows: int, tokens: int, end: int) -> af.Entry:
         """The smallest mtp entry that takes `rows` rows of `tokens` tokens reaching position end - 1."""

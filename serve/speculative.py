@@ -9,7 +9,8 @@ own next token: exactly the tokens greedy decoding gives, up to k + 1 of them fo
 
 Acceptance is the body's: in an artifact with a sampler, its verify entries process each position's logits as the
 sampler does and rejection-sample (kernels/rejection_sampler.py), so sampled rows, penalties, logit bias and seeds
-draft too, and each keeps its distribution exactly; without a sampler only plain greedy rows draft (`draft_limit`).
+draft too, and each keeps its distribution exactly; rows under a grammar draft where each position gets its own
+mask (`draft_limit`); without a sampler only plain greedy rows draft.
 A sequence whose drafts are seldom accepted decodes one token a step as before (SpecState.may_draft): after a verify
 call that accepts none of its drafts it backs off, drafting again only after a pause that grows with each such call
 in a row (adaptive drafting, as SGLang's and llama.cpp's servers adapt theirs), and it stops for good once few of
@@ -33,7 +34,8 @@ NOT_BUILT = {"eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads", "medusa": "Medus
              "mlp_speculator": "MLP speculators", "qwen3_next_mtp": "Qwen3-Next MTP heads", "suffix": "suffix decoding"}
 # DeepSeek-V3's MTP head (serve/mtp_proposer.py): vLLM's names for it.
 MTP_METHODS = ("deepseek_mtp", "mtp")
-FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+          "disable_by_batch_size")
 # vLLM's n-gram window when neither bound is given.
 DEFAULT_LOOKUP = 5
 # A sequence stops drafting once, after at least MIN_DRAFTS drafts, fewer than MIN_ACCEPTANCE of them were accepted:
@@ -56,13 +58,15 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     """vLLM's speculative config: method "ngram", k drafted tokens a step from n-grams of lookup_min to lookup_max
     tokens; method "mtp", k drafts a step from the artifact's MTP head (serve/mtp_proposer.py); or method
-    "draft_model", k greedy tokens a step from the draft artifact in directory `model` (serve/draft_model.py)."""
+    "draft_model", k greedy tokens a step from the draft artifact in directory `model` (serve/draft_model.py).
+    disable_by_batch_size: no sequence drafts in a step while at least that many run (vLLM's; None: always on)."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
     method: str = "ngram"
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
 
 def parse_speculative_config(value) -> SpeculativeConfig | None:
@@ -102,12 +106,13 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         return v
 
     k = count("num_speculative_tokens", None)
+    off = {"disable_by_batch_size": count("disable_by_batch_size", None)} if "disable_by_batch_size" in value else {}
     if method in MTP_METHODS:
         unused = sorted(set(value) & {"prompt_lookup_min", "prompt_lookup_max"})
         if unused:
             raise SpeculativeConfigError(f"speculative_config {', '.join(unused)}: method {method!r} drafts with the "
                                          "model's MTP head, not n-grams; leave them out")
-        return SpeculativeConfig(k, method="mtp")
+        return SpeculativeConfig(k, method="mtp", **off)
     if method == "draft_model":
         model = value.get("model")
         if not isinstance(model, str) or not model:
@@ -117,7 +122,7 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         if lookup:
             raise SpeculativeConfigError(f"speculative_config {', '.join(lookup)}: method 'draft_model' does not look "
                                          "up n-grams; leave them out")
-        return SpeculativeConfig(k, method="draft_model", model=model)
+        return SpeculativeConfig(k, method="draft_model", model=model, **off)
     lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
     lo, hi = (DEFAULT_LOOKUP, DEFAULT_LOOKUP) if lo is None and hi is None else (lo if lo is not None else hi,
                                                                                  hi if hi is not None else lo)
@@ -126,7 +131,7 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     if lo > hi:
         raise SpeculativeConfigError(f"speculative_config prompt_lookup_min {lo} is larger than prompt_lookup_max "
                                      f"{hi}")
-    return SpeculativeConfig(k, lo, hi)
+    return SpeculativeConfig(k, lo, hi, **off)
 
 
 def verify_tokens(m: af.Manifest) -> int:
@@ -154,19 +159,34 @@ def check_fits(config: SpeculativeConfig | None, m: af.Manifest) -> None:
                                      "model.layers.<num_hidden_layers>.* tensors), or use method 'ngram'")
 
 
-def draft_limit(s, sampled: bool) -> int:
-    """The most drafts a decoding sequence's verify row may hold and stay exact (0: none; -1: no limit). sampled:
-    the verify entries take the sampler's inputs (else only plain greedy rows, whose token is the argmax, draft).
+def masks_per_position(entries: Sequence[af.Entry]) -> bool:
+    """Whether every verify entry takes a TOKEN_MASK per position ([B, T, W]; one staged with a mask a row takes
+    [B, W], and its rows under a grammar do not draft)."""
+    return bool(entries) and all(af.Role.TOKEN_MASK in (sig.role for sig in e.inputs)
+                                 and len(e.inputs[e.input_index(af.Role.TOKEN_MASK)].shape) == 3 for e in entries)
 
-    Each position of a row gets the row's one TOKEN_MASK: a grammar's mask changes with every drafted token, so a
-    sequence under a grammar never drafts; before min_tokens the stop ids are masked, so the drafts stop short of
-    the position where the mask lifts. Penalties and bias are exact per position (the history holds the drafts)."""
+
+def draft_limit(s, sampled: bool, masks: bool = False) -> int:
+    """The most drafts a decoding sequence's verify row may hold and stay exact (0: none; -1: no limit). sampled:
+    the verify entries take the sampler's inputs (else only plain greedy rows, whose token is the argmax, draft);
+    masks: they take a TOKEN_MASK per position (masks_per_position).
+
+    A grammar's mask changes with every drafted token: a sequence under one drafts only where each position gets
+    its own mask (the grammar's after the drafts before it, outputs.draft_masks), and only once the grammar has
+    its next mask (Constraint.ready); its drafts are cut at the first one the grammar refuses (allowed_drafts).
+    Before min_tokens the stop ids are masked, so the drafts stop short of the position where the mask lifts.
+    Penalties and bias are exact per position (the history holds the drafts)."""
     sp = s.sampling
-    if s.constraint is not None or not (sampled or sp.plain):
+    if not (sampled or sp.plain) or (s.constraint is not None and not (masks and s.constraint.ready())):
         return 0
     if s.stop and len(s.generated) < sp.min_tokens:
         return sp.min_tokens - len(s.generated) - 1
     return -1
+
+
+def allowed_drafts(s, drafts: tuple[int, ...]) -> tuple[int, ...]:
+    """The drafts cut before the first one the sequence's constraint refuses (vLLM's validate_tokens)."""
+    return drafts if s.constraint is None or not drafts else drafts[:s.constraint.drafts_allowed(drafts)]
 
 
 def propose_ngram(tokens: Sequence[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:

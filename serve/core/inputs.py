@@ -69,9 +69,12 @@ def sampler_inputs(runner: Runner, call: ScheduledCall, producing: list[bool], a
             # history's last `step`): only when no row is penalised.
             del out[af.Role.RNG_STEP], out[af.Role.SAMPLING]
     if any(a is not None for a in allowed):
-        mask = np.full((B, sp.mask_words), -1, np.int32)
+        # [B, W], or a verify entry's [B, T, W]: a row's one mask, or its masks at its last positions (right-aligned).
+        mask = np.full(e.inputs[e.input_index(af.Role.TOKEN_MASK)].shape, -1, np.int32)
         for b, a in zip(at, allowed):
-            if a is not None:
+            if a is not None and a.ndim == 2:
+                mask[b, mask.shape[1] - len(a):] = a
+            elif a is not None:
                 mask[b] = a
         out[af.Role.TOKEN_MASK] = mask
     if any(p and s.sampling.logit_bias for s, p in zip(seqs, producing)):

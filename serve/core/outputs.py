@@ -19,14 +19,36 @@ def allowed_mask(s: Request, vocab: int) -> np.ndarray | None:
     if s.constraint is not None:
         words = np.full(af.mask_words(vocab), -1, np.int32)
         s.constraint.fill(words)
-    if len(s.generated) < s.sampling.min_tokens and s.stop:
-        if s.stop_mask is None:     # made once per sequence: a request may carry many stop ids
-            bits = np.zeros(af.mask_words(vocab) * 32, bool)      # no bit past the vocabulary
-            bits[:vocab] = True
-            bits[np.array(s.stop_ids(vocab), np.int64)] = False
-            s.stop_mask = np.packbits(bits, bitorder="little").view(np.int32)
-        words = s.stop_mask.copy() if words is None else words & s.stop_mask
+    stops = _stop_mask(s, vocab)
+    if stops is not None:
+        words = stops.copy() if words is None else words & stops
     return words
+
+
+def draft_masks(s: Request, drafts, vocab: int) -> np.ndarray | None:
+    """A verify row's mask at each of its positions ([len(drafts) + 1, W]: row j after the drafts before it, from its
+    constraint; no stop token before min_tokens, which the drafts stop short of), or None when it may choose any."""
+    if s.constraint is None or not drafts:
+        return allowed_mask(s, vocab)
+    rows = np.full((len(drafts) + 1, af.mask_words(vocab)), -1, np.int32)
+    s.constraint.fill(rows[0])
+    stops = _stop_mask(s, vocab)
+    if stops is not None:
+        rows &= stops
+    s.constraint.draft_masks(drafts, rows)
+    return rows
+
+
+def _stop_mask(s: Request, vocab: int) -> np.ndarray | None:
+    """Every token but the sequence's stop ids while it is short of min_tokens, else None."""
+    if len(s.generated) >= s.sampling.min_tokens or not s.stop:
+        return None
+    if s.stop_mask is None:     # made once per sequence: a request may carry many stop ids
+        bits = np.zeros(af.mask_words(vocab) * 32, bool)      # no bit past the vocabulary
+        bits[:vocab] = True
+        bits[np.array(s.stop_ids(vocab), np.int64)] = False
+        s.stop_mask = np.packbits(bits, bitorder="little").view(np.int32)
+    return s.stop_mask
 
 
 def wanted(call: ScheduledCall, producing: list[bool], allowed: list, sampler: af.Sampler | None) -> set[af.Role]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -56,7 +56,13 @@ class Constraint:
     on entry), the tokens the constraint forbids now. accept(token): advance past the chosen token; False if
     the constraint refuses it. ready(): whether fill can answer now (a constraint that works out its next mask
     on another thread is not ready until it has: its sequence sits out the steps until then). failure(): why
-    the constraint cannot go on (its sequence ends with that error), or None."""
+    the constraint cannot go on (its sequence ends with that error), or None.
+
+    Speculative decoding (serve/speculative.py), asked only when ready: drafts_allowed(tokens): how many of the
+    drafted tokens, in order, it allows from where it is (0: it does not look ahead, and its sequence does not
+    draft); draft_masks(tokens, words [n + 1, W]): clear in row j what it forbids after tokens[:j], j >= 1 (row 0
+    is fill's; tokens: ones it allows), leaving it where it was; accept_tokens(tokens): accept, several at once
+    (a verify call's emitted tokens)."""
 
     def fill(self, words: np.ndarray) -> None:
         raise NotImplementedError
@@ -69,6 +75,15 @@ class Constraint:
 
     def failure(self) -> str | None:
         return None
+
+    def drafts_allowed(self, tokens: Sequence[int]) -> int:
+        return 0
+
+    def draft_masks(self, tokens: Sequence[int], words: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def accept_tokens(self, tokens: Sequence[int]) -> bool:
+        return all(self.accept(t) for t in tokens)
 
 
 @dataclass

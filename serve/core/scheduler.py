@@ -84,6 +84,7 @@ class Scheduler:
         # Verify entries that take the sampler's inputs accept sampled rows too (serve/speculative.draft_limit).
         self.verify_samples = bool(top) and all(any(sig.role == af.Role.SAMPLING for sig in e.inputs)
                                                 for e in self.planner.entries(af.EntryKind.VERIFY))
+        self.verify_masks = spec.masks_per_position(self.planner.entries(af.EntryKind.VERIFY))
 
     @property
     def prefix_caching(self) -> bool:
@@ -204,7 +205,7 @@ class Scheduler:
         return, or its drafts are seldom accepted (backing off). A draft never reaches past max_new_tokens or the
         largest context."""
         cfg, sp = self.speculative, s.sampling
-        exact = spec.draft_limit(s, self.verify_samples) if cfg is not None else 0
+        exact = spec.draft_limit(s, self.verify_samples, self.verify_masks) if cfg is not None else 0
         if exact == 0 or not s.spec.may_draft(len(s.generated)) or (sp.logprobs or 0) > self.verify_top_logprobs:
             return 0
         k = cfg.num_speculative_tokens
@@ -213,11 +214,15 @@ class Scheduler:
                           (limit if limit is not None else k + 1) - 1, exact if exact > 0 else k))
 
     def _drafts(self, seqs: Sequence[Request]) -> dict[str, tuple[int, ...]]:
-        """The drafts of the decoding sequences among `seqs`, by request id, from one ask of the proposer."""
+        """The drafts of the decoding sequences among `seqs`, by request id, from one ask of the proposer (none while
+        disable_by_batch_size or more sequences run)."""
+        off = self.speculative is not None and self.speculative.disable_by_batch_size
+        if off and len(self.running) >= off:
+            return {}
         rows = [(s, k) for s in seqs if s.decoding and (k := self._draft_limit(s)) > 0]
         if not rows:
             return {}
-        return {s.rid: tuple(d[:k]) for (s, k), d in zip(rows, self.proposer.propose(rows))}
+        return {s.rid: spec.allowed_drafts(s, tuple(d[:k])) for (s, k), d in zip(rows, self.proposer.propose(rows))}
 
     def schedule(self) -> Step:
         """This step's calls: every running sequence advanced (preempting the youngest when units run out), then

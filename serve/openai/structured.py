@@ -264,26 +264,64 @@ class GrammarConstraint(Constraint):
         words &= self._words
 
     def accept(self, token: int) -> bool:
-        if not (int(self._words.view(np.uint32)[token // 32]) >> (token % 32)) & 1:
-            return False
-        if token in self._grammars.eos:
-            return True                 # the grammar's end: nothing follows it
-        self._job = self._grammars.steps.submit(self._advance, int(token))
+        return self.accept_tokens([token])    # the grammar's end (an eos id) is allowed, and nothing follows it
+
+    def drafts_allowed(self, tokens) -> int:
+        """Constraint.drafts_allowed: the drafts the matcher takes from here, cut before the first it refuses or
+        the first end-of-sequence id (nothing is drafted past the grammar's end)."""
+        ends = [i for i, t in enumerate(tokens) if t in self._grammars.eos]
+        tokens = list(tokens[:ends[0]] if ends else tokens)
+        if not tokens or not self.allows(tokens[0]):
+            return 0
+        return self.matcher.validate_tokens(tokens)
+
+    def draft_masks(self, tokens, words: np.ndarray) -> None:
+        """Constraint.draft_masks: the matcher advanced through the drafts, its mask after each recorded, then
+        rolled back to where it was (vLLM's per-position grammar bitmask)."""
+        m, g = self.matcher, self._grammars
+        for j, t in enumerate(tokens):
+            if not m.consume_token(int(t)) or m.is_error():
+                m.rollback(j)
+                raise GrammarError(f"the grammar refused its draft {t} after {self.tokens + j} tokens: {_why(m)}",
+                                   "grammar_failed")
+            words[j + 1] &= g.words(g.raw_mask(m))
+        m.rollback(len(tokens))
+
+    def accept_tokens(self, tokens) -> bool:
+        """Constraint.accept_tokens: the first checked against the mask now, all consumed in one job (a verify
+        call's tokens: each allowed by its position's mask, which the job checks again)."""
+        tokens = [int(t) for t in tokens]
+        if not tokens or not self.allows(tokens[0]):
+            return not tokens
+        ends = [i for i, t in enumerate(tokens) if t in self._grammars.eos]
+        tokens = tokens[:ends[0]] if ends else tokens
+        if tokens:
+            self._job = self._grammars.steps.submit(self._advance, *tokens)
         return True
 
-    def _advance(self, token: int) -> None:
-        """On StepWork's thread: consume the token, compute the next mask (its CPU time within the budget: llguidance
+    def allows(self, token: int) -> bool:
+        """Whether the mask now allows the token."""
+        return bool((int(self._words.view(np.uint32)[token // 32]) >> (token % 32)) & 1)
+
+    def _advance(self, *tokens: int) -> None:
+        """On StepWork's thread: consume the tokens, compute the next mask (its CPU time within the budget: llguidance
         works in this thread, and the thread's own time does not count waits for a loaded machine's cores)."""
         m, g = self.matcher, self._grammars
         t0 = time.thread_time()
-        if m.consume_token(token) and not m.is_error():
+        for i, token in enumerate(tokens):
+            if not m.consume_token(token) or m.is_error():
+                self.tokens += i
+                break
+        else:
             raw = g.raw_mask(m)
             took = time.thread_time() - t0
-            if took > g.budget.token_seconds:
-                raise GrammarError(f"the grammar took {took:.2f} s of CPU time for its token {self.tokens + 1}, past "
-                                   f"the limit of {g.budget.token_seconds:g} s a token", "grammar_failed")
+            if took > g.budget.token_seconds * len(tokens):
+                which = f"token {self.tokens + 1}" if len(tokens) == 1 else \
+                    f"tokens {self.tokens + 1} to {self.tokens + len(tokens)}"
+                raise GrammarError(f"the grammar took {took:.2f} s of CPU time for its {which}, past the limit of "
+                                   f"{g.budget.token_seconds:g} s a token", "grammar_failed")
             if not m.is_error():
-                self.tokens += 1
+                self.tokens += len(tokens)
                 self._words = g.words(raw)
                 return
         raise GrammarError(f"the grammar failed after {self.tokens} tokens: {_why(m)}", "grammar_failed")

@@ -210,3 +210,29 @@ def test_the_same_seeds_give_the_same_tokens_and_other_seeds_others():
     assert (tokens[0::4] == tokens[2::4]).all() and (accepted[0::4] == accepted[2::4]).all()
     outcomes = _outcomes(tokens, accepted)
     assert len(set(outcomes[0::4].tolist())) == 1 and len(set(outcomes.tolist())) > 1
+
+
+@pytest.mark.parametrize("row", [params_row(), CASES["temperature"]], ids=["greedy", "sampled"])
+def test_each_column_takes_its_own_mask(row):
+    """TOKEN_MASK per column [B, T, W] (a grammar's after each draft): column t's token is the one the row gives with
+    column t's mask as its one mask [B, W], for every column, and greedy acceptance follows each column's masked
+    argmax. Control: the first column's mask at every column gives other tokens."""
+    rng = np.random.default_rng(8)
+    masks = np.zeros((T, af.mask_words(V)), np.int32)
+    for t in range(T):
+        allowed = rng.permutation(V)[:3]                  # three tokens a column, a different three each
+        masks[t, 0] = int(sum(1 << int(a) for a in allowed))
+    args = list(_inputs(row, 64))
+    args[6] = np.broadcast_to(masks, (64, T, masks.shape[1]))
+    tokens, accepted, *_ = _run(*args)
+    first = None
+    for t in range(T):
+        args[6] = np.broadcast_to(masks[t], (64, masks.shape[1]))
+        alone, *_ = _run(*args)
+        assert (tokens[:, t] == alone[:, t]).all(), t
+        first = alone if t == 0 else first
+        assert all((masks[t, 0] >> int(x)) & 1 for x in tokens[:, t]), t
+    assert (tokens[:, 2:] != first[:, 2:]).any()
+    if row == params_row():
+        ok = [int(tokens[0, c]) == ROW[c + 1] for c in range(1, T - 1)]
+        assert int(accepted[0]) == (ok + [False]).index(False)

@@ -114,7 +114,7 @@ def test_greedy_ids_with_mtp_drafts_equal_those_without(artifacts, serve_cache_d
         # batched run called the head's entries of two rows.
         assert st["verify_calls"] > 0 and st["spec_decode_num_draft_tokens"] > st["spec_decode_num_drafts"]
         assert proposer.calls > 0 and any(n.startswith("mtp_b2_") and ran[n] for n in ran)
-        assert not proposer.pending and not proposer.drafts          # nothing kept of finished sequences
+        assert not proposer.pending                                   # nothing kept of finished sequences
         assert st["pages_in_use"] == 0
 
 
@@ -127,8 +127,13 @@ def test_the_drafts_are_the_heads_over_the_decoders_hidden_states(artifacts, ser
     seen = []
     with Engine.load(artifacts[1], cache_dir=serve_cache_dir, progress=False, speculative_config=MTP) as eng:
         proposer = eng.scheduler.proposer
-        drafts_of = proposer.drafts_of
-        proposer.drafts_of = lambda s, k: seen.append((list(s.tokens), drafts_of(s, k))) or seen[-1][1]
+        propose = proposer.propose
+
+        def spy(rows):
+            drafts = propose(rows)
+            seen.extend((list(s.tokens), d) for (s, _), d in zip(rows, drafts))
+            return drafts
+        proposer.propose = spy
         _generate(eng, [PROMPTS[0]])
     drafted = [(tokens, d) for tokens, d in seen if len(d) == K]
     assert len(drafted) >= 2

@@ -94,6 +94,8 @@ def test_speculative_config_is_vllms_json_and_refuses_by_name():
     assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}) == \
         SpeculativeConfig(2, 3, 3)
     assert parse_speculative_config(None) is None
+    assert parse_speculative_config({**NGRAM, "disable_by_batch_size": 4}) == \
+        SpeculativeConfig(K, 2, 4, disable_by_batch_size=4)
     for name in ("deepseek_mtp", "mtp"):      # vLLM's names for DeepSeek-V3's MTP head (serve/mtp_proposer.py)
         assert parse_speculative_config({"method": name, "num_speculative_tokens": 2}) == \
             SpeculativeConfig(2, method="mtp")
@@ -104,6 +106,7 @@ def test_speculative_config_is_vllms_json_and_refuses_by_name():
                       ({**NGRAM, "method": "deepseek_mtp"}, "not n-grams; leave them out"),
                       ({**NGRAM, "method": "draft_model"}, "'draft_model' needs the draft artifact's directory"),
                       ({**NGRAM, "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),
+                      ({**NGRAM, "disable_by_batch_size": 0}, "disable_by_batch_size must be a positive"),
                       ({**NGRAM, "prompt_lookup_min": 5}, "prompt_lookup_min 5 is larger"),
                       ("{not json", "not JSON"), ([1], "JSON object")):
         with pytest.raises(SpeculativeConfigError, match=word):
@@ -266,6 +269,21 @@ def test_a_copy_heavy_prompt_accepts_drafts_and_takes_fewer_calls(artifact, serv
             eng.step()
         assert eng.output(rid) == want[0] and eng.stats()["spec_decode_num_drafts"] == 0
 
+
+
+@pytest.mark.parametrize("artifact", ["llama"], indirect=True)
+def test_disable_by_batch_size_turns_drafting_off_while_that_many_run(artifact, serve_cache_dir, copying):
+    """vLLM's disable_by_batch_size 2: the copy-heavy prompt alone drafts; two of it running side by side draft
+    nothing, and give the ids they give without speculation."""
+    with _engine(artifact, serve_cache_dir, use_decode_steps=False) as eng:
+        want = eng.generate([copying, copying], 24)
+    config = {**NGRAM, "disable_by_batch_size": 2}
+    with _engine(artifact, serve_cache_dir, use_decode_steps=False, speculative_config=config) as eng:
+        assert eng.generate([copying], 24) == want[:1]
+        alone = eng.stats()["spec_decode_num_drafts"]
+        assert alone > 0
+        assert eng.generate([copying, copying], 24) == want
+        assert eng.stats()["spec_decode_num_drafts"] == alone
 
 
 def test_a_verify_call_accepting_nothing_pauses_drafting_longer_each_time_in_a_row():

@@ -10,14 +10,18 @@ changes the penalised row's ids."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import numpy as np
 import pytest
 
 from hf_models import build_checkpoint
 from tlaloc_jax import artifact as af
 from tlaloc_jax.export import Sampler, export_checkpoint
-from tlaloc_jax.serve import Engine
+from tlaloc_jax.serve import Engine, speculative
 from tlaloc_jax.serve.core import inputs as call_inputs
+from tlaloc_jax.serve.core import outputs
 from tlaloc_jax.serve.host_sampling import Sampling
 from tlaloc_jax.serve.model_runner import ModelRunner
 
@@ -121,3 +125,121 @@ def test_control_a_history_without_the_drafts_changes_the_penalised_ids(artifact
     monkeypatch.setattr(call_inputs, "sampler_inputs", forgetful)
     got, _, _ = _batch(artifact, serve_cache_dir, speculative=True)
     assert any(got[f"penalties_{i}"] != want[f"penalties_{i}"] for i in range(3))
+
+
+# Rows under a grammar: letters and digits alternate, so each drafted position's mask differs from the one before.
+# The grammar's tokenizer is the model's 256 ids as single bytes (id b is byte b), STOP its end.
+GRAMMAR = ("regex", "([a-d][0-3]){4,12}")
+SHAPED = {"shaped": (list(b"a0b1a0b1a0b1"), Sampling()), "shaped_other": (list(b"c2d3"), Sampling())}
+# Cool enough to follow the loops, as the sampled rows above.
+SHAPED_SAMPLED = {f"shaped_sampled_{i}": (list(b"a0b1a0b1"), Sampling(temperature=t, seed=40)) for i, t in enumerate((0.1, 0.3))}
+
+
+def _byte_grammars():
+    """Grammars over a byte-level tokenizer of the model's 256 ids, on a StepWork of its own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers_util import _bytes_to_unicode
+    from tlaloc_jax.serve.loop import StepWork
+    from tlaloc_jax.serve.openai.structured import Grammars
+    chars = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return Grammars(tok.to_str(), 256, [STOP], StepWork())
+
+
+def _shaped(path, cache, rows: dict, speculative: bool, free: bool = False) -> tuple[dict, dict]:
+    """Each of `rows` under GRAMMAR (and, free, ROWS' greedy row beside them without one) in one batch of 24 new
+    tokens -> (ids by row, each row's accepted drafts)."""
+    grammars = _byte_grammars()
+    kw = dict(speculative_config=NGRAM) if speculative else {}
+    try:
+        with Engine.load(path, cache_dir=cache, progress=False, use_decode_steps=False, **kw) as eng:
+            rids = {name: eng.add_request(prompt, 24, (STOP,), sampling=sp,
+                                          constraint=grammars.prepare(*GRAMMAR, 1, {STOP})[0])
+                    for name, (prompt, sp) in rows.items()}
+            if free:
+                rids["greedy"] = eng.add_request(ROWS["greedy"][0], 24, (STOP,), sampling=ROWS["greedy"][1])
+            while eng.has_unfinished():
+                eng.step()
+            out, accepted = {}, {}
+            for name, rid in rids.items():
+                info = eng.request_info(rid)
+                out[name] = (eng.output(rid), info.finish_reason, info.error)
+                accepted[name] = info.spec.accepted
+                eng.release(rid)
+    finally:
+        grammars.close()
+        grammars.steps.close()
+    return out, accepted
+
+
+def _valid(ids: list[int]) -> bool:
+    return re.fullmatch(GRAMMAR[1], bytes(t for t in ids if t != STOP).decode("latin-1")) is not None
+
+
+def test_rows_under_a_grammar_draft_and_keep_their_greedy_ids(artifact, serve_cache_dir):
+    """Greedy rows under a grammar whose mask changes at every position give the ids they give without speculation,
+    alone and batched with a free row, and accept drafts on the way; their output is the grammar's."""
+    for rows, free in (({"shaped": SHAPED["shaped"]}, False), (SHAPED, True)):
+        want, _ = _shaped(artifact, serve_cache_dir, rows, speculative=False, free=free)
+        got, accepted = _shaped(artifact, serve_cache_dir, rows, speculative=True, free=free)
+        assert got == want
+        assert accepted["shaped"] > 0, accepted
+        for name in rows:
+            assert got[name][1] in ("stop", "length") and _valid(got[name][0]), got[name]
+
+
+def test_sampled_rows_under_a_grammar_draft_within_it(artifact, serve_cache_dir):
+    """Seeded sampled rows under the grammar draft, give the same tokens on a second run, and stay in the grammar."""
+    got, accepted = _shaped(artifact, serve_cache_dir, SHAPED_SAMPLED, speculative=True)
+    again, _ = _shaped(artifact, serve_cache_dir, SHAPED_SAMPLED, speculative=True)
+    assert got == again and sum(accepted.values()) > 0, accepted
+    for name, (ids, reason, error) in got.items():
+        assert reason in ("stop", "length") and _valid(ids), (name, ids, reason, error)
+
+
+def test_control_position_zeros_mask_at_every_position_changes_the_ids(artifact, serve_cache_dir, monkeypatch):
+    """A verify row whose positions all get its first position's mask (the grammar's before the drafts): the greedy
+    row under the grammar no longer gives its ids without speculation, which the tests above would catch."""
+    want, _ = _shaped(artifact, serve_cache_dir, {"shaped": SHAPED["shaped"]}, speculative=False)
+    real = outputs.draft_masks
+
+    def first_only(s, drafts, vocab):
+        masks = real(s, drafts, vocab)
+        return masks if masks is None or masks.ndim == 1 else np.repeat(masks[:1], len(masks), axis=0)
+    monkeypatch.setattr(outputs, "draft_masks", first_only)
+    got, accepted = _shaped(artifact, serve_cache_dir, {"shaped": SHAPED["shaped"]}, speculative=True)
+    assert got != want
+
+
+def test_verify_entries_with_one_mask_a_row_still_serve_without_grammar_drafts(artifact, serve_cache_dir,
+                                                                                monkeypatch):
+    """The contract before masks per position: a verify entry's TOKEN_MASK [B, W] still loads, and its rows under a
+    grammar do not draft (draft_limit), while a shape of neither kind is refused by name. Served so (the
+    scheduler told its entries take one mask a row), the grammar row gives its ids without drafting."""
+    m = af.load_manifest(artifact, verify_files=False)
+    verify = [e for e in m.entries if e.kind == af.EntryKind.VERIFY]
+    assert verify and speculative.masks_per_position(verify)
+
+    def with_mask(shape):
+        entries = tuple(dataclasses.replace(e, inputs=tuple(
+            dataclasses.replace(s, shape=shape(e)) if s.role == af.Role.TOKEN_MASK else s for s in e.inputs))
+            if e.kind == af.EntryKind.VERIFY else e for e in m.entries)
+        return dataclasses.replace(m, entries=entries)
+    old = with_mask(lambda e: (e.batch, m.sampler.mask_words))
+    af.check_manifest(old)
+    assert not speculative.masks_per_position([e for e in old.entries if e.kind == af.EntryKind.VERIFY])
+    with pytest.raises(af.ManifestError, match="TOKEN_MASK is int32"):
+        af.check_manifest(with_mask(lambda e: (e.batch, e.tokens_per_seq + 1, m.sampler.mask_words)))
+
+    class Ready:
+        constraint = type("C", (), {"ready": lambda self: True})()
+        sampling, stop, generated = Sampling(), (), []
+    assert speculative.draft_limit(Ready, True, masks=False) == 0
+    assert speculative.draft_limit(Ready, True, masks=True) == -1
+
+    want, _ = _shaped(artifact, serve_cache_dir, {"shaped": SHAPED["shaped"]}, speculative=False)
+    monkeypatch.setattr(speculative, "masks_per_position", lambda entries: False)
+    got, accepted = _shaped(artifact, serve_cache_dir, {"shaped": SHAPED["shaped"]}, speculative=True)
+    assert got == want and accepted == {"shaped": 0}

@@ -61,6 +61,10 @@ Changelog:
     sampler's inputs when the manifest has a sampler (verify entries without them accept greedily only), outputs
     VERIFY_TOKENS, VERIFY_ACCEPTED, VERIFY_LOGPROB, VERIFY_TOP_LOGPROBS, VERIFY_TOP_IDS and the pools, no logits.
     A manifest without them is as before; a runtime that predates the kind refuses it by name.
+    v5 + verify masks per position (optional, still tlaloc-serving-v5): a verify entry's TOKEN_MASK may be
+    [B, T, W], position t's mask (a grammar's after the row's drafts through t), so rows under a grammar draft. A
+    verify entry with TOKEN_MASK [B, W] (one mask a row) still serves: its grammar rows do not draft. A runtime
+    that predates it refuses the shape, naming TOKEN_MASK and the sampler's [B, W].
 v2, v3 and v4 manifests still load: `Manifest.from_json` upgrades v2 and v3 to the model in memory (their
 weights and tokenizer files carry no hashes; the loader says so). Their `.mlir`, `.exported` and `programs/`
 files are not opened either: every body is checked from its `.mlirbc`.

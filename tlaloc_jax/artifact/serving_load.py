@@ -172,6 +172,9 @@ def _check_sampler_sig(m: Manifest, e: Entry, sig: TensorSig, what: str) -> None
     if m.sampler is None:
         raise ManifestError(f"{what} has {sig.role}, but the manifest has no sampler")
     want = (SAMPLER_DTYPES.get(sig.role, "int32"), m.sampler.shapes(e.rows, e.context)[sig.role])
+    if e.kind == EntryKind.VERIFY and sig.role == Role.TOKEN_MASK and len(sig.shape) == 3:
+        # A mask per drafted position; a verify entry staged with one mask a row takes [B, W].
+        want = (want[0], (e.batch, e.tokens_per_seq, m.sampler.mask_words))
     if (sig.dtype, tuple(sig.shape)) != want:
         raise ManifestError(f"{what} {sig.role} is {sig.dtype}{list(sig.shape)}, the sampler's is "
                             f"{want[0]}{list(want[1])}")

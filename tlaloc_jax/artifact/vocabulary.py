@@ -45,7 +45,8 @@ class Role(enum.StrEnum):
     # The sampler's per-row inputs (manifest `sampler`; tlaloc_jax/kernels/in_body_sampler.py): SAMPLING [B, P] f32 (the
     # SAMPLING_COLUMNS the manifest lists), RNG_SEED [B, 2] i32 (a 64-bit seed's low and high words), RNG_STEP [B]
     # i32 (tokens generated before the call: the random stream's counter), TOKEN_MASK [B, W] i32 (allowed
-    # tokens, bit t % 32 of word t // 32), LOGIT_BIAS_IDS [B, NB] i32 (-1: empty) and LOGIT_BIAS [B, NB] f32,
+    # tokens, bit t % 32 of word t // 32; a verify entry's may be [B, T, W], one per position), LOGIT_BIAS_IDS
+    # [B, NB] i32 (-1: empty) and LOGIT_BIAS [B, NB] f32,
     # TOKEN_HISTORY [B, C] i32 (the sequence's tokens by position, -1 past its end; C the entry's context).
     SAMPLING = "SAMPLING"
     RNG_SEED = "RNG_SEED"

@@ -5,8 +5,9 @@ A verify row b holds its last token and up to K drafts at positions [start, star
 columns (position -1 before them). Column t's logits are the target's distribution after the row's tokens through
 t, which is where the row's (j + 1)-th emitted token comes from, j = t - (the row's first column): the drafts
 before t are j of its output tokens. Each column's logits are processed as the sampler processes a decode row's
-(kernels/in_body_sampler.py: bias, penalties over the history through t with steps + j output tokens, the mask,
-then temperature, min-p, top-k, top-p), so the target p_t is exactly the distribution the sampler would draw from
+(kernels/in_body_sampler.py: bias, penalties over the history through t with steps + j output tokens, column t's
+mask (a grammar's after the drafts through t; a row's one mask in a verify entry staged with one), then
+temperature, min-p, top-k, top-p), so the target p_t is exactly the distribution the sampler would draw from
 had the drafts before t been sampled.
 
 The drafts come from a deterministic proposer (n-gram): the draft distribution q is one-hot at the draft d. So
@@ -60,15 +61,17 @@ def _per_column(a: jax.Array, T: int) -> jax.Array:
 
 def verify_sample(logits, token_ids, positions, params, seeds, steps, mask, bias_ids, bias, history, *, top_n: int):
     """logits [B, T, V], token_ids and positions [B, T], the sampler's row inputs [B, ...] (RNG_STEP: the row's
-    generated tokens before this call) -> (tokens [B, T]: the token the row emits at t when it stops there, accepted
-    [B], the emitted token's logprob at each column [B, T], the top_n logprobs [B, T, N] and their ids)."""
+    generated tokens before this call; mask [B, T, W], each column's, or [B, W], the row's for all) -> (tokens
+    [B, T]: the token the row emits at t when it stops there, accepted [B], the emitted token's logprob at each
+    column [B, T], the top_n logprobs [B, T, N] and their ids)."""
     B, T, V = logits.shape
     logits = logits.reshape(B * T, V).astype(jnp.float32)
     first = jnp.sum(positions < 0, axis=1)
     drafted = jnp.maximum(jnp.arange(T)[None, :] - first[:, None], 0)                 # [B, T]: j
     col_steps = (steps[:, None] + drafted).reshape(-1)
     col_params = _per_column(params, T)
-    x = sampler.process_logits(logits, col_params, _per_column(mask, T), _per_column(bias_ids, T),
+    col_mask = mask.reshape(B * T, -1) if mask.ndim == 3 else _per_column(mask, T)
+    x = sampler.process_logits(logits, col_params, col_mask, _per_column(bias_ids, T),
                                _per_column(bias, T), _per_column(history, T), (positions + 1).reshape(-1), col_steps)
     draft = jnp.concatenate([token_ids[:, 1:], jnp.full((B, 1), -1, token_ids.dtype)], axis=1).reshape(-1)
     greedy = sampler.first_max(x)
