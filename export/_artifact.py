@@ -22,7 +22,7 @@ from tlaloc_jax.kernels import paged_attention_gpu, paged_attention_native
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.layout import LAYOUTS
 from tlaloc_jax.lora import LORA_DTYPE, decoder_lora
-from tlaloc_jax.mtp_head import POOL as MTP_POOL, mtp_pool, normed_logits
+from tlaloc_jax.mtp_head import POOL as MTP_POOL, normed_logits
 from tlaloc_jax.serve.core.paging import ring_pages_for
 from tlaloc_jax.sharding import ShardingError, local_config, shard_decoder_weights
 
@@ -131,8 +131,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     module names, tlaloc_jax.lora.DECODER_TARGETS; None: every one the model has) in every entry, their A and B in
     lora_dtype ("float32" or "bfloat16"; None: LORA_DTYPE); the runtime loads adapters into them.
     speculative_tokens: K > 0 adds a verify entry per decode point, for speculative decoding of up to K drafted
-    tokens a step (see `Features`); models with linear-attention layers are refused. From a checkpoint with an MTP
-    head (DeepSeek-V3's num_nextn_predict_layers) it also stages the head's mtp entries (export/_mtp_entries.py).
+    tokens a step (see `Features`; state pools keep the accepted position's state). From a checkpoint with an MTP
+    head (DeepSeek-V3's num_nextn_predict_layers, Qwen3-Next's mtp.*) it also stages the head's mtp entries
+    (export/_mtp_entries.py).
     """
     if entries not in ENTRY_FORMS:
         raise ExportError(f"entries {entries!r} is not one of {', '.join(ENTRY_FORMS)}")
@@ -230,16 +231,18 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     except ConfigError as e:
         raise ExportError(str(e)) from None
     # An MTP head is staged where speculation is asked on one device without adapters and the checkpoint has one
-    # (export/_mtp_entries.py): its pool beside the decoder's, and the decoder's hidden states before the final norm.
-    mtp = checkpoint_mtp(checkpoint_dir, fam, cfg, weights, dtype=weight_dtype_name, key_block=attention_block) \
-        if speculative_tokens and tensor_parallel == 1 and not max_loras else None
+    # (export/_mtp_entries.py): its pool beside the decoder's, and the decoder's hidden states as its layout reads them.
+    mtp = checkpoint_mtp(checkpoint_dir, fam, cfg, weights, dtype=weight_dtype_name, kv_dtype=kv_np.name,
+                         key_block=attention_block) if speculative_tokens and tensor_parallel == 1 and not max_loras \
+        else None
     if mtp is not None:
-        pools[MTP_POOL] = mtp_pool(cfg, kv_np.name)
+        pools[MTP_POOL] = mtp.pool
+    pre_norm = mtp is not None and mtp.pre_norm
     # The decoder's step norms only each row's last token; prompt scoring reads every position's hidden state.
     # On a mesh each device runs the config of its shard (tlaloc_jax.sharding.local_config).
     hidden = functools.partial(final_hidden, shard_cfg, key_block=attention_block, ring_pages=ring, all_positions=True,
-                               pre_norm=mtp is not None)
-    head = functools.partial(normed_logits if mtp is not None else logits_from_hidden, shard_cfg)
+                               pre_norm=pre_norm)
+    head = functools.partial(normed_logits if pre_norm else logits_from_hidden, shard_cfg)
     # A verify call runs the decode entries' projections and attention kernels on its k + 1 tokens a row, so that
     # it costs about what a decode call does and rounds as one does.
     verify = SplitStep(hidden=with_projections(functools.partial(hidden, decode_attention=decode_attention,

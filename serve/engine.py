@@ -94,12 +94,11 @@ class Engine:
         staged with adapter slots (--max-loras); a request picks one by name (add_request's lora). max_cpu_loras:
         adapters kept read in host memory beyond the slots (default: as many as the slots).
         speculative_config: vLLM's speculative config (a dict, its JSON, or a SpeculativeConfig), checked in the
-        artifact's verify entries (export --speculative-tokens; sampled requests too where they take the sampler,
-        requests under a grammar where they take a mask per position): {"method": "ngram", "num_speculative_tokens": k,
-        "prompt_lookup_min": ..., "prompt_lookup_max": ...} drafts up to k tokens a step by prompt lookup; method
-        "draft_model" with "model": "<draft artifact>" drafts with a second artifact of the same vocabulary and
-        tokenizer (serve/draft_model.py); "deepseek_mtp" with the artifact's MTP head (serve/mtp_proposer.py);
-        "disable_by_batch_size": n, no drafts in a step while n or more sequences run. None: off.
+        artifact's verify entries (export --speculative-tokens; sampled requests where they take the sampler, grammar
+        rows where they take a mask per position): up to k drafts a step by {"method": "ngram",
+        "num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...} (prompt lookup), by
+        "draft_model" with "model" (an artifact of the same vocabulary and tokenizer), by "mtp" (or "deepseek_mtp",
+        "qwen3_next_mtp": its MTP head); "disable_by_batch_size": n, none while n or more sequences run. None: off.
         map_weights: serve the weights from their files' mappings instead of reading them into huge-page memory: a
         load without fresh memory (seconds less where the host must reclaim it), 4 KiB pages in every step.
         """

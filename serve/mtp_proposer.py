@@ -1,6 +1,7 @@
-"""MTP drafts (vLLM's method "deepseek_mtp", also "mtp"): the artifact's MTP head (export/_mtp_entries.py) proposes.
+"""MTP drafts (vLLM's methods "mtp", "deepseek_mtp", "qwen3_next_mtp"): the artifact's MTP head (export/_mtp_entries.py)
+proposes, whichever family's: the manifest's entries say what it reads.
 
-The decoder's calls return each position's hidden state before the final norm (HIDDEN_STATES); the model runner hands
+The decoder's calls return each position's hidden state as the head reads it (HIDDEN_STATES); the model runner hands
 a row's valid ones to `observe` (a verify row's: its last token's and its accepted drafts'). When the scheduler asks for
 a step's drafts (`propose`), the head reads each decoding sequence's positions it has not read yet, [p0, computed),
 token x_{t+1} at position t, batched in its mtp entries (a long run in several calls); its draft at the last position
@@ -105,7 +106,7 @@ class MtpProposer:
             m = self.manifest
             inputs = build_step_inputs([row_call(t, p, s.held) for s, p, t, _ in group], batch=e.batch,
                                        tokens=e.tokens_per_seq, width=e.context // m.block_size,
-                                       block_size=m.block_size)
+                                       block_size=m.block_size, state_slots=af.PoolKind.STATE_SLOTS in m.pool_kinds)
             hidden = np.zeros((e.batch, e.tokens_per_seq, m.model.hidden), np.float32)
             for b, (_, _, t, h) in enumerate(group):
                 hidden[b, e.tokens_per_seq - len(t):] = h          # rows right-aligned

@@ -31,9 +31,9 @@ from tlaloc_jax import artifact as af
 
 # The methods vLLM names that this runtime does not run yet, each refused by name.
 NOT_BUILT = {"eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads", "medusa": "Medusa heads",
-             "mlp_speculator": "MLP speculators", "qwen3_next_mtp": "Qwen3-Next MTP heads", "suffix": "suffix decoding"}
-# DeepSeek-V3's MTP head (serve/mtp_proposer.py): vLLM's names for it.
-MTP_METHODS = ("deepseek_mtp", "mtp")
+             "mlp_speculator": "MLP speculators", "suffix": "suffix decoding"}
+# The artifact's MTP head, DeepSeek-V3's or Qwen3-Next's (serve/mtp_proposer.py): vLLM's names for it.
+MTP_METHODS = ("deepseek_mtp", "qwen3_next_mtp", "mtp")
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
           "disable_by_batch_size")
 # vLLM's n-gram window when neither bound is given.
@@ -153,10 +153,11 @@ def check_fits(config: SpeculativeConfig | None, m: af.Manifest) -> None:
                                      f"more than this artifact's verify entries hold ({k}, --speculative-tokens); ask "
                                      f"for at most {k}")
     if config.method == "mtp" and not any(e.kind == af.EntryKind.MTP for e in m.entries):
-        raise SpeculativeConfigError("speculative_config method 'deepseek_mtp' drafts with the checkpoint's MTP head, "
-                                     "which this artifact lacks: re-export it with --speculative-tokens from a "
-                                     "checkpoint that has its MTP weights (num_nextn_predict_layers and its "
-                                     "model.layers.<num_hidden_layers>.* tensors), or use method 'ngram'")
+        raise SpeculativeConfigError("speculative_config method 'mtp' drafts with the checkpoint's MTP head, which "
+                                     "this artifact lacks: re-export it with --speculative-tokens from a checkpoint "
+                                     "that has its MTP weights (DeepSeek-V3's num_nextn_predict_layers and "
+                                     "model.layers.<num_hidden_layers>.* tensors, Qwen3-Next's mtp.* tensors), or "
+                                     "use method 'ngram'")
 
 
 def masks_per_position(entries: Sequence[af.Entry]) -> bool:

@@ -1,21 +1,26 @@
-"""DeepSeek-V3's MTP head (tlaloc_jax/mtp_head.py) against a torch reference built straight from the checkpoint's tensors:
-transformers' own DeepseekV3DecoderLayer loaded with `model.layers.<N>.*`, the head's norms, eh_proj and shared head
-written out beside it. The head runs as the runtime runs it, over two calls that share its KV pool."""
+"""MTP heads (tlaloc_jax/mtp_head.py) against torch references built straight from the checkpoint's tensors:
+DeepSeek-V3's (transformers' own DeepseekV3DecoderLayer loaded with `model.layers.<N>.*`, the head's norms, eh_proj
+and shared head written out beside it) and Qwen3-Next's (Qwen3NextDecoderLayer loaded with `mtp.layers.0.*`, the
+zero-centred norms, fc and the decoder's lm_head written out from vLLM's Qwen3NextMultiTokenPredictor). The head
+runs as the runtime runs it, over two calls that share its KV pool."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_models import build_checkpoint
+from hf_models import QWEN3_NEXT_MOE, build_checkpoint
 from margins import assert_within
-from mtp_checkpoint import add_mtp_head, mtp_bound, torch_mtp
+from mtp_checkpoint import add_mtp_head, add_qwen3_next_mtp, mtp_bound, torch_mtp, torch_qwen3_next_mtp
 from tlaloc_jax.checkpoint import load_checkpoint, read_config
 from tlaloc_jax.config import SPARSE
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import tolerances as tol
+from tlaloc_jax import mtp_head
 from tlaloc_jax.mtp_head import POOL, load_mtp_weights, mtp_hidden, mtp_logits, mtp_pool
 
 pytestmark = pytest.mark.numeric
@@ -82,5 +87,56 @@ def test_control_swapped_input_norms_fail_the_reference(checkpoints, case):
 
 def test_a_checkpoint_without_the_head_has_no_mtp_weights(checkpoints, tmp_path):
     plain = checkpoints[0]
+    fam, cfg = config_from_hf(read_config(plain))
+    assert load_mtp_weights(plain, fam, cfg) is None
+
+
+QWEN_SEED = 71
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    """A tiny Qwen3-Next with its MoE in every layer (as the released models' MTP layer has), with and without mtp.*;
+    the head's weights; random tokens and hidden states."""
+    root = tmp_path_factory.mktemp("qwen3-next-mtp")
+    plain = build_checkpoint(root / "plain", "qwen3_next", seed=QWEN_SEED, **QWEN3_NEXT_MOE)
+    head = add_qwen3_next_mtp(plain, root / "mtp", seed=QWEN_SEED + 1)
+    fam, cfg = config_from_hf(read_config(head))
+    weights, kind = load_mtp_weights(head, fam, cfg)
+    rng = np.random.default_rng(QWEN_SEED)
+    tokens = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+    hidden = rng.standard_normal((B, T, cfg.hidden_size)).astype(np.float32)
+    return plain, head, cfg, weights, kind, load_checkpoint(head)[1], (tokens, hidden), torch_qwen3_next_mtp(
+        head, tokens, hidden)
+
+
+def test_qwen3_next_mtp_logits_equal_a_torch_reference_from_vllms_definition(qwen3_next):
+    plain, head, cfg, weights, kind, decoder, case, want = qwen3_next
+    assert kind == SPARSE and "mtp.layers.shared_expert_gate" in weights and "mtp.attn.q_norm" in weights
+    assert "mtp.head" not in weights and "mtp.embed" not in weights           # the decoder's lm_head and embedding
+    got = jax_mtp(cfg, kind, {**decoder, **weights}, *case)
+    assert_within(tol.relative_error(got, want), mtp_bound(cfg, T), "Qwen3-Next MTP head vs torch reference")
+
+
+@pytest.mark.parametrize("control", ["swapped norms", "swapped concat", "zeroed first embedding"])
+def test_control_qwen3_next_mtp_misread_fails_the_reference(qwen3_next, control, monkeypatch):
+    """Each way of misreading vLLM's head fails the bound the head meets: the two input norms swapped; the concat
+    [hidden, embedding] (fc's input halves swapped); the embedding at position 0 zeroed as DeepSeek's head does."""
+    plain, head, cfg, weights, kind, decoder, case, want = qwen3_next
+    E = cfg.hidden_size
+    if control == "swapped norms":
+        weights = {**weights, "mtp.enorm": weights["mtp.hnorm"], "mtp.hnorm": weights["mtp.enorm"]}
+    elif control == "swapped concat":
+        weights = {**weights, "mtp.eh_proj": np.concatenate([weights["mtp.eh_proj"][E:], weights["mtp.eh_proj"][:E]])}
+    else:
+        layouts = {**mtp_head.LAYOUTS, "qwen3_next": dataclasses.replace(mtp_head.LAYOUTS["qwen3_next"],
+                                                                        zero_first=True)}
+        monkeypatch.setattr(mtp_head, "LAYOUTS", layouts)
+    got = jax_mtp(cfg, kind, {**decoder, **weights}, *case)
+    assert tol.relative_error(got, want) > mtp_bound(cfg, T)
+
+
+def test_a_qwen3_next_checkpoint_without_mtp_tensors_has_no_head(qwen3_next):
+    plain = qwen3_next[0]
     fam, cfg = config_from_hf(read_config(plain))
     assert load_mtp_weights(plain, fam, cfg) is None

@@ -96,13 +96,13 @@ def test_speculative_config_is_vllms_json_and_refuses_by_name():
     assert parse_speculative_config(None) is None
     assert parse_speculative_config({**NGRAM, "disable_by_batch_size": 4}) == \
         SpeculativeConfig(K, 2, 4, disable_by_batch_size=4)
-    for name in ("deepseek_mtp", "mtp"):      # vLLM's names for DeepSeek-V3's MTP head (serve/mtp_proposer.py)
+    for name in ("deepseek_mtp", "qwen3_next_mtp", "mtp"):      # vLLM's names for MTP heads (serve/mtp_proposer.py)
         assert parse_speculative_config({"method": name, "num_speculative_tokens": 2}) == \
             SpeculativeConfig(2, method="mtp")
     for bad, word in (({**NGRAM, "speculative_disable_by_batch_size": 4}, "speculative_disable_by_batch_size"),
                       ({**NGRAM, "method": "magic"}, "'magic' is not known"),
                       ({**NGRAM, "method": "eagle"}, "EAGLE heads are not built yet"),
-                      ({**NGRAM, "method": "qwen3_next_mtp"}, "Qwen3-Next MTP heads are not built yet"),
+                      ({**NGRAM, "method": "medusa"}, "Medusa heads are not built yet"),
                       ({**NGRAM, "method": "deepseek_mtp"}, "not n-grams; leave them out"),
                       ({**NGRAM, "method": "draft_model"}, "'draft_model' needs the draft artifact's directory"),
                       ({**NGRAM, "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),

@@ -174,15 +174,22 @@ def _shaped(path, cache, rows: dict, speculative: bool, free: bool = False) -> t
     return out, accepted
 
 
+@pytest.fixture(scope="module")
+def shaped_without(artifact, serve_cache_dir) -> dict:
+    """The grammar rows' ids without speculation: "alone" (the greedy shaped row), "batched" (SHAPED and a free row)."""
+    return {"alone": _shaped(artifact, serve_cache_dir, {"shaped": SHAPED["shaped"]}, speculative=False)[0],
+            "batched": _shaped(artifact, serve_cache_dir, SHAPED, speculative=False, free=True)[0]}
+
+
 def _valid(ids: list[int]) -> bool:
     return re.fullmatch(GRAMMAR[1], bytes(t for t in ids if t != STOP).decode("latin-1")) is not None
 
 
-def test_rows_under_a_grammar_draft_and_keep_their_greedy_ids(artifact, serve_cache_dir):
+def test_rows_under_a_grammar_draft_and_keep_their_greedy_ids(artifact, serve_cache_dir, shaped_without):
     """Greedy rows under a grammar whose mask changes at every position give the ids they give without speculation,
     alone and batched with a free row, and accept drafts on the way; their output is the grammar's."""
-    for rows, free in (({"shaped": SHAPED["shaped"]}, False), (SHAPED, True)):
-        want, _ = _shaped(artifact, serve_cache_dir, rows, speculative=False, free=free)
+    for rows, free, want in (({"shaped": SHAPED["shaped"]}, False, shaped_without["alone"]),
+                             (SHAPED, True, shaped_without["batched"])):
         got, accepted = _shaped(artifact, serve_cache_dir, rows, speculative=True, free=free)
         assert got == want
         assert accepted["shaped"] > 0, accepted
@@ -199,10 +206,11 @@ def test_sampled_rows_under_a_grammar_draft_within_it(artifact, serve_cache_dir)
         assert reason in ("stop", "length") and _valid(ids), (name, ids, reason, error)
 
 
-def test_control_position_zeros_mask_at_every_position_changes_the_ids(artifact, serve_cache_dir, monkeypatch):
+def test_control_position_zeros_mask_at_every_position_changes_the_ids(artifact, serve_cache_dir, monkeypatch,
+                                                                       shaped_without):
     """A verify row whose positions all get its first position's mask (the grammar's before the drafts): the greedy
     row under the grammar no longer gives its ids without speculation, which the tests above would catch."""
-    want, _ = _shaped(artifact, serve_cache_dir, {"shaped": SHAPED["shaped"]}, speculative=False)
+    want = shaped_without["alone"]
     real = outputs.draft_masks
 
     def first_only(s, drafts, vocab):
@@ -214,7 +222,7 @@ def test_control_position_zeros_mask_at_every_position_changes_the_ids(artifact,
 
 
 def test_verify_entries_with_one_mask_a_row_still_serve_without_grammar_drafts(artifact, serve_cache_dir,
-                                                                                monkeypatch):
+                                                                                monkeypatch, shaped_without):
     """The contract before masks per position: a verify entry's TOKEN_MASK [B, W] still loads, and its rows under a
     grammar do not draft (draft_limit), while a shape of neither kind is refused by name. Served so (the
     scheduler told its entries take one mask a row), the grammar row gives its ids without drafting."""
@@ -239,7 +247,7 @@ def test_verify_entries_with_one_mask_a_row_still_serve_without_grammar_drafts(a
     assert speculative.draft_limit(Ready, True, masks=False) == 0
     assert speculative.draft_limit(Ready, True, masks=True) == -1
 
-    want, _ = _shaped(artifact, serve_cache_dir, {"shaped": SHAPED["shaped"]}, speculative=False)
+    want = shaped_without["alone"]
     monkeypatch.setattr(speculative, "masks_per_position", lambda entries: False)
     got, accepted = _shaped(artifact, serve_cache_dir, {"shaped": SHAPED["shaped"]}, speculative=True)
     assert got == want and accepted == {"shaped": 0}
