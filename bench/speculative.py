@@ -13,13 +13,19 @@ a busy machine the wall time also counts waiting for a core).
 with lookup must equal its own without.
 
 --draft-layers N adds a draft-model row (method "draft_model", serve/draft_model.py) on the copy-heavy and open
-workloads: the draft is the demo model's first N of its 4 layers (its final norm and tied head kept: a truncated
+workloads: the draft is the target's first N of its 4 layers (its final norm and tied head kept: a truncated
 copy, no other small model of its tokenizer exists here); N = 4 is the target drafting for itself, every draft
 accepted and nothing gained (the draft costs what the target does).
+
+--model copier runs the same rows on the copier instead of the demo model: the demo model fine-tuned (COPIER,
+tlaloc_jax/tools/train.py --init --copy-fraction) on windows that quote their own start again, to teach it to
+continue a quoted excerpt by copying it, as the copy-heavy workload wants; the demo model does not. It is trained
+once under --work (seeded, training.json beside it), never shipped.
 
     python -m bench.speculative [--work /tmp/tlaloc-spec-bench] [--k 4] [--new 96] [--rounds 3] [--only never]
     LLAMA_CPP_LIB_PATH=<dir of libllama.so> python -m bench.speculative --only copy-heavy --peer llama.cpp
     python -m bench.speculative --draft-layers 2
+    python -m bench.speculative --model copier --draft-layers 2
 """
 
 from __future__ import annotations
@@ -87,6 +93,24 @@ def truncated_copy(src: Path, out: Path, layers: int) -> Path:
     return out
 
 
+# The copier: the demo model fine-tuned on windows that all quote their own start again
+# (tlaloc_jax/tools/train.py --init --copy-fraction), to continue a quoted text by copying it.
+COPIER = {"copy_fraction": 1.0, "steps": 250, "learning_rate": 2e-3, "warmup_steps": 10, "eval_interval": 50,
+          "eval_batches": 4}
+
+
+def copier(work: Path) -> Path:
+    """The copier checkpoint (trained once under `work`, seeded; its training.json beside it)."""
+    from tlaloc_jax.checkpoint import DEMO_MODEL
+    from tlaloc_jax.tools.train import TrainConfig, train
+
+    out = work / "copier-ck"
+    if not (out / "config.json").exists():
+        print(f"training the copier from the demo model ({COPIER}) into {out}", flush=True)
+        train(TrainConfig(**COPIER), out, init=DEMO_MODEL, progress=False)
+    return out
+
+
 def run(generate, prompts, batch: int, new: int) -> tuple[list[list[int]], float, float, int]:
     """-> (ids, wall seconds, CPU seconds of this process, tokens): the prompts in groups of `batch`, each group
     generated together by generate(prompts, new)."""
@@ -148,7 +172,9 @@ def main(argv=None) -> None:
                     help="llama.cpp's threads (its threads spin at a barrier and stall when another process takes a "
                          "core of a busy machine)")
     ap.add_argument("--draft-layers", type=int, default=0,
-                    help="add a draft-model row, the draft the demo model's first N layers (0: none; 4: the target)")
+                    help="add a draft-model row, the draft the target's first N layers (0: none; 4: the target)")
+    ap.add_argument("--model", choices=("demo", "copier"), default="demo",
+                    help="the target: the demo model, or the copier trained from it under --work (COPIER)")
     a = ap.parse_args(argv)
 
     from tokenizers import Tokenizer
@@ -157,11 +183,12 @@ def main(argv=None) -> None:
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.serve import Engine
 
-    art = Path(a.work) / f"demo-k{a.k}"
+    ckpt = DEMO_MODEL if a.model == "demo" else copier(Path(a.work))
+    art = Path(a.work) / f"{a.model}-k{a.k}"
     if not (art / "tlaloc-serving.json").exists():
-        export_checkpoint(DEMO_MODEL, art, batch_ladder=(1, 4), context_ladder=(256,), speculative_tokens=a.k,
+        export_checkpoint(ckpt, art, batch_ladder=(1, 4), context_ladder=(256,), speculative_tokens=a.k,
                           progress=False)
-    tok = Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     loads = workloads(tok, a.quote)
     config = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": a.lookup_min,
               "prompt_lookup_max": a.lookup_max}
@@ -169,15 +196,15 @@ def main(argv=None) -> None:
     engines = contextlib.ExitStack()
     draft = None
     if a.draft_layers:
-        small = Path(a.work) / f"demo-draft-{a.draft_layers}"
+        small = Path(a.work) / f"{a.model}-draft-{a.draft_layers}"
         if not (small / "tlaloc-serving.json").exists():
-            export_checkpoint(truncated_copy(DEMO_MODEL, Path(a.work) / f"demo-ck-{a.draft_layers}", a.draft_layers),
+            export_checkpoint(truncated_copy(ckpt, Path(a.work) / f"{a.model}-ck-{a.draft_layers}", a.draft_layers),
                               small, batch_ladder=(1, 4), context_ladder=(256,), progress=False)
         draft = engines.enter_context(Engine.load(art, cache_dir=cache, progress=False, speculative_config={
             "method": "draft_model", "model": str(small), "num_speculative_tokens": a.k}))
     with engines, Engine.load(art, cache_dir=cache, progress=False) as plain, \
             Engine.load(art, cache_dir=cache, progress=False, speculative_config=config) as spec:
-        print(f"demo model, verify entries of {a.k} drafts, ngram {a.lookup_min}-{a.lookup_max}, {a.new} new tokens "
+        print(f"{a.model} model, verify entries of {a.k} drafts, ngram {a.lookup_min}-{a.lookup_max}, {a.new} new tokens "
               f"a prompt, {len(SOURCES)} prompts a workload, {a.rounds} interleaved rounds (median)")
         for name, prompts in loads.items():
             if a.only not in (None, name):
@@ -198,15 +225,16 @@ def main(argv=None) -> None:
                 if "draft model" in systems:
                     report(f"{a.draft_layers}/4 draft", batch, rates, "plain", "draft model", len(prompts) * a.rounds)
         if a.peer:
-            peer_rounds(a, loads["copy-heavy"], plain, spec)
+            peer_rounds(a, ckpt, loads["copy-heavy"], plain, spec)
 
 
-def peer_rounds(a, prompts, plain, spec) -> None:
+def peer_rounds(a, ckpt: Path, prompts, plain, spec) -> None:
     """The copy-heavy workload at batch 1 on both engines, plain and speculating, interleaved."""
     from bench.speculative_peer import LlamaCppLookup, demo_gguf
-    from tlaloc_jax.checkpoint import DEMO_MODEL
 
-    gguf = demo_gguf(DEMO_MODEL, Path(a.work))
+    folder = Path(a.work) if a.model == "demo" else Path(a.work) / f"{a.model}-gguf"
+    folder.mkdir(parents=True, exist_ok=True)
+    gguf = demo_gguf(ckpt, folder)
     context = plain.scheduler.max_context
     lcpp = LlamaCppLookup(gguf, context=context, threads=a.threads)
     lookup = LlamaCppLookup(gguf, context=context, threads=a.threads, lookup=a.k, lookup_max=a.lookup_max)

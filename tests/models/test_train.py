@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -22,8 +23,8 @@ from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.kernels import causal_attention_reference
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
-from tlaloc_jax.tools.train import (DEMO_MODEL_DIR, EOT, TrainConfig, corpus_files, loss_and_grads,
-                                    split_files, train, train_tokenizer)
+from tlaloc_jax.tools.train import (DEMO_MODEL_DIR, EOT, TrainConfig, copying_windows, corpus_files,
+                                    loss_and_grads, random_windows, split_files, train, train_tokenizer)
 
 # Dimensions chosen apart from each other and from T (37) and its key-block padding (48), so that a
 # [T, T] tensor in a jaxpr can be told from the others by its shape.
@@ -194,6 +195,39 @@ def test_same_seed_same_checkpoint(two_runs):
     (_, a), (_, b) = two_runs
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_copying_windows_quote_their_own_start():
+    """--copy-fraction: a chosen window is its first m tokens (an eighth to a half of it), the separator, then its
+    start again; the rest are left as drawn. Distinct token ids, so a repeat can only be a copy."""
+    length, sep = 64, [-1, -2]
+    drawn = random_windows(np.arange(10_000, dtype=np.int32), np.random.default_rng(0), 200, length)
+    out = copying_windows(drawn, np.random.default_rng(1), 0.5, sep)
+    quoted = 0
+    for before, after in zip(drawn, out):
+        if (after == before).all():
+            continue
+        quoted += 1
+        m = int(np.flatnonzero(after == sep[0])[0])
+        assert length // 8 <= m <= (length - len(sep)) // 2
+        assert (after[:m] == before[:m]).all() and list(after[m:m + 2]) == sep
+        assert (after[m + 2:] == before[:length - m - 2]).all()
+    assert 70 <= quoted <= 130   # about half of 200
+    assert (copying_windows(drawn, np.random.default_rng(1), 0.0, sep) == drawn).all()
+
+
+def test_fine_tuning_starts_from_the_checkpoint(two_runs, small_stdlib, tmp_path):
+    """--init: the run keeps the checkpoint's tokenizer and starts at its loss, not an untrained one's; a shape
+    that differs from the checkpoint's is refused naming the flag."""
+    summary, start = two_runs[0]
+    tuned = dataclasses.replace(TINY_RUN, steps=2, copy_fraction=0.5, eval_interval=2)
+    got = train(tuned, tmp_path / "tuned", stdlib=small_stdlib, progress=False, log=lambda s: None, init=start)
+    assert got["first_train_loss"] < summary["first_train_loss"] - 1.0
+    assert got["init"] == str(start) and got["config"]["copy_fraction"] == 0.5
+    assert (tmp_path / "tuned" / "tokenizer.json").read_bytes() == (start / "tokenizer.json").read_bytes()
+    with pytest.raises(ValueError, match="--hidden-size 32"):
+        train(dataclasses.replace(tuned, hidden_size=48), tmp_path / "wide", stdlib=small_stdlib, progress=False,
+              log=lambda s: None, init=start)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class TrainConfig:
     eval_interval: int = 300
     eval_batches: int = 8
     key_block: int = 256
+    copy_fraction: float = 0.0   # share of training windows that quote their own start again (copying_windows)
 
     def hf_config(self, *, eos_id: int) -> dict[str, Any]:
         """The config.json of the trained model (a plain Llama: no biases, default RoPE, tied head)."""
@@ -171,6 +172,31 @@ def init_weights(cfg: DecoderConfig, fam: Family, key: jax.Array) -> Weights:
     return out
 
 
+def init_tokenizer(init: Path):
+    """The tokenizer of the checkpoint to fine-tune (a retrained one could differ from it)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(init) / "tokenizer.json"))
+
+
+# config.json's shape fields and the flags that set them.
+SHAPE_FLAGS = {"vocab_size": "--vocab-size", "hidden_size": "--hidden-size", "intermediate_size": "--intermediate-size",
+               "num_hidden_layers": "--num-layers", "num_attention_heads": "--num-heads",
+               "num_key_value_heads": "--num-kv-heads", "head_dim": "--head-dim"}
+
+
+def start_weights(init: Path, hf: dict[str, Any], fam: Family, cfg: DecoderConfig) -> Weights:
+    """The weights of checkpoint `init`, which must have the shape the run's arguments give."""
+    from ..checkpoint import load_weights, read_config
+
+    have = read_config(init)
+    for key, flag in SHAPE_FLAGS.items():
+        if have.get(key) != hf[key]:
+            raise ValueError(f"--init {init}: its {key} is {have.get(key)}, the run's is {hf[key]}; pass {flag} "
+                             f"{have.get(key)} (fine-tuning keeps the checkpoint's shape)")
+    return {k: jnp.asarray(v) for k, v in load_weights(init, fam, cfg).items()}
+
+
 def make_optimizer(tc: TrainConfig):
     """AdamW (no decay on norm weights), linear warmup then cosine decay to 10%, gradients clipped at 1."""
     import optax
@@ -216,6 +242,21 @@ def random_windows(tokens: np.ndarray, rng: np.random.Generator, batch: int, len
     return np.stack([tokens[s:s + length] for s in starts])
 
 
+def copying_windows(windows: np.ndarray, rng: np.random.Generator, fraction: float,
+                    sep: Sequence[int]) -> np.ndarray:
+    """A `fraction` of the windows rewritten as a quote: the window's first m tokens (m drawn between an eighth and
+    a half of the window), then `sep`, then the window from its start again for the rest, so the model learns to
+    copy a text given earlier in its context and to go on with it (editing or quoting code). Others unchanged."""
+    out = windows.copy()
+    length = windows.shape[1]
+    sep = np.asarray(sep, windows.dtype)
+    for row, chosen in enumerate(rng.random(len(windows)) < fraction):
+        if chosen:
+            m = int(rng.integers(length // 8, (length - len(sep)) // 2 + 1))
+            out[row] = np.concatenate([windows[row, :m], sep, windows[row, :length - m - len(sep)]])
+    return out
+
+
 def fixed_windows(tokens: np.ndarray, count: int, length: int) -> np.ndarray:
     """Up to `count` disjoint windows spread evenly over `tokens`: int32 [count, length]."""
     n = len(tokens) // length
@@ -227,15 +268,16 @@ def fixed_windows(tokens: np.ndarray, count: int, length: int) -> np.ndarray:
 # Training run and samples
 
 def train(tc: TrainConfig, out_dir: Path, *, stdlib: str | Path | None = None, progress: bool = True,
-          log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Train from scratch and write the checkpoint to out_dir; -> a summary (losses, timings)."""
+          log: Callable[[str], None] = print, init: Path | None = None) -> dict[str, Any]:
+    """Train from scratch, or fine-tune the checkpoint `init` (its tokenizer and weights, of tc's shape), and write
+    the checkpoint to out_dir; -> a summary (losses, timings)."""
     from tqdm import tqdm
 
     t_start = time.perf_counter()
     files = corpus_files(stdlib)
     train_files, val_files = split_files(files, tc.val_every)
     train_texts, val_texts = read_texts(train_files), read_texts(val_files)
-    tok = train_tokenizer(train_texts, tc.vocab_size)
+    tok = init_tokenizer(init) if init is not None else train_tokenizer(train_texts, tc.vocab_size)
     if tok.get_vocab_size() != tc.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens, the model expects {tc.vocab_size}")
     train_ids, val_ids = encode_corpus(tok, train_texts), encode_corpus(tok, val_texts)
@@ -246,7 +288,7 @@ def train(tc: TrainConfig, out_dir: Path, *, stdlib: str | Path | None = None, p
 
     hf = tc.hf_config(eos_id=tok.token_to_id(EOT))
     fam, cfg = config_from_hf(hf)
-    weights = init_weights(cfg, fam, jax.random.key(tc.seed))
+    weights = init_weights(cfg, fam, jax.random.key(tc.seed)) if init is None else start_weights(init, hf, fam, cfg)
     n_params = sum(int(np.prod(w.shape)) for w in weights.values())
     log(f"model: llama, {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads "
         f"({cfg.num_kv_heads} KV heads) of {cfg.head_dim}, MLP {cfg.intermediate_size}, vocab {cfg.vocab_size}, "
@@ -261,11 +303,15 @@ def train(tc: TrainConfig, out_dir: Path, *, stdlib: str | Path | None = None, p
         return float(np.mean([float(val_loss_fn(w, jnp.asarray(c))) for c in chunks]))
 
     rng = np.random.default_rng(tc.seed)
+    sep = tok.encode("\n\n").ids   # a quote starts as a new document would: EOT, a blank line
     history, ema = [], None
     t_train = time.perf_counter()
     bar = tqdm(range(1, tc.steps + 1), desc="train", disable=not progress, mininterval=2.0)
     for i in bar:
-        batch = jnp.asarray(random_windows(train_ids, rng, tc.batch_size, tc.seq_len + 1))
+        windows = random_windows(train_ids, rng, tc.batch_size, tc.seq_len + 1)
+        if tc.copy_fraction:
+            windows = copying_windows(windows, rng, tc.copy_fraction, sep)
+        batch = jnp.asarray(windows)
         weights, opt_state, loss = step(weights, opt_state, batch)
         loss = float(loss)
         if not math.isfinite(loss):
@@ -287,7 +333,7 @@ def train(tc: TrainConfig, out_dir: Path, *, stdlib: str | Path | None = None, p
     write_tokenizer(out_dir, tok, tc.seq_len)
     tail = [h["loss"] for h in history[-max(1, tc.steps // 10):]]
     summary = {
-        "config": asdict(tc), "parameters": n_params,
+        "config": asdict(tc), "init": str(init) if init is not None else None, "parameters": n_params,
         "python": platform.python_version(), "jax": jax.__version__,
         "corpus_files": {"train": len(train_files), "validation": len(val_files)},
         "corpus_tokens": {"train": int(len(train_ids)), "validation": int(len(val_ids))},
@@ -359,10 +405,12 @@ def main(argv=None) -> None:
                         help="(default: %(default)s)")
     ap.add_argument("--stdlib", type=Path, default=None,
                     help="the library whose .py files are the corpus (default: the running Python's)")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="a checkpoint of the same shape to fine-tune (its tokenizer kept) rather than train anew")
     ap.add_argument("--no-samples", action="store_true", help="skip the sample completions at the end")
     args = ap.parse_args(argv)
     tc = TrainConfig(**{f: getattr(args, f) for f in asdict(defaults)})
-    train(tc, args.out, stdlib=args.stdlib)
+    train(tc, args.out, stdlib=args.stdlib, init=args.init)
     if not args.no_samples:
         print_samples(args.out)
 
