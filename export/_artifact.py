@@ -34,6 +34,7 @@ from ._options import (DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, DEFAULT_PREF
 from ._checkpoint_weights import loaded_weights, streamed_weights
 from ._quant import check_prequantized, head_quant_for, prequantized_config, scheme_label
 from ._stage import sorted_ladder, stage
+from ._verify import with_projections
 from ._weights import flatten_weights
 
 
@@ -238,10 +239,14 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         pools[MTP_POOL] = mtp.pool
     # The decoder's step norms only each row's last token; prompt scoring reads every position's hidden state.
     # On a mesh each device runs the config of its shard (tlaloc_jax.sharding.local_config).
-    step = SplitStep(hidden=functools.partial(final_hidden, shard_cfg, key_block=attention_block, ring_pages=ring,
-                                              all_positions=True),
-                     head=functools.partial(logits_from_hidden, shard_cfg),
-                     state_positions=True,
+    hidden = functools.partial(final_hidden, shard_cfg, key_block=attention_block, ring_pages=ring, all_positions=True)
+    head = functools.partial(logits_from_hidden, shard_cfg)
+    # A verify call runs the decode entries' projections and attention kernels on its k + 1 tokens a row, so that
+    # it costs about what a decode call does and rounds as one does.
+    verify = SplitStep(hidden=with_projections(functools.partial(hidden, decode_attention=decode_attention,
+                                                                 query_rows=True), projections),
+                       head=with_projections(head, projections), state_positions=True)
+    step = SplitStep(hidden=hidden, head=head, state_positions=True, verify=verify,
                      last=functools.partial(forward, shard_cfg, key_block=attention_block, ring_pages=ring,
                                             decode_attention=decode_attention, projections=projections,
                                             packed_attention="tokens" if flat else "rows"))
