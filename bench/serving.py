@@ -6,6 +6,7 @@
     python -m bench.serving --peer vllm --sweep 1,2,4,8,16,32 --plot serving.png
     python -m bench.serving --open-loop 4                     # Poisson arrivals, 4 requests/s
     python -m bench.serving --no-wait-warm --rounds 2         # the first round after /health against the second
+    python -m bench.serving --keep-artifact ...               # reuse the artifact a run with the same options exported
     python -m bench.serving --peer vllm --also-export-arg=--entries=flat   # and a second export, served beside
 
 Builds (once, kept under --work) a random Llama in Hugging Face format, ~82M parameters with the demo model's
@@ -48,8 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def prepare(a, extra: list[str] | None = None, folder: str = "art") -> tuple[Path, Path]:
     """(checkpoint, artifact) under --work; the checkpoint is kept between runs, the artifact exported each run (with
-    the export options `extra`, else --export-arg)."""
+    the export options `extra`, else --export-arg) unless --keep-artifact finds one exported with the same."""
     from bench.common import llama_config
+    from tlaloc_jax.artifact import MANIFEST_NAME
 
     work = Path(a.work)
     ck = work / "ck"
@@ -66,11 +68,18 @@ def prepare(a, extra: list[str] | None = None, folder: str = "art") -> tuple[Pat
             shutil.copy(ROOT / "tlaloc_jax" / "demo_model" / name, ck / name)
     art = work / folder
     extra = a.export_arg if extra is None else extra
+    args = ["--context-ladder", ",".join(str(c) for c in a.context_ladder), "--quiet", *extra]
+    # The export's options beside the artifact: --keep-artifact reuses it only when they are this run's.
+    stamp = work / f"{folder}.export-args.json"
+    if a.keep_artifact and stamp.exists() and json.loads(stamp.read_text()) == args and (art / MANIFEST_NAME).exists():
+        print(f"serving the artifact exported before with the same options ({art})", flush=True)
+        return ck, art
     shutil.rmtree(art, ignore_errors=True)
+    stamp.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(ck), str(art), "--context-ladder",
-                    ",".join(str(c) for c in a.context_ladder), "--quiet", *extra], check=True,
+    subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(ck), str(art), *args], check=True,
                    env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    stamp.write_text(json.dumps(args))
     print(f"exported with the default options (context ladder {a.context_ladder}{' ' if extra else ''}"
           f"{' '.join(extra)}) in {time.perf_counter() - t0:.1f} s", flush=True)
     return ck, art
@@ -350,6 +359,8 @@ def main(argv=None) -> None:
                     "first round against its second is printed)")
     ap.add_argument("--no-wait-warm", action="store_true", help="start the cells once tlaloc-jax's /health answers "
                     "200, as a load balancer does, not once it has warmed every entry")
+    ap.add_argument("--keep-artifact", action="store_true",
+                    help="serve the artifact a run before exported, where that run's export options were the same")
     ap.add_argument("--no-cache-control-off", action="store_true",
                     help="skip the shared-prefix cells' third server (tlaloc-jax with prefix caching off)")
     a = ap.parse_args(argv)
