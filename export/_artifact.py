@@ -22,7 +22,7 @@ from tlaloc_jax.kernels import paged_attention_gpu, paged_attention_native
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.layout import LAYOUTS
 from tlaloc_jax.lora import LORA_DTYPE, decoder_lora
-from tlaloc_jax.mtp_head import POOL as MTP_POOL, normed_logits
+from tlaloc_jax.mtp_head import POOL as MTP_POOL
 from tlaloc_jax.serve.core.paging import ring_pages_for
 from tlaloc_jax.sharding import ShardingError, local_config, shard_decoder_weights
 
@@ -34,6 +34,7 @@ from ._options import (DEFAULT_BATCH_LADDER, DEFAULT_PREFILL_CHUNK, DEFAULT_PREF
 from ._checkpoint_weights import loaded_weights, streamed_weights
 from ._quant import check_prequantized, head_quant_for, prequantized_config, scheme_label
 from ._stage import sorted_ladder, stage
+from ._verify import with_projections
 from ._weights import flatten_weights
 
 
@@ -230,19 +231,22 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     except ConfigError as e:
         raise ExportError(str(e)) from None
     # An MTP head is staged where speculation is asked on one device without adapters and the checkpoint has one
-    # (export/_mtp_entries.py): its pool beside the decoder's, and the decoder's hidden states as its layout reads them.
+    # (export/_mtp_entries.py): its pool beside the decoder's, and the decoder's final-normed hidden states.
     mtp = checkpoint_mtp(checkpoint_dir, fam, cfg, weights, dtype=weight_dtype_name, kv_dtype=kv_np.name,
                          key_block=attention_block) if speculative_tokens and tensor_parallel == 1 and not max_loras \
         else None
     if mtp is not None:
         pools[MTP_POOL] = mtp.pool
-    pre_norm = mtp is not None and mtp.pre_norm
     # The decoder's step norms only each row's last token; prompt scoring reads every position's hidden state.
     # On a mesh each device runs the config of its shard (tlaloc_jax.sharding.local_config).
-    step = SplitStep(hidden=functools.partial(final_hidden, shard_cfg, key_block=attention_block, ring_pages=ring,
-                                              all_positions=True, pre_norm=pre_norm),
-                     head=functools.partial(normed_logits if pre_norm else logits_from_hidden, shard_cfg),
-                     state_positions=True,
+    hidden = functools.partial(final_hidden, shard_cfg, key_block=attention_block, ring_pages=ring, all_positions=True)
+    head = functools.partial(logits_from_hidden, shard_cfg)
+    # A verify call runs the decode entries' projections and attention kernels on its k + 1 tokens a row, so that
+    # it costs about what a decode call does and rounds as one does.
+    verify = SplitStep(hidden=with_projections(functools.partial(hidden, decode_attention=decode_attention,
+                                                                 query_rows=True), projections),
+                       head=with_projections(head, projections), state_positions=True)
+    step = SplitStep(hidden=hidden, head=head, state_positions=True, verify=verify,
                      last=functools.partial(forward, shard_cfg, key_block=attention_block, ring_pages=ring,
                                             decode_attention=decode_attention, projections=projections,
                                             packed_attention="tokens" if flat else "rows"))

@@ -6,9 +6,9 @@ and tokens per row: its rows are right-aligned as a prefill's, token x_{t+1} at 
 state at t (HIDDEN_STATES [B, T, E]); it writes its layer's keys into its own pool (its pages the decoder's: the
 pools of one kind share an index space) and returns the logits of the token two after each row's last position, their
 argmax (the draft) and the head's hidden state there (HIDDEN_STATES [B, 1, E]) for the next draft's call (T = 1).
-The decoder's entries return HIDDEN_STATES [B, T, E], every position's hidden state before or after the final norm as
-the head's layout reads it (MtpStage.pre_norm); the runtime passes them on without knowing which. Every entry takes
-every pool (the runtime's rule); those that do not touch one pass it through.
+The decoder's entries return HIDDEN_STATES [B, T, E], every position's hidden state after the final norm (what vLLM's
+target model hands its MTP head). Every entry takes every pool (the runtime's rule); those that do not touch one pass
+it through.
 An artifact without a head has none of this: its manifest is as before.
 """
 
@@ -36,15 +36,13 @@ HIDDEN_KINDS = (af.EntryKind.DECODE, af.EntryKind.PREFILL, af.EntryKind.VERIFY)
 class MtpStage:
     """An MTP head to stage: hidden(weights, pools, inputs, hidden [B, T, E]) -> (h' [B, T, E], pools) runs its layer
     (pools: every pool, its own written), head(weights, x [R, E]) -> logits [R, V]; weights: its pytree (the
-    decoder's embedding and head among them where it shares them); width: E; pool: its own pool's spec; pre_norm:
-    it reads the decoder's hidden states before the final norm (else after)."""
+    decoder's embedding and head among them where it shares them); width: E; pool: its own pool's spec."""
 
     hidden: Callable
     head: Callable
     weights: Mapping
     width: int
     pool: object
-    pre_norm: bool
 
 
 def mtp_specs(specs: Sequence[EntrySpec]) -> list[EntrySpec]:
@@ -110,8 +108,7 @@ def checkpoint_mtp(checkpoint_dir, fam, cfg, weights: Mapping, *, dtype: str, kv
     if loaded is None:
         return None
     own, kind = loaded
-    normed = mtp.layout_of(cfg).normed
-    shared = [k for k in ("embed", "head") if k in weights and (normed or k == "embed") and f"mtp.{k}" not in own]
+    shared = [k for k in ("embed", "head") if k in weights and f"mtp.{k}" not in own]
 
     def hidden(w, pools, inputs, h):
         out, pool = mtp.mtp_hidden(cfg, kind, w, pools[mtp.POOL], inputs, h, key_block=key_block)
@@ -119,4 +116,4 @@ def checkpoint_mtp(checkpoint_dir, fam, cfg, weights: Mapping, *, dtype: str, kv
 
     return MtpStage(hidden=hidden, head=lambda w, x: mtp.mtp_logits(cfg, w, x),
                     weights={**{k: weights[k] for k in shared}, **own}, width=cfg.hidden_size,
-                    pool=mtp.mtp_pool(cfg, kv_dtype), pre_norm=not normed)
+                    pool=mtp.mtp_pool(cfg, kv_dtype))

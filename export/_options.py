@@ -159,12 +159,15 @@ class SplitStep:
         only the last token); None: that composition.
     state_positions: hidden writes each state pool's state after every token into the buffer a verify call adds
         to its pools (tlaloc_jax.pools.per_position), which speculative decoding needs of a model with state pools
-        to keep the state after the last accepted draft. Calling a SplitStep is the step."""
+        to keep the state after the last accepted draft. Calling a SplitStep is the step.
+    verify: the halves a verify entry runs (the built-in decoder's: the decode entries' kernels, export/_verify.py);
+        None: these."""
 
     hidden: Callable
     head: Callable
     last: Callable | None = None
     state_positions: bool = False
+    verify: "SplitStep | None" = None
 
     def __call__(self, weights, pools, inputs):
         if self.last is not None:

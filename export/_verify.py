@@ -32,6 +32,7 @@ from tlaloc_jax import artifact as af
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.kernels import in_body_sampler as sampling_kernel
 from tlaloc_jax.kernels import rejection_sampler
+from tlaloc_jax.kernels.projection_native import native_projections
 from tlaloc_jax.pools import per_position
 
 from ._entries import ExportError
@@ -93,10 +94,20 @@ def keep_accepted_states(pools: dict, state_pools: Sequence[af.Pool], slots: jax
     return out
 
 
+def with_projections(fn: Callable, projections: str) -> Callable:
+    """fn traced with the C projection kernel where it takes a projection's rows (projections "native"), as the
+    decode entries' bodies are (tlaloc_jax.decoder.forward); with projections "xla", XLA's forms only."""
+    def traced(*args, **kw):
+        with native_projections(projections == "native"):
+            return fn(*args, **kw)
+    return traced
+
+
 def verify_fn(step: Callable, treedef, inputs: Sequence[af.TensorSig], outputs: Sequence[af.TensorSig], *,
               ring_pages: int, state_pools: Sequence[af.Pool] = ()):
     """The verify entry's function over its positional arguments, in signature order. state_pools: the model's
     state pools, whose per-position states the step writes (SplitStep.state_positions) and the body keeps."""
+    step = getattr(step, "verify", None) or step
     if not (hasattr(step, "hidden") and hasattr(step, "head")):
         raise ExportError("speculative_tokens scores every drafted position with the model's head: give the step as "
                           "SplitStep(hidden, head) (tlaloc_jax.SplitStep)")

@@ -162,8 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lazy-compile", action="store_true",
                     help="serve as soon as the artifact is loaded, compiling each entry on its first use (the first "
                          "requests that need one wait for it): for development. By default every entry is compiled "
-                         "(or loaded from the compile cache) first, /health answering 503 with how far it got and "
-                         "requests 503 with Retry-After until then")
+                         "(or loaded from the compile cache, in threads while the weights are read) first, /health "
+                         "answering 503 with how far it got and requests 503 with Retry-After until then")
     ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $TLALOC_API_KEY, else "
                          "no key)")
@@ -275,7 +275,8 @@ def main(argv=None) -> int:
                              max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=args.enable_prefix_caching,
                              lora_modules=lora_modules(args.lora_modules), max_cpu_loras=args.max_cpu_loras,
-                             speculative_config=args.speculative_config, map_weights=args.map_weights)
+                             speculative_config=args.speculative_config, map_weights=args.map_weights,
+                             preload=not args.lazy_compile)
         marks.append(("engine loaded", time.perf_counter()))
     except (ManifestError, OSError, CompileError, PluginNotFoundError, NativeKernelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -66,7 +66,7 @@ class Engine:
 
     def __init__(self, artifact_dir: str | Path, plugin: str | None = None, *,
                  cache_dir: str | Path | None = DEFAULT_CACHE_DIR, memory_fraction: float = 0.75,
-                 donate: bool = True, progress: bool = True, trust_weights: bool = False,
+                 donate: bool = True, progress: bool = True, trust_weights: bool = False, preload: bool = False,
                  manifest: af.Manifest | None = None, max_model_len: int | None = None,
                  use_decode_steps: bool = True, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
@@ -77,8 +77,7 @@ class Engine:
         cache, on first use: Runner._compile_kinds), upload the weights and allocate the pools. A bad artifact is
         refused (ManifestError naming what is wrong) before anything is compiled or allocated.
 
-        trust_weights: skip hashing the weight files (their sizes are still checked), for very large
-        artifacts whose weights are known good; the log says so.
+        trust_weights: skip hashing the weight files (sizes still checked), for large artifacts known good; logged.
         manifest: this artifact's manifest as `af.load_manifest` returned it, when the caller has validated it
         already (the server does, to read the tokenizer before anything compiles): it is not read again.
         max_model_len: the longest sequence (prompt plus new tokens) served, at most the artifact's largest
@@ -99,8 +98,8 @@ class Engine:
         "num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...} (prompt lookup), by
         "draft_model" with "model" (an artifact of the same vocabulary and tokenizer), by "mtp" (or "deepseek_mtp",
         "qwen3_next_mtp": its MTP head); "disable_by_batch_size": n, none while n or more sequences run. None: off.
-        map_weights: serve the weights from their files' mappings instead of reading them into huge-page memory: a
-        load without fresh memory (seconds less where the host must reclaim it), 4 KiB pages in every step.
+        map_weights: serve the weights from their files' mappings, not read into huge-page memory (a load without fresh
+        memory; 4 KiB pages in every step). preload: every entry loads in the background now (Runner's preload).
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
@@ -136,7 +135,7 @@ class Engine:
         except TooFewDevicesError as e:
             raise af.ManifestError(device_count_mismatch(m, e.available)) from None
         self.runner = Runner(self.artifact_dir, m, device, progress=progress, donate=donate,
-                             weight_arena=not map_weights)
+                             weight_arena=not map_weights, preload=preload)
         self.scheduler.proposer = proposer_for(self.speculative_config, draft, device, progress, donate)
         self.device = self.runner.device
         self.block_size = m.block_size

@@ -169,7 +169,10 @@ class EngineLoop:
         # compile_all: the loop compiles every entry neither compiled nor in the compile cache before its first step
         # (readiness.py); until then `readiness.reason()` says how far it got. None: it serves at once, entries
         # compile on first use.
-        self.readiness = Readiness(len(engine.entries_to_compile()), progress) if compile_all else None
+        # A preloading Runner's entries count too: ready means every entry loaded.
+        loading = len(engine.runner.loading())
+        words = ("loading or compiling", "loaded or compiled") if loading else ("compiling", "compiled")
+        self.readiness = Readiness(len(engine.entries_to_compile()) + loading, progress, words) if compile_all else None
         self._idle_since = time.perf_counter()
         self._arriving = 0
         self._arriving_lock = threading.Lock()
@@ -303,24 +306,34 @@ class EngineLoop:
             left = min(left, gap)
         return left if left > 0 else None
 
+    def _handle_pending(self) -> bool:
+        """Handle the commands queued so far; -> False on a stop (what was pending failed)."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return True
+            if cmd[0] == "stop":
+                self._fail_all("the server is shutting down")
+                return False
+            self._handle(cmd)
+
     def _get_ready(self) -> bool:
-        """Compile every entry neither compiled nor in the compile cache, one at a time, handling commands between
-        them (a request submitted meanwhile waits for its first step; a snapshot for /metrics is answered). The
-        entries' first runs, and the cached entries' loads, come after, while idle (_warm_one). -> False on a stop."""
+        """Wait for the entries loading in the background (a preloading Runner), then compile those neither compiled
+        nor in the compile cache, one at a time, handling commands between them (a request submitted meanwhile waits
+        for its first step; a /metrics snapshot is answered). Without preload the cached entries load, and every entry
+        runs first (_warm_one), after, while idle. -> False on a stop."""
         self.readiness.start()
         try:
-            for e in self.engine.entries_to_compile():
-                while True:
-                    try:
-                        cmd = self._cmds.get_nowait()
-                    except queue.Empty:
-                        break
-                    if cmd[0] == "stop":
-                        self._fail_all("the server is shutting down")
+            runner = self.engine.runner
+            for e, loading in [*runner.loading(), *((e, None) for e in self.engine.entries_to_compile())]:
+                if not self._handle_pending():
+                    return False
+                while loading is not None and not cf.wait([loading], 0.1).done:
+                    if not self._handle_pending():
                         return False
-                    self._handle(cmd)
                 try:
-                    self.engine.runner.executable(e)
+                    runner.executable(e)    # loaded in the background (a failed load compiles here), else compiled
                 except Exception as err:  # noqa: BLE001 - the entry's first request fails the same way, by name
                     log.error("compiling %s failed: %s", e.name, err)
                 self.readiness.advance(e.name)

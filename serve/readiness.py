@@ -34,12 +34,13 @@ def process_seconds() -> float | None:
 
 
 class Readiness:
-    """How many of `total` entries are compiled. `progress`: "bar" (tqdm, for a terminal), "log"
+    """How many of `total` entries are compiled (or loaded: `doing`'s words). `progress`: "bar" (tqdm, for a terminal), "log"
     (periodic lines) or None (the final line only). `phases`: the start-up's seconds before the loop began, by
     phase (the server's main fills it), for the start-up line."""
 
-    def __init__(self, total: int, progress: str | None = "log"):
+    def __init__(self, total: int, progress: str | None = "log", doing: tuple[str, str] = ("compiling", "compiled")):
         self.total = total
+        self.doing, self.done_as = doing     # the words of the reason and of the ready line
         self.done = 0
         self.progress = progress
         self.phases: dict[str, float] = {}
@@ -52,7 +53,7 @@ class Readiness:
 
     def reason(self) -> str | None:
         """Why the server does not serve yet, or None once it is ready."""
-        return None if self.ready else f"compiling entries: {self.done}/{self.total}"
+        return None if self.ready else f"{self.doing} entries: {self.done}/{self.total}"
 
     def retry_after(self) -> int:
         """Whole seconds until the entries left should be ready (at least 1, at most MAX_RETRY_AFTER_S)."""
@@ -65,8 +66,8 @@ class Readiness:
         self._t0 = self._told = time.perf_counter()
         if self.ready:
             return
-        log.info("compiling %d entries before serving (/health answers 503 until then; --lazy-compile "
-                 "serves at once and compiles on first use)", self.total)
+        log.info("%s %d entries before serving (/health answers 503 until then; --lazy-compile "
+                 "serves at once and compiles on first use)", self.doing, self.total)
         if self.progress == "bar":
             from tqdm.auto import tqdm
             self._bar = tqdm(total=self.total, desc="ready", unit="entry")
@@ -91,8 +92,8 @@ class Readiness:
             return
         took = time.perf_counter() - self._t0
         if self.total:
-            log.info("ready: %d entries compiled in %.1f s", self.total, took)
+            log.info("ready: %d entries %s in %.1f s", self.total, self.done_as, took)
         age = process_seconds()
         log.info("start-up: %s; ready %s after the process started", ", ".join(
-            [f"{k} {v:.1f} s" for k, v in self.phases.items()] + [f"compiling {self.total} entries {took:.1f} s"]),
+            [f"{k} {v:.1f} s" for k, v in self.phases.items()] + [f"{self.doing} {self.total} entries {took:.1f} s"]),
             "?" if age is None else f"{age:.1f} s")

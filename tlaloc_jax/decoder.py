@@ -1,9 +1,8 @@
 """The decoder as pure functions over (weights, pools, step inputs).
 
-`forward` serves both entry kinds: a decode step is a call with T = 1, a prefill call has T > 1 with
-right-aligned rows. It returns the logits of each row's last token and the updated pools. The same
-function runs under jax.jit in-process, inside jax.export for the artifact, and (compiled from the
-artifact) under the JAX-free runtime.
+`forward` serves both entry kinds: a decode step is a call with T = 1, a prefill call has T > 1 with right-aligned
+rows. It returns the logits of each row's last token and the updated pools. The same function runs under jax.jit
+in-process, inside jax.export for the artifact, and (compiled from the artifact) under the JAX-free runtime.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from tlaloc_jax.kernels.projection_native import native_projections
 from .config import DENSE, FULL, LINEAR, SLIDING, DecoderConfig
 from .inputs import StepInputs
 from .latent import latent_attention
-from .packing import packed_rows, token_rows, unpack_rows
+from .packing import packed_rows, query_rows as one_token_rows, token_rows, unpack_rows
 from .layers import ACTIVATIONS, apply_rope, embed, gated_mlp, linear, rms_norm, rope_tables, soft_cap, tied_head
 from .layout import is_per_layer
 from .lora import call_adapters, delta, layer_adapters, plan_index, plus, query_deltas
@@ -97,8 +96,8 @@ def _pool_records(cfg: DecoderConfig, num_blocks: int, block_size: int, window_b
 def pool_shapes(cfg: DecoderConfig, num_blocks: int, block_size: int,
                 window_blocks: int = 0, state_slots: int = 0) -> dict[str, tuple[int, ...]]:
     """Each of decoder_pools' shapes: KV pools [L', 2, P, S, K, D] (0 = keys, 1 = values; latent attention
-    [L', 1, P, S, 1, C + R]) of num_blocks pages,
-    window_kv (when window_blocks > 0) of window_blocks; state pools [L', slots, ...] of state_slots slots."""
+    [L', 1, P, S, 1, C + R]) of num_blocks pages, window_kv (when window_blocks > 0) of window_blocks; state pools
+    [L', slots, ...] of state_slots slots."""
     return {p.name: p.shape for p in _pool_records(cfg, num_blocks, block_size, window_blocks, state_slots, "float32")}
 
 
@@ -112,9 +111,9 @@ def init_pools(cfg: DecoderConfig, num_blocks: int, block_size: int, dtype=jnp.f
 def _layer_slice(weights: Weights, group: str, index, keep=lambda name: True) -> Weights:
     """One layer's slots of a group ("layers", "attn", "linear"), those whose name `keep` accepts.
 
-    Stacked weights ([L', ...] each) are indexed with a dynamic index (the scan's counter). (Indexing a slice
-    that the scan already cut, w[i][j], makes XLA copy the layer's weights first.)
-    Per-layer weights (a tuple of L' arrays each, tlaloc_jax.layout) are picked by the static index."""
+    Stacked weights ([L', ...] each) are indexed with a dynamic index (the scan's counter). (Indexing a slice that
+    the scan already cut, w[i][j], makes XLA copy the layer's weights first.) Per-layer weights (a tuple of L' arrays
+    each, tlaloc_jax.layout) are picked by the static index."""
     prefix = group + "."
     return {name[len(prefix):]: (w[index] if isinstance(w, (tuple, list)) else
                                  jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), w))
@@ -269,19 +268,18 @@ def residual_mlp(cfg: DecoderConfig, lw: Weights, h: jax.Array, a: jax.Array, *,
 
 
 def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, layer: jax.Array, inputs: StepInputs,
-               rope: tuple[jax.Array, jax.Array], window: int, key_block: int,
-               ring_pages: int = 0, decode_attention: str = "xla",
-               groups: tuple[tuple[int, StepInputs], ...] = (), packed_attention: str = "rows"
-               ) -> tuple[jax.Array, jax.Array]:
+               rope: tuple[jax.Array, jax.Array], window: int, key_block: int, ring_pages: int = 0,
+               decode_attention: str = "xla", groups: tuple[tuple[int, StepInputs], ...] = (),
+               packed_attention: str = "rows", query_rows: bool = False) -> tuple[jax.Array, jax.Array]:
     """x: [B, T, E] (normed) -> (attention output [B, T, E], kv pool with this layer's keys and values written).
 
-    ring_pages > 0: the layer's pool is the windowed pool; it writes through the window slot mapping and
-    scores only the first ring_pages entries of the window block table (the ring), whatever the bucket.
-    decode_attention: which attention a decode call (T = 1) uses (DECODE_ATTENTION); other calls use plain ops.
-    groups: (offset, inputs) of each group of a call whose rows have several shapes (mixed_inputs): x and
-    `inputs` hold their tokens side by side in one row [1, N]; the keys and values are written at once, then
-    each group attends as a call of its own shape would. packed_attention: how a packed call's tokens attend
-    (PACKED_ATTENTION).
+    ring_pages > 0: the layer's pool is the windowed pool; it writes through the window slot mapping and scores
+    only the first ring_pages entries of the window block table (the ring), whatever the bucket. decode_attention:
+    which attention a decode call (T = 1) uses (DECODE_ATTENTION); other calls use plain ops. groups: (offset,
+    inputs) of each group of a call whose rows have several shapes (mixed_inputs): x and `inputs` hold their tokens
+    side by side in one row [1, N]; the keys and values are written at once, then each group attends as a call of
+    its own shape would. packed_attention: how a packed call's tokens attend (PACKED_ATTENTION). query_rows: with
+    the native decode attention, each token attends as a decode row of its own (a verify call's k + 1 positions).
     """
     q_delta, gate_delta = query_deltas(cfg, w.get("lora"), x)
     q, k, v = project_qkv(cfg, w, x, rope, q_delta)
@@ -308,6 +306,8 @@ def _attention(cfg: DecoderConfig, w: Weights, x: jax.Array, kv: jax.Array, laye
         # A packed prefill: its tokens' queries laid out as its rows, each row attending over its own pages.
         rows = inputs._replace(positions=packed_rows(inputs.positions, inputs.pack_index, -1))
         o = unpack_rows(attend(packed_rows(q, inputs.pack_index, 0), rows), inputs.pack_index, x.shape[1])
+    elif not groups and query_rows and decode_attention == "native" and not ring_pages:
+        o = attend(q.reshape(-1, 1, *q.shape[2:]), one_token_rows(inputs)).reshape(q.shape)
     elif not groups:
         o = attend(q, inputs)
     else:
@@ -389,18 +389,18 @@ def _linear_attention(cfg: DecoderConfig, w: Weights, x: jax.Array, pools: Pools
 
 
 def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs | tuple[StepInputs, ...], *,
-                 key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
-                 all_positions: bool = False, decode_attention: str = "xla",
-                 packed_attention: str = "rows", pre_norm: bool = False) -> tuple[jax.Array, Pools]:
+                 key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0, all_positions: bool = False,
+                 decode_attention: str = "xla", packed_attention: str = "rows",
+                 query_rows: bool = False) -> tuple[jax.Array, Pools]:
     """Run every layer over the call's tokens: -> (final-normed hidden state of each row's last token [B, E], pools);
     all_positions: of every token of the call [B, T, E] (a scoring prefill scores each one).
 
-    ring_pages > 0 puts the sliding layers in the windowed pool ("window_kv"), each sequence's ring of
-    ring_pages pages; 0 keeps every attention layer in the full-history pool ("kv"). decode_attention: one of
-    DECODE_ATTENTION, the attention of a decode call. inputs a tuple of StepInputs: one call of several groups of
-    rows, each group's rows of one shape (supports_mixed_calls); the last tokens' hidden states of the groups'
-    rows in order. packed_attention: one of PACKED_ATTENTION, how a packed call's tokens attend. pre_norm: every
-    token's hidden state before the final norm [B, T, E], which an MTP head reads (tlaloc_jax/mtp_head.py).
+    ring_pages > 0 puts the sliding layers in the windowed pool ("window_kv"), each sequence's ring of ring_pages
+    pages; 0 keeps every attention layer in the full-history pool ("kv"). decode_attention: one of DECODE_ATTENTION,
+    the attention of a decode call. inputs a tuple of StepInputs: one call of several groups of rows, each group's
+    rows of one shape (supports_mixed_calls); the last tokens' hidden states of the groups' rows in order.
+    packed_attention: one of PACKED_ATTENTION, how a packed call's tokens attend. query_rows: a verify
+    call's tokens attend as decode rows of one token each (_attention).
     """
     groups = ()
     adapters, slots = call_adapters(inputs)
@@ -448,7 +448,7 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
                 (name,) = lp.pools
                 a, kv = _attention(cfg, aw, a, pools[name], lp.pool.index(i), inputs, tables[lp.kind], lp.window,
                                    key_block, ring_pages if name == "window_kv" else 0, decode_attention, groups,
-                                   packed_attention)
+                                   packed_attention, query_rows)
                 pools = {**pools, name: kv}
             h = residual_mlp(cfg, lw, h, a, kind=lp.mlp, valid=valid, experts=experts,
                              layer=lp.mlp_weights.index(i))
@@ -464,8 +464,6 @@ def final_hidden(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: Ste
         # A scan over periods keeps one copy of the period's layers in the graph (compile time, body size);
         # the pools ride in the carry so each layer's scatter writes the donated buffers in place.
         (h, pools), _ = lax.scan(period, (h, pools), jnp.arange(plan.periods))
-    if pre_norm and not groups and inputs.pack_index is None:
-        return h, pools
     if groups:
         # Each group's rows end at their last column: the row's last token (rows are right-aligned).
         last = [offset + b * T + T - 1 for (offset, _), (B, T) in zip(groups, shapes) for b in range(B)]
@@ -485,9 +483,8 @@ def logits_from_hidden(cfg: DecoderConfig, weights: Weights, x: jax.Array) -> ja
 
 
 def forward(cfg: DecoderConfig, weights: Weights, pools: Pools, inputs: StepInputs | tuple[StepInputs, ...], *,
-            key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0,
-            decode_attention: str = "xla", projections: str = "xla", packed_attention: str = "rows"
-            ) -> tuple[jax.Array, Pools]:
+            key_block: int = DEFAULT_KEY_BLOCK, ring_pages: int = 0, decode_attention: str = "xla",
+            projections: str = "xla", packed_attention: str = "rows") -> tuple[jax.Array, Pools]:
     """One call: -> (logits of each row's last token [B, V] f32, updated pools). A tuple of StepInputs: one call of
     several groups of rows (final_hidden), logits of every group's rows in order. projections: one of PROJECTIONS,
     "native" for the C kernel where it takes the call's rows and weight dtype (kernels/projection_native.py)."""

@@ -11,11 +11,13 @@ next token x_{t+1}:
 
     h' = layer(eh_proj(concat(enorm(embed(x_{t+1})), hnorm(h_t))))      logits(x_{t+2}) = head(norm(h'))
 
-A family's `MtpLayout` says where its tensors are and how vLLM combines them: DeepSeek's head reads h_t before the
-decoder's final norm, zeroes the embedding at position 0 (whose token follows nothing) and chains its h'; Qwen3-Next's
-(vLLM's Qwen3NextMTP) reads h_t after the final norm and chains norm(h'), the decoder's lm_head giving its logits.
+h_t is the decoder's hidden state after its final norm (what vLLM's target model returns, and what DeepSeek's own
+modeling code hands its head), and k > 1 drafts chain norm(h') as vLLM does. A family's `MtpLayout` says where its
+tensors are and how vLLM combines them: DeepSeek's head zeroes the embedding at position 0 (whose token follows
+nothing), its norm and head its own shared_head's; Qwen3-Next's (vLLM's Qwen3NextMTP) has its own norm and the
+decoder's lm_head.
 The layer attends over its own KV pool (one layer's, kept at the positions the decoder keeps its own), so a call runs
-any number of positions as a prefill does. k > 1 drafts chain the same layer on its own output.
+any number of positions as a prefill does.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ class MtpLayout:
     """A family's MTP head: prefix (its tensors' names start so; "{n}" is num_hidden_layers), tensors ({slot: (name
     under prefix, transposed to [in, out])}), marker (the tensor that says the checkpoint has a head), layer (the
     family prefix and layer index its decoder layer's tensors are read at), counts (the config keys of its layer
-    count, in order; the default where none is set), zero_first (the embedding at position 0 zeroed), normed (the
-    head reads and chains hidden states after a final norm, the decoder's lm_head its head)."""
+    count, in order; the default where none is set), zero_first (the embedding at position 0 zeroed). Its logits
+    are its own "mtp.head"'s where tensors names one, else the decoder's lm_head's."""
 
     prefix: str
     tensors: dict
@@ -56,7 +58,6 @@ class MtpLayout:
     counts: tuple[str, ...]
     default_count: int
     zero_first: bool
-    normed: bool
 
 
 LAYOUTS = {
@@ -66,13 +67,13 @@ LAYOUTS = {
                                                  "mtp.norm": ("shared_head.norm.weight", False),
                                                  "mtp.head": ("shared_head.head.weight", True)},
                              "eh_proj.weight", ("{p}", "{n}"), ("num_nextn_predict_layers",), 0,
-                             zero_first=True, normed=False),
+                             zero_first=True),
     # vLLM's Qwen3NextMTP: its layer count is 1 where the config does not say.
     "qwen3_next": MtpLayout("mtp.", {"mtp.enorm": ("pre_fc_norm_embedding.weight", False),
                                      "mtp.hnorm": ("pre_fc_norm_hidden.weight", False),
                                      "mtp.eh_proj": ("fc.weight", True), "mtp.norm": ("norm.weight", False)},
                             "fc.weight", ("mtp.", "0"), ("num_nextn_predict_layers", "mtp_num_hidden_layers"), 1,
-                            zero_first=False, normed=True),
+                            zero_first=False),
 }
 
 
@@ -163,10 +164,9 @@ def _group(weights: dict, group: str) -> dict:
 def mtp_hidden(cfg: DecoderConfig, kind: str, weights: dict, pool: jax.Array, inputs: StepInputs, hidden: jax.Array,
                *, key_block: int) -> tuple[jax.Array, jax.Array]:
     """The head's layer over a call's rows: inputs (rows right-aligned as a prefill's: token x_{t+1} at position t),
-    hidden [B, T, E] the decoder's hidden state at each position as the layout reads it (or the head's own,
-    chaining) -> (what the head chains [B, T, E]: h', normed where the layout says; the pool with the layer's keys
-    written at the call's slots). weights: the decoder's and the head's ("mtp.*"); kind: the layer's MLP
-    (load_mtp_weights)."""
+    hidden [B, T, E] the decoder's hidden state at each position after its final norm (or the head's own, chaining)
+    -> (what the head chains [B, T, E]: norm(h'); the pool with the layer's keys written at the call's slots).
+    weights: the decoder's and the head's ("mtp.*"); kind: the layer's MLP (load_mtp_weights)."""
     layout = layout_of(cfg)
     eps, off = cfg.rms_norm_eps, cfg.residual.norm_offset
     e = embed(weights.get("mtp.embed", weights["embed"]), inputs.token_ids)
@@ -182,18 +182,11 @@ def mtp_hidden(cfg: DecoderConfig, kind: str, weights: dict, pool: jax.Array, in
     else:
         a, pool = full_attention(cfg, aw, attention_input(cfg, lw, h), pool, 0, inputs, rope, 0, key_block)
     h = residual_mlp(cfg, lw, h, a, kind=kind, valid=inputs.positions >= 0)
-    return (rms_norm(h, weights["mtp.norm"], eps, off) if layout.normed else h), pool
+    return rms_norm(h, weights["mtp.norm"], eps, off), pool
 
 
 def mtp_logits(cfg: DecoderConfig, weights: dict, h: jax.Array) -> jax.Array:
     """What mtp_hidden chains [..., E] -> the head's logits [..., V] f32 for the token two after the position."""
-    if layout_of(cfg).normed:
-        return logits_from_hidden(cfg, weights, h)
-    return linear(rms_norm(h, weights["mtp.norm"], cfg.rms_norm_eps, cfg.residual.norm_offset), weights["mtp.head"])
-
-
-def normed_logits(cfg: DecoderConfig, weights: dict, x: jax.Array) -> jax.Array:
-    """The decoder's head over hidden states before its final norm (an MTP artifact's SplitStep head): [R, E] ->
-    [R, V] f32."""
-    return logits_from_hidden(cfg, weights, rms_norm(x, weights["final_norm"], cfg.rms_norm_eps,
-                                                     cfg.residual.norm_offset))
+    if "mtp.head" in layout_of(cfg).tensors:
+        return linear(h, weights["mtp.head"])
+    return logits_from_hidden(cfg, weights, h)

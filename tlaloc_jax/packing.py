@@ -35,3 +35,13 @@ def unpack_rows(rows: jax.Array, pack_index: jax.Array, n: int) -> jax.Array:
     flat = jnp.zeros((n + 1,) + rows.shape[2:], rows.dtype).at[pack_index.reshape(-1)].set(
         rows.reshape((B * T,) + rows.shape[2:]))
     return flat[None, :n]
+
+
+def query_rows(inputs: StepInputs) -> StepInputs:
+    """A call's rows [B, T] as B * T rows of one token, each with its row's pages and seeing the keys up to its own
+    position (a verify call writes its tokens' keys before any attends; a padding token sees none)."""
+    B, T = inputs.positions.shape
+    pos = inputs.positions.reshape(B * T, 1)
+    tables = {name: None if getattr(inputs, name) is None else jnp.repeat(getattr(inputs, name), T, axis=0)
+              for name in ("block_tables", "window_block_tables")}
+    return inputs._replace(positions=pos, seq_lens=jnp.where(pos[:, 0] >= 0, pos[:, 0] + 1, 0), **tables)

@@ -79,12 +79,16 @@ class CompileCache:
         except (pjrt_errors.PjrtError, OSError, ValueError, KeyError):
             return None, "stale"
 
-    def load(self, client: pypjrt.Client, key: str, body_sha256: str) -> tuple[pypjrt.Executable | None, str]:
-        """(loaded executable, "hit") or (None, "miss" | "stale")."""
+    def load(self, client: pypjrt.Client, key: str, body_sha256: str,
+             deserialize=None) -> tuple[pypjrt.Executable | None, str]:
+        """(loaded executable, "hit") or (None, "miss" | "stale"). deserialize(client, blob): how to load it (default
+        the client's own call)."""
         code, status = self.read(key, body_sha256)
         if code is None:
             return None, status
         try:
+            if deserialize is not None:
+                return deserialize(client, code), "hit"
             return client.deserialize_executable(code), "hit"
         except pjrt_errors.PjrtError:
             return None, "stale"

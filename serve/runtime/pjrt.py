@@ -205,13 +205,14 @@ class Device:
 
     # -- compile -------------------------------------------------------------------------------
 
-    def compile(self, mlir: str | bytes, *, name: str | None = None) -> Executable:
+    def compile(self, mlir: str | bytes, *, name: str | None = None, concurrent: bool = False) -> Executable:
         """Compile a StableHLO body: textual MLIR, or portable bytecode
         (`Exported.mlir_module_serialized`, preferred: it is versioned and stable across XLA
         versions within the plugin's `stablehlo_versions`).
 
         With a cache dir, a body already compiled by this plugin is deserialized instead of
-        compiled (`Executable.cache == "hit"`).
+        compiled (`Executable.cache == "hit"`). concurrent: on the CPU plugin, deserialize without pypjrt's
+        process-wide lock, so that a load in a background thread holds up no other thread (compat.deserialize_unlocked).
 
         Raises:
             CompileError: the bytecode's StableHLO version is outside the plugin's range, or the
@@ -226,14 +227,15 @@ class Device:
 
         status = "off"
         t0 = time.perf_counter()
+        load = compat.deserialize_unlocked if concurrent and self._host_memory else None
         if self._cache is not None:
             key = self._cache.key(digest, options_bytes)
-            handle, status = self._cache.load(self._client, key, digest)
+            handle, status = self._cache.load(self._client, key, digest, load)
             if handle is not None:
                 return self._own(Executable(handle, sha256=digest, name=name, cache="hit",
                                             seconds=time.perf_counter() - t0))
         if self.shipped is not None and (handle := self.shipped.load(self._client, digest, options_bytes,
-                                                                     label)) is not None:
+                                                                     label, load)) is not None:
             return self._own(Executable(handle, sha256=digest, name=name, cache="shipped",
                                         seconds=time.perf_counter() - t0))
 

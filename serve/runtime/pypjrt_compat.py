@@ -24,7 +24,7 @@ SUPPORTED_PYPJRT = ("0.1.1",)
 
 __all__ = ["SUPPORTED_PYPJRT", "check_version", "HotCalls", "PjrtBuffer", "PjrtEvent", "is_live", "is_closed",
            "is_donated", "raw_pointer", "checked_pointer", "mark_donated", "handle_plugin",
-           "consume_event", "state_name", "register_ffi_handler"]
+           "consume_event", "state_name", "register_ffi_handler", "deserialize_unlocked"]
 
 
 def check_version(installed: str | None = None) -> None:
@@ -166,6 +166,22 @@ class HotCalls:
         if "PJRT_Buffer_OpaqueDeviceMemoryDataPointer" not in self._structs:
             return None
         return int(self._call("PJRT_Buffer_OpaqueDeviceMemoryDataPointer", "buffer", buffer).device_memory_ptr or 0)
+
+
+# -- loading executables ------------------------------------------------------------------------------
+
+def deserialize_unlocked(client: pypjrt.Client, blob: bytes) -> pypjrt.Executable:
+    """pypjrt's Client.deserialize_executable without its process-wide lock (the lock guards buffers and executions,
+    which a load touches not; the CPU client's DeserializeAndLoad is thread-safe): a load in a background thread
+    then holds up no other thread's PJRT calls, such as the weights' uploads, for its half second."""
+    plugin = client._plugin
+    buf = ctypes.create_string_buffer(blob, len(blob))
+    args = plugin.args("PJRT_Executable_DeserializeAndLoad_Args", client=client._check(),
+                       serialized_executable=ctypes.cast(buf, ctypes.c_void_p), serialized_executable_size=len(blob))
+    err = plugin.fn("PJRT_Executable_DeserializeAndLoad")(ctypes.byref(args))
+    if err:
+        raise plugin._to_exception(err)
+    return pypjrt.client.Executable(plugin, args.loaded_executable, client)
 
 
 # -- FFI handlers -----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ Scheduling, sampling and requests are the engine's; the vLLM worker and the benc
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import enum
 import logging
@@ -31,6 +32,9 @@ log = logging.getLogger("tlaloc_jax.serve")
 #: Every run of an entry until this many runs, and the first run of each entry after, has its pools'
 #: addresses checked (a pool that moved was copied, not donated).
 ADDRESS_CHECK_RUNS = 100
+#: Threads that load the entries at start (Runner's preload): one, beside the weights' reads. The CPU plugin loads
+#: one executable at a time (two threads loaded 12 entries no faster than one: bench in the commit).
+LOAD_THREADS = 1
 
 
 class _ArgSource(enum.Enum):
@@ -47,13 +51,16 @@ class Runner:
     thread-safe: one caller runs entries."""
 
     def __init__(self, artifact_dir: str | Path, manifest: af.Manifest, device: Device, *, progress: bool = True,
-                 donate: bool = True, weight_arena: bool = True):
-        """Check the device has room, compile every entry but the scoring prefills (compiled on first use),
+                 donate: bool = True, weight_arena: bool = True, preload: bool = False):
+        """Check the device has room, compile one entry of each kind (the others on first use, _compile_kinds),
         upload the weights and allocate zeroed pools. Closes the device if any of it fails. A device of another
         device count than the artifact's mesh is refused by name before anything is compiled or allocated.
 
         donate: False runs the pools as plain inputs (a test control: each run then copies them).
-        weight_arena: False serves the weights from their files' mappings (sharded.upload_weights' arena)."""
+        weight_arena: False serves the weights from their files' mappings (sharded.upload_weights' arena).
+        preload: instead, every entry loads from the compile cache (or compiles) in a background thread while the
+        weights are read: `loading()` lists them for a server to wait on before it is ready
+        (loop.py), and `executable` waits for its entry's."""
         self.artifact_dir = Path(artifact_dir)
         self.manifest = m = manifest
         self.device = device
@@ -66,6 +73,8 @@ class Runner:
         self._arg_plans: dict[str, list[tuple[_ArgSource, object, af.Role]]] = {}
         self._entries_checked: set[str] = set()
         self._deferred: dict[str, str] = {}  # entry -> "cached" | "pending": ready on first use (_compile_kinds)
+        self._loading: dict[str, cf.Future] = {}    # entry -> its executable, being loaded (preload)
+        self._loader: cf.ThreadPoolExecutor | None = None
         self.stats = dict(executions=0, warm_ups=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={},
                           inputs_uploaded=0, inputs_overwritten=0)
         self._driver = threading.Lock()     # held by the thread running entries (driving)
@@ -87,7 +96,10 @@ class Runner:
                 raise native.unavailable(m.versions.custom_calls, missing)
             device.shipped = open_shipped(self.artifact_dir, device, m.versions.custom_calls)
             self._check_memory()
-            self._compile_kinds(progress)
+            if preload:
+                self._preload()
+            else:
+                self._compile_kinds(progress)
             self.resident_before_weights = host_memory.resident_bytes()   # the runtime's own: plugin, entries
             self.weights = sharded.upload_weights(device, self.artifact_dir, m.weights, m.mesh, weight_arena)
             self.pools: dict[str, sharded.Placed] = {p.name: sharded.zeros(device, p.dtype, p.shape, p.partition,
@@ -95,6 +107,7 @@ class Runner:
             # The LoRA slots (manifest `lora`), zeroed: written as adapters are loaded (serve/lora_slots.py).
             self.adapters = AdapterBuffers(device, m.lora) if m.lora is not None else None
         except BaseException:
+            self._stop_loading()
             device.close()
             raise
 
@@ -121,6 +134,27 @@ class Runner:
                 self.executable(e)
             proven.add(e.kind)
 
+    def _preload(self) -> None:
+        """Start loading every entry in the background, in the manifest's order, while the weights are read (the calls
+        release the GIL and run without pypjrt's lock, Device.compile's concurrent, so the weights' uploads do not wait
+        behind a load). A cache file is read and checked once, by its load."""
+        self._loader = cf.ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="tlaloc-load")
+        for e in self.manifest.entries:
+            self._loading[e.name] = self._loader.submit(self._load, e)
+
+    def _load(self, e: af.Entry) -> Executable:
+        return self.device.compile(self._body(e), name=e.name, concurrent=True)
+
+    def loading(self) -> list[tuple[af.Entry, cf.Future]]:
+        """The entries still loading in the background (preload), with their futures, in the manifest's order."""
+        return [(e, self._loading[e.name]) for e in self.manifest.entries if e.name in self._loading]
+
+    def _stop_loading(self) -> None:
+        """Wait for the loads under way (a plugin call cannot be interrupted), drop the ones not started."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
+            self._loader = None
+
     def to_compile(self) -> list[af.Entry]:
         """The entries neither compiled nor in the compile cache, in the manifest's order: what a server compiles
         before it is ready. A cached entry loads (deserializes, 0.1-0.2 s on a 2-core CPU) on first use or while
@@ -128,7 +162,8 @@ class Runner:
         def cached(e: af.Entry) -> bool:
             how = self._deferred.get(e.name)
             return how == "cached" or (how is None and self.device.compiled_before(self._body(e)))
-        return [e for e in self.manifest.entries if e.name not in self.executables and not cached(e)]
+        return [e for e in self.manifest.entries
+                if e.name not in self.executables and e.name not in self._loading and not cached(e)]
 
     def _body(self, e: af.Entry) -> bytes:
         return (self.artifact_dir / e.serialized).read_bytes()
@@ -136,6 +171,11 @@ class Runner:
     def executable(self, e: af.Entry) -> Executable:
         """The entry's executable, compiled (or loaded from the compile cache) on first use."""
         exe = self.executables.get(e.name)
+        if exe is None and (loading := self._loading.pop(e.name, None)) is not None:
+            try:
+                exe = self.executables[e.name] = loading.result()
+            except Exception as err:  # noqa: BLE001 - compiled again below, which raises by name if it fails again
+                log.warning("loading %s in the background failed (%s): compiling it now", e.name, err)
         if exe is None:
             t0 = time.perf_counter()
             exe = self.device.compile(self._body(e), name=e.name)
@@ -171,9 +211,11 @@ class Runner:
 
     def compile_report(self) -> dict[str, int]:
         """How the entries were obtained: {"hit": n, "miss": n, ...} (hit: loaded from the disk cache, miss:
-        compiled), and those still to be on first use: "cached" (in the disk cache), "pending" (to compile)."""
+        compiled), and those still to be on first use: "cached" (in the disk cache), "pending" (to compile), or loading in
+        the background: "loading"."""
         out: dict[str, int] = {}
-        for how in [*(exe.cache for exe in self.executables.values()), *self._deferred.values()]:
+        for how in [*(exe.cache for exe in self.executables.values()), *self._deferred.values(),
+                    *("loading" for _ in self._loading)]:
             out[how] = out.get(how, 0) + 1
         return out
 
@@ -328,4 +370,5 @@ class Runner:
             log.debug("run %d (%s): pools updated in place", run, e.name)
 
     def close(self) -> None:
+        self._stop_loading()
         self.device.close()

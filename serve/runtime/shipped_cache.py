@@ -61,9 +61,9 @@ class ShippedCache:
         """Whether the body's executable is here and passes its check."""
         return self._cache.read(self._cache.key(digest, options), digest)[0] is not None
 
-    def load(self, client: pypjrt.Client, digest: str, options: bytes, label: str):
+    def load(self, client: pypjrt.Client, digest: str, options: bytes, label: str, deserialize=None):
         """The loaded executable, or None (not here, or here but failing its check: logged, to compile)."""
-        handle, status = self._cache.load(client, self._cache.key(digest, options), digest)
+        handle, status = self._cache.load(client, self._cache.key(digest, options), digest, deserialize)
         if status == "stale":
             log.warning("the artifact's compiled %s (%s) fails its check (damaged, or not this body's): compiling "
                         "it instead", label, self.directory)

@@ -1,7 +1,7 @@
 """DeepSeek-V3's MTP head staged (export/_mtp_entries.py): with --speculative-tokens, a checkpoint that has the head
-gets mtp entries, its own pool and HIDDEN_STATES from the decoder's entries; the staged mtp entry's logits equal the
-torch reference (tests/support/mtp_checkpoint.py), calls chaining through its pool; a checkpoint without the head
-stages none."""
+gets mtp entries, its own pool and HIDDEN_STATES (after the final norm) from the decoder's entries; the staged mtp
+entry's logits equal the torch reference (tests/support/mtp_checkpoint.py), calls chaining through its pool; a
+checkpoint without the head stages none."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from bodies import _compiled
 from hf_models import build_checkpoint
 from margins import assert_within
-from mtp_checkpoint import add_mtp_head, mtp_bound, torch_mtp
+from mtp_checkpoint import add_mtp_head, mtp_bound, torch_hidden, torch_mtp
 from tlaloc_jax import artifact as af
 from tlaloc_jax.checkpoint import load_checkpoint, read_config
 from tlaloc_jax.export import export_checkpoint
@@ -60,6 +60,14 @@ def test_a_checkpoint_without_the_head_stages_none(exported):
     assert "HIDDEN_STATES" not in text and '"mtp' not in text
 
 
+def _call(art, e: af.Entry, step: dict, pools: dict, weights: dict) -> dict:
+    """The entry's body called with its step inputs by role, pools by name and weights by slot; -> its outputs by
+    (role, slot)."""
+    args = [jnp.asarray(step[s.role]) if s.role in step else pools[s.slot] if s.role == af.Role.POOL_IN
+            else jnp.asarray(weights[s.slot]) for s in e.inputs]
+    return dict(zip([(s.role, s.slot) for s in e.outputs], _compiled(str(art / e.exported), 0, 0)(*args)))
+
+
 def _run_mtp(m: af.Manifest, art, tokens: np.ndarray, hidden: np.ndarray, weights: dict) -> list[np.ndarray]:
     """The mtp entry of B rows and CHUNK tokens called for each of CALLS, rows right-aligned; -> each call's LOGITS
     [B, V] (the row's last position's)."""
@@ -80,9 +88,7 @@ def _run_mtp(m: af.Manifest, art, tokens: np.ndarray, hidden: np.ndarray, weight
         h[:, pad:] = hidden[:, lo:hi]
         step = {af.Role.TOKEN_IDS: ids, af.Role.POSITIONS: pos, af.Role.SEQ_LENS: np.full((B,), hi, np.int32),
                 af.Role.BLOCK_TABLES: tables, af.Role.SLOT_MAPPING: slots, af.Role.HIDDEN_STATES: h}
-        args = [jnp.asarray(step[s.role]) if s.role in step else pools[s.slot] if s.role == af.Role.POOL_IN
-                else jnp.asarray(weights[s.slot]) for s in e.inputs]
-        result = dict(zip([(s.role, s.slot) for s in e.outputs], _compiled(str(art / e.exported), 0, 0)(*args)))
+        result = _call(art, e, step, pools, weights)
         pools = {p.name: result[(af.Role.POOL_OUT, p.name)] for p in m.pools}
         out.append(np.asarray(result[(af.Role.LOGITS, "")]))
     return out
@@ -108,3 +114,24 @@ def test_the_staged_mtp_entry_equals_the_torch_reference(exported):
     weights["mtp.enorm"], weights["mtp.hnorm"] = weights["mtp.hnorm"], weights["mtp.enorm"]
     swapped = _run_mtp(m, art, tokens, hidden, weights)
     assert tol.relative_error(swapped[-1], want[:, -1]) > bound
+
+
+def test_the_decoders_hidden_states_are_transformers_after_its_final_norm(exported):
+    """What the head reads (vLLM's contract): a prefill entry's HIDDEN_STATES are transformers' decoder's hidden
+    states after its final norm, within the decoder's bound. Control: those before the norm miss it."""
+    ck, m, art = exported["head"]
+    cfg = config_from_hf(read_config(ck))[1]
+    e = next(e for e in m.entries if e.kind == af.EntryKind.PREFILL and e.batch == B and e.tokens_per_seq == CHUNK
+             and not e.packed_tokens)
+    tokens = np.random.default_rng(SEED + 2).integers(0, cfg.vocab_size, (B, CHUNK)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(CHUNK, dtype=np.int32), (B, CHUNK))
+    tables = np.arange(B * (16 // BLOCK), dtype=np.int32).reshape(B, -1)
+    slots = (np.take_along_axis(tables, pos // BLOCK, axis=1) * BLOCK + pos % BLOCK).astype(np.int32)
+    step = {af.Role.TOKEN_IDS: tokens, af.Role.POSITIONS: pos, af.Role.SEQ_LENS: np.full((B,), CHUNK, np.int32),
+            af.Role.BLOCK_TABLES: tables, af.Role.SLOT_MAPPING: slots}
+    pools = {p.name: jnp.zeros(p.shape, af.numpy_dtype(p.dtype)) for p in m.pools}
+    got = np.asarray(_call(art, e, step, pools, _weights(m, art))[(af.Role.HIDDEN_STATES, "")])
+    before, after = torch_hidden(ck, tokens)
+    bound = tol.bound(tol.decoder_roundings_of(cfg, context=CHUNK))
+    assert_within(tol.relative_error(got, after), bound, "staged HIDDEN_STATES vs transformers after the final norm")
+    assert tol.relative_error(got, before) > bound

@@ -19,7 +19,7 @@ from tlaloc_jax.decoder import final_hidden, init_pools
 from tlaloc_jax.families import config_from_hf
 from tlaloc_jax.inputs import StepInputs
 from tlaloc_jax.config import LINEAR
-from tlaloc_jax.mtp_head import POOL, layout_of, load_mtp_weights, mtp_hidden, mtp_logits, mtp_pool
+from tlaloc_jax.mtp_head import POOL, load_mtp_weights, mtp_hidden, mtp_logits, mtp_pool
 from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve import speculative as spec
@@ -67,14 +67,12 @@ PAGE, PAGES = 4, 8
 
 @functools.lru_cache(maxsize=1)
 def _in_process(ck):
-    """The checkpoint's config, decoder and head weights, and the decoder's (its hidden states as the head's layout
-    reads them: before the final norm or after) and the head's steps, jitted."""
+    """The checkpoint's config, decoder and head weights, and the decoder's (its hidden states after the final norm,
+    which the head reads) and the head's steps, jitted."""
     fam, cfg = config_from_hf(read_config(ck))
     head, kind = load_mtp_weights(ck, fam, cfg)
     weights = {k: jnp.asarray(v) for k, v in {**load_checkpoint(ck)[1], **head}.items()}
-    pre_norm = not layout_of(cfg).normed
-    hidden = jax.jit(lambda w, pools, x: final_hidden(cfg, w, pools, x, all_positions=True, pre_norm=pre_norm,
-                                                      key_block=PAGE * PAGES)[0])
+    hidden = jax.jit(lambda w, pools, x: final_hidden(cfg, w, pools, x, all_positions=True, key_block=PAGE * PAGES)[0])
     mtp = jax.jit(lambda w, pool, x, h: mtp_hidden(cfg, kind, w, pool, x, h, key_block=PAGE * PAGES))
     return cfg, weights, hidden, mtp, jax.jit(lambda w, h: jnp.argmax(mtp_logits(cfg, w, h[0, -1])))
 

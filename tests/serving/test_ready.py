@@ -30,6 +30,7 @@ from tlaloc_jax import artifact as af
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve import readiness as readiness_mod
 from tlaloc_jax.serve.readiness import MAX_RETRY_AFTER_S, Readiness
+from tlaloc_jax.serve.runtime.runner import Runner
 
 PROMPT = [5, 17, 99, 3, 250, 8, 61]
 
@@ -200,6 +201,52 @@ def test_a_warm_start_compiles_nothing_and_is_ready_at_once(http_artifacts, fill
         assert counts["compile"] == len(filled.later)
 
 
+def _held_load(monkeypatch, name: str) -> threading.Event:
+    """Hold a preloading Runner's background load of entry `name` until the returned event is set."""
+    release = threading.Event()
+    load = Runner._load
+
+    def held(self, e):
+        if e.name == name:
+            assert release.wait(60), "the test never released the load"
+        return load(self, e)
+    monkeypatch.setattr(Runner, "_load", held)
+    return release
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_warm_start_is_ready_once_every_entry_is_loaded(http_artifacts, filled, tmp_path, monkeypatch, control):
+    """A preloading server (`python -m tlaloc_jax.serve` without --lazy-compile) on a filled cache answers /health
+    503 until every entry has loaded (each from the cache: nothing compiles), then serves the same ids. Control: a
+    loop that does not wait for the loads (the bug) answers 200 with an entry still loading, which the check catches.
+    --lazy-compile's side is test_a_warm_start_compiles_nothing_and_is_ready_at_once."""
+    counts = _count_pjrt(monkeypatch)
+    last = af.load_manifest(http_artifacts[1], verify_weights=False).entries[-1].name
+    release = _held_load(monkeypatch, last)
+    if control:
+        monkeypatch.setattr(Runner, "loading", lambda self: [])
+    with Engine.load(http_artifacts[1], cache_dir=filled.copy(tmp_path / "warm"), progress=False,
+                     preload=True) as engine:
+        names = {e.name for e in engine.manifest.entries}
+        with InProcess(engine, compile_all=True) as srv:
+            if control:
+                assert srv.client.get("/health").status_code == 200
+                assert set(engine.runner.executables) != names      # what the check below refuses
+                release.set()
+                return
+            r = srv.client.get("/health")
+            assert r.status_code == 503, r.text
+            assert re.fullmatch(rf"loading or compiling entries: \d+/{len(names)}", r.json()["error"]["message"])
+            release.set()
+            _until_healthy(srv.client)
+            assert set(engine.runner.executables) == names and engine.entries_to_compile() == []
+            r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                             "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == filled.want
+        assert counts["compile"] == 0 and engine.compile_report() == {"hit": len(names)}
+
+
 def test_a_damaged_cache_entry_is_compiled_before_ready(http_artifacts, filled, tmp_path):
     """A cache file that fails its check does not count as compiled: that entry compiles before /health answers 200
     (the others, intact, load on first use)."""
@@ -267,10 +314,12 @@ def test_the_server_logs_its_start_up_in_plain_lines(http_artifacts, filled, tmp
         while "start-up: " not in (text := log_path.read_text()) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "\r" not in text and "entry/s" not in text, text      # no bar's redraws
-        assert re.search(r"ready: \d+ entries compiled in", text), text
+        # Every entry loads (from the cache) or compiles (the three dropped) before ready.
+        assert re.search(r"ready: \d+ entries loaded or compiled in", text), text
         # One line of the start-up's phases (after the ready line, which the phases' line follows at once).
         assert re.search(r"start-up: Python and imports [0-9.]+ s, artifact checked [0-9.]+ s, engine loaded [0-9.]+ s, "
-                         r"server set up [0-9.]+ s, compiling \d+ entries [0-9.]+ s; ready [0-9.]+ s after", text), text
+                         r"server set up [0-9.]+ s, loading or compiling \d+ entries [0-9.]+ s; ready [0-9.]+ s after",
+                         text), text
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200, r.text

@@ -13,6 +13,7 @@ state after the last drafted token rather than the last accepted one."""
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
@@ -470,3 +471,69 @@ def test_metrics_carry_vllms_spec_decode_counters(artifact, serve_cache_dir, cop
     per = [lines[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{i}"}}']
            for i in range(K)]
     assert per == st["spec_decode_num_accepted_tokens_per_pos"]
+
+
+def _verify_and_decode_events(path, cache, prompt: list[int]) -> tuple[list, list]:
+    """The events of `prompt`'s 16 greedy tokens (logprobs=2) from decode calls, and from verify calls: a proposer
+    that knows the continuation drafts it, so every token after the first comes from a verify call."""
+    with Engine.load(path, cache_dir=cache, progress=False, use_decode_steps=False) as eng:
+        plain = _logprob_events(eng, prompt)
+        assert eng.stats()["verify_calls"] == 0
+    want = [e.token for e in plain]
+    drafts = mock.patch.object(speculative, "propose_ngram",
+                               lambda tokens, k, lo, hi: want[len(tokens) - len(prompt):][:k])
+    with drafts, Engine.load(path, cache_dir=cache, progress=False, use_decode_steps=False,
+                             speculative_config=NGRAM) as eng:
+        spec = _logprob_events(eng, prompt)
+        st = eng.stats()
+    assert [e.token for e in spec] == want
+    assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"] > 0
+    assert st["verify_calls"] == -(-(len(want) - 1) // (K + 1))
+    return plain, spec
+
+
+def _worst_over_bound(ck, prompt: list[int], plain: list, spec: list, shift: int = 0) -> float:
+    """The largest |verify logprob - decode logprob| (emitted and top tokens, every token a verify call emitted)
+    over its bound: two computations of a logit differ by D = logit_bound * max |logit|, a log_softmax entry by 2 D
+    plus its own roundings (the logits' scale from transformers' run of the sequence). shift: the decode events
+    compared one position on (a control)."""
+    import tlaloc_jax
+    import torch
+    from hf_models import load_hf_torch
+    got = [e.token for e in plain]
+    with torch.no_grad():
+        logits = load_hf_torch(ck)(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1].double().numpy()
+    lsm = logits - (logits.max(-1, keepdims=True)
+                    + np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)))
+    cfg = tlaloc_jax.load_hf(ck).config
+    logit_bound = tol.bound(tol.decoder_roundings_of(cfg, context=CONTEXT))
+    lsm_bound = tol.bound(cfg.vocab_size + 2 * tol.TRANSCENDENTAL_ULPS + 2)
+    worst = 0.0
+    for k in range(1, len(spec) - shift):
+        d, v = plain[k + shift], spec[k]
+        allowed = 2 * logit_bound * np.abs(logits[k]).max() + lsm_bound * np.abs(lsm[k]).max()
+        pairs = [(v.logprob, d.logprob)] + [(b, a) for (ia, a), (ib, b) in zip(d.top_logprobs, v.top_logprobs)]
+        worst = max(worst, *(abs(x - y) / allowed for x, y in pairs))
+    return worst
+
+
+@pytest.mark.parametrize("artifact", ["llama"], indirect=True)
+def test_a_verify_call_scores_each_position_as_a_decode_call_does(artifact, serve_cache_dir, copying):
+    """Every token a verify call emits has the logprob and top logprobs the decode calls give its position, within the
+    tolerance model; the greedy ids are the same. Control: compared one position off, they are far outside it."""
+    plain, spec = _verify_and_decode_events(artifact[1], serve_cache_dir, copying)
+    ck = artifact[1].parent / "ck"
+    assert _worst_over_bound(ck, copying, plain, spec) <= 1.0
+    assert _worst_over_bound(ck, copying, plain, spec, shift=1) > 10.0, "control: one position off passes"
+
+
+@pytest.mark.parametrize("artifact", ["llama"], indirect=True)
+def test_verify_entries_run_the_decode_entries_kernels(artifact):
+    """A cpu export's verify bodies call the C kernels its decode bodies call (export/_verify.py, SplitStep.verify):
+    the projections and the decode attention, each drafted token a row of its own."""
+    m, path = artifact
+    assert set(m.versions.custom_calls) == {"tlaloc_decode_attention_v1", "tlaloc_projection_v1"}
+    for e in m.entries:
+        if e.kind in (af.EntryKind.VERIFY, af.EntryKind.DECODE):
+            body = (path / e.serialized).read_bytes()
+            assert all(target.encode() in body for target in m.versions.custom_calls), e.name

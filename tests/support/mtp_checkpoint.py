@@ -94,22 +94,48 @@ def _causal_layer(layer, model, x, positions):
 
 
 @torch.no_grad()
-def torch_mtp(checkpoint, tokens: np.ndarray, hidden: np.ndarray) -> np.ndarray:
-    """The head's logits [B, T, V] in torch: position t reads hidden[t] and tokens[t], all from the checkpoint."""
+def torch_hidden(checkpoint, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' decoder over tokens [B, T] -> its hidden states [B, T, E] before and after its final norm (what
+    vLLM's target model returns, and an MTP head reads)."""
+    model = load_hf_torch(checkpoint)
+    before = []
+    hook = model.model.norm.register_forward_hook(lambda module, args, out: before.append(args[0]))
+    try:
+        after = model.model(torch.from_numpy(tokens).long()).last_hidden_state
+    finally:
+        hook.remove()
+    return before[0].numpy(), after.numpy()
+
+
+@torch.no_grad()
+def torch_mtp(checkpoint, tokens: np.ndarray, hidden: np.ndarray, chained: np.ndarray | None = None, *,
+              chain_normed: bool = True) -> np.ndarray:
+    """DeepSeek-V3's head's logits [B, T + k, V] in torch, all from the checkpoint: position t < T reads hidden[t] and
+    tokens[t]; position T + j reads chained[:, j] [B, k] and the head's own state at the position before it, which
+    vLLM chains after shared_head.norm (chain_normed; False: the layer's output before it)."""
     model = load_hf_torch(checkpoint)
     config = model.config
     at = f"model.layers.{config.num_hidden_layers}."
     stored = {k[len(at):]: torch.from_numpy(v) for k, v in load_file(checkpoint / "model.safetensors").items()
               if k.startswith(at)}
     layer = _loaded(DeepseekV3DecoderLayer(config, config.num_hidden_layers), stored, HEAD, config.n_routed_experts)
-    eps, Bt, Tt = config.rms_norm_eps, *tokens.shape
-    positions = torch.arange(Tt)[None].expand(Bt, Tt)
-    e = model.model.embed_tokens(torch.from_numpy(tokens).long())
-    e = torch.where(positions[..., None] == 0, 0.0, e)
-    x = torch.cat([_rms(e, stored["enorm.weight"], eps), _rms(torch.from_numpy(hidden), stored["hnorm.weight"], eps)],
-                  dim=-1) @ stored["eh_proj.weight"].T
-    out = _causal_layer(layer, model, x, positions)
-    return (_rms(out, stored["shared_head.norm.weight"], eps) @ stored["shared_head.head.weight"].T).numpy()
+    eps = config.rms_norm_eps
+    norm = lambda h: _rms(h, stored["shared_head.norm.weight"], eps)      # noqa: E731
+
+    def head(ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1])[None].expand(*ids.shape)
+        e = torch.where(positions[..., None] == 0, 0.0, model.model.embed_tokens(ids))
+        x = torch.cat([_rms(e, stored["enorm.weight"], eps), _rms(h, stored["hnorm.weight"], eps)],
+                      dim=-1) @ stored["eh_proj.weight"].T
+        return _causal_layer(layer, model, x, positions)
+
+    ids, h = torch.from_numpy(tokens).long(), torch.from_numpy(hidden)
+    out = head(ids, h)
+    for j in range(0 if chained is None else chained.shape[1]):
+        state = norm(out[:, -1:]) if chain_normed else out[:, -1:]
+        ids, h = torch.cat([ids, torch.from_numpy(chained[:, j:j + 1]).long()], dim=1), torch.cat([h, state], dim=1)
+        out = head(ids, h)
+    return (norm(out) @ stored["shared_head.head.weight"].T).numpy()
 
 
 def add_qwen3_next_mtp(checkpoint: Path, out_dir: Path, *, seed: int = 0) -> Path:
@@ -162,9 +188,10 @@ def torch_qwen3_next_mtp(checkpoint, tokens: np.ndarray, hidden: np.ndarray) -> 
     return model.lm_head(_rms1(out, stored["norm.weight"], eps)).numpy()
 
 
-def mtp_bound(cfg, context: int, kind: str = SPARSE) -> float:
+def mtp_bound(cfg, context: int, kind: str = SPARSE, *, steps: int = 1) -> float:
     """The head's path: its two input norms and eh_proj (2E terms), then one decoder layer of its MLP kind and the
-    shared head, as tolerances.decoder_roundings_of counts a one-layer decoder."""
+    shared head, as tolerances.decoder_roundings_of counts a one-layer decoder; steps such paths in a row for a
+    position whose hidden state the head chained."""
     one = dataclasses.replace(cfg, num_layers=1, layer_types=cfg.layer_types[-1:], mlp_types=(kind,))
-    return tol.bound(tol.decoder_roundings_of(one, context=context) + tol.rms_norm_roundings(cfg.hidden_size)
-                     + 2 * cfg.hidden_size)
+    return tol.bound(steps * (tol.decoder_roundings_of(one, context=context) + tol.rms_norm_roundings(cfg.hidden_size)
+                              + 2 * cfg.hidden_size))

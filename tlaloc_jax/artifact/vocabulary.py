@@ -103,7 +103,7 @@ class Role(enum.StrEnum):
     VERIFY_TOP_LOGPROBS = "VERIFY_TOP_LOGPROBS"
     VERIFY_TOP_IDS = "VERIFY_TOP_IDS"
     # An MTP head's (tlaloc_jax/mtp_head.py), only in an artifact that has one: HIDDEN_STATES f32, a decoder entry's
-    # output [B, T, E], each position's hidden state before the final norm, and an mtp entry's input [B, T, E] (the
+    # output [B, T, E], each position's hidden state after the final norm, and an mtp entry's input [B, T, E] (the
     # decoder's, or its own to chain) and output [B, 1, E] (the head's at each row's last position).
     HIDDEN_STATES = "HIDDEN_STATES"
     # A bounded program's (slot: the author's input or output name, or the bound's name): an input of the
