@@ -399,10 +399,11 @@ def main(argv=None) -> None:
                  [Cell(c, int(p)) for c in clients for p in a.shared_prefix.split(",")])
         results: dict[tuple[str, str], list[dict]] = {}
         for rnd in range(a.rounds):
-            plan = [(i, cell, servers[0]) for i, cell in enumerate(cells)] if rnd == 0 and first_use else []
+            ahead = rnd == 0 and first_use     # tlaloc-jax's first round of every cell runs before the rest
+            plan = [(i, cell, servers[0]) for i, cell in enumerate(cells)] if ahead else []
             for i, cell in enumerate(cells):
                 order = servers if (rnd + i) % 2 == 0 else servers[::-1]
-                if plan:                    # tlaloc-jax's first round ran above
+                if ahead:
                     order = [s for s in order if s is not servers[0]]
                 if uncached is not None and cell.shared:
                     order = order + [uncached]
