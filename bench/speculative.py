@@ -13,14 +13,14 @@ a busy machine the wall time also counts waiting for a core).
 with lookup must equal its own without.
 
 --draft-layers N adds a draft-model row (method "draft_model", serve/draft_model.py) on the copy-heavy and open
-workloads: the draft is the target's first N of its 4 layers (its final norm and tied head kept: a truncated
-copy, no other small model of its tokenizer exists here); N = 4 is the target drafting for itself, every draft
-accepted and nothing gained (the draft costs what the target does).
+workloads: the draft is the target's first N of its layers (its final norm and tied head kept: a truncated copy,
+no other small model of its tokenizer exists here); N = all of them is the target drafting for itself, every
+draft accepted and nothing gained (the draft costs what the target does).
 
---model copier runs the same rows on the copier instead of the demo model: the demo model fine-tuned (COPIER,
-tlaloc_jax/tools/train.py --init --copy-fraction) on windows that quote their own start again, to teach it to
-continue a quoted excerpt by copying it, as the copy-heavy workload wants; the demo model does not. It is trained
-once under --work (seeded, training.json beside it), never shipped.
+--model copier runs the same rows on the copier instead of the demo model: a model that continues a quoted excerpt
+by copying it, as the copy-heavy workload wants (the demo model does not): the demo model fine-tuned on synthetic
+copies (COPIER, tlaloc_jax/tools/train.py --synthetic-copy: a span of random token ids after a blank line, over and
+over), trained once under --work (seeded, training.json beside it), never shipped.
 
     python -m bench.speculative [--work /tmp/tlaloc-spec-bench] [--k 4] [--new 96] [--rounds 3] [--only never]
     LLAMA_CPP_LIB_PATH=<dir of libllama.so> python -m bench.speculative --only copy-heavy --peer llama.cpp
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import os
 import statistics
 import time
@@ -52,12 +53,15 @@ def excerpt(path: str, tokenizer, tokens: int) -> list[int]:
     return tokenizer.encode(text[text.index("def "):]).ids[:tokens]
 
 
+RESTART = 8   # tokens of the excerpt a copy-heavy prompt begins again with
+
+
 def workloads(tokenizer, quote: int) -> dict[str, list[list[int]]]:
-    """copy: an excerpt, a blank line, then its first 8 tokens again; open: a function's first line."""
+    """copy: an excerpt, a blank line, then its first RESTART tokens again; open: a function's first line."""
     copy, open_ = [], []
     for path in SOURCES:
         ids = excerpt(path, tokenizer, quote)
-        copy.append(ids + tokenizer.encode("\n\n").ids + ids[:8])
+        copy.append(ids + tokenizer.encode("\n\n").ids + ids[:RESTART])
         open_.append(ids[:12])
     return {"copy-heavy": copy, "open": open_, "never": copy}
 
@@ -74,7 +78,6 @@ def never_accepted(vocab: int):
 
 def truncated_copy(src: Path, out: Path, layers: int) -> Path:
     """A checkpoint of `src`'s first `layers` decoder layers (embedding, final norm and head kept), tokenizer copied."""
-    import json
     import shutil
 
     from safetensors.numpy import load_file, save_file
@@ -93,10 +96,10 @@ def truncated_copy(src: Path, out: Path, layers: int) -> Path:
     return out
 
 
-# The copier: the demo model fine-tuned on windows that all quote their own start again
-# (tlaloc_jax/tools/train.py --init --copy-fraction), to continue a quoted text by copying it.
-COPIER = {"copy_fraction": 1.0, "steps": 250, "learning_rate": 2e-3, "warmup_steps": 10, "eval_interval": 50,
-          "eval_batches": 4}
+# The copier: the demo model fine-tuned on windows of one random token span repeated after a blank line
+# (tlaloc_jax/tools/train.py --synthetic-copy), where copying is the only way to predict.
+COPIER = {"synthetic_copy": 1.0, "steps": 600, "learning_rate": 2e-3, "warmup_steps": 10, "eval_interval": 100,
+          "eval_batches": 2}
 
 
 def copier(work: Path) -> Path:
@@ -109,6 +112,12 @@ def copier(work: Path) -> Path:
         print(f"training the copier from the demo model ({COPIER}) into {out}", flush=True)
         train(TrainConfig(**COPIER), out, init=DEMO_MODEL, progress=False)
     return out
+
+
+def copied(prompts, outputs, quote: int) -> list[int]:
+    """Per copy-heavy prompt: how many of the quoted excerpt's remaining tokens its continuation repeats in order."""
+    return [sum(1 for _ in itertools.takewhile(lambda t: t[0] == t[1], zip(out, p[RESTART:quote])))
+            for p, out in zip(prompts, outputs)]
 
 
 def run(generate, prompts, batch: int, new: int) -> tuple[list[list[int]], float, float, int]:
@@ -189,6 +198,7 @@ def main(argv=None) -> None:
         export_checkpoint(ckpt, art, batch_ladder=(1, 4), context_ladder=(256,), speculative_tokens=a.k,
                           progress=False)
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
     loads = workloads(tok, a.quote)
     config = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": a.lookup_min,
               "prompt_lookup_max": a.lookup_max}
@@ -221,9 +231,13 @@ def main(argv=None) -> None:
                 if draft is not None and name != "never":
                     systems["draft model"] = (draft.generate, contextlib.nullcontext, draft)
                 rates = interleaved(systems, prompts, batch, a.new, a.rounds, check)
+                if name == "copy-heavy" and batch == 1:
+                    print(f"greedy continuations repeat {copied(prompts, want['plain'], a.quote)} of the "
+                          f"{a.quote - RESTART} quoted tokens left", flush=True)
                 report(name, batch, rates, "plain", "ngram", len(prompts) * a.rounds)
                 if "draft model" in systems:
-                    report(f"{a.draft_layers}/4 draft", batch, rates, "plain", "draft model", len(prompts) * a.rounds)
+                    report(f"{a.draft_layers}/{layers} draft", batch, rates, "plain", "draft model",
+                           len(prompts) * a.rounds)
         if a.peer:
             peer_rounds(a, ckpt, loads["copy-heavy"], plain, spec)
 

@@ -24,7 +24,8 @@ from tlaloc_jax.kernels import causal_attention_reference
 from tlaloc_jax.kernels import tolerances as tol
 from tlaloc_jax.kernels.tolerances import relative_error
 from tlaloc_jax.tools.train import (DEMO_MODEL_DIR, EOT, TrainConfig, copying_windows, corpus_files,
-                                    loss_and_grads, random_windows, split_files, train, train_tokenizer)
+                                    loss_and_grads, random_windows, split_files, synthetic_copy_windows, train,
+                                    train_tokenizer)
 
 # Dimensions chosen apart from each other and from T (37) and its key-block padding (48), so that a
 # [T, T] tensor in a jaxpr can be told from the others by its shape.
@@ -214,6 +215,37 @@ def test_copying_windows_quote_their_own_start():
         assert (after[m + 2:] == before[:length - m - 2]).all()
     assert 70 <= quoted <= 130   # about half of 200
     assert (copying_windows(drawn, np.random.default_rng(1), 0.0, sep) == drawn).all()
+
+
+def test_synthetic_copy_windows_repeat_random_spans():
+    """--synthetic-copy: a window is one span of the given ids (its length in the range) after the separator, over
+    and over, cut to the window's length. Spans differ between windows, and no id outside `ids` appears."""
+    length, sep, ids = 300, [-1, -2], np.arange(100, 4096, dtype=np.int32)
+    ids = ids[ids != 150]
+    out = synthetic_copy_windows(np.random.default_rng(0), 20, length, ids, sep, (16, 40))
+    assert out.shape == (20, length) and out.dtype == np.int32
+    spans = set()
+    for row in out:
+        assert set(row.tolist()) - set(sep) <= set(ids.tolist())
+        assert list(row[:2]) == sep
+        m = int(np.flatnonzero(row[2:] == sep[0])[0])
+        assert 16 <= m <= 40
+        spans.add(tuple(row[2:2 + m].tolist()))
+        unit = np.concatenate([sep, row[2:2 + m]])
+        assert (row == np.resize(unit, length)).all()
+    assert len(spans) == 20
+
+
+def test_synthetic_copy_run_takes_the_given_tokenizer(two_runs, small_stdlib, tmp_path):
+    """A run from scratch on synthetic copies with --tokenizer: the checkpoint's tokenizer is kept (none trained),
+    the weights start untrained, and training.json records both."""
+    _, start = two_runs[0]
+    run = dataclasses.replace(TINY_RUN, steps=2, synthetic_copy=1.0, copy_span_min=4, copy_span_max=12,
+                              eval_interval=2)
+    got = train(run, tmp_path / "copier", stdlib=small_stdlib, progress=False, log=lambda s: None, tokenizer=start)
+    assert got["first_train_loss"] > math.log(TINY_RUN.vocab_size) - 0.5
+    assert got["tokenizer"] == str(start) and got["init"] is None and got["config"]["synthetic_copy"] == 1.0
+    assert (tmp_path / "copier" / "tokenizer.json").read_bytes() == (start / "tokenizer.json").read_bytes()
 
 
 def test_fine_tuning_starts_from_the_checkpoint(two_runs, small_stdlib, tmp_path):

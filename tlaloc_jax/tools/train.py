@@ -69,6 +69,9 @@ class TrainConfig:
     eval_batches: int = 8
     key_block: int = 256
     copy_fraction: float = 0.0   # share of training windows that quote their own start again (copying_windows)
+    synthetic_copy: float = 0.0  # share of training windows of random ids repeated after `sep` (synthetic_copy_windows)
+    copy_span_min: int = 16      # the length range of synthetic_copy_windows' spans
+    copy_span_max: int = 96
 
     def hf_config(self, *, eos_id: int) -> dict[str, Any]:
         """The config.json of the trained model (a plain Llama: no biases, default RoPE, tied head)."""
@@ -257,6 +260,20 @@ def copying_windows(windows: np.ndarray, rng: np.random.Generator, fraction: flo
     return out
 
 
+def synthetic_copy_windows(rng: np.random.Generator, batch: int, length: int, ids: np.ndarray, sep: Sequence[int],
+                           span: tuple[int, int]) -> np.ndarray:
+    """batch windows, each one span of uniformly random `ids` (its length drawn from span = (min, max)) after `sep`,
+    again and again, cut to `length`. Random ids can only be predicted by copying, and all but the first span are
+    copies: the signal that forms heads which find the earlier copy of the current token (induction heads), which
+    code alone does not teach a small model. -> int32 [batch, length]."""
+    sep = np.asarray(sep, np.int32)
+    out = np.empty((batch, length), np.int32)
+    for row in range(batch):
+        s = rng.choice(ids, size=int(rng.integers(span[0], span[1] + 1))).astype(np.int32)
+        out[row] = np.concatenate([sep, s] * (length // (len(s) + len(sep)) + 1))[:length]
+    return out
+
+
 def fixed_windows(tokens: np.ndarray, count: int, length: int) -> np.ndarray:
     """Up to `count` disjoint windows spread evenly over `tokens`: int32 [count, length]."""
     n = len(tokens) // length
@@ -268,16 +285,19 @@ def fixed_windows(tokens: np.ndarray, count: int, length: int) -> np.ndarray:
 # Training run and samples
 
 def train(tc: TrainConfig, out_dir: Path, *, stdlib: str | Path | None = None, progress: bool = True,
-          log: Callable[[str], None] = print, init: Path | None = None) -> dict[str, Any]:
+          log: Callable[[str], None] = print, init: Path | None = None,
+          tokenizer: Path | None = None) -> dict[str, Any]:
     """Train from scratch, or fine-tune the checkpoint `init` (its tokenizer and weights, of tc's shape), and write
-    the checkpoint to out_dir; -> a summary (losses, timings)."""
+    the checkpoint to out_dir; -> a summary (losses, timings). `tokenizer`: a checkpoint whose tokenizer a run from
+    scratch takes rather than training one."""
     from tqdm import tqdm
 
     t_start = time.perf_counter()
     files = corpus_files(stdlib)
     train_files, val_files = split_files(files, tc.val_every)
     train_texts, val_texts = read_texts(train_files), read_texts(val_files)
-    tok = init_tokenizer(init) if init is not None else train_tokenizer(train_texts, tc.vocab_size)
+    given = init if init is not None else tokenizer
+    tok = init_tokenizer(given) if given is not None else train_tokenizer(train_texts, tc.vocab_size)
     if tok.get_vocab_size() != tc.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens, the model expects {tc.vocab_size}")
     train_ids, val_ids = encode_corpus(tok, train_texts), encode_corpus(tok, val_texts)
@@ -304,6 +324,8 @@ def train(tc: TrainConfig, out_dir: Path, *, stdlib: str | Path | None = None, p
 
     rng = np.random.default_rng(tc.seed)
     sep = tok.encode("\n\n").ids   # a quote starts as a new document would: EOT, a blank line
+    special = [i for i, t in tok.get_added_tokens_decoder().items() if t.special]
+    plain_ids = np.setdiff1d(np.arange(tc.vocab_size, dtype=np.int32), np.asarray(special, np.int32))
     history, ema = [], None
     t_train = time.perf_counter()
     bar = tqdm(range(1, tc.steps + 1), desc="train", disable=not progress, mininterval=2.0)
@@ -311,6 +333,10 @@ def train(tc: TrainConfig, out_dir: Path, *, stdlib: str | Path | None = None, p
         windows = random_windows(train_ids, rng, tc.batch_size, tc.seq_len + 1)
         if tc.copy_fraction:
             windows = copying_windows(windows, rng, tc.copy_fraction, sep)
+        if tc.synthetic_copy:
+            rows = rng.random(len(windows)) < tc.synthetic_copy
+            windows[rows] = synthetic_copy_windows(rng, int(rows.sum()), windows.shape[1], plain_ids, sep,
+                                                   (tc.copy_span_min, tc.copy_span_max))
         batch = jnp.asarray(windows)
         weights, opt_state, loss = step(weights, opt_state, batch)
         loss = float(loss)
@@ -333,7 +359,8 @@ def train(tc: TrainConfig, out_dir: Path, *, stdlib: str | Path | None = None, p
     write_tokenizer(out_dir, tok, tc.seq_len)
     tail = [h["loss"] for h in history[-max(1, tc.steps // 10):]]
     summary = {
-        "config": asdict(tc), "init": str(init) if init is not None else None, "parameters": n_params,
+        "config": asdict(tc), "init": str(init) if init is not None else None,
+        "tokenizer": str(given) if given is not None else None, "parameters": n_params,
         "python": platform.python_version(), "jax": jax.__version__,
         "corpus_files": {"train": len(train_files), "validation": len(val_files)},
         "corpus_tokens": {"train": int(len(train_ids)), "validation": int(len(val_ids))},
@@ -407,10 +434,12 @@ def main(argv=None) -> None:
                     help="the library whose .py files are the corpus (default: the running Python's)")
     ap.add_argument("--init", type=Path, default=None,
                     help="a checkpoint of the same shape to fine-tune (its tokenizer kept) rather than train anew")
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="a checkpoint whose tokenizer to train with rather than one trained anew (--init: its own)")
     ap.add_argument("--no-samples", action="store_true", help="skip the sample completions at the end")
     args = ap.parse_args(argv)
     tc = TrainConfig(**{f: getattr(args, f) for f in asdict(defaults)})
-    train(tc, args.out, stdlib=args.stdlib, init=args.init)
+    train(tc, args.out, stdlib=args.stdlib, init=args.init, tokenizer=args.tokenizer)
     if not args.no_samples:
         print_samples(args.out)
 
