@@ -321,6 +321,15 @@ PLAIN = {"/v1/completions": {"prompt": GOOD, "max_tokens": 2}, "/v1/chat/complet
     "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
 
 
+def _strict_json(value) -> bool:
+    """Whether json.dumps writes `value` as JSON (no NaN or infinities)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        return False
+    return True
+
+
 def _good_salt(salt) -> bool:
     """null, or a non-empty string of Unicode characters (a lone surrogate is none: the body is refused)."""
     return salt is None or isinstance(salt, str) and salt != "" and not any("\ud800" <= c <= "\udfff" for c in salt)
@@ -337,7 +346,10 @@ def test_any_cache_salt_is_served_or_refused_by_name(served, path, data):
     _check(served, path, json.dumps(body).encode())
     r = served[0].post(path, json.dumps(dict(PLAIN[path], cache_salt=salt)).encode(),
                        headers={"Content-Type": "application/json"})
-    if _good_salt(salt):
+    if not _strict_json(salt):
+        # NaN or an infinity somewhere in it: json.dumps writes NaN/Infinity, which is not JSON (RFC 8259)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    elif _good_salt(salt):
         assert r.status_code == 200, r.text
     else:
         # A lone surrogate deep inside a wrong-typed salt is refused by where it sits: cache_salt[0], ...
