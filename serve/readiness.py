@@ -34,8 +34,8 @@ def process_seconds() -> float | None:
 
 
 class Readiness:
-    """How many of `total` entries are compiled (or loaded: `doing`'s words). `progress`: "bar" (tqdm, for a terminal), "log"
-    (periodic lines) or None (the final line only). `phases`: the start-up's seconds before the loop began, by
+    """How many of `total` entries are compiled (or loaded: `doing`'s words). `progress`: "bar" (tqdm, for a
+    terminal), "log" (periodic lines) or None (the final line only). `phases`: the start-up's seconds before the loop began, by
     phase (the server's main fills it), for the start-up line."""
 
     def __init__(self, total: int, progress: str | None = "log", doing: tuple[str, str] = ("compiling", "compiled")):

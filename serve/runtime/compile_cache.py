@@ -87,9 +87,7 @@ class CompileCache:
         if code is None:
             return None, status
         try:
-            if deserialize is not None:
-                return deserialize(client, code), "hit"
-            return client.deserialize_executable(code), "hit"
+            return (deserialize(client, code) if deserialize else client.deserialize_executable(code)), "hit"
         except pjrt_errors.PjrtError:
             return None, "stale"
 
