@@ -14,7 +14,9 @@ mask (`draft_limit`); without a sampler only plain greedy rows draft.
 A sequence whose drafts are seldom accepted decodes one token a step as before (SpecState.may_draft): after a verify
 call that accepts none of its drafts it backs off, drafting again only after a pause that grows with each such call
 in a row (adaptive drafting, as SGLang's and llama.cpp's servers adapt theirs), and it stops for good once few of
-its drafts were accepted.
+its drafts were accepted. And a step runs only the drafts that pay for their verify rows at its batch
+(CallPlanner.drafts_that_pay: each sequence's acceptance so far against what its k + 1 positions cost beside
+a decode row's one): in a batch, a step where few sequences have drafts decodes as it would without.
 
 Drafts come from a `Proposer`: the scheduler picks the step's drafting sequences and the most drafts each may take,
 then asks the proposer once for all of them (`NgramProposer` here; serve/draft_model.py runs a second artifact,
@@ -48,6 +50,9 @@ MIN_ACCEPTANCE = 0.25
 # step it replaces).
 BACKOFF_TOKENS = 8
 BACKOFF_GROWTH = 4
+# The acceptance a sequence is expected to have before it drafts: PRIOR_ACCEPTED of PRIOR_DRAFTED (SpecState).
+PRIOR_ACCEPTED = 1
+PRIOR_DRAFTED = 2
 
 
 class SpeculativeConfigError(ValueError):
@@ -246,6 +251,11 @@ class SpecState:
         elif drafted:
             self.resume = generated + BACKOFF_TOKENS * BACKOFF_GROWTH ** self.misses
             self.misses += 1
+
+    def expected_accepted(self, drafts: int) -> float:
+        """How many of `drafts` drafts a verify call should accept: its acceptance so far, from a prior of one in two
+        (a sequence that has not drafted yet is tried)."""
+        return drafts * (self.accepted + PRIOR_ACCEPTED) / (self.drafted + PRIOR_DRAFTED)
 
     def may_draft(self, generated: int) -> bool:
         """Whether a sequence with `generated` tokens drafts: not while it backs off, nor once few were accepted."""

@@ -39,6 +39,20 @@ def jaxpr_eqns():
     return lambda f, *args: list(_all_eqns(jax.make_jaxpr(f)(*args).jaxpr))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _every_draft_runs(request):
+    """In a module marked every_draft, every draft the proposer makes runs: what those tests check is what drafting
+    changes (ids, distributions, state), at any batch, where CallPlanner.drafts_that_pay would leave out the drafts
+    that do not pay for their verify rows (tests/serving/test_drafts_that_pay.py tests that)."""
+    if request.node.get_closest_marker("every_draft") is None:
+        yield
+        return
+    from tlaloc_jax.serve.core.call_plan import CallPlanner
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CallPlanner, "drafts_that_pay", lambda self, decoding, drafted, ride=None: [w for w, _ in drafted])
+        yield
+
+
 @pytest.fixture(scope="session")
 def http_artifacts(tmp_path_factory):
     """(text artifact, ids artifact) that the HTTP tests serve (tests/support/http_util.py), exported once per session."""

@@ -10,6 +10,7 @@ packed prefills, by token bucket) runs every row, one token or a chunk, in them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -176,25 +177,63 @@ class CallPlanner:
 
     def _group(self, work: list[Work], kind: af.EntryKind) -> list[ScheduledCall]:
         """The calls of entries of `kind` that run `work`: rows in order, as many a call as an entry holds."""
-        calls: list[ScheduledCall] = []
+        calls = []
+        for entry, group in self._groups(work, kind):
+            if entry is None:
+                raise RuntimeError(f"no {kind} entry holds a row of {group[0].n} tokens reaching position "
+                                   f"{group[0].start + group[0].n}")
+            rows = tuple(row_call(x.token_ids, x.start, x.seq.held) for x in group)
+            calls.append(ScheduledCall(entry, tuple(x.seq for x in group), rows))
+        return calls
+
+    def _groups(self, work: list[Work], kind: af.EntryKind) -> list[tuple[af.Entry | None, list[Work]]]:
+        """`work` in order, as many rows a group as an entry of `kind` holds, with that entry (None: none holds it)."""
+        def fits(group: list[Work]) -> af.Entry | None:
+            return self.pick(kind, len(group), max(x.start + x.n for x in group), max(x.n for x in group),
+                             sum(x.n for x in group))
+        groups: list[tuple[af.Entry | None, list[Work]]] = []
         group: list[Work] = []
         for w in work + [None]:
-            if w is not None:
-                trial = group + [w]
-                if self.pick(kind, len(trial), max(x.start + x.n for x in trial), max(x.n for x in trial),
-                             sum(x.n for x in trial)):
-                    group = trial
-                    continue
+            if w is not None and fits(group + [w]):
+                group = group + [w]
+                continue
             if group:
-                entry = self.pick(kind, len(group), max(x.start + x.n for x in group), max(x.n for x in group),
-                                  sum(x.n for x in group))
-                if entry is None:
-                    raise RuntimeError(f"no {kind} entry holds a row of {group[0].n} tokens reaching position "
-                                       f"{group[0].start + group[0].n}")
-                rows = tuple(row_call(x.token_ids, x.start, x.seq.held) for x in group)
-                calls.append(ScheduledCall(entry, tuple(x.seq for x in group), rows))
+                groups.append((fits(group), group))
             group = [w] if w is not None else []
-        return calls
+        return groups
+
+    def _cost(self, work: list[Work], kind: af.EntryKind) -> float:
+        """call_cost of running `work` on entries of `kind` (infinite where no entry holds a row)."""
+        groups = self._groups(work, kind)
+        if any(entry is None for entry, _ in groups):
+            return math.inf
+        return sum(CALL_COST_POSITIONS + entry.positions for entry, _ in groups)
+
+    def drafts_that_pay(self, decoding: list[Work], drafted: list[tuple[Work, float]], ride=None) -> list[Work]:
+        """Of the drafted rows (each with the drafts it is expected to have accepted), those whose verify rows raise
+        the step's tokens per unit of call_cost over decoding every row of `decoding` (the step's one-token rows,
+        drafted ones included) a token: the best count of them, taken by expected gain. A verify row costs k + 1
+        positions where a decode row costs one: one drafting row among four decoding ones seldom pays for the
+        verify call (tests/unit/test_drafts_that_pay.py). ride(seq): a row without drafts may take its token from
+        the verify call (CallPlanner.plan)."""
+        plain = self._cost(decoding, af.EntryKind.DECODE)
+        best: list[Work] = []
+        best_rate = len(decoding) / plain
+        gained = 0.0
+        ranked = sorted(drafted, key=lambda wg: -wg[1])
+        for m, (_, gain) in enumerate(ranked, 1):
+            gained += gain
+            verify = [w for w, _ in ranked[:m]]
+            chosen = {id(w.seq) for w in verify}
+            rest = [w for w in decoding if id(w.seq) not in chosen]
+            riders = [w for w in rest if ride is not None and ride(w.seq)]
+            cost = self._cost(verify, af.EntryKind.VERIFY) + self._cost(rest, af.EntryKind.DECODE)
+            if riders:
+                cost = min(cost, self._cost(verify + riders, af.EntryKind.VERIFY)
+                           + self._cost([w for w in rest if w not in riders], af.EntryKind.DECODE))
+            if (len(decoding) + gained) / cost > best_rate:
+                best, best_rate = verify, (len(decoding) + gained) / cost
+        return best
 
     def _multi_step_ok(self, s: Request) -> bool:
         """Whether a decoding sequence's next tokens may come from one decode_steps call: nothing the host decides

@@ -222,7 +222,15 @@ class Scheduler:
         rows = [(s, k) for s in seqs if s.decoding and (k := self._draft_limit(s)) > 0]
         if not rows:
             return {}
-        return {s.rid: spec.allowed_drafts(s, tuple(d[:k])) for (s, k), d in zip(rows, self.proposer.propose(rows))}
+        drafts = {s.rid: spec.allowed_drafts(s, tuple(d[:k])) for (s, k), d in zip(rows, self.proposer.propose(rows))}
+        # Only the drafts that pay for their verify rows at this step's batch (CallPlanner.drafts_that_pay): a cost
+        # model of positions and each sequence's acceptance so far, never timings, so a seeded row's tokens do not
+        # depend on the machine's speed.
+        decoding = [s for s in seqs if s.decoding and (s.constraint is None or s.constraint.ready())]
+        drafted = [(Work(s, s.computed, 1 + len(drafts[s.rid]), drafts[s.rid]),
+                    s.spec.expected_accepted(len(drafts[s.rid]))) for s in decoding if drafts.get(s.rid)]
+        paying = self.planner.drafts_that_pay([Work(s, s.computed, 1) for s in decoding], drafted, self._may_ride)
+        return {w.seq.rid: w.draft for w in paying}
 
     def schedule(self) -> Step:
         """This step's calls: every running sequence advanced (preempting the youngest when units run out), then

@@ -25,7 +25,7 @@ from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve import speculative as spec
 from tlaloc_jax.serve.speculative import SpeculativeConfigError
 
-pytestmark = pytest.mark.numeric
+pytestmark = [pytest.mark.numeric, pytest.mark.every_draft]
 
 K = 2
 # Each family's seed and how its head is added: DeepSeek-V3's MoE and latent attention, Qwen3-Next's gated attention

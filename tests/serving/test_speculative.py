@@ -32,7 +32,7 @@ from tlaloc_jax.serve.speculative import (BACKOFF_GROWTH, BACKOFF_TOKENS, MIN_AC
                                           SpeculativeConfig, SpeculativeConfigError, parse_speculative_config,
                                           propose_ngram)
 
-pytestmark = pytest.mark.numeric
+pytestmark = [pytest.mark.numeric, pytest.mark.every_draft]
 
 BLOCK, CONTEXT, K = 8, 64, 3
 FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_5_text", "deepseek_v3")

@@ -27,7 +27,7 @@ from tlaloc_jax.export import export_checkpoint
 from tlaloc_jax.serve import Engine, draft_model
 from tlaloc_jax.serve.speculative import SpeculativeConfigError, parse_speculative_config
 
-pytestmark = pytest.mark.numeric
+pytestmark = [pytest.mark.numeric, pytest.mark.every_draft]
 
 assert (BLOCK, CONTEXT) == (8, 64)
 

@@ -25,7 +25,7 @@ from tlaloc_jax.serve.core import outputs
 from tlaloc_jax.serve.host_sampling import Sampling
 from tlaloc_jax.serve.model_runner import ModelRunner
 
-pytestmark = pytest.mark.numeric
+pytestmark = [pytest.mark.numeric, pytest.mark.every_draft]
 
 BLOCK, CONTEXT, K = 8, 64, 3
 # One batch size: every call pads to 8 rows, and each of the artifact's entries compiles once for the module.

@@ -22,7 +22,7 @@ from tlaloc_jax.export import ExportError, _verify
 from tlaloc_jax.pools import per_position
 from tlaloc_jax.serve import Engine
 
-pytestmark = pytest.mark.numeric
+pytestmark = [pytest.mark.numeric, pytest.mark.every_draft]
 
 V, E, K = 32, 8, 3
 LADDER = dict(ladders=Ladders(batch=(1, 4), context=(64,), prefill_chunk=8, prefill_long_chunk=0),
