@@ -179,15 +179,15 @@ def authored_copier(out: Path, vocab: int = 4096, tokenizer_dir: Path | None = D
     out.mkdir(parents=True, exist_ok=True)
     config["authored"] = "an induction circuit set by hand (bench/authored_copier.py), not a trained model: " \
         + json.dumps(options, sort_keys=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(weights, str(out / "model.safetensors"))
     for name in ("tokenizer.json", "tokenizer_config.json") if tokenizer_dir else ():
         shutil.copy(tokenizer_dir / name, out / name)
+    (out / "config.json").write_text(json.dumps(config, indent=2))   # last: a written checkpoint has it
     return out
 
 
 def greedy(ckpt: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """transformers' greedy continuations (new tokens each) of the prompts, one at a time."""
+    """transformers' greedy continuations (up to `new` tokens, the end-of-text one last) of the prompts."""
     import torch
     import transformers
 
@@ -195,8 +195,7 @@ def greedy(ckpt: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, min_new_tokens=new,
-                                 pad_token_id=0)
+            ids = model.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, pad_token_id=0)
             outs.append(ids[0, len(p):].tolist())
     return outs
 
@@ -209,6 +208,9 @@ def main(argv=None) -> None:
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="greedy-generate with transformers on the bench's prompts")
+    ap.add_argument("--export", type=Path, default=None,
+                    help="with --check: also export it there (--speculative-tokens 4) and check that this runtime's "
+                         "greedy ids equal transformers' on the copy-heavy prompts")
     a = ap.parse_args(argv)
     ck = authored_copier(a.out, layers=a.layers, hidden=a.hidden, intermediate=a.intermediate, seed=a.seed)
     print(f"wrote {ck}")
@@ -224,6 +226,16 @@ def main(argv=None) -> None:
               f"({sum(got) / (len(got) * (96 - RESTART)):.0%})")
         for p, o in zip(loads["open"], greedy(ck, loads["open"], 24)):
             print(f"open: {tok.decode(p)!r} -> {tok.decode(o)!r}")
+        if a.export:
+            from tlaloc_jax.export import export_checkpoint
+            from tlaloc_jax.serve import Engine
+
+            export_checkpoint(ck, a.export, batch_ladder=(1, 4), context_ladder=(256,), speculative_tokens=4,
+                              progress=False)
+            with Engine.load(a.export, progress=False) as eng:
+                ours = eng.generate(loads["copy-heavy"], 96)
+            print(f"this runtime's greedy ids ({[len(u) for u in ours]} tokens) "
+                  f"{'equal' if ours == outs else 'DIFFER FROM'} transformers' ({[len(u) for u in outs]})")
 
 
 if __name__ == "__main__":
