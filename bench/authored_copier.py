@@ -156,8 +156,8 @@ def authored_weights(vocab: int, *, layers: int = 10, hidden: int = 1024, interm
         attn["k_proj"] = attn["k_proj"][rng.permutation(hidden)]
     layer(i, attn)
     for i in range(i + 1, layers):   # filler: a real layer's bytes, its outputs tiny
-        layer(i, {"q_proj": rng.normal(0, 0.02, (hidden, hidden)), "k_proj": rng.normal(0, 0.02, (hidden, hidden)),
-                  "v_proj": rng.normal(0, 0.02, (hidden, hidden)), "o_proj": rng.normal(0, filler_std, (hidden, hidden))},
+        layer(i, {**{n: rng.normal(0, 0.02, (hidden, hidden)) for n in ("q_proj", "k_proj", "v_proj")},
+                  "o_proj": rng.normal(0, filler_std, (hidden, hidden))},
               {"gate_proj": rng.normal(0, 0.02, (intermediate, hidden)),
                "up_proj": rng.normal(0, 0.02, (intermediate, hidden)),
                "down_proj": rng.normal(0, filler_std, (hidden, intermediate))})
