@@ -187,7 +187,8 @@ def authored_copier(out: Path, vocab: int = 4096, tokenizer_dir: Path | None = D
 
 
 def greedy(ckpt: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """transformers' greedy continuations (up to `new` tokens, the end-of-text one last) of the prompts."""
+    """transformers' greedy continuations of the prompts, `new` tokens each (end-of-text stops none, as in
+    Engine.generate)."""
     import torch
     import transformers
 
@@ -195,7 +196,8 @@ def greedy(ckpt: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, pad_token_id=0)
+            ids = model.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
             outs.append(ids[0, len(p):].tolist())
     return outs
 
