@@ -187,8 +187,8 @@ def authored_copier(out: Path, vocab: int = 4096, tokenizer_dir: Path | None = D
 
 
 def greedy(ckpt: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """transformers' greedy continuations of the prompts, `new` tokens each (end-of-text stops none, as in
-    Engine.generate)."""
+    """transformers' greedy continuations of the prompts, `new` tokens each, by argmax of its forward pass (no
+    generate(): its end-of-text handling is not Engine.generate's, which stops for no token)."""
     import torch
     import transformers
 
@@ -196,9 +196,12 @@ def greedy(ckpt: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
-            outs.append(ids[0, len(p):].tolist())
+            out = model(torch.tensor([p]), use_cache=True)
+            ids = [int(out.logits[0, -1].argmax())]
+            while len(ids) < new:
+                out = model(torch.tensor([ids[-1:]]), cache=out.cache, use_cache=True)
+                ids.append(int(out.logits[0, -1].argmax()))
+            outs.append(ids)
     return outs
 
 

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 ROOT = Path(__file__).resolve().parents[2]
 # bench/ is no installed package: load the module from its file, whichever folder pytest runs from.
@@ -23,15 +21,11 @@ VOCAB, QUOTE, RESTART, BOUND = 512, 64, 8, 0.9
 
 
 def copied_share(tmp_path: Path, **options) -> float:
-    """The share of the quote's remaining tokens that transformers' greedy continuation repeats, position by
+    """The share of the quote's remaining tokens that transformers' greedy continuation (argmax) repeats, position by
     position, of a random quote (ids 1 .. VOCAB - 1), a separator, and the quote's first RESTART ids again."""
     ck = authored.authored_copier(tmp_path / "ck", vocab=VOCAB, tokenizer_dir=None, **TINY, **options)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(ck), dtype=torch.float32).eval()
     quote = np.random.default_rng(1).integers(1, VOCAB, QUOTE).tolist()
-    prompt = quote + [VOCAB - 1] + quote[:RESTART]
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=QUOTE - RESTART, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    [out] = authored.greedy(ck, [quote + [VOCAB - 1] + quote[:RESTART]], QUOTE - RESTART)
     return float(np.mean([a == b for a, b in zip(out, quote[RESTART:])]))
 
 
