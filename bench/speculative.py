@@ -20,12 +20,16 @@ draft accepted and nothing gained (the draft costs what the target does).
 --model copier runs the same rows on the copier instead of the demo model: a model that continues a quoted excerpt
 by copying it, as the copy-heavy workload wants (the demo model does not): the demo model fine-tuned on synthetic
 copies (COPIER, tlaloc_jax/tools/train.py --synthetic-copy: a span of random token ids after a blank line, over and
-over), trained once under --work (seeded, training.json beside it), never shipped.
+over), trained once under --work (seeded, training.json beside it), never shipped. --model authored runs them on the
+authored copier (bench/authored_copier.py: an induction circuit set by hand, matching the last 16 tokens, padded
+with filler layers to ~133M parameters, not a trained model; written once under --work), which copies every quoted
+token of the copy-heavy prompts at a weight-bound step cost.
 
     python -m bench.speculative [--work /tmp/tlaloc-spec-bench] [--k 4] [--new 96] [--rounds 3] [--only never]
     LLAMA_CPP_LIB_PATH=<dir of libllama.so> python -m bench.speculative --only copy-heavy --peer llama.cpp
     python -m bench.speculative --draft-layers 2
     python -m bench.speculative --model copier --draft-layers 2
+    python -m bench.speculative --model authored --rounds 5
 """
 
 from __future__ import annotations
@@ -114,6 +118,14 @@ def copier(work: Path) -> Path:
     return out
 
 
+def authored(work: Path) -> Path:
+    """The authored copier's checkpoint (bench/authored_copier.py's defaults), written once under `work`."""
+    from bench.authored_copier import authored_copier
+
+    out = work / "authored-ck"
+    return out if (out / "config.json").exists() else authored_copier(out)
+
+
 def copied(prompts, outputs, quote: int) -> list[int]:
     """Per copy-heavy prompt: how many of the quoted excerpt's remaining tokens its continuation repeats in order."""
     return [sum(1 for _ in itertools.takewhile(lambda t: t[0] == t[1], zip(out, p[RESTART:quote])))
@@ -182,8 +194,9 @@ def main(argv=None) -> None:
                          "core of a busy machine)")
     ap.add_argument("--draft-layers", type=int, default=0,
                     help="add a draft-model row, the draft the target's first N layers (0: none; 4: the target)")
-    ap.add_argument("--model", choices=("demo", "copier"), default="demo",
-                    help="the target: the demo model, or the copier trained from it under --work (COPIER)")
+    ap.add_argument("--model", choices=("demo", "copier", "authored"), default="demo",
+                    help="the target: the demo model, the copier trained from it under --work (COPIER), or the "
+                         "authored copier written under --work (bench/authored_copier.py)")
     a = ap.parse_args(argv)
 
     from tokenizers import Tokenizer
@@ -192,7 +205,7 @@ def main(argv=None) -> None:
     from tlaloc_jax.export import export_checkpoint
     from tlaloc_jax.serve import Engine
 
-    ckpt = DEMO_MODEL if a.model == "demo" else copier(Path(a.work))
+    ckpt = {"demo": lambda work: DEMO_MODEL, "copier": copier, "authored": authored}[a.model](Path(a.work))
     art = Path(a.work) / f"{a.model}-k{a.k}"
     if not (art / "tlaloc-serving.json").exists():
         export_checkpoint(ckpt, art, batch_ladder=(1, 4), context_ladder=(256,), speculative_tokens=a.k,

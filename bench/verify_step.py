@@ -14,6 +14,7 @@ weights, so the ratio's excess over 1 is what the verify body does beyond readin
     python -m bench.verify_step --random --layers 4 --hidden 1024 --heads 16 --intermediate 3072 --vocab 32000 \
         --dtype bfloat16
     python -m bench.verify_step --parts --steps 60
+    python -m bench.verify_step --checkpoint /tmp/tlaloc-spec-bench/authored-ck       # bench/speculative.py's
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ CONTEXT, START = 256, 150
 
 
 def checkpoint(a) -> Path:
-    """The demo model, or a random Llama of a's shape saved once."""
+    """The checkpoint given, the demo model, or a random Llama of a's shape saved once."""
     from bench.common import llama_config, save_random_checkpoint
     from tlaloc_jax.checkpoint import DEMO_MODEL
 
+    if a.checkpoint:
+        return Path(a.checkpoint)
     if not a.random:
         return DEMO_MODEL
     ck = Path(a.work) / f"random-{a.layers}x{a.hidden}-{a.heads}h-{a.intermediate}-{a.vocab}"
@@ -159,6 +162,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument("--random", action="store_true", help="a random Llama of the shape flags, not the demo model")
+    ap.add_argument("--checkpoint", default=None, help="a checkpoint of one's own (e.g. bench/authored_copier.py's)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the weights' dtype")
     ap.add_argument("--k", type=int, default=4, help="drafts a verify row checks")
     ap.add_argument("--steps", type=int, default=30)
