@@ -97,7 +97,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
     prefill_max_batch, tokens per call by prefill_chunk; one more one-row prefill entry of prefill_long_chunk tokens
-    per context for a prompt read alone), each a jax.export body with the pools donated;
+    per context for a prompt read alone; decode entries as decode_contexts says), each a jax.export body with the
+    pools donated;
     weights as raw little-endian files (projections [out, in] in the per-layer layout, [in, out] when stacked or
     quantized); the tokenizer files copied in.
 

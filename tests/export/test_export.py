@@ -100,9 +100,10 @@ def test_every_donated_pool_parameter_carries_tf_aliasing_output(artifacts):
 def test_entries_follow_the_ladders(artifacts):
     m, _ = artifacts["llama"]
     names = sorted(e.name for e in m.entries)
-    # Mixed entries (decode rows and a 16-token chunk) at the largest decode batch, below MIXED_MIN_BATCH rows.
-    assert names == sorted([f"{k}_b{b}_c{c}" for k in ("decode", "prefill") for b in (1, 2) for c in (32, 64)]
-                           + [f"mixed_b2_t16_c{c}" for c in (32, 64)])
+    # Mixed entries (decode rows and a 16-token chunk) at the largest decode batch, below MIXED_MIN_BATCH rows;
+    # decode entries at the largest context alone (the native decode attention: decode_contexts).
+    assert names == sorted([f"prefill_b{b}_c{c}" for b in (1, 2) for c in (32, 64)]
+                           + [f"decode_b{b}_c64" for b in (1, 2)] + [f"mixed_b2_t16_c{c}" for c in (32, 64)])
     for e in m.entries:
         assert e.tokens_per_seq == (1 if e.kind == "decode" else 16)
     assert m.pool("kv").capacity == 2 * 64 // 8     # the largest batch at the largest context
