@@ -96,3 +96,14 @@ def test_sliding_window_rings_keep_every_context(tmp_path):
     m = export_checkpoint(ck, tmp_path / "art", mixed=False, **LADDER)
     assert m.ring is not None and m.ring.ring_pages < CONTEXTS[-1] // 8
     assert _decode_contexts(m) == set(CONTEXTS)
+
+
+def test_mtp_head_entries_keep_every_context():
+    """The MTP head attends with plain ops over its bucket: its one-token entries stay at each context even where the
+    decoder's decode entries sit at the top alone (control: the decoder's own decode points are at the top)."""
+    from tlaloc_jax.export._entries import EntrySpec
+    from tlaloc_jax.export._mtp_entries import mtp_specs
+    specs = [EntrySpec(af.EntryKind.PREFILL, 1, c, 16) for c in CONTEXTS] + [EntrySpec(af.EntryKind.DECODE, 1, 128, 1)]
+    points = {(s.context, s.tokens_per_seq) for s in mtp_specs(specs)}
+    assert points == {(c, t) for c in CONTEXTS for t in (1, 16)}
+    assert {s.context for s in specs if s.kind == af.EntryKind.DECODE} == {CONTEXTS[-1]}
