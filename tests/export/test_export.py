@@ -160,7 +160,7 @@ def test_manifest_refusals_name_the_fault(artifacts, tmp_path):
         (lambda r: r.update(schema="tlaloc-serving-v9"), r"unknown manifest schema version 'tlaloc-serving-v9'"),
         (lambda r: r["pools"][0].pop("capacity"), r"missing field manifest\.pools\[0\]\.capacity"),
         (lambda r: r["entries"][0].update(serialized_sha256="0" * 64),
-         r"entry 'decode_b1_c32' serialized body .* has sha256"),
+         r"entry 'prefill_b1_c32' serialized body .* has sha256"),
         (lambda r: r["weights"][1].update(file="../../etc/passwd"), r"weight '\S+' file path '\.\./\.\./etc/passwd' "
                                                                      r"leaves the artifact directory"),
         (lambda r: r["weights"][1].update(file="/etc/passwd"), r"weight '\S+' file path '/etc/passwd' is not relative"),

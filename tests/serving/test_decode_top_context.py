@@ -95,6 +95,7 @@ def test_sliding_window_rings_keep_every_context(tmp_path):
     ck = build_checkpoint(tmp_path / "gemma3", "gemma3_text", seed=5)
     m = export_checkpoint(ck, tmp_path / "art", mixed=False, **LADDER)
     assert m.ring is not None and m.ring.ring_pages < CONTEXTS[-1] // 8
+    assert NATIVE_DECODE_ATTENTION in m.versions.custom_calls        # its full layers decode natively
     assert _decode_contexts(m) == set(CONTEXTS)
 
 
