@@ -4,6 +4,7 @@ the control that must differ, the largest context's call on rows that fill it (t
 
 With the native decode attention (kernels/decode_attention.c loops over each row's own keys) the short rows'
 calls should be within noise: the export then stages decode entries at the top context alone (--decode-contexts).
+Plain ops (xla) are timed beside it: their blockwise loop also stops at the last key a row sees.
 
     python -m bench.decode_contexts                 # ~100M-parameter Llama (bench/common.py MODEL_DEFAULTS)
     python -m bench.decode_contexts --layers 4 --hidden 256 --heads 4 --kv-heads 2 --intermediate 512 --vocab 4096

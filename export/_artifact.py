@@ -70,8 +70,9 @@ ENTRY_FORMS = ("default", "flat")
 def decode_top_context(decode_attention: str, ring_pages: int) -> bool:
     """Whether a decode (decode_steps, verify) call's work is the same at every context of the ladder for the same
     rows: every attention layer decodes with the native kernel, which loops over each row's own keys (the bucket
-    sets only its block table's width). Plain ops and the Pallas kernel go over the bucket's pages, and a ring
-    layer (plain ops) over min(bucket, ring) pages; linear layers' states have no bucket."""
+    sets only its block table's width); linear layers' states have no bucket. A ring layer (plain ops) scores
+    min(bucket, ring) pages in one pass; plain ops and the Pallas kernel are not claimed here (not measured on
+    every platform they serve), so they keep one entry per context."""
     return decode_attention == "native" and not ring_pages
 
 
@@ -233,9 +234,10 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         raise ExportError(f"decode_contexts {decode_contexts!r} is not one of top, every")
     if decode_contexts == "top" and not top:
         raise ExportError("decode_contexts 'top' stages decode entries at the largest context alone, for decode "
-                          f"calls whose cost does not depend on the bucket; with decode attention {decode_attention!r}"
-                          + (" and sliding-window rings (the ring's pages are the bucket's, up to the ring)"
-                             if ring else "") + " it does: use decode_contexts 'every' (--decode-contexts every)")
+                          "calls whose cost does not depend on the bucket: the native decode attention without "
+                          f"sliding-window rings; this export has decode attention {decode_attention!r}"
+                          + (" and rings (a ring scores min(bucket, ring) pages)" if ring else "")
+                          + ": use decode_contexts 'every' (--decode-contexts every)")
     if decode_attention == "pallas" and cfg.latent:
         raise ExportError(f"the Pallas GPU decode-attention kernel has no latent-attention form ({cfg.model_type}); "
                           "export with decode_attention='xla' (--decode-attention xla)")

@@ -1,8 +1,8 @@
 """Decode entries at the context ladder's top alone (export decode_contexts, default where every attention layer
 decodes with the native kernel): the default export stages them there, the runtime serves short and long requests
-from them with transformers' ids, and exports whose decode cost depends on the bucket (plain-ops decode attention,
-sliding-window rings) keep one per context. Control: a runtime that picked an entry of the row's own context bucket
-alone (the old assumption) finds no decode entry for a short row."""
+from them with transformers' ids, and the other exports (plain-ops decode attention, sliding-window rings, whose
+ring scores min(bucket, ring) pages) keep one per context. Control: a runtime that picked an entry of the row's own
+context bucket alone (the old assumption) finds no decode entry for a short row."""
 
 from __future__ import annotations
 
