@@ -48,7 +48,14 @@ def main(argv=None) -> int:
                     help=f"decode batch buckets (default {','.join(map(str, DEFAULT_BATCH_LADDER))})")
     ap.add_argument("--context-ladder", type=_ints, default=None,
                     help="context buckets in positions, multiples of the block size (default 64,256,1024, those "
-                         "within the checkpoint's max_position_embeddings: 64,256 for --demo)")
+                         "within the checkpoint's max_position_embeddings: 64,256 for --demo); prefill and mixed "
+                         "entries are staged at each, decode entries as --decode-contexts says")
+    ap.add_argument("--decode-contexts", choices=["top", "every"], default=None,
+                    help="the contexts of the decode (and --decode-steps, verify) entries: top (the ladder's largest "
+                         "alone: the native decode attention loops over each row's own keys, so a short row costs "
+                         "there what it would at a smaller context, and the server picks the smallest entry that "
+                         "holds a call) or every; default top where every attention layer decodes with the native "
+                         "kernel (not --decode-attention xla, not sliding-window rings), else every")
     ap.add_argument("--prefill-max-batch", type=int, default=None,
                     help="largest batch of the prefill entries (default: the largest batch bucket, at most "
                          f"{DEFAULT_PREFILL_MAX_BATCH}; 1 = batch-1 only)")
@@ -214,7 +221,7 @@ def main(argv=None) -> int:
                               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                               lora_dtype=dtypes[args.lora_dtype] if args.lora_dtype else None,
                               **({"lora_target_modules": args.lora_target_modules} if args.lora_target_modules else {}),
-                              speculative_tokens=args.speculative_tokens)
+                              speculative_tokens=args.speculative_tokens, decode_contexts=args.decode_contexts)
     except (ExportError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

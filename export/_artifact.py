@@ -67,6 +67,15 @@ CPU_PROJECTIONS = "native"
 ENTRY_FORMS = ("default", "flat")
 
 
+def decode_top_context(decode_attention: str, ring_pages: int) -> bool:
+    """Whether a decode (decode_steps, verify) call's work is the same at every context of the ladder for the same
+    rows: every attention layer decodes with the native kernel, which loops over each row's own keys (the bucket
+    sets only its block table's width); linear layers' states have no bucket. A ring layer (plain ops) scores
+    min(bucket, ring) pages in one pass; plain ops and the Pallas kernel are not claimed here (not measured on
+    every platform they serve), so they keep one entry per context."""
+    return decode_attention == "native" and not ring_pages
+
+
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                       batch_ladder: Sequence[int] = DEFAULT_BATCH_LADDER,
                       context_ladder: Sequence[int] = (64, 256, 1024),
@@ -84,12 +93,13 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                       tensor_parallel: int = 1, projections: str | None = None, mlir: bool = False,
                       exported: bool = False, max_loras: int = 0, max_lora_rank: int = 16,
                       lora_target_modules: Sequence[str] | None = None, lora_dtype: str | None = None,
-                      speculative_tokens: int = 0) -> af.Manifest:
+                      speculative_tokens: int = 0, decode_contexts: str | None = None) -> af.Manifest:
     """Write the serving artifact of a checkpoint to `out_dir` and return its manifest (tlaloc-serving-v5).
 
     One decode and one prefill entry per (batch, context) point of the ladders (prefill batches capped by
     prefill_max_batch, tokens per call by prefill_chunk; one more one-row prefill entry of prefill_long_chunk tokens
-    per context for a prompt read alone), each a jax.export body with the pools donated;
+    per context for a prompt read alone; decode entries as decode_contexts says), each a jax.export body with the
+    pools donated;
     weights as raw little-endian files (projections [out, in] in the per-layer layout, [in, out] when stacked or
     quantized); the tokenizer files copied in.
 
@@ -134,6 +144,10 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     tokens a step (see `Features`; state pools keep the accepted position's state). From a checkpoint with an MTP
     head (DeepSeek-V3's num_nextn_predict_layers, Qwen3-Next's mtp.*) it also stages the head's mtp entries
     (export/_mtp_entries.py).
+    decode_contexts: where the decode, decode_steps and verify entries sit on the context ladder: "top" (its
+    largest context alone: a decode call there costs what one at a shorter context does for the same rows, since
+    the native kernel loops over each row's own keys), "every" (each context); None: "top" where every attention
+    layer decodes with the native kernel (decode_top_context), else "every".
     """
     if entries not in ENTRY_FORMS:
         raise ExportError(f"entries {entries!r} is not one of {', '.join(ENTRY_FORMS)}")
@@ -215,6 +229,15 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         elif why:
             raise ExportError(f"the native decode-attention kernel cannot serve this model: {why}; export with "
                               "decode_attention='xla' (--decode-attention xla)")
+    top = decode_top_context(decode_attention, ring)
+    if decode_contexts not in (None, "top", "every"):
+        raise ExportError(f"decode_contexts {decode_contexts!r} is not one of top, every")
+    if decode_contexts == "top" and not top:
+        raise ExportError("decode_contexts 'top' stages decode entries at the largest context alone, for decode "
+                          "calls whose cost does not depend on the bucket: the native decode attention without "
+                          f"sliding-window rings; this export has decode attention {decode_attention!r}"
+                          + (" and rings (a ring scores min(bucket, ring) pages)" if ring else "")
+                          + ": use decode_contexts 'every' (--decode-contexts every)")
     if decode_attention == "pallas" and cfg.latent:
         raise ExportError(f"the Pallas GPU decode-attention kernel has no latent-attention form ({cfg.model_type}); "
                           "export with decode_attention='xla' (--decode-attention xla)")
@@ -263,6 +286,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                  features=Features(sampler=sampler, prompt_logprobs=prompt_logprobs, decode_steps=decode_steps,
                                    mixed=not flat and (supports_mixed_calls(cfg) if mixed is None else mixed),
                                    packed=supports_mixed_calls(cfg) if packed is None else packed, flat=flat,
-                                   speculative_tokens=speculative_tokens),
+                                   speculative_tokens=speculative_tokens,
+                                   decode_top_context=top if decode_contexts is None else decode_contexts == "top"),
                  mesh=tensor_parallel if tensor_parallel > 1 else None, weight_split_axes=split_axes, mlir=mlir,
                  exported=exported, lora=lora, mtp=mtp)

@@ -47,7 +47,11 @@ class MtpStage:
 
 def mtp_specs(specs: Sequence[EntrySpec]) -> list[EntrySpec]:
     """An mtp entry per (batch, context, tokens per row) of the decoder's entries that return hidden states."""
-    points = sorted({(s.batch, s.context, s.tokens_per_seq) for s in specs if s.kind in HIDDEN_KINDS and not s.packed})
+    contexts = sorted({s.context for s in specs})
+    # The head attends with plain ops over its bucket: decode and verify points at every context, even where the
+    # decoder's are at the top one alone (Features.decode_top_context).
+    points = sorted({(s.batch, c, s.tokens_per_seq) for s in specs if s.kind in HIDDEN_KINDS and not s.packed
+                     for c in (contexts if s.kind != af.EntryKind.PREFILL else [s.context])})
     return [EntrySpec(af.EntryKind.MTP, b, c, t) for b, c, t in points]
 
 

@@ -109,7 +109,10 @@ class Features:
     speculative_tokens: K > 0 adds a verify entry per decode point (batch, context): each row's last token and up
         to K drafted tokens scored in one call, returning the greedy token after each position and how many drafts
         it confirms (export/_verify.py), for speculative decoding; the step must be a `SplitStep`, one with
-        state_positions where the model has state pools. 0: none (the artifact is as without it)."""
+        state_positions where the model has state pools. 0: none (the artifact is as without it).
+    decode_top_context: the decode, decode_steps and verify entries only at the context ladder's largest context,
+        for a step whose one-token rows cost what their own keys do whatever the bucket (the native decode
+        attention); a runtime picks the smallest entry that holds a call, so shorter rows run there too."""
 
     sampler: Sampler | None = None
     prompt_logprobs: int | None = None
@@ -118,6 +121,7 @@ class Features:
     packed: bool = False
     flat: bool = False
     speculative_tokens: int = 0
+    decode_top_context: bool = False
 
 
 @dataclass(frozen=True)

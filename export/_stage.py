@@ -462,6 +462,9 @@ def _plan_entries(opts: Options, step: Callable) -> tuple[af.Buckets, list[Entry
                           "entries (leave Features.mixed False and decode_steps 1, or drop flat)")
     specs = plan_entries(batches, contexts, prefill_max_batch, chunk, mixed=features.mixed, prefill_long_chunk=long,
                          packed=features.packed, flat=features.flat)
+    if features.decode_top_context:
+        # Their work does not depend on the bucket: one point per batch, at the top (Features.decode_top_context).
+        specs = [s for s in specs if s.kind != af.EntryKind.DECODE or s.context == contexts[-1]]
     steps = features.decode_steps
     if not isinstance(steps, int) or steps < 1:
         raise ExportError(f"decode_steps must be a positive integer, got {steps!r}")
@@ -490,7 +493,8 @@ def _plan_entries(opts: Options, step: Callable) -> tuple[af.Buckets, list[Entry
             raise ExportError(f"speculative_tokens {k}: a verify row of {k + 1} tokens does not fit the smallest "
                               f"context {contexts[0]}")
         # A verify entry per decode point: every running sequence's last token and its drafts, in one call.
-        specs += [EntrySpec(af.EntryKind.VERIFY, b, c, k + 1) for c in contexts for b in batches]
+        specs += [EntrySpec(af.EntryKind.VERIFY, b, c, k + 1) for c in contexts for b in batches
+                  if not features.decode_top_context or c == contexts[-1]]
     buckets = af.Buckets(batch_ladder=batches, context_ladder=contexts, prefill_max_batch=prefill_max_batch,
                          prefill_chunk=chunk)
     return buckets, specs

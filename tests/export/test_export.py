@@ -100,9 +100,10 @@ def test_every_donated_pool_parameter_carries_tf_aliasing_output(artifacts):
 def test_entries_follow_the_ladders(artifacts):
     m, _ = artifacts["llama"]
     names = sorted(e.name for e in m.entries)
-    # Mixed entries (decode rows and a 16-token chunk) at the largest decode batch, below MIXED_MIN_BATCH rows.
-    assert names == sorted([f"{k}_b{b}_c{c}" for k in ("decode", "prefill") for b in (1, 2) for c in (32, 64)]
-                           + [f"mixed_b2_t16_c{c}" for c in (32, 64)])
+    # Mixed entries (decode rows and a 16-token chunk) at the largest decode batch, below MIXED_MIN_BATCH rows;
+    # decode entries at the largest context alone (the native decode attention: decode_contexts).
+    assert names == sorted([f"prefill_b{b}_c{c}" for b in (1, 2) for c in (32, 64)]
+                           + [f"decode_b{b}_c64" for b in (1, 2)] + [f"mixed_b2_t16_c{c}" for c in (32, 64)])
     for e in m.entries:
         assert e.tokens_per_seq == (1 if e.kind == "decode" else 16)
     assert m.pool("kv").capacity == 2 * 64 // 8     # the largest batch at the largest context
@@ -159,7 +160,7 @@ def test_manifest_refusals_name_the_fault(artifacts, tmp_path):
         (lambda r: r.update(schema="tlaloc-serving-v9"), r"unknown manifest schema version 'tlaloc-serving-v9'"),
         (lambda r: r["pools"][0].pop("capacity"), r"missing field manifest\.pools\[0\]\.capacity"),
         (lambda r: r["entries"][0].update(serialized_sha256="0" * 64),
-         r"entry 'decode_b1_c32' serialized body .* has sha256"),
+         r"entry 'prefill_b1_c32' serialized body .* has sha256"),
         (lambda r: r["weights"][1].update(file="../../etc/passwd"), r"weight '\S+' file path '\.\./\.\./etc/passwd' "
                                                                      r"leaves the artifact directory"),
         (lambda r: r["weights"][1].update(file="/etc/passwd"), r"weight '\S+' file path '/etc/passwd' is not relative"),

@@ -65,6 +65,10 @@ Changelog:
     [B, T, W], position t's mask (a grammar's after the row's drafts through t), so rows under a grammar draft. A
     verify entry with TOKEN_MASK [B, W] (one mask a row) still serves: its grammar rows do not draft. A runtime
     that predates it refuses the shape, naming TOKEN_MASK and the sampler's [B, W].
+    v5 + decode at the top context (no field, still tlaloc-serving-v5): decode, decode_steps and verify entries
+    may sit at the context ladder's largest point alone (export --decode-contexts top, the default with the native
+    decode attention); a runtime picks the smallest entry that holds a call, as it always has, so any runtime
+    serves it.
 v2, v3 and v4 manifests still load: `Manifest.from_json` upgrades v2 and v3 to the model in memory (their
 weights and tokenizer files carry no hashes; the loader says so). Their `.mlir`, `.exported` and `programs/`
 files are not opened either: every body is checked from its `.mlirbc`.
