@@ -79,6 +79,7 @@ class Runner:
         self._loader: cf.ThreadPoolExecutor | None = None
         self._workers: compile_workers.Workers | None = None     # compiling cache misses (preload)
         self._closing = False
+        self._worker_miss_told = False
         self.compile_processes = compile_processes
         self.stats = dict(executions=0, warm_ups=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={},
                           inputs_uploaded=0, inputs_overwritten=0)
@@ -179,7 +180,8 @@ class Runner:
             if self._closing:
                 raise RuntimeError(f"the runner closed while {e.name} was compiling")
         exe = self.device.compile(self._body(e), name=e.name, concurrent=True)
-        if done is not None and done.exception() is None and exe.cache != "hit":
+        if done is not None and done.exception() is None and exe.cache != "hit" and not self._worker_miss_told:
+            self._worker_miss_told = True       # once: a worker of another identity misses every entry
             log.warning("%s compiled in a worker is not in %s as this process's (another identity?): compiled here",
                         e.name, self.device.cache_directory)
         return exe
@@ -189,7 +191,8 @@ class Runner:
         return [(e, self._loading[e.name]) for e in self.manifest.entries if e.name in self._loading]
 
     def _stop_loading(self) -> None:
-        """Wait for the loads under way (a plugin call cannot be interrupted), drop the ones not started."""
+        """Drop the loads not started, kill the compile workers, wait for the load under way (a plugin call cannot be
+        interrupted; one waiting for a worker ends)."""
         self._closing = True
         if self._loader is not None:
             self._loader.shutdown(wait=False, cancel_futures=True)

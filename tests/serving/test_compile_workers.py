@@ -150,3 +150,12 @@ def test_an_entry_whose_worker_fails_compiles_in_the_server(http_artifacts, want
     assert how.pop(broken["name"]) == "miss" and set(how.values()) == {"hit"} and counts["compile"] == 1
     lines = [r.getMessage() for r in caplog.records if "in a worker failed" in r.getMessage()]
     assert len(lines) == 1 and broken["name"] in lines[0] and "compiling it here" in lines[0], lines
+
+
+def test_a_server_closed_while_its_workers_compile_stops_them(http_artifacts, started, tmp_path, monkeypatch):
+    """A server stopped during its start kills its compile workers and compiles nothing in its own process."""
+    counts = _in_process_compiles(monkeypatch)
+    engine = Engine.load(http_artifacts[1], cache_dir=tmp_path / "cache", progress=False, preload=True)
+    engine.close()
+    assert len(started) == 1 and all(p.poll() is not None for p in started[0].procs)
+    assert all(f.done() for f in started[0].done.values()) and counts["compile"] == 0
