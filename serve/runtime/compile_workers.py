@@ -138,7 +138,7 @@ def _work(job: dict, report) -> None:
             try:
                 code = Path(path).read_bytes()
                 exe = device.compile(code, name=name)
-            except Exception as e:  # noqa: BLE001 - reported by name; the caller decides (fill fails, a server compiles)
+            except Exception as e:  # noqa: BLE001 - reported by name; fill then fails, a server compiles it itself
                 report({"entry": name, "error": f"{type(e).__name__}: {e}"})
                 continue
             digest, options = hashlib.sha256(code).hexdigest(), device.compile_options_bytes(code)

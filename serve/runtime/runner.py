@@ -62,7 +62,8 @@ class Runner:
         preload: instead, every entry loads from the compile cache (or compiles) in a background thread while the
         weights are read: `loading()` lists them for a server to wait on before it is ready
         (loop.py), and `executable` waits for its entry's. Entries in neither compile cache compile meanwhile in
-        worker processes into the device's cache (at most `compile_processes`, default one a core; _compile_in_workers)."""
+        worker processes into the device's cache (at most `compile_processes`, default one a core:
+        _compile_in_workers)."""
         self.artifact_dir = Path(artifact_dir)
         self.manifest = m = manifest
         self.device = device

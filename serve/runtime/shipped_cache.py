@@ -8,7 +8,7 @@ naming what differs and compiles, as without it. Each file is checked again at l
 executable's sha256, compile_cache.CompileCache.read): a damaged or misplaced file is logged and compiled over,
 never run. The user's compile cache still comes first, and a compile here is stored there, not in the artifact.
 
-    python -m tlaloc_jax.serve.runtime.shipped_cache ARTIFACT_DIR [--processes N]  # what the exporter runs after it writes one
+    python -m tlaloc_jax.serve.runtime.shipped_cache ARTIFACT_DIR [--processes N]   # the exporter's last step
 """
 
 from __future__ import annotations
@@ -102,9 +102,9 @@ def differences(here: dict, shipped: dict) -> list[str]:
 def fill(artifact_dir: str | os.PathLike[str], plugin: str | None = None,
          processes: int | None = None) -> tuple[int, float]:
     """Compile every entry of the artifact with this host's plugin into `<artifact>/compile-cache/` and write its
-    index. The compiles run in `processes` worker processes (at most, and by default, one a core), never here: the index's facts are
-    the workers' own, who must all report the same (a process's facts depend on what it loaded first, such as a
-    native kernel's variant). -> (entries compiled, seconds). Raises WorkerError naming a failed entry or the facts
+    index. The compiles run in `processes` worker processes (at most, and by default, one a core), never here: the
+    index's facts are the workers' own, who must all report the same (a process's facts depend on what it loaded
+    first, such as a native kernel's variant). -> (entries compiled, seconds). Raises WorkerError naming a failed entry or the facts
     on which workers differ; the index is then not written."""
     from tlaloc_jax import artifact as af
 
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         return 1
     from .compile_workers import cores
     procs = min(a.processes or cores(), cores(), n)
-    print(f"compiled {n} entries into {Path(a.artifact) / FOLDER} in {seconds:.1f} s ({procs} processes)")
+    print(f"compiled {n} entries into {Path(a.artifact) / FOLDER} in {seconds:.1f} s ({procs} process{'es' if procs > 1 else ''})")
     return 0
 
 

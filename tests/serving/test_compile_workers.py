@@ -69,7 +69,8 @@ def test_a_fill_in_two_processes_ships_what_one_process_does(http_artifacts, wan
     assert shipped_cache.fill(two, processes=2)[0] == n > 2
     assert [len(w.facts) for w in started] == [1, 2] and started[1].facts[0]["pid"] != started[1].facts[1]["pid"]
     assert _index(two) == _index(one)
-    assert _files(two / shipped_cache.FOLDER) == _files(one / shipped_cache.FOLDER) and len(_files(one / "compile-cache")) == n
+    assert _files(two / shipped_cache.FOLDER) == _files(one / shipped_cache.FOLDER)
+    assert len(_files(one / shipped_cache.FOLDER)) == n
     counts = _in_process_compiles(monkeypatch)
     with Engine.load(two, cache_dir=tmp_path / "empty", progress=False) as engine:
         engine.compile_all()
