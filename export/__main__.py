@@ -175,8 +175,13 @@ def main(argv=None) -> int:
                     help="do not compile the entries into OUT_DIR/compile-cache (by default, for cpu, they are "
                          "compiled here with the serving runtime's plugin, so a server on a host like this one starts "
                          "without compiling; on another CPU or plugin it compiles them, as without the folder)")
+    ap.add_argument("--compile-processes", type=int, default=None, metavar="N",
+                    help="processes that compile the entries into OUT_DIR/compile-cache, each a share of them (default "
+                         "and most: one a core this process may run on)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
+    if args.compile_processes is not None and args.compile_processes < 1:
+        ap.error(f"--compile-processes must be at least 1, got {args.compile_processes}")
     if len(args.paths) != (1 if args.demo else 2):
         ap.error("expected OUT_DIR with --demo, else CHECKPOINT_DIR OUT_DIR")
     if args.demo:
@@ -239,17 +244,18 @@ def main(argv=None) -> int:
           + f", {m.schema}, in {time.perf_counter() - t0:.1f} s")
     print(f"time: {timing.summary()}")
     if args.platform == "cpu" and not args.no_compile_cache:
-        _compile_cache(args.out)
+        _compile_cache(args.out, args.compile_processes)
     return 0
 
 
-def _compile_cache(out: str) -> None:
+def _compile_cache(out: str, processes: int | None = None) -> None:
     """Compile the artifact's entries into its compile-cache folder, in a process of its own (the serving runtime's
     PJRT plugin, not jax's). A host without the runtime, or a failed compile, leaves an artifact without one."""
     import subprocess
     print(f"compiling the entries into {out}/compile-cache for the serving runtime (--no-compile-cache skips it)",
           flush=True)
-    done = subprocess.run([sys.executable, "-m", "tlaloc_jax.serve.runtime.shipped_cache", out],
+    more = [] if processes is None else ["--processes", str(processes)]
+    done = subprocess.run([sys.executable, "-m", "tlaloc_jax.serve.runtime.shipped_cache", out, *more],
                           capture_output=True, text=True)
     if done.returncode == 0:
         print(done.stdout.strip())

@@ -164,6 +164,9 @@ def main(argv=None) -> int:
                          "requests that need one wait for it): for development. By default every entry is compiled "
                          "(or loaded from the compile cache, in threads while the weights are read) first, /health "
                          "answering 503 with how far it got and requests 503 with Retry-After until then")
+    ap.add_argument("--compile-processes", type=int, default=None, metavar="N",
+                    help="without --lazy-compile, the entries in neither compile cache compile in up to N worker "
+                         "processes into --cache-dir (default and most: one a core; under 2, in this process)")
     ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $TLALOC_API_KEY, else "
                          "no key)")
@@ -276,7 +279,7 @@ def main(argv=None) -> int:
                              enable_prefix_caching=args.enable_prefix_caching,
                              lora_modules=lora_modules(args.lora_modules), max_cpu_loras=args.max_cpu_loras,
                              speculative_config=args.speculative_config, map_weights=args.map_weights,
-                             preload=not args.lazy_compile)
+                             preload=not args.lazy_compile, compile_processes=args.compile_processes)
         marks.append(("engine loaded", time.perf_counter()))
     except (ManifestError, OSError, CompileError, PluginNotFoundError, NativeKernelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -71,7 +71,8 @@ class Engine:
                  use_decode_steps: bool = True, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
                  lora_modules: dict | None = None, max_cpu_loras: int | None = None,
-                 speculative_config: dict | str | SpeculativeConfig | None = None, map_weights: bool = False):
+                 speculative_config: dict | str | SpeculativeConfig | None = None, map_weights: bool = False,
+                 compile_processes: int | None = None):
         """Load an artifact: validate it all (files, hashes, every body's @main against its entry, the memory its
         weights and pools need), then compile one entry of each kind (the others compile, or load from the compile
         cache, on first use: Runner._compile_kinds), upload the weights and allocate the pools. A bad artifact is
@@ -99,7 +100,8 @@ class Engine:
         "draft_model" with "model" (an artifact of the same vocabulary and tokenizer), by "mtp" (or "deepseek_mtp",
         "qwen3_next_mtp": its MTP head); "disable_by_batch_size": n, none while n or more sequences run. None: off.
         map_weights: serve the weights from their files' mappings, not read into huge-page memory (a load without fresh
-        memory; 4 KiB pages in every step). preload: every entry loads in the background now (Runner's preload).
+        memory; 4 KiB pages in every step). preload: every entry loads in the background now (Runner's preload), those
+        in neither compile cache compiled meanwhile by up to `compile_processes` worker processes (default one a core).
         """
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
@@ -135,7 +137,7 @@ class Engine:
         except TooFewDevicesError as e:
             raise af.ManifestError(device_count_mismatch(m, e.available)) from None
         self.runner = Runner(self.artifact_dir, m, device, progress=progress, donate=donate,
-                             weight_arena=not map_weights, preload=preload)
+                             weight_arena=not map_weights, preload=preload, compile_processes=compile_processes)
         self.scheduler.proposer = proposer_for(self.speculative_config, draft, device, progress, donate)
         self.device = self.runner.device
         self.block_size = m.block_size

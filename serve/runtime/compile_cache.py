@@ -63,6 +63,10 @@ class CompileCache:
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.pypjrta"
 
+    def has(self, key: str) -> bool:
+        """Whether a file is stored under `key` (unchecked: read checks it)."""
+        return self._path(key).is_file()
+
     def read(self, key: str, body_sha256: str) -> tuple[bytes | None, str]:
         """(the serialized executable, checked against its metadata, "hit") or (None, "miss" | "stale")."""
         path = self._path(key)

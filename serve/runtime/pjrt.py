@@ -264,14 +264,23 @@ class Device:
                                          device_assignment=device_assignment_proto(self.device_ids))
         return pypjrt.CompileOptions(use_shardy_partitioner=b"sdy." in code)
 
-    def compiled_before(self, mlir: str | bytes) -> bool:
+    def compiled_before(self, mlir: str | bytes, checked: bool = True) -> bool:
         """Whether the compile cache (or the artifact's shipped one) holds this body's executable, intact, from this
-        plugin: `compile` would load it, not compile it (the body compiled here before, so it cannot be refused)."""
+        plugin: `compile` would load it, not compile it (the body compiled here before, so it cannot be refused).
+        checked=False: whether a file is there, without reading it (a damaged one then compiles at its load)."""
         code = mlir.encode() if isinstance(mlir, str) else bytes(mlir)
         digest = hashlib.sha256(code).hexdigest()
         options = self.compile_options_bytes(code)
-        return ((self._cache is not None and self._cache.read(self._cache.key(digest, options), digest)[0] is not None)
-                or (self.shipped is not None and self.shipped.holds(digest, options)))
+        if self._cache is not None:
+            key = self._cache.key(digest, options)
+            if self._cache.read(key, digest)[0] is not None if checked else self._cache.has(key):
+                return True
+        return self.shipped is not None and self.shipped.holds(digest, options, checked)
+
+    @property
+    def cache_directory(self) -> Path | None:
+        """The compile cache's folder (None: no cache)."""
+        return None if self._cache is None else self._cache.directory
 
     def compile_options_bytes(self, code: bytes) -> bytes:
         """The serialized compile options `compile` uses for this body (part of a compile cache's key)."""

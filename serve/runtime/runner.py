@@ -21,7 +21,7 @@ import numpy as np
 from tlaloc_jax import artifact as af
 from tlaloc_jax import native
 
-from . import host_memory, sharded
+from . import compile_workers, host_memory, sharded
 from .adapters import AdapterBuffers, adapter_bytes
 from .handles import Buffer, Executable
 from .pjrt import Device
@@ -51,7 +51,8 @@ class Runner:
     thread-safe: one caller runs entries."""
 
     def __init__(self, artifact_dir: str | Path, manifest: af.Manifest, device: Device, *, progress: bool = True,
-                 donate: bool = True, weight_arena: bool = True, preload: bool = False):
+                 donate: bool = True, weight_arena: bool = True, preload: bool = False,
+                 compile_processes: int | None = None):
         """Check the device has room, compile one entry of each kind (the others on first use, _compile_kinds),
         upload the weights and allocate zeroed pools. Closes the device if any of it fails. A device of another
         device count than the artifact's mesh is refused by name before anything is compiled or allocated.
@@ -60,7 +61,9 @@ class Runner:
         weight_arena: False serves the weights from their files' mappings (sharded.upload_weights' arena).
         preload: instead, every entry loads from the compile cache (or compiles) in a background thread while the
         weights are read: `loading()` lists them for a server to wait on before it is ready
-        (loop.py), and `executable` waits for its entry's."""
+        (loop.py), and `executable` waits for its entry's. Entries in neither compile cache compile meanwhile in
+        worker processes into the device's cache (at most `compile_processes`, default one a core:
+        _compile_in_workers)."""
         self.artifact_dir = Path(artifact_dir)
         self.manifest = m = manifest
         self.device = device
@@ -75,6 +78,10 @@ class Runner:
         self._deferred: dict[str, str] = {}  # entry -> "cached" | "pending": ready on first use (_compile_kinds)
         self._loading: dict[str, cf.Future] = {}    # entry -> its executable, being loaded (preload)
         self._loader: cf.ThreadPoolExecutor | None = None
+        self._workers: compile_workers.Workers | None = None     # compiling cache misses (preload)
+        self._closing = False
+        self._worker_miss_told = False
+        self.compile_processes = compile_processes
         self.stats = dict(executions=0, warm_ups=0, pool_address_checks=0, pool_in_place=0, executions_by_entry={},
                           inputs_uploaded=0, inputs_overwritten=0)
         self._driver = threading.Lock()     # held by the thread running entries (driving)
@@ -138,21 +145,62 @@ class Runner:
         """Start loading every entry in the background, in the manifest's order, while the weights are read (the calls
         release the GIL and run without pypjrt's lock, Device.compile's concurrent, so the weights' uploads do not wait
         behind a load). A cache file is read and checked once, by its load."""
+        self._workers = self._compile_in_workers()
         self._loader = cf.ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="tlaloc-load")
         for e in self.manifest.entries:
             self._loading[e.name] = self._loader.submit(self._load, e)
 
+    def _compile_in_workers(self) -> compile_workers.Workers | None:
+        """Start compiling the entries in neither compile cache in worker processes into the device's cache, which
+        the loads then read as hits (a process compiles one entry at a time: N of them on N cores compile N). None
+        where there is no cache, the plugin is not the CPU's, or fewer than two workers would run (one gains nothing
+        over the loader's own compile)."""
+        folder = self.device.cache_directory
+        if folder is None or not self.device.host_memory:
+            return None
+        missing = [(e.name, str(self.artifact_dir / e.serialized)) for e in self.manifest.entries
+                   if not self.device.compiled_before(self._body(e), checked=False)]
+        n = min(self.compile_processes or compile_workers.cores(), compile_workers.cores(), len(missing))
+        if n < 2:
+            return None
+        log.info("compiling %d entries in %d worker processes into %s", len(missing), n, folder)
+        return compile_workers.start(missing, folder, plugin=str(self.device.plugin_path), devices=self.device.devices,
+                                     custom_calls=list(self.manifest.versions.custom_calls), processes=n,
+                                     shipped=False)
+
     def _load(self, e: af.Entry) -> Executable:
-        return self.device.compile(self._body(e), name=e.name, concurrent=True)
+        """The entry's executable: once a worker compiling it is done, from the cache (a failed worker: compiled here,
+        where it fails as without workers, by name)."""
+        done = self._workers.done.get(e.name) if self._workers is not None else None
+        if done is not None:
+            try:
+                done.result()
+            except compile_workers.WorkerError as err:
+                if not self._closing:
+                    log.warning("%s: compiling it here", err)
+            if self._closing:
+                raise RuntimeError(f"the runner closed while {e.name} was compiling")
+        exe = self.device.compile(self._body(e), name=e.name, concurrent=True)
+        if done is not None and done.exception() is None and exe.cache != "hit" and not self._worker_miss_told:
+            self._worker_miss_told = True       # once: a worker of another identity misses every entry
+            log.warning("%s compiled in a worker is not in %s as this process's (another identity?): compiled here",
+                        e.name, self.device.cache_directory)
+        return exe
 
     def loading(self) -> list[tuple[af.Entry, cf.Future]]:
         """The entries still loading in the background (preload), with their futures, in the manifest's order."""
         return [(e, self._loading[e.name]) for e in self.manifest.entries if e.name in self._loading]
 
     def _stop_loading(self) -> None:
-        """Wait for the loads under way (a plugin call cannot be interrupted), drop the ones not started."""
+        """Drop the loads not started, kill the compile workers, wait for the load under way (a plugin call cannot be
+        interrupted; one waiting for a worker ends)."""
+        self._closing = True
         if self._loader is not None:
-            self._loader.shutdown(wait=True, cancel_futures=True)
+            self._loader.shutdown(wait=False, cancel_futures=True)
+        if self._workers is not None:
+            self._workers.stop()
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
             self._loader = None
 
     def to_compile(self) -> list[af.Entry]:

@@ -8,7 +8,7 @@ naming what differs and compiles, as without it. Each file is checked again at l
 executable's sha256, compile_cache.CompileCache.read): a damaged or misplaced file is logged and compiled over,
 never run. The user's compile cache still comes first, and a compile here is stored there, not in the artifact.
 
-    python -m tlaloc_jax.serve.runtime.shipped_cache ARTIFACT_DIR    # what the exporter runs after it writes one
+    python -m tlaloc_jax.serve.runtime.shipped_cache ARTIFACT_DIR [--processes N]   # the exporter's last step
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ class ShippedCache:
         self.directory = directory
         self._cache = CompileCache(directory, identity)
 
-    def holds(self, digest: str, options: bytes) -> bool:
-        """Whether the body's executable is here and passes its check."""
-        return self._cache.read(self._cache.key(digest, options), digest)[0] is not None
+    def holds(self, digest: str, options: bytes, checked: bool = True) -> bool:
+        """Whether the body's executable is here and passes its check (checked=False: is here, unread)."""
+        key = self._cache.key(digest, options)
+        return self._cache.read(key, digest)[0] is not None if checked else self._cache.has(key)
 
     def load(self, client: pypjrt.Client, digest: str, options: bytes, label: str, deserialize=None):
         """The loaded executable, or None (not here, or here but failing its check: logged, to compile)."""
@@ -98,28 +99,34 @@ def differences(here: dict, shipped: dict) -> list[str]:
     return sorted(k for k in here.keys() | shipped.keys() if here.get(k) != shipped.get(k))
 
 
-def fill(artifact_dir: str | os.PathLike[str], plugin: str | None = None) -> tuple[int, float]:
+def fill(artifact_dir: str | os.PathLike[str], plugin: str | None = None,
+         processes: int | None = None) -> tuple[int, float]:
     """Compile every entry of the artifact with this host's plugin into `<artifact>/compile-cache/` and write its
-    index. -> (entries compiled, seconds)."""
+    index. The compiles run in `processes` worker processes (at most, and by default, one a core), never here: the
+    index's facts are the workers' own, who must all report the same (a process's facts depend on what it loaded
+    first, such as a native kernel's variant). -> (entries compiled, seconds). Raises WorkerError naming a failed entry or the facts
+    on which workers differ; the index is then not written."""
     from tlaloc_jax import artifact as af
-    from .pjrt import Device
+
+    from . import compile_workers
 
     art = Path(artifact_dir)
     m = af.load_manifest(art, verify_weights=False)
     folder = art / FOLDER
     t0 = time.perf_counter()
-    with Device(plugin, devices=m.devices) as device:
-        for target in m.versions.custom_calls:
-            device.register_native(target)
-        here = facts(device, m.versions.custom_calls)
-        cache = CompileCache(folder, _identity(here))
-        for e in m.entries:
-            code = (art / e.serialized).read_bytes()
-            exe = device.compile(code, name=e.name)
-            digest = hashlib.sha256(code).hexdigest()
-            options = device.compile_options_bytes(code)
-            cache.store(cache.key(digest, options), exe.handle, digest, options, e.name)
-            exe.close()
+    entries = [(e.name, str(art / e.serialized)) for e in m.entries]
+    work = compile_workers.start(entries, folder, plugin=plugin, devices=m.devices,
+                                 custom_calls=list(m.versions.custom_calls), shipped=True,
+                                 processes=min(processes or compile_workers.cores(), compile_workers.cores()))
+    work.wait()
+    for name, _ in entries:
+        work.done[name].result()            # raises the first failure, by name
+    here = work.facts[0]["facts"]
+    for other in work.facts[1:]:
+        if differ := differences(here, other["facts"]):
+            raise compile_workers.WorkerError(
+                f"the compile workers (processes {work.facts[0]['pid']} and {other['pid']}) report different "
+                f"{', '.join(differ)}: their executables cannot share one index")
     # The index last: a folder without one (an export stopped part way) is not used.
     (folder / INDEX).write_text(json.dumps({"format": FORMAT, "facts": here}, indent=1, sort_keys=True) + "\n")
     return len(m.entries), time.perf_counter() - t0
@@ -132,9 +139,20 @@ def main(argv=None) -> int:
                                              + ", so a server on a host like it starts without compiling.")
     ap.add_argument("artifact")
     ap.add_argument("--plugin", default=None, help="PJRT plugin .so (default: the installed one)")
+    ap.add_argument("--processes", type=int, default=None,
+                    help="compile worker processes (default and most: one a core; at most one an entry)")
     a = ap.parse_args(argv)
-    n, seconds = fill(a.artifact, a.plugin)
-    print(f"compiled {n} entries into {Path(a.artifact) / FOLDER} in {seconds:.1f} s")
+    if a.processes is not None and a.processes < 1:
+        ap.error(f"--processes must be at least 1, got {a.processes}")
+    from .compile_workers import WorkerError
+    try:
+        n, seconds = fill(a.artifact, a.plugin, a.processes)
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    from .compile_workers import cores
+    procs = min(a.processes or cores(), cores(), n)
+    print(f"compiled {n} entries into {Path(a.artifact) / FOLDER} in {seconds:.1f} s ({procs} process{'es' if procs > 1 else ''})")
     return 0
 
 
