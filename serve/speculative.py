@@ -252,6 +252,11 @@ class SpecState:
             self.resume = generated + BACKOFF_TOKENS * BACKOFF_GROWTH ** self.misses
             self.misses += 1
 
+    def pause(self, generated: int) -> None:
+        """Its drafts did not pay this step (CallPlanner.drafts_that_pay): it proposes again after BACKOFF_TOKENS
+        tokens, when the batch may have changed."""
+        self.resume = max(self.resume, generated + BACKOFF_TOKENS)
+
     def expected_accepted(self, drafts: int) -> float:
         """How many of `drafts` drafts a verify call should accept: its acceptance so far, from a prior of one in two
         (a sequence that has not drafted yet is tried)."""

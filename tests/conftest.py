@@ -43,7 +43,7 @@ def jaxpr_eqns():
 def _every_draft_runs(request):
     """In a module marked every_draft, every draft the proposer makes runs: what those tests check is what drafting
     changes (ids, distributions, state), at any batch, where CallPlanner.drafts_that_pay would leave out the drafts
-    that do not pay for their verify rows (tests/serving/test_drafts_that_pay.py tests that)."""
+    that do not pay for their verify rows (tests/serving/test_paying_drafts.py tests that)."""
     if request.node.get_closest_marker("every_draft") is None:
         yield
         return

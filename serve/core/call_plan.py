@@ -78,6 +78,7 @@ class CallPlanner:
                          for kind in af.EntryKind}
         self.flat = m.flat                  # every row rides in packed prefill calls
         self.max_decode_batch = m.max_batch
+        self._picked: dict[tuple, af.Entry | None] = {}     # pick's answers: the entries never change
 
     def entries(self, kind: str) -> list[af.Entry]:
         """The entries of `kind`, smallest first (by context, then batch)."""
@@ -86,7 +87,10 @@ class CallPlanner:
     def pick(self, kind: str, batch: int, context: int, tokens: int, total: int = 0) -> af.Entry | None:
         """The smallest entry of `kind` that holds `batch` rows of `tokens` tokens reaching `context` positions
         (a packed prefill: `total` tokens in all)."""
-        return next((e for e in self.entries(kind) if e.holds(batch, context, tokens, total)), None)
+        key = (kind, batch, context, tokens, total)
+        if key not in self._picked:
+            self._picked[key] = next((e for e in self.entries(kind) if e.holds(batch, context, tokens, total)), None)
+        return self._picked[key]
 
     def scored(self, s: Request) -> bool:
         """Whether the sequence's prompt logprobs come from the scoring prefill entries (the artifact has them,

@@ -230,6 +230,9 @@ class Scheduler:
         drafted = [(Work(s, s.computed, 1 + len(drafts[s.rid]), drafts[s.rid]),
                     s.spec.expected_accepted(len(drafts[s.rid]))) for s in decoding if drafts.get(s.rid)]
         paying = self.planner.drafts_that_pay([Work(s, s.computed, 1) for s in decoding], drafted, self._may_ride)
+        for w, _ in drafted:
+            if w not in paying:
+                w.seq.spec.pause(len(w.seq.generated))     # not proposing every step only to be left out
         return {w.seq.rid: w.draft for w in paying}
 
     def schedule(self) -> Step:

@@ -67,3 +67,12 @@ def test_control_running_every_draft_is_what_the_gate_leaves_out():
     decoding, drafted = _rows([2.7, None, None, None])
     every = [w for w, _ in drafted]
     assert every and PLANNER.drafts_that_pay(decoding, drafted, lambda s: True) != every
+
+
+def test_a_sequence_left_out_proposes_again_after_a_pause():
+    """SpecState.pause: the scheduler does not ask the proposer for a left-out sequence's drafts every step."""
+    from tlaloc_jax.serve.speculative import BACKOFF_TOKENS, SpecState
+    st = SpecState()
+    st.pause(10)
+    assert not st.may_draft(10 + BACKOFF_TOKENS - 1) and st.may_draft(10 + BACKOFF_TOKENS)
+    assert st.drafted == 0 and st.misses == 0
