@@ -101,8 +101,7 @@ class Engine:
         "qwen3_next_mtp": its MTP head); "disable_by_batch_size": n, none while n or more sequences run. None: off.
         map_weights: serve the weights from their files' mappings, not read into huge-page memory (a load without fresh
         memory; 4 KiB pages in every step). preload: every entry loads in the background now (Runner's preload), those
-        in neither compile cache compiled meanwhile by up to `compile_processes` worker processes (default one a core).
-        """
+        in neither compile cache compiled meanwhile by `compile_processes` worker processes (default one a core)."""
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
         if isinstance(cache_dir, str) and cache_dir.lower() == "none":

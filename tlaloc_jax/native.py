@@ -95,6 +95,17 @@ def loaded_variant(target: str) -> str | None:
     return _variant.get(target)
 
 
+def loaded_variant_env() -> dict[str, str]:
+    """The environment under which a new process loads the variant this one loaded (compile workers, whose facts
+    must be their server's): TLALOC_NATIVE_VARIANT, "build" for kernels built here; nothing where none or several
+    variants were loaded."""
+    loaded = set(_variant.values())
+    if len(loaded) != 1:
+        return {}
+    variant = loaded.pop()
+    return {ENV_VARIANT: "build" if variant.startswith("built here") else variant}
+
+
 class NativeKernelError(RuntimeError):
     """A native kernel is unknown or could not be built here; the message names it and says why."""
 

@@ -49,6 +49,24 @@ def plugin_identity(plugin_path: str, package: str | None, api_version: tuple[in
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
+def facts(device, custom_calls) -> dict:
+    """What an executable compiled on `device` depends on, without the plugin's path or mtime (an artifact moves
+    between hosts and installs); `custom_calls`' native kernels must be registered (their variant is known)."""
+    from tlaloc_jax import native
+    return {
+        "plugin_package": device.plugin_package, "plugin_size": os.stat(device.plugin_path).st_size,
+        "api_version": list(device.api_version),
+        "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(device.attributes.items())},
+        "platform": [device.platform_name, device.platform_version], "devices": device.devices,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "host_cpu": host_cpu(),
+        "kernels": {t: native.loaded_variant(t) for t in sorted(custom_calls)},
+    }
+
+
+def facts_identity(f: dict) -> str:
+    return hashlib.sha256(json.dumps(f, sort_keys=True).encode()).hexdigest()
+
+
 class CompileCache:
     """Serialized executables of one plugin identity under `directory`."""
 

@@ -2,7 +2,7 @@
 
 XLA's CPU compile of one body is mostly one thread and pypjrt holds a process-wide lock around a compile, so one
 process compiles one entry at a time; N processes on N cores compile N. Each worker loads the plugin, registers the
-native kernels, says what it compiled under (shipped_cache.facts and the Device's identity) and then, entry by entry,
+native kernels, says what it compiled under (compile_cache.facts and the Device's identity) and then, entry by entry,
 compiles and stores the executable (CompileCache.store: a temporary file renamed into place). The callers:
 shipped_cache.fill (the export's compile-cache/) and Runner's preload (a server's cache misses). CPU plugin only.
 
@@ -22,6 +22,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tlaloc_jax import native
 
 log = logging.getLogger("tlaloc_jax.serve")
 
@@ -83,7 +85,7 @@ def start(entries: list[tuple[str, str]], cache_dir: str | os.PathLike[str], *, 
                    custom_calls=list(custom_calls), shipped=shipped)
         err = tempfile.TemporaryFile()
         proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=err, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                stderr=err, env=dict(os.environ, PYTHONUNBUFFERED="1", **native.loaded_variant_env()))
         proc.stdin.write(json.dumps(job).encode())
         proc.stdin.close()
         work.procs.append(proc)
@@ -122,15 +124,14 @@ def _work(job: dict, report) -> None:
     """The worker: compile the job's entries into its cache folder, reporting each."""
     import hashlib
 
-    from .compile_cache import CompileCache
+    from .compile_cache import CompileCache, facts, facts_identity
     from .pjrt import Device
-    from .shipped_cache import _identity, facts
 
     with Device(job["plugin"], devices=job["devices"]) as device:
         for target in job["custom_calls"]:
             device.register_native(target)
         here = facts(device, job["custom_calls"])
-        identity = _identity(here) if job["shipped"] else device.identity
+        identity = facts_identity(here) if job["shipped"] else device.identity
         report({"facts": here, "identity": identity, "pid": os.getpid()})
         cache = CompileCache(job["cache_dir"], identity)
         for name, path in job["entries"]:

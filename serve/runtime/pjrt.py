@@ -1,8 +1,8 @@
 """The lowest layer of the JAX-free runtime: one PJRT device, through pypjrt.
 
-A `Device` loads a PJRT plugin (.so), creates a client on it, compiles StableHLO bodies written by
-`jax.export` (textual MLIR or the portable bytecode `Exported.mlir_module_serialized`), uploads
-host arrays, runs executables with chosen inputs donated, and copies results back::
+A `Device` loads a PJRT plugin (.so), creates a client on it, compiles StableHLO bodies written by `jax.export`
+(textual MLIR or the portable bytecode `Exported.mlir_module_serialized`), uploads host arrays, runs executables
+with chosen inputs donated, and copies results back::
 
     with Device(cache_dir="~/.cache/tlaloc/pjrt") as dev:
         exe = dev.compile(body_bytes)
@@ -11,19 +11,16 @@ host arrays, runs executables with chosen inputs donated, and copies results bac
         assert pool.consumed and dev.device_address(pool2) == address_before  # in place
         dev.to_host(logits)
 
-Donation is what keeps the KV pools on the device: a body whose pool parameter carries
-`tf.aliasing_output` (what `jax.jit(..., donate_argnums=...)` exports) writes its updated pool
-over the input when, and only when, that input is donated. `execute` donates exactly the indices
-it is given (PJRT's `non_donatable_input_indices` holds every other one) and raises
-`DonationError` if the plugin did not consume one of them, so a silent copy cannot pass for an
+Donation is what keeps the KV pools on the device: a body whose pool parameter carries `tf.aliasing_output` (what
+`jax.jit(..., donate_argnums=...)` exports) writes its updated pool over the input when, and only when, that input
+is donated. `execute` donates exactly the indices it is given (PJRT's `non_donatable_input_indices` holds every
+other one) and raises `DonationError` if the plugin did not consume one of them, so a silent copy cannot pass for an
 update in place. Measurements and the plugin's behaviour: docs/pjrt-notes.md.
 
-This module imports only the standard library, numpy, ml_dtypes and pypjrt; it must never pull
-in jax, jaxlib, flax, torch or transformers. `execute` and `upload` call the PJRT C API themselves
-(`pypjrt.Executable.__call__` asks `IsDeleted` of every argument after every run, and
-`Client.buffer_from_host` refuses read-only arrays such as memory-mapped weights); what that needs of
-pypjrt's private state is in `pypjrt_compat`, the compile cache in `compile_cache`.
-"""
+This module imports only the standard library, numpy, ml_dtypes and pypjrt, never jax, jaxlib, flax, torch or
+transformers. `execute` and `upload` call the PJRT C API themselves (`pypjrt.Executable.__call__` asks `IsDeleted`
+of every argument after every run, and `Client.buffer_from_host` refuses read-only arrays such as memory-mapped
+weights); what that needs of pypjrt's private state is in `pypjrt_compat`, the compile cache in `compile_cache`."""
 
 from __future__ import annotations
 
@@ -265,16 +262,13 @@ class Device:
         return pypjrt.CompileOptions(use_shardy_partitioner=b"sdy." in code)
 
     def compiled_before(self, mlir: str | bytes, checked: bool = True) -> bool:
-        """Whether the compile cache (or the artifact's shipped one) holds this body's executable, intact, from this
-        plugin: `compile` would load it, not compile it (the body compiled here before, so it cannot be refused).
-        checked=False: whether a file is there, without reading it (a damaged one then compiles at its load)."""
+        """Whether the compile cache (or the artifact's shipped one) holds this body's executable from this plugin, so
+        `compile` would load it (it cannot be refused). checked: its file read and checked, else only there."""
         code = mlir.encode() if isinstance(mlir, str) else bytes(mlir)
-        digest = hashlib.sha256(code).hexdigest()
-        options = self.compile_options_bytes(code)
-        if self._cache is not None:
-            key = self._cache.key(digest, options)
-            if self._cache.read(key, digest)[0] is not None if checked else self._cache.has(key):
-                return True
+        digest, options = hashlib.sha256(code).hexdigest(), self.compile_options_bytes(code)
+        key = self._cache.key(digest, options) if self._cache is not None else None
+        if key is not None and (self._cache.read(key, digest)[0] is not None if checked else self._cache.has(key)):
+            return True
         return self.shipped is not None and self.shipped.holds(digest, options, checked)
 
     @property

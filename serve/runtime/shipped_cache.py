@@ -13,7 +13,6 @@ never run. The user's compile cache still comes first, and a compile here is sto
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -23,31 +22,13 @@ from pathlib import Path
 
 import pypjrt
 
-from .compile_cache import CompileCache, host_cpu
+from .compile_cache import CompileCache, facts, facts_identity
 
 log = logging.getLogger("tlaloc_jax.serve")
 
 FOLDER = "compile-cache"
 INDEX = "index.json"
 FORMAT = 1
-
-
-def facts(device, custom_calls) -> dict:
-    """What an executable compiled on `device` depends on, without the plugin's path or mtime (an artifact moves
-    between hosts and installs); `custom_calls`' native kernels must be registered (their variant is known)."""
-    from tlaloc_jax import native
-    return {
-        "plugin_package": device.plugin_package, "plugin_size": os.stat(device.plugin_path).st_size,
-        "api_version": list(device.api_version),
-        "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(device.attributes.items())},
-        "platform": [device.platform_name, device.platform_version], "devices": device.devices,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""), "host_cpu": host_cpu(),
-        "kernels": {t: native.loaded_variant(t) for t in sorted(custom_calls)},
-    }
-
-
-def _identity(f: dict) -> str:
-    return hashlib.sha256(json.dumps(f, sort_keys=True).encode()).hexdigest()
 
 
 class ShippedCache:
@@ -91,7 +72,7 @@ def open_shipped(artifact_dir: str | os.PathLike[str], device, custom_calls) -> 
                     "(re-export on this host to ship matching ones)", folder, ", ".join(differ))
         return None
     # The index's identity, which the files were stored under: the check above is what keeps them off other hosts.
-    return ShippedCache(folder, _identity(shipped))
+    return ShippedCache(folder, facts_identity(shipped))
 
 
 def differences(here: dict, shipped: dict) -> list[str]:

@@ -59,7 +59,8 @@ def _resize_pool(raw, pages):
 
 
 def _swap_bodies(raw):
-    a, b = raw["entries"][0], raw["entries"][1]
+    """The bodies of the first two decode entries (batch 1 and the next batch up) swapped."""
+    a, b = [e for e in raw["entries"] if e["kind"] == "decode"][:2]
     for key in ("serialized", "serialized_sha256"):
         a[key], b[key] = b[key], a[key]
 
@@ -78,8 +79,8 @@ TAMPERS = {
     "pool-resized": (lambda r: _resize_pool(r, 80), r"body .* does not match the manifest: argument \d+ \(POOL_IN kv\) "
                                                     r"is float32\[3, 2, 64, 8, 2, 16\] in the body, the manifest says float32\[3, 2, 80, 8, 2, 16\]"),
     "pool-2GiB": (lambda r: _resize_pool(r, 1 << 20), r"does not match the manifest: argument \d+ \(POOL_IN kv\)"),
-    "bodies-swapped": (_swap_bodies, r"entry 'decode_b1_c32' body .* does not match the manifest: argument 0 "
-                                     r"\(TOKEN_IDS\) is int32\[8, 1\] in the body"),
+    "bodies-swapped": (_swap_bodies, r"entry 'decode_b1_c\d+' body .* does not match the manifest: argument 0 "
+                                     r"\(TOKEN_IDS\) is int32\[\d+, 1\] in the body"),
     "vocab-larger": (lambda r: _grow_vocab(r, False), r"model\.vocab is 304, but the embedding 'embed' has \[288, 64\] rows"),
     "vocab-and-logits-larger": (lambda r: (_grow_vocab(r, True), r["model"].update(embedding_slot="")),
                                 r"result 0 \(LOGITS\) is float32\[1, 288\] in the body, the manifest says float32\[1, 304\]"),

@@ -11,10 +11,10 @@ import logging
 import re
 import shutil
 
-import pypjrt
 import pytest
 
 from http_util import InProcess
+from step_spy import count_compiles
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.runtime import compile_workers, shipped_cache
 
@@ -42,17 +42,6 @@ def started(monkeypatch):
     return made
 
 
-def _in_process_compiles(monkeypatch) -> dict[str, int]:
-    counts = {"compile": 0}
-    real = pypjrt.Client.compile
-
-    def counted(self, *args, **kw):
-        counts["compile"] += 1
-        return real(self, *args, **kw)
-    monkeypatch.setattr(pypjrt.Client, "compile", counted)
-    return counts
-
-
 def _index(art) -> str:
     return (art / shipped_cache.FOLDER / shipped_cache.INDEX).read_text()
 
@@ -71,7 +60,7 @@ def test_a_fill_in_two_processes_ships_what_one_process_does(http_artifacts, wan
     assert _index(two) == _index(one)
     assert _files(two / shipped_cache.FOLDER) == _files(one / shipped_cache.FOLDER)
     assert len(_files(one / shipped_cache.FOLDER)) == n
-    counts = _in_process_compiles(monkeypatch)
+    counts = count_compiles(monkeypatch)
     with Engine.load(two, cache_dir=tmp_path / "empty", progress=False) as engine:
         engine.compile_all()
         how = {name: exe.cache for name, exe in engine.runner.executables.items()}
@@ -108,7 +97,7 @@ def _until_healthy(srv, seen: set[str]) -> None:
 
 def test_a_server_compiles_its_cache_misses_in_workers(http_artifacts, want, started, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    counts = _in_process_compiles(monkeypatch)
+    counts = count_compiles(monkeypatch)
     with Engine.load(http_artifacts[1], cache_dir=cache, progress=False, preload=True) as engine:
         names = {e.name for e in engine.manifest.entries}
         assert len(started) == 1 and len(started[0].done) == len(names) and len(started[0].facts) <= 2
@@ -141,7 +130,7 @@ def test_an_entry_whose_worker_fails_compiles_in_the_server(http_artifacts, want
         broken["name"] = entries[0][0]
         return real([(entries[0][0], str(bad)), *entries[1:]], *args, **kw)
     monkeypatch.setattr(compile_workers, "start", start)
-    counts = _in_process_compiles(monkeypatch)
+    counts = count_compiles(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="tlaloc_jax.serve"):
         with Engine.load(http_artifacts[1], cache_dir=tmp_path / "cache", progress=False, preload=True) as engine:
             for e, _ in engine.runner.loading():
@@ -155,7 +144,7 @@ def test_an_entry_whose_worker_fails_compiles_in_the_server(http_artifacts, want
 
 def test_a_server_closed_while_its_workers_compile_stops_them(http_artifacts, started, tmp_path, monkeypatch):
     """A server stopped during its start kills its compile workers and compiles nothing in its own process."""
-    counts = _in_process_compiles(monkeypatch)
+    counts = count_compiles(monkeypatch)
     engine = Engine.load(http_artifacts[1], cache_dir=tmp_path / "cache", progress=False, preload=True)
     engine.close()
     assert len(started) == 1 and all(p.poll() is not None for p in started[0].procs)

@@ -14,6 +14,7 @@ import pypjrt
 import pytest
 
 from tlaloc_jax import artifact as af
+from step_spy import count_compiles
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve.runtime import compile_cache, shipped_cache
 
@@ -32,17 +33,6 @@ def shipped(http_artifacts, tmp_path_factory, serve_cache_dir):
     return art, want
 
 
-def _count_compiles(monkeypatch) -> dict[str, int]:
-    counts = {"compile": 0}
-    real = pypjrt.Client.compile
-
-    def counted(self, *args, **kw):
-        counts["compile"] += 1
-        return real(self, *args, **kw)
-    monkeypatch.setattr(pypjrt.Client, "compile", counted)
-    return counts
-
-
 def _how(engine) -> dict[str, str]:
     """entry -> how its executable was had, every entry loaded first."""
     engine.compile_all()
@@ -51,7 +41,7 @@ def _how(engine) -> dict[str, str]:
 
 def test_a_fresh_artifacts_first_start_compiles_nothing(shipped, tmp_path, monkeypatch):
     art, want = shipped
-    counts = _count_compiles(monkeypatch)
+    counts = count_compiles(monkeypatch)
     with Engine.load(art, cache_dir=tmp_path / "empty", progress=False) as engine:
         assert engine.entries_to_compile() == []          # ready at once: /health answers 200 without compiling
         how = _how(engine)
@@ -61,7 +51,7 @@ def test_a_fresh_artifacts_first_start_compiles_nothing(shipped, tmp_path, monke
 
 
 def _start_on_another_cpu(art, cache, monkeypatch, caplog) -> dict[str, str]:
-    monkeypatch.setattr(shipped_cache, "host_cpu", lambda: "x86_64\nmodel name: another CPU\nflags: sse2")
+    monkeypatch.setattr(compile_cache, "host_cpu", lambda: "x86_64\nmodel name: another CPU\nflags: sse2")
     with caplog.at_level(logging.WARNING, logger="tlaloc_jax.serve"):
         with Engine.load(art, cache_dir=cache, progress=False) as engine:
             return _how(engine)
@@ -69,7 +59,7 @@ def _start_on_another_cpu(art, cache, monkeypatch, caplog) -> dict[str, str]:
 
 def test_shipped_entries_compiled_for_another_cpu_are_not_used(shipped, tmp_path, monkeypatch, caplog):
     art, _ = shipped
-    counts = _count_compiles(monkeypatch)
+    counts = count_compiles(monkeypatch)
     how = _start_on_another_cpu(art, tmp_path / "empty", monkeypatch, caplog)
     assert "shipped" not in how.values() and counts["compile"] == len(how)
     lines = [r.getMessage() for r in caplog.records if "compiled for another" in r.getMessage()]

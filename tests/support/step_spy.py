@@ -1,5 +1,6 @@
 """Watching what the scheduler runs: each step's calls recorded as the test describes them, a run of some
-sequences decoding when others arrive, and running an engine's sequences to their end."""
+sequences decoding when others arrive, running an engine's sequences to their end; and the plugin's compiles
+counted."""
 
 from __future__ import annotations
 
@@ -35,3 +36,16 @@ def run_out(eng, rids: list[str]) -> list[list[int]]:
     for r in rids:
         eng.release(r)
     return out
+
+
+def count_compiles(monkeypatch) -> dict[str, int]:
+    """{"compile": n}, n counting every pypjrt compile in this process from now on (a compile-cache hit is none)."""
+    import pypjrt
+    counts = {"compile": 0}
+    real = pypjrt.Client.compile
+
+    def counted(self, *args, **kw):
+        counts["compile"] += 1
+        return real(self, *args, **kw)
+    monkeypatch.setattr(pypjrt.Client, "compile", counted)
+    return counts
