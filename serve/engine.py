@@ -38,6 +38,7 @@ import numpy as np
 from tlaloc_jax import artifact as af
 
 from .core import inputs as call_inputs
+from .core.call_plan import covering
 from .core.request import (Constraint, Request, RequestRefused, StepEvent, check_cache_salt, check_sampler_fits,
                            check_sampling, check_stop)
 from .core.scheduler import Scheduler
@@ -101,7 +102,8 @@ class Engine:
         "qwen3_next_mtp": its MTP head); "disable_by_batch_size": n, none while n or more sequences run. None: off.
         map_weights: serve the weights from their files' mappings, not read into huge-page memory (a load without fresh
         memory; 4 KiB pages in every step). preload: every entry loads in the background now (Runner's preload), those
-        in neither compile cache compiled meanwhile by `compile_processes` worker processes (default one a core)."""
+        in neither compile cache compiled meanwhile by `compile_processes` worker processes (default one a core); those
+        that hold every call (call_plan.covering) first, which a server waits for, the others while it serves."""
         t0 = time.perf_counter()
         self.artifact_dir = Path(artifact_dir)
         if isinstance(cache_dir, str) and cache_dir.lower() == "none":
@@ -136,7 +138,10 @@ class Engine:
         except TooFewDevicesError as e:
             raise af.ManifestError(device_count_mismatch(m, e.available)) from None
         self.runner = Runner(self.artifact_dir, m, device, progress=progress, donate=donate,
-                             weight_arena=not map_weights, preload=preload, compile_processes=compile_processes)
+                             weight_arena=not map_weights, preload=preload, compile_processes=compile_processes,
+                             ready_first=[e.name for e in covering(m.entries)])
+        if preload:     # calls take loaded entries while the others load (CallPlanner.pick)
+            self.scheduler.planner.loaded = self.runner.loaded
         self.scheduler.proposer = proposer_for(self.speculative_config, draft, device, progress, donate)
         self.device = self.runner.device
         self.block_size = m.block_size
@@ -243,17 +248,9 @@ class Engine:
                 self.runner.executable(e)
         return self.runner.executables
 
-    @property
-    def donate(self) -> bool:
-        return self.runner.donate
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.runner.weight_bytes
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.runner.pool_bytes
+    donate = property(lambda self: self.runner.donate)
+    weight_bytes = property(lambda self: self.runner.weight_bytes)
+    pool_bytes = property(lambda self: self.runner.pool_bytes)
 
     def compile_report(self) -> dict[str, int]:
         return self.runner.compile_report()
@@ -361,9 +358,10 @@ class Engine:
         return any(not s.finished for s in self.scheduler.requests.values())
 
     def cold_entries(self) -> list[af.Entry]:
-        """The entries never run yet, in the manifest's order (smallest context first)."""
+        """The entries never run yet (nor loading in the background), in the manifest's order (smallest first)."""
         ran = self.runner.stats["executions_by_entry"]
-        return [e for e in self.manifest.entries if e.name not in ran and e.name not in self._warm]
+        return [e for e in self.manifest.entries if e.name not in ran and e.name not in self._warm
+                and self.runner.loaded(e)]
 
     def warm_up(self, e: af.Entry) -> None:
         """Run entry `e` once with rows that read a few pages and write nothing (call_inputs.warm_up_inputs; the pools
@@ -406,6 +404,8 @@ class Engine:
         events: list[StepEvent] = [
             self.model_runner.fail(s, why, request=True) for s in list(self.scheduler.requests.values())
             if s.constraint is not None and not s.finished and (why := s.constraint.failure()) is not None]
+        if self.scheduler.planner.loaded is not None and not self.runner.still_loading():
+            self.scheduler.planner.loaded = None        # every entry loaded: pick's answers are fixed
         step = self.scheduler.schedule()
         self.last_step_calls = len(step.calls)
         if step.restores and not self.model_runner.copy_slots(step.restores):

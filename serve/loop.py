@@ -166,10 +166,9 @@ class EngineLoop:
         # (Engine.warm_up): not in the brief idle moment between a closed loop's requests, which would wait for it.
         self.warm_up = warm_up
         self.warm_up_idle_s = 0.5
-        # compile_all: the loop compiles every entry neither compiled nor in the compile cache before its first step
-        # (readiness.py); until then `readiness.reason()` says how far it got. None: it serves at once, entries
-        # compile on first use.
-        # A preloading Runner's entries count too: ready means every entry loaded.
+        # compile_all: the loop compiles every entry in neither compile cache, and waits for a preloading Runner's
+        # first ones (Runner.loading), before its first step (readiness.py); `readiness.reason()` says how far it got.
+        # None: it serves at once, entries compile on first use.
         loading = len(engine.runner.loading())
         words = ("loading or compiling", "loaded or compiled") if loading else ("compiling", "compiled")
         self.readiness = Readiness(len(engine.entries_to_compile()) + loading, progress, words) if compile_all else None
@@ -258,6 +257,8 @@ class EngineLoop:
                     held = None if idle else self._hold_left()
                     timeout = (warm_in if warm_in is not None and warm_in > 0 else None) if idle else \
                         held if held is not None else 0.05
+                    if idle and timeout is None and self.warm_up and self.engine.runner.still_loading():
+                        timeout = 0.25      # entries load in the background: warm each once loaded
                     cmds.append(self._cmds.get(block=idle or stalled or held is not None, timeout=timeout))
                     while True:
                         cmds.append(self._cmds.get_nowait())
@@ -319,10 +320,9 @@ class EngineLoop:
             self._handle(cmd)
 
     def _get_ready(self) -> bool:
-        """Wait for the entries loading in the background (a preloading Runner), then compile those neither compiled
-        nor in the compile cache, one at a time, handling commands between them (a request submitted meanwhile waits
-        for its first step; a /metrics snapshot is answered). Without preload the cached entries load, and every entry
-        runs first (_warm_one), after, while idle. -> False on a stop."""
+        """Wait for the entries a preloading Runner loads first (Runner.loading; the others load while it serves), then
+        compile those in neither compile cache, one at a time, handling commands between them (a request waits for its
+        first step; a /metrics snapshot is answered). Entries run first (_warm_one) while idle. -> False on a stop."""
         self.readiness.start()
         try:
             runner = self.engine.runner
@@ -338,6 +338,8 @@ class EngineLoop:
                     log.error("compiling %s failed: %s", e.name, err)
                 self.readiness.advance(e.name)
             self.readiness.done = self.readiness.total     # entries compiled before the loop started count as ready
+            if left := runner.still_loading():
+                log.info("%d more entries load in the background; a call meanwhile takes a loaded one", left)
             return True
         finally:
             self.readiness.finish()

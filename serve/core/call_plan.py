@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tlaloc_jax import artifact as af
 
@@ -65,6 +65,34 @@ def call_cost(calls: Sequence[ScheduledCall]) -> int:
     return sum(CALL_COST_POSITIONS + c.entry.positions for c in calls)
 
 
+def _largest_call(e: af.Entry) -> tuple[int, int, int, int]:
+    """The largest call entry `e` holds, as `Entry.holds` takes it."""
+    return e.batch, e.context, e.tokens_per_seq, e.packed_tokens or e.batch * e.tokens_per_seq
+
+
+# The kinds a lone short request runs, whose smallest entry `covering` keeps too (a mixed call's rows run apart as
+# cheaply; a verify call too costly to pay is not made: CallPlanner.drafts_that_pay).
+_SMALLEST_TOO = (af.EntryKind.DECODE, af.EntryKind.DECODE_STEPS, af.EntryKind.PREFILL)
+
+
+def covering(entries: Sequence[af.Entry]) -> list[af.Entry]:
+    """The entries that between them hold every call any of `entries` holds (of each kind, those whose largest call
+    no larger entry of the kind holds), with the smallest of the kinds a lone short request runs: what a server loads
+    before it is ready, the others while it serves, a call meanwhile taking the smallest loaded entry that holds it.
+    Every copy_slots entry is in (the runtime calls its first by name). In the given order."""
+    keep: set[str] = set()
+    for kind in af.EntryKind:
+        mine = sorted((e for e in entries if e.kind == kind), key=lambda e: e.size_key, reverse=True)
+        if not mine:
+            continue
+        top: list[af.Entry] = []
+        for e in mine:
+            if kind == af.EntryKind.COPY_SLOTS or not any(t.holds(*_largest_call(e)) for t in top):
+                top.append(e)
+        keep |= {e.name for e in top} | ({mine[-1].name} if kind in _SMALLEST_TOO else set())
+    return [e for e in entries if e.name in keep]
+
+
 class CallPlanner:
     """An artifact's entries by kind, and the calls that run a step's work on them."""
 
@@ -78,7 +106,10 @@ class CallPlanner:
                          for kind in af.EntryKind}
         self.flat = m.flat                  # every row rides in packed prefill calls
         self.max_decode_batch = m.max_batch
-        self._picked: dict[tuple, af.Entry | None] = {}     # pick's answers: the entries never change
+        self._picked: dict[tuple, list[af.Entry]] = {}      # pick's holders, smallest first: the entries never change
+        # While entries still load in the background (a preloading server serves once `covering` ones are loaded):
+        # loaded(entry) -> whether it runs without waiting. None: every entry does.
+        self.loaded: Callable[[af.Entry], bool] | None = None
 
     def entries(self, kind: str) -> list[af.Entry]:
         """The entries of `kind`, smallest first (by context, then batch)."""
@@ -86,11 +117,16 @@ class CallPlanner:
 
     def pick(self, kind: str, batch: int, context: int, tokens: int, total: int = 0) -> af.Entry | None:
         """The smallest entry of `kind` that holds `batch` rows of `tokens` tokens reaching `context` positions
-        (a packed prefill: `total` tokens in all)."""
+        (a packed prefill: `total` tokens in all); while entries still load, the smallest loaded one that holds them
+        (a call runs padded rather than wait), else the smallest."""
         key = (kind, batch, context, tokens, total)
-        if key not in self._picked:
-            self._picked[key] = next((e for e in self.entries(kind) if e.holds(batch, context, tokens, total)), None)
-        return self._picked[key]
+        holders = self._picked.get(key)
+        if holders is None:
+            holders = self._picked[key] = [e for e in self.entries(kind) if e.holds(batch, context, tokens, total)]
+        if not holders:
+            return None
+        loaded = self.loaded
+        return holders[0] if loaded is None else next((e for e in holders if loaded(e)), holders[0])
 
     def scored(self, s: Request) -> bool:
         """Whether the sequence's prompt logprobs come from the scoring prefill entries (the artifact has them,

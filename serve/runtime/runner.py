@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -52,7 +53,7 @@ class Runner:
 
     def __init__(self, artifact_dir: str | Path, manifest: af.Manifest, device: Device, *, progress: bool = True,
                  donate: bool = True, weight_arena: bool = True, preload: bool = False,
-                 compile_processes: int | None = None):
+                 compile_processes: int | None = None, ready_first: Sequence[str] | None = None):
         """Check the device has room, compile one entry of each kind (the others on first use, _compile_kinds),
         upload the weights and allocate zeroed pools. Closes the device if any of it fails. A device of another
         device count than the artifact's mesh is refused by name before anything is compiled or allocated.
@@ -60,9 +61,10 @@ class Runner:
         donate: False runs the pools as plain inputs (a test control: each run then copies them).
         weight_arena: False serves the weights from their files' mappings (sharded.upload_weights' arena).
         preload: instead, every entry loads from the compile cache (or compiles) in a background thread while the
-        weights are read: `loading()` lists them for a server to wait on before it is ready
-        (loop.py), and `executable` waits for its entry's. Entries in neither compile cache compile meanwhile in
-        worker processes into the device's cache (at most `compile_processes`, default one a core:
+        weights are read, `ready_first` (entry names; None: all) and those in neither compile cache first: `loading()`
+        lists those for a server to wait on before it is ready (loop.py), the others load while it serves (`loaded`
+        says which have), and `executable` waits for its entry's. Entries in neither compile cache compile meanwhile
+        in worker processes into the device's cache (at most `compile_processes`, default one a core:
         _compile_in_workers)."""
         self.artifact_dir = Path(artifact_dir)
         self.manifest = m = manifest
@@ -77,6 +79,8 @@ class Runner:
         self._entries_checked: set[str] = set()
         self._deferred: dict[str, str] = {}  # entry -> "cached" | "pending": ready on first use (_compile_kinds)
         self._loading: dict[str, cf.Future] = {}    # entry -> its executable, being loaded (preload)
+        self._before_ready: set[str] = set()        # the preloaded entries a server waits for (loading())
+        self._arena: cf.Future | None = None        # the weights read into huge pages in the background (preload)
         self._loader: cf.ThreadPoolExecutor | None = None
         self._workers: compile_workers.Workers | None = None     # compiling cache misses (preload)
         self._closing = False
@@ -104,11 +108,17 @@ class Runner:
             device.shipped = open_shipped(self.artifact_dir, device, m.versions.custom_calls)
             self._check_memory()
             if preload:
-                self._preload()
+                self._preload(ready_first)
             else:
                 self._compile_kinds(progress)
             self.resident_before_weights = host_memory.resident_bytes()   # the runtime's own: plugin, entries
-            self.weights = sharded.upload_weights(device, self.artifact_dir, m.weights, m.mesh, weight_arena)
+            # Preloading, the weights serve from their files' mappings at once and move to huge pages in the
+            # background once the entries have loaded (the arena's page faults would hold up the loads): _take_arena.
+            late = preload and weight_arena and device.host_memory and sharded.arena_pays(m.weights, m.mesh)
+            self.weights = sharded.upload_weights(device, self.artifact_dir, m.weights, m.mesh,
+                                                  weight_arena and not late)
+            self._arena = self._loader.submit(sharded.read_weights, self.artifact_dir, m.weights, m.mesh, True,
+                                              lambda: self._closing) if late else None
             self.pools: dict[str, sharded.Placed] = {p.name: sharded.zeros(device, p.dtype, p.shape, p.partition,
                                                                            m.mesh) for p in m.pools}
             # The LoRA slots (manifest `lora`), zeroed: written as adapters are loaded (serve/lora_slots.py).
@@ -141,25 +151,28 @@ class Runner:
                 self.executable(e)
             proven.add(e.kind)
 
-    def _preload(self) -> None:
-        """Start loading every entry in the background, in the manifest's order, while the weights are read (the calls
-        release the GIL and run without pypjrt's lock, Device.compile's concurrent, so the weights' uploads do not wait
-        behind a load). A cache file is read and checked once, by its load."""
-        self._workers = self._compile_in_workers()
+    def _preload(self, first: Sequence[str] | None) -> None:
+        """Start loading every entry in the background while the weights are read (the calls release the GIL and run
+        without pypjrt's lock, Device.compile's concurrent, so the weights' uploads do not wait behind a load): `first`
+        and the entries in neither compile cache before the others, in the manifest's order. A cache file is read and
+        checked once, by its load."""
+        entries = self.manifest.entries
+        misses = [e for e in entries if not self.device.compiled_before(self._body(e), checked=False)]
+        self._workers = self._compile_in_workers(misses)
+        self._before_ready = {e.name for e in misses} | (set(first) if first is not None else {e.name for e in entries})
         self._loader = cf.ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="tlaloc-load")
-        for e in self.manifest.entries:
+        for e in sorted(entries, key=lambda e: e.name not in self._before_ready):
             self._loading[e.name] = self._loader.submit(self._load, e)
 
-    def _compile_in_workers(self) -> compile_workers.Workers | None:
-        """Start compiling the entries in neither compile cache in worker processes into the device's cache, which
-        the loads then read as hits (a process compiles one entry at a time: N of them on N cores compile N). None
-        where there is no cache, the plugin is not the CPU's, or fewer than two workers would run (one gains nothing
-        over the loader's own compile)."""
+    def _compile_in_workers(self, misses: list[af.Entry]) -> compile_workers.Workers | None:
+        """Start compiling the entries in neither compile cache (`misses`) in worker processes into the device's cache,
+        which the loads then read as hits (a process compiles one entry at a time: N of them on N cores compile N).
+        None where there is no cache, the plugin is not the CPU's, or fewer than two workers would run (one gains
+        nothing over the loader's own compile)."""
         folder = self.device.cache_directory
         if folder is None or not self.device.host_memory:
             return None
-        missing = [(e.name, str(self.artifact_dir / e.serialized)) for e in self.manifest.entries
-                   if not self.device.compiled_before(self._body(e), checked=False)]
+        missing = [(e.name, str(self.artifact_dir / e.serialized)) for e in misses]
         n = min(self.compile_processes or compile_workers.cores(), compile_workers.cores(), len(missing))
         if n < 2:
             return None
@@ -187,9 +200,34 @@ class Runner:
                         e.name, self.device.cache_directory)
         return exe
 
+    def _take_arena(self) -> None:
+        """Serve the weights from the huge-page arena their background read filled (between runs: the buffers over
+        their files' mappings are closed)."""
+        future, self._arena = self._arena, None
+        try:
+            arrays = future.result()
+        except Exception as err:  # noqa: BLE001 - the mappings serve on
+            log.warning("reading the weights into huge pages failed (%s): they serve from their files", err)
+            return
+        old, self.weights = self.weights, sharded.adopt_weights(self.device, self.manifest.weights, arrays)
+        for placed in old.values():
+            sharded.close(placed)
+        log.info("the weights serve from huge pages")
+
     def loading(self) -> list[tuple[af.Entry, cf.Future]]:
-        """The entries still loading in the background (preload), with their futures, in the manifest's order."""
-        return [(e, self._loading[e.name]) for e in self.manifest.entries if e.name in self._loading]
+        """The entries a server waits for before it is ready (preload's first ones and those in neither compile cache)
+        still loading in the background, with their futures, in the manifest's order."""
+        return [(e, self._loading[e.name]) for e in self.manifest.entries
+                if e.name in self._loading and e.name in self._before_ready]
+
+    def loaded(self, e: af.Entry) -> bool:
+        """Whether entry `e` runs without waiting for its background load (one that failed compiles on first use)."""
+        future = self._loading.get(e.name)
+        return future is None or future.done()
+
+    def still_loading(self) -> int:
+        """How many entries still load in the background (preload)."""
+        return sum(not f.done() for f in self._loading.values())
 
     def _stop_loading(self) -> None:
         """Drop the loads not started, kill the compile workers, wait for the load under way (a plugin call cannot be
@@ -262,8 +300,9 @@ class Runner:
         compiled), and those still to be on first use: "cached" (in the disk cache), "pending" (to compile), or loading in
         the background: "loading"."""
         out: dict[str, int] = {}
-        for how in [*(exe.cache for exe in self.executables.values()), *self._deferred.values(),
-                    *("loading" for _ in self._loading)]:
+        loads = [f.result().cache if f.done() and not f.cancelled() and f.exception() is None else "loading"
+                 for f in self._loading.values()]
+        for how in [*(exe.cache for exe in self.executables.values()), *self._deferred.values(), *loads]:
             out[how] = out.get(how, 0) + 1
         return out
 
@@ -359,6 +398,8 @@ class Runner:
         inputs: the step inputs by StepInputs field name (paging.build_step_inputs) and the sampler's, scorer's
         and decode_steps' inputs by role; each a host array, or a device buffer (`neutral_buffer`). count: False for
         a run that is not a call (a warm-up): it goes in stats["warm_ups"], not the executions."""
+        if self._arena is not None and self._arena.done():
+            self._take_arena()
         exe = self.executable(e)
         runs = self.stats["executions"]
         check = runs < ADDRESS_CHECK_RUNS or e.name not in self._entries_checked

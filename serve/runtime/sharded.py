@@ -125,21 +125,50 @@ def upload_weights(device: Device, root: Path, weights: Sequence[af.WeightFile],
     Sapphire Rapids; one arena for them all: about 1% more, docs/cpu.md). Smaller ones stay their files' mappings.
     arena=False: every weight is its file's mapping, read-only (no fresh memory: a load in well under a second where
     the files are in the page cache, and no second copy of them, on a host short of free memory)."""
-    files = []                  # (weight, file, shape) of each array: a whole weight, or each shard of a split one
+    return adopt_weights(device, weights, read_weights(root, weights, mesh, arena and device.host_memory))
+
+
+def arena_pays(weights: Sequence[af.WeightFile], mesh: af.Mesh | None) -> bool:
+    """Whether upload_weights' arena would hold any of these weights (one of 2 MiB or more, huge pages offered)."""
+    return huge_pages_offered() and any(_nbytes(w, shape) >= HUGE_PAGE for w, _, shape in _weight_files(
+        Path(), weights, mesh))
+
+
+def _weight_files(root: Path, weights: Sequence[af.WeightFile], mesh: af.Mesh | None):
+    """(weight, file, shape) of each array: a whole weight, or each shard of a split one."""
+    files = []
     for w in weights:
         if w.shards:
             files += [(w, root / s.file, mesh.shard_shape(w.shape, w.partition)) for s in w.shards]
         else:
             files.append((w, root / w.file, w.shape))
+    return files
+
+
+def read_weights(root: Path, weights: Sequence[af.WeightFile], mesh: af.Mesh | None,
+                 arena: bool, stopped=lambda: False) -> list[np.ndarray]:
+    """Each weight file's array, in order (upload_weights): those of 2 MiB or more read into one host_arena where
+    `arena` and the kernel offers huge pages, the others their files' read-only mappings. stopped(): checked before
+    each file (true: RuntimeError)."""
+    files = _weight_files(root, weights, mesh)
     sizes = [_nbytes(w, shape) for w, _, shape in files]
-    huge = arena and device.host_memory and huge_pages_offered()
+    huge = arena and huge_pages_offered()
     read_in = [huge and n >= HUGE_PAGE for n in sizes]
-    arena = iter(host_arena([n for n, r in zip(sizes, read_in) if r]))
-    jobs = [(path, w, shape, next(arena) if r else None) for (w, path, shape), r in zip(files, read_in)]
+    cut = iter(host_arena([n for n, r in zip(sizes, read_in) if r]))
+    jobs = [(path, w, shape, next(cut) if r else None) for (w, path, shape), r in zip(files, read_in)]
     # Reads in threads (readinto releases the GIL): the fresh memory's page faults, and the reclaim a host short of
     # free memory does in them, run on more than one CPU. map keeps the files' order.
     with ThreadPoolExecutor(READ_THREADS) as pool:
-        arrays = iter(list(pool.map(lambda job: _read(*job), jobs)))
+        return list(pool.map(lambda job: _read(*job) if not stopped() else _stop(), jobs))
+
+
+def _stop():
+    raise RuntimeError("reading the weights was stopped")
+
+
+def adopt_weights(device: Device, weights: Sequence[af.WeightFile], arrays: Sequence[np.ndarray]) -> dict[str, Placed]:
+    """read_weights' arrays as the weights' buffers, by slot (a split weight's shards one a device)."""
+    arrays = iter(arrays)
     placed: dict[str, Placed] = {}
     for w in weights:
         if w.shards:

@@ -112,7 +112,7 @@ def test_a_server_compiles_its_cache_misses_in_workers(http_artifacts, want, sta
     assert counts["compile"] == 0 and len(_files(cache)) == len(names)
     assert len({w["pid"] for w in started[0].facts}) == 2
     with Engine.load(http_artifacts[1], cache_dir=cache, progress=False, preload=True) as engine:
-        for e, _ in engine.runner.loading():
+        for e in engine.manifest.entries:
             engine.runner.executable(e)
         assert engine.compile_report() == {"hit": len(names)}
     assert len(started) == 1 and counts["compile"] == 0         # no worker started: nothing missed

@@ -30,6 +30,7 @@ from tlaloc_jax import artifact as af
 from tlaloc_jax.serve import Engine
 from tlaloc_jax.serve import readiness as readiness_mod
 from tlaloc_jax.serve.readiness import MAX_RETRY_AFTER_S, Readiness
+from tlaloc_jax.serve.core.call_plan import covering
 from tlaloc_jax.serve.runtime.runner import Runner
 
 PROMPT = [5, 17, 99, 3, 250, 8, 61]
@@ -201,28 +202,31 @@ def test_a_warm_start_compiles_nothing_and_is_ready_at_once(http_artifacts, fill
         assert counts["compile"] == len(filled.later)
 
 
-def _held_load(monkeypatch, name: str) -> threading.Event:
-    """Hold a preloading Runner's background load of entry `name` until the returned event is set."""
+def _held_loads(monkeypatch, held) -> threading.Event:
+    """Hold a preloading Runner's background loads of the entries `held(entry)` picks until the event returned is
+    set."""
     release = threading.Event()
     load = Runner._load
 
-    def held(self, e):
-        if e.name == name:
+    def hold(self, e):
+        if held(e):
             assert release.wait(60), "the test never released the load"
         return load(self, e)
-    monkeypatch.setattr(Runner, "_load", held)
+    monkeypatch.setattr(Runner, "_load", hold)
     return release
 
 
 @pytest.mark.parametrize("control", [False, True])
-def test_a_warm_start_is_ready_once_every_entry_is_loaded(http_artifacts, filled, tmp_path, monkeypatch, control):
+def test_a_warm_start_is_ready_once_the_covering_entries_are_loaded(http_artifacts, filled, tmp_path, monkeypatch,
+                                                                     control):
     """A preloading server (`python -m tlaloc_jax.serve` without --lazy-compile) on a filled cache answers /health
-    503 until every entry has loaded (each from the cache: nothing compiles), then serves the same ids. Control: a
-    loop that does not wait for the loads (the bug) answers 200 with an entry still loading, which the check catches.
-    --lazy-compile's side is test_a_warm_start_compiles_nothing_and_is_ready_at_once."""
+    503 until the entries that hold every call (call_plan.covering) have loaded, each from the cache (nothing
+    compiles). Control: a loop that does not wait for the loads (the bug) answers 200 with one of them still loading,
+    which the check catches. --lazy-compile's side is test_a_warm_start_compiles_nothing_and_is_ready_at_once."""
     counts = _count_pjrt(monkeypatch)
-    last = af.load_manifest(http_artifacts[1], verify_weights=False).entries[-1].name
-    release = _held_load(monkeypatch, last)
+    m = af.load_manifest(http_artifacts[1], verify_weights=False)
+    first = [e.name for e in covering(m.entries)]
+    release = _held_loads(monkeypatch, lambda e: e.name == first[-1])
     if control:
         monkeypatch.setattr(Runner, "loading", lambda self: [])
     with Engine.load(http_artifacts[1], cache_dir=filled.copy(tmp_path / "warm"), progress=False,
@@ -231,20 +235,59 @@ def test_a_warm_start_is_ready_once_every_entry_is_loaded(http_artifacts, filled
         with InProcess(engine, compile_all=True) as srv:
             if control:
                 assert srv.client.get("/health").status_code == 200
-                assert set(engine.runner.executables) != names      # what the check below refuses
+                assert not engine.runner.loaded(engine.manifest.entry(first[-1]))   # what the check below refuses
                 release.set()
                 return
             r = srv.client.get("/health")
             assert r.status_code == 503, r.text
-            assert re.fullmatch(rf"loading or compiling entries: \d+/{len(names)}", r.json()["error"]["message"])
+            assert re.fullmatch(rf"loading or compiling entries: \d+/{len(first)}", r.json()["error"]["message"])
             release.set()
             _until_healthy(srv.client)
-            assert set(engine.runner.executables) == names and engine.entries_to_compile() == []
+            assert set(first) <= set(engine.runner.executables) and engine.entries_to_compile() == []
             r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
                                              "return_token_ids": True})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == filled.want
+            deadline = time.monotonic() + 60
+            while engine.runner.still_loading() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.runner.still_loading() == 0
         assert counts["compile"] == 0 and engine.compile_report() == {"hit": len(names)}
+
+
+def test_a_server_serves_with_loaded_entries_while_the_others_load(http_artifacts, filled, tmp_path, monkeypatch):
+    """Ready once each kind's largest entry is loaded (they hold every call of this ladder), the others held back
+    from loading: PROMPT alone, whose smallest entries are held, takes the loaded ones that hold it, padded, with the
+    ids it has with every entry loaded; no held entry runs. Control: once the others have loaded, its calls take
+    the smallest entries again, which are not the largest."""
+    m = af.load_manifest(http_artifacts[1], verify_weights=False)
+    largest = {kind: max((e for e in m.entries if e.kind == kind), key=lambda e: e.size_key) for kind in
+               {e.kind for e in m.entries}}
+    first = {e.name for e in largest.values()}
+    assert all(largest[e.kind].holds(e.batch, e.context, e.tokens_per_seq) for e in m.entries)
+    monkeypatch.setattr(sys.modules[Engine.__module__], "covering", lambda entries: list(largest.values()))
+    release = _held_loads(monkeypatch, lambda e: e.name not in first)
+    with Engine.load(http_artifacts[1], cache_dir=filled.copy(tmp_path / "warm"), progress=False,
+                     preload=True) as engine:
+        with InProcess(engine, compile_all=True) as srv:
+            _until_healthy(srv.client)
+            assert engine.runner.still_loading() == len(m.entries) - len(first) > 0
+            ran = engine.runner.stats["executions_by_entry"]
+            for control in (False, True):
+                ran.clear()
+                r = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                                 "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["token_ids"] == filled.want
+                if not control:
+                    assert ran and set(ran) <= first, set(ran) - first
+                    release.set()
+                    deadline = time.monotonic() + 60
+                    while engine.runner.still_loading() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    assert engine.runner.still_loading() == 0
+                else:
+                    assert set(ran) - first
 
 
 def test_a_damaged_cache_entry_is_compiled_before_ready(http_artifacts, filled, tmp_path):
