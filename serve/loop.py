@@ -29,7 +29,7 @@ from typing import Any, Callable
 from .engine import Constraint, Engine, RequestRefused
 from .host_sampling import Sampling
 from .metrics import Metrics
-from .readiness import Readiness
+from .readiness import Readiness, get_ready
 
 log = logging.getLogger("tlaloc_jax.serve.loop")
 
@@ -167,9 +167,9 @@ class EngineLoop:
         self.warm_up = warm_up
         self.warm_up_idle_s = 0.5
         # compile_all: the loop compiles every entry in neither compile cache, and waits for a preloading Runner's
-        # first ones (Runner.loading), before its first step (readiness.py); `readiness.reason()` says how far it got.
-        # None: it serves at once, entries compile on first use.
-        loading = len(engine.runner.loading())
+        # loads (readiness.get_ready), before its first step; `readiness.reason()` says how far it got. None: it serves
+        # at once, entries compile on first use.
+        loading = len(engine.runner.loading()) + sum(name is not None for name, _ in engine.runner.background())
         words = ("loading or compiling", "loaded or compiled") if loading else ("compiling", "compiled")
         self.readiness = Readiness(len(engine.entries_to_compile()) + loading, progress, words) if compile_all else None
         self._idle_since = time.perf_counter()
@@ -320,29 +320,8 @@ class EngineLoop:
             self._handle(cmd)
 
     def _get_ready(self) -> bool:
-        """Wait for the entries a preloading Runner loads first (Runner.loading; the others load while it serves), then
-        compile those in neither compile cache, one at a time, handling commands between them (a request waits for its
-        first step; a /metrics snapshot is answered). Entries run first (_warm_one) while idle. -> False on a stop."""
-        self.readiness.start()
-        try:
-            runner = self.engine.runner
-            for e, loading in [*runner.loading(), *((e, None) for e in self.engine.entries_to_compile())]:
-                if not self._handle_pending():
-                    return False
-                while loading is not None and not cf.wait([loading], 0.1).done:
-                    if not self._handle_pending():
-                        return False
-                try:
-                    runner.executable(e)    # loaded in the background (a failed load compiles here), else compiled
-                except Exception as err:  # noqa: BLE001 - the entry's first request fails the same way, by name
-                    log.error("compiling %s failed: %s", e.name, err)
-                self.readiness.advance(e.name)
-            self.readiness.done = self.readiness.total     # entries compiled before the loop started count as ready
-            if left := runner.still_loading():
-                log.info("%d more entries load in the background; a call meanwhile takes a loaded one", left)
-            return True
-        finally:
-            self.readiness.finish()
+        """readiness.get_ready, handling commands meanwhile. -> False on a stop."""
+        return get_ready(self.readiness, self.engine, self._handle_pending)
 
     def _warm_one(self, e) -> None:
         """Warm one entry (Engine.warm_up); a failure is logged, not retried (the entry counts as warmed)."""

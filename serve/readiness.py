@@ -12,6 +12,7 @@ carriage returns make one long line in a log file); once ready, one line gives t
 from __future__ import annotations
 
 import logging
+import concurrent.futures as cf
 import math
 import os
 import time
@@ -20,6 +21,10 @@ from pathlib import Path
 log = logging.getLogger("tlaloc_jax.serve")
 
 LOG_EVERY_S = 10.0
+# A preloading server also waits for its other entries' loads and the weights' move to huge pages (Runner.background)
+# while its process is younger than this: a small artifact then serves its first requests with every entry loaded,
+# and a large one is ready once the entries that hold every call are (Runner.loading).
+READY_WITHIN_S = 4.5
 MAX_RETRY_AFTER_S = 60      # the openai client honours a Retry-After of at most 60 s
 
 
@@ -97,3 +102,40 @@ class Readiness:
         log.info("start-up: %s; ready %s after the process started", ", ".join(
             [f"{k} {v:.1f} s" for k, v in self.phases.items()] + [f"{self.doing} {self.total} entries {took:.1f} s"]),
             "?" if age is None else f"{age:.1f} s")
+
+
+def get_ready(readiness: Readiness, engine, handle_pending) -> bool:
+    """Make `engine` ready: wait for the entries a preloading Runner loads first (Runner.loading: those that hold every
+    call, and those in neither compile cache), compile those in neither cache (a Runner that does not preload), then
+    wait for the rest of its loads while the process is younger than READY_WITHIN_S. handle_pending() answers the
+    commands that came meanwhile (-> False: stop). -> False on a stop."""
+    readiness.start()
+    started = time.perf_counter() - (process_seconds() or 0.0)
+    try:
+        runner = engine.runner
+        for e, loading in [*runner.loading(), *((e, None) for e in engine.entries_to_compile())]:
+            if not handle_pending():
+                return False
+            while loading is not None and not cf.wait([loading], 0.1).done:
+                if not handle_pending():
+                    return False
+            try:
+                runner.executable(e)    # loaded in the background (a failed load compiles here), else compiled
+            except Exception as err:  # noqa: BLE001 - the entry's first request fails the same way, by name
+                log.error("compiling %s failed: %s", e.name, err)
+            readiness.advance(e.name)
+        rest = dict(runner.background())
+        while rest and (left := started + READY_WITHIN_S - time.perf_counter()) > 0:
+            if not handle_pending():
+                return False
+            cf.wait(list(rest.values()), min(0.1, left), return_when=cf.FIRST_COMPLETED)
+            for name in [name for name, f in rest.items() if f.done()]:
+                del rest[name]
+                if name is not None:
+                    readiness.advance(name)
+        readiness.done = readiness.total     # entries compiled before the loop started count as ready
+        if left := runner.still_loading():
+            log.info("%d more entries load in the background; a call meanwhile takes a loaded one", left)
+        return True
+    finally:
+        readiness.finish()

@@ -220,6 +220,13 @@ class Runner:
         return [(e, self._loading[e.name]) for e in self.manifest.entries
                 if e.name in self._loading and e.name in self._before_ready]
 
+    def background(self) -> list[tuple[str | None, cf.Future]]:
+        """What still loads in the background beside `loading()`: the other entries by name, then the weights' read
+        into huge pages (None)."""
+        rest = [(e.name, self._loading[e.name]) for e in self.manifest.entries
+                if e.name in self._loading and e.name not in self._before_ready and not self._loading[e.name].done()]
+        return rest + ([(None, self._arena)] if self._arena is not None and not self._arena.done() else [])
+
     def loaded(self, e: af.Entry) -> bool:
         """Whether entry `e` runs without waiting for its background load (one that failed compiles on first use)."""
         future = self._loading.get(e.name)

@@ -240,7 +240,7 @@ def test_a_warm_start_is_ready_once_the_covering_entries_are_loaded(http_artifac
                 return
             r = srv.client.get("/health")
             assert r.status_code == 503, r.text
-            assert re.fullmatch(rf"loading or compiling entries: \d+/{len(first)}", r.json()["error"]["message"])
+            assert re.fullmatch(rf"loading or compiling entries: \d+/{len(names)}", r.json()["error"]["message"])
             release.set()
             _until_healthy(srv.client)
             assert set(first) <= set(engine.runner.executables) and engine.entries_to_compile() == []
@@ -288,6 +288,36 @@ def test_a_server_serves_with_loaded_entries_while_the_others_load(http_artifact
                     assert engine.runner.still_loading() == 0
                 else:
                     assert set(ran) - first
+
+
+@pytest.mark.parametrize("within", [1e9, 0.0])
+def test_a_young_server_waits_for_the_other_entries_too(http_artifacts, filled, tmp_path, monkeypatch, within):
+    """While its process is younger than READY_WITHIN_S a server waits for every load, not only the covering ones
+    (a small artifact then serves its first requests with every entry loaded); older, it is ready without them.
+    A test process is older than 5 s, so READY_WITHIN_S is set: huge (503 until the held load ends), or 0 (200)."""
+    monkeypatch.setattr(readiness_mod, "READY_WITHIN_S", within)
+    m = af.load_manifest(http_artifacts[1], verify_weights=False)
+    largest = {kind: max((e for e in m.entries if e.kind == kind), key=lambda e: e.size_key) for kind in
+               {e.kind for e in m.entries}}
+    monkeypatch.setattr(sys.modules[Engine.__module__], "covering", lambda entries: list(largest.values()))
+    held = next(e.name for e in m.entries if e not in largest.values())
+    release = _held_loads(monkeypatch, lambda e: e.name == held)
+    with Engine.load(http_artifacts[1], cache_dir=filled.copy(tmp_path / "warm"), progress=False,
+                     preload=True) as engine:
+        with InProcess(engine, compile_all=True) as srv:
+            if within:
+                time.sleep(0.5)
+                r = srv.client.get("/health")
+                assert r.status_code == 503, r.text
+                done = re.fullmatch(rf"loading or compiling entries: (\d+)/{len(m.entries)}", r.json()["error"]["message"])
+                assert done and len(largest) <= int(done.group(1)) < len(m.entries), r.text
+                release.set()
+                _until_healthy(srv.client)
+                assert engine.runner.loaded(engine.manifest.entry(held))
+            else:
+                _until_healthy(srv.client)
+                assert not engine.runner.loaded(engine.manifest.entry(held))
+                release.set()
 
 
 def test_a_damaged_cache_entry_is_compiled_before_ready(http_artifacts, filled, tmp_path):
