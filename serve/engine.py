@@ -141,7 +141,7 @@ class Engine:
                              weight_arena=not map_weights, preload=preload, compile_processes=compile_processes,
                              ready_first=[e.name for e in covering(m.entries)])
         if preload:     # calls take loaded entries while the others load (CallPlanner.pick)
-            self.scheduler.planner.loaded = self.runner.loaded
+            self.scheduler.planner.loaded, self.scheduler.planner.hurry = self.runner.loaded, self.runner.hurry
         self.scheduler.proposer = proposer_for(self.speculative_config, draft, device, progress, donate)
         self.device = self.runner.device
         self.block_size = m.block_size

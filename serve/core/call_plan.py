@@ -108,8 +108,9 @@ class CallPlanner:
         self.max_decode_batch = m.max_batch
         self._picked: dict[tuple, list[af.Entry]] = {}      # pick's holders, smallest first: the entries never change
         # While entries still load in the background (a preloading server serves once `covering` ones are loaded):
-        # loaded(entry) -> whether it runs without waiting. None: every entry does.
+        # loaded(entry) -> whether it runs without waiting (None: every entry does); hurry(entry): load it next.
         self.loaded: Callable[[af.Entry], bool] | None = None
+        self.hurry: Callable[[af.Entry], None] = lambda e: None
 
     def entries(self, kind: str) -> list[af.Entry]:
         """The entries of `kind`, smallest first (by context, then batch)."""
@@ -118,7 +119,7 @@ class CallPlanner:
     def pick(self, kind: str, batch: int, context: int, tokens: int, total: int = 0) -> af.Entry | None:
         """The smallest entry of `kind` that holds `batch` rows of `tokens` tokens reaching `context` positions
         (a packed prefill: `total` tokens in all); while entries still load, the smallest loaded one that holds them
-        (a call runs padded rather than wait), else the smallest."""
+        (a call runs padded rather than wait, and the smallest is loaded next), else the smallest."""
         key = (kind, batch, context, tokens, total)
         holders = self._picked.get(key)
         if holders is None:
@@ -126,7 +127,10 @@ class CallPlanner:
         if not holders:
             return None
         loaded = self.loaded
-        return holders[0] if loaded is None else next((e for e in holders if loaded(e)), holders[0])
+        if loaded is None or loaded(holders[0]):
+            return holders[0]
+        self.hurry(holders[0])
+        return next((e for e in holders if loaded(e)), holders[0])
 
     def scored(self, s: Request) -> bool:
         """Whether the sequence's prompt logprobs come from the scoring prefill entries (the artifact has them,

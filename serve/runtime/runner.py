@@ -25,6 +25,7 @@ from tlaloc_jax import native
 from . import compile_workers, host_memory, sharded
 from .adapters import AdapterBuffers, adapter_bytes
 from .handles import Buffer, Executable
+from .loader import Loader
 from .pjrt import Device
 from .shipped_cache import open_shipped
 
@@ -33,9 +34,8 @@ log = logging.getLogger("tlaloc_jax.serve")
 #: Every run of an entry until this many runs, and the first run of each entry after, has its pools'
 #: addresses checked (a pool that moved was copied, not donated).
 ADDRESS_CHECK_RUNS = 100
-#: Threads that load the entries at start (Runner's preload): one, beside the weights' reads. The CPU plugin loads
-#: one executable at a time (two threads loaded 12 entries no faster than one: bench in the commit).
-LOAD_THREADS = 1
+# The entries load at start on one thread (loader.py), beside the weights' reads: the CPU plugin loads one executable
+# at a time (two threads loaded 12 entries no faster than one: bench in the commit).
 
 
 class _ArgSource(enum.Enum):
@@ -81,7 +81,7 @@ class Runner:
         self._loading: dict[str, cf.Future] = {}    # entry -> its executable, being loaded (preload)
         self._before_ready: set[str] = set()        # the preloaded entries a server waits for (loading())
         self._arena: cf.Future | None = None        # the weights read into huge pages in the background (preload)
-        self._loader: cf.ThreadPoolExecutor | None = None
+        self._loader: Loader | None = None
         self._workers: compile_workers.Workers | None = None     # compiling cache misses (preload)
         self._closing = False
         self._worker_miss_told = False
@@ -117,8 +117,8 @@ class Runner:
             late = preload and weight_arena and device.host_memory and sharded.arena_pays(m.weights, m.mesh)
             self.weights = sharded.upload_weights(device, self.artifact_dir, m.weights, m.mesh,
                                                   weight_arena and not late)
-            self._arena = self._loader.submit(sharded.read_weights, self.artifact_dir, m.weights, m.mesh, True,
-                                              lambda: self._closing) if late else None
+            self._arena = self._loader.submit("weights", sharded.read_weights, self.artifact_dir, m.weights, m.mesh,
+                                              True, lambda: self._closing) if late else None
             self.pools: dict[str, sharded.Placed] = {p.name: sharded.zeros(device, p.dtype, p.shape, p.partition,
                                                                            m.mesh) for p in m.pools}
             # The LoRA slots (manifest `lora`), zeroed: written as adapters are loaded (serve/lora_slots.py).
@@ -160,9 +160,9 @@ class Runner:
         misses = [e for e in entries if not self.device.compiled_before(self._body(e), checked=False)]
         self._workers = self._compile_in_workers(misses)
         self._before_ready = {e.name for e in misses} | (set(first) if first is not None else {e.name for e in entries})
-        self._loader = cf.ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="tlaloc-load")
+        self._loader = Loader("tlaloc-load")
         for e in sorted(entries, key=lambda e: e.name not in self._before_ready):
-            self._loading[e.name] = self._loader.submit(self._load, e)
+            self._loading[e.name] = self._loader.submit(e.name, self._load, e)
 
     def _compile_in_workers(self, misses: list[af.Entry]) -> compile_workers.Workers | None:
         """Start compiling the entries in neither compile cache (`misses`) in worker processes into the device's cache,
@@ -232,6 +232,11 @@ class Runner:
         future = self._loading.get(e.name)
         return future is None or future.done()
 
+    def hurry(self, e: af.Entry) -> None:
+        """Load entry `e` next, if its background load has not started (a call would take it, were it loaded)."""
+        if self._loader is not None and not self.loaded(e):
+            self._loader.hurry(e.name)
+
     def still_loading(self) -> int:
         """How many entries still load in the background (preload)."""
         return sum(not f.done() for f in self._loading.values())
@@ -241,11 +246,11 @@ class Runner:
         interrupted; one waiting for a worker ends)."""
         self._closing = True
         if self._loader is not None:
-            self._loader.shutdown(wait=False, cancel_futures=True)
+            self._loader.cancel()
         if self._workers is not None:
             self._workers.stop()
         if self._loader is not None:
-            self._loader.shutdown(wait=True)
+            self._loader.join()
             self._loader = None
 
     def to_compile(self) -> list[af.Entry]:

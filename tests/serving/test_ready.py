@@ -309,7 +309,8 @@ def test_a_young_server_waits_for_the_other_entries_too(http_artifacts, filled, 
                 time.sleep(0.5)
                 r = srv.client.get("/health")
                 assert r.status_code == 503, r.text
-                done = re.fullmatch(rf"loading or compiling entries: (\d+)/{len(m.entries)}", r.json()["error"]["message"])
+                message = r.json()["error"]["message"]
+                done = re.fullmatch(rf"loading or compiling entries: (\d+)/{len(m.entries)}", message)
                 assert done and len(largest) <= int(done.group(1)) < len(m.entries), r.text
                 release.set()
                 _until_healthy(srv.client)

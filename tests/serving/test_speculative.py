@@ -195,8 +195,8 @@ def artifact_runs(artifact, serve_cache_dir) -> dict:
 
 
 # Here llama's run is slow too (its control below and test_paying_drafts serve llama with drafts in make test).
-@pytest.mark.parametrize("artifact", [pytest.param("llama", marks=pytest.mark.slow), *_families("qwen3", "gemma3_text")],
-                         indirect=True)
+@pytest.mark.parametrize("artifact", [pytest.param("llama", marks=pytest.mark.slow),
+                                      *_families("qwen3", "gemma3_text")], indirect=True)
 def test_greedy_ids_with_speculation_equal_those_without(artifact, serve_cache_dir):
     """Alone, batched, sharing a 24-token prefix (prefix caching, where no ring turns it off) and a crowd of eight
     on 24 pages (preempted): the same ids with n-gram speculation as without, with drafts accepted and verify calls

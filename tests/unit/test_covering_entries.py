@@ -1,8 +1,8 @@
 """A preloading server is ready once `covering` entries are loaded: between them they hold every call any entry holds
-(each kind's entries that no larger one holds the largest call of, and a lone request's smallest), and while the others load a
-call takes the smallest loaded entry that holds it (CallPlanner.pick with `loaded`). The ladder is the demo export's
-shape: decode at the top context, prefill chunks of 32 tokens (one row, and packed rows of 64-256 tokens in all),
-prompt chunks of one row of 64 or 128 tokens, mixed calls."""
+(each kind's entries that no larger one holds the largest call of, and a lone request's smallest), and while the
+others load a call takes the smallest loaded entry that holds it (CallPlanner.pick with `loaded`). The ladder is the
+demo export's shape: decode at the top context, prefill chunks of 32 tokens (one row, and packed rows of 64-256
+tokens in all), prompt chunks of one row of 64 or 128 tokens, mixed calls."""
 
 from __future__ import annotations
 
@@ -76,6 +76,10 @@ def test_control_without_a_largest_entry_some_call_is_held_by_none():
 def test_a_call_takes_the_smallest_loaded_entry_that_holds_it(loaded, want):
     planner = CallPlanner(SimpleNamespace(entries=ENTRIES, scorer=None, flat=False, max_batch=32), kv=None)
     assert planner.pick(D, 3, 40, 1).name == "decode_b4_t1_n0_c256"
+    hurried = []
     planner.loaded = None if loaded is None else (lambda e: e.name in loaded)
+    planner.hurry = lambda e: hurried.append(e.name)
     assert planner.pick(D, 3, 40, 1).name == want
     assert planner.pick(D, 33, 40, 1) is None
+    # The smallest that holds the call is loaded next where it is not loaded yet.
+    assert hurried == ([] if loaded is None else ["decode_b4_t1_n0_c256"])
