@@ -96,14 +96,21 @@ def loaded_variant(target: str) -> str | None:
 
 
 def loaded_variant_env() -> dict[str, str]:
-    """The environment under which a new process loads the variant this one loaded (compile workers, whose facts
-    must be their server's): TLALOC_NATIVE_VARIANT, "build" for kernels built here; nothing where none or several
-    variants were loaded."""
-    loaded = set(_variant.values())
-    if len(loaded) != 1:
-        return {}
-    variant = loaded.pop()
-    return {ENV_VARIANT: "build" if variant.startswith("built here") else variant}
+    """The environment under which a new process loads the variants this one loaded (compile workers, whose facts
+    must be their server's): TLALOC_NATIVE_VARIANT, one name for every kernel or target=name pairs where they differ,
+    "build" for kernels built here; nothing where none was loaded."""
+    loaded = {t: "build" if v.startswith("built here") else v for t, v in sorted(_variant.items())}
+    if len(set(loaded.values())) > 1:
+        return {ENV_VARIANT: ",".join(f"{t}={v}" for t, v in loaded.items())}
+    return {ENV_VARIANT: v for v in set(loaded.values())}
+
+
+def _wanted_variant(target: str) -> str | None:
+    """TLALOC_NATIVE_VARIANT for `target`: its one name, or the name its target=name pair gives (None: the best)."""
+    wanted = os.environ.get(ENV_VARIANT)
+    if wanted and "=" in wanted:
+        return dict(pair.split("=", 1) for pair in wanted.split(",") if "=" in pair).get(target)
+    return wanted
 
 
 class NativeKernelError(RuntimeError):
@@ -179,7 +186,7 @@ def prebuilt_builds() -> list[tuple[str, Path, list[str]]]:
 def _prebuilt(target: str) -> tuple[ctypes.CDLL, str] | None:
     """The best installed variant of `target` this CPU runs and that was built from today's sources, loaded, with
     its name; None where there is none (or ENV_VARIANT says "build")."""
-    wanted = os.environ.get(ENV_VARIANT)
+    wanted = _wanted_variant(target)
     if wanted == "build":
         return None
     usable = usable_variants()

@@ -24,6 +24,10 @@ def cache(monkeypatch, tmp_path):
     folder = tmp_path / "cache"
     monkeypatch.setenv(native.ENV_CACHE, str(folder))
     monkeypatch.setenv(native.ENV_VARIANT, "build")       # these tests are about building here, not the prebuilt ones
+    # What they load stays theirs: the process's loaded kernels and their variants are as before after each (a variant
+    # left behind made the shipped facts of later tests in this worker differ from their compile workers').
+    monkeypatch.setattr(native, "_loaded", dict(native._loaded))
+    monkeypatch.setattr(native, "_variant", dict(native._variant))
     return folder
 
 

@@ -64,6 +64,24 @@ def test_the_override_picks_a_lower_level_and_refuses_one_the_cpu_lacks(monkeypa
         native._prebuilt("tlaloc_projection_v1")
 
 
+def test_a_process_of_two_variants_hands_both_to_a_new_one(monkeypatch):
+    """A process whose kernels loaded different variants (one under an override, or built here) hands each kernel's
+    to a new process (its compile workers: their facts must be its own) as target=name pairs. Control: one name for
+    all, as before, would load the first kernel's variant for both."""
+    usable = native.usable_variants()
+    low, best = usable[-1].name, usable[0].name
+    first, *others = sorted(native.KERNELS)
+    variants = {first: low, **{t: best for t in others}}
+    monkeypatch.setattr(native, "_variant", variants)
+    env = native.loaded_variant_env()
+    assert env == ({native.ENV_VARIANT: ",".join(f"{t}={v}" for t, v in variants.items())} if low != best
+                   else {native.ENV_VARIANT: low})
+    assert loaded_in_a_new_process(**env)["loaded"] == variants
+    assert loaded_in_a_new_process(**{native.ENV_VARIANT: low})["loaded"] == {t: low for t in variants}
+    monkeypatch.setattr(native, "_variant", {})
+    assert native.loaded_variant_env() == {}
+
+
 def copied_sources(tmp_path: Path) -> Path:
     """kernels/ with its prebuilt libraries, copied."""
     return Path(shutil.copytree(native.SOURCES, tmp_path / "kernels"))
