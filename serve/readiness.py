@@ -133,9 +133,10 @@ def get_ready(readiness: Readiness, engine, handle_pending) -> bool:
                 del rest[name]
                 if name is not None:
                     readiness.advance(name)
-        readiness.done = readiness.total     # entries compiled before the loop started count as ready
         if left := runner.still_loading():
+            readiness.total = readiness.done        # the ready line counts those loaded
             log.info("%d more entries load in the background; a call meanwhile takes a loaded one", left)
+        readiness.done = readiness.total     # entries compiled before the loop started count as ready
         return True
     finally:
         readiness.finish()
