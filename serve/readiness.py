@@ -11,8 +11,8 @@ carriage returns make one long line in a log file); once ready, one line gives t
 
 from __future__ import annotations
 
-import logging
 import concurrent.futures as cf
+import logging
 import math
 import os
 import time
@@ -133,9 +133,9 @@ def get_ready(readiness: Readiness, engine, handle_pending) -> bool:
                 del rest[name]
                 if name is not None:
                     readiness.advance(name)
-        if left := runner.still_loading():
+        if behind := runner.still_loading():
             readiness.total = readiness.done        # the ready line counts those loaded
-            log.info("%d more entries load in the background; a call meanwhile takes a loaded one", left)
+            log.info("%d more entries load in the background; a call meanwhile takes a loaded one", behind)
         readiness.done = readiness.total     # entries compiled before the loop started count as ready
         return True
     finally:

@@ -216,6 +216,24 @@ def _held_loads(monkeypatch, held) -> threading.Event:
     return release
 
 
+def _ready_on_the_largest(monkeypatch, m: af.Manifest) -> dict:
+    """Make each kind's largest entry the ones a server waits for (they hold every call of this ladder, checked);
+    -> them by kind."""
+    largest = {kind: max((e for e in m.entries if e.kind == kind), key=lambda e: e.size_key) for kind in
+               {e.kind for e in m.entries}}
+    assert all(largest[e.kind].holds(e.batch, e.context, e.tokens_per_seq) for e in m.entries)
+    monkeypatch.setattr(sys.modules[Engine.__module__], "covering", lambda entries: list(largest.values()))
+    return largest
+
+
+def _until_loaded(engine, timeout: float = 60.0) -> None:
+    """Wait for a preloading engine's background loads to end."""
+    deadline = time.monotonic() + timeout
+    while engine.runner.still_loading() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.runner.still_loading() == 0
+
+
 @pytest.mark.parametrize("control", [False, True])
 def test_a_warm_start_is_ready_once_the_covering_entries_are_loaded(http_artifacts, filled, tmp_path, monkeypatch,
                                                                      control):
@@ -248,10 +266,7 @@ def test_a_warm_start_is_ready_once_the_covering_entries_are_loaded(http_artifac
                                              "return_token_ids": True})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == filled.want
-            deadline = time.monotonic() + 60
-            while engine.runner.still_loading() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert engine.runner.still_loading() == 0
+            _until_loaded(engine)
         assert counts["compile"] == 0 and engine.compile_report() == {"hit": len(names)}
 
 
@@ -261,11 +276,8 @@ def test_a_server_serves_with_loaded_entries_while_the_others_load(http_artifact
     ids it has with every entry loaded; no held entry runs. Control: once the others have loaded, its calls take
     the smallest entries again, which are not the largest."""
     m = af.load_manifest(http_artifacts[1], verify_weights=False)
-    largest = {kind: max((e for e in m.entries if e.kind == kind), key=lambda e: e.size_key) for kind in
-               {e.kind for e in m.entries}}
+    largest = _ready_on_the_largest(monkeypatch, m)
     first = {e.name for e in largest.values()}
-    assert all(largest[e.kind].holds(e.batch, e.context, e.tokens_per_seq) for e in m.entries)
-    monkeypatch.setattr(sys.modules[Engine.__module__], "covering", lambda entries: list(largest.values()))
     release = _held_loads(monkeypatch, lambda e: e.name not in first)
     with Engine.load(http_artifacts[1], cache_dir=filled.copy(tmp_path / "warm"), progress=False,
                      preload=True) as engine:
@@ -282,10 +294,7 @@ def test_a_server_serves_with_loaded_entries_while_the_others_load(http_artifact
                 if not control:
                     assert ran and set(ran) <= first, set(ran) - first
                     release.set()
-                    deadline = time.monotonic() + 60
-                    while engine.runner.still_loading() and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    assert engine.runner.still_loading() == 0
+                    _until_loaded(engine)
                 else:
                     assert set(ran) - first
 
@@ -297,9 +306,7 @@ def test_a_young_server_waits_for_the_other_entries_too(http_artifacts, filled, 
     A test process is older than 5 s, so READY_WITHIN_S is set: huge (503 until the held load ends), or 0 (200)."""
     monkeypatch.setattr(readiness_mod, "READY_WITHIN_S", within)
     m = af.load_manifest(http_artifacts[1], verify_weights=False)
-    largest = {kind: max((e for e in m.entries if e.kind == kind), key=lambda e: e.size_key) for kind in
-               {e.kind for e in m.entries}}
-    monkeypatch.setattr(sys.modules[Engine.__module__], "covering", lambda entries: list(largest.values()))
+    largest = _ready_on_the_largest(monkeypatch, m)
     held = next(e.name for e in m.entries if e not in largest.values())
     release = _held_loads(monkeypatch, lambda e: e.name == held)
     with Engine.load(http_artifacts[1], cache_dir=filled.copy(tmp_path / "warm"), progress=False,
