@@ -1,58 +1,83 @@
-"""The background loader of a preloading Runner: one thread that runs its jobs in the order they came, except that a
-job asked for (`hurry`: the entry a call would take, were it loaded) runs before the others not started yet."""
+"""The background loader of a preloading Runner. Urgent jobs (what a server waits for before it is ready, and a job
+asked for: `hurry`, the entry a call would take, were it loaded) run on `threads` threads in the order they came;
+the others on as many threads of the lowest CPU priority (nice 19), so that while a server serves they take only
+the time its own threads leave idle (a load is a core's tenth of a second or more)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import threading
 from typing import Any, Callable, Hashable
 
+#: The background thread's nice value: the lowest priority, which a thread may always take without privileges.
+BACKGROUND_NICE = 19
+
 
 class Loader:
-    """Jobs by key, each with its Future (as ThreadPoolExecutor.submit's), run one at a time on a thread of `name`."""
+    """Jobs by key, each with its Future (as ThreadPoolExecutor.submit's), run on threads named after `name`."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, threads: int = 1):
         self._jobs: dict[Hashable, tuple[cf.Future, Callable, tuple]] = {}     # not started, in running order
+        self._urgent: set[Hashable] = set()
         self._cv = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, args=(urgent,), daemon=True,
+                                          name=f"{name}-{i}" if urgent else f"{name}-background-{i}")
+                         for urgent in (True, False) for i in range(max(1, threads))]
+        for t in self._threads:
+            t.start()
 
-    def submit(self, key: Hashable, fn: Callable, *args: Any) -> cf.Future:
+    def submit(self, key: Hashable, fn: Callable, *args: Any, urgent: bool = False) -> cf.Future:
         """Queue fn(*args) after the jobs queued before; -> its Future."""
         future: cf.Future = cf.Future()
         with self._cv:
             self._jobs[key] = (future, fn, args)
-            self._cv.notify()
+            if urgent:
+                self._urgent.add(key)
+            self._cv.notify_all()
         return future
 
     def hurry(self, key: Hashable) -> None:
-        """Run job `key` next, if it has not started."""
+        """Make job `key` urgent and run it before the other urgent ones, if it has not started (one a background
+        thread runs ends there)."""
         with self._cv:
-            if key in self._jobs and next(iter(self._jobs)) != key:
+            if key in self._jobs and not (key in self._urgent and next(iter(self._jobs)) == key):
                 self._jobs = {key: self._jobs[key], **{k: v for k, v in self._jobs.items() if k != key}}
+                self._urgent.add(key)
+                self._cv.notify_all()
 
     def cancel(self) -> None:
-        """Cancel the jobs not started; the one running ends as it will (join waits for it)."""
+        """Cancel the jobs not started; those running end as they will (join waits for them)."""
         with self._cv:
             for future, _, _ in self._jobs.values():
                 future.cancel()
             self._jobs.clear()
             self._closed = True
-            self._cv.notify()
+            self._cv.notify_all()
 
     def join(self) -> None:
-        self._thread.join()
+        for t in self._threads:
+            t.join()
 
-    def _run(self) -> None:
+    def _next(self, urgent: bool) -> Hashable | None:
+        """The first job an urgent thread (urgent ones) or a background thread (the others) runs, if any."""
+        return next((k for k in self._jobs if (k in self._urgent) == urgent), None)
+
+    def _run(self, urgent: bool) -> None:
+        if not urgent:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+            except (AttributeError, OSError):
+                pass                            # no per-thread priority here: the background runs as the rest
         while True:
             with self._cv:
-                while not self._jobs and not self._closed:
+                while (key := self._next(urgent)) is None and not self._closed:
                     self._cv.wait()
-                if not self._jobs:
+                if key is None:
                     return
-                key = next(iter(self._jobs))
                 future, fn, args = self._jobs.pop(key)
+                self._urgent.discard(key)
             if not future.set_running_or_notify_cancel():
                 continue
             try:

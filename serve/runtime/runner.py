@@ -34,8 +34,8 @@ log = logging.getLogger("tlaloc_jax.serve")
 #: Every run of an entry until this many runs, and the first run of each entry after, has its pools'
 #: addresses checked (a pool that moved was copied, not donated).
 ADDRESS_CHECK_RUNS = 100
-# The entries load at start on one thread (loader.py), beside the weights' reads: the CPU plugin loads one executable
-# at a time (two threads loaded 12 entries no faster than one: bench in the commit).
+# The entries load at start on a thread a core (loader.py): the CPU plugin's loads, outside pypjrt's lock, run side by
+# side. Those a server does not wait for load at nice 19, in the time its steps leave idle.
 
 
 class _ArgSource(enum.Enum):
@@ -154,15 +154,15 @@ class Runner:
     def _preload(self, first: Sequence[str] | None) -> None:
         """Start loading every entry in the background while the weights are read (the calls release the GIL and run
         without pypjrt's lock, Device.compile's concurrent, so the weights' uploads do not wait behind a load): `first`
-        and the entries in neither compile cache before the others, in the manifest's order. A cache file is read and
-        checked once, by its load."""
+        and the entries in neither compile cache urgently, the others at the lowest priority (loader.py), each in the
+        manifest's order. A cache file is read and checked once, by its load."""
         entries = self.manifest.entries
         misses = [e for e in entries if not self.device.compiled_before(self._body(e), checked=False)]
         self._workers = self._compile_in_workers(misses)
         self._before_ready = {e.name for e in misses} | (set(first) if first is not None else {e.name for e in entries})
-        self._loader = Loader("tlaloc-load")
+        self._loader = Loader("tlaloc-load", threads=compile_workers.cores())
         for e in sorted(entries, key=lambda e: e.name not in self._before_ready):
-            self._loading[e.name] = self._loader.submit(e.name, self._load, e)
+            self._loading[e.name] = self._loader.submit(e.name, self._load, e, urgent=e.name in self._before_ready)
 
     def _compile_in_workers(self, misses: list[af.Entry]) -> compile_workers.Workers | None:
         """Start compiling the entries in neither compile cache (`misses`) in worker processes into the device's cache,
