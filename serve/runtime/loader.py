@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import sys
 import threading
 from typing import Any, Callable, Hashable
 
@@ -65,11 +66,11 @@ class Loader:
         return next((k for k in self._jobs if (k in self._urgent) == urgent), None)
 
     def _run(self, urgent: bool) -> None:
-        if not urgent:
+        if not urgent and sys.platform.startswith("linux"):     # Linux: a thread id names that thread alone
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-            except (AttributeError, OSError):
-                pass                            # no per-thread priority here: the background runs as the rest
+            except OSError:
+                pass                            # not allowed here: the background runs as the rest
         while True:
             with self._cv:
                 while (key := self._next(urgent)) is None and not self._closed:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import sys
 import threading
 
 import pytest
@@ -41,6 +42,8 @@ def test_urgent_jobs_run_in_order_a_hurried_one_first(hurried, order):
 def test_the_other_jobs_run_beside_the_urgent_ones_at_the_lowest_priority_until_hurried():
     """With the urgent thread held, a background job still runs, at nice 19; one hurried while the background thread
     is held runs on the urgent thread, at the process's priority (control: its nice is not the background's)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread priorities are Linux's")
     own = _nice()
     if own >= BACKGROUND_NICE:
         pytest.skip(f"this process already runs at nice {own}: the background's priority is not lower")
