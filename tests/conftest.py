@@ -1,4 +1,5 @@
 import os
+import shutil
 
 import pytest
 
@@ -55,9 +56,21 @@ def _every_draft_runs(request):
 
 @pytest.fixture(scope="session")
 def http_artifacts(tmp_path_factory):
-    """(text artifact, ids artifact) that the HTTP tests serve (tests/support/http_util.py), exported once per session."""
+    """(text artifact, ids artifact) that the HTTP tests serve (tests/support/http_util.py), exported once per run:
+    under pytest-xdist the first worker to ask exports them where the others find them (the tests only read them,
+    or copy them to change them)."""
     from http_util import export_http_artifacts
-    return export_http_artifacts(tmp_path_factory.mktemp("http-artifacts"))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return export_http_artifacts(tmp_path_factory.mktemp("http-artifacts"))
+    from filelock import FileLock
+    root = tmp_path_factory.getbasetemp().parent / "http-artifacts"
+    with FileLock(f"{root}.lock"):
+        if not (root / "exported").is_file():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            export_http_artifacts(root)
+            (root / "exported").touch()
+    return root / "text", root / "ids"
 
 
 @pytest.fixture(scope="session")
