@@ -54,16 +54,24 @@ def _every_draft_runs(request):
         yield
 
 
+def _run_folder(tmp_path_factory, name: str):
+    """Under pytest-xdist, the path `name` that every worker of the run finds (their base temp folders share the
+    run's parent); None in a run without workers."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    return tmp_path_factory.getbasetemp().parent / name
+
+
 @pytest.fixture(scope="session")
 def http_artifacts(tmp_path_factory):
     """(text artifact, ids artifact) that the HTTP tests serve (tests/support/http_util.py), exported once per run:
     under pytest-xdist the first worker to ask exports them where the others find them (the tests only read them,
     or copy them to change them)."""
     from http_util import export_http_artifacts
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    root = _run_folder(tmp_path_factory, "http-artifacts")
+    if root is None:
         return export_http_artifacts(tmp_path_factory.mktemp("http-artifacts"))
     from filelock import FileLock
-    root = tmp_path_factory.getbasetemp().parent / "http-artifacts"
     with FileLock(f"{root}.lock"):
         if not (root / "exported").is_file():
             shutil.rmtree(root, ignore_errors=True)
@@ -78,11 +86,11 @@ def serve_cache_dir(tmp_path_factory):
     """A compiled-executable cache shared by the serving tests of the run, across pytest-xdist's workers too: the
     same tiny models' bodies are compiled once, not once a module and worker (the cache writes atomically). Tests
     that check compiling itself take a directory of their own."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):       # the workers' base temp folders share the run's parent
-        path = tmp_path_factory.getbasetemp().parent / "serve-executables"
-        path.mkdir(exist_ok=True)
-        return path
-    return tmp_path_factory.mktemp("serve-executables")
+    path = _run_folder(tmp_path_factory, "serve-executables")
+    if path is None:
+        return tmp_path_factory.mktemp("serve-executables")
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ class Loader:
     """Jobs by key, each with its Future (as ThreadPoolExecutor.submit's), run on threads named after `name`."""
 
     def __init__(self, name: str, threads: int = 1):
-        self._jobs: dict[Hashable, tuple[cf.Future, Callable, tuple]] = {}     # not started, in running order
-        self._urgent: set[Hashable] = set()
+        # Not started, in running order: (future, fn, args, urgent).
+        self._jobs: dict[Hashable, tuple[cf.Future, Callable, tuple, bool]] = {}
         self._cv = threading.Condition()
         self._closed = False
         self._threads = [threading.Thread(target=self._run, args=(urgent,), daemon=True,
@@ -33,9 +33,7 @@ class Loader:
         """Queue fn(*args) after the jobs queued before; -> its Future."""
         future: cf.Future = cf.Future()
         with self._cv:
-            self._jobs[key] = (future, fn, args)
-            if urgent:
-                self._urgent.add(key)
+            self._jobs[key] = (future, fn, args, urgent)
             self._cv.notify_all()
         return future
 
@@ -43,15 +41,15 @@ class Loader:
         """Make job `key` urgent and run it before the other urgent ones, if it has not started (one a background
         thread runs ends there)."""
         with self._cv:
-            if key in self._jobs and not (key in self._urgent and next(iter(self._jobs)) == key):
-                self._jobs = {key: self._jobs[key], **{k: v for k, v in self._jobs.items() if k != key}}
-                self._urgent.add(key)
+            if key in self._jobs and not (next(iter(self._jobs)) == key and self._jobs[key][3]):
+                future, fn, args, _ = self._jobs.pop(key)
+                self._jobs = {key: (future, fn, args, True), **self._jobs}
                 self._cv.notify_all()
 
     def cancel(self) -> None:
         """Cancel the jobs not started; those running end as they will (join waits for them)."""
         with self._cv:
-            for future, _, _ in self._jobs.values():
+            for future, *_ in self._jobs.values():
                 future.cancel()
             self._jobs.clear()
             self._closed = True
@@ -63,7 +61,7 @@ class Loader:
 
     def _next(self, urgent: bool) -> Hashable | None:
         """The first job an urgent thread (urgent ones) or a background thread (the others) runs, if any."""
-        return next((k for k in self._jobs if (k in self._urgent) == urgent), None)
+        return next((k for k, job in self._jobs.items() if job[3] == urgent), None)
 
     def _run(self, urgent: bool) -> None:
         if not urgent and sys.platform.startswith("linux"):     # Linux: a thread id names that thread alone
@@ -77,8 +75,7 @@ class Loader:
                     self._cv.wait()
                 if key is None:
                     return
-                future, fn, args = self._jobs.pop(key)
-                self._urgent.discard(key)
+                future, fn, args, _ = self._jobs.pop(key)
             if not future.set_running_or_notify_cancel():
                 continue
             try:

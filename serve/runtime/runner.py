@@ -161,7 +161,7 @@ class Runner:
         self._workers = self._compile_in_workers(misses)
         self._before_ready = {e.name for e in misses} | (set(first) if first is not None else {e.name for e in entries})
         self._loader = Loader("tlaloc-load", threads=compile_workers.cores())
-        for e in sorted(entries, key=lambda e: e.name not in self._before_ready):
+        for e in entries:
             self._loading[e.name] = self._loader.submit(e.name, self._load, e, urgent=e.name in self._before_ready)
 
     def _compile_in_workers(self, misses: list[af.Entry]) -> compile_workers.Workers | None:
