@@ -14,8 +14,7 @@ _spec = importlib.util.spec_from_file_location("_tlaloc_native", Path(__file__).
 native = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)   # its dataclasses look it up
 _spec.loader.exec_module(native)
 
-# The variants compile side by side, one compiler a core (make setup waits on them).
-setup(options={"build_ext": {"parallel": os.cpu_count() or 1}}, ext_modules=[
+setup(ext_modules=[
     Extension(f"tlaloc_jax.csrc.{module}", sources=[os.path.relpath(source, Path(__file__).parent)],
               extra_compile_args=flags, libraries=["m"], optional=True)
     for module, source, flags in native.prebuilt_builds()])
